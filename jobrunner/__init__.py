@@ -1,0 +1,3 @@
+"""jobrunner: distributed batch LLM inference with our own continuous-batching engine on torch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""jobrunner.driver"""

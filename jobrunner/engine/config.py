@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches, caches and where it runs.
+
+    Memory for the KV cache: on CPU ``kv_cache_memory_bytes`` (default 2 GiB); on CUDA a fraction
+    ``gpu_memory_utilization`` of the memory left free after the weights are loaded. ``num_kv_blocks``
+    overrides both (tests use it to force preemption).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    use_cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("EngineConfig.kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EngineConfig:
+        """Build from a plain dict, naming any unknown key."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)

@@ -1,0 +1,165 @@
+"""A request's state inside the engine, its metrics, and the output handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jobrunner.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+# One table from finished status to the user-facing finish reason.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter`` seconds) and counts of one request.
+
+    ``queue_s`` is arrival → first scheduled; ``ttft_s`` arrival → first output token; ``itl_s`` the gaps
+    between consecutive output tokens; ``e2e_s`` arrival → finish.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_s(self) -> float | None:
+        return _gap(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return _gap(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return _gap(self.arrival_time, self.finish_time)
+
+    @property
+    def itl_s(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def itl_mean_s(self) -> float | None:
+        gaps = self.itl_s
+        return sum(gaps) / len(gaps) if gaps else None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """The flat metric fields written with every output row."""
+        return {
+            "ttft_s": self.ttft_s,
+            "itl_mean_s": self.itl_mean_s,
+            "e2e_s": self.e2e_s,
+            "queue_s": self.queue_s,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_preemptions": self.num_preemptions,
+        }
+
+
+def _gap(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass
+class RequestOutput:
+    """A finished request as handed back by ``LLMEngine.step`` / ``generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None
+    metrics: RequestMetrics
+    logprobs: list[float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+class Request:
+    """Engine-side state of one request.
+
+    The scheduler's only rule: hand out tokens so that ``num_computed_tokens`` catches up with
+    ``num_tokens`` (prompt + generated so far).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.error: str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def to_output(self) -> RequestOutput:
+        self.metrics.num_output_tokens = len(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            text=self.text,
+            finish_reason=FINISH_REASONS.get(self.status, "error"),
+            error=self.error,
+            metrics=self.metrics,
+            logprobs=list(self.logprobs) if self.params.logprobs else None,
+        )
