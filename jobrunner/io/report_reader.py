@@ -1,0 +1,200 @@
+"""Streamed, column-projected reading of a job's outputs for reports (and writing the report files).
+
+Only the metric columns of `docs/contracts.md` are read, one record batch at a time (Parquet row groups are
+decoded lazily by `ParquetFile.iter_batches`), so a 10-million-row output never sits whole in memory: the
+caller folds each `MetricBatch` into bounded accumulators. `generated_text` and kept input columns are never
+decoded. This module owns every pyarrow / fsspec call made for reports; `jobrunner.reports` only sees numpy
+arrays, dicts and strings.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+SUPPORTED_MANIFEST_VERSION = 1
+MANIFEST_NAME = "_manifest.json"
+SUCCESS_NAME = "_SUCCESS"
+PARTS_DIR = "parts"
+
+TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
+STRING_COLUMNS = ("finish_reason", "error")
+# Everything a report reads from a part; never `generated_text` or kept input columns.
+METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
+
+
+class ReportInputError(ValueError):
+    """The output URL holds nothing a report can be built from (message says why, for the user)."""
+
+
+@dataclass
+class JobOutputs:
+    """Where a job's outputs are and what its manifest says; built by `open_outputs`."""
+
+    url: str
+    fs: fsspec.AbstractFileSystem
+    root: str
+    manifest: dict | None
+    part_paths: list[str]
+    is_complete: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MetricBatch:
+    """One record batch of metric columns as numpy arrays (nulls: 0 for counts, NaN for seconds)."""
+
+    num_prompt_tokens: np.ndarray  # int64 [n]
+    num_cached_tokens: np.ndarray  # int64 [n]
+    num_output_tokens: np.ndarray  # int64 [n]
+    ttft_s: np.ndarray  # float64 [n]
+    itl_mean_s: np.ndarray
+    e2e_s: np.ndarray
+    queue_s: np.ndarray
+    finish_time_s: np.ndarray
+    is_error: np.ndarray  # bool [n]: `error` set or finish_reason == "error"
+    error_to_count: dict[str, int]  # distinct error strings of this batch
+    finish_reason_to_count: dict[str, int]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in this batch."""
+        return len(self.is_error)
+
+
+def open_outputs(url: str, storage_options: dict | None = None) -> JobOutputs:
+    """Locate the manifest and committed parts under `url`; raise `ReportInputError` if there are none."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ReportInputError(f"{url}: cannot open this URL ({exc})") from exc
+    root = root.rstrip("/") or "/"
+    manifest = _read_manifest(fs, root, url)
+    outputs = JobOutputs(url=url, fs=fs, root=root, manifest=manifest, part_paths=[],
+                         is_complete=fs.exists(posixpath.join(root, SUCCESS_NAME)))
+    outputs.part_paths = _part_paths(outputs)
+    if not outputs.part_paths:
+        raise ReportInputError(_no_parts_message(outputs))
+    return outputs
+
+
+def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict | None:
+    path = posixpath.join(root, MANIFEST_NAME)
+    if not fs.exists(path):
+        return None
+    try:
+        manifest = json.loads(fs.cat_file(path))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{url}: {MANIFEST_NAME} is not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise ReportInputError(f"{url}: {MANIFEST_NAME} is not a JSON object")
+    version = manifest.get("format_version")
+    if version != SUPPORTED_MANIFEST_VERSION:
+        raise ReportInputError(
+            f"{url}: {MANIFEST_NAME} has format_version {version!r} (written by jobrunner "
+            f"{manifest.get('jobrunner_version', 'unknown')}); this jobrunner reads format_version "
+            f"{SUPPORTED_MANIFEST_VERSION}. Use the jobrunner version that wrote it.")
+    return manifest
+
+
+def _part_paths(outputs: JobOutputs) -> list[str]:
+    """Committed parts named by the manifest, else every `parts/*.parquet` (a manifest-less output)."""
+    shards = (outputs.manifest or {}).get("shards") or {}
+    if not isinstance(shards, dict) or not shards:
+        pattern = posixpath.join(outputs.root, PARTS_DIR, "*.parquet")
+        return sorted(outputs.fs.glob(pattern))
+    paths = []
+    for shard_id, shard in sorted(shards.items()):
+        if not isinstance(shard, dict) or shard.get("status") != "committed":
+            continue
+        part = shard.get("part") or f"{PARTS_DIR}/part-{shard_id}.parquet"
+        path = posixpath.join(outputs.root, part)
+        if outputs.fs.exists(path):
+            paths.append(path)
+        else:
+            outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
+    return paths
+
+
+def _no_parts_message(outputs: JobOutputs) -> str:
+    if outputs.manifest is None:
+        return (f"{outputs.url}: no jobrunner outputs here (no {MANIFEST_NAME} and no "
+                f"{PARTS_DIR}/*.parquet). Is this the job's output URL?")
+    return f"{outputs.url}: the manifest lists no committed shard with a readable part yet"
+
+
+def iter_metric_batches(outputs: JobOutputs, batch_rows: int = 65_536) -> Iterator[MetricBatch]:
+    """Yield the metric columns of every committed part, `batch_rows` rows at a time."""
+    for path in outputs.part_paths:
+        with outputs.fs.open(path, "rb") as fh:
+            parquet = pq.ParquetFile(fh)
+            _check_columns(parquet.schema_arrow, path)
+            for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(METRIC_COLUMNS)):
+                yield _to_metric_batch(batch)
+
+
+def _check_columns(schema: pa.Schema, path: str) -> None:
+    missing = [name for name in METRIC_COLUMNS if schema.get_field_index(name) < 0]
+    if missing:
+        raise ReportInputError(f"{path}: not a jobrunner output part (missing columns: {', '.join(missing)})")
+
+
+def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
+    def counts(name: str) -> np.ndarray:
+        column = pc.fill_null(batch.column(name).cast(pa.int64()), 0)
+        return column.to_numpy(zero_copy_only=False)
+
+    def seconds(name: str) -> np.ndarray:
+        column = pc.fill_null(batch.column(name).cast(pa.float64()), float("nan"))
+        return column.to_numpy(zero_copy_only=False)
+
+    error = batch.column("error")
+    finish_reason = batch.column("finish_reason")
+    is_error = pc.or_(pc.is_valid(error), pc.fill_null(pc.equal(finish_reason, "error"), False))
+    return MetricBatch(
+        **{name: counts(name) for name in TOKEN_COLUMNS},
+        **{name: seconds(name) for name in (*LATENCY_COLUMNS, "finish_time_s")},
+        is_error=is_error.to_numpy(zero_copy_only=False),
+        error_to_count=_value_counts(error),
+        finish_reason_to_count=_value_counts(finish_reason),
+    )
+
+
+def _value_counts(column: pa.Array) -> dict[str, int]:
+    valid = pc.drop_null(column)
+    if len(valid) == 0:
+        return {}
+    pairs = pc.value_counts(valid)
+    return dict(zip(pairs.field("values").to_pylist(), pairs.field("counts").to_pylist(), strict=True))
+
+
+def write_report_files(url: str, name_to_text: dict[str, str],
+                       storage_options: dict | None = None) -> list[str]:
+    """Write each `name -> text` under the output URL (e.g. report.json, report.html); return the paths."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    root = root.rstrip("/")
+    fs.makedirs(root, exist_ok=True)
+    paths = []
+    for name, text in name_to_text.items():
+        path = posixpath.join(root, name)
+        fs.pipe_file(path, text.encode("utf-8"))
+        paths.append(fs.unstrip_protocol(path))
+    return paths
+
+
+def write_text(url: str, text: str, storage_options: dict | None = None) -> None:
+    """Write `text` to one file at any fsspec URL or local path (used by `jobrunner report --out`)."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    fs.pipe_file(path, text.encode("utf-8"))

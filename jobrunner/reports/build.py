@@ -1,0 +1,141 @@
+"""Turn one job's outputs into a report dict (the content of report.json); renderers only format it."""
+
+from __future__ import annotations
+
+import posixpath
+
+from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
+from jobrunner.reports import manifest_view as mv
+from jobrunner.reports.cost import cost_figures, goodput_cost, ratio
+from jobrunner.reports.fold import Folded, Slo, fold_batches
+
+REPORT_VERSION = 1
+
+
+def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo: Slo | None = None,
+                 batch_rows: int = 65_536) -> dict:
+    """Read the metric columns of `outputs` once and compute every figure of the report."""
+    manifest = outputs.manifest
+    slo = _slo(manifest, slo or Slo())
+    folded = fold_batches(iter_metric_batches(outputs, batch_rows), slo)
+    price, price_source = mv.price_and_source(manifest, worker_hour_usd)
+    time = _time(manifest, folded)
+    cost = cost_figures(time["worker_seconds"], price, folded.input_tokens, folded.output_tokens,
+                        time["prefill_s"], time["decode_s"])
+    cost["price_source"] = price_source
+    return {
+        "report_version": REPORT_VERSION,
+        "run": _run(outputs),
+        "rows": _rows(folded),
+        "tokens": _tokens(folded),
+        "time": time,
+        "throughput": _throughput(folded, time),
+        "latency_s": {name: values.summary() for name, values in folded.latencies.items()},
+        "cost": cost,
+        "goodput": _goodput(folded, slo, cost),
+        "charts": _charts(folded, time["wall_s"]),
+        "warnings": _warnings(outputs, folded, time),
+    }
+
+
+def _slo(manifest: dict | None, given: Slo) -> Slo:
+    """Targets from the command line, else the job spec's `cost.slo_ttft_s` / `cost.slo_e2e_s`."""
+    spec = mv.spec_cost(manifest)
+    ttft = given.ttft_s if given.ttft_s is not None else mv.number(spec, "slo_ttft_s")
+    e2e = given.e2e_s if given.e2e_s is not None else mv.number(spec, "slo_e2e_s")
+    return Slo(ttft_s=ttft, e2e_s=e2e)
+
+
+def _run(outputs: JobOutputs) -> dict:
+    manifest = outputs.manifest or {}
+    label = manifest.get("job_name") or posixpath.basename(outputs.root.rstrip("/")) or outputs.url
+    return {
+        "label": str(label),
+        "url": outputs.url,
+        "job_name": manifest.get("job_name"),
+        "model": mv.model_info(manifest),
+        "jobrunner_version": manifest.get("jobrunner_version"),
+        "started_at": manifest.get("started_at"),
+        "finished_at": manifest.get("finished_at"),
+        "complete": outputs.is_complete,
+        "num_parts": len(outputs.part_paths),
+        "shards": mv.shard_counts(manifest),
+    }
+
+
+def _rows(folded: Folded) -> dict:
+    kinds = dict(sorted(folded.error_kind_to_count.items(), key=lambda kv: (-kv[1], kv[0])))
+    return {"total": folded.rows, "ok": folded.rows - folded.errors, "errors": folded.errors,
+            "error_rate": ratio(folded.errors, folded.rows), "errors_by_kind": kinds,
+            "finish_reasons": dict(sorted(folded.finish_reason_to_count.items()))}
+
+
+def _tokens(folded: Folded) -> dict:
+    return {"input": folded.input_tokens, "cached": folded.cached_tokens, "output": folded.output_tokens,
+            "total": folded.input_tokens + folded.output_tokens,
+            "prefix_cache_hit_rate": ratio(folded.cached_tokens, folded.input_tokens)}
+
+
+def _time(manifest: dict | None, folded: Folded) -> dict:
+    """Wall time from the manifest (else the last row's finish time), worker-seconds and engine time."""
+    wall = mv.number(manifest, "wall_s")
+    wall_source = "manifest"
+    if wall is None or wall <= 0:
+        wall, wall_source = (folded.max_finish_time_s or None), "last row finish time"
+    prefill, decode = mv.engine_seconds(manifest)
+    num_workers = len(mv.workers(manifest)) or None
+    return {"wall_s": wall, "wall_source": wall_source, "worker_seconds": mv.worker_seconds(manifest),
+            "num_workers": num_workers, "prefill_s": prefill, "decode_s": decode}
+
+
+def _throughput(folded: Folded, time: dict) -> dict:
+    """Per second of wall time (the job) and per worker-second (one worker)."""
+    total = folded.input_tokens + folded.output_tokens
+    figures = {}
+    for suffix, seconds in (("per_s", time["wall_s"]), ("per_worker_s", time["worker_seconds"])):
+        figures[f"tokens_{suffix}"] = ratio(total, seconds)
+        figures[f"input_tokens_{suffix}"] = ratio(folded.input_tokens, seconds)
+        figures[f"output_tokens_{suffix}"] = ratio(folded.output_tokens, seconds)
+        figures[f"rows_{suffix}"] = ratio(folded.rows, seconds)
+    return figures
+
+
+def _goodput(folded: Folded, slo: Slo, cost: dict) -> dict | None:
+    if not slo.is_set:
+        return None
+    return {
+        "slo_ttft_s": slo.ttft_s, "slo_e2e_s": slo.e2e_s,
+        "rows_met": folded.good_rows, "row_share": ratio(folded.good_rows, folded.rows),
+        "output_tokens_met": folded.good_output_tokens,
+        "output_token_share": ratio(folded.good_output_tokens, folded.output_tokens),
+        "input_tokens_met": folded.good_input_tokens,
+        "cost": goodput_cost(cost, folded.good_input_tokens, folded.good_output_tokens),
+    }
+
+
+def _charts(folded: Folded, wall_s: float | None) -> dict:
+    output = folded.output_timeline.rate_series(wall_s)
+    input_ = folded.input_timeline.rate_series(wall_s)
+    return {
+        "latency_cdf": {name: values.cdf() for name, values in folded.latencies.items()},
+        "output_tokens_per_s": output,
+        "input_tokens_per_s": input_,
+    }
+
+
+def _warnings(outputs: JobOutputs, folded: Folded, time: dict) -> list[str]:
+    warnings = list(outputs.warnings)
+    if outputs.manifest is None:
+        warnings.append("no _manifest.json: worker-seconds, engine time and cost are unavailable")
+    if not outputs.is_complete:
+        warnings.append("no _SUCCESS marker: the job has not finished; figures cover committed shards only")
+    failed = mv.shard_counts(outputs.manifest).get("failed", 0)
+    if failed:
+        warnings.append(f"{failed} shard(s) failed: their rows are not in this report")
+    if folded.rows == 0:
+        warnings.append("the outputs hold no rows")
+    elif folded.errors == folded.rows:
+        warnings.append("every row failed: no latency, throughput or per-token cost to report")
+    if time["wall_source"] != "manifest":
+        warnings.append("wall time taken from the last row's finish time (manifest has none)")
+    return warnings

@@ -1,0 +1,80 @@
+"""Cost per million tokens from worker-seconds, a price per worker-hour and the engine's prefill/decode time.
+
+    cost_usd          = worker_seconds * worker_hour_usd / 3600
+    usd_per_m_total   = cost_usd / (input_tokens + output_tokens) * 1e6          (blended)
+    prefill_share     = sum(workers.prefill_s) / sum(workers.prefill_s + workers.decode_s)
+    usd_per_m_input   = cost_usd * prefill_share       / input_tokens  * 1e6
+    usd_per_m_output  = cost_usd * (1 - prefill_share) / output_tokens * 1e6
+
+Time a worker spent neither in prefill nor decode (model load, waiting for shards) is shared in the same
+proportion. A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
+"""
+
+from __future__ import annotations
+
+PER_MILLION = 1_000_000.0
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is not positive."""
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def per_million(usd: float | None, tokens: float | None) -> float | None:
+    """$ per million tokens, or None when there is no price or no tokens."""
+    value = ratio(usd, tokens)
+    return None if value is None else value * PER_MILLION
+
+
+def prefill_share(prefill_s: float, decode_s: float) -> float | None:
+    """Share of engine model time spent on prefill work; None when the engine recorded no time."""
+    return ratio(prefill_s, prefill_s + decode_s)
+
+
+def cost_figures(worker_seconds: float | None, worker_hour_usd: float | None, input_tokens: int,
+                 output_tokens: int, prefill_s: float, decode_s: float) -> dict:
+    """The cost block of a report (see the module docstring for the formula)."""
+    total_usd = None
+    if worker_seconds is not None and worker_hour_usd is not None:
+        total_usd = worker_seconds * worker_hour_usd / 3600.0
+    share = prefill_share(prefill_s, decode_s)
+    input_usd = None if total_usd is None or share is None else total_usd * share
+    output_usd = None if total_usd is None or share is None else total_usd * (1.0 - share)
+    return {
+        "worker_hour_usd": worker_hour_usd,
+        "total_usd": total_usd,
+        "prefill_share": share,
+        "input_usd": input_usd,
+        "output_usd": output_usd,
+        "usd_per_m_input": per_million(input_usd, input_tokens),
+        "usd_per_m_output": per_million(output_usd, output_tokens),
+        "usd_per_m_total": per_million(total_usd, input_tokens + output_tokens),
+        "notes": _cost_notes(worker_seconds, worker_hour_usd, share, input_tokens, output_tokens),
+    }
+
+
+def _cost_notes(worker_seconds: float | None, worker_hour_usd: float | None, share: float | None,
+                input_tokens: int, output_tokens: int) -> list[str]:
+    notes = []
+    if worker_hour_usd is None:
+        notes.append("no price: pass --worker-hour-usd or set cost.worker_hour_usd in the job spec")
+    if worker_seconds is None:
+        notes.append("worker-seconds unknown (no manifest workers)")
+    if share is None:
+        notes.append("no engine prefill/decode time in the manifest: input/output split unavailable")
+    if input_tokens + output_tokens == 0:
+        notes.append("no tokens processed: $ per million tokens undefined")
+    elif output_tokens == 0:
+        notes.append("zero output tokens: $ per million output tokens undefined")
+    return notes
+
+
+def goodput_cost(cost: dict, good_input_tokens: int, good_output_tokens: int) -> dict:
+    """$ per million tokens counting only the tokens of rows that met the SLO (the whole bill still paid)."""
+    return {
+        "usd_per_m_input": per_million(cost["input_usd"], good_input_tokens),
+        "usd_per_m_output": per_million(cost["output_usd"], good_output_tokens),
+        "usd_per_m_total": per_million(cost["total_usd"], good_input_tokens + good_output_tokens),
+    }

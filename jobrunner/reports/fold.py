@@ -1,0 +1,96 @@
+"""Fold a stream of metric batches into bounded totals: rows, tokens, errors, latencies, goodput, timeline."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jobrunner.io.report_reader import LATENCY_COLUMNS, MetricBatch
+from jobrunner.reports.accumulators import LatencyValues, TokenTimeline, add_counts, error_kind
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets a row must meet to count as goodput (None: no target on that latency)."""
+
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+    @property
+    def is_set(self) -> bool:
+        """Whether any target is given."""
+        return self.ttft_s is not None or self.e2e_s is not None
+
+
+@dataclass
+class Folded:
+    """Everything a report needs from the rows, in memory bounded by the accumulators."""
+
+    rows: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    good_rows: int = 0
+    good_input_tokens: int = 0
+    good_output_tokens: int = 0
+    max_finish_time_s: float = 0.0
+    error_kind_to_count: dict[str, int] = field(default_factory=dict)
+    finish_reason_to_count: dict[str, int] = field(default_factory=dict)
+    latencies: dict[str, LatencyValues] = field(
+        default_factory=lambda: {name: LatencyValues() for name in LATENCY_COLUMNS})
+    input_timeline: TokenTimeline = field(default_factory=TokenTimeline)
+    output_timeline: TokenTimeline = field(default_factory=TokenTimeline)
+
+
+def fold_batches(batches: Iterable[MetricBatch], slo: Slo) -> Folded:
+    """Consume every batch once and return the totals."""
+    folded = Folded()
+    for batch in batches:
+        _fold_counts(folded, batch)
+        _fold_goodput(folded, batch, slo)
+        _fold_timelines(folded, batch)
+        for name in LATENCY_COLUMNS:
+            folded.latencies[name].add(getattr(batch, name))
+    return folded
+
+
+def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
+    folded.rows += batch.num_rows
+    folded.errors += int(batch.is_error.sum())
+    folded.input_tokens += int(batch.num_prompt_tokens.sum())
+    folded.cached_tokens += int(batch.num_cached_tokens.sum())
+    folded.output_tokens += int(batch.num_output_tokens.sum())
+    add_counts(folded.error_kind_to_count, batch.error_to_count, error_kind)
+    add_counts(folded.finish_reason_to_count, batch.finish_reason_to_count)
+    finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
+    if finite.size:
+        folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))
+    unexplained = int(batch.is_error.sum()) - sum(batch.error_to_count.values())
+    if unexplained > 0:  # finish_reason "error" with a null error message
+        add_counts(folded.error_kind_to_count, {"unknown": unexplained})
+
+
+def _fold_goodput(folded: Folded, batch: MetricBatch, slo: Slo) -> None:
+    """A row is good when it did not fail and met every target given (a missing latency fails)."""
+    good = ~batch.is_error
+    with np.errstate(invalid="ignore"):
+        if slo.ttft_s is not None:
+            good &= batch.ttft_s <= slo.ttft_s
+        if slo.e2e_s is not None:
+            good &= batch.e2e_s <= slo.e2e_s
+    folded.good_rows += int(good.sum())
+    folded.good_input_tokens += int(batch.num_prompt_tokens[good].sum())
+    folded.good_output_tokens += int(batch.num_output_tokens[good].sum())
+
+
+def _fold_timelines(folded: Folded, batch: MetricBatch) -> None:
+    """Prefill over [arrival + queue, arrival + ttft], decode over [arrival + ttft, finish]."""
+    finish = batch.finish_time_s
+    arrival = finish - np.nan_to_num(batch.e2e_s, nan=0.0)
+    first_token = np.where(np.isfinite(batch.ttft_s), arrival + batch.ttft_s, finish)
+    scheduled = np.where(np.isfinite(batch.queue_s), arrival + batch.queue_s, first_token)
+    folded.input_timeline.add(scheduled, first_token, batch.num_prompt_tokens)
+    folded.output_timeline.add(first_token, finish, batch.num_output_tokens)

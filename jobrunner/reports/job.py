@@ -1,0 +1,38 @@
+"""Load reports from output URLs and write report.json / report.html next to a job's outputs."""
+
+from __future__ import annotations
+
+import logging
+
+from jobrunner.io.report_reader import open_outputs, write_report_files
+from jobrunner.reports.build import build_report
+from jobrunner.reports.fold import Slo
+
+logger = logging.getLogger(__name__)
+
+
+def load_report(output_url: str, storage_options: dict | None = None, worker_hour_usd: float | None = None,
+                slo: Slo | None = None) -> dict:
+    """Build the report of one job output; `ReportInputError` (a ValueError) says what is wrong with it."""
+    return build_report(open_outputs(output_url, storage_options), worker_hour_usd, slo)
+
+
+def write_job_report(output_url: str, storage_options: dict | None = None,
+                     worker_hour_usd: float | None = None) -> dict:
+    """Write report.json and report.html under `output_url`; return the report (or {"error": ...}).
+
+    Called by the driver when a job ends. It never raises: a report problem is logged and returned as
+    {"error": message} so that it cannot hide the job's own result.
+    """
+    from jobrunner.reports.html import render_html
+    from jobrunner.reports.text import render_json
+
+    try:
+        report = load_report(output_url, storage_options, worker_hour_usd)
+        paths = write_report_files(output_url, {"report.json": render_json([report]),
+                                                "report.html": render_html([report])}, storage_options)
+    except Exception as exc:  # noqa: BLE001 - a report must never fail the job
+        logger.warning("jobrunner report for %s not written: %s", output_url, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    report["files"] = paths
+    return report

@@ -1,0 +1,81 @@
+"""Read the figures a report needs out of a `_manifest.json` dict, tolerating missing or odd fields."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def number(mapping: Any, *keys: str) -> float | None:
+    """mapping[k1][k2]... as a finite float, or None if absent, not a number, or not finite."""
+    value = mapping
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def workers(manifest: dict | None) -> dict[str, dict]:
+    """The manifest's workers that are dicts (worker_id -> record)."""
+    found = (manifest or {}).get("workers")
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): v for k, v in found.items() if isinstance(v, dict)}
+
+
+def worker_seconds(manifest: dict | None) -> float | None:
+    """totals.worker_seconds, else the sum of workers' alive_s; None when neither is recorded."""
+    total = number(manifest, "totals", "worker_seconds")
+    if total is not None and total > 0:
+        return total
+    alive = [number(w, "alive_s") for w in workers(manifest).values()]
+    alive = [a for a in alive if a is not None]
+    return sum(alive) if alive and sum(alive) > 0 else None
+
+
+def engine_seconds(manifest: dict | None) -> tuple[float, float]:
+    """(sum of workers' prefill_s, sum of decode_s) from the engine's own per-step accounting."""
+    records = workers(manifest).values()
+    prefill = sum(number(w, "prefill_s") or 0.0 for w in records)
+    decode = sum(number(w, "decode_s") or 0.0 for w in records)
+    return prefill, decode
+
+
+def spec_cost(manifest: dict | None) -> dict:
+    """`spec.cost` of the job spec as recorded in the manifest ({} if absent)."""
+    spec = (manifest or {}).get("spec")
+    cost = spec.get("cost") if isinstance(spec, dict) else None
+    return cost if isinstance(cost, dict) else {}
+
+
+def price_and_source(manifest: dict | None, cli_price: float | None) -> tuple[float | None, str]:
+    """Worker-hour price: the command line first, then the spec's cost, then the manifest's cost block."""
+    if cli_price is not None:
+        return cli_price, "command line"
+    spec_price = number(spec_cost(manifest), "worker_hour_usd")
+    if spec_price is not None:
+        return spec_price, "job spec"
+    manifest_price = number(manifest, "cost", "worker_hour_usd")
+    if manifest_price is not None:
+        return manifest_price, "manifest"
+    return None, "none"
+
+
+def model_info(manifest: dict | None) -> dict:
+    """source, dtype, quantization, architecture of the model (None where unknown)."""
+    model = (manifest or {}).get("model")
+    model = model if isinstance(model, dict) else {}
+    return {key: model.get(key) for key in ("source", "dtype", "quantization", "architecture")}
+
+
+def shard_counts(manifest: dict | None) -> dict[str, int]:
+    """status -> number of shards."""
+    shards = (manifest or {}).get("shards")
+    counts: dict[str, int] = {}
+    for shard in (shards.values() if isinstance(shards, dict) else []):
+        status = shard.get("status", "unknown") if isinstance(shard, dict) else "unknown"
+        counts[str(status)] = counts.get(str(status), 0) + 1
+    return counts

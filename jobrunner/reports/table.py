@@ -1,0 +1,164 @@
+"""The figures of a report as labelled table rows: one value column per run, ratios against the first.
+
+Every renderer (text, markdown, HTML) draws from `figure_rows`, so the three show the same figures, formatted
+the same way; a missing figure (None) prints as "n/a", never as NaN or inf.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jobrunner.reports.accumulators import QUANTILES
+from jobrunner.reports.cost import ratio
+
+Formatter = Callable[[object], str]
+NA = "n/a"
+
+
+def fmt_int(value: object) -> str:
+    """12,345."""
+    return NA if not _is_number(value) else f"{int(value):,}"
+
+
+def fmt_float(value: object, digits: int = 1) -> str:
+    """12,345.6 (`digits` decimals)."""
+    return NA if not _is_number(value) else f"{float(value):,.{digits}f}"
+
+
+def fmt_pct(value: object) -> str:
+    """A share in [0, 1] as 12.3%."""
+    return NA if not _is_number(value) else f"{100.0 * float(value):.1f}%"
+
+
+def fmt_seconds(value: object) -> str:
+    """Seconds with a unit that keeps 3 significant digits: 850 ms, 1.25 s."""
+    if not _is_number(value):
+        return NA
+    seconds = float(value)
+    if abs(seconds) < 1.0:
+        return f"{seconds * 1000:.3g} ms"
+    return f"{seconds:,.3g} s" if seconds < 1000 else f"{seconds:,.0f} s"
+
+
+def fmt_usd(value: object) -> str:
+    """Dollars with 4 significant digits: $0.01234, $1.234, $0.1000; cents from $100 up."""
+    if not _is_number(value):
+        return NA
+    amount = float(value)
+    return f"${amount:,.2f}" if amount >= 100 else f"${amount:#.4g}"
+
+
+def fmt_text(value: object) -> str:
+    """Any value as text; None as n/a."""
+    return NA if value is None or value == "" else str(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: where to find it in a report, how to print it, which direction is better."""
+
+    section: str
+    label: str
+    path: tuple[str, ...]
+    fmt: Formatter
+    compare: bool = True  # show a ratio against the first run
+
+    def value(self, report: dict) -> object:
+        """The raw value in `report`, or None."""
+        value: object = report
+        for key in self.path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+
+def _latency_figures() -> list[Figure]:
+    names = {"ttft_s": "TTFT", "itl_mean_s": "inter-token latency", "e2e_s": "end-to-end",
+             "queue_s": "queue time"}
+    return [Figure("latency", f"{title} {q}", ("latency_s", name, q), fmt_seconds)
+            for name, title in names.items() for q in (*QUANTILES, "max")]
+
+
+FIGURES: list[Figure] = [
+    Figure("run", "model", ("run", "model", "source"), fmt_text, False),
+    Figure("run", "quantization", ("run", "model", "quantization"), fmt_text, False),
+    Figure("run", "dtype", ("run", "model", "dtype"), fmt_text, False),
+    Figure("rows", "rows", ("rows", "total"), fmt_int),
+    Figure("rows", "errors", ("rows", "errors"), fmt_int),
+    Figure("rows", "error rate", ("rows", "error_rate"), fmt_pct),
+    Figure("tokens", "input tokens", ("tokens", "input"), fmt_int),
+    Figure("tokens", "cached input tokens", ("tokens", "cached"), fmt_int),
+    Figure("tokens", "output tokens", ("tokens", "output"), fmt_int),
+    Figure("tokens", "prefix-cache hit rate", ("tokens", "prefix_cache_hit_rate"), fmt_pct),
+    Figure("time", "wall time", ("time", "wall_s"), fmt_seconds),
+    Figure("time", "workers", ("time", "num_workers"), fmt_int),
+    Figure("time", "worker-seconds", ("time", "worker_seconds"), fmt_float),
+    Figure("time", "engine prefill share", ("cost", "prefill_share"), fmt_pct),
+    Figure("throughput", "tokens/s (input + output)", ("throughput", "tokens_per_s"), fmt_float),
+    Figure("throughput", "output tokens/s", ("throughput", "output_tokens_per_s"), fmt_float),
+    Figure("throughput", "rows/s", ("throughput", "rows_per_s"), lambda v: fmt_float(v, 2)),
+    Figure("throughput", "tokens/s per worker", ("throughput", "tokens_per_worker_s"), fmt_float),
+    Figure("throughput", "output tokens/s per worker", ("throughput", "output_tokens_per_worker_s"),
+           fmt_float),
+    Figure("throughput", "rows/s per worker", ("throughput", "rows_per_worker_s"), lambda v: fmt_float(v, 2)),
+    *_latency_figures(),
+    Figure("cost", "price per worker-hour", ("cost", "worker_hour_usd"), fmt_usd),
+    Figure("cost", "job cost", ("cost", "total_usd"), fmt_usd),
+    Figure("cost", "$ / M input tokens", ("cost", "usd_per_m_input"), fmt_usd),
+    Figure("cost", "$ / M output tokens", ("cost", "usd_per_m_output"), fmt_usd),
+    Figure("cost", "$ / M tokens (blended)", ("cost", "usd_per_m_total"), fmt_usd),
+]
+
+GOODPUT_FIGURES: list[Figure] = [
+    Figure("goodput", "SLO TTFT", ("goodput", "slo_ttft_s"), fmt_seconds, False),
+    Figure("goodput", "SLO end-to-end", ("goodput", "slo_e2e_s"), fmt_seconds, False),
+    Figure("goodput", "rows meeting SLO", ("goodput", "row_share"), fmt_pct),
+    Figure("goodput", "output tokens meeting SLO", ("goodput", "output_token_share"), fmt_pct),
+    Figure("goodput", "$ / M good output tokens", ("goodput", "cost", "usd_per_m_output"), fmt_usd),
+    Figure("goodput", "$ / M good tokens (blended)", ("goodput", "cost", "usd_per_m_total"), fmt_usd),
+]
+
+
+def figures_for(reports: list[dict]) -> list[Figure]:
+    """The figures to show: goodput rows only when some run has SLO targets."""
+    has_goodput = any(report.get("goodput") for report in reports)
+    return FIGURES + (GOODPUT_FIGURES if has_goodput else [])
+
+
+def figure_rows(reports: list[dict]) -> list[tuple[Figure, list[str]]]:
+    """(figure, a cell per run); cells after the first carry the ratio to the first run: "12.0 (0.50x)"."""
+    rows = []
+    for figure in figures_for(reports):
+        values = [figure.value(report) for report in reports]
+        cells = [figure.fmt(v) for v in values]
+        if figure.compare and len(reports) > 1:
+            pairs = zip(cells[1:], values[1:], strict=True)
+            cells = [cells[0]] + [_with_ratio(cell, value, values[0]) for cell, value in pairs]
+        rows.append((figure, cells))
+    return rows
+
+
+def _with_ratio(cell: str, value: object, baseline: object) -> str:
+    if not (_is_number(value) and _is_number(baseline)):
+        return cell
+    factor = ratio(float(value), float(baseline))
+    return cell if factor is None else f"{cell} ({factor:.2f}x)"
+
+
+def run_labels(reports: list[dict]) -> list[str]:
+    """A distinct column title per run: the job name (+ quantization when it tells runs apart)."""
+    labels = [str(r.get("run", {}).get("label") or f"run {i + 1}") for i, r in enumerate(reports)]
+    if len(set(labels)) < len(labels):
+        quant = [r.get("run", {}).get("model", {}).get("quantization") for r in reports]
+        labels = [f"{label} [{q}]" if q else label for label, q in zip(labels, quant, strict=True)]
+    seen: dict[str, int] = {}
+    unique = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        unique.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return unique

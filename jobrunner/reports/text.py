@@ -1,0 +1,50 @@
+"""Plain-text, markdown and JSON renderings of one or several reports."""
+
+from __future__ import annotations
+
+import json
+
+from jobrunner.reports.table import figure_rows, run_labels
+
+
+def render_json(reports: list[dict]) -> str:
+    """One report as itself; several as {"runs": [...], "baseline": first label}. Never NaN."""
+    document = reports[0] if len(reports) == 1 else {"runs": reports, "baseline": run_labels(reports)[0]}
+    return json.dumps(document, indent=2, allow_nan=False, default=str) + "\n"
+
+
+def render_text(reports: list[dict]) -> str:
+    """An aligned table (a column per run), then errors by kind, cost notes and warnings."""
+    header = ["", *run_labels(reports)]
+    body = []
+    section = None
+    for figure, cells in figure_rows(reports):
+        if figure.section != section:
+            section = figure.section
+            body.append([f"[{section}]", *[""] * len(reports)])
+        body.append([f"  {figure.label}", *cells])
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths, strict=True))).rstrip() for row in [header, *body]]
+    return "\n".join(lines + _notes(reports, bullet="  - ")) + "\n"
+
+
+def render_markdown(reports: list[dict]) -> str:
+    """A markdown table (a column per run), then errors by kind, cost notes and warnings."""
+    labels = run_labels(reports)
+    lines = ["# jobrunner report", "", "| figure | " + " | ".join(labels) + " |",
+             "|---|" + "---:|" * len(labels)]
+    for figure, cells in figure_rows(reports):
+        lines.append(f"| {figure.section}: {figure.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + _notes(reports, bullet="- ")) + "\n"
+
+
+def _notes(reports: list[dict], bullet: str) -> list[str]:
+    lines = []
+    for label, report in zip(run_labels(reports), reports, strict=True):
+        items = [f"error {kind}: {count:,} rows" for kind, count in report["rows"]["errors_by_kind"].items()]
+        items += [f"cost: {note}" for note in report["cost"]["notes"]]
+        items += [f"warning: {warning}" for warning in report["warnings"]]
+        if items:
+            lines += ["", f"{label}:"] + [bullet + item for item in items]
+    return lines
