@@ -1,0 +1,45 @@
+"""How a worker builds its engine: the spec's custom factory if set, else LLMEngine.from_source."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from jobrunner.spec import JobSpec
+
+
+def engine_config_kwargs(spec: JobSpec) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the spec's engine section."""
+    e = spec.engine
+    kwargs = dict(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                  block_size=e.block_size, enable_prefix_caching=e.enable_prefix_caching,
+                  max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+                  gpu_memory_utilization=e.gpu_memory_utilization, num_kv_blocks=e.num_kv_blocks,
+                  device=e.device, dtype=spec.model.dtype)
+    return kwargs
+
+
+def build_engine(spec: JobSpec) -> Any:
+    """The engine for one worker (loaded once per worker)."""
+    if spec.engine.factory:
+        module_name, _, func_name = spec.engine.factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), func_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"engine.factory {spec.engine.factory!r}: cannot import: {exc}") from None
+        return factory(spec, **spec.engine.factory_options)
+    from jobrunner.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(**engine_config_kwargs(spec))
+    return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype,
+                                 quantization=spec.model.quantization, config=config)
+
+
+def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
+    """The manifest's model section, from what the loaded engine reports (falling back to the spec)."""
+    info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
+    for key in ("dtype", "quantization", "architecture"):
+        value = getattr(engine, key, None)
+        if value is not None:
+            info[key] = str(value).replace("torch.", "")
+    return info

@@ -1,0 +1,81 @@
+"""Everything checked before any worker starts: the input files, their columns, the shard plan, the output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jobrunner.driver.manifest import check_resumable, new_manifest, resume_manifest
+from jobrunner.driver.shards import Shard, plan_shards
+from jobrunner.io.layout import MANIFEST, TEMP_DIR
+from jobrunner.io.manifest import clear_success, read_manifest
+from jobrunner.io.parts import list_parts
+from jobrunner.io.reader import InputError, InputFile, check_columns, list_input_files
+from jobrunner.io.storage import Storage, StorageError
+from jobrunner.spec import JobSpec
+
+
+class OutputError(ValueError):
+    """The output location cannot be used as asked (exists in error mode, unreachable, foreign files)."""
+
+
+@dataclass
+class JobPlan:
+    """The input files and the shards cut from them."""
+
+    files: list[InputFile]
+    shards: list[Shard]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.num_rows for f in self.files)
+
+
+def required_columns(spec: JobSpec) -> dict[str, str]:
+    """Spec field name -> input column, for the columns the job reads."""
+    inp = spec.input
+    roles = {"prompt_column": inp.prompt_column, "messages_column": inp.messages_column,
+             "id_column": inp.id_column, "sampling_column": inp.sampling_column}
+    return {role: column for role, column in roles.items() if column}
+
+
+def plan_job(spec: JobSpec) -> JobPlan:
+    """List the input, check its columns and cut shards; InputError names the URL, file or column."""
+    files = list_input_files(spec.input.url, spec.input.storage_options)
+    check_columns(files, required_columns(spec), spec.output.keep_columns)
+    plan = JobPlan(files=files, shards=plan_shards([f for f in files if f.num_rows], spec.rows_per_shard))
+    if plan.num_rows == 0:
+        raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
+                         f"({len(files)} file(s), all empty)")
+    return plan
+
+
+def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any]]:
+    """Prepare the output per output.mode and return it with the manifest to continue from."""
+    storage = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        entries = storage.listdir("")
+    except (StorageError, OSError) as exc:
+        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+    mode = spec.output.mode
+    if entries and mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    if entries and mode == "overwrite":
+        for entry in entries:
+            storage.delete(entry, recursive=True)
+        entries = []
+    manifest = _resume_or_new(spec, plan, storage, entries)
+    clear_success(storage)
+    storage.delete(TEMP_DIR, recursive=True)
+    return storage, manifest
+
+
+def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+    if not entries:
+        return new_manifest(spec, plan.shards)
+    old = read_manifest(storage)
+    if old is None:
+        raise OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
+                          "output; use output.mode=overwrite or another output.url")
+    check_resumable(old, spec, plan.shards)
+    return resume_manifest(old, spec, set(list_parts(storage)))

@@ -1,0 +1,39 @@
+"""Connecting to Ray: join the cluster at an address, or start a local instance for one job."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+
+from jobrunner.spec import JobSpec
+
+
+def _local_num_cpus(spec: JobSpec) -> int:
+    need = spec.cluster.num_workers * spec.cluster.num_cpus_per_worker
+    return max(int(-(-need // 1)), os.cpu_count() or 1)
+
+
+@contextmanager
+def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[None]:
+    """Ray for the length of a job.
+
+    Already initialised (tests, notebooks): use it as is. An address (argument, spec, or RAY_ADDRESS as set
+    inside a submitted Ray job): join that cluster. Otherwise start a local Ray sized for the spec.
+    """
+    if ray.is_initialized():
+        yield
+        return
+    address = address or spec.cluster.address or os.environ.get("RAY_ADDRESS")
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if address:
+        ray.init(address=address, **quiet)
+    else:
+        ray.init(num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,12 @@
+"""Names of things under a job's output URL (see docs/contracts.md)."""
+
+MANIFEST = "_manifest.json"
+SUCCESS = "_SUCCESS"
+PARTS_DIR = "parts"
+TEMP_DIR = "_temporary"
+REPORT_FILES = ("report.json", "report.html")
+
+
+def part_key(shard_id: str) -> str:
+    """Relative key of a shard's committed part."""
+    return f"{PARTS_DIR}/part-{shard_id}.parquet"

@@ -1,0 +1,81 @@
+"""Output parts: the output row schema, writing one shard's rows as a committed Parquet part, reading back."""
+
+from __future__ import annotations
+
+import io
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobrunner.io.layout import PARTS_DIR, TEMP_DIR, part_key
+from jobrunner.io.reader import ROW_INDEX
+from jobrunner.io.storage import Storage, retry
+
+# The contract columns, in order (docs/contracts.md).
+OUTPUT_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("generated_text", pa.string()),
+    ("finish_reason", pa.string()),
+    ("error", pa.string()),
+    ("num_prompt_tokens", pa.int64()),
+    ("num_cached_tokens", pa.int64()),
+    ("num_output_tokens", pa.int64()),
+    ("ttft_s", pa.float64()),
+    ("itl_mean_s", pa.float64()),
+    ("e2e_s", pa.float64()),
+    ("queue_s", pa.float64()),
+    ("shard_id", pa.string()),
+    ("worker_id", pa.string()),
+    ("finish_time_s", pa.float64()),
+])
+
+
+def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> pa.Table:
+    """Output rows (dicts with the contract columns and ROW_INDEX) as a table, plus kept input columns.
+
+    kept: the shard's input table with the kept columns and ROW_INDEX; its rows are matched by ROW_INDEX.
+    """
+    columns = {f.name: pa.array([r.get(f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA}
+    table = pa.table(columns, schema=OUTPUT_SCHEMA)
+    if kept is None or kept.num_columns <= 1:
+        return table
+    first = kept.column(ROW_INDEX)[0].as_py() if kept.num_rows else 0
+    indices = pa.array([r[ROW_INDEX] - first for r in rows], pa.int64())
+    for name in kept.column_names:
+        if name != ROW_INDEX and name not in OUTPUT_SCHEMA.names:
+            table = table.append_column(kept.schema.field(name), kept.column(name).take(indices))
+    return table
+
+
+def write_part(storage: Storage, shard_id: str, table: pa.Table) -> str:
+    """Write a shard's table to a temporary key and commit it as the shard's part; returns the part key.
+
+    A retried shard commits to the same key, so it replaces rather than duplicates.
+    """
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    data = buf.getvalue()
+    tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}/part-{shard_id}.parquet"
+    key = part_key(shard_id)
+    retry(f"write {storage.display(tmp)}", lambda: storage.put(tmp, data))
+    storage.commit(tmp, key)
+    return key
+
+
+def list_parts(storage: Storage) -> list[str]:
+    """Committed part keys."""
+    return [k for k in storage.listdir(PARTS_DIR) if k.rsplit("/", 1)[-1].startswith("part-")]
+
+
+def read_part(storage: Storage, key: str) -> pa.Table:
+    """One part as a table."""
+    return pq.read_table(io.BytesIO(storage.read_bytes(key)))
+
+
+def read_output(url: str, storage_options: dict[str, Any] | None = None) -> pa.Table:
+    """All committed parts of an output as one table (empty with the contract schema when none)."""
+    storage = Storage(url, storage_options)
+    tables = [read_part(storage, k) for k in list_parts(storage)]
+    return pa.concat_tables(tables, promote_options="default") if tables else OUTPUT_SCHEMA.empty_table()

@@ -1,0 +1,186 @@
+"""Reading the input dataset: list Parquet files, read their metadata, check columns, read row ranges."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from jobrunner.io.storage import StorageError, retry
+
+ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
+ROW_ID = "__id"  # the row id (from id_column or derived)
+
+
+class InputError(ValueError):
+    """Bad input data; the message names the URL, file, column or row."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One Parquet file of the dataset and what its footer says."""
+
+    url: str  # protocol-qualified, usable by any process
+    stem: str  # file name without .parquet: the prefix of derived row ids
+    num_rows: int
+    row_group_num_rows: tuple[int, ...]
+    column_types: dict[str, str] = field(default_factory=dict)  # name -> Arrow type as text
+
+
+def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFile]:
+    """The dataset's Parquet files (a file, a directory, or a glob), sorted, with their metadata."""
+    try:
+        fs, root = url_to_fs(url, **storage_options)
+    except (ImportError, ValueError) as exc:
+        raise InputError(f"input.url {url!r}: {exc}") from None
+    paths = _expand(fs, url, root)
+    if not paths:
+        raise InputError(f"input.url {url!r}: no Parquet files found")
+    return [_read_footer(fs, p) for p in paths]
+
+
+def _expand(fs: Any, url: str, root: str) -> list[str]:
+    fs.invalidate_cache()
+    try:
+        if any(c in root for c in "*?["):
+            paths = retry(f"glob {url}", lambda: fs.glob(root))
+        elif retry(f"inspect {url}", lambda: fs.isdir(root)):
+            paths = retry(f"list {url}", lambda: fs.find(root))
+        elif retry(f"inspect {url}", lambda: fs.exists(root)):
+            paths = [root]
+        else:
+            raise InputError(f"input.url {url!r}: not found")
+    except (FileNotFoundError, PermissionError, StorageError) as exc:
+        raise InputError(f"input.url {url!r}: cannot list: {exc}") from None
+    names = [p for p in sorted(paths) if not _hidden(p)]
+    return [p for p in names if p.endswith(".parquet") or p.endswith(".parq") or p == root]
+
+
+def _hidden(path: str) -> bool:
+    return any(part.startswith(("_", ".")) for part in path.split("/")[-1:])
+
+
+def _read_footer(fs: Any, path: str) -> InputFile:
+    def read() -> pq.FileMetaData:
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata
+
+    url = fs.unstrip_protocol(path)
+    try:
+        meta = retry(f"read {url}", read)
+    except (pa.ArrowInvalid, OSError, StorageError) as exc:
+        raise InputError(f"input file {url}: not a readable Parquet file ({exc})") from None
+    groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+    schema = meta.schema.to_arrow_schema()
+    types = {name: str(schema.field(name).type) for name in schema.names}
+    stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return InputFile(url=url, stem=stem, num_rows=meta.num_rows, row_group_num_rows=groups,
+                     column_types=types)
+
+
+# Which Arrow types each role accepts (checked on the type text, so no pyarrow is needed by callers).
+def _is_string(t: str) -> bool:
+    return t in ("string", "large_string", "string_view")
+
+
+def _is_id(t: str) -> bool:
+    return _is_string(t) or t.startswith(("int", "uint"))
+
+
+def _is_messages(t: str) -> bool:
+    return _is_string(t) or (t.startswith(("list<", "large_list<")) and "struct<" in t)
+
+
+def _is_overrides(t: str) -> bool:
+    return _is_string(t) or t.startswith(("struct<", "map<"))
+
+
+_ROLE_CHECKS = {
+    "prompt_column": (_is_string, "a string column"),
+    "messages_column": (_is_messages, "a list<struct<role, content>> column or a JSON string column"),
+    "id_column": (_is_id, "a string or integer column"),
+    "sampling_column": (_is_overrides, "a struct/map column or a JSON string column"),
+}
+
+
+def check_columns(files: list[InputFile], roles: dict[str, str], keep: list[str]) -> None:
+    """Fail with InputError naming file and column if a required column is missing or of the wrong type.
+
+    roles: spec field name (e.g. 'prompt_column') -> column name.
+    """
+    for f in files:
+        for role, column in roles.items():
+            if column not in f.column_types:
+                raise InputError(f"input file {f.url}: missing column {column!r} (input.{role}); "
+                                 f"columns are: {', '.join(f.column_types)}")
+            ok, expected = _ROLE_CHECKS[role]
+            if not ok(f.column_types[column]):
+                raise InputError(f"input file {f.url}: column {column!r} (input.{role}) has type "
+                                 f"{f.column_types[column]}; expected {expected}")
+        for column in keep:
+            if column not in f.column_types:
+                raise InputError(f"input file {f.url}: missing column {column!r} (output.keep_columns)")
+
+
+def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, row_end: int,
+              columns: list[str]) -> pa.Table:
+    """Rows [row_start, row_end) of one file, only `columns`, plus ROW_INDEX (the row number in the file)."""
+    fs, path = url_to_fs(file_url, **storage_options)
+
+    def read() -> pa.Table:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            groups, first = _groups_for(pf.metadata, row_start, row_end)
+            table = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table()
+            return table.slice(row_start - first, row_end - row_start)
+
+    try:
+        table = retry(f"read {file_url}", read)
+    except (pa.ArrowInvalid, OSError, StorageError) as exc:
+        raise InputError(f"input file {file_url}: cannot read rows {row_start}..{row_end}: {exc}") from None
+    return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
+
+
+def _groups_for(meta: pq.FileMetaData, row_start: int, row_end: int) -> tuple[list[int], int]:
+    groups, first, offset = [], None, 0
+    for i in range(meta.num_row_groups):
+        n = meta.row_group(i).num_rows
+        if offset < row_end and offset + n > row_start:
+            groups.append(i)
+            first = offset if first is None else first
+        offset += n
+    return groups, first or 0
+
+
+def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Plain Python rows of a table."""
+    return table.to_pylist()
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """A messages cell (list of structs, or a JSON string) as a list of {role, content} dicts."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages must be a non-empty list of {role, content}")
+    for m in value:
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+            raise ValueError("each message needs string 'role' and 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def parse_overrides(value: Any) -> dict[str, Any]:
+    """A per-row sampling override cell (JSON object string, struct or map) as a dict; None = no override."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        value = json.loads(value)
+    if isinstance(value, list):  # Arrow maps arrive as [(key, value), ...]
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling overrides must be a JSON object, got {type(value).__name__}")
+    return {k: v for k, v in value.items() if v is not None}
