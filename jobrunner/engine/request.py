@@ -128,6 +128,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
+        self.stopped_on_string = False
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
 

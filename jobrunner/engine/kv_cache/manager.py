@@ -1,0 +1,109 @@
+"""KV cache policy over the block pool: prefix lookups, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from jobrunner.engine.kv_cache.block_pool import BlockPool, hash_block
+from jobrunner.engine.request import Request
+
+
+class KVCacheManager:
+    """Decides which blocks a request gets; the pool only stores the bookkeeping."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of ``request`` (full blocks only, never the last token).
+
+        The last token is always recomputed so the step that finishes the prompt produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        token_ids = request.all_token_ids
+        num_full = (len(token_ids) - 1) // self.block_size
+        self._extend_hashes(request, token_ids, num_full)
+        block_ids = []
+        for i in range(num_full):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = self.pool.lookup(request.block_hashes[i], chunk)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        self.num_lookup_tokens += len(token_ids)
+        self.num_hit_tokens += len(block_ids) * self.block_size
+        return block_ids
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens (after any cached prefix).
+
+        Returns False, changing nothing, when there is no room.
+        """
+        cached_block_ids = list(cached_block_ids)
+        num_reused_free = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_cnt == 0)
+        num_computed = request.num_computed_tokens + len(cached_block_ids) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_needed - len(request.block_ids) - len(cached_block_ids)
+        if num_new_blocks + num_reused_free > self.pool.num_free_blocks:
+            return False
+        if cached_block_ids:
+            self.pool.touch(cached_block_ids)
+            request.block_ids.extend(cached_block_ids)
+            request.num_cached_blocks = len(request.block_ids)
+        if num_new_blocks > 0:
+            request.block_ids.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks (tail first, so the prefix head is evicted last)."""
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        # Blocks that will be full once this step has run hold known tokens: register them now.
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_tokens_after_step // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        token_ids = request.all_token_ids
+        self._extend_hashes(request, token_ids, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.pool.cache(request.block_ids[i], request.block_hashes[i], chunk)
+        request.num_cached_blocks = num_full
+
+    def _extend_hashes(self, request: Request, token_ids: list[int], num_full: int) -> None:
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
+
+    def check_integrity(self, live_requests: list[Request]) -> None:
+        """Pool consistency plus: every block's ref count equals the number of live requests holding it."""
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_blocks
+        for request in live_requests:
+            for block_id in request.block_ids:
+                holders[block_id] += 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != holders[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders"
+                )

@@ -1,0 +1,223 @@
+"""LLMEngine: add requests, step the continuous batch, collect finished outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.kv_cache.manager import KVCacheManager
+from jobrunner.engine.model_runner import ModelRunner
+from jobrunner.engine.request import Request, RequestOutput, RequestStatus
+from jobrunner.engine.sampling_params import SamplingParams
+from jobrunner.engine.scheduler import Scheduler, SchedulerOutput
+from jobrunner.engine.stats import EngineStats
+from jobrunner.engine.stopping import check_stop, final_text
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+class LLMEngine:
+    """Our continuous-batching engine over one model on one device.
+
+    Build it with :meth:`from_source` (a model alias, local dir, Hub id or fsspec URL) or directly from a loaded
+    model and tokenizer. Per-request problems (empty prompt, too long, ...) never raise: the request finishes
+    with ``finish_reason="error"`` and the rest of the batch is unaffected.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
+                 eos_token_ids: Sequence[int] = (), model_info: dict[str, Any] | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.model_info = dict(model_info or {})
+        num_blocks = self._num_kv_blocks()
+        bs = self.config.block_size
+        model_len = self.config.max_model_len or model.shape.max_position_embeddings
+        self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
+        self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv_manager)
+        self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed)
+        self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
+        self._requests: dict[str, Request] = {}
+        self._rejected: list[Request] = []
+
+    @classmethod
+    def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",
+                    config: EngineConfig | None = None, **load_options: Any) -> LLMEngine:
+        """Load a model (alias, local dir, Hub id or fsspec URL) and build an engine over it."""
+        from jobrunner.models.factory import load_for_engine
+
+        config = config or EngineConfig()
+        model, tokenizer, eos_ids, info = load_for_engine(
+            source, dtype=dtype if dtype != "auto" else config.dtype, device=config.device,
+            quantization=quantization, max_model_len=config.max_model_len, **load_options)
+        return cls(model, tokenizer, config, eos_ids, info)
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue one request. Bad content becomes an error output on the next ``step``; never raises for it."""
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        params = params or SamplingParams()
+        now = time.perf_counter()
+        try:
+            token_ids = self._tokenize(prompt)
+            error = self._admission_error(token_ids)
+        except Exception as exc:  # a broken chat template or odd input: that request only
+            token_ids, error = [], f"could not tokenize the prompt: {exc}"
+        request = Request(request_id, token_ids, params, now, self.eos_token_ids)
+        self._requests[request_id] = request
+        if error:
+            request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            request.metrics.finish_time = now
+            self._rejected.append(request)
+        else:
+            self.scheduler.add(request)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+        vocab = self.model.shape.vocab_size
+        bad = [t for t in items if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        return items
+
+    def _admission_error(self, token_ids: list[int]) -> str | None:
+        if not token_ids:
+            return "prompt is empty"
+        if len(token_ids) >= self.max_model_len:
+            return (f"prompt has {len(token_ids)} tokens; the limit is {self.max_model_len - 1} "
+                    f"(max_model_len {self.max_model_len}, set by the model context and the KV cache size)")
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.num_unfinished or self._rejected)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished + len(self._rejected)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the outputs of requests that finished in it."""
+        finished = [self._finish_output(r) for r in self._rejected]
+        self._rejected = []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return finished
+        t1 = time.perf_counter()
+        result = self.runner.execute(sched)
+        t2 = time.perf_counter()
+        self._stats.schedule_s += t1 - t0
+        self._stats.record_step(t2 - t1, result.num_prefill_tokens, result.num_decode_tokens)
+        finished += self._update_from_output(sched, result, t2)
+        used = self.kv_manager.pool.num_used_blocks
+        self._stats.kv_blocks_used = used
+        self._stats.kv_peak_blocks_used = max(self._stats.kv_peak_blocks_used, used)
+        return finished
+
+    def _update_from_output(self, sched: SchedulerOutput, result, now: float) -> list[RequestOutput]:
+        finished = []
+        for s in sched.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.start + s.num_new_tokens
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if request.request_id in result.logprobs:
+                request.logprobs.append(result.logprobs[request.request_id])
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.token_times.append(now)
+            status = check_stop(request, token, self.max_model_len, self.tokenizer)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                finished.append(self._finish_output(request, now))
+        return finished
+
+    def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:
+        if request.status != RequestStatus.FINISHED_ERROR:
+            request.text = final_text(request, self.tokenizer)
+            request.metrics.finish_time = now
+        del self._requests[request.request_id]
+        out = request.to_output()
+        self._count(out)
+        return out
+
+    def _count(self, out: RequestOutput) -> None:
+        st, m = self._stats, out.metrics
+        st.num_requests += 1
+        st.num_prompt_tokens += m.num_prompt_tokens
+        st.num_cached_tokens += m.num_cached_tokens
+        st.num_output_tokens += m.num_output_tokens
+        st.num_preemptions += m.num_preemptions
+        st.num_errors += out.finish_reason == "error"
+
+    def stats(self) -> EngineStats:
+        """Counters since the engine started (a live object; copy ``to_dict()`` to keep a snapshot)."""
+        return self._stats
+
+    def check_integrity(self) -> None:
+        """Raise if the KV bookkeeping is inconsistent (for tests, after every step)."""
+        self.kv_manager.check_integrity(self.scheduler.running)
+
+    # -- convenience -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts (texts, token-id lists or chat message lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [f"gen-{id(prompts)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        outputs = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while self.has_unfinished_requests():
+            for out in self.step():
+                outputs[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [outputs[i] for i in ids]
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        dtype = self.model.embed_tokens.weight.dtype
+        per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = cfg.kv_cache_memory_bytes or 2 * 1024**3
+        return max(1, budget // per_block)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,126 @@
+"""Iteration-level (continuous) batching.
+
+There is no prefill phase and no decode phase. Each request has ``num_computed_tokens`` and ``num_tokens``
+(prompt + generated so far); every step the scheduler hands out tokens so that computed catches up with
+total, within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests. Running requests go first
+(a decode costs one token; an unfinished prompt gets a chunk), then waiting requests are admitted in
+arrival order while budget and KV blocks last. A prefix-cache hit simply starts a request with
+``num_computed_tokens > 0``; chunked prefill is the same rule spread over several steps. When KV blocks run
+out for a running request, the newest running request is preempted: its blocks are freed and it goes back
+to the front of the waiting queue, to be recomputed later (its generated tokens are kept, so recomputing
+reproduces the same state). A request that can never fit is rejected when it is added (see LLMEngine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.kv_cache.manager import KVCacheManager
+from jobrunner.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # num_computed_tokens before this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (so a new token is sampled)."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV cache manager."""
+
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        now = time.perf_counter()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.metrics.num_cached_tokens = num_cached_tokens
+                request.metrics.first_scheduled_time = now
+            request.num_computed_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_cached_tokens))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release its blocks (it must be running)."""
+        request.status = status
+        self.running.remove(request)
+        self.kv.free(request)
+
+    def abort_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)

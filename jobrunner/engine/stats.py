@@ -1,0 +1,50 @@
+"""Engine-level counters: steps, time in prefill vs decode work, KV usage, prefix-cache hits."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    """Running totals since the engine started.
+
+    Each step's model time is split between prefill and decode work in proportion to the tokens of each kind
+    in that step (a decode token is the one new token of a request past its prompt; everything else —
+    prompt chunks and recomputation after preemption — is prefill).
+    """
+
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    schedule_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_errors: int = 0
+    kv_num_blocks: int = 0
+    kv_block_size: int = 0
+    kv_blocks_used: int = 0
+    kv_peak_blocks_used: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def record_step(self, seconds: float, num_prefill: int, num_decode: int) -> None:
+        total = num_prefill + num_decode
+        self.steps += 1
+        if total:
+            self.prefill_s += seconds * num_prefill / total
+            self.decode_s += seconds * num_decode / total
+        self.num_prefill_tokens += num_prefill
+        self.num_decode_tokens += num_decode
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        return out

@@ -1,0 +1,76 @@
+"""From a model source to a ready model + tokenizer on a device (what ``LLMEngine.from_source`` calls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobrunner.models.loader import build_model, check_architecture, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" means the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" means float32 on CPU and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", quantization: str = "none",
+                    max_model_len: int | None = None, allow_pickle: bool = False,
+                    **source_options: Any) -> tuple[torch.nn.Module, Any, list[int], dict[str, Any]]:
+    """Resolve ``source``, build our model, load its weights, quantize if asked.
+
+    Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
+    """
+    from jobrunner.models.sources import resolve_model_dir
+    from jobrunner.models.weights import iter_safetensors, load_config, load_tokenizer
+
+    model_dir = resolve_model_dir(source, allow_pickle=allow_pickle, **source_options)
+    config = load_config(model_dir)
+    arch = check_architecture(config)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len))
+    load_weights(model, iter_safetensors(model_dir, allow_pickle=allow_pickle))
+    info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
+            "device": str(dev), "quantization": quantization}
+    if quantization != "none":
+        from jobrunner.quant import quantize_model
+
+        report = quantize_model(model, quantization)
+        info["quantization_report"] = getattr(report, "summary", lambda: None)()
+    tokenizer = load_tokenizer(model_dir)
+    return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
+
+
+def _max_positions(config, max_model_len: int | None) -> int:
+    limit = config.max_position_embeddings
+    return min(limit, max_model_len) if max_model_len else limit

@@ -1,0 +1,152 @@
+"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV cache.
+
+Differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings, rope scaling, explicit head_dim. Projections are fused (q|k|v and gate|up) so a
+step runs two GEMMs fewer per layer; every projection is a plain ``nn.Linear`` so quantization can swap it.
+Inputs are flat token batches: ``input_ids`` / ``positions`` are ``[T]`` for all scheduled requests of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from jobrunner.engine.attention import AttentionMetadata, paged_attention
+from jobrunner.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a model config the engine needs."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        bias = bool(getattr(config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.rotary = rotary  # shared by all layers (not registered as a submodule twice)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.intermediate_size = shape.intermediate_size
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, rotary)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(self, x, positions, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head. ``forward`` returns hidden states; ``compute_logits`` the logits."""
+
+    def __init__(self, config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.shape = ModelShape.from_config(config)
+        s = self.shape
+        self.rotary = RotaryEmbedding(config, s.head_dim, max_positions or s.max_position_embeddings)
+        rotary_ref = [self.rotary]  # a list, so the layers don't register it as their own submodule
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary_ref) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        if s.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

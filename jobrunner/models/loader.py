@@ -1,0 +1,112 @@
+"""Build our model for a Hugging Face config and load its weights (fusing q|k|v and gate|up on the fly)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from jobrunner.models.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def check_architecture(config) -> str:
+    """The config's architecture, or a ValueError listing the supported ones."""
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else f"<model_type={getattr(config, 'model_type', '?')}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+                ) -> LlamaForCausalLM:
+    """An uninitialised model on ``device`` (weights to be loaded, or randomly initialised by the caller)."""
+    check_architecture(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    if model.shape.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.build_tables(device)  # rope tables stay float32 whatever the model dtype
+    return model.eval()
+
+
+def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy Hugging Face-named tensors into ``model``; raise naming any parameter left unloaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in named_tensors:
+        target = _target(model, name)
+        if target is None:
+            continue
+        param_name, part = target
+        param = params[param_name]
+        with torch.no_grad():
+            _slice(model, param_name, param, part).copy_(tensor.to(param.dtype))
+        loaded.add(param_name if part is None else f"{param_name}#{part}")
+    _check_all_loaded(model, params, loaded)
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "lm_head.weight":
+        return None if model.shape.tie_word_embeddings else ("lm_head.weight", None)
+    if name.startswith("model.") and not name.startswith("model.layers."):
+        return name[len("model."):], None
+    match = _LAYER.match(name)
+    if not match:
+        return None
+    index, rest = match.groups()
+    module, _, kind = rest.rpartition(".")
+    if module in _FUSED:
+        fused, part = _FUSED[module]
+        return f"layers.{index}.{fused}.{kind}", part
+    return f"layers.{index}.{rest}", None
+
+
+def _slice(model: LlamaForCausalLM, param_name: str, param: torch.Tensor, part: int | None) -> torch.Tensor:
+    if part is None:
+        return param
+    s = model.shape
+    if "qkv_proj" in param_name:
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
+    else:
+        bounds = [(0, s.intermediate_size), (s.intermediate_size, 2 * s.intermediate_size)][part]
+    return param[bounds[0]:bounds[1]]
+
+
+def _check_all_loaded(model: LlamaForCausalLM, params: dict, loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        if name == "lm_head.weight" and model.shape.tie_word_embeddings:
+            continue
+        if "qkv_proj" in name:
+            parts = [f"{name}#{i}" for i in range(3)]
+        elif "gate_up_proj" in name:
+            parts = [f"{name}#{i}" for i in range(2)]
+        else:
+            parts = [name]
+        missing += [p for p in parts if p not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")
