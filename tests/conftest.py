@@ -1,0 +1,91 @@
+"""Fixtures shared by every test package.
+
+- `s3_server`: a real S3-compatible server (moto in server mode) on 127.0.0.1, on a port the OS picks.
+- `tiny_llama_hf_dir`: a 2-layer random Llama saved in Hugging Face layout with a small byte-level BPE
+  tokenizer and a ChatML chat template (what `jobrunner.models.sources` accepts as a local model dir).
+
+Heavy imports stay inside the fixtures so collecting tests that do not use them stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Batch inference runs many prompts together; a block holds sixteen tokens.",
+    "Hello world! 0123456789 What is the capital of France? Paris.",
+]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """Start moto's S3 server once per session; yields {"endpoint_url", "storage_options"} for s3fs.
+
+    Buckets are shared by the whole session: give each test its own bucket name.
+    """
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint_url = f"http://{host}:{port}"
+    storage_options = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": endpoint_url,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    yield {"endpoint_url": endpoint_url, "storage_options": storage_options}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf_dir(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (hidden 64) + tokenizer saved with save_pretrained; read-only for tests."""
+    out_dir = tmp_path_factory.mktemp("tiny_llama_hf")
+    tokenizer = make_tiny_tokenizer()
+    model = make_tiny_llama(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE tokenizer (~300 tokens) with ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(TINY_CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|im_end|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llama(vocab_size: int, eos_token_id: int):
+    """A seeded random LlamaForCausalLM: 2 layers, hidden 64, 4 heads, 2 kv heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=eos_token_id, pad_token_id=eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
