@@ -6,6 +6,7 @@ typo fails loudly, naming the field.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -13,8 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_SECRET_KEY = re.compile(r"(secret|token|password|passwd|credential|key_id|access_key|session)", re.I)
+_SECRET_KEY = re.compile(r"(^key$|secret|token|password|passwd|credential|key_id|access_key|session)", re.I)
 REDACTED = "***"
+ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
 
 
 class _Spec(BaseModel):
@@ -225,7 +227,9 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> JobSpec:
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read a YAML job spec, apply --set overrides, validate."""
+    """Read a YAML job spec (a file, or 'env:NAME' for an environment variable), apply overrides, validate."""
+    if str(path).startswith(ENV_PREFIX):
+        return _load_env(str(path)[len(ENV_PREFIX):], overrides)
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -236,6 +240,19 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     if overrides and isinstance(data, dict):
         data = merge(data, parse_overrides(overrides))
     return spec_from_dict(data, str(path))
+
+
+def _load_env(name: str, overrides: list[str] | tuple[str, ...]) -> JobSpec:
+    text = os.environ.get(name)
+    if text is None:
+        raise SpecError(f"env:{name}: environment variable {name} is not set")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"env:{name}: not valid YAML: {exc}") from None
+    if overrides and isinstance(data, dict):
+        data = merge(data, parse_overrides(overrides))
+    return spec_from_dict(data, f"env:{name}")
 
 
 def _format_errors(exc: ValidationError) -> str:

@@ -279,9 +279,9 @@ class _JobLoop:
         finished = not self.failed and not self.queue
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
         write_manifest(self.storage, self.manifest)
-        self.storage.delete(TEMP_DIR, recursive=True)
         if finished:
             mark_success(self.storage)
+        self.storage.delete(TEMP_DIR, recursive=True)
         return JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed))
 
 

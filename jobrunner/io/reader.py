@@ -180,7 +180,10 @@ def parse_overrides(value: Any) -> dict[str, Any]:
     if isinstance(value, str):
         value = json.loads(value)
     if isinstance(value, list):  # Arrow maps arrive as [(key, value), ...]
-        value = dict(value)
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ValueError("sampling overrides must be a JSON object or a map") from None
     if not isinstance(value, dict):
         raise ValueError(f"sampling overrides must be a JSON object, got {type(value).__name__}")
     return {k: v for k, v in value.items() if v is not None}

@@ -1,0 +1,112 @@
+"""`jobrunner run | validate | submit`: thin commands over jobrunner.driver."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from jobrunner.spec import SpecError, load_spec
+
+_set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                           help="Override a spec field, e.g. --set sampling.max_tokens=32 (repeatable).")
+
+
+def _load(path: str, overrides: tuple[str, ...]):
+    try:
+        return load_spec(path, overrides)
+    except SpecError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+def validate(job_file: str, overrides: tuple[str, ...]) -> None:
+    """Check JOB_FILE and its input (files, rows, shards, columns) without starting any worker."""
+    from jobrunner.driver.plan import plan_job, required_columns
+    from jobrunner.io.reader import InputError
+
+    spec = _load(job_file, overrides)
+    try:
+        plan = plan_job(spec)
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"job {spec.name!r}: spec OK")
+    click.echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows, "
+               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows")
+    for f in plan.files:
+        click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
+    columns = list(required_columns(spec).values()) + spec.output.keep_columns
+    click.echo(f"required columns present: {', '.join(columns)}")
+    click.echo(f"output {spec.output.url} (mode {spec.output.mode})")
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--address", default=None, help="Ray address to join; default: the spec's, else a local Ray.")
+@click.option("--no-progress", is_flag=True, help="Do not show the progress bar / lines.")
+@click.option("--no-report", is_flag=True, help="Do not write report.json / report.html at the end.")
+def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progress: bool,
+        no_report: bool) -> None:
+    """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
+    from jobrunner.driver.job import run_job
+    from jobrunner.driver.manifest import ResumeError
+    from jobrunner.driver.plan import OutputError
+    from jobrunner.io.reader import InputError
+    from jobrunner.io.storage import StorageError
+
+    spec = _load(job_file, overrides)
+    try:
+        result = run_job(spec, address=address, show_progress=not no_progress)
+    except (InputError, OutputError, ResumeError, StorageError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if not no_report:
+        _write_report(spec)
+    click.echo(result.summary())
+    if not result.ok:
+        failed = ", ".join(sorted(result.failed))
+        raise click.ClickException(f"{len(result.failed)} shard(s) failed: {failed}")
+
+
+def _write_report(spec) -> None:
+    """Write report.json/report.html next to the outputs; a report problem never fails the job."""
+    try:
+        from jobrunner.reports import write_job_report
+    except ImportError:
+        return
+    try:
+        report = write_job_report(spec.output.url, spec.output.storage_options, spec.cost.worker_hour_usd)
+    except Exception as exc:  # noqa: BLE001 - the job's outputs are done; the report is a bonus
+        report = {"error": str(exc)}
+    if isinstance(report, dict) and report.get("error"):
+        click.echo(f"warning: report not written: {report['error']}", err=True)
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, exists=True))
+@_set_option
+@click.option("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265.")
+@click.option("--wait", is_flag=True, help="Follow the job's logs and exit with its status.")
+@click.option("--auth-token", default=None, envvar="RAY_AUTH_TOKEN",
+              help="Ray auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
+@click.option("--working-dir", default=None, help="Directory uploaded as the job's working_dir.")
+def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, auth_token: str | None,
+           working_dir: str | None) -> None:
+    """Submit JOB_FILE as a Ray job through the Job Submission API; print the job id."""
+    from jobrunner.driver.submit import SubmitError, follow_job, submit_job
+
+    spec = _load(job_file, overrides)
+    try:
+        client, job_id = submit_job(spec, address, auth_token=auth_token, working_dir=working_dir)
+    except SubmitError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(job_id)
+    if wait:
+        status = follow_job(client, job_id, sys.stdout)
+        if status != "SUCCEEDED":
+            raise click.ClickException(f"Ray job {job_id} ended with status {status}")
+
+
+COMMANDS = [run, validate, submit]

@@ -1,0 +1,118 @@
+"""A small fake engine implementing the contract API (docs/contracts.md), for driver tests.
+
+Tokens are whitespace words. Each step decodes one token for up to max_num_seqs running requests; a request
+generates `max_tokens` tokens ("tok0 tok1 ...") and finishes with "length". An empty prompt or one longer
+than max_model_len finishes with finish_reason "error". `step_delay_s` slows every step so that kills land
+mid-shard; `fail_on` makes step() raise once a request whose prompt contains that text is running.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jobrunner.engine import RequestMetrics, RequestOutput, SamplingParams
+
+
+@dataclass
+class FakeStats:
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    output: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+class FakeEngine:
+    """Deterministic stand-in for LLMEngine."""
+
+    def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
+                 fail_on: str | None = None) -> None:
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.step_delay_s, self.fail_on = step_delay_s, fail_on
+        self.tokenizer = None
+        self.device = "cpu"
+        self.architecture = "FakeForTests"
+        self._waiting: list[_Req] = []
+        self._running: list[_Req] = []
+        self._ids: set[str] = set()
+        self._stats = FakeStats()
+        self.max_seen_unfinished = 0
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        if request_id in self._ids:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._ids.add(request_id)
+        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        tokens = [len(w) for w in text.split()]
+        req = _Req(request_id, tokens, params, RequestMetrics(arrival_time=time.perf_counter(),
+                                                               num_prompt_tokens=len(tokens)))
+        if not tokens:
+            req.error = "empty prompt"
+        elif len(tokens) + params.max_tokens > self.max_model_len:
+            req.error = f"prompt of {len(tokens)} tokens is too long (max_model_len {self.max_model_len})"
+        self._waiting.append(req)
+        self.max_seen_unfinished = max(self.max_seen_unfinished, self.num_unfinished_requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    def stats(self) -> FakeStats:
+        return self._stats
+
+    def step(self) -> list[RequestOutput]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        now = time.perf_counter()
+        finished = [self._finish(r, now) for r in self._waiting if r.error]
+        self._waiting = [r for r in self._waiting if not r.error]
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            req = self._waiting.pop(0)
+            req.metrics.first_scheduled_time = now
+            self._stats.num_prefill_tokens += len(req.prompt_token_ids)
+            self._running.append(req)
+        if self.fail_on and any(self.fail_on in str(r.prompt_token_ids) for r in self._running):
+            raise RuntimeError("fake engine failure")
+        for req in self._running:
+            req.output.append(len(req.output))
+            req.metrics.token_times.append(now)
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+        self._stats.steps += 1
+        self._stats.num_decode_tokens += len(self._running)
+        self._stats.decode_s += self.step_delay_s
+        done = [r for r in self._running if len(r.output) >= r.params.max_tokens]
+        self._running = [r for r in self._running if len(r.output) < r.params.max_tokens]
+        return finished + [self._finish(r, now) for r in done]
+
+    def _finish(self, req: _Req, now: float) -> RequestOutput:
+        req.metrics.finish_time = now
+        req.metrics.num_output_tokens = len(req.output)
+        text = " ".join(f"tok{t}" for t in req.output)
+        reason = "error" if req.error else "length"
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             output_token_ids=list(req.output), text=text, finish_reason=reason,
+                             error=req.error, metrics=req.metrics)
+
+
+def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None) -> FakeEngine:
+    """Factory for `engine.factory: tests.driver.fake_engine:make_engine`."""
+    return FakeEngine(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
+                      step_delay_s=step_delay_s, fail_on=fail_on)

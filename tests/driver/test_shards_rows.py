@@ -1,0 +1,51 @@
+"""Shard planning and row -> request conversion (no Ray)."""
+
+from __future__ import annotations
+
+from jobrunner.driver.rows import to_request
+from jobrunner.driver.shards import plan_shards
+from jobrunner.io.reader import ROW_INDEX, InputFile
+from jobrunner.spec import spec_from_dict
+
+
+def _file(name: str, groups: tuple[int, ...]) -> InputFile:
+    return InputFile(url=f"file:///d/{name}.parquet", stem=name, num_rows=sum(groups),
+                     row_group_num_rows=groups)
+
+
+def test_plan_is_stable_and_covers_every_row():
+    files = [_file("a", (10, 10, 10)), _file("b", (100,)), _file("c", (5, 50, 5))]
+    shards = plan_shards(files, 25)
+    assert shards == plan_shards(files, 25)
+    assert [(s.file_stem, s.row_start, s.row_end) for s in shards] == [
+        ("a", 0, 20), ("a", 20, 30), ("b", 0, 25), ("b", 25, 50), ("b", 50, 75), ("b", 75, 100),
+        ("c", 0, 5), ("c", 5, 30), ("c", 30, 55), ("c", 55, 60)]
+    assert len({s.shard_id for s in shards}) == len(shards)
+    assert plan_shards(files, 26)[0].shard_id == shards[0].shard_id  # same range, same id
+    assert plan_shards(files, 5)[0].shard_id != shards[0].shard_id
+
+
+def _spec(**inp):
+    base = {"url": "x", "prompt_column": "prompt", "id_column": "id", "sampling_column": "params"}
+    return spec_from_dict({"name": "t", "input": {**base, **inp}, "output": {"url": "o"},
+                           "sampling": {"max_tokens": 5}})
+
+
+def test_rows_become_requests_or_error_rows():
+    spec = _spec()
+    ok = to_request(spec, "f", {ROW_INDEX: 0, "id": "a", "prompt": "hi there", "params": '{"max_tokens": 2}'})
+    assert ok.error is None and ok.prompt == "hi there" and ok.params.max_tokens == 2
+    default = to_request(spec, "f", {ROW_INDEX: 1, "id": "b", "prompt": "x", "params": None})
+    assert default.params.max_tokens == 5
+    null = to_request(spec, "f", {ROW_INDEX: 2, "id": "c", "prompt": None, "params": None})
+    assert "prompt column 'prompt' is null or empty" in null.error
+    bad = to_request(spec, "f", {ROW_INDEX: 3, "id": "d", "prompt": "x", "params": '{"max_tokens": -1}'})
+    assert "max_tokens" in bad.error
+    unknown = to_request(spec, "f", {ROW_INDEX: 4, "id": "e", "prompt": "x", "params": '{"nope": 1}'})
+    assert "nope" in unknown.error
+    no_id = to_request(spec, "f", {ROW_INDEX: 5, "id": None, "prompt": "x", "params": None})
+    assert no_id.row_id == "f:5" and "id column 'id' is null" in no_id.error
+    msgs = to_request(spec_from_dict({"name": "t", "input": {"url": "x", "messages_column": "m"},
+                                      "output": {"url": "o"}}), "f",
+                      {ROW_INDEX: 7, "m": [{"role": "user", "content": "hello"}]})
+    assert msgs.row_id == "f:7" and msgs.prompt == [{"role": "user", "content": "hello"}]
