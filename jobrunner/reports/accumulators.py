@@ -109,16 +109,22 @@ class TokenTimeline:
         produced_by_edge = ramps_started - ramps_ended + cumulative[4]
         return np.diff(produced_by_edge)
 
-    def rate_series(self, until_s: float | None = None) -> dict:
-        """{"bin_s", "t": bin centres, "tokens_per_s"} trimmed to the last non-empty bin (or `until_s`)."""
+    def rate_series(self, until_s: float | None = None, max_points: int = 80) -> dict:
+        """{"bin_s", "t": bin centres, "tokens_per_s"} up to the last non-empty bin (or `until_s`), with
+        adjacent bins merged so that there are at most `max_points` (a readable, not too noisy line)."""
         per_bin = self.tokens_per_bin()
         used = np.flatnonzero(per_bin > 1e-9)
         last = int(used[-1]) + 1 if used.size else 0
         if until_s is not None and until_s > 0:
             last = max(last, min(self.max_bins, int(np.ceil(until_s / self.bin_s))))
-        centres = (np.arange(last) + 0.5) * self.bin_s
-        return {"bin_s": self.bin_s, "t": [float(t) for t in centres],
-                "tokens_per_s": [max(0.0, float(v)) / self.bin_s for v in per_bin[:last]]}
+        group = max(1, int(np.ceil(last / max_points)))
+        padded = np.zeros(int(np.ceil(last / group)) * group)
+        padded[:last] = per_bin[:last]
+        merged = padded.reshape(-1, group).sum(axis=1)
+        bin_s = self.bin_s * group
+        centres = (np.arange(merged.size) + 0.5) * bin_s
+        return {"bin_s": bin_s, "t": [float(t) for t in centres],
+                "tokens_per_s": [max(0.0, float(v)) / bin_s for v in merged]}
 
 
 _DIGITS = re.compile(r"\d+")

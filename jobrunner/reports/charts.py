@@ -1,0 +1,59 @@
+"""The report's charts (latency CDFs, tokens/s over job time, $ per million tokens per run) as inline SVG."""
+
+from __future__ import annotations
+
+from jobrunner.reports.svg import PALETTE, Series, bar_chart, empty_chart, line_chart
+from jobrunner.reports.table import fmt_float, fmt_seconds, fmt_usd, run_labels
+
+LATENCY_TITLES = {"ttft_s": "Time to first token", "itl_mean_s": "Inter-token latency (row mean)",
+                  "e2e_s": "End-to-end latency", "queue_s": "Queue time"}
+
+
+def latency_cdf_chart(reports: list[dict], name: str) -> str:
+    """CDF of one latency per run; the x axis ends at the largest p99 so the body of the curve is readable."""
+    title = f"{LATENCY_TITLES[name]}: CDF"
+    labels = run_labels(reports)
+    series = []
+    for i, (label, report) in enumerate(zip(labels, reports, strict=True)):
+        cdf = report["charts"]["latency_cdf"][name]
+        series.append(Series(label, cdf["x"], cdf["p"], PALETTE[i % len(PALETTE)]))
+    p99s = [r["latency_s"][name]["p99"] for r in reports if r["latency_s"][name]["p99"] is not None]
+    if not p99s or max(p99s) <= 0:
+        return empty_chart(title, "no latency recorded (every row failed?)")
+    return line_chart(title, series, "seconds (axis ends at the largest p99)", "rows at or below",
+                      _axis_seconds, lambda p: f"{p * 100:.0f}%", x_max=max(p99s), y_max=1.0)
+
+
+def tokens_over_time_chart(reports: list[dict], which: str) -> str:
+    """`which`: "output" or "input" tokens per second over the job's wall time, one line per run."""
+    title = f"{which.capitalize()} tokens/s over job time"
+    series = []
+    for i, (label, report) in enumerate(zip(run_labels(reports), reports, strict=True)):
+        data = report["charts"][f"{which}_tokens_per_s"]
+        series.append(Series(label, data["t"], data["tokens_per_s"], PALETTE[i % len(PALETTE)]))
+    if not any(any(v > 0 for v in s.ys) for s in series):
+        return empty_chart(title, f"no {which} tokens")
+    return line_chart(title, series, "seconds since job start", "tokens/s", _axis_seconds,
+                      lambda v: fmt_float(v, 0))
+
+
+def cost_chart(reports: list[dict]) -> str:
+    """$ per million input, output and blended tokens, a block of bars per run."""
+    title = "Cost: $ per million tokens"
+    bars = [(label, [r["cost"][key] for r in reports], color) for label, key, color in (
+        ("input", "usd_per_m_input", PALETTE[0]), ("output", "usd_per_m_output", PALETTE[1]),
+        ("blended", "usd_per_m_total", PALETTE[2]))]
+    if all(value is None for _, values, _ in bars for value in values):
+        return empty_chart(title, "no cost: give --worker-hour-usd (or cost.worker_hour_usd in the spec)")
+    return bar_chart(title, run_labels(reports), bars, fmt_usd)
+
+
+def _axis_seconds(value: float) -> str:
+    return "0" if value == 0 else fmt_seconds(value)
+
+
+def all_charts(reports: list[dict]) -> list[str]:
+    """Every chart of the page, in reading order."""
+    return ([cost_chart(reports), tokens_over_time_chart(reports, "output"),
+             tokens_over_time_chart(reports, "input")]
+            + [latency_cdf_chart(reports, name) for name in LATENCY_TITLES])

@@ -1,0 +1,102 @@
+"""The report as one self-contained HTML page: key figures, inline SVG charts, the full table. No script."""
+
+from __future__ import annotations
+
+from html import escape
+
+from jobrunner.reports.charts import all_charts
+from jobrunner.reports.table import figure_rows, fmt_float, fmt_pct, fmt_seconds, fmt_usd, run_labels
+
+STYLE = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#1d1d1f;
+     background:#fff;max-width:1240px}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 10px}
+.sub{color:#555;font-size:13px;margin-bottom:16px}
+.cards{display:flex;flex-wrap:wrap;gap:12px}
+.card{border:1px solid #ddd;border-radius:8px;padding:10px 14px;min-width:150px}
+.card .v{font-size:22px;font-weight:600} .card .k{font-size:12px;color:#555}
+.charts{display:flex;flex-wrap:wrap;gap:16px}
+svg.chart{border:1px solid #e3e3e3;border-radius:6px;background:#fff}
+.chart-title{font-size:14px;font-weight:600} .tick,.legend,.bar-value,.group{font-size:11px;fill:#333}
+.axis-label{font-size:12px;fill:#333} .grid{stroke:#eee} .plot-frame{fill:none;stroke:#bbb}
+.empty{font-size:13px;fill:#888}
+table{border-collapse:collapse;font-size:13px} td,th{padding:3px 10px;border-bottom:1px solid #eee}
+td.num{text-align:right;font-variant-numeric:tabular-nums} th{text-align:right;background:#f6f6f6}
+th:first-child,td:first-child{text-align:left} tr.section td{font-weight:600;background:#fafafa}
+.warn{color:#8a4b00} code{background:#f3f3f3;padding:1px 4px;border-radius:3px}
+"""
+
+
+def render_html(reports: list[dict]) -> str:
+    """The whole page for one run or several side by side (ratios against the first)."""
+    labels = run_labels(reports)
+    title = "jobrunner report: " + (labels[0] if len(labels) == 1 else " vs ".join(labels))
+    caption = f'<div class="sub">Key figures of {escape(labels[0])}</div>' if len(labels) > 1 else ""
+    parts = [f"<h1>{escape(title)}</h1>", _runs_line(reports, labels), caption, _cards(reports[0]),
+             "<h2>Charts</h2>", '<div class="charts">' + "".join(all_charts(reports)) + "</div>",
+             "<h2>All figures</h2>", _table(reports, labels), _notes(reports, labels), _formula()]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>"
+            + "\n".join(parts) + "</body></html>\n")
+
+
+def _runs_line(reports: list[dict], labels: list[str]) -> str:
+    items = []
+    for label, report in zip(labels, reports, strict=True):
+        run = report["run"]
+        state = "complete" if run["complete"] else "NOT complete"
+        items.append(f"<b>{escape(label)}</b>: <code>{escape(str(run['url']))}</code> "
+                     f"({escape(str(run['model']['source']))}, quantization "
+                     f"{escape(str(run['model']['quantization']))}, {state})")
+    return '<div class="sub">' + "<br>".join(items) + "</div>"
+
+
+def _cards(report: dict) -> str:
+    figures = [
+        ("$ / M tokens (blended)", fmt_usd(report["cost"]["usd_per_m_total"])),
+        ("$ / M output tokens", fmt_usd(report["cost"]["usd_per_m_output"])),
+        ("tokens/s", fmt_float(report["throughput"]["tokens_per_s"])),
+        ("output tokens/s", fmt_float(report["throughput"]["output_tokens_per_s"])),
+        ("TTFT p50 / p99", f"{fmt_seconds(report['latency_s']['ttft_s']['p50'])} / "
+                           f"{fmt_seconds(report['latency_s']['ttft_s']['p99'])}"),
+        ("prefix-cache hit rate", fmt_pct(report["tokens"]["prefix_cache_hit_rate"])),
+        ("rows (errors)", f"{report['rows']['total']:,} ({report['rows']['errors']:,})"),
+    ]
+    cards = [f'<div class="card"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
+             for k, v in figures]
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def _table(reports: list[dict], labels: list[str]) -> str:
+    rows = ["<tr><th>figure</th>" + "".join(f"<th>{escape(label)}</th>" for label in labels) + "</tr>"]
+    section = None
+    for figure, cells in figure_rows(reports):
+        if figure.section != section:
+            section = figure.section
+            rows.append(f'<tr class="section"><td colspan="{len(labels) + 1}">{escape(section)}</td></tr>')
+        rows.append(f"<tr><td>{escape(figure.label)}</td>"
+                    + "".join(f'<td class="num">{escape(cell)}</td>' for cell in cells) + "</tr>")
+    return '<table class="figures">' + "".join(rows) + "</table>"
+
+
+def _notes(reports: list[dict], labels: list[str]) -> str:
+    blocks = []
+    for label, report in zip(labels, reports, strict=True):
+        items = [f"error kind <b>{escape(kind)}</b>: {count:,} rows"
+                 for kind, count in report["rows"]["errors_by_kind"].items()]
+        items += [f'<span class="warn">cost: {escape(n)}</span>' for n in report["cost"]["notes"]]
+        items += [f'<span class="warn">warning: {escape(w)}</span>' for w in report["warnings"]]
+        if items:
+            listed = "".join(f"<li>{item}</li>" for item in items)
+            blocks.append(f"<p><b>{escape(label)}</b></p><ul>{listed}</ul>")
+    return ("<h2>Errors and warnings</h2>" + "".join(blocks)) if blocks else ""
+
+
+def _formula() -> str:
+    return ("<h2>How cost is computed</h2><p>cost = worker-seconds &times; price per worker-hour / 3600. "
+            "Blended $/M tokens = cost / (input + output tokens) &times; 10<sup>6</sup>. The cost is split "
+            "between input and output tokens by the engine's own measure of time spent on prefill vs "
+            "decode work (summed over workers, from the manifest): $/M input = cost &times; prefill share / "
+            "input tokens &times; 10<sup>6</sup>, $/M output = cost &times; (1 &minus; prefill share) / "
+            "output tokens &times; 10<sup>6</sup>. Goodput prices divide the same cost by the tokens of rows "
+            "that met the SLO.</p>")
