@@ -39,7 +39,6 @@ def s3_server():
         "key": "testing",
         "secret": "testing",
         "endpoint_url": endpoint_url,
-        "client_kwargs": {"region_name": "us-east-1"},
     }
     yield {"endpoint_url": endpoint_url, "storage_options": storage_options}
     server.stop()

@@ -182,7 +182,7 @@ def build_dir_once(target: Path, build: Callable[[Path], None]) -> Path:
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=_tmp_prefix(target)))
         try:
             build(tmp)
-            tmp.chmod(0o755)
+            _make_readable(tmp)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -198,6 +198,14 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp (and some writers) create owner-only entries; a shared cache should be world-readable."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def _tmp_prefix(target: Path) -> str:
