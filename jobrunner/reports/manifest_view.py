@@ -52,15 +52,14 @@ def spec_cost(manifest: dict | None) -> dict:
 
 
 def price_and_source(manifest: dict | None, cli_price: float | None) -> tuple[float | None, str]:
-    """Worker-hour price: the command line first, then the spec's cost, then the manifest's cost block."""
-    if cli_price is not None:
-        return cli_price, "command line"
-    spec_price = number(spec_cost(manifest), "worker_hour_usd")
-    if spec_price is not None:
-        return spec_price, "job spec"
-    manifest_price = number(manifest, "cost", "worker_hour_usd")
-    if manifest_price is not None:
-        return manifest_price, "manifest"
+    """Worker-hour price: the command line first, then the spec's cost, then the manifest's cost block.
+
+    A price of 0 is the spec's "not set" default, so it counts as no price (no "$0.00 per M tokens")."""
+    candidates = ((cli_price, "command line"), (number(spec_cost(manifest), "worker_hour_usd"), "job spec"),
+                  (number(manifest, "cost", "worker_hour_usd"), "manifest"))
+    for price, source in candidates:
+        if price is not None and price > 0:
+            return price, source
     return None, "none"
 
 
