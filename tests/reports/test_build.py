@@ -1,0 +1,112 @@
+"""Every figure of a report on a small hand-made output, with exact expected values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from report_outputs import make_manifest, write_outputs
+
+from jobrunner.reports import Slo, load_report
+
+
+def _rows(shard_id: str, worker_id: str, spec: list[tuple]) -> dict[str, list]:
+    """spec: (prompt, cached, output, ttft, itl, e2e, queue, finish_time, error) per row."""
+    cols = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "ttft_s", "itl_mean_s", "e2e_s",
+            "queue_s", "finish_time_s", "error")
+    rows = {name: [row[i] for row in spec] for i, name in enumerate(cols)}
+    n = len(spec)
+    rows.update(id=[f"{shard_id}:{i}" for i in range(n)], shard_id=[shard_id] * n, worker_id=[worker_id] * n,
+                generated_text=[None if e else "text" for e in rows["error"]],
+                finish_reason=["error" if e else "stop" for e in rows["error"]], topic=["t"] * n)
+    return rows
+
+
+@pytest.fixture
+def small_job(tmp_path: Path) -> str:
+    shards = {
+        "a": _rows("a", "w0", [(100, 50, 10, 0.1, 0.01, 0.2, 0.05, 1.0, None),
+                               (100, 0, 20, 0.3, 0.02, 0.7, 0.10, 2.0, None)]),
+        "b": _rows("b", "w1", [(200, 100, 30, 0.2, 0.03, 1.1, 0.00, 3.0, None),
+                               (5000, 0, 0, None, None, None, None, 0.5, "prompt too long: 5000 > 2048")]),
+    }
+    manifest = make_manifest(shards, wall_s=10.0, quantization="int8", job_name="small",
+                             worker_hour_usd=36.0)
+    return write_outputs(str(tmp_path / "small"), shards, manifest)
+
+
+def test_counts_tokens_and_errors(small_job: str) -> None:
+    report = load_report(small_job)
+    assert report["rows"] == {"total": 4, "ok": 3, "errors": 1, "error_rate": 0.25,
+                              "errors_by_kind": {"prompt too long": 1},
+                              "finish_reasons": {"error": 1, "stop": 3}}
+    assert report["tokens"] == {"input": 5400, "cached": 150, "output": 60, "total": 5460,
+                                "prefix_cache_hit_rate": pytest.approx(150 / 5400)}
+    assert report["run"]["model"]["quantization"] == "int8"
+    assert report["run"]["label"] == "small" and report["run"]["complete"] is True
+    assert report["warnings"] == []
+
+
+def test_time_throughput_and_cost(small_job: str) -> None:
+    report = load_report(small_job)
+    # make_manifest: 2 workers alive 10 s each, prefill 3 s + decode 6 s each.
+    assert report["time"]["wall_s"] == 10.0 and report["time"]["worker_seconds"] == 20.0
+    assert report["time"]["num_workers"] == 2
+    assert report["throughput"]["tokens_per_s"] == pytest.approx(546.0)
+    assert report["throughput"]["output_tokens_per_s"] == pytest.approx(6.0)
+    assert report["throughput"]["rows_per_worker_s"] == pytest.approx(0.2)
+    cost = report["cost"]
+    assert cost["price_source"] == "manifest"
+    assert cost["total_usd"] == pytest.approx(0.2)  # 20 s x $36/h
+    assert cost["prefill_share"] == pytest.approx(1 / 3)
+    assert cost["usd_per_m_total"] == pytest.approx(0.2 / 5460 * 1e6)
+    assert cost["usd_per_m_input"] == pytest.approx(0.2 / 3 / 5400 * 1e6)
+    assert cost["usd_per_m_output"] == pytest.approx(0.2 * 2 / 3 / 60 * 1e6)
+
+
+def test_latency_percentiles(small_job: str) -> None:
+    latency = load_report(small_job)["latency_s"]
+    assert latency["ttft_s"]["count"] == 3
+    assert latency["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert latency["ttft_s"]["p90"] == pytest.approx(0.28)
+    assert latency["e2e_s"]["max"] == pytest.approx(1.1)
+    assert latency["queue_s"]["p50"] == pytest.approx(0.05)
+
+
+def test_command_line_price_wins(small_job: str) -> None:
+    report = load_report(small_job, worker_hour_usd=72.0)
+    assert report["cost"]["price_source"] == "command line"
+    assert report["cost"]["total_usd"] == pytest.approx(0.4)
+
+
+def test_goodput_from_the_command_line(small_job: str) -> None:
+    goodput = load_report(small_job, slo=Slo(ttft_s=0.25, e2e_s=1.0))["goodput"]
+    # Only row a:0 meets both (a:1 has ttft 0.3, b:0 has e2e 1.1, b:1 failed).
+    assert goodput["rows_met"] == 1 and goodput["row_share"] == 0.25
+    assert goodput["output_tokens_met"] == 10
+    assert goodput["output_token_share"] == pytest.approx(10 / 60)
+    assert goodput["cost"]["usd_per_m_total"] == pytest.approx(0.2 / 110 * 1e6)
+
+
+def test_goodput_and_price_from_the_spec(tmp_path: Path) -> None:
+    shards = {"a": _rows("a", "w0", [(10, 0, 5, 0.1, 0.01, 0.2, 0.0, 1.0, None),
+                                     (10, 0, 5, 0.5, 0.01, 0.6, 0.0, 1.0, None)])}
+    manifest = make_manifest(shards, 2.0, spec_cost={"worker_hour_usd": 1.8, "slo_ttft_s": 0.2},
+                             worker_hour_usd=0.0)
+    report = load_report(write_outputs(str(tmp_path / "j"), shards, manifest))
+    assert report["cost"]["price_source"] == "job spec"
+    assert report["cost"]["total_usd"] == pytest.approx(0.001)
+    assert report["goodput"]["slo_ttft_s"] == 0.2 and report["goodput"]["row_share"] == 0.5
+
+
+def test_no_goodput_without_targets(small_job: str) -> None:
+    assert load_report(small_job)["goodput"] is None
+
+
+def test_timeline_holds_every_token(small_job: str) -> None:
+    charts = load_report(small_job)["charts"]
+    output = charts["output_tokens_per_s"]
+    assert sum(output["tokens_per_s"]) * output["bin_s"] == pytest.approx(60)
+    assert output["t"][-1] <= 10.0 + output["bin_s"]
+    input_ = charts["input_tokens_per_s"]
+    assert sum(input_["tokens_per_s"]) * input_["bin_s"] == pytest.approx(5400)
