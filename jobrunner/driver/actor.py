@@ -25,8 +25,8 @@ class WorkerActor:
         engine = build_engine(spec)
         gpu_ids = ray.get_gpu_ids()
         device = str(getattr(engine, "device", "") or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
-        info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "device": device}
+        info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device}
         self.model = describe_model(engine, spec)
         self.runner = ShardRunner(engine, spec, worker_id, job_start_s, info)
 
@@ -49,11 +49,15 @@ class WorkerActor:
         return stats
 
 
-def start_worker(spec: JobSpec, worker_id: str, job_start_s: float) -> Any:
-    """Create one worker actor with the spec's resources (GPU worker when num_gpus_per_worker > 0)."""
+def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: str) -> Any:
+    """Create one worker actor with the spec's resources (GPU worker when num_gpus_per_worker > 0).
+
+    The actor is named `jobrunner:<job name>:<run token>:<worker id>` so operators (and tests) can find it.
+    """
     c = spec.cluster
     options: dict[str, Any] = dict(num_cpus=c.num_cpus_per_worker, max_concurrency=MAX_CONCURRENCY,
-                                   max_restarts=0, max_task_retries=0, name=None)
+                                   max_restarts=0, max_task_retries=0,
+                                   name=f"jobrunner:{spec.name}:{run_token}:{worker_id}")
     if c.num_gpus_per_worker > 0:
         options["num_gpus"] = c.num_gpus_per_worker
     remote_cls = ray.remote(WorkerActor).options(**options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,7 @@ class _JobLoop:
         self.workers: list[_Worker] = []
         self.restarts_left = spec.cluster.max_worker_restarts
         self.num_started = 0
+        self.run_token = uuid.uuid4().hex[:8]
         self.last_worker_error = ""
         self.run_index = int(manifest.get("run_count") or 0)
         manifest["run_count"] = self.run_index + 1
@@ -135,7 +137,7 @@ class _JobLoop:
         prefix = f"r{self.run_index}" if self.run_index else ""
         worker_id = f"{prefix}w{self.num_started}"
         self.num_started += 1
-        actor = start_worker(self.spec, worker_id, self.wall_t0)
+        actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
         self.workers.append(_Worker(worker_id, actor, actor.ready.remote()))
 
     def _worker_died(self, worker: _Worker, error: str) -> None:
@@ -167,19 +169,29 @@ class _JobLoop:
     # ---- shards -------------------------------------------------------------------------------------
     def _assign(self) -> None:
         for worker in self.workers:
-            while worker.is_ready and len(worker.shard_refs) < SHARDS_PER_WORKER:
-                shard_id = self._next_shard()
+            while self._can_take(worker):
+                shard_id = self._next_shard(alone=not worker.shard_refs)
                 if shard_id is None:
-                    return
+                    break
                 self.attempts[shard_id] = self.attempts.get(shard_id, 0) + 1
                 ref = worker.actor.run_shard.remote(self.shards[shard_id])
                 worker.shard_refs.add(ref)
                 self.in_flight[ref] = (worker, shard_id)
 
-    def _next_shard(self) -> str | None:
+    def _can_take(self, worker: _Worker) -> bool:
+        busy = len(worker.shard_refs) >= SHARDS_PER_WORKER or self._has_retried(worker)
+        return worker.is_ready and not busy
+
+    def _has_retried(self, worker: _Worker) -> bool:
+        return any(self.attempts.get(self.in_flight[ref][1], 0) > 1 for ref in worker.shard_refs)
+
+    def _next_shard(self, alone: bool) -> str | None:
+        """The next runnable shard. A retried shard runs alone on its worker (nothing queued beside it), so
+        a shard that kills its worker cannot use up the attempts of healthy shards."""
         now = time.monotonic()
         for shard_id in self.queue:
-            if self.not_before.get(shard_id, 0.0) <= now:
+            retried = self.attempts.get(shard_id, 0) > 0
+            if self.not_before.get(shard_id, 0.0) <= now and (alone or not retried):
                 self.queue.remove(shard_id)
                 self.not_before.pop(shard_id, None)
                 return shard_id

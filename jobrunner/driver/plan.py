@@ -54,9 +54,10 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any]]:
     """Prepare the output per output.mode and return it with the manifest to continue from."""
     storage = Storage(spec.output.url, spec.output.storage_options)
     try:
-        entries = storage.listdir("")
+        entries = [e for e in storage.listdir("") if e != TEMP_DIR]
+        storage.check_writable()
     except (StorageError, OSError) as exc:
-        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+        raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
     mode = spec.output.mode
     if entries and mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")

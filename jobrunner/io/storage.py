@@ -16,6 +16,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 log = logging.getLogger(__name__)
+TEMP_PROBE = "_temporary/probe"
 T = TypeVar("T")
 
 # Errors that mean "this will not get better by retrying".
@@ -31,14 +32,22 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except _PERMANENT:
-            raise
+        except _PERMANENT as exc:
+            raise _named(exc, what) from exc
         except Exception as exc:  # noqa: BLE001 - storage backends raise anything
             if attempt == attempts:
                 raise StorageError(f"{what}: failed after {attempts} attempts: {_describe(exc)}") from exc
             log.warning("%s: attempt %d failed (%s); retrying", what, attempt, _describe(exc))
             time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
+
+
+def _named(exc: Exception, what: str) -> Exception:
+    """The same kind of error with `what` (the operation and URL) in front of its message."""
+    try:
+        return type(exc)(f"{what}: {exc}")
+    except Exception:  # noqa: BLE001 - exotic constructor: keep the original
+        return exc
 
 
 def _describe(exc: BaseException) -> str:
@@ -108,6 +117,12 @@ class Storage:
             return []
         prefix = self.root + "/"
         return sorted(e[len(prefix):] if e.startswith(prefix) else e for e in entries)
+
+    def check_writable(self) -> None:
+        """Write and delete a probe key, so a missing bucket or a permission problem shows before any work."""
+        probe = f"{TEMP_PROBE}-{uuid.uuid4().hex}"
+        retry(f"write {self.display(probe)}", lambda: self.put(probe, b""))
+        self.delete(probe)
 
     def is_empty(self) -> bool:
         """True when nothing exists under the root."""

@@ -3,7 +3,7 @@
 Tokens are whitespace words. Each step decodes one token for up to max_num_seqs running requests; a request
 generates `max_tokens` tokens ("tok0 tok1 ...") and finishes with "length". An empty prompt or one longer
 than max_model_len finishes with finish_reason "error". `step_delay_s` slows every step so that kills land
-mid-shard; `fail_on` makes step() raise once a request whose prompt contains that text is running.
+mid-shard; `fail_on` makes step() raise while a request whose prompt contains that text is running.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class _Req:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    text: str = ""
     output: list[int] = field(default_factory=list)
     error: str | None = None
 
@@ -60,7 +61,7 @@ class FakeEngine:
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
         tokens = [len(w) for w in text.split()]
         req = _Req(request_id, tokens, params, RequestMetrics(arrival_time=time.perf_counter(),
-                                                               num_prompt_tokens=len(tokens)))
+                                                               num_prompt_tokens=len(tokens)), text=text)
         if not tokens:
             req.error = "empty prompt"
         elif len(tokens) + params.max_tokens > self.max_model_len:
@@ -89,7 +90,7 @@ class FakeEngine:
             req.metrics.first_scheduled_time = now
             self._stats.num_prefill_tokens += len(req.prompt_token_ids)
             self._running.append(req)
-        if self.fail_on and any(self.fail_on in str(r.prompt_token_ids) for r in self._running):
+        if self.fail_on and any(self.fail_on in r.text for r in self._running):
             raise RuntimeError("fake engine failure")
         for req in self._running:
             req.output.append(len(req.output))

@@ -69,7 +69,7 @@ def test_bad_rows_become_error_rows(tmp_path):
 
 def test_engine_failure_fails_shard_and_worker(tmp_path):
     spec, engine, runner, shards = _setup(tmp_path, ["a b", "c d"], rows_per_shard=2)
-    engine.fail_on = "1"  # any running request: the word "a" has length 1
+    engine.fail_on = "c d"
     with pytest.raises(EngineFailed):
         runner.run_shard(shards[0])
     with pytest.raises(EngineFailed, match="failed earlier"):

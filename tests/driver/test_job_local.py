@@ -1,0 +1,133 @@
+"""Whole jobs on a local Ray with the fake engine: outputs, manifest, resume, S3, failed shards, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jobrunner.driver.job import run_job
+from jobrunner.driver.plan import OutputError
+from jobrunner.io.parts import read_output
+from jobrunner.io.reader import InputError
+from jobrunner.spec import spec_from_dict
+from tests.driver.conftest import fake_spec, new_bucket, read_manifest_file, write_prompts
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _ids(url, opts=None):
+    return sorted(read_output(url, opts).column("id").to_pylist())
+
+
+def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_path):
+    ids = write_prompts(tmp_path / "in.parquet", 40)
+    out = tmp_path / "out"
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out)))
+    result = run_job(spec, show_progress=False)
+    assert result.ok and _ids(str(out)) == ids
+    manifest = read_manifest_file(out)
+    assert manifest["totals"]["rows"] == 40 and manifest["totals"]["shards_committed"] == 5
+    assert manifest["totals"]["num_output_tokens"] == 160
+    assert {e["status"] for e in manifest["shards"].values()} == {"committed"}
+    workers = manifest["workers"]
+    assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 and w["steps"] > 0 for w in workers.values())
+    assert manifest["model"]["architecture"] == "FakeForTests"
+    assert (out / "_SUCCESS").exists() and not any((out / "_temporary").glob("**/*.parquet"))
+    table = read_output(str(out))
+    assert set(table.column("topic").to_pylist()) == {"t0", "t1", "t2"}
+    assert set(table.column("worker_id").to_pylist()) <= {"w0", "w1"}
+
+    # Lose one committed part and mark another shard pending: resume redoes exactly those two.
+    shard_ids = sorted(manifest["shards"])
+    os.remove(out / manifest["shards"][shard_ids[0]]["part"])
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir()}
+    manifest["shards"][shard_ids[1]]["status"] = "pending"
+    (out / "_manifest.json").write_text(__import__("json").dumps(manifest))
+    result = run_job(spec, show_progress=False)
+    assert result.ok and _ids(str(out)) == ids
+    after = read_manifest_file(out)
+    redone = {s for s, e in after["shards"].items() if e["worker_id"].startswith("r1")}
+    assert redone == {shard_ids[0], shard_ids[1]}
+    for name, mtime in mtimes.items():
+        if shard_ids[1] not in name:
+            assert (out / "parts" / name).stat().st_mtime_ns == mtime, f"{name} was recomputed"
+    assert after["run_count"] == 2 and len(after["runs"]) == 2
+
+    # Nothing left to do: a third run starts no worker and changes no part.
+    assert run_job(spec, show_progress=False).ok
+    assert read_manifest_file(out)["run_count"] == 3
+
+
+def test_job_on_s3_input_and_output(local_ray, s3_server):
+    opts = s3_server["storage_options"]
+    bucket = new_bucket(s3_server)
+    ids = write_prompts(f"s3://{bucket}/data/in.parquet", 20, storage_options=opts)
+    spec = spec_from_dict(fake_spec(f"s3://{bucket}/data/", f"s3://{bucket}/out", opts,
+                                    cluster={"num_workers": 1}))
+    assert run_job(spec, show_progress=False).ok
+    assert _ids(f"s3://{bucket}/out", opts) == ids
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    assert fs.exists(f"{bucket}/out/_SUCCESS")
+    manifest = __import__("json").loads(fs.cat_file(f"{bucket}/out/_manifest.json"))
+    assert manifest["spec"]["output"]["storage_options"]["secret"] == "***"
+
+
+def test_poison_shard_fails_alone_and_job_reports_it(local_ray, tmp_path):
+    ids = write_prompts(tmp_path / "in.parquet", 32, poison=13)
+    out = tmp_path / "out"
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out),
+                                    engine={"factory_options": {"fail_on": "POISON"}},
+                                    cluster={"max_shard_attempts": 2, "max_worker_restarts": 4}))
+    result = run_job(spec, show_progress=False)
+    assert not result.ok
+    manifest = read_manifest_file(out)
+    bad = [s for s, e in manifest["shards"].items() if e["status"] == "failed"]
+    assert list(result.failed) == bad and len(bad) == 1
+    assert manifest["shards"][bad[0]]["row_start"] == 8 and manifest["shards"][bad[0]]["attempts"] == 2
+    assert "fake engine failure" in result.failed[bad[0]] and bad[0] in result.summary()
+    assert _ids(str(out)) == [i for i in ids if not 8 <= int(i[1:]) < 16]
+    assert not (out / "_SUCCESS").exists()
+    # Without the poison the same spec resumes and finishes only the failed shard.
+    spec2 = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out)))
+    assert run_job(spec2, show_progress=False).ok and _ids(str(out)) == ids
+
+
+def test_bad_input_and_output_fail_before_anything_is_written(tmp_path):
+    write_prompts(tmp_path / "in.parquet", 4)
+    out = tmp_path / "out"
+    cases = [
+        (fake_spec(str(tmp_path / "in.parquet"), str(out), input={"prompt_column": "text"}),
+         InputError, "missing column 'text'"),
+        (fake_spec(str(tmp_path / "nope"), str(out)), InputError, "nope.*not found"),
+    ]
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 garbage")
+    cases.append((fake_spec(str(tmp_path / "corrupt.parquet"), str(out)), InputError, "corrupt.parquet"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    cases.append((fake_spec(str(tmp_path / "empty.parquet"), str(out), output={"keep_columns": []}),
+                  InputError, "no rows"))
+    for data, error, match in cases:
+        with pytest.raises(error, match=match):
+            run_job(spec_from_dict(data), show_progress=False)
+        assert not out.exists()
+    out.mkdir()
+    (out / "something.txt").write_text("x")
+    with pytest.raises(OutputError, match="already exists"):
+        run_job(spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out), output={"mode": "error"})))
+    with pytest.raises(OutputError, match="no _manifest.json"):
+        run_job(spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out))))
+
+
+def test_unreachable_output_bucket_is_named(s3_server, tmp_path):
+    write_prompts(tmp_path / "in.parquet", 4)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), "s3://no-such-bucket-out/x",
+                                    s3_server["storage_options"]))
+    spec = spec.model_copy(update={"input": spec.input.model_copy(update={"storage_options": {}})})
+    with pytest.raises(OutputError, match="output.url 's3://no-such-bucket-out/x': cannot write there"):
+        run_job(spec, show_progress=False)
