@@ -1,0 +1,51 @@
+"""Reports read from and write to a real S3-compatible server (moto in server mode), through s3fs."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pytest
+from click.testing import CliRunner
+from report_outputs import write_job
+
+from jobrunner.cli import main
+from jobrunner.reports import load_report, write_job_report
+
+
+@pytest.fixture(scope="module")
+def s3_job(s3_server: dict) -> str:
+    """One job output in its own bucket, written once for this module."""
+    options = s3_server["storage_options"]
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("reports-test")
+    fs.invalidate_cache()
+    return write_job("s3://reports-test/jobs/example", rows_per_shard=300, shards=3, error_every=100,
+                     storage_options=options)
+
+
+def test_report_from_s3(s3_job: str, s3_server: dict) -> None:
+    report = load_report(s3_job, s3_server["storage_options"], worker_hour_usd=1.0)
+    assert report["rows"]["total"] == 900 and report["rows"]["errors"] == 9
+    assert report["run"]["num_parts"] == 3 and report["run"]["complete"] is True
+    assert report["cost"]["usd_per_m_total"] is not None
+
+
+def test_cli_reads_s3(s3_job: str, s3_server: dict) -> None:
+    options = json.dumps(s3_server["storage_options"])
+    result = CliRunner().invoke(main, ["report", s3_job, "--storage-options", options, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tokens"]["output"] > 0
+
+
+def test_write_job_report_to_s3(s3_job: str, s3_server: dict) -> None:
+    options = s3_server["storage_options"]
+    result = write_job_report(s3_job, options, worker_hour_usd=0.5)
+    assert "error" not in result, result
+    fs = fsspec.filesystem("s3", **options)
+    fs.invalidate_cache()
+    stored = json.loads(fs.cat_file("reports-test/jobs/example/report.json"))
+    assert stored["rows"]["total"] == 900 and stored["cost"]["worker_hour_usd"] == 0.5
+    assert fs.cat_file("reports-test/jobs/example/report.html").startswith(b"<!DOCTYPE html>")
+    assert sorted(result["files"]) == ["s3://reports-test/jobs/example/report.html",
+                                       "s3://reports-test/jobs/example/report.json"]
