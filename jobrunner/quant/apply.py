@@ -1,0 +1,142 @@
+"""``quantize_model``: swap every ``nn.Linear`` of a model for an int8 or int4 weight-only layer, in place.
+
+Per layer, in order: skipped by request -> kept float; int4 wanted -> the largest allowed group size not above
+the requested one that divides ``in_features`` (576 = 9 x 64 in SmolLM2 takes 64 when 128 is asked); int4
+impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the reason recorded. int8 takes
+any 2-D float weight. A tied ``lm_head`` gets its own quantized copy; the embedding keeps the float tensor.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+import torch
+
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
+from jobrunner.quant.int8 import Int8WeightOnlyLinear
+from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_shape_problem
+from jobrunner.quant.report import LayerQuant, QuantReport
+
+SCHEMES = ("none", "int8", "int4")
+# Chosen by measurement on SmolLM2-135M (docs/quantization.md): 64 fits every SmolLM2 shape (K = 576, 1536);
+# asking for 128 falls back to 64 on K = 576.
+DEFAULT_GROUP_SIZE = 64
+
+
+def check_scheme(scheme: str) -> str:
+    """Normalise ``scheme`` or raise ``ValueError`` naming the allowed values."""
+    normalized = str(scheme).strip().lower()
+    if normalized not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {'|'.join(SCHEMES)}")
+    return normalized
+
+
+def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | None = None,
+                   skip: Iterable[str] = ()) -> QuantReport:
+    """Quantize every ``nn.Linear`` of ``model`` in place (weight-only) and report what happened.
+
+    ``scheme``: ``none`` | ``int8`` (per-channel) | ``int4`` (group-wise, ``group_size`` default 64).
+    ``skip``: layer names or glob patterns (``"lm_head"``, ``"*.down_proj"``) to keep in float.
+    Call it after the model is on its final device: int4 weights are packed for that device's kernel.
+    """
+    scheme = check_scheme(scheme)
+    if group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size {group_size} not supported: expected one of {INT4_GROUP_SIZES}")
+    requested_group = group_size or DEFAULT_GROUP_SIZE
+    report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
+    report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
+    patterns = tuple(skip)
+    for name, linear in _linears(model):
+        entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
+                           bytes_before=_nbytes(linear.weight))
+        report.linear_bf16_bytes += linear.weight.numel() * 2
+        if scheme != "none" and not _is_skipped(name, patterns):
+            new = _quantize_linear(linear, scheme, requested_group, entry)
+            if _is_tied(model, linear):
+                report.notes.append(
+                    f"{name} is tied to another parameter: quantized a copy; the original stays")
+            _set_module(model, name, new)
+        elif scheme != "none":
+            entry.fallback_reason = None
+            report.notes.append(f"{name} kept in float (skip)")
+        entry.bytes_after = _layer_weight_bytes(_get_module(model, name))
+        report.linear_bytes_after += entry.bytes_after
+        report.layers.append(entry)
+    report.model_bytes_after = _model_bytes(model)[1]
+    return report
+
+
+def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int,
+                     entry: LayerQuant) -> torch.nn.Module:
+    if scheme == "int4":
+        group, problem = _pick_group_size(linear, group_size)
+        if problem is None:
+            entry.scheme, entry.group_size = "int4", group
+            if group != group_size:
+                entry.fallback_reason = (
+                    f"group size {group_size} does not divide {linear.in_features}; used {group}")
+            return Int4WeightOnlyLinear.from_linear(linear, group)
+        entry.fallback_reason = f"int4 kernel cannot take this shape ({problem}); used int8"
+    entry.scheme = "int8"
+    return Int8WeightOnlyLinear.from_linear(linear)
+
+
+def _pick_group_size(linear: torch.nn.Linear, requested: int) -> tuple[int, str | None]:
+    """The largest allowed group size <= ``requested`` that the kernel takes, else (requested, why not).
+
+    The reason given is the one for the smallest group size tried, i.e. what no group size can fix.
+    """
+    problem = None
+    for group in sorted((g for g in INT4_GROUP_SIZES if g <= requested), reverse=True):
+        problem = int4_shape_problem(linear.out_features, linear.in_features, group, linear.weight.device)
+        if problem is None:
+            return group, None
+    return requested, problem
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    return [(name, mod) for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and mod.weight.is_floating_point()]
+
+
+def _is_skipped(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _is_tied(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
+    """Whether ``linear.weight`` is also registered somewhere else (e.g. as the input embedding)."""
+    return sum(p is linear.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
+
+
+def _get_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    return model.get_submodule(name)
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _layer_weight_bytes(module: torch.nn.Module) -> int:
+    if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+        return module.weight_bytes()
+    return _nbytes(module.weight)
+
+
+def _model_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes if every float tensor were bfloat16, actual bytes) over unique parameters and buffers."""
+    seen: set[int] = set()
+    bf16 = actual = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        actual += _nbytes(t)
+        bf16 += t.numel() * 2 if t.is_floating_point() else _nbytes(t)
+    return bf16, actual

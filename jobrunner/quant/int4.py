@@ -1,0 +1,114 @@
+"""Int4 group-wise (asymmetric) weight-only linear layer on torch's tinygemm-style kernels.
+
+Each run of ``group_size`` input features of one output row shares a scale and a zero:
+``w = (q - 8) * scale + zero`` with q in 0..15. ``scales_and_zeros`` is [K / group_size, N, 2] bfloat16.
+The kernels want bfloat16 activations, so other dtypes are cast in and out (float32 on CPU, float16 on CUDA).
+
+On CPU the packed kernel wins at few tokens but its cost grows linearly with the token count; above
+``small_batch_max_tokens`` we unpack the weight to bfloat16 and run one dense GEMM (see ``int4_unpack``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jobrunner.quant.int4_unpack import find_cpu_unpacker
+from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
+
+# Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
+
+
+@torch.no_grad()
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 quantization of ``weight`` [N, K] in groups of ``group_size`` along K.
+
+    Returns ``(q [N, K] int32 in 0..15, scales_and_zeros [K / group_size, N, 2] float32)``. Each group's range
+    is shrunk by the ratio in :data:`CLIP_RATIOS` that minimises that group's squared error.
+    """
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    best_err = best_q = best_scale = best_min = None
+    for ratio in CLIP_RATIOS:
+        lo = w.amin(-1, keepdim=True) * ratio
+        hi = w.amax(-1, keepdim=True) * ratio
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((w - lo) / scale).clamp(0, 15)
+        err = ((q * scale + lo - w) ** 2).sum(-1, keepdim=True)
+        if best_err is None:
+            best_err, best_q, best_scale, best_min = err, q, scale, lo
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_q = torch.where(better, q, best_q)
+        best_scale = torch.where(better, scale, best_scale)
+        best_min = torch.where(better, lo, best_min)
+    zeros = best_min + 8 * best_scale
+    scales_and_zeros = torch.cat([best_scale, zeros], dim=-1).transpose(0, 1).contiguous()
+    return best_q.reshape(n, k).to(torch.int32), scales_and_zeros
+
+
+class Int4WeightOnlyLinear(torch.nn.Module):
+    """Drop-in replacement for ``nn.Linear`` holding an int4 group-wise weight packed for its device."""
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        problem = int4_shape_problem(self.out_features, self.in_features, group_size, q.device)
+        if problem is not None:
+            raise ValueError(f"int4 cannot take weight [{self.out_features}, {self.in_features}]: {problem}")
+        self.register_buffer("weight_int4pack", pack_int4(q))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
+        self._unpack = None if q.is_cuda else find_cpu_unpacker(self.weight_int4pack, q)
+        self._packed_on = q.device.type
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int) -> Int4WeightOnlyLinear:
+        """Quantize ``linear`` into a new module on its device (``ValueError`` if the shape can't fit)."""
+        device = linear.weight.device
+        problem = int4_shape_problem(linear.out_features, linear.in_features, group_size, device)
+        if problem is not None:
+            raise ValueError(f"int4 cannot take {linear}: {problem}")
+        q, scales_and_zeros = quantize_int4_groupwise(linear.weight, group_size)
+        return cls(q, scales_and_zeros, group_size, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features]; the engine passes [num_tokens, in_features].
+        if x.device.type != self._packed_on:
+            raise RuntimeError(
+                f"int4 weight was packed for {self._packed_on}; quantize after moving the model")
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if x2.is_cuda or self._unpack is None or x2.shape[0] <= self.small_batch_max_tokens:
+            y = int4_mm(x2.contiguous(), self.weight_int4pack, self.group_size, self.scales_and_zeros)
+        else:
+            y = F.linear(x2, self.dequantized_weight(torch.bfloat16))
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
+        if self._unpack is not None:
+            q = self._unpack(self.weight_int4pack)
+        else:  # no unpacker (CUDA layout): recover W^T through the kernel itself with an identity input.
+            eye = torch.eye(self.in_features, device=self.weight_int4pack.device, dtype=torch.bfloat16)
+            return int4_mm(eye, self.weight_int4pack, self.group_size, self.scales_and_zeros).t().to(dtype)
+        groups = self.in_features // self.group_size
+        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, groups, 1]
+        low = self.scales_and_zeros[..., 1].t().unsqueeze(-1) - 8 * scale  # w = q * scale + low
+        w = q.to(dtype).view(self.out_features, groups, self.group_size) * scale.to(dtype) + low.to(dtype)
+        return w.view(self.out_features, self.in_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the packed weight and its scales/zeros (bias not included)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight_int4pack, self.scales_and_zeros))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")

@@ -1,0 +1,101 @@
+"""Int8 per-output-channel weight-only linear layer.
+
+Storage: ``weight_int8`` [out, in] int8 and ``scales`` [out] float32, so
+``W ~= weight_int8 * scales[:, None]`` (symmetric, no zero point). Activations stay in floating point.
+
+Which path runs (measured on a 2-core AVX512/AMX Xeon, torch 2.13, see docs/quantization.md):
+
+* few tokens (``num_tokens <= small_batch_max_tokens``): ``aten._weight_int8pack_mm`` on bfloat16 inputs.
+  Its float32 CPU path is a scalar loop (10-50x slower), so float32 inputs are cast to bfloat16 and back.
+* more tokens: dequantize the weight to bfloat16 (int8 values are exact in bfloat16) and call
+  ``F.linear``; the dense bfloat16 GEMM (oneDNN/AMX) beats the packed kernel, whose cost grows linearly
+  with the token count.
+* CUDA: ``_weight_int8pack_mm`` when this torch build has it for CUDA, else dequantize-then-matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, has_cuda_int8pack
+
+INT8_MAX = 127
+
+
+@torch.no_grad()
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantization of ``weight`` [out, in].
+
+    Returns ``(weight_int8 [out, in] int8, scales [out] float32)``; a zero row gets scale 1.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+class Int8WeightOnlyLinear(torch.nn.Module):
+    """Drop-in replacement for ``nn.Linear`` holding an int8 per-channel weight (see module docstring)."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
+        self._scales_cache = scales.to(torch.bfloat16)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int8WeightOnlyLinear:
+        """Quantize ``linear`` (any float dtype, any device) into a new module on the same device."""
+        q, scales = quantize_int8_per_channel(linear.weight)
+        return cls(q, scales, linear.bias)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
+        return (self.weight_int8.to(torch.float32) * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features]; the engine passes [num_tokens, in_features].
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda:
+            y = self._forward_cuda(x2)
+        elif x2.shape[0] <= self.small_batch_max_tokens:
+            y = self._packed_mm(x2.to(torch.bfloat16)).to(x.dtype)
+        else:
+            y = self._dequant_mm(x2.to(torch.bfloat16)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
+        if has_cuda_int8pack():
+            return self._packed_mm(x2)
+        return self._dequant_mm(x2)
+
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        scales = self._scales_for(x2.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scales)
+
+    def _dequant_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        # Scaling the [tokens, out] result is cheaper than scaling the [out, in] weight.
+        y = F.linear(x2, self.weight_int8.to(x2.dtype))
+        return y * self._scales_for(x2.dtype)
+
+    def _scales_for(self, dtype: torch.dtype) -> torch.Tensor:
+        cached = self._scales_cache
+        if cached.dtype != dtype or cached.device != self.scales.device:
+            cached = self.scales.to(dtype)
+            self._scales_cache = cached
+        return cached
+
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (bias not included)."""
+        return self.weight_int8.numel() * 1 + self.scales.numel() * self.scales.element_size()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
