@@ -1,0 +1,139 @@
+"""Fault tests on a local multi-node Ray cluster (several raylets on 127.0.0.1) with the fake engine.
+
+One cluster for the module (a head with no CPUs and three 1-CPU nodes; each worker needs one CPU so workers
+sit on different nodes and a spare node takes replacements). The fake engine sleeps per step so that kills
+land mid-shard. Order matters: the node-removal test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import yaml
+
+from jobrunner.driver.job import run_job
+from jobrunner.io.parts import read_output
+from jobrunner.spec import spec_from_dict
+from tests.driver.conftest import REPO, fake_spec, read_manifest_file, write_prompts
+
+pytestmark = pytest.mark.timeout(300)
+SLOW = {"factory_options": {"step_delay_s": 0.05}}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=1) for _ in range(3)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def _spec(tmp_path, n_rows=64):
+    ids = write_prompts(tmp_path / "in.parquet", n_rows)
+    data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"), engine=SLOW,
+                     sampling={"max_tokens": 10}, cluster={"num_cpus_per_worker": 1, "retry_backoff_s": 0.2})
+    return ids, data
+
+
+def _wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError("condition not reached")
+
+
+def _committed(out) -> dict:
+    try:
+        shards = read_manifest_file(out)["shards"]
+    except (OSError, ValueError):
+        return {}
+    return {s: e for s, e in shards.items() if e["status"] == "committed"}
+
+
+def _worker_actor(worker_id: str):
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith("jobrunner:fake-job:") and entry["name"].endswith(f":{worker_id}"):
+            return ray.get_actor(entry["name"], namespace=entry["namespace"])
+    return None
+
+
+def _run_in_thread(spec):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=run_job(spec, show_progress=False)))
+    thread.start()
+    return thread, box
+
+
+def _assert_once(out, ids):
+    got = read_output(str(out)).column("id").to_pylist()
+    assert sorted(got) == ids and len(got) == len(set(got))
+
+
+def test_killed_worker_actor_shards_are_retried(cluster, tmp_path):
+    ids, data = _spec(tmp_path)
+    thread, box = _run_in_thread(spec_from_dict(data))
+    _wait_for(lambda: _committed(tmp_path / "out") and _worker_actor("w0") is not None)
+    ray.kill(_worker_actor("w0"), no_restart=True)  # mid-shard: w0 holds two shards at all times
+    thread.join(timeout=240)
+    assert box["result"].ok
+    _assert_once(tmp_path / "out", ids)
+    manifest = read_manifest_file(tmp_path / "out")
+    assert any(e["attempts"] == 2 for e in manifest["shards"].values())
+    assert "w2" in manifest["workers"]  # the replacement
+
+
+def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_path):
+    ids, data = _spec(tmp_path)
+    out = tmp_path / "out"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-c", "from jobrunner.cli import main; main()", "run", str(tmp_path / "job.yaml"),
+           "--address", cluster[0].address, "--no-progress", "--no-report"]
+    driver = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: len(_committed(out)) >= 2, timeout=120)
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    before = _committed(out)
+    assert len(before) < 8, "the driver finished before it was killed"
+    mtimes = {s: (out / e["part"]).stat().st_mtime_ns for s, e in before.items()}
+    result = run_job(spec_from_dict(data), show_progress=False)
+    assert result.ok
+    _assert_once(out, ids)
+    after = read_manifest_file(out)
+    for shard_id, entry in before.items():
+        assert after["shards"][shard_id]["worker_id"] == entry["worker_id"]
+        assert (out / entry["part"]).stat().st_mtime_ns == mtimes[shard_id], f"{shard_id} recomputed"
+    assert (out / "_SUCCESS").exists()
+    assert json.loads((out / "_manifest.json").read_text())["run_count"] == 2
+
+
+def test_removed_node_mid_job(cluster, tmp_path):
+    c, nodes = cluster
+    ids, data = _spec(tmp_path)
+    thread, box = _run_in_thread(spec_from_dict(data))
+    _wait_for(lambda: _committed(tmp_path / "out") and _worker_actor("w1") is not None)
+    node_id = ray.get(_worker_actor("w1").ready.remote())["stats"]["node_id"]
+    node = next(n for n in nodes if n.node_id == node_id)
+    c.remove_node(node, allow_graceful=False)
+    thread.join(timeout=240)
+    assert box["result"].ok
+    _assert_once(tmp_path / "out", ids)
+    assert len(read_manifest_file(tmp_path / "out")["workers"]) >= 3
