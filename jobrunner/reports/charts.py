@@ -33,8 +33,9 @@ def tokens_over_time_chart(reports: list[dict], which: str) -> str:
         series.append(Series(label, data["t"], data["tokens_per_s"], PALETTE[i % len(PALETTE)]))
     if not any(any(v > 0 for v in s.ys) for s in series):
         return empty_chart(title, f"no {which} tokens")
+    walls = [r["time"]["wall_s"] for r in reports if r["time"]["wall_s"]]
     return line_chart(title, series, "seconds since job start", "tokens/s", _axis_seconds,
-                      lambda v: fmt_float(v, 0))
+                      lambda v: fmt_float(v, 0), x_max=max(walls) if walls else None)
 
 
 def cost_chart(reports: list[dict]) -> str:
