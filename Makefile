@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run test lint bench clean browser
 
 venv: $(STAMP)
 
@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml
 run: venv
 	$(BIN)/jobrunner run jobs/example.yaml
 
-test: venv
+# Chromium (Debian's package) for the HTML report's headless-browser test; installed only when running as
+# root and missing (otherwise that test is skipped with its reason).
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
+		echo "warning: chromium not installed; the browser test will be skipped"
+
+test: venv browser
 	$(BIN)/ruff check jobrunner tests
 	$(BIN)/python -m pytest -q -x --durations=15
 
