@@ -1,0 +1,92 @@
+"""`jobrunner validate | run | submit` through click's CliRunner; submit goes to a Ray head started here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from jobrunner.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.driver.conftest import fake_spec, read_manifest_file, write_prompts  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _job(tmp_path, **sections) -> Path:
+    write_prompts(tmp_path / "in.parquet", 24, poison=sections.pop("poison", None))
+    data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"), **sections)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_validate_reports_plan_and_errors(tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", str(_job(tmp_path))])
+    assert ok.exit_code == 0, ok.output
+    assert "24 rows, 3 shard(s)" in ok.output and "required columns present: prompt, id, topic" in ok.output
+    bad = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--set", "input.id_column=missing"])
+    assert bad.exit_code == 1 and "missing column 'missing' (input.id_column)" in bad.output
+    typo = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--set", "cluster.num_wrkers=2"])
+    assert typo.exit_code == 1 and "cluster.num_wrkers: unknown field" in typo.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_fails_named_shard_then_resume_succeeds(tmp_path):
+    job = _job(tmp_path, poison=3, engine={"factory_options": {"fail_on": "POISON"}},
+               cluster={"max_shard_attempts": 2, "num_workers": 1})
+    runner = CliRunner()
+    first = runner.invoke(main, ["run", str(job), "--no-progress"])
+    failed = [s for s, e in read_manifest_file(tmp_path / "out")["shards"].items() if e["status"] == "failed"]
+    assert first.exit_code == 1 and len(failed) == 1
+    assert f"1 shard(s) failed: {failed[0]}" in first.output
+    second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", "engine.factory_options.fail_on=null"])
+    assert second.exit_code == 0, second.output
+    assert "3/3 shards committed, 24 rows" in second.output
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+    assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "report.html").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(monkeypatch):
+    """A Ray head with the Job Submission API on 127.0.0.1; its jobs can import the fake engine."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    port = _free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
+    yield f"http://127.0.0.1:{port}"
+    cluster.shutdown()
+
+
+def test_submit_runs_the_job_on_a_ray_head(ray_head, tmp_path):
+    job = _job(tmp_path, cluster={"num_workers": 1})
+    result = CliRunner().invoke(main, ["submit", str(job), "--address", ray_head, "--wait",
+                                       "--set", "name=submitted"])
+    assert result.exit_code == 0, result.output
+    job_id = result.output.splitlines()[0]
+    assert job_id.startswith("raysubmit_")
+    assert "3/3 shards committed, 24 rows" in result.output
+    manifest = read_manifest_file(tmp_path / "out")
+    assert manifest["job_name"] == "submitted" and manifest["totals"]["rows"] == 24
+    bad = CliRunner().invoke(main, ["submit", str(job), "--address", ray_head, "--auth-token", "wrong"])
+    assert bad.exit_code == 1 and f"cannot submit to {ray_head}" in bad.output
