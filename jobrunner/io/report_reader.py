@@ -1,8 +1,8 @@
 """Streamed, column-projected reading of a job's outputs for reports (and writing the report files).
 
-Only the metric columns of `docs/contracts.md` are read, one record batch at a time (Parquet row groups are
-decoded lazily by `ParquetFile.iter_batches`), so a 10-million-row output never sits whole in memory: the
-caller folds each `MetricBatch` into bounded accumulators. `generated_text` and kept input columns are never
+Only the metric columns of `docs/contracts.md` are read, one Parquet row group at a time and handed out in
+record batches, so a 10-million-row output never sits whole in memory: the caller folds each `MetricBatch`
+into bounded accumulators. `generated_text` and kept input columns are never
 decoded. This module owns every pyarrow / fsspec call made for reports; `jobrunner.reports` only sees numpy
 arrays, dicts and strings.
 """
@@ -133,13 +133,19 @@ def _no_parts_message(outputs: JobOutputs) -> str:
 
 
 def iter_metric_batches(outputs: JobOutputs, batch_rows: int = 65_536) -> Iterator[MetricBatch]:
-    """Yield the metric columns of every committed part, `batch_rows` rows at a time."""
+    """Yield the metric columns of every committed part, one row group at a time, `batch_rows` rows a batch.
+
+    Row group by row group on purpose: `ParquetFile.iter_batches` kept every decoded column chunk alive
+    (resident memory grew by ~80 MB per float column over 10 M rows); this loop stays at one row group.
+    """
     for path in outputs.part_paths:
         with outputs.fs.open(path, "rb") as fh:
             parquet = pq.ParquetFile(fh)
             _check_columns(parquet.schema_arrow, path)
-            for batch in parquet.iter_batches(batch_size=batch_rows, columns=list(METRIC_COLUMNS)):
-                yield _to_metric_batch(batch)
+            for index in range(parquet.metadata.num_row_groups):
+                table = parquet.read_row_group(index, columns=list(METRIC_COLUMNS), use_threads=False)
+                for batch in table.to_batches(max_chunksize=batch_rows):
+                    yield _to_metric_batch(batch)
 
 
 def _check_columns(schema: pa.Schema, path: str) -> None:

@@ -31,30 +31,39 @@ class LatencyValues:
             self._sorted = None
 
     def sorted_values(self) -> np.ndarray:
-        """Every value kept, ascending (float64 view for exact arithmetic on the float32 data)."""
+        """Every value kept, ascending, float32; sorted once in place (the chunks are dropped)."""
         if self._sorted is None:
             joined = np.concatenate(self._chunks) if self._chunks else np.empty(0, np.float32)
+            joined.sort()
             self._chunks = [joined] if joined.size else []
-            self._sorted = np.sort(joined).astype(np.float64)
+            self._sorted = joined
         return self._sorted
 
+    def quantiles(self, shares: np.ndarray) -> np.ndarray:
+        """Values at `shares` in [0, 1], linear interpolation between ranks (numpy's default method)."""
+        values = self.sorted_values()
+        position = shares * (values.size - 1)
+        low = np.floor(position).astype(np.int64)
+        high = np.minimum(low + 1, values.size - 1)
+        below, above = values[low].astype(np.float64), values[high].astype(np.float64)
+        return below + (above - below) * (position - low)
+
     def summary(self) -> dict:
-        """count, mean, p50/p90/p95/p99 (linear interpolation between ranks) and max; None when empty."""
+        """count, mean, p50/p90/p95/p99 and max; None when empty."""
         values = self.sorted_values()
         if values.size == 0:
             return {"count": 0, "mean": None, **{name: None for name in QUANTILES}, "max": None}
-        percentiles = np.percentile(values, list(QUANTILES.values()))
-        return {"count": int(values.size), "mean": float(values.mean()),
+        percentiles = self.quantiles(np.array(list(QUANTILES.values())) / 100.0)
+        return {"count": int(values.size), "mean": float(values.mean(dtype=np.float64)),
                 **{name: float(v) for name, v in zip(QUANTILES, percentiles, strict=True)},
                 "max": float(values[-1])}
 
     def cdf(self) -> dict:
-        """Up to CDF_POINTS (value, cumulative share) points for a chart."""
-        values = self.sorted_values()
-        if values.size == 0:
+        """CDF_POINTS (value, cumulative share) points for a chart."""
+        if self.sorted_values().size == 0:
             return {"x": [], "p": []}
         shares = np.linspace(0.0, 1.0, CDF_POINTS)
-        return {"x": [float(v) for v in np.quantile(values, shares)], "p": [float(p) for p in shares]}
+        return {"x": [float(v) for v in self.quantiles(shares)], "p": [float(p) for p in shares]}
 
 
 class TokenTimeline:
