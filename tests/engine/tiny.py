@@ -67,4 +67,5 @@ def make_hf_model(arch: str = "llama", vocab_size: int = 384, seed: int = 0, **o
 def engine_from_hf(hf_model, tokenizer, **config) -> LLMEngine:
     model = build_model(hf_model.config, torch.float32, torch.device("cpu"))
     load_weights(model, hf_model.state_dict().items())
+    config.setdefault("num_kv_blocks", 4096 // config.get("block_size", 16))  # a small pool: fast integrity checks
     return LLMEngine(model, tokenizer, EngineConfig(**config), eos_token_ids=[tokenizer.eos_token_id])

@@ -1,0 +1,30 @@
+"""Test helpers: run an engine step by step with the integrity check after every step."""
+
+from __future__ import annotations
+
+from jobrunner.engine import SamplingParams
+from jobrunner.engine.llm_engine import LLMEngine
+
+
+def run_checked(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams]) -> dict:
+    """Add prompts as requests "r0", "r1", ...; step to completion checking the KV pool every step."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        engine.check_integrity()
+    assert engine.kv_manager.pool.num_used_blocks == 0
+    return outputs
+
+
+def hf_greedy(hf_model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()

@@ -1,0 +1,61 @@
+"""Same greedy outputs whatever the batching, caching or preemption; pool integrity after every step."""
+
+import pytest
+from helpers import run_checked
+from tiny import CORPUS, engine_from_hf
+
+from jobrunner.engine import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+SHARED = "You are a careful assistant. Answer the question step by step, and keep it short. Question: "
+
+
+def _prompts():
+    return [SHARED + p for p in CORPUS[:5]] + CORPUS[:3]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer, enable_prefix_caching=False, max_num_seqs=1)
+    return {k: v.output_token_ids for k, v in run_checked(engine, _prompts(), GREEDY).items()}
+
+
+@pytest.mark.parametrize("settings", [
+    dict(enable_prefix_caching=True, block_size=4),
+    dict(enable_prefix_caching=True, block_size=16, max_num_batched_tokens=7),
+    dict(enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=16),
+    dict(enable_prefix_caching=True, max_num_seqs=64, max_num_batched_tokens=4096),
+])
+def test_same_outputs_across_settings(settings, reference, hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer, **settings)
+    outputs = run_checked(engine, _prompts(), GREEDY)
+    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+
+
+def test_prefix_cache_hits_are_counted(hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer, block_size=4, max_num_seqs=1)
+    outputs = run_checked(engine, _prompts(), GREEDY)
+    shared_len = len(tokenizer(SHARED)["input_ids"])
+    # requests after the first share the system prefix (whole blocks of it)
+    assert outputs["r1"].metrics.num_cached_tokens >= (shared_len // 4 - 1) * 4
+    assert outputs["r0"].metrics.num_cached_tokens == 0
+    assert engine.stats().num_cached_tokens > 0
+
+
+def test_forced_preemption_gives_same_outputs(reference, hf_llama, tokenizer):
+    # 40 blocks of 4 = 160 slots: the longest request fits alone, the batch does not, so requests are
+    # preempted and recomputed
+    engine = engine_from_hf(hf_llama, tokenizer, block_size=4, num_kv_blocks=40, max_num_seqs=8)
+    outputs = run_checked(engine, _prompts(), GREEDY)
+    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+    assert sum(o.metrics.num_preemptions for o in outputs.values()) > 0
+
+
+def test_request_longer_than_cache_is_an_error_not_a_hang(hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer, block_size=4, num_kv_blocks=4)  # 16 slots
+    long_prompt = list(range(3, 40))
+    outputs = run_checked(engine, [long_prompt, [5, 6, 7]], SamplingParams(max_tokens=50, temperature=0))
+    assert outputs["r0"].finish_reason == "error" and "limit is 15" in outputs["r0"].error
+    # the short one runs until the whole cache is its context, then stops on length
+    assert outputs["r1"].finish_reason == "length" and outputs["r1"].error is None
+    assert len(outputs["r1"].output_token_ids) == 16 - 3
