@@ -33,21 +33,30 @@ def fmt_pct(value: object) -> str:
 
 
 def fmt_seconds(value: object) -> str:
-    """Seconds with a unit that keeps 3 significant digits: 850 ms, 1.25 s."""
+    """Seconds with a unit that keeps 3 significant digits: 77.3 µs, 850 ms, 1.25 s."""
     if not _is_number(value):
         return NA
     seconds = float(value)
+    if seconds == 0:
+        return "0 s"
+    if abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
     if abs(seconds) < 1.0:
         return f"{seconds * 1000:.3g} ms"
     return f"{seconds:,.3g} s" if seconds < 1000 else f"{seconds:,.0f} s"
 
 
 def fmt_usd(value: object) -> str:
-    """Dollars with 4 significant digits: $0.01234, $1.234, $0.1000; cents from $100 up."""
+    """Dollars, never with an exponent: cents from $1 ($1.50), else 4 significant digits ($0.00009708)."""
     if not _is_number(value):
         return NA
     amount = float(value)
-    return f"${amount:,.2f}" if amount >= 100 else f"${amount:#.4g}"
+    if amount >= 1:
+        return f"${amount:,.2f}"
+    if amount <= 0:
+        return "$0"
+    decimals = min(12, 3 - math.floor(math.log10(amount)))
+    return f"${amount:.{decimals}f}"
 
 
 def fmt_text(value: object) -> str:

@@ -84,3 +84,4 @@ def test_add_counts_groups_by_key() -> None:
     counts: dict[str, int] = {"a": 1}
     add_counts(counts, {"a: 1": 2, "a: 2": 3, "b": 1}, error_kind)
     assert counts == {"a": 6, "b": 1}
+

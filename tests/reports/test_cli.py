@@ -27,7 +27,7 @@ def _invoke(*args: str) -> object:
 def test_text_report(runs: list[str]) -> None:
     result = _invoke(runs[0], "--worker-hour-usd", "2.5")
     assert result.exit_code == 0, result.output
-    for needle in ("TTFT p99", "prefix-cache hit rate", "$ / M output tokens", "$2.500",
+    for needle in ("TTFT p99", "prefix-cache hit rate", "$ / M output tokens", "$2.50",
                    "error prompt too long: 20 rows"):
         assert needle in result.output
 
