@@ -146,8 +146,13 @@ def error_kind(error: str) -> str:
     return head if len(head) <= 60 else head[:57] + "..."
 
 
-def add_counts(target: dict[str, int], source: dict[str, int], key=lambda k: k) -> None:
-    """target[key(k)] += n for every k, n in source."""
+OTHER_KINDS = "(other kinds)"
+
+
+def add_counts(target: dict[str, int], source: dict[str, int], key=lambda k: k, max_keys: int = 1000) -> None:
+    """target[key(k)] += n for every k, n in source; past `max_keys` kinds, new ones count as OTHER_KINDS."""
     for name, count in source.items():
         kind = key(name)
+        if kind not in target and len(target) >= max_keys:
+            kind = OTHER_KINDS
         target[kind] = target.get(kind, 0) + int(count)

@@ -6,6 +6,7 @@ import posixpath
 
 from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
 from jobrunner.reports import manifest_view as mv
+from jobrunner.reports.accumulators import OTHER_KINDS
 from jobrunner.reports.cost import cost_figures, goodput_cost, ratio
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 
@@ -63,8 +64,18 @@ def _run(outputs: JobOutputs) -> dict:
     }
 
 
+def _top_kinds(kind_to_count: dict[str, int], limit: int = 20) -> dict[str, int]:
+    """The `limit` most frequent error kinds, the rest summed into one entry."""
+    ranked = sorted(kind_to_count.items(), key=lambda kv: (-kv[1], kv[0]))
+    top = dict(ranked[:limit])
+    rest = sum(count for _, count in ranked[limit:])
+    if rest:
+        top[OTHER_KINDS] = top.get(OTHER_KINDS, 0) + rest
+    return top
+
+
 def _rows(folded: Folded) -> dict:
-    kinds = dict(sorted(folded.error_kind_to_count.items(), key=lambda kv: (-kv[1], kv[0])))
+    kinds = _top_kinds(folded.error_kind_to_count)
     return {"total": folded.rows, "ok": folded.rows - folded.errors, "errors": folded.errors,
             "error_rate": ratio(folded.errors, folded.rows), "errors_by_kind": kinds,
             "finish_reasons": dict(sorted(folded.finish_reason_to_count.items()))}

@@ -85,3 +85,9 @@ def test_add_counts_groups_by_key() -> None:
     add_counts(counts, {"a: 1": 2, "a: 2": 3, "b": 1}, error_kind)
     assert counts == {"a": 6, "b": 1}
 
+
+
+def test_error_kinds_stay_bounded() -> None:
+    counts: dict[str, int] = {}
+    add_counts(counts, {f"kind{chr(65 + i)}: x": 1 for i in range(10)}, error_kind, max_keys=4)
+    assert len(counts) == 5 and counts["(other kinds)"] == 6

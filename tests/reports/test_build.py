@@ -110,3 +110,14 @@ def test_timeline_holds_every_token(small_job: str) -> None:
     assert output["t"][-1] <= 10.0 + output["bin_s"]
     input_ = charts["input_tokens_per_s"]
     assert sum(input_["tokens_per_s"]) * input_["bin_s"] == pytest.approx(5400)
+
+
+def test_errors_by_kind_lists_the_top_20(tmp_path: Path) -> None:
+    failed = (10, 0, 0, None, None, None, None, 1.0)
+    spec = [(*failed, f"{chr(65 + i % 25)} failed: detail {i}") for i in range(50)]
+    spec.append((*failed, "A failed: once more"))
+    shards = {"a": _rows("a", "w0", spec)}
+    report = load_report(write_outputs(str(tmp_path / "j"), shards, make_manifest(shards, 1.0)))
+    kinds = report["rows"]["errors_by_kind"]
+    assert list(kinds)[0] == "A failed" and kinds["A failed"] == 3
+    assert len(kinds) == 21 and kinds["(other kinds)"] == 10 and sum(kinds.values()) == 51
