@@ -76,15 +76,18 @@ class _Plot:
         self.top, self.bottom = MARGIN_TOP, HEIGHT - MARGIN_BOTTOM
 
     def x(self, value: float) -> float:
+        """Pixel x of a data value (clamped to the plot)."""
         share = min(max(value / self.x_high, 0.0), 1.0)
         return round(self.left + share * (self.right - self.left), 2)
 
     def y(self, value: float) -> float:
+        """Pixel y of a data value (clamped to the plot)."""
         share = min(max(value / self.y_high, 0.0), 1.0)
         return round(self.bottom - share * (self.bottom - self.top), 2)
 
     def axes(self, x_ticks: list[float], y_ticks: list[float], x_fmt: Callable[[float], str],
              y_fmt: Callable[[float], str], x_label: str, y_label: str) -> list[str]:
+        """Grid lines, tick labels, frame and axis titles."""
         parts = []
         for tick in y_ticks:
             y = self.y(tick)
@@ -106,6 +109,7 @@ class _Plot:
         return parts
 
     def polyline(self, series: Series) -> str:
+        """One series as a polyline with a tooltip."""
         points = " ".join(f"{self.x(x)},{self.y(y)}" for x, y in zip(series.xs, series.ys, strict=True))
         dash = ' stroke-dasharray="6 4"' if series.dashed else ""
         return (f'<polyline class="series" fill="none" stroke="{series.color}" stroke-width="2"{dash} '
@@ -128,30 +132,33 @@ def legend(entries: list[tuple[str, str, bool]], y: float = HEIGHT - 30) -> list
     return parts
 
 
+BAR_H, BAR_GAP, BAR_LABEL_W = 16, 14, 150
+
+
 def bar_chart(title: str, groups: list[str], bars: list[tuple[str, list[float | None], str]],
               value_fmt: Callable[[float], str]) -> str:
     """Horizontal bars: one block per group (run), one bar per (label, values, color); None is not drawn."""
     values = [v for _, vals, _ in bars for v in vals if v is not None]
     if not values:
         return empty_chart(title, "nothing to draw")
-    bar_h, gap, label_w = 16, 14, 150
-    height = MARGIN_TOP + len(groups) * (len(bars) * bar_h + gap) + 50
-    ticks = nice_ticks(max(values))
-    scale = (WIDTH - MARGIN_RIGHT - label_w - 60) / ticks[-1]
-    body, y = [], MARGIN_TOP
+    height = MARGIN_TOP + len(groups) * (len(bars) * BAR_H + BAR_GAP) + 50
+    scale = (WIDTH - MARGIN_RIGHT - BAR_LABEL_W - 60) / nice_ticks(max(values))[-1]
+    body = []
     for g, group in enumerate(groups):
-        label_y = y + len(bars) * bar_h / 2 + 4
-        body.append(f'<text class="group" x="8" y="{label_y}">{escape(group[:22])}</text>')
-        for label, vals, color in bars:
-            value = vals[g]
-            if value is not None:
-                w = max(1.0, value * scale)
-                tip = f"{group}: {label} {value_fmt(value)}"
-                body.append(f'<rect class="bar" x="{label_w}" y="{y}" width="{w:.2f}" height="{bar_h - 2}" '
-                            f'fill="{color}"><title>{escape(tip)}</title></rect>'
-                            f'<text class="bar-value" x="{label_w + w + 4:.2f}" y="{y + bar_h - 4}">'
-                            f"{escape(value_fmt(value))}</text>")
-            y += bar_h
-        y += gap
+        top = MARGIN_TOP + g * (len(bars) * BAR_H + BAR_GAP)
+        body.append(f'<text class="group" x="8" y="{top + len(bars) * BAR_H / 2 + 4}">'
+                    f"{escape(group[:22])}</text>")
+        for b, (label, vals, color) in enumerate(bars):
+            if vals[g] is not None:
+                body.append(_bar(top + b * BAR_H, vals[g] * scale, color, f"{group}: {label}",
+                                 value_fmt(vals[g])))
     body += legend([(label, color, False) for label, _, color in bars], y=height - 16)
     return _frame(title, body, WIDTH, height)
+
+
+def _bar(y: float, width: float, color: str, what: str, value: str) -> str:
+    width = max(1.0, width)
+    return (f'<rect class="bar" x="{BAR_LABEL_W}" y="{y}" width="{width:.2f}" height="{BAR_H - 2}" '
+            f'fill="{color}"><title>{escape(f"{what} {value}")}</title></rect>'
+            f'<text class="bar-value" x="{BAR_LABEL_W + width + 4:.2f}" y="{y + BAR_H - 4}">'
+            f"{escape(value)}</text>")
