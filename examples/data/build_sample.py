@@ -25,7 +25,10 @@ def main(data_dir: str) -> None:
     mt = _prompts(src / "mt_bench_question.prompts.jsonl", NUM_MT_BENCH)
     ids = [f"gsm8k-{i:04d}" for i in range(len(gsm))] + [f"mt_bench-{i:04d}" for i in range(len(mt))]
     sources = ["gsm8k_test"] * len(gsm) + ["mt_bench_question"] * len(mt)
-    table = pa.table({"id": ids, "prompt": gsm + mt, "source": sources})
+    prompts = gsm + mt
+    # The same text as a one-turn chat, for jobs that use messages_column (the chat template is applied).
+    messages = [[{"role": "user", "content": p}] for p in prompts]
+    table = pa.table({"id": ids, "prompt": prompts, "messages": messages, "source": sources})
     out = Path(__file__).with_name("prompts.parquet")
     pq.write_table(table, out, row_group_size=16, compression="zstd")
     print(f"wrote {out}: {table.num_rows} rows")

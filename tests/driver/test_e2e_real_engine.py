@@ -1,0 +1,43 @@
+"""End to end with the real engine and the embedded default model on a slice of the committed sample."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobrunner.driver.job import run_job
+from jobrunner.io.parts import read_output
+from jobrunner.spec import load_spec
+from tests.driver.conftest import REPO, read_manifest_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_example_job_on_real_engine(local_ray, tmp_path):
+    sample = pq.read_table(REPO / "examples" / "data" / "prompts.parquet").slice(40, 10)
+    messages = sample.column("messages").to_pylist()
+    messages[3] = []  # one bad row: it becomes an error row, the shard still commits
+    index = sample.schema.get_field_index("messages")
+    table = sample.set_column(index, "messages", pa.array(messages, sample.schema.field("messages").type))
+    pq.write_table(table, tmp_path / "slice.parquet", row_group_size=5)
+    spec = load_spec(REPO / "jobs" / "example.yaml", [
+        f"input.url={tmp_path / 'slice.parquet'}", "input.rows_per_shard=5", "sampling.max_tokens=8",
+        f"output.url={tmp_path / 'out'}", "cluster.num_cpus_per_worker=1"])
+    result = run_job(spec, show_progress=False)
+    assert result.ok, result.summary()
+    out = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert sorted(out) == sorted(sample.column("id").to_pylist())
+    bad_id = sample.column("id")[3].as_py()
+    assert out[bad_id]["finish_reason"] == "error" and "messages column" in out[bad_id]["error"]
+    good = [r for i, r in out.items() if i != bad_id]
+    assert all(r["finish_reason"] in ("stop", "length") and r["generated_text"] is not None for r in good)
+    assert sum(bool(r["generated_text"].strip()) for r in good) >= 7
+    assert all(0 < r["num_output_tokens"] <= 8 and r["num_prompt_tokens"] > 0 for r in good)
+    assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in good)
+    assert {r["source"] for r in good} <= {"gsm8k_test", "mt_bench_question"}
+    manifest = read_manifest_file(tmp_path / "out")
+    assert manifest["totals"]["rows"] == 10 and manifest["totals"]["num_errors"] == 1
+    worker = manifest["workers"]["w0"]
+    assert worker["prefill_s"] > 0 and worker["decode_s"] >= 0 and worker["steps"] > 0
+    assert manifest["model"]["source"] == "smollm2-135m-instruct"
