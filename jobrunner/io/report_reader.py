@@ -139,13 +139,22 @@ def iter_metric_batches(outputs: JobOutputs, batch_rows: int = 65_536) -> Iterat
     (resident memory grew by ~80 MB per float column over 10 M rows); this loop stays at one row group.
     """
     for path in outputs.part_paths:
-        with outputs.fs.open(path, "rb") as fh:
+        with _open_for_ranges(outputs.fs, path) as fh:
             parquet = pq.ParquetFile(fh)
             _check_columns(parquet.schema_arrow, path)
             for index in range(parquet.metadata.num_row_groups):
                 table = parquet.read_row_group(index, columns=list(METRIC_COLUMNS), use_threads=False)
                 for batch in table.to_batches(max_chunksize=batch_rows):
                     yield _to_metric_batch(batch)
+
+
+def _open_for_ranges(fs: fsspec.AbstractFileSystem, path: str):
+    """Open without read-ahead where the filesystem allows it: pyarrow asks for exactly the byte ranges of the
+    metric column chunks, and a read-ahead block would also fetch the `generated_text` bytes around them."""
+    try:
+        return fs.open(path, "rb", cache_type="none")
+    except TypeError:  # a filesystem whose open() takes no cache options
+        return fs.open(path, "rb")
 
 
 def _check_columns(schema: pa.Schema, path: str) -> None:

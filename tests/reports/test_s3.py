@@ -49,3 +49,31 @@ def test_write_job_report_to_s3(s3_job: str, s3_server: dict) -> None:
     assert fs.cat_file("reports-test/jobs/example/report.html").startswith(b"<!DOCTYPE html>")
     assert sorted(result["files"]) == ["s3://reports-test/jobs/example/report.html",
                                        "s3://reports-test/jobs/example/report.json"]
+
+
+def test_only_metric_column_bytes_cross_the_network(s3_server: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part of 20 MB of incompressible generated_text: the report fetches a small fraction of it."""
+    import numpy as np
+    import s3fs
+    from report_outputs import make_manifest, make_rows, write_outputs
+
+    options = s3_server["storage_options"]
+    fsspec.filesystem("s3", **options).mkdir("reports-bytes")
+    rows = make_rows(5000, "s0", "w0")
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    rows["generated_text"] = [rng.choice(letters, 4000).tobytes().decode() for _ in range(5000)]
+    url = write_outputs("s3://reports-bytes/job", {"s0": rows}, make_manifest({"s0": rows}, 10.0), options,
+                        row_group_rows=1000)
+    fetched: list[int] = []
+    original = s3fs.core.S3File._fetch_range
+
+    def counting(self, start: int, end: int) -> bytes:
+        fetched.append(end - start)
+        return original(self, start, end)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", counting)
+    assert load_report(url, options)["rows"]["total"] == 5000
+    part_size = fsspec.filesystem("s3", **options).size("reports-bytes/job/parts/part-s0.parquet")
+    print(f"fetched {sum(fetched):,} of {part_size:,} bytes in {len(fetched)} requests")
+    assert part_size > 20_000_000 and sum(fetched) < part_size / 20
