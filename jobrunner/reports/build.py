@@ -49,15 +49,15 @@ def _slo(manifest: dict | None, given: Slo) -> Slo:
 
 def _run(outputs: JobOutputs) -> dict:
     manifest = outputs.manifest or {}
-    label = manifest.get("job_name") or posixpath.basename(outputs.root.rstrip("/")) or outputs.url
+    job_name = mv.text(manifest, "job_name")
     return {
-        "label": str(label),
+        "label": job_name or posixpath.basename(outputs.root.rstrip("/")) or outputs.url,
         "url": outputs.url,
-        "job_name": manifest.get("job_name"),
+        "job_name": job_name,
         "model": mv.model_info(manifest),
-        "jobrunner_version": manifest.get("jobrunner_version"),
-        "started_at": manifest.get("started_at"),
-        "finished_at": manifest.get("finished_at"),
+        "jobrunner_version": mv.text(manifest, "jobrunner_version"),
+        "started_at": mv.text(manifest, "started_at"),
+        "finished_at": mv.text(manifest, "finished_at"),
         "complete": outputs.is_complete,
         "num_parts": len(outputs.part_paths),
         "shards": mv.shard_counts(manifest),

@@ -67,7 +67,13 @@ def model_info(manifest: dict | None) -> dict:
     """source, dtype, quantization, architecture of the model (None where unknown)."""
     model = (manifest or {}).get("model")
     model = model if isinstance(model, dict) else {}
-    return {key: model.get(key) for key in ("source", "dtype", "quantization", "architecture")}
+    return {key: text(model, key) for key in ("source", "dtype", "quantization", "architecture")}
+
+
+def text(mapping: Any, key: str) -> str | None:
+    """mapping[key] if it is a non-empty string, else None."""
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def shard_counts(manifest: dict | None) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from jobrunner.reports.table import figure_rows, run_labels
 
@@ -10,7 +11,18 @@ from jobrunner.reports.table import figure_rows, run_labels
 def render_json(reports: list[dict]) -> str:
     """One report as itself; several as {"runs": [...], "baseline": first label}. Never NaN."""
     document = reports[0] if len(reports) == 1 else {"runs": reports, "baseline": run_labels(reports)[0]}
-    return json.dumps(document, indent=2, allow_nan=False, default=str) + "\n"
+    return json.dumps(_finite(document), indent=2, allow_nan=False, default=str) + "\n"
+
+
+def _finite(value: object) -> object:
+    """The same structure with every NaN / infinity (e.g. copied from an odd manifest) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def render_text(reports: list[dict]) -> str:

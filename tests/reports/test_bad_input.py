@@ -121,8 +121,8 @@ def test_outputs_without_a_manifest(tmp_path: Path) -> None:
 def test_odd_manifest_fields_do_not_crash(tmp_path: Path) -> None:
     rows = make_rows(10, "s0", "w0")
     manifest = make_manifest({"s0": rows}, 2.0)
-    manifest.update(wall_s="soon", workers={"w0": "gone"}, model=None, totals=[], spec=None,
-                    cost={"worker_hour_usd": float("nan")})
+    manifest.update(wall_s="soon", workers={"w0": "gone"}, model={"dtype": float("nan")}, totals=[],
+                    spec=None, cost={"worker_hour_usd": float("nan")}, job_name=float("inf"))
     report = load_report(write_outputs(str(tmp_path / "job"), {"s0": rows}, manifest))
     assert report["time"]["worker_seconds"] is None and report["cost"]["total_usd"] is None
     for text in _all_renderings(report):
