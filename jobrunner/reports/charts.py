@@ -44,7 +44,8 @@ def cost_chart(reports: list[dict]) -> str:
     bars = [(label, [r["cost"][key] for r in reports], color) for label, key, color in (
         ("input", "usd_per_m_input", PALETTE[0]), ("output", "usd_per_m_output", PALETTE[1]),
         ("blended", "usd_per_m_total", PALETTE[2]))]
-    if all(value is None for _, values, _ in bars for value in values):
+    bars = [bar for bar in bars if any(value is not None for value in bar[1])]  # e.g. no input/output split
+    if not bars:
         return empty_chart(title, "no cost: give --worker-hour-usd (or cost.worker_hour_usd in the spec)")
     return bar_chart(title, run_labels(reports), bars, fmt_usd)
 
