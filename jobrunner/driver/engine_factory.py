@@ -38,8 +38,16 @@ def build_engine(spec: JobSpec) -> Any:
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
     """The manifest's model section, from what the loaded engine reports (falling back to the spec)."""
     info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
+    loaded = getattr(engine, "model_info", None)  # what the real engine says it loaded
+    if isinstance(loaded, dict):
+        info.update({k: v for k, v in loaded.items() if k != "device" and _is_plain(v)})
+        return info
     for key in ("dtype", "quantization", "architecture"):
         value = getattr(engine, key, None)
         if value is not None:
             info[key] = str(value).replace("torch.", "")
     return info
+
+
+def _is_plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))

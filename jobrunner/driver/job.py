@@ -32,6 +32,7 @@ from jobrunner.spec import JobSpec
 
 log = logging.getLogger(__name__)
 SHARDS_PER_WORKER = 2
+MAX_LISTED_FAILURES = 20
 
 
 @dataclass
@@ -52,8 +53,11 @@ class JobResult:
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
                 f"{t['rows']} rows ({t['num_errors']} row errors), {t['num_output_tokens']} output tokens, "
                 f"wall {self.manifest['wall_s']:.1f}s -> {self.output_url}")
-        for shard_id, error in sorted(self.failed.items()):
+        failed = sorted(self.failed.items())
+        for shard_id, error in failed[:MAX_LISTED_FAILURES]:
             text += f"\n  FAILED shard {shard_id}: {error}"
+        if len(failed) > MAX_LISTED_FAILURES:
+            text += f"\n  ... and {len(failed) - MAX_LISTED_FAILURES} more failed shards (see _manifest.json)"
         return text
 
 
@@ -215,7 +219,7 @@ class _JobLoop:
         self._committed(result)
 
     def _handle_ready(self, ref: Any) -> None:
-        worker = next(w for w in self.workers if w.ready_ref is ref)
+        worker = next(w for w in self.workers if w.ready_ref == ref)
         try:
             info = ray.get(ref)
         except (RayActorError, RayTaskError) as exc:

@@ -133,7 +133,7 @@ class ShardRunner:
     def progress(self) -> dict[str, tuple[int, int]]:
         """shard_id -> (rows finished, output tokens) for shards not yet returned."""
         with self._cond:
-            states = list({id(s): s for s, _ in self._by_request.values()}.values()) + list(self._queue)
+            states = [s for s, _ in self._by_request.values()] + list(self._queue)
             return {s.shard.shard_id: (len(s.rows), s.num_output_tokens) for s in states}
 
     def stats(self) -> dict[str, Any]:
@@ -150,21 +150,25 @@ class ShardRunner:
 
     # ---- engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and not self._queue and not self.engine.has_unfinished_requests():
-                    self._cond.wait(timeout=1.0)
-                if self._stopped:
-                    return
-                self._fill()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - any engine failure fails its shards, not the thread
-                self._fail_all(exc)
-                return
-            with self._cond:
-                for out in outputs:
-                    self._finish(out)
+        try:
+            while self._iterate():
+                pass
+        except Exception as exc:  # noqa: BLE001 - an engine failure fails the shards in it, never hangs them
+            self._fail_all(exc)
+
+    def _iterate(self) -> bool:
+        """One engine step (after topping up the engine); False once stopped."""
+        with self._cond:
+            while not self._stopped and not self._queue and not self.engine.has_unfinished_requests():
+                self._cond.wait(timeout=1.0)
+            if self._stopped:
+                return False
+            self._fill()
+        outputs = self.engine.step()
+        with self._cond:
+            for out in outputs:
+                self._finish(out)
+        return True
 
     def _fill(self) -> None:
         """Add rows (oldest shard first) until the engine holds target_in_engine requests."""
