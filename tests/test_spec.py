@@ -18,7 +18,7 @@ def _minimal(**extra) -> dict:
 def test_example_spec_loads_with_contract_keys():
     spec = load_spec(EXAMPLE)
     assert spec.model.source == "smollm2-135m-instruct"
-    assert spec.input.prompt_column == "prompt" and spec.input.id_column == "id"
+    assert spec.input.messages_column == "messages" and spec.input.id_column == "id"
     assert spec.output.mode == "resume" and spec.cost.worker_hour_usd == 0.10
 
 
