@@ -82,6 +82,8 @@ def _write_report(spec) -> None:
         report = {"error": str(exc)}
     if isinstance(report, dict) and report.get("error"):
         click.echo(f"warning: report not written: {report['error']}", err=True)
+    else:
+        click.echo(f"report: {spec.output.url.rstrip('/')}/report.html")
 
 
 @click.command()
