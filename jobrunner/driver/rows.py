@@ -76,7 +76,8 @@ def _params(spec: JobSpec, row: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams.from_dict(values)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"bad sampling override in column {column!r}: {exc}") from None
+        where = f"bad sampling override in column {column!r}" if column else "bad sampling settings"
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def error_row(req: RowRequest) -> dict[str, Any]:

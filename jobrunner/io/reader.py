@@ -56,12 +56,14 @@ def _expand(fs: Any, url: str, root: str) -> list[str]:
             raise InputError(f"input.url {url!r}: not found")
     except (FileNotFoundError, PermissionError, StorageError) as exc:
         raise InputError(f"input.url {url!r}: cannot list: {exc}") from None
-    names = [p for p in sorted(paths) if not _hidden(p)]
+    names = [p for p in sorted(paths) if p == root or not _hidden(p, root)]
     return [p for p in names if p.endswith(".parquet") or p.endswith(".parq") or p == root]
 
 
-def _hidden(path: str) -> bool:
-    return any(part.startswith(("_", ".")) for part in path.split("/")[-1:])
+def _hidden(path: str, root: str) -> bool:
+    """True for `_x` / `.x` files or files under such folders (e.g. `_temporary/`), below the input root."""
+    rel = path[len(root):] if path.startswith(root) else path.rsplit("/", 1)[-1]
+    return any(part.startswith(("_", ".")) for part in rel.split("/") if part)
 
 
 def _read_footer(fs: Any, path: str) -> InputFile:

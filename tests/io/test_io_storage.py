@@ -48,6 +48,7 @@ def test_input_listing_and_row_ranges(base, tmp_path):
     _write(f"{root}/data/a.parquet", _prompts_table(10))
     _write(f"{root}/data/b.parquet", _prompts_table(6, start=10))
     _write(f"{root}/data/_ignored.parquet", _prompts_table(3))
+    _write(f"{root}/data/_temporary/x/part.parquet", _prompts_table(3))
     files = list_input_files(f"{root}/data", {})
     got = [(f.stem, f.num_rows, f.row_group_num_rows) for f in files]
     assert got == [("a", 10, (4, 4, 2)), ("b", 6, (4, 2))]
