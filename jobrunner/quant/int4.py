@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.quant.int4_unpack import find_cpu_unpacker
+from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
 
 # Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
@@ -29,24 +30,34 @@ def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torc
     """
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group_size, group_size)
-    best_err = best_q = best_scale = best_min = None
+    best_err = best_q = best_scale = best_zero = None
     for ratio in CLIP_RATIOS:
-        lo = w.amin(-1, keepdim=True) * ratio
-        hi = w.amax(-1, keepdim=True) * ratio
-        scale = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((w - lo) / scale).clamp(0, 15)
-        err = ((q * scale + lo - w) ** 2).sum(-1, keepdim=True)
+        q, scale, zero = _quantize_groups(w, ratio)
+        err = (((q - 8) * scale + zero - w) ** 2).sum(-1, keepdim=True)
         if best_err is None:
-            best_err, best_q, best_scale, best_min = err, q, scale, lo
+            best_err, best_q, best_scale, best_zero = err, q, scale, zero
             continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_q = torch.where(better, q, best_q)
         best_scale = torch.where(better, scale, best_scale)
-        best_min = torch.where(better, lo, best_min)
-    zeros = best_min + 8 * best_scale
-    scales_and_zeros = torch.cat([best_scale, zeros], dim=-1).transpose(0, 1).contiguous()
+        best_zero = torch.where(better, zero, best_zero)
+    scales_and_zeros = torch.cat([best_scale, best_zero], dim=-1).transpose(0, 1).contiguous()
     return best_q.reshape(n, k).to(torch.int32), scales_and_zeros
+
+
+def _quantize_groups(w: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One clipping ratio: (q, scale, zero) for groups ``w`` [N, G, group_size].
+
+    Scale and zero are made bfloat16-exact *before* q is chosen (the kernels read them as bfloat16), so
+    rounding them cannot shift whole groups afterwards.
+    """
+    lo = w.amin(-1, keepdim=True) * ratio
+    hi = w.amax(-1, keepdim=True) * ratio
+    scale = round_up_to_bf16(((hi - lo) / 15).clamp(min=1e-8))
+    zero = (lo + 8 * scale).to(torch.bfloat16).float()
+    q = torch.round((w - zero) / scale + 8).clamp(0, 15)
+    return q, scale, zero
 
 
 class Int4WeightOnlyLinear(torch.nn.Module):
@@ -100,9 +111,9 @@ class Int4WeightOnlyLinear(torch.nn.Module):
             eye = torch.eye(self.in_features, device=self.weight_int4pack.device, dtype=torch.bfloat16)
             return int4_mm(eye, self.weight_int4pack, self.group_size, self.scales_and_zeros).t().to(dtype)
         groups = self.in_features // self.group_size
-        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1)  # [N, groups, 1]
-        low = self.scales_and_zeros[..., 1].t().unsqueeze(-1) - 8 * scale  # w = q * scale + low
-        w = q.to(dtype).view(self.out_features, groups, self.group_size) * scale.to(dtype) + low.to(dtype)
+        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [N, groups, 1]
+        zero = self.scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
+        w = (q.to(dtype).view(self.out_features, groups, self.group_size) - 8) * scale + zero
         return w.view(self.out_features, self.in_features)
 
     def weight_bytes(self) -> int:

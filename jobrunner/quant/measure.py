@@ -1,0 +1,222 @@
+"""Measure quantization schemes side by side: weight bytes, perplexity, greedy agreement, output tokens/s.
+
+``model_factory(scheme)`` returns an engine with the ``jobrunner.engine.LLMEngine`` API (``generate``,
+``stats``, ``model``) whose model was quantized with ``scheme`` at load time. Perplexity runs the engine's own
+model once per text as a single prefill (one attention group over a private KV buffer), so it measures
+the very layers the engine decodes with. Engine classes are imported lazily: this package itself
+depends only on torch.
+
+Run it on SmolLM2 (the embedded default) with ``python -m jobrunner.quant.measure --help``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
+from jobrunner.quant.int8 import Int8WeightOnlyLinear
+
+GREEDY_TOKENS = 32
+THROUGHPUT_BATCHES = (1, 8, 64)
+MAX_PPL_TOKENS = 512
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the linear weights (quantized or not) and of all unique parameters and buffers."""
+    linear = 0
+    for module in model.modules():
+        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            linear += module.weight_bytes()
+        elif isinstance(module, torch.nn.Linear):
+            linear += module.weight.numel() * module.weight.element_size()
+    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
+    return {"linear_weight_bytes": linear, "model_weight_bytes": total}
+
+
+@torch.no_grad()
+def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits [T, vocab] of one sequence through the engine's model in a single causal prefill."""
+    from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+
+    s = model.shape
+    dev = next(model.parameters()).device
+    dtype = model.embed_tokens.weight.dtype
+    num_tokens = len(token_ids)
+    block_size = 16
+    num_blocks = -(-num_tokens // block_size)
+    kv_len = num_blocks * block_size
+    n_rep = s.num_heads // s.num_kv_heads
+    kv = torch.zeros(s.num_layers, 2, kv_len, s.num_kv_heads, s.head_dim, device=dev, dtype=dtype)
+    index = torch.arange(num_tokens, device=dev)
+    causal = torch.arange(kv_len, device=dev)[None, :] <= index[:, None]  # [T, L]
+    mask = causal.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, L]
+    blocks = torch.arange(num_blocks, device=dev)
+    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, mask, None, index)
+    meta = AttentionMetadata(index, [group], num_tokens, block_size)
+    ids = torch.tensor(list(token_ids), device=dev)
+    return model.compute_logits(model(ids, index, meta, kv)).float()
+
+
+def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float:
+    """Token-level perplexity over ``texts`` (each cut to :data:`MAX_PPL_TOKENS` tokens)."""
+    total_nll, total_tokens = 0.0, 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_PPL_TOKENS]
+        if len(ids) < 2:
+            continue
+        logits = sequence_logits(model, ids)[:-1]
+        targets = torch.tensor(ids[1:], device=logits.device)
+        total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        total_tokens += len(ids) - 1
+    return math.exp(total_nll / max(total_tokens, 1))
+
+
+def greedy_tokens(engine, prompts: Sequence[Any], max_tokens: int = GREEDY_TOKENS) -> list[list[int]]:
+    """The first ``max_tokens`` greedy tokens of each prompt (EOS ignored: every row has that length)."""
+    from jobrunner.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(out.output_token_ids) for out in engine.generate(list(prompts), params)]
+
+
+def agreement(reference: list[list[int]], candidate: list[list[int]]) -> dict[str, float]:
+    """How far each candidate row follows the reference row.
+
+    ``prefix``: mean share of tokens before the first difference (strict: one early flip counts as all
+    later tokens lost); ``positional``: share of equal tokens position by position; ``exact``: share of rows
+    that are identical.
+    """
+    prefix = positional = exact = 0.0
+    for ref, cand in zip(reference, candidate, strict=True):
+        n = max(len(ref), 1)
+        same = [a == b for a, b in zip(ref, cand, strict=False)]
+        first_diff = same.index(False) if False in same else len(same)
+        prefix += first_diff / n
+        positional += sum(same) / n
+        exact += float(ref == cand)
+    rows = max(len(reference), 1)
+    return {"prefix": prefix / rows, "positional": positional / rows, "exact": exact / rows}
+
+
+def output_tokens_per_s(engine, prompts: Sequence[Any], batch_size: int,
+                        max_tokens: int = GREEDY_TOKENS) -> dict[str, float]:
+    """Generate ``max_tokens`` for ``batch_size`` prompts at once; output tokens per wall second."""
+    from jobrunner.engine import SamplingParams
+
+    chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats().to_dict()
+    start = time.perf_counter()
+    outputs = engine.generate(chosen, params)
+    wall_s = time.perf_counter() - start
+    after = engine.stats().to_dict()
+    num_out = sum(len(o.output_token_ids) for o in outputs)
+    decode_s = after["decode_s"] - before["decode_s"]
+    decode_tokens = after["num_decode_tokens"] - before["num_decode_tokens"]
+    return {"output_tokens_per_s": num_out / wall_s, "wall_s": wall_s,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan")}
+
+
+def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: Sequence[str],
+                         prompts: Sequence[Any], schemes: Sequence[str] = ("none", "int8", "int4"),
+                         batch_sizes: Sequence[int] = THROUGHPUT_BATCHES,
+                         max_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
+    """Measure each scheme and compare it with the first one (normally ``none``); returns a JSON-able dict.
+
+    Per scheme: weight bytes (linear and whole model, plus the quantization report summary when the engine
+    records one), perplexity on ``texts``, greedy agreement of the first ``max_tokens`` tokens on ``prompts``
+    against the first scheme, and output tokens/s at each batch size.
+    """
+    results: dict[str, Any] = {"schemes": {}}
+    reference: list[list[int]] | None = None
+    for scheme in schemes:
+        engine = model_factory(scheme)
+        row: dict[str, Any] = weight_bytes(engine.model)
+        row["quantization_report"] = getattr(engine, "model_info", {}).get("quantization_report")
+        row["perplexity"] = perplexity(engine.model, tokenizer, texts)
+        generated = greedy_tokens(engine, prompts, max_tokens)
+        reference = reference or generated
+        row["greedy_agreement"] = agreement(reference, generated)
+        row["throughput"] = {str(b): output_tokens_per_s(engine, prompts, b, max_tokens) for b in batch_sizes}
+        results["schemes"][scheme] = row
+        del engine
+    _add_ratios(results["schemes"], schemes[0])
+    return results
+
+
+def _add_ratios(rows: dict[str, dict[str, Any]], base: str) -> None:
+    ref = rows[base]
+    for row in rows.values():
+        row["perplexity_vs_base"] = row["perplexity"] / ref["perplexity"]
+        row["linear_bytes_vs_base"] = row["linear_weight_bytes"] / ref["linear_weight_bytes"]
+        row["model_bytes_vs_base"] = row["model_weight_bytes"] / ref["model_weight_bytes"]
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_texts(path: str) -> list[str]:
+    """Held-out text from a prompts JSONL: every assistant turn of ``messages`` rows (else ``prompt``)."""
+    texts = []
+    for row in _read_jsonl(path):
+        messages = row.get("messages") or []
+        texts += [m["content"] for m in messages if m.get("role") == "assistant"]
+        if not messages and row.get("prompt"):
+            texts.append(row["prompt"])
+    return texts
+
+
+def load_prompts(path: str, limit: int) -> list[Any]:
+    """The first ``limit`` prompts of a prompts JSONL as chat messages (a ``prompt`` becomes a user turn)."""
+    rows = _read_jsonl(path)[:limit]
+    return [row.get("messages") or [{"role": "user", "content": row["prompt"]}] for row in rows]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: measure schemes for one model source on CPU (or CUDA) and print/write JSON."""
+    import argparse
+    import json
+
+    from jobrunner.engine import EngineConfig, LLMEngine
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="smollm2-135m-instruct")
+    parser.add_argument("--texts", required=True, help="JSONL; assistant turns are the perplexity text")
+    parser.add_argument("--prompts", required=True, help="JSONL; the first --num-prompts rows are used")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--schemes", default="none,int8,int4")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args(argv)
+
+    config = EngineConfig(max_num_seqs=64, enable_prefix_caching=False, device=args.device)
+
+    def factory(scheme: str) -> Any:
+        return LLMEngine.from_source(args.source, dtype=args.dtype, quantization=scheme, config=config)
+
+    tokenizer = factory("none").tokenizer
+    result = measure_quantization(factory, tokenizer, load_texts(args.texts),
+                                  load_prompts(args.prompts, args.num_prompts), args.schemes.split(","),
+                                  [int(b) for b in args.batches.split(",")])
+    result["settings"] = {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
