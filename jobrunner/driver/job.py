@@ -74,8 +74,11 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
     """Run a job to the end (validating input and output before any worker starts)."""
     plan = plan_job(spec)
     storage, manifest = open_output(spec, plan)
+    loop = _JobLoop(spec, plan, storage, manifest, show_progress)
+    if not loop.queue:  # everything already committed: no need for Ray
+        return loop.run()
     with ray_session(spec, address):
-        return _JobLoop(spec, plan, storage, manifest, show_progress).run()
+        return loop.run()
 
 
 class _JobLoop:

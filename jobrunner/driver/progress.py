@@ -44,7 +44,7 @@ class Progress:
         elapsed = time.monotonic() - self.start
         done_now = self.rows - self.base_rows
         left = self.total - self.rows
-        eta = f"{left * elapsed / done_now:.0f}s" if done_now > 0 else "?"
+        eta = "0s" if left <= 0 else f"{left * elapsed / done_now:.0f}s" if done_now > 0 else "?"
         pct = 100.0 * self.rows / self.total if self.total else 100.0
         return (f"[jobrunner] rows {self.rows}/{self.total} ({pct:.0f}%) | "
                 f"{self.tokens_per_s():.1f} out tok/s | elapsed {elapsed:.0f}s | ETA {eta}")
