@@ -10,7 +10,8 @@ from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 
-DECODE_GROUP_SIZE = 32  # decodes of similar context length attended together in one padded call
+MAX_DECODE_GROUP = 32     # decodes of similar context length attended together in one padded call
+MAX_PADDING_WASTE = 0.5   # start a new group rather than pad the keys gathered by more than this share
 
 
 @dataclass
@@ -88,43 +89,60 @@ class ModelRunner:
                 sampling.append(s)
         groups.extend(self._decode_groups(decodes))
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, len(input_ids))
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, len(input_ids), bs)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                 slots, meta, torch.tensor(sample_rows, device=dev), sampling)
 
-    def _context_slots(self, s: ScheduledRequest, length: int) -> torch.Tensor:
-        table = torch.tensor(s.request.block_ids[: -(-length // self.block_size)], dtype=torch.long)
-        all_slots = (table[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-        return all_slots[:length]
+    def _block_table(self, s: ScheduledRequest, num_blocks: int) -> list[int]:
+        table = s.request.block_ids[:num_blocks]
+        return table + [0] * (num_blocks - len(table))  # padding blocks are masked out
 
     def _chunk_group(self, s: ScheduledRequest, offset: int) -> AttentionGroup:
         # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
         q_len, kv_len = s.num_new_tokens, s.start + s.num_new_tokens
+        num_blocks = -(-kv_len // self.block_size)
         rows = torch.arange(q_len)[:, None] + s.start
-        mask = torch.arange(kv_len)[None, :] <= rows               # [Q, L] causal with offset
-        mask = mask.repeat(self.n_rep, 1)[None, None]              # [1, 1, n_rep * Q, L]
+        mask = torch.arange(num_blocks * self.block_size)[None, :] <= rows   # [Q, L] causal with offset
+        mask = mask.repeat(self.n_rep, 1)[None, None]                         # [1, 1, n_rep * Q, L]
         index = torch.arange(offset, offset + q_len, device=self.device)
-        return AttentionGroup(1, q_len, kv_len, index, self._context_slots(s, kv_len).to(self.device),
-                              mask.to(self.device), None, index)
+        blocks = torch.tensor(self._block_table(s, num_blocks), device=self.device)
+        return AttentionGroup(1, q_len, num_blocks * self.block_size, index, blocks, mask.to(self.device),
+                              None, index)
 
     def _decode_groups(self, decodes: list[tuple[int, int, ScheduledRequest]]) -> list[AttentionGroup]:
-        decodes.sort(key=lambda d: d[0])
         groups = []
-        for i in range(0, len(decodes), DECODE_GROUP_SIZE):
-            chunk = decodes[i:i + DECODE_GROUP_SIZE]
+        bs = self.block_size
+        for chunk in _pack_by_length(decodes, bs):
             lengths = [d[0] for d in chunk]
-            max_len = lengths[-1]
-            kv_slots = torch.zeros(len(chunk), max_len, dtype=torch.long)
-            for row, (length, _, s) in enumerate(chunk):
-                kv_slots[row, :length] = self._context_slots(s, length)
-            mask = None
-            if lengths[0] != max_len:
-                valid = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]   # [G, L]
-                mask = valid[:, None, None, :].to(self.device)                            # [G, 1, 1, L]
+            num_blocks = -(-lengths[-1] // bs)
+            tables = [self._block_table(s, num_blocks) for _, _, s in chunk]
+            valid = torch.arange(num_blocks * bs)[None, :] < torch.tensor(lengths)[:, None]   # [G, L]
+            mask = valid[:, None, None, :].to(self.device)                                   # [G, 1, 1, L]
             index = torch.tensor([d[1] for d in chunk], device=self.device)
-            groups.append(AttentionGroup(len(chunk), 1, max_len, index, kv_slots.flatten().to(self.device),
-                                         mask, None, index))
+            blocks = torch.tensor(tables, device=self.device).flatten()
+            groups.append(AttentionGroup(len(chunk), 1, num_blocks * bs, index, blocks, mask, None, index))
         return groups
+
+
+def _pack_by_length(decodes: list[tuple[int, int, ScheduledRequest]], block_size: int):
+    """Sort decodes by context length and cut them into groups whose padding stays small.
+
+    Every member of a group is padded to the group's longest context, so one long request in a group of
+    short ones would multiply the keys gathered; a group closes when padding would pass MAX_PADDING_WASTE.
+    """
+    decodes = sorted(decodes, key=lambda d: d[0])
+    group: list = []
+    total = 0
+    for d in decodes:
+        padded = len(group) + 1
+        blocks = -(-d[0] // block_size) * block_size
+        if group and (padded > MAX_DECODE_GROUP or padded * blocks > (1 + MAX_PADDING_WASTE) * (total + d[0])):
+            yield group
+            group, total = [], 0
+        group.append(d)
+        total += d[0]
+    if group:
+        yield group
 
 
 def _is_decode(s: ScheduledRequest) -> bool:
