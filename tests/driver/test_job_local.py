@@ -131,3 +131,28 @@ def test_unreachable_output_bucket_is_named(s3_server, tmp_path):
     spec = spec.model_copy(update={"input": spec.input.model_copy(update={"storage_options": {}})})
     with pytest.raises(OutputError, match="output.url 's3://no-such-bucket-out/x': cannot write there"):
         run_job(spec, show_progress=False)
+
+
+def test_messages_json_overrides_struct_and_overwrite_mode(local_ray, tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = [json.dumps([{"role": "user", "content": f"hello number {i}"}]) for i in range(6)]
+    messages[2] = "not json"
+    overrides = [{"max_tokens": 2}, None, None, {"max_tokens": 1}, {"max_tokens": 0}, None]
+    pq.write_table(pa.table({"messages": messages, "params": overrides}), tmp_path / "chat.parquet")
+    data = fake_spec(str(tmp_path / "chat.parquet"), str(tmp_path / "out"),
+                     input={"prompt_column": None, "messages_column": "messages", "id_column": None,
+                            "sampling_column": "params"},
+                     output={"keep_columns": [], "mode": "overwrite"})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("old")
+    assert run_job(spec_from_dict(data), show_progress=False).ok
+    assert not (tmp_path / "out" / "stale.txt").exists()
+    rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert sorted(rows) == [f"chat:{i}" for i in range(6)]
+    assert [rows[f"chat:{i}"]["num_output_tokens"] for i in (0, 1, 3, 5)] == [2, 4, 1, 4]
+    assert "messages column 'messages'" in rows["chat:2"]["error"]
+    assert "max_tokens" in rows["chat:4"]["error"] and rows["chat:4"]["finish_reason"] == "error"
