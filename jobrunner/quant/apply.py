@@ -3,7 +3,8 @@
 Per layer, in order: skipped by request -> kept float; int4 wanted -> the largest allowed group size not above
 the requested one that divides ``in_features`` (576 = 9 x 64 in SmolLM2 takes 64 when 128 is asked); int4
 impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the reason recorded. int8 takes
-any 2-D float weight. A tied ``lm_head`` gets its own quantized copy; the embedding keeps the float tensor.
+any 2-D float weight. A tied ``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
+the ``lm_head`` tensor when both are int8 (``quantize_embeddings=False`` keeps them float).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from jobrunner.quant.embedding import Int8Embedding
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear
 from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_shape_problem
@@ -33,11 +35,12 @@ def check_scheme(scheme: str) -> str:
 
 
 def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | None = None,
-                   skip: Iterable[str] = ()) -> QuantReport:
+                   skip: Iterable[str] = (), quantize_embeddings: bool = True) -> QuantReport:
     """Quantize every ``nn.Linear`` of ``model`` in place (weight-only) and report what happened.
 
     ``scheme``: ``none`` | ``int8`` (per-channel) | ``int4`` (group-wise, ``group_size`` default 32).
     ``skip``: layer names or glob patterns (``"lm_head"``, ``"*.down_proj"``) to keep in float.
+    ``quantize_embeddings``: also store ``nn.Embedding`` tables as int8 rows (shared with a tied int8 head).
     Call it after the model is on its final device: int4 weights are packed for that device's kernel.
     """
     scheme = check_scheme(scheme)
@@ -47,6 +50,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
     report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     patterns = tuple(skip)
+    tied = _tied_embeddings(model)
     for name, linear in _linears(model):
         entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
                            bytes_before=_nbytes(linear.weight))
@@ -55,7 +59,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
             new = _quantize_linear(linear, scheme, requested_group, entry)
             if _is_tied(model, linear):
                 report.notes.append(
-                    f"{name} is tied to another parameter: quantized a copy; the original stays")
+                    f"{name} is tied to another parameter: quantized its own copy")
             _set_module(model, name, new)
         elif scheme != "none":
             entry.fallback_reason = None
@@ -63,8 +67,39 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         entry.bytes_after = _layer_weight_bytes(_get_module(model, name))
         report.linear_bytes_after += entry.bytes_after
         report.layers.append(entry)
+    if scheme != "none" and quantize_embeddings:
+        _quantize_embeddings(model, tied, patterns, report)
     report.model_bytes_after = _model_bytes(model)[1]
     return report
+
+
+def _tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
+    """Embedding name -> name of the linear layer that shares its weight (a tied ``lm_head``)."""
+    linear_by_weight = {id(mod.weight): name for name, mod in _linears(model)}
+    return {name: linear_by_weight[id(mod.weight)] for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Embedding) and id(mod.weight) in linear_by_weight}
+
+
+def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns: tuple[str, ...],
+                         report: QuantReport) -> None:
+    """int8 rows for every float embedding; one shared tensor with a tied int8 ``lm_head``."""
+    embeddings = [(n, m) for n, m in model.named_modules()
+                  if type(m) is torch.nn.Embedding and m.weight.is_floating_point()]
+    for name, emb in embeddings:
+        if _is_skipped(name, patterns):
+            report.notes.append(f"{name} kept in float (skip)")
+            continue
+        head = _get_module(model, tied[name]) if name in tied else None
+        if isinstance(head, torch.nn.Linear):
+            report.notes.append(f"{name} kept in float: its tied {tied[name]} is float")
+            continue
+        if isinstance(head, Int8WeightOnlyLinear):
+            new = Int8Embedding.from_int8_linear(head, emb.weight.dtype)
+            report.notes.append(f"{name} shares the int8 weight of {tied[name]}")
+        else:
+            new = Int8Embedding.from_embedding(emb)
+            report.notes.append(f"{name} quantized to int8 rows")
+        _set_module(model, name, new)
 
 
 def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int,

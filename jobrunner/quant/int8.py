@@ -10,7 +10,8 @@ Which path runs (measured on a 2-core AVX512/AMX Xeon, torch 2.13, see docs/quan
 * more tokens: dequantize the weight to bfloat16 (int8 values are exact in bfloat16) and call
   ``F.linear``; the dense bfloat16 GEMM (oneDNN/AMX) beats the packed kernel, whose cost grows linearly
   with the token count.
-* CUDA: ``_weight_int8pack_mm`` when this torch build has it for CUDA, else dequantize-then-matmul.
+* CUDA: ``_weight_int8pack_mm`` for bfloat16 when this torch build has it for CUDA, else
+  dequantize-then-matmul (cuBLAS).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        if has_cuda_int8pack():
+        if x2.dtype == torch.bfloat16 and has_cuda_int8pack():
             return self._packed_mm(x2)
         return self._dequant_mm(x2)
 

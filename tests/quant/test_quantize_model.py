@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from jobrunner.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+from jobrunner.quant.embedding import Int8Embedding
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -17,12 +18,17 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
                                                          ("int4", Int4WeightOnlyLinear, 0.2)])
 def test_swaps_every_linear_and_stays_close(tiny_llama, scheme, cls, max_err) -> None:
     ref = _logits(tiny_llama)
-    embedding_before = tiny_llama.embed_tokens.weight.detach().clone()
+    ids = torch.arange(96)
+    embedded_before = tiny_llama.embed_tokens(ids).detach()
     report = quantize_model(tiny_llama, scheme)
-    assert not any(type(m) is torch.nn.Linear for m in tiny_llama.modules())
+    assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in tiny_llama.modules())
     assert isinstance(tiny_llama.layers[0].qkv_proj, cls) and isinstance(tiny_llama.lm_head, cls)
     assert tiny_llama.layers[0].qkv_proj.bias is not None  # Qwen2-style qkv bias kept
-    assert torch.equal(tiny_llama.embed_tokens.weight, embedding_before)  # tied embedding untouched
+    embed = tiny_llama.embed_tokens
+    assert isinstance(embed, Int8Embedding)
+    assert ((embed(ids) - embedded_before).norm() / embedded_before.norm()).item() < 0.01
+    if scheme == "int8":  # the tied head and the embedding share one int8 tensor
+        assert embed.weight_int8 is tiny_llama.lm_head.weight_int8
     assert report.scheme_counts() == {scheme: 9} and not report.fallbacks
     assert any("tied" in note for note in report.notes)
     err = ((_logits(tiny_llama) - ref).norm() / ref.norm()).item()
@@ -47,6 +53,8 @@ def test_unknown_scheme_lists_choices(tiny_llama) -> None:
 def test_skip_keeps_float(tiny_llama) -> None:
     report = quantize_model(tiny_llama, "int8", skip=["lm_head", "*.down_proj"])
     assert type(tiny_llama.lm_head) is torch.nn.Linear
+    assert type(tiny_llama.embed_tokens) is torch.nn.Embedding  # tied to a float head: stays float
+    assert tiny_llama.lm_head.weight is tiny_llama.embed_tokens.weight
     assert type(tiny_llama.layers[1].down_proj) is torch.nn.Linear
     assert report.scheme_counts() == {"int8": 6, "none": 3}
 
@@ -72,3 +80,16 @@ def test_report_bytes(tiny_llama) -> None:
     assert report.model_bytes_before > 0 and report.model_bf16_bytes > 0
     summary = report.summary()
     assert summary["linear_ratio_vs_bf16"] <= 0.55 and summary["layers"] == {"int8": 9}
+
+
+def test_untied_embedding_gets_own_int8_rows_and_model_bytes_shrink() -> None:
+    from tests.quant.conftest import TinyLlama
+
+    model = TinyLlama(tied=False, hidden=128, inter=256).eval()
+    report = quantize_model(model, "int4")
+    assert isinstance(model.embed_tokens, Int8Embedding)
+    assert model.embed_tokens.weight_int8.shape == (96, 128)
+    assert report.model_bytes_after < 0.3 * report.model_bytes_before  # float32 model in, int4/int8 out
+    no_embed = TinyLlama(tied=False).eval()
+    quantize_model(no_embed, "int8", quantize_embeddings=False)
+    assert type(no_embed.embed_tokens) is torch.nn.Embedding
