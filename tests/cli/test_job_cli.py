@@ -15,7 +15,7 @@ from jobrunner.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.driver.conftest import fake_spec, read_manifest_file, write_prompts  # noqa: E402
+from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,7 +48,8 @@ def test_run_fails_named_shard_then_resume_succeeds(tmp_path):
     failed = [s for s, e in read_manifest_file(tmp_path / "out")["shards"].items() if e["status"] == "failed"]
     assert first.exit_code == 1 and len(failed) == 1
     assert f"1 shard(s) failed: {failed[0]}" in first.output
-    second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", "engine.factory_options.fail_on=null"])
+    clear = "engine.factory_options.fail_on=null"
+    second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear])
     assert second.exit_code == 0, second.output
     assert "3/3 shards committed, 24 rows" in second.output
     assert (tmp_path / "out" / "_SUCCESS").exists()

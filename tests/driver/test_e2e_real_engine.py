@@ -9,7 +9,7 @@ import pytest
 from jobrunner.driver.job import run_job
 from jobrunner.io.parts import read_output
 from jobrunner.spec import load_spec
-from tests.driver.conftest import REPO, read_manifest_file
+from tests.driver.helpers import REPO, read_manifest_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

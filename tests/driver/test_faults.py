@@ -22,7 +22,7 @@ import yaml
 from jobrunner.driver.job import run_job
 from jobrunner.io.parts import read_output
 from jobrunner.spec import spec_from_dict
-from tests.driver.conftest import REPO, fake_spec, read_manifest_file, write_prompts
+from tests.driver.helpers import REPO, fake_spec, read_manifest_file, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = {"factory_options": {"step_delay_s": 0.05}}

@@ -11,7 +11,7 @@ from jobrunner.driver.plan import OutputError
 from jobrunner.io.parts import read_output
 from jobrunner.io.reader import InputError
 from jobrunner.spec import spec_from_dict
-from tests.driver.conftest import fake_spec, new_bucket, read_manifest_file, write_prompts
+from tests.driver.helpers import fake_spec, new_bucket, read_manifest_file, write_prompts
 
 pytestmark = pytest.mark.timeout(180)
 
