@@ -28,8 +28,9 @@ class Progress:
         rows = min(rows, self.total)
         self.tokens = output_tokens
         if self.bar is not None:
-            self.bar.update(max(0, rows - self.rows))
+            self.bar.n = rows  # absolute: rows of a dead worker's shard may go back to the queue
             self.bar.set_postfix_str(f"{self.tokens_per_s():.1f} out tok/s", refresh=False)
+            self.bar.refresh()
         elif self.enabled and time.monotonic() - self.last_line >= self.interval_s:
             self.last_line = time.monotonic()
             self.rows = rows
