@@ -4,7 +4,7 @@ Per layer, in order: skipped by request -> kept float; int4 wanted -> the larges
 the requested one that divides ``in_features`` (576 = 9 x 64 in SmolLM2 takes 64 when 128 is asked); int4
 impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the reason recorded. int8 takes
 any 2-D float weight. A tied ``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
-the ``lm_head`` tensor when both are int8 (``quantize_embeddings=False`` keeps them float).
+the ``lm_head`` tensor when both are int8 (or int4 on CPU); ``quantize_embeddings=False`` keeps them float.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from jobrunner.quant.embedding import Int8Embedding
+from jobrunner.quant.embedding import Int4SharedEmbedding, Int8Embedding
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear
 from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_shape_problem
@@ -96,6 +96,9 @@ def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns:
         if isinstance(head, Int8WeightOnlyLinear):
             new = Int8Embedding.from_int8_linear(head, emb.weight.dtype)
             report.notes.append(f"{name} shares the int8 weight of {tied[name]}")
+        elif isinstance(head, Int4WeightOnlyLinear) and head.cpu_layout is not None:
+            new = Int4SharedEmbedding(head, emb.weight.dtype)
+            report.notes.append(f"{name} shares the int4 weight of {tied[name]}")
         else:
             new = Int8Embedding.from_embedding(emb)
             report.notes.append(f"{name} quantized to int8 rows")

@@ -1,7 +1,8 @@
-"""Int8 per-row embedding, so quantized models don't keep their (often largest) table in float.
+"""Quantized embeddings, so quantized models don't keep their (often largest) table in float.
 
-A row of the embedding table is an output channel of a tied ``lm_head``, so the int8 ``lm_head`` and the
-embedding can share one tensor: :meth:`Int8Embedding.from_int8_linear` does exactly that.
+A row of the embedding table is an output channel of a tied ``lm_head``, so the quantized head and the
+embedding can share one tensor: :meth:`Int8Embedding.from_int8_linear` for int8, :class:`Int4SharedEmbedding`
+for int4 on CPU (where we can read the packed layout). Otherwise the embedding gets its own int8 rows.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear, quantize_int8_per_channel
 
 
@@ -44,3 +46,37 @@ class Int8Embedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, out_dtype={self.out_dtype}"
+
+
+class Int4SharedEmbedding(torch.nn.Module):
+    """Embedding lookups read straight from a tied int4 ``lm_head`` (CPU layout), so the table is stored once.
+
+    Each looked-up row is unpacked from the kernel's packed weight and dequantized with its group scales.
+    """
+
+    def __init__(self, head: Int4WeightOnlyLinear, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        if head.cpu_layout is None:
+            raise ValueError("the int4 head has no readable CPU layout; use Int8Embedding instead")
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.group_size = head.group_size
+        self.layout = head.cpu_layout
+        self.register_buffer("weight_int4pack", head.weight_int4pack)  # the same tensors as the head's
+        self.register_buffer("scales_and_zeros", head.scales_and_zeros)
+        self.out_dtype = out_dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [...] -> [..., embedding_dim]
+        flat = input_ids.reshape(-1)
+        q = self.layout.gather_rows(self.weight_int4pack, flat).to(torch.float32)  # [T, K]
+        sz = self.scales_and_zeros[:, flat, :].to(torch.float32)  # [groups, T, 2]
+        scale, zero = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)  # [T, groups, 1]
+        rows = (q.view(flat.numel(), -1, self.group_size) - 8) * scale + zero
+        return rows.reshape(*input_ids.shape, self.embedding_dim).to(self.out_dtype)
+
+    def weight_bytes(self) -> int:
+        """Zero: the table is the head's weight."""
+        return 0
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, shared int4, out_dtype={self.out_dtype}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jobrunner.quant.int4_unpack import find_cpu_unpacker
+from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
 
@@ -75,7 +75,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
-        self._unpack = None if q.is_cuda else find_cpu_unpacker(self.weight_int4pack, q)
+        self.cpu_layout = None if q.is_cuda else find_cpu_layout(self.weight_int4pack, q)
         self._packed_on = q.device.type
 
     @classmethod
@@ -94,7 +94,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
             raise RuntimeError(
                 f"int4 weight was packed for {self._packed_on}; quantize after moving the model")
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if x2.is_cuda or self._unpack is None or x2.shape[0] <= self.small_batch_max_tokens:
+        if x2.is_cuda or self.cpu_layout is None or x2.shape[0] <= self.small_batch_max_tokens:
             y = int4_mm(x2.contiguous(), self.weight_int4pack, self.group_size, self.scales_and_zeros)
         else:
             y = F.linear(x2, self.dequantized_weight(torch.bfloat16))
@@ -105,8 +105,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
-        if self._unpack is not None:
-            q = self._unpack(self.weight_int4pack)
+        if self.cpu_layout is not None:
+            q = self.cpu_layout.unpack(self.weight_int4pack)
         else:  # no unpacker (CUDA layout): recover W^T through the kernel itself with an identity input.
             eye = torch.eye(self.in_features, device=self.weight_int4pack.device, dtype=torch.bfloat16)
             return int4_mm(eye, self.weight_int4pack, self.group_size, self.scales_and_zeros).t().to(dtype)

@@ -34,7 +34,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             linear += module.weight_bytes()
         elif isinstance(module, torch.nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()
-    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}  # tied/shared: once
     total = sum(t.numel() * t.element_size() for t in unique.values())
     return {"linear_weight_bytes": linear, "model_weight_bytes": total}
 
