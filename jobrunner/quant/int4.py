@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.int8 import round_up_to_bf16
-from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
+from jobrunner.quant.kernels import INT4_KERNEL_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
 
 # Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
@@ -74,7 +74,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("weight_int4pack", pack_int4(q))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
+        self.small_batch_max_tokens = INT4_KERNEL_MAX_TOKENS
         self.cpu_layout = None if q.is_cuda else find_cpu_layout(self.weight_int4pack, q)
         self._packed_on = q.device.type
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jobrunner.quant.kernels import SMALL_BATCH_MAX_TOKENS, has_cuda_int8pack
+from jobrunner.quant.kernels import INT8_KERNEL_MAX_TOKENS, has_cuda_int8pack
 
 INT8_MAX = 127
 
@@ -58,7 +58,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS
+        self.small_batch_max_tokens = INT8_KERNEL_MAX_TOKENS
         self._scales_cache = scales.to(torch.bfloat16)
 
     @classmethod

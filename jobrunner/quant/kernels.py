@@ -21,9 +21,12 @@ import functools
 
 import torch
 
-# At or below this many tokens the packed kernels beat dequantize-then-GEMM on CPU (measured: packed int8/int4
-# cost grows linearly with tokens; at 8 tokens packed wins by ~1.4x, at 16 dequant+bf16 GEMM wins by ~1.4x).
-SMALL_BATCH_MAX_TOKENS = 8
+# CPU: up to this many tokens the packed kernel beats dequantize-then-GEMM (the packed kernels' cost grows
+# linearly with the token count). Measured on SmolLM2 shapes, 1 thread (docs/quantization.md): int8 packed
+# wins at 8 tokens (532 vs 805 us, gate_up), dequant + bf16 GEMM wins from 16; int4 packed wins up to 64
+# tokens (unpacking the nibbles costs ~3-6 ms per gate_up call), unpacking wins from 256 (11.7 vs 21.1 ms).
+INT8_KERNEL_MAX_TOKENS = 8
+INT4_KERNEL_MAX_TOKENS = 128
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
