@@ -57,9 +57,11 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales.float())
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # exact: scales are bf16 values
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.small_batch_max_tokens = INT8_KERNEL_MAX_TOKENS
-        self._scales_cache = scales.to(torch.bfloat16)
+        # Probed here, not in forward: forward may run inside CUDA graph capture.
+        self.use_cuda_kernel = weight_int8.is_cuda and has_cuda_int8pack()
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Int8WeightOnlyLinear:
@@ -76,38 +78,25 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.is_cuda:
             y = self._forward_cuda(x2)
-        elif x2.shape[0] <= self.small_batch_max_tokens:
-            y = self._packed_mm(x2.to(torch.bfloat16)).to(x.dtype)
-        else:
-            y = self._dequant_mm(x2.to(torch.bfloat16)).to(x.dtype)
+        else:  # CPU: bf16 in, x.dtype out (the float32 packed kernel is a slow scalar loop)
+            xb = x2.to(torch.bfloat16)
+            if x2.shape[0] <= self.small_batch_max_tokens:
+                y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), self.weight_int8, self.scales_bf16)
+            else:  # scaling the [tokens, out] result is cheaper than scaling the [out, in] weight
+                y = F.linear(xb, self.weight_int8.to(torch.bfloat16)) * self.scales_bf16
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_cuda(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.dtype == torch.bfloat16 and has_cuda_int8pack():
-            return self._packed_mm(x2)
-        return self._dequant_mm(x2)
-
-    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        scales = self._scales_for(x2.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scales)
-
-    def _dequant_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        # Scaling the [tokens, out] result is cheaper than scaling the [out, in] weight.
-        y = F.linear(x2, self.weight_int8.to(x2.dtype))
-        return y * self._scales_for(x2.dtype)
-
-    def _scales_for(self, dtype: torch.dtype) -> torch.Tensor:
-        cached = self._scales_cache
-        if cached.dtype != dtype or cached.device != self.scales.device:
-            cached = self.scales.to(dtype)
-            self._scales_cache = cached
-        return cached
+        if x2.dtype == torch.bfloat16 and self.use_cuda_kernel:
+            return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, self.scales_bf16)
+        return F.linear(x2, self.weight_int8.to(x2.dtype)) * self.scales.to(x2.dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the quantized weight and its scales (bias not included)."""
-        return self.weight_int8.numel() * 1 + self.scales.numel() * self.scales.element_size()
+        return self.weight_int8.numel() + self.scales.numel() * 4  # float32 scales (the bf16 copy aside)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
