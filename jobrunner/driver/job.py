@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.actor import start_worker
-from jobrunner.driver.plan import JobPlan, open_output, plan_job
+from jobrunner.driver.plan import JobPlan, open_output, plan_job, with_absolute_output
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.worker import EngineFailed, ShardResult
@@ -72,6 +72,7 @@ class _Worker:
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
+    spec = with_absolute_output(spec)
     plan = plan_job(spec)
     storage, manifest = open_output(spec, plan)
     loop = _JobLoop(spec, plan, storage, manifest, show_progress)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,15 @@ class JobPlan:
     @property
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.files)
+
+
+def with_absolute_output(spec: JobSpec) -> JobSpec:
+    """The spec with a relative local output path made absolute (workers may run in another directory)."""
+    url = spec.output.url
+    if "://" in url or os.path.isabs(url):
+        return spec
+    output = spec.output.model_copy(update={"url": os.path.abspath(url)})
+    return spec.model_copy(update={"output": output})
 
 
 def required_columns(spec: JobSpec) -> dict[str, str]:
