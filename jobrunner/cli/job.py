@@ -22,16 +22,25 @@ def _load(path: str, overrides: tuple[str, ...]):
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
-def validate(job_file: str, overrides: tuple[str, ...]) -> None:
-    """Check JOB_FILE and its input (files, rows, shards, columns) without starting any worker."""
-    from jobrunner.driver.plan import plan_job, required_columns
-    from jobrunner.io.reader import InputError
+@click.option("--check-ids", is_flag=True, help="Also read the id column and fail on duplicate ids.")
+def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None:
+    """Check JOB_FILE, its input (files, rows, shards, columns) and output, without starting any worker."""
+    from jobrunner.driver.manifest import ResumeError
+    from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
+    from jobrunner.io.reader import InputError, duplicate_ids
+    from jobrunner.io.storage import StorageError
 
     spec = _load(job_file, overrides)
     try:
         plan = plan_job(spec)
-    except InputError as exc:
+        output_state = describe_output(spec, plan)
+        dups = duplicate_ids(plan.files, spec.input.storage_options, spec.input.id_column) \
+            if check_ids and spec.input.id_column else []
+    except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
+    if dups:
+        raise click.ClickException(f"input.id_column {spec.input.id_column!r} has duplicate ids: "
+                                   f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
     click.echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows, "
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows")
@@ -39,7 +48,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
     columns = list(required_columns(spec).values()) + spec.output.keep_columns
     click.echo(f"required columns present: {', '.join(columns)}")
-    click.echo(f"output {spec.output.url} (mode {spec.output.mode})")
+    click.echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
 
 
 @click.command()

@@ -81,12 +81,37 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any]]:
     return storage, manifest
 
 
+def describe_output(spec: JobSpec, plan: JobPlan) -> str:
+    """What a run would do with the output (read-only); OutputError/ResumeError when it would refuse."""
+    storage = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        entries = [e for e in storage.listdir("") if e != TEMP_DIR]
+        old = read_manifest(storage) if entries else None
+    except (StorageError, OSError) as exc:
+        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+    if not entries:
+        return "output is empty: a new job"
+    if spec.output.mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    if spec.output.mode == "overwrite":
+        return "output exists and will be deleted (output.mode=overwrite)"
+    if old is None:
+        raise _foreign_output(spec)
+    check_resumable(old, spec, plan.shards)
+    done = sum(e.get("status") == "committed" for e in old["shards"].values())
+    return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
+
+
 def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
     if not entries:
         return new_manifest(spec, plan.shards)
     old = read_manifest(storage)
     if old is None:
-        raise OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
-                          "output; use output.mode=overwrite or another output.url")
+        raise _foreign_output(spec)
     check_resumable(old, spec, plan.shards)
     return resume_manifest(old, spec, set(list_parts(storage)))
+
+
+def _foreign_output(spec: JobSpec) -> OutputError:
+    return OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
+                       "output; use output.mode=overwrite or another output.url")

@@ -147,6 +147,28 @@ def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, ro
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
 
 
+def duplicate_ids(files: list[InputFile], storage_options: dict[str, Any], column: str,
+                  limit: int = 10) -> list[str]:
+    """Up to `limit` ids of `column` that appear more than once across the files (reads only that column)."""
+    seen: set[str] = set()
+    dups: list[str] = []
+    for f in files:
+        fs, path = url_to_fs(f.url, **storage_options)
+
+        def read(fs: Any = fs, path: str = path) -> pa.Table:
+            with fs.open(path, "rb") as fh:
+                return pq.read_table(fh, columns=[column])
+
+        for value in retry(f"read {f.url}", read).column(column).to_pylist():
+            key = str(value)
+            if key in seen and key not in dups:
+                dups.append(key)
+                if len(dups) >= limit:
+                    return dups
+            seen.add(key)
+    return dups
+
+
 def _groups_for(meta: pq.FileMetaData, row_start: int, row_end: int) -> tuple[list[int], int]:
     groups, first, offset = [], None, 0
     for i in range(meta.num_row_groups):

@@ -37,7 +37,17 @@ def test_validate_reports_plan_and_errors(tmp_path):
     assert bad.exit_code == 1 and "missing column 'missing' (input.id_column)" in bad.output
     typo = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--set", "cluster.num_wrkers=2"])
     assert typo.exit_code == 1 and "cluster.num_wrkers: unknown field" in typo.output
+    assert "output is empty: a new job" in ok.output
     assert not (tmp_path / "out").exists()
+    data = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    write_prompts(tmp_path / "dup.parquet", 4)
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(tmp_path / "dup.parquet"), tmp_path / "dup2.parquet")
+    data["input"]["url"] = str(tmp_path / "dup*.parquet")
+    (tmp_path / "dup.yaml").write_text(yaml.safe_dump(data))
+    dup = runner.invoke(main, ["validate", str(tmp_path / "dup.yaml"), "--check-ids"])
+    assert dup.exit_code == 1 and "input.id_column 'id' has duplicate ids: p000, p001" in dup.output
 
 
 def test_run_fails_named_shard_then_resume_succeeds(tmp_path):
