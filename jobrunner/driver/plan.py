@@ -53,11 +53,23 @@ def plan_job(spec: JobSpec) -> JobPlan:
     """List the input, check its columns and cut shards; InputError names the URL, file or column."""
     files = list_input_files(spec.input.url, spec.input.storage_options)
     check_columns(files, required_columns(spec), spec.output.keep_columns)
+    if spec.input.id_column is None:
+        _check_unique_stems(files)
     plan = JobPlan(files=files, shards=plan_shards([f for f in files if f.num_rows], spec.rows_per_shard))
     if plan.num_rows == 0:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
                          f"({len(files)} file(s), all empty)")
     return plan
+
+
+def _check_unique_stems(files: list[InputFile]) -> None:
+    """Derived ids are '<file-stem>:<row>', so two files with one stem would give two rows one id."""
+    by_stem: dict[str, str] = {}
+    for f in files:
+        if f.stem in by_stem:
+            raise InputError(f"input files {by_stem[f.stem]} and {f.url} have the same name {f.stem!r}, so "
+                             "derived row ids would collide; set input.id_column")
+        by_stem[f.stem] = f.url
 
 
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any]]:

@@ -112,6 +112,12 @@ def test_bad_input_and_output_fail_before_anything_is_written(tmp_path):
                    tmp_path / "empty.parquet")
     cases.append((fake_spec(str(tmp_path / "empty.parquet"), str(out), output={"keep_columns": []}),
                   InputError, "no rows"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_prompts(tmp_path / "a" / "x.parquet", 2)
+    write_prompts(tmp_path / "b" / "x.parquet", 2)
+    cases.append((fake_spec(str(tmp_path / "*/x.parquet"), str(out), input={"id_column": None}),
+                  InputError, "same name 'x'.*set input.id_column"))
     for data, error, match in cases:
         with pytest.raises(error, match=match):
             run_job(spec_from_dict(data), show_progress=False)
