@@ -41,7 +41,8 @@ class ModelRunner:
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         s = model.shape
-        return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=dtype).element_size()
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * itemsize
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
