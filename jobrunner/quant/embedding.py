@@ -35,6 +35,11 @@ class Int8Embedding(torch.nn.Module):
         """Share the int8 weight and scales of a tied ``lm_head`` (no extra memory)."""
         return cls(linear.weight_int8, linear.scales, out_dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table [num_embeddings, dim] (built on each access: for ``.dtype``-style probes)."""
+        return (self.weight_int8.to(torch.float32) * self.scales[:, None]).to(self.out_dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]
         rows = F.embedding(input_ids, self.weight_int8).to(torch.float32)
@@ -64,6 +69,11 @@ class Int4SharedEmbedding(torch.nn.Module):
         self.register_buffer("weight_int4pack", head.weight_int4pack)  # the same tensors as the head's
         self.register_buffer("scales_and_zeros", head.scales_and_zeros)
         self.out_dtype = out_dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table [num_embeddings, dim] (built on each access: for ``.dtype``-style probes)."""
+        return self(torch.arange(self.num_embeddings, device=self.weight_int4pack.device))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]

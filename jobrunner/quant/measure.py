@@ -46,7 +46,7 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
 
     s = model.shape
     dev = next(model.parameters()).device
-    dtype = model.embed_tokens.weight.dtype
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype  # the norms keep it
     num_tokens = len(token_ids)
     block_size = 16
     num_blocks = -(-num_tokens // block_size)

@@ -26,6 +26,7 @@ def test_swaps_every_linear_and_stays_close(tiny_llama, scheme, cls, max_err) ->
     assert tiny_llama.layers[0].qkv_proj.bias is not None  # Qwen2-style qkv bias kept
     embed = tiny_llama.embed_tokens
     err = ((embed(ids) - embedded_before).norm() / embedded_before.norm()).item()
+    assert embed.weight.shape == (96, 64) and embed.weight.dtype == torch.float32  # the engine reads it
     if scheme == "int8":  # the tied head and the embedding share one int8 tensor
         assert isinstance(embed, Int8Embedding) and embed.weight_int8 is tiny_llama.lm_head.weight_int8
         assert err < 0.01
