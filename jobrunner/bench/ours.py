@@ -1,0 +1,101 @@
+"""Our engine on pre-tokenized prompts: build, warm up (untimed), then one timed continuous-batching run."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jobrunner.bench.result import RunResult, peak_memory, reset_peak_memory, sync
+from jobrunner.engine import EngineConfig, SamplingParams
+
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to build our engine for a bench run."""
+
+    model: str
+    dtype: str = "auto"
+    quantization: str = "none"
+    device: str = "auto"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def config(self, prefix_caching: bool) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=prefix_caching, device=self.device)
+
+
+def build_engine(options: EngineOptions, prefix_caching: bool):
+    """An ``LLMEngine`` for ``options`` (quantization is passed through to ``from_source``)."""
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_source(options.model, options.dtype, options.quantization,
+                                 config=options.config(prefix_caching))
+
+
+def release(engine) -> None:
+    """Drop an engine's model and KV cache now (the caller must drop its own reference too)."""
+    device = engine.device
+    engine.runner = engine.model = engine.kv_manager = engine.scheduler = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def warm_up(engine) -> None:
+    """A few short requests of synthetic tokens (they share no prefix with the real prompts)."""
+    vocab = engine.model.shape.vocab_size
+    params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 13 * k + 3) % vocab for i in range(24)] for k in range(WARMUP_PROMPTS)]
+    engine.generate(prompts, params)
+
+
+def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bool, name: str) -> RunResult:
+    """Time from the first ``add_request`` to the last output; engine stats are the run's own (deltas)."""
+    warm_up(engine)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    before = dict(engine.stats().to_dict())
+    reset_peak_memory(engine.device)
+    sync(engine.device)
+    start = time.perf_counter()
+    for i, ids in enumerate(token_ids):
+        engine.add_request(f"bench-{i}", list(ids), params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    sync(engine.device)
+    seconds = time.perf_counter() - start
+    return RunResult(
+        name=name, seconds=seconds, num_requests=len(outputs),
+        num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        num_cached_tokens=sum(o.metrics.num_cached_tokens for o in outputs),
+        num_output_tokens=sum(len(o.output_token_ids) for o in outputs),
+        num_errors=sum(o.finish_reason == "error" for o in outputs),
+        memory=peak_memory(engine.device),
+        extra={"engine_stats": stats_delta(before, engine.stats().to_dict()),
+               "first_error": next((o.error for o in outputs if o.finish_reason == "error"), None)},
+    )
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The run's own counters: additive fields as differences, gauges (KV sizes, peaks) as they are now."""
+    gauges = {"kv_num_blocks", "kv_block_size", "kv_blocks_used", "kv_peak_blocks_used"}
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        if key in gauges or key not in before or not isinstance(value, (int, float)):
+            out[key] = value
+        else:
+            out[key] = value - before[key]
+    prompt, cached = out.get("num_prompt_tokens", 0), out.get("num_cached_tokens", 0)
+    out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+    for key in ("prefill_s", "decode_s", "schedule_s"):
+        if isinstance(out.get(key), float):
+            out[key] = round(out[key], 4)
+    return out

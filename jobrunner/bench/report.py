@@ -1,0 +1,59 @@
+"""A readable table of a bench result (the JSON form is the result dict itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+RUNS = (("ours", "ours"), ("ours_no_prefix_caching", "ours (no prefix cache)"), ("baseline", "hf generate"))
+HEADER = ("run", "seconds", "prompt tok", "cached", "output tok", "out tok/s", "total tok/s", "peak RSS MiB",
+          "CUDA MiB")
+
+
+def render_text(result: dict[str, Any]) -> str:
+    """The workload line, one table row per run, the ratios and our engine's prefill/decode split."""
+    rows = [_row(label, result[key]) for key, label in RUNS if result.get(key)]
+    lines = [_workload_line(result["workload"]), *_table([HEADER, *rows])]
+    if result.get("ratio") is not None:
+        lines.append(f"ours / hf: output tokens/s x{result['ratio']:.2f}, "
+                     f"total tokens/s x{result['total_tokens_ratio']:.2f}")
+    if result.get("prefix_caching"):
+        p = result["prefix_caching"]
+        lines.append(f"prefix caching: computed prompt tokens {p['computed_prompt_tokens_off']} -> "
+                     f"{p['computed_prompt_tokens_on']} (cut {p['computed_prompt_tokens_cut']:.1%}), "
+                     f"cached share {p['cached_token_share']:.1%}, output tokens/s on/off "
+                     f"x{p['throughput_ratio'] or 0:.2f}")
+    lines += [_engine_line(label, result[key]) for key, label in RUNS[:2] if result.get(key)]
+    return "\n".join(lines) + "\n"
+
+
+def _workload_line(w: dict[str, Any]) -> str:
+    stop = "ignore_eos" if w["ignore_eos"] else "stop at EOS"
+    return (f"{w['num_prompts']} prompts ({w['num_dropped_too_long']} dropped: too long), max_tokens "
+            f"{w['max_tokens']} ({stop}), model {w['model']} {w['dtype']} on {w['device']}, quantization "
+            f"{w['quantization']}, max_num_seqs {w['max_num_seqs']}")
+
+
+def _row(label: str, run: dict[str, Any]) -> tuple[str, ...]:
+    if "batch_size" in run:
+        label = f"{label} (bs {run['batch_size']})"
+    mem = run.get("memory") or {}
+    cuda = mem.get("cuda_max_allocated_mib")
+    return (label, f"{run['seconds']:.2f}", str(run["num_prompt_tokens"]), str(run["num_cached_tokens"]),
+            str(run["num_output_tokens"]), f"{run['output_tokens_per_s']:.1f}", f"{run['total_tokens_per_s']:.1f}",
+            f"{mem.get('peak_rss_mib', 0):.0f}", "-" if cuda is None else f"{cuda:.0f}")
+
+
+def _engine_line(label: str, run: dict[str, Any]) -> str:
+    s = run.get("engine_stats") or {}
+    errors = f", {run['num_errors']} errors ({run.get('first_error')})" if run.get("num_errors") else ""
+    return (f"{label}: {s.get('steps', 0)} steps, prefill {s.get('prefill_s', 0):.2f} s "
+            f"({s.get('num_prefill_tokens', 0)} tok), decode {s.get('decode_s', 0):.2f} s "
+            f"({s.get('num_decode_tokens', 0)} tok), schedule {s.get('schedule_s', 0):.2f} s, "
+            f"preemptions {s.get('num_preemptions', 0)}, KV peak {s.get('kv_peak_blocks_used', 0)}/"
+            f"{s.get('kv_num_blocks', 0)} blocks{errors}")
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]

@@ -1,0 +1,150 @@
+"""The whole comparison: our engine (optionally with and without prefix caching), then the HF baseline."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jobrunner.bench.ours import EngineOptions, build_engine, release, run_ours
+from jobrunner.bench.prompts import PromptRow, fit_to_context, tokenize_all
+from jobrunner.bench.result import RunResult
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything ``jobrunner bench`` was asked to do (besides where the prompts come from)."""
+
+    engine: EngineOptions
+    max_tokens: int
+    ignore_eos: bool = False
+    prefix_caching: bool = True
+    compare_prefix_caching: bool = False
+    baseline: str = "hf"                  # "hf" or "none"
+    baseline_batch_size: int | None = None  # None: pick from a pilot
+    raw_prompts: bool = False
+
+
+@dataclass
+class _Prepared:
+    token_ids: list[list[int]]
+    num_dropped: int
+    model_info: dict[str, Any]
+    device: torch.device
+    eos_ids: tuple[int, ...]
+
+
+def run_bench(options: BenchOptions, rows: list[PromptRow], log=print) -> dict[str, Any]:
+    """Run every leg on the same token ids; return the result dict that ``report`` renders."""
+    runs: dict[str, RunResult] = {}
+    first = options.prefix_caching or options.compare_prefix_caching
+    log(f"ours: prefix caching {'on' if first else 'off'}")
+    prep, runs["ours"] = _ours_leg(options, first, rows, None, "ours")
+    if options.compare_prefix_caching:
+        log("ours: prefix caching off")
+        _, runs["ours_no_prefix_caching"] = _ours_leg(options, False, rows, prep, "ours_no_prefix_caching")
+    if options.baseline == "hf":
+        runs["baseline"] = _run_hf(options, prep, log)
+    return _assemble(options, prep, runs)
+
+
+def _ours_leg(options: BenchOptions, prefix_caching: bool, rows: list[PromptRow], prep: _Prepared | None,
+              name: str) -> tuple[_Prepared, RunResult]:
+    """Build an engine, tokenize with it if ``prep`` is None, run, and free it before the next leg loads."""
+    engine = build_engine(options.engine, prefix_caching)
+    try:
+        prep = prep or _prepare(engine, rows, options)
+        if not prep.token_ids:
+            raise ValueError(f"no prompt fits the context ({engine.max_model_len} tokens) with "
+                             f"--max-tokens {options.max_tokens}")
+        result = run_ours(engine, prep.token_ids, options.max_tokens, options.ignore_eos, name)
+    finally:
+        release(engine)
+        del engine
+    return prep, result
+
+
+def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:
+    token_ids = tokenize_all(engine.tokenizer, rows, options.raw_prompts)
+    kept, dropped = fit_to_context(token_ids, options.max_tokens, engine.max_model_len)
+    return _Prepared(kept, dropped, dict(engine.model_info), engine.device, tuple(engine.eos_token_ids))
+
+
+def _run_hf(options: BenchOptions, prep: _Prepared, log) -> RunResult:
+    from jobrunner.bench.hf_baseline import load_baseline, pick_batch_size, run_baseline
+    from jobrunner.models.factory import DTYPES
+    from jobrunner.models.sources import resolve_model_dir
+
+    dtype = DTYPES[prep.model_info.get("dtype", "float32")]
+    base = load_baseline(str(resolve_model_dir(options.engine.model)), dtype, prep.device, prep.eos_ids)
+    rates: dict[int, float] = {}
+    batch_size = options.baseline_batch_size
+    if batch_size is None:
+        batch_size, rates = pick_batch_size(base, prep.token_ids)
+        log(f"hf: pilot tokens/s by batch size {_rounded(rates)} -> {batch_size}")
+    else:
+        from jobrunner.bench.hf_baseline import generate_batch
+
+        generate_batch(base, prep.token_ids[:1], 2, True)  # warm-up, untimed
+    log(f"hf: {len(prep.token_ids)} prompts, batch size {batch_size}")
+    result = run_baseline(base, prep.token_ids, options.max_tokens, options.ignore_eos, batch_size)
+    result.extra["pilot_output_tokens_per_s"] = _rounded(rates)
+    return result
+
+
+def _assemble(options: BenchOptions, prep: _Prepared, runs: dict[str, RunResult]) -> dict[str, Any]:
+    ours, base = runs["ours"], runs.get("baseline")
+    ratio = _div(ours.output_tokens_per_s, base.output_tokens_per_s) if base else None
+    total_ratio = _div(ours.total_tokens_per_s, base.total_tokens_per_s) if base else None
+    out: dict[str, Any] = {"workload": _workload(options, prep)}
+    for key, run in runs.items():
+        out[key] = {**run.to_dict(), "ratio": ratio}
+    out.setdefault("baseline", None)
+    out["ratio"] = ratio
+    out["total_tokens_ratio"] = total_ratio
+    if "ours_no_prefix_caching" in runs:
+        out["prefix_caching"] = prefix_summary(ours, runs["ours_no_prefix_caching"])
+    out["versions"] = _versions()
+    return out
+
+
+def prefix_summary(on: RunResult, off: RunResult) -> dict[str, Any]:
+    """What prefix caching saved: computed prompt tokens cut (a fraction) and the throughput ratios on/off."""
+    computed_on, computed_off = on.computed_prompt_tokens, off.computed_prompt_tokens
+    return {
+        "computed_prompt_tokens_on": computed_on,
+        "computed_prompt_tokens_off": computed_off,
+        "computed_prompt_tokens_cut": 1 - computed_on / computed_off if computed_off else 0.0,
+        "cached_token_share": on.cached_token_share,
+        "throughput_ratio": _div(on.output_tokens_per_s, off.output_tokens_per_s),
+        "total_throughput_ratio": _div(on.total_tokens_per_s, off.total_tokens_per_s),
+    }
+
+
+def _workload(options: BenchOptions, prep: _Prepared) -> dict[str, Any]:
+    e = options.engine
+    return {
+        "num_prompts": len(prep.token_ids), "num_dropped_too_long": prep.num_dropped,
+        "max_tokens": options.max_tokens, "ignore_eos": options.ignore_eos, "raw_prompts": options.raw_prompts,
+        "prefix_caching": options.prefix_caching or options.compare_prefix_caching,
+        "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
+        "model": e.model, "dtype": prep.model_info.get("dtype"), "device": str(prep.device),
+        "quantization": e.quantization, "baseline": options.baseline,
+    }
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpu_threads": str(torch.get_num_threads())}
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _rounded(rates: dict[int, float]) -> dict[int, float]:
+    return {k: round(v, 2) for k, v in rates.items()}

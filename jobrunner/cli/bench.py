@@ -1,0 +1,68 @@
+"""`jobrunner bench`: our engine vs transformers' generate on the same prompts, in one process."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@click.command()
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False),
+              help="A .jsonl or .parquet file with a 'prompt' (text) or 'messages' (chat) column.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Use the first N rows.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Output tokens per prompt (the most, unless --ignore-eos).")
+@click.option("--ignore-eos", is_flag=True, help="Always generate --max-tokens tokens (no stopping at EOS).")
+@click.option("--no-prefix-caching", is_flag=True, help="Run our engine with prefix caching off.")
+@click.option("--compare-prefix-caching", is_flag=True,
+              help="Run our engine twice, prefix caching on and off, and report what caching saved.")
+@click.option("--baseline", type=click.Choice(["hf", "none"]), default="hf", show_default=True)
+@click.option("--baseline-batch-size", type=click.IntRange(min=1), default=None,
+              help="Static batch size of the HF baseline (default: the best of 8/16/32 on a short pilot).")
+@click.option("--raw-prompts", is_flag=True, help="Send 'prompt' text as is instead of as a single-turn chat.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="Model source: alias, local dir, Hub id or storage URL.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True)
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
+              help="Our engine only (the baseline stays unquantized).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on the last line.")
+def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
+          compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
+          model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
+          max_num_batched_tokens: int, as_json: bool) -> None:
+    """Throughput of our engine vs transformers' generate (static left-padded batches) on the same token ids."""
+    from jobrunner.bench import BenchOptions, run_bench
+    from jobrunner.bench.ours import EngineOptions
+    from jobrunner.bench.report import render_text
+    from jobrunner.io.prompt_file import PromptFileError, read_prompts
+
+    if no_prefix_caching and compare_prefix_caching:
+        raise click.UsageError("--compare-prefix-caching runs both; drop --no-prefix-caching")
+    try:
+        rows = read_prompts(prompts_path, num_prompts)
+    except PromptFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    options = BenchOptions(engine=engine, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                           prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
+                           baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts)
+    try:
+        result = run_bench(options, rows, log=lambda msg: click.echo(msg, err=True))
+    except ValueError as exc:  # bad model source, no chat template, nothing fits the context, ...
+        raise click.ClickException(str(exc)) from None
+    result["workload"]["prompts"] = prompts_path
+    click.echo(render_text(result), nl=False)
+    if as_json:
+        click.echo(json.dumps(result, default=str))
+
+
+COMMANDS = [bench]

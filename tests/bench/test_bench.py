@@ -1,0 +1,109 @@
+"""`jobrunner bench` end to end on a tiny random Llama: JSON keys, ratio arithmetic, prompt files, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from jobrunner.bench.hf_baseline import count_output_tokens, left_pad
+from jobrunner.bench.runner import prefix_summary
+from jobrunner.cli import main
+from jobrunner.io.prompt_file import PromptFileError, read_prompts
+
+RUN_KEYS = {"output_tokens_per_s", "total_tokens_per_s", "num_prompt_tokens", "num_cached_tokens",
+            "num_output_tokens", "seconds", "ratio"}
+PROMPTS = ["The quick brown fox", "Hello world!", "What is the capital of France?", "Batch inference runs"]
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def _bench(model_dir: Path, prompts: Path, *extra: str) -> dict:
+    args = ["bench", "--prompts", str(prompts), "--model", str(model_dir), "--num-prompts", "4",
+            "--max-tokens", "4", "--device", "cpu", "--json", *extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_bench_hf_baseline_json(tiny_llama_hf_dir: Path, jsonl: Path) -> None:
+    data = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos", "--baseline", "hf")
+    ours, base = data["ours"], data["baseline"]
+    assert RUN_KEYS <= set(ours) and RUN_KEYS <= set(base)
+    assert ours["num_output_tokens"] == base["num_output_tokens"] == 16  # 4 prompts x 4 tokens
+    assert ours["num_prompt_tokens"] == base["num_prompt_tokens"] > 0  # identical token ids
+    assert data["ratio"] == pytest.approx(ours["output_tokens_per_s"] / base["output_tokens_per_s"])
+    assert ours["ratio"] == data["ratio"]
+    assert ours["output_tokens_per_s"] == pytest.approx(ours["num_output_tokens"] / ours["seconds"])
+    total = base["num_prompt_tokens"] + base["num_output_tokens"]
+    assert base["total_tokens_per_s"] == pytest.approx(total / base["seconds"])
+    assert base["batch_size"] == 4 and ours["memory"]["peak_rss_mib"] > 0
+    assert ours["engine_stats"]["num_decode_tokens"] > 0
+
+
+def test_bench_no_baseline_parquet_messages(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"messages": messages}), path)
+    data = _bench(tiny_llama_hf_dir, path, "--baseline", "none", "--compare-prefix-caching")
+    assert data["baseline"] is None and data["ratio"] is None
+    assert RUN_KEYS <= set(data["ours"])
+    assert data["ours_no_prefix_caching"]["num_cached_tokens"] == 0
+    assert 0.0 <= data["prefix_caching"]["computed_prompt_tokens_cut"] <= 1.0
+
+
+def test_read_prompts_parquet_prompt_column_and_limit(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": PROMPTS, "other": [1, 2, 3, 4]}), path)
+    assert read_prompts(path, 2) == PROMPTS[:2]
+
+
+def test_missing_file_and_column_errors(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    missing = runner.invoke(main, ["bench", "--prompts", str(tmp_path / "nope.jsonl"), "--baseline", "none"])
+    assert missing.exit_code != 0 and "not found" in missing.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "hi"}) + "\n")
+    result = runner.invoke(main, ["bench", "--prompts", str(bad), "--model", str(tiny_llama_hf_dir)])
+    assert result.exit_code != 0 and "no 'prompt' or 'messages'" in result.output
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["hi"]}), tmp_path / "bad.parquet")
+    with pytest.raises(PromptFileError, match="no 'prompt' or 'messages' column"):
+        read_prompts(tmp_path / "bad.parquet")
+
+
+def test_count_output_tokens_stops_at_first_eos() -> None:
+    new = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert count_output_tokens(new, [2], ignore_eos=False) == [2, 4, 1]
+    assert count_output_tokens(new, [2], ignore_eos=True) == [4, 4, 4]
+
+
+def test_left_pad() -> None:
+    ids, mask = left_pad([[1, 2, 3], [4]], pad_id=9, device=torch.device("cpu"))
+    assert ids.tolist() == [[1, 2, 3], [9, 9, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_prefix_summary_arithmetic() -> None:
+    from jobrunner.bench.result import RunResult
+
+    on = RunResult("on", 2.0, 4, 1000, 600, 100)
+    off = RunResult("off", 4.0, 4, 1000, 0, 100)
+    summary = prefix_summary(on, off)
+    assert summary["computed_prompt_tokens_cut"] == pytest.approx(0.6)
+    assert summary["throughput_ratio"] == pytest.approx(2.0)
