@@ -13,6 +13,7 @@ NUM_PROMPTS, NUM_TOKENS = 64, 64
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_smollm2_greedy_matches_transformers():
     if not DATA.exists():
         pytest.skip(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
