@@ -148,6 +148,12 @@ class CostSpec(_Spec):
     """Prices used by reports."""
 
     worker_hour_usd: float = Field(default=0.0, ge=0.0, description="Price of one worker for one hour (USD).")
+    slo_ttft_s: float | None = Field(
+        default=None, gt=0.0, description="Goodput target: time to first token (s); reports count rows meeting it."
+    )
+    slo_e2e_s: float | None = Field(
+        default=None, gt=0.0, description="Goodput target: end-to-end latency (seconds); reports count rows meeting it."
+    )
 
 
 class JobSpec(_Spec):
