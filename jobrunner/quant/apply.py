@@ -10,7 +10,7 @@ the ``lm_head`` tensor when both are int8 (or int4 on CPU); ``quantize_embedding
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -35,42 +35,50 @@ def check_scheme(scheme: str) -> str:
 
 
 def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | None = None,
-                   skip: Iterable[str] = (), quantize_embeddings: bool = True) -> QuantReport:
+                   skip: Iterable[str] = (), overrides: Mapping[str, str] | None = None,
+                   quantize_embeddings: bool = True) -> QuantReport:
     """Quantize every ``nn.Linear`` of ``model`` in place (weight-only) and report what happened.
 
     ``scheme``: ``none`` | ``int8`` (per-channel) | ``int4`` (group-wise, ``group_size`` default 32).
     ``skip``: layer names or glob patterns (``"lm_head"``, ``"*.down_proj"``) to keep in float.
-    ``quantize_embeddings``: also store ``nn.Embedding`` tables as int8 rows (shared with a tied int8 head).
+    ``overrides``: pattern -> scheme for some layers, e.g. ``{"lm_head": "int8"}`` under ``int4``.
+    ``quantize_embeddings``: also store ``nn.Embedding`` tables quantized (shared with a tied head).
     Call it after the model is on its final device: int4 weights are packed for that device's kernel.
     """
     scheme = check_scheme(scheme)
     if group_size is not None and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size {group_size} not supported: expected one of {INT4_GROUP_SIZES}")
+    rules = {pattern: check_scheme(s) for pattern, s in (overrides or {}).items()}
+    rules.update({pattern: "none" for pattern in skip})
     requested_group = group_size or DEFAULT_GROUP_SIZE
     report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
-    patterns = tuple(skip)
     tied = _tied_embeddings(model)
     for name, linear in _linears(model):
-        entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
-                           bytes_before=_nbytes(linear.weight))
+        layer_scheme = next((s for p, s in rules.items() if _matches(name, p)), scheme)
+        layer_scheme = "none" if scheme == "none" else layer_scheme
         report.linear_bf16_bytes += linear.weight.numel() * 2
-        if scheme != "none" and not _is_skipped(name, patterns):
-            new = _quantize_linear(linear, scheme, requested_group, entry)
-            if _is_tied(model, linear):
-                report.notes.append(
-                    f"{name} is tied to another parameter: quantized its own copy")
-            _set_module(model, name, new)
-        elif scheme != "none":
-            entry.fallback_reason = None
-            report.notes.append(f"{name} kept in float (skip)")
-        entry.bytes_after = _layer_weight_bytes(_get_module(model, name))
-        report.linear_bytes_after += entry.bytes_after
-        report.layers.append(entry)
+        report.layers.append(_quantize_one(model, name, linear, layer_scheme, requested_group, report))
+        report.linear_bytes_after += report.layers[-1].bytes_after
     if scheme != "none" and quantize_embeddings:
-        _quantize_embeddings(model, tied, patterns, report)
+        _quantize_embeddings(model, tied, tuple(p for p, s in rules.items() if s == "none"), report)
     report.model_bytes_after = _model_bytes(model)[1]
     return report
+
+
+def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, scheme: str, group_size: int,
+                  report: QuantReport) -> LayerQuant:
+    entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
+                       bytes_before=_nbytes(linear.weight))
+    if scheme == "none":
+        if report.scheme != "none":
+            report.notes.append(f"{name} kept in float (skip)")
+    else:
+        if _is_tied(model, linear):
+            report.notes.append(f"{name} is tied to another parameter: quantized its own copy")
+        _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry))
+    entry.bytes_after = _layer_weight_bytes(_get_module(model, name))
+    return entry
 
 
 def _tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
@@ -138,8 +146,12 @@ def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
             if isinstance(mod, torch.nn.Linear) and mod.weight.is_floating_point()]
 
 
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or name.endswith("." + pattern) or fnmatch.fnmatchcase(name, pattern)
+
+
 def _is_skipped(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+    return any(_matches(name, p) for p in patterns)
 
 
 def _is_tied(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:

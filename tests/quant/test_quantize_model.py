@@ -100,3 +100,13 @@ def test_untied_embedding_gets_own_int8_rows_and_model_bytes_shrink() -> None:
     no_embed = TinyLlama(tied=False).eval()
     quantize_model(no_embed, "int8", quantize_embeddings=False)
     assert type(no_embed.embed_tokens) is torch.nn.Embedding
+
+
+def test_overrides_put_the_tied_head_in_int8_under_int4(tiny_llama) -> None:
+    report = quantize_model(tiny_llama, "int4", overrides={"lm_head": "int8"})
+    assert isinstance(tiny_llama.lm_head, Int8WeightOnlyLinear)
+    assert isinstance(tiny_llama.layers[0].down_proj, Int4WeightOnlyLinear)
+    assert tiny_llama.embed_tokens.weight_int8 is tiny_llama.lm_head.weight_int8
+    assert report.scheme_counts() == {"int4": 8, "int8": 1}
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        quantize_model(tiny_llama, "int4", overrides={"lm_head": "int2"})
