@@ -194,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--texts", required=True, help="JSONL; assistant turns are the perplexity text")
     parser.add_argument("--prompts", required=True, help="JSONL; the first --num-prompts rows are used")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--schemes", default="none,int8,int4")
+    parser.add_argument("--schemes", default="none,int8,int4",
+                        help="comma-separated; 'int4/lm_head=int8' adds per-layer overrides")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -204,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = EngineConfig(max_num_seqs=64, enable_prefix_caching=False, device=args.device)
 
     def factory(scheme: str) -> Any:
-        return LLMEngine.from_source(args.source, dtype=args.dtype, quantization=scheme, config=config)
+        if "/" not in scheme:
+            return LLMEngine.from_source(args.source, dtype=args.dtype, quantization=scheme, config=config)
+        return _engine_with_overrides(args.source, args.dtype, scheme, config)
 
     tokenizer = factory("none").tokenizer
     result = measure_quantization(factory, tokenizer, load_texts(args.texts),
@@ -216,6 +219,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+
+
+def _engine_with_overrides(source: str, dtype: str, scheme: str, config: Any) -> Any:
+    """``"int4/lm_head=int8"``: the base scheme with per-layer overrides (not a job-spec value)."""
+    from jobrunner.engine import LLMEngine
+    from jobrunner.models.factory import load_for_engine
+    from jobrunner.quant.apply import quantize_model
+
+    base, _, rest = scheme.partition("/")
+    overrides = dict(item.split("=", 1) for item in rest.split("+") if item)
+    model, tokenizer, eos_ids, info = load_for_engine(source, dtype=dtype, device=config.device)
+    info["quantization"] = scheme
+    info["quantization_report"] = quantize_model(model, base, overrides=overrides).summary()
+    return LLMEngine(model, tokenizer, config, eos_ids, info)
 
 
 if __name__ == "__main__":

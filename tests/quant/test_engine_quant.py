@@ -47,3 +47,19 @@ def test_engine_runs_quantized_and_tracks_float(arch: str) -> None:
     first = [[row[0]] for row in tokens["none"]], [[row[0]] for row in tokens["int8"]]
     assert agreement(*first)["exact"] >= 0.75
     assert ppl["int8"] < ppl["none"] * 1.05 and ppl["int4"] < ppl["none"] * 1.5
+
+
+def test_measure_quantization_side_by_side() -> None:
+    from jobrunner.quant.measure import measure_quantization
+
+    tokenizer = make_tokenizer()
+    hf_model = make_hf_model("llama_tied")
+    result = measure_quantization(lambda scheme: _engine(hf_model, tokenizer, scheme), tokenizer,
+                                  texts=PROMPTS, prompts=PROMPTS[:3], schemes=("none", "int8", "int4"),
+                                  batch_sizes=(1, 2), max_tokens=4)
+    rows = result["schemes"]
+    assert rows["none"]["greedy_agreement"]["exact"] == 1.0 and rows["none"]["perplexity_vs_base"] == 1.0
+    assert rows["int4"]["linear_weight_bytes"] < rows["int8"]["linear_weight_bytes"]
+    assert rows["int8"]["linear_bytes_vs_base"] < 0.3  # float32 engine: int8 is ~1/4 of its bytes
+    assert set(rows["int4"]["throughput"]) == {"1", "2"}
+    assert rows["int8"]["quantization_report"]["scheme"] == "int8"
