@@ -15,19 +15,9 @@ def as_chat(row: PromptRow, raw: bool) -> PromptRow:
     return row
 
 
-def tokenize(tokenizer, row: PromptRow) -> list[int]:
-    """Token ids exactly as the engine makes them: raw text with special tokens, chats through the template."""
-    if isinstance(row, str):
-        return list(tokenizer(row)["input_ids"])
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the model's tokenizer has no chat template; pass --raw-prompts to send raw text")
-    text = tokenizer.apply_chat_template(row, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def tokenize_all(tokenizer, rows: Sequence[PromptRow], raw: bool) -> list[list[int]]:
-    """Token ids of every row (see :func:`as_chat` and :func:`tokenize`)."""
-    return [tokenize(tokenizer, as_chat(row, raw)) for row in rows]
+def tokenize_all(engine, rows: Sequence[PromptRow], raw: bool) -> list[list[int]]:
+    """Token ids of every row, made by the engine's own ``tokenize`` (see :func:`as_chat`)."""
+    return [engine.tokenize(as_chat(row, raw)) for row in rows]
 
 
 def fit_to_context(token_ids: list[list[int]], max_tokens: int, max_model_len: int

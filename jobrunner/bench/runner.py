@@ -67,7 +67,7 @@ def _ours_leg(options: BenchOptions, prefix_caching: bool, rows: list[PromptRow]
 
 
 def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:
-    token_ids = tokenize_all(engine.tokenizer, rows, options.raw_prompts)
+    token_ids = tokenize_all(engine, rows, options.raw_prompts)
     kept, dropped = fit_to_context(token_ids, options.max_tokens, engine.max_model_len)
     return _Prepared(kept, dropped, dict(engine.model_info), engine.device, tuple(engine.eos_token_ids))
 

@@ -68,7 +68,7 @@ class LLMEngine:
         params = params or SamplingParams()
         now = time.perf_counter()
         try:
-            token_ids = self._tokenize(prompt)
+            token_ids = self.tokenize(prompt)
             error = self._admission_error(token_ids)
         except Exception as exc:  # a broken chat template or odd input: that request only
             token_ids, error = [], f"could not tokenize the prompt: {exc}"
@@ -81,7 +81,12 @@ class LLMEngine:
         else:
             self.scheduler.add(request)
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt exactly as ``add_request`` makes them.
+
+        Raw text gets the tokenizer's special tokens (e.g. BOS); chat messages go through the chat template
+        with the generation prompt; token-id lists are checked against the vocabulary.
+        """
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
         items = list(prompt)
