@@ -136,18 +136,30 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
     results: dict[str, Any] = {"schemes": {}}
     reference: list[list[int]] | None = None
     for scheme in schemes:
+        _log(f"{scheme}: loading")
         engine = model_factory(scheme)
         row: dict[str, Any] = weight_bytes(engine.model)
         row["quantization_report"] = getattr(engine, "model_info", {}).get("quantization_report")
         row["perplexity"] = perplexity(engine.model, tokenizer, texts)
+        _log(f"{scheme}: perplexity {row['perplexity']:.4f}")
         generated = greedy_tokens(engine, prompts, max_tokens)
         reference = reference or generated
         row["greedy_agreement"] = agreement(reference, generated)
-        row["throughput"] = {str(b): output_tokens_per_s(engine, prompts, b, max_tokens) for b in batch_sizes}
+        _log(f"{scheme}: greedy agreement {row['greedy_agreement']}")
+        row["throughput"] = {}
+        for b in batch_sizes:
+            row["throughput"][str(b)] = output_tokens_per_s(engine, prompts, b, max_tokens)
+            _log(f"{scheme}: batch {b}: {row['throughput'][str(b)]}")
         results["schemes"][scheme] = row
         del engine
     _add_ratios(results["schemes"], schemes[0])
     return results
+
+
+def _log(message: str) -> None:
+    import sys
+
+    print(f"[measure {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _add_ratios(rows: dict[str, dict[str, Any]], base: str) -> None:
