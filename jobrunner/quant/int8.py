@@ -44,9 +44,9 @@ def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     output channel a fixed gain error of up to 0.4% (measured: +0.6% perplexity on SmolLM2). Choosing scales
     that bfloat16 holds exactly, then quantizing against them, removes that error at no cost.
     """
-    rounded = x.to(torch.bfloat16).float()
-    bumped = torch.nextafter(rounded.to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16))
-    return torch.where(rounded >= x, rounded, bumped.float())
+    bits = x.float().contiguous().view(torch.int32)  # bfloat16 is the top 16 bits of a float32
+    truncated = bits & -65536  # 0xFFFF0000: drop the low 16 bits (rounds a positive value down)
+    return torch.where(truncated == bits, truncated, truncated + 65536).view(torch.float32)
 
 
 class Int8WeightOnlyLinear(torch.nn.Module):
