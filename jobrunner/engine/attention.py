@@ -27,9 +27,10 @@ class AttentionGroup:
     kv_len: int                       # L (padded to whole blocks)
     query_index: torch.Tensor         # [G * Q] flat token index of each (padded) query row
     block_ids: torch.Tensor           # [G * L / block_size] cache block of each (padded) key block
-    mask: torch.Tensor | None         # [G, 1, n_rep * Q, L] bool, True = attend; None = attend to all
+    mask: torch.Tensor | None         # [G, 1, n_rep * Q, L] bool, True = attend; None = see ``causal``
     valid_rows: torch.Tensor | None   # rows of the G * Q queries that are real (None: all)
     out_index: torch.Tensor           # [num real rows] flat token index to write each real row to
+    causal: bool = False              # a chunk starting at position 0: plain causal attention, no mask
 
 
 @dataclass
@@ -62,6 +63,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n_rep: int, head_dim: int,
                   scale: float) -> torch.Tensor:
     G, Q, L = g.num_seqs, g.query_len, g.kv_len
+    if g.causal:
+        return _attend_causal(q, k_blocks, v_blocks, g, num_kv_heads, head_dim, scale)
     # q: [G*Q, H, D] -> [G, Hkv, n_rep*Q, D] (query head h uses kv head h // n_rep)
     qg = q.index_select(0, g.query_index).view(G, Q, num_kv_heads, n_rep, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(G, num_kv_heads, n_rep * Q, head_dim)
@@ -71,3 +74,15 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
     # [G, Hkv, n_rep*Q, D] -> [G*Q, H*D]
     og = og.view(G, num_kv_heads, n_rep, Q, head_dim).permute(0, 3, 1, 2, 4)
     return og.reshape(G * Q, num_kv_heads * n_rep * head_dim)
+
+
+def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, head_dim: int,
+                   scale: float) -> torch.Tensor:
+    # A whole prompt (or its first chunk) of one request: the causal kernel skips the upper triangle, which
+    # an explicit mask cannot. Padded keys past the chunk sit right of every query, so causality hides them.
+    Q, L = g.query_len, g.kv_len
+    qg = q.narrow(0, int(g.query_index[0]), Q).transpose(0, 1).unsqueeze(0)            # [1, H, Q, D]
+    kg = k_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    vg = v_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+    return og.squeeze(0).transpose(0, 1).reshape(Q, -1)                                  # [Q, H*D]

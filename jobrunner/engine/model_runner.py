@@ -102,13 +102,15 @@ class ModelRunner:
         # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
         q_len, kv_len = s.num_new_tokens, s.start + s.num_new_tokens
         num_blocks = -(-kv_len // self.block_size)
-        rows = torch.arange(q_len)[:, None] + s.start
-        mask = torch.arange(num_blocks * self.block_size)[None, :] <= rows   # [Q, L] causal with offset
-        mask = mask.repeat(self.n_rep, 1)[None, None]                         # [1, 1, n_rep * Q, L]
         index = torch.arange(offset, offset + q_len, device=self.device)
         blocks = torch.tensor(self._block_table(s, num_blocks), device=self.device)
-        return AttentionGroup(1, q_len, num_blocks * self.block_size, index, blocks, mask.to(self.device),
-                              None, index)
+        padded_len = num_blocks * self.block_size
+        if s.start == 0:
+            return AttentionGroup(1, q_len, padded_len, index, blocks, None, None, index, causal=True)
+        rows = torch.arange(q_len)[:, None] + s.start
+        mask = torch.arange(padded_len)[None, :] <= rows      # [Q, L] causal with offset
+        mask = mask.repeat(self.n_rep, 1)[None, None]          # [1, 1, n_rep * Q, L]
+        return AttentionGroup(1, q_len, padded_len, index, blocks, mask.to(self.device), None, index)
 
     def _decode_groups(self, decodes: list[tuple[int, int, ScheduledRequest]]) -> list[AttentionGroup]:
         groups = []
