@@ -156,6 +156,24 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
     return results
 
 
+def to_markdown(result: dict[str, Any]) -> str:
+    """A side-by-side table of a :func:`measure_quantization` result (for reports and ``bench`` output)."""
+    rows = result["schemes"]
+    batches = sorted({b for row in rows.values() for b in row["throughput"]}, key=int)
+    head = ["scheme", "linear MB", "model MB", "perplexity", "Δppl", "greedy prefix", "greedy positional",
+            "exact rows"] + [f"tok/s b{b}" for b in batches]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in rows.items():
+        agree = row["greedy_agreement"]
+        cells = [name, f"{row['linear_weight_bytes'] / 1e6:.1f}", f"{row['model_weight_bytes'] / 1e6:.1f}",
+                 f"{row['perplexity']:.4f}", f"{(row['perplexity_vs_base'] - 1) * 100:+.2f}%",
+                 f"{agree['prefix']:.1%}", f"{agree['positional']:.1%}", f"{agree['exact']:.1%}"]
+        cells += [f"{row['throughput'][b]['output_tokens_per_s']:.2f}" if b in row["throughput"] else "—"
+                  for b in batches]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _log(message: str) -> None:
     import sys
 

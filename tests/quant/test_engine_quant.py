@@ -50,7 +50,7 @@ def test_engine_runs_quantized_and_tracks_float(arch: str) -> None:
 
 
 def test_measure_quantization_side_by_side() -> None:
-    from jobrunner.quant.measure import measure_quantization
+    from jobrunner.quant.measure import measure_quantization, to_markdown
 
     tokenizer = make_tokenizer()
     hf_model = make_hf_model("llama_tied")
@@ -63,3 +63,5 @@ def test_measure_quantization_side_by_side() -> None:
     assert rows["int8"]["linear_bytes_vs_base"] < 0.3  # float32 engine: int8 is ~1/4 of its bytes
     assert set(rows["int4"]["throughput"]) == {"1", "2"}
     assert rows["int8"]["quantization_report"]["scheme"] == "int8"
+    table = to_markdown(result)
+    assert table.count("\n") == 4 and "| int4 |" in table
