@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result["settings"] = {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}
     text = json.dumps(result, indent=2, default=str)
     print(text)
+    print(to_markdown(result))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text + "\n")
