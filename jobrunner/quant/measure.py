@@ -65,7 +65,13 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
 
 def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float:
     """Token-level perplexity over ``texts`` (each cut to :data:`MAX_PPL_TOKENS` tokens)."""
+    return score_texts(model, tokenizer, texts)[0]
+
+
+def score_texts(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> tuple[float, list[torch.Tensor]]:
+    """Perplexity over ``texts`` and the argmax token at every position of each (for top-1 agreement)."""
     total_nll, total_tokens = 0.0, 0
+    top1: list[torch.Tensor] = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_PPL_TOKENS]
         if len(ids) < 2:
@@ -74,7 +80,15 @@ def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float
         targets = torch.tensor(ids[1:], device=logits.device)
         total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         total_tokens += len(ids) - 1
-    return math.exp(total_nll / max(total_tokens, 1))
+        top1.append(logits.argmax(-1).cpu())
+    return math.exp(total_nll / max(total_tokens, 1)), top1
+
+
+def _top1_agreement(top1: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Share of positions whose argmax equals the reference's: greedy agreement under teacher forcing,
+    where one early flip cannot derail every later token (unlike :func:`agreement` on generations)."""
+    same = sum(int((a == b).sum()) for a, b in zip(top1, reference, strict=True))
+    return same / max(sum(len(a) for a in top1), 1)
 
 
 def greedy_tokens(engine, prompts: Sequence[Any], max_tokens: int = GREEDY_TOKENS) -> list[list[int]]:
@@ -135,13 +149,17 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
     """
     results: dict[str, Any] = {"schemes": {}}
     reference: list[list[int]] | None = None
+    reference_top1: list[torch.Tensor] | None = None
     for scheme in schemes:
         _log(f"{scheme}: loading")
         engine = model_factory(scheme)
         row: dict[str, Any] = weight_bytes(engine.model)
         row["quantization_report"] = getattr(engine, "model_info", {}).get("quantization_report")
-        row["perplexity"] = perplexity(engine.model, tokenizer, texts)
-        _log(f"{scheme}: perplexity {row['perplexity']:.4f}")
+        ppl, top1 = score_texts(engine.model, tokenizer, texts)
+        reference_top1 = reference_top1 or top1
+        row["perplexity"] = ppl
+        row["teacher_forced_top1_agreement"] = _top1_agreement(top1, reference_top1)
+        _log(f"{scheme}: perplexity {ppl:.4f}, top-1 {row['teacher_forced_top1_agreement']:.4f}")
         generated = greedy_tokens(engine, prompts, max_tokens)
         reference = reference or generated
         row["greedy_agreement"] = agreement(reference, generated)
@@ -160,14 +178,15 @@ def to_markdown(result: dict[str, Any]) -> str:
     """A side-by-side table of a :func:`measure_quantization` result (for reports and ``bench`` output)."""
     rows = result["schemes"]
     batches = sorted({b for row in rows.values() for b in row["throughput"]}, key=int)
-    head = ["scheme", "linear MB", "model MB", "perplexity", "Δppl", "greedy prefix", "greedy positional",
-            "exact rows"] + [f"tok/s b{b}" for b in batches]
+    head = ["scheme", "linear MB", "model MB", "perplexity", "Δppl", "top-1 (teacher-forced)", "greedy prefix",
+            "greedy positional", "exact rows"] + [f"tok/s b{b}" for b in batches]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in rows.items():
         agree = row["greedy_agreement"]
         cells = [name, f"{row['linear_weight_bytes'] / 1e6:.1f}", f"{row['model_weight_bytes'] / 1e6:.1f}",
                  f"{row['perplexity']:.4f}", f"{(row['perplexity_vs_base'] - 1) * 100:+.2f}%",
-                 f"{agree['prefix']:.1%}", f"{agree['positional']:.1%}", f"{agree['exact']:.1%}"]
+                 f"{row.get('teacher_forced_top1_agreement', float('nan')):.1%}", f"{agree['prefix']:.1%}",
+                 f"{agree['positional']:.1%}", f"{agree['exact']:.1%}"]
         cells += [f"{row['throughput'][b]['output_tokens_per_s']:.2f}" if b in row["throughput"] else "—"
                   for b in batches]
         lines.append("| " + " | ".join(cells) + " |")

@@ -59,6 +59,8 @@ def test_measure_quantization_side_by_side() -> None:
                                   batch_sizes=(1, 2), max_tokens=4)
     rows = result["schemes"]
     assert rows["none"]["greedy_agreement"]["exact"] == 1.0 and rows["none"]["perplexity_vs_base"] == 1.0
+    assert rows["none"]["teacher_forced_top1_agreement"] == 1.0
+    assert 0.5 < rows["int8"]["teacher_forced_top1_agreement"] <= 1.0
     assert rows["int4"]["linear_weight_bytes"] < rows["int8"]["linear_weight_bytes"]
     assert rows["int8"]["linear_bytes_vs_base"] < 0.3  # float32 engine: int8 is ~1/4 of its bytes
     assert set(rows["int4"]["throughput"]) == {"1", "2"}
