@@ -249,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=None, help="write the JSON here too")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 on a shared, oversubscribed machine: see docs/quantization.md)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     config = EngineConfig(max_num_seqs=64, enable_prefix_caching=False, device=args.device)
 
