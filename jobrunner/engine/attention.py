@@ -25,11 +25,10 @@ class AttentionGroup:
     num_seqs: int                     # G
     query_len: int                    # Q (padded)
     kv_len: int                       # L (padded to whole blocks)
-    query_index: torch.Tensor         # [G * Q] flat token index of each (padded) query row
+    query_index: torch.Tensor         # [G * Q] flat token index of each query row
     block_ids: torch.Tensor           # [G * L / block_size] cache block of each (padded) key block
     mask: torch.Tensor | None         # [G, 1, n_rep * Q, L] bool, True = attend; None = see ``causal``
-    valid_rows: torch.Tensor | None   # rows of the G * Q queries that are real (None: all)
-    out_index: torch.Tensor           # [num real rows] flat token index to write each real row to
+    out_index: torch.Tensor           # [G * Q] flat token index to write each output row to
     causal: bool = False              # a chunk starting at position 0: plain causal attention, no mask
 
 
@@ -54,8 +53,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = q.new_empty(meta.num_tokens, num_heads * head_dim)
     for g in meta.groups:
         rows = _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale)
-        if g.valid_rows is not None:
-            rows = rows.index_select(0, g.valid_rows)
         out.index_copy_(0, g.out_index, rows)
     return out
 

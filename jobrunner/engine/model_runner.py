@@ -46,7 +46,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        input_ids, positions, slots, meta, sample_rows, sampling = self._prepare(sched.scheduled)
+        input_ids, positions, meta, sample_rows, sampling = self._prepare(sched.scheduled)
         hidden = self.model(input_ids, positions, meta, self.kv_cache)
         sampled, logprobs = {}, {}
         if sampling:
@@ -92,7 +92,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, len(input_ids), bs)
         return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                slots, meta, torch.tensor(sample_rows, device=dev), sampling)
+                meta, torch.tensor(sample_rows, device=dev), sampling)
 
     def _block_table(self, s: ScheduledRequest, num_blocks: int) -> list[int]:
         table = s.request.block_ids[:num_blocks]
@@ -106,11 +106,11 @@ class ModelRunner:
         blocks = torch.tensor(self._block_table(s, num_blocks), device=self.device)
         padded_len = num_blocks * self.block_size
         if s.start == 0:
-            return AttentionGroup(1, q_len, padded_len, index, blocks, None, None, index, causal=True)
+            return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
         rows = torch.arange(q_len)[:, None] + s.start
         mask = torch.arange(padded_len)[None, :] <= rows      # [Q, L] causal with offset
         mask = mask.repeat(self.n_rep, 1)[None, None]          # [1, 1, n_rep * Q, L]
-        return AttentionGroup(1, q_len, padded_len, index, blocks, mask.to(self.device), None, index)
+        return AttentionGroup(1, q_len, padded_len, index, blocks, mask.to(self.device), index)
 
     def _decode_groups(self, decodes: list[tuple[int, int, ScheduledRequest]]) -> list[AttentionGroup]:
         groups = []
@@ -123,7 +123,7 @@ class ModelRunner:
             mask = valid[:, None, None, :].to(self.device)                                   # [G, 1, 1, L]
             index = torch.tensor([d[1] for d in chunk], device=self.device)
             blocks = torch.tensor(tables, device=self.device).flatten()
-            groups.append(AttentionGroup(len(chunk), 1, num_blocks * bs, index, blocks, mask, None, index))
+            groups.append(AttentionGroup(len(chunk), 1, num_blocks * bs, index, blocks, mask, index))
         return groups
 
 

@@ -57,7 +57,7 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     causal = torch.arange(kv_len, device=dev)[None, :] <= index[:, None]  # [T, L]
     mask = causal.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, L]
     blocks = torch.arange(num_blocks, device=dev)
-    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, mask, None, index)
+    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, mask, index)
     meta = AttentionMetadata(index, [group], num_tokens, block_size)
     ids = torch.tensor(list(token_ids), device=dev)
     return model.compute_logits(model(ids, index, meta, kv)).float()
