@@ -2,7 +2,7 @@
 
 Builds OUR model directly on the device (``jobrunner.models.loader.build_model``), fills it with N(0, 0.02)
 weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (greedy, ignore_eos). Each
-quantization scheme (none, and int8 / int4 when ``jobrunner.quant.quantize_model`` exists) gets a fresh
+quantization scheme (none, none without CUDA graphs, int8, int4) gets a fresh
 model; a scheme's failure is recorded and the next one still runs. Every scheme has a wall-clock deadline:
 a run past it stops early and is marked ``timed_out`` (its counters cover what finished). Results go to
 stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after every scheme.
@@ -122,6 +122,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[s
 
     device = torch.device(args.device)
     result: dict[str, Any] = {"scheme": scheme}
+    scheme, _, mode = scheme.partition(":")  # "none:eager": no CUDA graphs, to measure what they bring
     t0 = time.perf_counter()
     model = build_random_model(make_config(args.tiny), torch.bfloat16, device)
     result["build_s"] = round(time.perf_counter() - t0, 2)
@@ -136,7 +137,7 @@ def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[s
         result["quant_summary"] = summary() if callable(summary) else None
     _reset_peak(device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=False, device=str(device),
+                          enable_prefix_caching=False, device=str(device), use_cuda_graphs=mode != "eager",
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
     engine = LLMEngine(model, IdsOnlyTokenizer(), config, eos_token_ids=[])
     vocab = model.shape.vocab_size
@@ -145,6 +146,8 @@ def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[s
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     result.update(timed_run(engine, prompts, args.output_len, deadline))
     result["memory"] = _memory(device)
+    graphs = getattr(engine.runner, "graphs", None)
+    result["decode_graphs"] = graphs.stats() if graphs is not None else None
     del engine, model
     _free(device)
     return result
@@ -205,7 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--schemes", default="none,int8,int4")
+    p.add_argument("--schemes", default="none,none:eager,int8,int4",
+                   help="quantization schemes; a ':eager' suffix turns CUDA graphs off for that run")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = p.parse_args(argv)

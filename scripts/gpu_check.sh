@@ -6,9 +6,9 @@
 # Stages (each under its own `timeout`; a failure is recorded and the next stage still runs):
 #   env    nvidia-smi, python / torch / transformers / CUDA versions
 #   tests  pytest tests/gpu tests/engine -m "not slow"  -> $OUT/junit.xml
-#   bench  scripts/gpu_bench.py (Llama-3-8B-shaped random bf16 model; none/int8/int4) -> $OUT/gpu_bench.json
+#   bench  scripts/gpu_bench.py (Llama-3-8B-shaped random bf16 model; none, none without CUDA graphs, int8, int4) -> $OUT/gpu_bench.json
 # Logs go to $OUT/<stage>.log, one "stage rc seconds" line per stage to $OUT/gpu_check_status.txt.
-# Whole run: at most ENV_S + TESTS_S + BENCH_S seconds (default 45 + 180 + 230 = 455 s, under 8 minutes).
+# Whole run: at most ENV_S + TESTS_S + BENCH_S seconds (default 45 + 170 + 255 = 470 s, under 8 minutes).
 # Exit status: the number of failed stages.
 set -u
 
@@ -18,8 +18,8 @@ export OUT
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python}"
 ENV_S="${ENV_S:-45}"
-TESTS_S="${TESTS_S:-180}"
-BENCH_S="${BENCH_S:-230}"
+TESTS_S="${TESTS_S:-170}"
+BENCH_S="${BENCH_S:-255}"
 TEST_PATHS="${TEST_PATHS:-tests/gpu tests/engine}"   # overridable for a quick CPU smoke run of this script
 BENCH_ARGS="${BENCH_ARGS:-}"                         # e.g. "--device cpu --tiny"
 STATUS="$OUT/gpu_check_status.txt"

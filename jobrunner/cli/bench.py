@@ -33,12 +33,24 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
+              help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
+                   "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "
+                   "agreement of 32 tokens on the prompts, output tokens/s at --batch-sizes.")
+@click.option("--quality-texts", type=click.Path(dir_okay=False), default=None,
+              help="Held-out text for perplexity (.jsonl/.parquet; assistant turns, else the prompt text).")
+@click.option("--batch-sizes", default="1,8,64", show_default=True,
+              help="Batch sizes for --compare-quantization throughput.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on the last line.")
 def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
-          max_num_batched_tokens: int, as_json: bool) -> None:
-    """Throughput of our engine vs transformers' generate (static left-padded batches) on the same token ids."""
+          max_num_batched_tokens: int, quant_schemes: str | None, quality_texts: str | None,
+          batch_sizes: str, as_json: bool) -> None:
+    """Throughput of our engine vs transformers' generate (static left-padded batches) on the same token ids.
+
+    With --compare-quantization: quantization schemes side by side instead (see jobrunner.bench.quality).
+    """
     from jobrunner.bench import BenchOptions, run_bench
     from jobrunner.bench.ours import EngineOptions
     from jobrunner.bench.report import render_text
@@ -52,6 +64,9 @@ def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool
         raise click.ClickException(str(exc)) from None
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    if quant_schemes is not None:
+        _compare_quantization(engine, rows, quant_schemes, quality_texts, batch_sizes, raw_prompts, as_json)
+        return
     options = BenchOptions(engine=engine, max_tokens=max_tokens, ignore_eos=ignore_eos,
                            prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
                            baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts)
@@ -63,6 +78,37 @@ def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool
     click.echo(render_text(result), nl=False)
     if as_json:
         click.echo(json.dumps(result, default=str))
+
+
+def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
+                          raw_prompts: bool, as_json: bool) -> None:
+    from jobrunner.bench.quality import held_out_texts, run_quality
+    from jobrunner.io.prompt_file import PromptFileError, read_prompts
+    from jobrunner.quant.measure import to_markdown
+
+    names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in ("none", "int8", "int4", "bf16")]
+    if unknown or not names or names[0] != "none":
+        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of none|int8|int4|bf16",
+                                 param_hint="--compare-quantization")
+    if texts_path is None:
+        raise click.UsageError("--compare-quantization needs --quality-texts (held-out text for perplexity)")
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+        if any(b < 1 for b in sizes):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"{batch_sizes!r}: positive integers, comma-separated",
+                                 param_hint="--batch-sizes") from None
+    try:
+        texts = held_out_texts(read_prompts(texts_path))
+        result = run_quality(engine, rows, texts, names, sizes, raw_prompts)
+    except (PromptFileError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    result["settings"]["quality_texts"] = texts_path
+    click.echo(to_markdown(result))
+    if as_json:
+        click.echo(json.dumps({"quantization": result}, default=str))
 
 
 COMMANDS = [bench]

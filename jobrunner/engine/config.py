@@ -12,6 +12,10 @@ class EngineConfig:
     Memory for the KV cache: on CPU ``kv_cache_memory_bytes`` (default 2 GiB); on CUDA a fraction
     ``gpu_memory_utilization`` of the memory left free after the weights are loaded. ``num_kv_blocks``
     overrides both (tests use it to force preemption).
+
+    ``use_cuda_graphs``: on CUDA, decode-only steps replay CUDA graphs captured per padded shape
+    (:mod:`jobrunner.engine.decode_graphs`); ignored on CPU. ``static_decode``: run decode-only steps through
+    the same fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
     """
 
     max_num_seqs: int = 64
@@ -25,6 +29,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     use_cuda_graphs: bool = True
+    static_decode: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

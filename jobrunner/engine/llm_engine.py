@@ -42,7 +42,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager)
-        self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed)
+        self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
+                                  self.config.max_num_seqs, self.max_model_len)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         self._requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
@@ -131,6 +132,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._stats.schedule_s += t1 - t0
         self._stats.record_step(t2 - t1, result.num_prefill_tokens, result.num_decode_tokens)
+        self._stats.num_fixed_shape_steps += result.fixed_shape
         finished += self._update_from_output(sched, result, t2)
         used = self.kv_manager.pool.num_used_blocks
         self._stats.kv_blocks_used = used
@@ -207,6 +209,11 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [outputs[i] for i in ids]
+
+    def _decode_graphs_mode(self) -> str:
+        if self.device.type == "cuda" and self.config.use_cuda_graphs:
+            return "cuda"
+        return "static" if self.config.static_decode else "off"
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -20,23 +21,36 @@ class StepResult:
     logprobs: dict[str, float]
     num_prefill_tokens: int
     num_decode_tokens: int
+    fixed_shape: bool = False          # ran through DecodeGraphs (a CUDA graph replay, or its eager twin)
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensor ``[num_layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
+    """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``.
+
+    ``decode_graphs``: ``"off"``; ``"cuda"`` (decode-only steps replay CUDA graphs, see
+    :mod:`jobrunner.engine.decode_graphs`); ``"static"`` (the same fixed-shape decode path run eagerly, on any
+    device: for tests). With either of the last two the cache holds one scratch block past ``num_blocks``.
+    """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, decode_graphs: str = "off", max_batch: int = 1, max_model_len: int = 1) -> None:
+        if decode_graphs not in ("off", "cuda", "static"):
+            raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.model = model
         self.device = device
         self.block_size = block_size
         s = model.shape
         self.n_rep = s.num_heads // s.num_kv_heads
         dtype = model.embed_tokens.weight.dtype
+        total_blocks = num_blocks + (decode_graphs != "off")
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
-        self.kv_cache = torch.zeros(s.num_layers, 2, num_blocks * block_size, s.num_kv_heads, s.head_dim,
+        self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, s.head_dim,
                                     dtype=dtype, device=device)
         self.sampler = Sampler(device, seed)
+        self.graphs = None
+        if decode_graphs != "off":
+            self.graphs = DecodeGraphs(model, self.kv_cache, block_size, max_batch, max_model_len,
+                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -46,8 +60,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        input_ids, positions, meta, sample_rows, sampling = self._prepare(sched.scheduled)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)
+        fixed = self._run_fixed_shape(sched.scheduled) if self.graphs is not None else None
+        if fixed is not None:
+            hidden, sample_rows, sampling = fixed
+        else:
+            input_ids, positions, meta, sample_rows, sampling = self._prepare(sched.scheduled)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache)
         sampled, logprobs = {}, {}
         if sampling:
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
@@ -60,7 +78,27 @@ class ModelRunner:
                 if lps is not None:
                     logprobs[r.request_id] = lps[i]
         num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
-        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode)
+        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed is not None)
+
+    def _run_fixed_shape(self, scheduled: list[ScheduledRequest]):
+        """A step of single-token rows through DecodeGraphs; None when it has a chunk or doesn't fit a shape."""
+        if any(s.num_new_tokens != 1 for s in scheduled):
+            return None
+        bs = self.block_size
+        rows = []
+        for s in scheduled:
+            req, p = s.request, s.start
+            past_prompt = p - req.num_prompt_tokens
+            token = req.output_token_ids[past_prompt] if past_prompt >= 0 else req.prompt_token_ids[p]
+            table = req.block_ids
+            rows.append(DecodeRow(token, p, table[p // bs] * bs + p % bs, table[:p // bs + 1]))
+        shape = self.graphs.shape_for(rows)
+        if shape is None:
+            return None
+        hidden = self.graphs.run(rows, shape)
+        sampling = [s for s in scheduled if s.samples]
+        sample_rows = torch.tensor([i for i, s in enumerate(scheduled) if s.samples], device=self.device)
+        return hidden, sample_rows, sampling
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         input_ids: list[int] = []

@@ -15,6 +15,7 @@ class EngineStats:
     """
 
     steps: int = 0
+    num_fixed_shape_steps: int = 0     # decode-only steps run through a CUDA graph (or its eager twin)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     schedule_s: float = 0.0

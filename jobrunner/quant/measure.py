@@ -91,6 +91,45 @@ def _top1_agreement(top1: list[torch.Tensor], reference: list[torch.Tensor]) -> 
     return same / max(sum(len(a) for a in top1), 1)
 
 
+def forced_decisions(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                     generated: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Feed each prompt plus its ``generated`` continuation; at every generated position return the model's
+    own greedy choice and its top-1 minus top-2 logit gap (how close that decision was to a tie)."""
+    choices: list[list[int]] = []
+    gaps: list[list[float]] = []
+    for prompt, gen in zip(prompt_ids, generated, strict=True):
+        if not gen:
+            choices.append([])
+            gaps.append([])
+            continue
+        ids = list(prompt) + list(gen)
+        logits = sequence_logits(model, ids)[len(prompt) - 1:len(ids) - 1]  # the logits that chose gen
+        top2 = logits.topk(2, dim=-1)
+        choices.append(top2.indices[:, 0].tolist())
+        gaps.append((top2.values[:, 0] - top2.values[:, 1]).tolist())
+    return choices, gaps
+
+
+def decision_agreement(reference: Sequence[Sequence[int]], choices: Sequence[Sequence[int]],
+                       reference_gaps: Sequence[Sequence[float]]) -> dict[str, float | int | None]:
+    """Greedy agreement on the reference's own generated tokens.
+
+    Both models read the same text (prompt + the reference's greedy tokens), so a single flip cannot derail
+    the rest of the row as it does in free-running generation. ``gap_at_differences_*``: the reference's
+    top-1 minus top-2 logit gap where the candidate chose differently (small = a near-tie).
+    """
+    flags = [a == b for ref, cand in zip(reference, choices, strict=True) for a, b in zip(ref, cand, strict=True)]
+    all_gaps = [g for row in reference_gaps for g in row]
+    differ = sorted(g for g, same in zip(all_gaps, flags, strict=True) if not same)
+    return {"agreement": sum(flags) / max(len(flags), 1), "num_tokens": len(flags), "num_different": len(differ),
+            "gap_at_differences_median": _median(differ), "gap_at_differences_max": differ[-1] if differ else None,
+            "gap_median_all": _median(sorted(all_gaps))}
+
+
+def _median(sorted_values: Sequence[float]) -> float | None:
+    return sorted_values[len(sorted_values) // 2] if sorted_values else None
+
+
 def greedy_tokens(engine, prompts: Sequence[Any], max_tokens: int = GREEDY_TOKENS) -> list[list[int]]:
     """The first ``max_tokens`` greedy tokens of each prompt (EOS ignored: every row has that length)."""
     from jobrunner.engine import SamplingParams
@@ -145,14 +184,18 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
 
     Per scheme: weight bytes (linear and whole model, plus the quantization report summary when the engine
     records one), perplexity on ``texts``, greedy agreement of the first ``max_tokens`` tokens on ``prompts``
-    against the first scheme, and output tokens/s at each batch size.
+    against the first scheme (free-running, and as decisions on the first scheme's own tokens: see
+    :func:`decision_agreement`), and output tokens/s at each batch size.
     """
     results: dict[str, Any] = {"schemes": {}}
     reference: list[list[int]] | None = None
     reference_top1: list[torch.Tensor] | None = None
+    reference_gaps: list[list[float]] = []
+    prompt_ids: list[list[int]] = []
     for scheme in schemes:
         _log(f"{scheme}: loading")
         engine = model_factory(scheme)
+        prompt_ids = prompt_ids or [engine.tokenize(p) for p in prompts]
         row: dict[str, Any] = weight_bytes(engine.model)
         row["quantization_report"] = getattr(engine, "model_info", {}).get("quantization_report")
         ppl, top1 = score_texts(engine.model, tokenizer, texts)
@@ -163,7 +206,11 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
         generated = greedy_tokens(engine, prompts, max_tokens)
         reference = reference or generated
         row["greedy_agreement"] = agreement(reference, generated)
-        _log(f"{scheme}: greedy agreement {row['greedy_agreement']}")
+        choices, gaps = forced_decisions(engine.model, prompt_ids, reference)
+        reference_gaps = reference_gaps or gaps
+        row["greedy_decision_agreement"] = decision_agreement(reference, choices, reference_gaps)
+        _log(f"{scheme}: greedy agreement {row['greedy_agreement']}, "
+             f"decisions {row['greedy_decision_agreement']}")
         row["throughput"] = {}
         for b in batch_sizes:
             row["throughput"][str(b)] = output_tokens_per_s(engine, prompts, b, max_tokens)
@@ -178,14 +225,16 @@ def to_markdown(result: dict[str, Any]) -> str:
     """A side-by-side table of a :func:`measure_quantization` result (for reports and ``bench`` output)."""
     rows = result["schemes"]
     batches = sorted({b for row in rows.values() for b in row["throughput"]}, key=int)
-    head = ["scheme", "linear MB", "model MB", "perplexity", "Δppl", "top-1 (teacher-forced)", "greedy prefix",
-            "greedy positional", "exact rows"] + [f"tok/s b{b}" for b in batches]
+    head = ["scheme", "linear MB", "model MB", "perplexity", "Δppl", "top-1 (teacher-forced)",
+            "greedy decisions", "greedy prefix", "greedy positional", "exact rows"] + [f"tok/s b{b}" for b in batches]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in rows.items():
         agree = row["greedy_agreement"]
         cells = [name, f"{row['linear_weight_bytes'] / 1e6:.1f}", f"{row['model_weight_bytes'] / 1e6:.1f}",
                  f"{row['perplexity']:.4f}", f"{(row['perplexity_vs_base'] - 1) * 100:+.2f}%",
-                 f"{row.get('teacher_forced_top1_agreement', float('nan')):.1%}", f"{agree['prefix']:.1%}",
+                 f"{row.get('teacher_forced_top1_agreement', float('nan')):.1%}",
+                 f"{row.get('greedy_decision_agreement', {}).get('agreement', float('nan')):.1%}",
+                 f"{agree['prefix']:.1%}",
                  f"{agree['positional']:.1%}", f"{agree['exact']:.1%}"]
         cells += [f"{row['throughput'][b]['output_tokens_per_s']:.2f}" if b in row["throughput"] else "—"
                   for b in batches]
@@ -236,15 +285,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
     import json
 
-    from jobrunner.engine import EngineConfig, LLMEngine
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="smollm2-135m-instruct")
     parser.add_argument("--texts", required=True, help="JSONL; assistant turns are the perplexity text")
     parser.add_argument("--prompts", required=True, help="JSONL; the first --num-prompts rows are used")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--schemes", default="none,int8,int4",
-                        help="comma-separated; 'int4/lm_head=int8' adds per-layer overrides")
+                        help="comma-separated; 'bf16' is an unquantized bfloat16 control; "
+                             "'int4/lm_head=int8' adds per-layer overrides")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -255,13 +303,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    config = EngineConfig(max_num_seqs=64, enable_prefix_caching=False, device=args.device)
-
-    def factory(scheme: str) -> Any:
-        if "/" not in scheme:
-            return LLMEngine.from_source(args.source, dtype=args.dtype, quantization=scheme, config=config)
-        return _engine_with_overrides(args.source, args.dtype, scheme, config)
-
+    factory = engine_factory(args.source, args.dtype, args.device)
     tokenizer = factory("none").tokenizer
     result = measure_quantization(factory, tokenizer, load_texts(args.texts),
                                   load_prompts(args.prompts, args.num_prompts), args.schemes.split(","),
@@ -273,6 +315,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text + "\n")
+
+
+def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int = 64,
+                   max_num_batched_tokens: int = 2048) -> Callable[[str], Any]:
+    """A ``scheme -> LLMEngine`` function for :func:`measure_quantization` (prefix caching off).
+
+    Schemes: ``none`` | ``int8`` | ``int4``; ``bf16``: unquantized in bfloat16, a control that shows how far
+    a float dtype change alone moves the numbers; ``int4/lm_head=int8``: per-layer overrides.
+    """
+    from jobrunner.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=False, device=device)
+
+    def factory(scheme: str) -> Any:
+        if scheme == "bf16":
+            return LLMEngine.from_source(source, dtype="bfloat16", quantization="none", config=config)
+        if "/" not in scheme:
+            return LLMEngine.from_source(source, dtype=dtype, quantization=scheme, config=config)
+        return _engine_with_overrides(source, dtype, scheme, config)
+
+    return factory
 
 
 def _engine_with_overrides(source: str, dtype: str, scheme: str, config: Any) -> Any:

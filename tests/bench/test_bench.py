@@ -107,3 +107,31 @@ def test_prefix_summary_arithmetic() -> None:
     summary = prefix_summary(on, off)
     assert summary["computed_prompt_tokens_cut"] == pytest.approx(0.6)
     assert summary["throughput_ratio"] == pytest.approx(2.0)
+
+
+def test_bench_compare_quantization(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
+    chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": p + " indeed."}] for p in PROMPTS]
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    data = _bench(tiny_llama_hf_dir, prompts, "--raw-prompts", "--compare-quantization", "none,int8,int4",
+                  "--quality-texts", str(texts), "--batch-sizes", "1,2")
+    rows = data["quantization"]["schemes"]
+    assert list(rows) == ["none", "int8", "int4"]
+    assert rows["none"]["greedy_decision_agreement"]["agreement"] == 1.0
+    sizes = [rows[s]["linear_weight_bytes"] for s in ("int4", "int8", "none")]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    assert all(r["perplexity"] > 1 for r in rows.values()) and set(rows["int8"]["throughput"]) == {"1", "2"}
+    assert data["quantization"]["settings"]["num_texts"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--compare-quantization", "int8,none"), "starting with none"),
+    (("--compare-quantization", "none,int3"), "none|int8|int4|bf16"),
+    (("--compare-quantization", "none,int8"), "--quality-texts"),
+])
+def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: Path, extra, message) -> None:
+    args = ["bench", "--prompts", str(jsonl), "--model", str(tiny_llama_hf_dir), *extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output

@@ -25,11 +25,17 @@ def reference(hf_llama, tokenizer):
     dict(enable_prefix_caching=True, block_size=16, max_num_batched_tokens=7),
     dict(enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=16),
     dict(enable_prefix_caching=True, max_num_seqs=64, max_num_batched_tokens=4096),
+    # the fixed-shape decode path that CUDA graphs replay, run eagerly: padding rows, scratch block, masks
+    dict(enable_prefix_caching=True, block_size=4, max_num_seqs=6, static_decode=True),
+    dict(enable_prefix_caching=False, max_num_seqs=64, static_decode=True),
 ])
 def test_same_outputs_across_settings(settings, reference, hf_llama, tokenizer):
     engine = engine_from_hf(hf_llama, tokenizer, **settings)
     outputs = run_checked(engine, _prompts(), GREEDY)
     assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+    if settings.get("static_decode"):
+        assert engine.stats().num_fixed_shape_steps > 0
+        assert engine.runner.graphs.stats()["static_eager_steps"] == engine.stats().num_fixed_shape_steps
 
 
 def test_prefix_cache_hits_are_counted(hf_llama, tokenizer):
@@ -45,10 +51,12 @@ def test_prefix_cache_hits_are_counted(hf_llama, tokenizer):
 def test_forced_preemption_gives_same_outputs(reference, hf_llama, tokenizer):
     # 40 blocks of 4 = 160 slots: the longest request fits alone, the batch does not, so requests are
     # preempted and recomputed
-    engine = engine_from_hf(hf_llama, tokenizer, block_size=4, num_kv_blocks=40, max_num_seqs=8)
-    outputs = run_checked(engine, _prompts(), GREEDY)
-    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
-    assert sum(o.metrics.num_preemptions for o in outputs.values()) > 0
+    for static_decode in (False, True):
+        engine = engine_from_hf(hf_llama, tokenizer, block_size=4, num_kv_blocks=40, max_num_seqs=8,
+                                static_decode=static_decode)
+        outputs = run_checked(engine, _prompts(), GREEDY)
+        assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+        assert sum(o.metrics.num_preemptions for o in outputs.values()) > 0
 
 
 def test_request_longer_than_cache_is_an_error_not_a_hang(hf_llama, tokenizer):

@@ -60,10 +60,26 @@ def test_measure_quantization_side_by_side() -> None:
     rows = result["schemes"]
     assert rows["none"]["greedy_agreement"]["exact"] == 1.0 and rows["none"]["perplexity_vs_base"] == 1.0
     assert rows["none"]["teacher_forced_top1_agreement"] == 1.0
+    decisions = rows["none"]["greedy_decision_agreement"]  # the reference re-reading its own tokens
+    assert decisions["agreement"] == 1.0 and decisions["num_tokens"] == 3 * 4 and decisions["num_different"] == 0
+    assert 0.5 <= rows["int8"]["greedy_decision_agreement"]["agreement"] <= 1.0
     assert 0.5 < rows["int8"]["teacher_forced_top1_agreement"] <= 1.0
     assert rows["int4"]["linear_weight_bytes"] < rows["int8"]["linear_weight_bytes"]
     assert rows["int8"]["linear_bytes_vs_base"] < 0.3  # float32 engine: int8 is ~1/4 of its bytes
     assert set(rows["int4"]["throughput"]) == {"1", "2"}
     assert rows["int8"]["quantization_report"]["scheme"] == "int8"
     table = to_markdown(result)
+    assert "greedy decisions" in table
     assert table.count("\n") == 4 and "| int4 |" in table
+
+
+def test_decision_agreement_counts_and_gaps() -> None:
+    from jobrunner.quant.measure import decision_agreement
+
+    reference = [[1, 2, 3], [4, 5]]
+    choices = [[1, 9, 3], [4, 5]]
+    gaps = [[2.0, 0.1, 1.0], [3.0, 0.5]]
+    out = decision_agreement(reference, choices, gaps)
+    assert out["agreement"] == 4 / 5 and out["num_different"] == 1 and out["num_tokens"] == 5
+    assert out["gap_at_differences_median"] == out["gap_at_differences_max"] == 0.1
+    assert out["gap_median_all"] == 1.0

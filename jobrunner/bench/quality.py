@@ -1,0 +1,49 @@
+"""`jobrunner bench --compare-quantization`: quantization schemes side by side with the float model.
+
+For each scheme (the first is the reference, normally ``none``): weight bytes, perplexity on held-out text,
+greedy agreement of the first 32 tokens on the bench prompts (free-running, and as decisions on the
+reference's own tokens), and output tokens/s at a few batch sizes. The measuring itself lives in
+:mod:`jobrunner.quant.measure`; this module feeds it the bench's prompt rows and options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jobrunner.bench.ours import EngineOptions
+from jobrunner.bench.prompts import PromptRow, as_chat
+from jobrunner.quant.measure import GREEDY_TOKENS, engine_factory, measure_quantization
+
+QUALITY_SCHEMES = ("none", "int8", "int4")
+QUALITY_BATCHES = (1, 8, 64)
+
+
+def held_out_texts(rows: Sequence[PromptRow]) -> list[str]:
+    """Perplexity text from prompt rows: every assistant turn of a chat row, the whole text of a plain row."""
+    texts: list[str] = []
+    for row in rows:
+        if isinstance(row, str):
+            texts.append(row)
+        else:
+            texts += [m["content"] for m in row if m.get("role") == "assistant" and m.get("content")]
+    if not texts:
+        raise ValueError("the quality texts have no assistant turns or prompt text to score")
+    return texts
+
+
+def run_quality(engine: EngineOptions, prompts: Sequence[PromptRow], texts: Sequence[str],
+                schemes: Sequence[str] = QUALITY_SCHEMES, batch_sizes: Sequence[int] = QUALITY_BATCHES,
+                raw_prompts: bool = False, max_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
+    """Measure ``schemes`` on ``engine``'s model; the result of :func:`measure_quantization` plus settings."""
+    if not schemes or schemes[0] != "none":
+        raise ValueError("--compare-quantization must start with 'none' (the reference every scheme is compared to)")
+    factory = engine_factory(engine.model, engine.dtype, engine.device, engine.max_num_seqs,
+                             engine.max_num_batched_tokens)
+    tokenizer = factory("none").tokenizer
+    chats = [as_chat(row, raw_prompts) for row in prompts]
+    result = measure_quantization(factory, tokenizer, texts, chats, schemes, batch_sizes, max_tokens)
+    result["settings"] = {"model": engine.model, "dtype": engine.dtype, "device": engine.device,
+                          "num_prompts": len(chats), "num_texts": len(texts), "greedy_tokens": max_tokens,
+                          "batch_sizes": list(batch_sizes)}
+    return result

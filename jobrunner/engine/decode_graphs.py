@@ -1,0 +1,174 @@
+"""Fixed-shape decode steps, replayed as CUDA graphs.
+
+In a decode-only step (every scheduled request computes exactly one token) the model's work is small and
+its cost on a GPU is mostly the launch of a few hundred kernels. A CUDA graph records those launches once
+and replays them with one call, but it replays fixed shapes reading fixed addresses. So a decode step is
+padded to a *batch bucket* ``B`` (rows) and a *context bucket* of ``N`` KV blocks, and its inputs are copied
+into persistent buffers that every graph reads:
+
+* ``input_ids``, ``positions``, ``slots`` ``[max_batch]``: the new token of each row, its position and the
+  cache slot its K/V goes to;
+* ``context_lens`` ``[max_batch]`` and ``block_table`` ``[max_batch, max_blocks]``: what each row attends
+  to. The attention mask is computed *inside* the graph from ``context_lens``, so one graph serves any mix
+  of context lengths up to ``N`` blocks.
+
+Padding rows read token 0 at position 0, write their K/V into a scratch block that no request owns (the
+cache holds one block more than the pool hands out) and attend only to it; their outputs are dropped.
+
+One graph is captured lazily for each (``B``, ``N``) that a step needs, sharing one memory pool, up to
+:data:`MAX_GRAPHS`. Steps that don't fit (a prefill chunk in the batch, too many rows, too much padding)
+run eagerly through the grouped path of :mod:`jobrunner.engine.model_runner`. With ``capture=False`` the same
+fixed-shape forward runs eagerly; the tests use that on CPU to check padding, masking and the scratch block
+against the grouped path, token for token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_CONTEXT_BLOCKS = 16    # the smallest context bucket, in blocks (256 tokens at block size 16)
+CONTEXT_GROWTH = 1.5       # each context bucket is about this much longer than the previous one
+MAX_GRAPHS = 48            # captured graphs kept; steps needing another shape run eagerly
+MAX_PADDED_KEYS = 1 << 20  # B * N * block_size above this runs eagerly (bounds the gathered K/V memory)
+MAX_PADDING_RATIO = 2.0    # padded keys / real keys above this runs eagerly (it packs rows by length)
+MIN_KEYS_FOR_RATIO = 8192  # ...unless the padded step is this small anyway
+
+
+@dataclass
+class DecodeRow:
+    """One decode of the step: the token it reads, where it is, and the blocks it attends to."""
+
+    token_id: int
+    position: int
+    slot: int
+    block_ids: list[int]
+
+
+class DecodeGraphs:
+    """Persistent input buffers plus one captured graph per (batch bucket, context bucket)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, max_batch: int,
+                 max_model_len: int, scratch_block: int, capture: bool) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.capture = capture
+        self.device = kv_cache.device
+        self.batch_buckets = _batch_buckets(max_batch)
+        self.max_batch = self.batch_buckets[-1]
+        self.context_buckets = _context_buckets(-(-max_model_len // block_size))
+        max_blocks = self.context_buckets[-1]
+        dev = self.device
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(self.max_batch, dtype=torch.long, device=dev)
+        self.block_table = torch.zeros(self.max_batch, max_blocks, dtype=torch.long, device=dev)
+        self.row_index = torch.arange(self.max_batch, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+        self.num_eager_static = 0
+
+    def shape_for(self, rows: list[DecodeRow]) -> tuple[int, int] | None:
+        """The (batch bucket, context bucket in blocks) for ``rows``, or None when the step should run eagerly."""
+        if not rows or len(rows) > self.max_batch:
+            return None
+        needed = max(len(r.block_ids) for r in rows)
+        i = bisect.bisect_left(self.context_buckets, needed)
+        if i == len(self.context_buckets):
+            return None
+        batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, len(rows))]
+        blocks = self.context_buckets[i]
+        padded_keys = batch * blocks * self.block_size
+        real_keys = sum(r.position + 1 for r in rows)
+        if padded_keys > MAX_PADDED_KEYS:
+            return None
+        if padded_keys > MIN_KEYS_FOR_RATIO and padded_keys > MAX_PADDING_RATIO * real_keys:
+            return None
+        if self.capture and (batch, blocks) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            return None
+        return batch, blocks
+
+    def run(self, rows: list[DecodeRow], shape: tuple[int, int]) -> torch.Tensor:
+        """Hidden states ``[len(rows), hidden]`` of one decode step padded to ``shape`` (see :meth:`shape_for`)."""
+        batch, blocks = shape
+        self._fill(rows, batch, blocks)
+        if not self.capture:
+            self.num_eager_static += 1
+            return self._forward(batch, blocks)[:len(rows)]
+        entry = self.graphs.get(shape)
+        if entry is None:
+            entry = self.graphs[shape] = self._capture(batch, blocks)
+        entry[0].replay()
+        self.num_replays += 1
+        return entry[1][:len(rows)]
+
+    def _fill(self, rows: list[DecodeRow], batch: int, blocks: int) -> None:
+        n, bs = len(rows), self.block_size
+        pad = batch - n
+        ids = [r.token_id for r in rows] + [0] * pad
+        positions = [r.position for r in rows] + [0] * pad
+        slots = [r.slot for r in rows] + [self.scratch_block * bs] * pad
+        lens = [r.position + 1 for r in rows] + [1] * pad
+        table = [r.block_ids + [0] * (blocks - len(r.block_ids)) for r in rows]   # padding blocks are masked
+        table += [[self.scratch_block] + [0] * (blocks - 1)] * pad
+        packed = torch.tensor([ids, positions, slots, lens], dtype=torch.long).to(self.device)
+        self.input_ids[:batch].copy_(packed[0])
+        self.positions[:batch].copy_(packed[1])
+        self.slots[:batch].copy_(packed[2])
+        self.context_lens[:batch].copy_(packed[3])
+        self.block_table[:batch, :blocks].copy_(torch.tensor(table, dtype=torch.long).to(self.device))
+
+    def _forward(self, batch: int, blocks: int) -> torch.Tensor:
+        """The fixed-shape forward: one attention group of ``batch`` rows over ``blocks`` blocks each."""
+        kv_len = blocks * self.block_size
+        keys = torch.arange(kv_len, device=self.device)
+        mask = (keys[None, :] < self.context_lens[:batch, None])[:, None, None, :]    # [B, 1, 1, L]
+        index = self.row_index[:batch]
+        table = self.block_table[:batch, :blocks].reshape(-1)
+        group = AttentionGroup(batch, 1, kv_len, index, table, mask, index)
+        meta = AttentionMetadata(self.slots[:batch], [group], batch, self.block_size)
+        return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.kv_cache)
+
+    def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream first (lazy kernel/library initialisation must not land in the graph).
+        # The warm-up runs compute the real step: they write the same K/V to the same slots as the replay.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(batch, blocks)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self._forward(batch, blocks)
+        return graph, output
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and the engine's stats."""
+        return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
+                "static_eager_steps": self.num_eager_static}
+
+
+def _batch_buckets(max_batch: int) -> tuple[int, ...]:
+    buckets = [b for b in BATCH_BUCKETS if b < max_batch]
+    return tuple(buckets + [max_batch])
+
+
+def _context_buckets(max_blocks: int) -> tuple[int, ...]:
+    buckets: list[int] = []
+    size = MIN_CONTEXT_BLOCKS
+    while size < max_blocks:
+        buckets.append(size)
+        size = int(size * CONTEXT_GROWTH + 0.5)
+    return tuple(buckets + [max_blocks])
