@@ -35,7 +35,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BLOCKS = 16    # the smallest context bucket, in blocks (256 tokens at block size 16)
 CONTEXT_GROWTH = 1.5       # each context bucket is about this much longer than the previous one
 MAX_GRAPHS = 48            # captured graphs kept; steps needing another shape run eagerly
-MAX_PADDED_KEYS = 1 << 20  # B * N * block_size above this runs eagerly (bounds the gathered K/V memory)
+MAX_PADDED_KEYS = 1 << 19  # B * N * block_size above this runs eagerly (bounds the gathered K/V memory)
 MAX_PADDING_RATIO = 2.0    # padded keys / real keys above this runs eagerly (it packs rows by length)
 MIN_KEYS_FOR_RATIO = 8192  # ...unless the padded step is this small anyway
 
@@ -150,7 +150,8 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a Ray worker's other threads (uploads, heartbeats) may touch CUDA during a capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = self._forward(batch, blocks)
         return graph, output
 
