@@ -28,13 +28,18 @@ INT8_MAX = 127
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantization of ``weight`` [out, in].
 
-    Returns ``(weight_int8 [out, in] int8, scales [out] float32)``; a zero row gets scale 1.
+    Returns ``(weight_int8 [out, in] int8, scales [out] float32)``; a zero row gets scale 1. With the codes
+    chosen, each row's scale is refitted by least squares and rounded to the nearest bfloat16 where that
+    lowers the row's error (as for int4, see ``jobrunner.quant.int4._refit_groups``).
     """
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scales = round_up_to_bf16(torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)))
-    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
+    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    qq = (q * q).sum(dim=1)
+    fit = torch.where(qq > 0, (q * w).sum(dim=1) / qq.clamp(min=1), scales).to(torch.bfloat16).float()
+    better = ((q * fit[:, None] - w) ** 2).sum(dim=1) < ((q * scales[:, None] - w) ** 2).sum(dim=1)
+    return q.to(torch.int8), torch.where(better, fit, scales)
 
 
 def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
