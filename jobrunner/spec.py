@@ -96,6 +96,9 @@ class EngineSpec(_Spec):
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks.")
     device: str = Field(default="auto", description="auto, cpu or cuda.")
+    use_cuda_graphs: bool = Field(
+        default=True, description="On CUDA, replay decode-only steps from CUDA graphs (ignored on CPU)."
+    )
     factory: str | None = Field(
         default=None,
         description="Advanced: 'module:function' called as function(spec) to build the engine "
