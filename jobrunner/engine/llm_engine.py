@@ -102,6 +102,22 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
         return items
 
+    def prompt_logprobs(self, prompt: Prompt) -> list[float]:
+        """Log-probability of each prompt token given the tokens before it (``len(tokens) - 1`` values).
+
+        Runs one causal prefill over a private KV buffer (``jobrunner.engine.scoring``): it does not touch
+        the KV pool, so it may be called between steps while requests are running.
+        """
+        from jobrunner.engine.scoring import sequence_logits
+
+        token_ids = self.tokenize(prompt)
+        if len(token_ids) > self.model.shape.max_position_embeddings:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the model context is "
+                             f"{self.model.shape.max_position_embeddings}")
+        logits = sequence_logits(self.model, token_ids)[:-1]
+        targets = torch.tensor(token_ids[1:], device=logits.device)
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
+
     def _admission_error(self, token_ids: list[int]) -> str | None:
         if not token_ids:
             return "prompt is empty"

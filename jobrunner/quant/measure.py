@@ -2,9 +2,8 @@
 
 ``model_factory(scheme)`` returns an engine with the ``jobrunner.engine.LLMEngine`` API (``generate``,
 ``stats``, ``model``) whose model was quantized with ``scheme`` at load time. Perplexity runs the engine's own
-model once per text as a single prefill (one attention group over a private KV buffer), so it measures
-the very layers the engine decodes with. Engine classes are imported lazily: this package itself
-depends only on torch.
+model once per text as a single prefill (``jobrunner.engine.scoring``), so it measures the very layers the
+engine decodes with.
 
 Run it on SmolLM2 (the embedded default) with ``python -m jobrunner.quant.measure --help``.
 """
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from jobrunner.engine.scoring import sequence_logits
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear
 
@@ -37,30 +37,6 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}  # tied/shared: once
     total = sum(t.numel() * t.element_size() for t in unique.values())
     return {"linear_weight_bytes": linear, "model_weight_bytes": total}
-
-
-@torch.no_grad()
-def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits [T, vocab] of one sequence through the engine's model in a single causal prefill."""
-    from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
-
-    s = model.shape
-    dev = next(model.parameters()).device
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype  # the norms keep it
-    num_tokens = len(token_ids)
-    block_size = 16
-    num_blocks = -(-num_tokens // block_size)
-    kv_len = num_blocks * block_size
-    n_rep = s.num_heads // s.num_kv_heads
-    kv = torch.zeros(s.num_layers, 2, kv_len, s.num_kv_heads, s.head_dim, device=dev, dtype=dtype)
-    index = torch.arange(num_tokens, device=dev)
-    causal = torch.arange(kv_len, device=dev)[None, :] <= index[:, None]  # [T, L]
-    mask = causal.repeat(n_rep, 1)[None, None]  # [1, 1, n_rep * T, L]
-    blocks = torch.arange(num_blocks, device=dev)
-    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, mask, index)
-    meta = AttentionMetadata(index, [group], num_tokens, block_size)
-    ids = torch.tensor(list(token_ids), device=dev)
-    return model.compute_logits(model(ids, index, meta, kv)).float()
 
 
 def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float:

@@ -28,3 +28,17 @@ def test_rope_scaling_llama3_matches_transformers(tokenizer):
     outputs = run_checked(engine, prompts, GREEDY)
     for i, ids in enumerate(prompts):
         assert outputs[f"r{i}"].output_token_ids == hf_greedy(hf, ids, 24)
+
+
+def test_prompt_logprobs_match_transformers(hf_llama, tokenizer):
+    import torch
+
+    engine = engine_from_hf(hf_llama, tokenizer)
+    ids = tokenizer(CORPUS[0])["input_ids"]
+    ours = engine.prompt_logprobs(ids)
+    with torch.no_grad():
+        logits = hf_llama(torch.tensor([ids])).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert len(ours) == len(ids) - 1
+    assert torch.allclose(torch.tensor(ours), theirs, atol=1e-4)
+    assert engine.kv_manager.pool.num_used_blocks == 0

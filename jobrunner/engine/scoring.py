@@ -1,0 +1,36 @@
+"""Score a whole token sequence in one causal prefill, outside the paged pool (perplexity, agreement checks).
+
+The model runs exactly the layers the engine decodes with, over a private KV buffer just long enough for the
+sequence, so scoring never takes blocks from (or disturbs) the requests the engine is serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+
+SCORE_BLOCK_SIZE = 16
+
+
+@torch.inference_mode()
+def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Float32 logits ``[T, vocab]`` of ``token_ids`` through ``model`` (row i predicts token i + 1)."""
+    if not token_ids:
+        raise ValueError("cannot score an empty sequence")
+    s = model.shape
+    dev = next(model.parameters()).device
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype  # the norms keep it
+    num_tokens = len(token_ids)
+    num_blocks = -(-num_tokens // SCORE_BLOCK_SIZE)
+    kv_len = num_blocks * SCORE_BLOCK_SIZE
+    kv = torch.zeros(s.num_layers, 2, kv_len, s.num_kv_heads, s.head_dim, device=dev, dtype=dtype)
+    index = torch.arange(num_tokens, device=dev)
+    blocks = torch.arange(num_blocks, device=dev)
+    # a chunk starting at position 0: the causal kernel path, no explicit mask
+    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, None, index, causal=True)
+    meta = AttentionMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
+    ids = torch.tensor(list(token_ids), device=dev)
+    return model.compute_logits(model(ids, index, meta, kv)).float()
