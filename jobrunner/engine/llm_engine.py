@@ -235,7 +235,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.dtype
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

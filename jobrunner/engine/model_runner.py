@@ -41,7 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         s = model.shape
         self.n_rep = s.num_heads // s.num_kv_heads
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         total_blocks = num_blocks + (decode_graphs != "off")
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, s.head_dim,

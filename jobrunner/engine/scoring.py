@@ -22,7 +22,7 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
         raise ValueError("cannot score an empty sequence")
     s = model.shape
     dev = next(model.parameters()).device
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype  # the norms keep it
+    dtype = model.dtype
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // SCORE_BLOCK_SIZE)
     kv_len = num_blocks * SCORE_BLOCK_SIZE

@@ -140,6 +140,11 @@ class LlamaForCausalLM(nn.Module):
         if s.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the norms' weights keep it whatever quantization did to the other layers)."""
+        return self.norm.weight.dtype
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
