@@ -31,7 +31,7 @@ def _engine(hf_model, tokenizer, scheme: str) -> LLMEngine:
     return engine
 
 
-@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])  # tied embedding; qkv bias
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2", "qwen3", "mistral"])  # tied; qkv bias; q/k norm; untied
 def test_engine_runs_quantized_and_tracks_float(arch: str) -> None:
     tokenizer = make_tokenizer()
     hf_model = make_hf_model(arch)
