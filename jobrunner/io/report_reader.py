@@ -20,10 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from jobrunner.io.layout import MANIFEST, PARTS_DIR, SUCCESS, part_key
+
 SUPPORTED_MANIFEST_VERSION = 1
-MANIFEST_NAME = "_manifest.json"
-SUCCESS_NAME = "_SUCCESS"
-PARTS_DIR = "parts"
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
@@ -80,7 +79,7 @@ def open_outputs(url: str, storage_options: dict | None = None) -> JobOutputs:
     root = root.rstrip("/") or "/"
     manifest = _read_manifest(fs, root, url)
     outputs = JobOutputs(url=url, fs=fs, root=root, manifest=manifest, part_paths=[],
-                         is_complete=fs.exists(posixpath.join(root, SUCCESS_NAME)))
+                         is_complete=fs.exists(posixpath.join(root, SUCCESS)))
     outputs.part_paths = _part_paths(outputs)
     if not outputs.part_paths:
         raise ReportInputError(_no_parts_message(outputs))
@@ -88,19 +87,19 @@ def open_outputs(url: str, storage_options: dict | None = None) -> JobOutputs:
 
 
 def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict | None:
-    path = posixpath.join(root, MANIFEST_NAME)
+    path = posixpath.join(root, MANIFEST)
     if not fs.exists(path):
         return None
     try:
         manifest = json.loads(fs.cat_file(path))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ReportInputError(f"{url}: {MANIFEST_NAME} is not valid JSON ({exc})") from exc
+        raise ReportInputError(f"{url}: {MANIFEST} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict):
-        raise ReportInputError(f"{url}: {MANIFEST_NAME} is not a JSON object")
+        raise ReportInputError(f"{url}: {MANIFEST} is not a JSON object")
     version = manifest.get("format_version")
     if version != SUPPORTED_MANIFEST_VERSION:
         raise ReportInputError(
-            f"{url}: {MANIFEST_NAME} has format_version {version!r} (written by jobrunner "
+            f"{url}: {MANIFEST} has format_version {version!r} (written by jobrunner "
             f"{manifest.get('jobrunner_version', 'unknown')}); this jobrunner reads format_version "
             f"{SUPPORTED_MANIFEST_VERSION}. Use the jobrunner version that wrote it.")
     return manifest
@@ -116,7 +115,7 @@ def _part_paths(outputs: JobOutputs) -> list[str]:
     for shard_id, shard in sorted(shards.items()):
         if not isinstance(shard, dict) or shard.get("status") != "committed":
             continue
-        part = shard.get("part") or f"{PARTS_DIR}/part-{shard_id}.parquet"
+        part = shard.get("part") or part_key(shard_id)
         path = posixpath.join(outputs.root, part)
         if outputs.fs.exists(path):
             paths.append(path)
@@ -127,7 +126,7 @@ def _part_paths(outputs: JobOutputs) -> list[str]:
 
 def _no_parts_message(outputs: JobOutputs) -> str:
     if outputs.manifest is None:
-        return (f"{outputs.url}: no jobrunner outputs here (no {MANIFEST_NAME} and no "
+        return (f"{outputs.url}: no jobrunner outputs here (no {MANIFEST} and no "
                 f"{PARTS_DIR}/*.parquet). Is this the job's output URL?")
     return f"{outputs.url}: the manifest lists no committed shard with a readable part yet"
 

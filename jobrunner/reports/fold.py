@@ -58,8 +58,9 @@ def fold_batches(batches: Iterable[MetricBatch], slo: Slo) -> Folded:
 
 
 def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
+    errors = int(batch.is_error.sum())
     folded.rows += batch.num_rows
-    folded.errors += int(batch.is_error.sum())
+    folded.errors += errors
     folded.input_tokens += int(batch.num_prompt_tokens.sum())
     folded.cached_tokens += int(batch.num_cached_tokens.sum())
     folded.output_tokens += int(batch.num_output_tokens.sum())
@@ -68,13 +69,16 @@ def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
     finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
     if finite.size:
         folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))
-    unexplained = int(batch.is_error.sum()) - sum(batch.error_to_count.values())
+    unexplained = errors - sum(batch.error_to_count.values())
     if unexplained > 0:  # finish_reason "error" with a null error message
         add_counts(folded.error_kind_to_count, {"unknown": unexplained})
 
 
 def _fold_goodput(folded: Folded, batch: MetricBatch, slo: Slo) -> None:
-    """A row is good when it did not fail and met every target given (a missing latency fails)."""
+    """A row is good when it did not fail and met every target given (a missing latency fails); without a
+    target the report has no goodput block, so nothing is counted."""
+    if not slo.is_set:
+        return
     good = ~batch.is_error
     with np.errstate(invalid="ignore"):
         if slo.ttft_s is not None:

@@ -31,9 +31,8 @@ def worker_seconds(manifest: dict | None) -> float | None:
     total = number(manifest, "totals", "worker_seconds")
     if total is not None and total > 0:
         return total
-    alive = [number(w, "alive_s") for w in workers(manifest).values()]
-    alive = [a for a in alive if a is not None]
-    return sum(alive) if alive and sum(alive) > 0 else None
+    alive = sum(number(w, "alive_s") or 0.0 for w in workers(manifest).values())
+    return alive if alive > 0 else None
 
 
 def engine_seconds(manifest: dict | None) -> tuple[float, float]:
