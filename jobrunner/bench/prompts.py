@@ -1,4 +1,4 @@
-"""Turn prompt rows into token ids once, with the engine's tokenizer, for both our engine and the baseline."""
+"""Prompt rows: as chats, as held-out text, and as token ids made once with the engine's tokenizer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,19 @@ def as_chat(row: PromptRow, raw: bool) -> PromptRow:
     if isinstance(row, str) and not raw:
         return [{"role": "user", "content": row}]
     return row
+
+
+def held_out_texts(rows: Sequence[PromptRow]) -> list[str]:
+    """Perplexity text from prompt rows: every assistant turn of a chat row, the whole text of a plain row."""
+    texts: list[str] = []
+    for row in rows:
+        if isinstance(row, str):
+            texts.append(row)
+        else:
+            texts += [m["content"] for m in row if m.get("role") == "assistant" and m.get("content")]
+    if not texts:
+        raise ValueError("the quality texts have no assistant turns or prompt text to score")
+    return texts
 
 
 def tokenize_all(engine, rows: Sequence[PromptRow], raw: bool) -> list[list[int]]:

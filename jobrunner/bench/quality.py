@@ -19,19 +19,6 @@ QUALITY_SCHEMES = ("none", "int8", "int4")
 QUALITY_BATCHES = (1, 8, 64)
 
 
-def held_out_texts(rows: Sequence[PromptRow]) -> list[str]:
-    """Perplexity text from prompt rows: every assistant turn of a chat row, the whole text of a plain row."""
-    texts: list[str] = []
-    for row in rows:
-        if isinstance(row, str):
-            texts.append(row)
-        else:
-            texts += [m["content"] for m in row if m.get("role") == "assistant" and m.get("content")]
-    if not texts:
-        raise ValueError("the quality texts have no assistant turns or prompt text to score")
-    return texts
-
-
 def run_quality(engine: EngineOptions, prompts: Sequence[PromptRow], texts: Sequence[str],
                 schemes: Sequence[str] = QUALITY_SCHEMES, batch_sizes: Sequence[int] = QUALITY_BATCHES,
                 raw_prompts: bool = False, max_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:

@@ -82,7 +82,8 @@ def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool
 
 def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
                           raw_prompts: bool, as_json: bool) -> None:
-    from jobrunner.bench.quality import held_out_texts, run_quality
+    from jobrunner.bench.prompts import held_out_texts
+    from jobrunner.bench.quality import run_quality
     from jobrunner.io.prompt_file import PromptFileError, read_prompts
     from jobrunner.quant.measure import to_markdown
 

@@ -179,7 +179,7 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
         row["perplexity"] = ppl
         row["teacher_forced_top1_agreement"] = _top1_agreement(top1, reference_top1)
         _log(f"{scheme}: perplexity {ppl:.4f}, top-1 {row['teacher_forced_top1_agreement']:.4f}")
-        generated = greedy_tokens(engine, prompts, max_tokens)
+        generated = greedy_tokens(engine, prompt_ids, max_tokens)
         reference = reference or generated
         row["greedy_agreement"] = agreement(reference, generated)
         choices, gaps = forced_decisions(engine.model, prompt_ids, reference)
@@ -189,7 +189,7 @@ def measure_quantization(model_factory: Callable[[str], Any], tokenizer, texts: 
              f"decisions {row['greedy_decision_agreement']}")
         row["throughput"] = {}
         for b in batch_sizes:
-            row["throughput"][str(b)] = output_tokens_per_s(engine, prompts, b, max_tokens)
+            row["throughput"][str(b)] = output_tokens_per_s(engine, prompt_ids, b, max_tokens)
             _log(f"{scheme}: batch {b}: {row['throughput'][str(b)]}")
         results["schemes"][scheme] = row
         del engine
@@ -232,30 +232,6 @@ def _add_ratios(rows: dict[str, dict[str, Any]], base: str) -> None:
         row["model_bytes_vs_base"] = row["model_weight_bytes"] / ref["model_weight_bytes"]
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    import json
-
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def load_texts(path: str) -> list[str]:
-    """Held-out text from a prompts JSONL: every assistant turn of ``messages`` rows (else ``prompt``)."""
-    texts = []
-    for row in _read_jsonl(path):
-        messages = row.get("messages") or []
-        texts += [m["content"] for m in messages if m.get("role") == "assistant"]
-        if not messages and row.get("prompt"):
-            texts.append(row["prompt"])
-    return texts
-
-
-def load_prompts(path: str, limit: int) -> list[Any]:
-    """The first ``limit`` prompts of a prompts JSONL as chat messages (a ``prompt`` becomes a user turn)."""
-    rows = _read_jsonl(path)[:limit]
-    return [row.get("messages") or [{"role": "user", "content": row["prompt"]}] for row in rows]
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: measure schemes for one model source on CPU (or CUDA) and print/write JSON."""
     import argparse
@@ -263,8 +239,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="smollm2-135m-instruct")
-    parser.add_argument("--texts", required=True, help="JSONL; assistant turns are the perplexity text")
-    parser.add_argument("--prompts", required=True, help="JSONL; the first --num-prompts rows are used")
+    parser.add_argument("--texts", required=True,
+                        help=".jsonl/.parquet; assistant turns (else the prompt text) are the perplexity text")
+    parser.add_argument("--prompts", required=True, help=".jsonl/.parquet; the first --num-prompts rows are used")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--schemes", default="none,int8,int4",
                         help="comma-separated; 'bf16' is an unquantized bfloat16 control; "
@@ -279,10 +256,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from jobrunner.bench.prompts import as_chat, held_out_texts
+    from jobrunner.io.prompt_file import read_prompts
+
     factory = engine_factory(args.source, args.dtype, args.device)
     tokenizer = factory("none").tokenizer
-    result = measure_quantization(factory, tokenizer, load_texts(args.texts),
-                                  load_prompts(args.prompts, args.num_prompts), args.schemes.split(","),
+    texts = held_out_texts(read_prompts(args.texts))
+    prompts = [as_chat(row, raw=False) for row in read_prompts(args.prompts, args.num_prompts)]
+    result = measure_quantization(factory, tokenizer, texts, prompts, args.schemes.split(","),
                                   [int(b) for b in args.batches.split(",")])
     result["settings"] = {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}
     text = json.dumps(result, indent=2, default=str)
