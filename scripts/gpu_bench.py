@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import random
-import resource
 import time
 import traceback
 from typing import Any
@@ -85,18 +84,19 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def timed_run(engine, prompts: list[list[int]], output_len: int, deadline: float) -> dict[str, Any]:
     """Add every prompt, step until done or ``deadline`` (perf_counter); counters of what finished."""
+    from jobrunner.bench.result import sync
     from jobrunner.engine import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     before = dict(engine.stats().to_dict())
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"b{i}", ids, params)
     outputs = []
     while engine.has_unfinished_requests() and time.perf_counter() < deadline:
         outputs += engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     seconds = time.perf_counter() - start
     after = engine.stats().to_dict()
     delta = {k: after[k] - before[k] for k in ("steps", "prefill_s", "decode_s", "schedule_s",
@@ -117,6 +117,7 @@ def timed_run(engine, prompts: list[list[int]], output_len: int, deadline: float
 
 def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Build, quantize (unless ``none``), warm up, time one run; always free the model afterwards."""
+    from jobrunner.bench.result import peak_memory, reset_peak_memory, sync
     from jobrunner.engine import EngineConfig, SamplingParams
     from jobrunner.engine.llm_engine import LLMEngine
 
@@ -131,11 +132,10 @@ def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[s
 
         t0 = time.perf_counter()
         report = quantize_model(model, scheme)
-        _sync(device)
+        sync(device)
         result["quantize_s"] = round(time.perf_counter() - t0, 2)
-        summary = getattr(report, "summary", None)
-        result["quant_summary"] = summary() if callable(summary) else None
-    _reset_peak(device)
+        result["quant_summary"] = report.summary()
+    reset_peak_memory(device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=False, device=str(device), use_cuda_graphs=mode != "eager",
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
@@ -145,28 +145,12 @@ def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[s
                                                                          ignore_eos=True))
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     result.update(timed_run(engine, prompts, args.output_len, deadline))
-    result["memory"] = _memory(device)
+    result["memory"] = peak_memory(device)
     graphs = getattr(engine.runner, "graphs", None)
     result["decode_graphs"] = graphs.stats() if graphs is not None else None
     del engine, model
     _free(device)
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _memory(device: torch.device) -> dict[str, float | None]:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return {"peak_rss_mib": round(rss, 1), "cuda_max_allocated_mib": cuda and round(cuda, 1)}
 
 
 def _free(device: torch.device) -> None:
@@ -176,15 +160,7 @@ def _free(device: torch.device) -> None:
 
 
 def _schemes(requested: str) -> list[str]:
-    schemes = [s.strip() for s in requested.split(",") if s.strip()]
-    try:
-        import jobrunner.quant as quant
-
-        if not hasattr(quant, "quantize_model"):
-            raise ImportError("jobrunner.quant has no quantize_model")
-    except ImportError:
-        return [s for s in schemes if s == "none"]
-    return schemes
+    return [s.strip() for s in requested.split(",") if s.strip()]
 
 
 def _environment(args: argparse.Namespace) -> dict[str, Any]:

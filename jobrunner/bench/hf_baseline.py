@@ -70,6 +70,11 @@ def generate_batch(base: Baseline, batch: Sequence[Sequence[int]], max_tokens: i
     return count_output_tokens(out[:, input_ids.shape[1]:], base.eos_ids, ignore_eos)
 
 
+def warm_up(base: Baseline, token_ids: list[list[int]]) -> None:
+    """One untimed two-token ``generate`` of the first prompt."""
+    generate_batch(base, token_ids[:1], 2, True)
+
+
 def pick_batch_size(base: Baseline, token_ids: list[list[int]], candidates: Sequence[int] = PILOT_BATCH_SIZES,
                     pilot_tokens: int = PILOT_TOKENS) -> tuple[int, dict[int, float]]:
     """The candidate with the best output tokens/s on one pilot batch each (the first prompts, few tokens).
@@ -77,7 +82,7 @@ def pick_batch_size(base: Baseline, token_ids: list[list[int]], candidates: Sequ
     Candidates are capped at the number of prompts; the first pilot also warms the model up.
     """
     sizes = sorted({min(c, len(token_ids)) for c in candidates})
-    generate_batch(base, token_ids[:1], 2, True)  # warm-up, untimed
+    warm_up(base, token_ids)
     if len(sizes) == 1:
         return sizes[0], {}
     rates: dict[int, float] = {}

@@ -73,7 +73,7 @@ def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:
 
 
 def _run_hf(options: BenchOptions, prep: _Prepared, log) -> RunResult:
-    from jobrunner.bench.hf_baseline import load_baseline, pick_batch_size, run_baseline
+    from jobrunner.bench.hf_baseline import load_baseline, pick_batch_size, run_baseline, warm_up
     from jobrunner.models.factory import DTYPES
     from jobrunner.models.sources import resolve_model_dir
 
@@ -85,9 +85,7 @@ def _run_hf(options: BenchOptions, prep: _Prepared, log) -> RunResult:
         batch_size, rates = pick_batch_size(base, prep.token_ids)
         log(f"hf: pilot tokens/s by batch size {_rounded(rates)} -> {batch_size}")
     else:
-        from jobrunner.bench.hf_baseline import generate_batch
-
-        generate_batch(base, prep.token_ids[:1], 2, True)  # warm-up, untimed
+        warm_up(base, prep.token_ids)
     log(f"hf: {len(prep.token_ids)} prompts, batch size {batch_size}")
     result = run_baseline(base, prep.token_ids, options.max_tokens, options.ignore_eos, batch_size)
     result.extra["pilot_output_tokens_per_s"] = _rounded(rates)

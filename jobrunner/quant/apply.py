@@ -77,7 +77,7 @@ def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, sc
         if _is_tied(model, linear):
             report.notes.append(f"{name} is tied to another parameter: quantized its own copy")
         _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry))
-    entry.bytes_after = _layer_weight_bytes(_get_module(model, name))
+    entry.bytes_after = _layer_weight_bytes(model.get_submodule(name))
     return entry
 
 
@@ -97,7 +97,7 @@ def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns:
         if _is_skipped(name, patterns):
             report.notes.append(f"{name} kept in float (skip)")
             continue
-        head = _get_module(model, tied[name]) if name in tied else None
+        head = model.get_submodule(tied[name]) if name in tied else None
         if isinstance(head, torch.nn.Linear):
             report.notes.append(f"{name} kept in float: its tied {tied[name]} is float")
             continue
@@ -157,10 +157,6 @@ def _is_skipped(name: str, patterns: tuple[str, ...]) -> bool:
 def _is_tied(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
     """Whether ``linear.weight`` is also registered somewhere else (e.g. as the input embedding)."""
     return sum(p is linear.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
-
-
-def _get_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    return model.get_submodule(name)
 
 
 def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

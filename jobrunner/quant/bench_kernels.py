@@ -41,7 +41,7 @@ def time_shape(out_features: int, in_features: int, num_tokens: int, group_size:
     xb = x.to(torch.bfloat16)
     q8 = Int8WeightOnlyLinear.from_linear(lin)
     q4 = Int4WeightOnlyLinear.from_linear(lin, group_size)
-    s8 = q8.scales.to(torch.bfloat16)
+    s8 = q8.scales_bf16
     return {
         "float": best_us(lambda: lin(x)),
         "int8_packed": best_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, q8.weight_int8, s8)),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jobrunner.quant.int4 import Int4WeightOnlyLinear
-from jobrunner.quant.int8 import Int8WeightOnlyLinear, quantize_int8_per_channel
+from jobrunner.quant.int4 import Int4WeightOnlyLinear, dequantize_int4
+from jobrunner.quant.int8 import Int8WeightOnlyLinear, dequantize_int8, quantize_int8_per_channel
 
 
 class Int8Embedding(torch.nn.Module):
@@ -38,7 +38,7 @@ class Int8Embedding(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized table [num_embeddings, dim] (built on each access: for ``.dtype``-style probes)."""
-        return (self.weight_int8.to(torch.float32) * self.scales[:, None]).to(self.out_dtype)
+        return dequantize_int8(self.weight_int8, self.scales, self.out_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]
@@ -78,10 +78,8 @@ class Int4SharedEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]
         flat = input_ids.reshape(-1)
-        q = self.layout.gather_rows(self.weight_int4pack, flat).to(torch.float32)  # [T, K]
-        sz = self.scales_and_zeros[:, flat, :].to(torch.float32)  # [groups, T, 2]
-        scale, zero = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)  # [T, groups, 1]
-        rows = (q.view(flat.numel(), -1, self.group_size) - 8) * scale + zero
+        q = self.layout.gather_rows(self.weight_int4pack, flat)  # [T, K]
+        rows = dequantize_int4(q, self.scales_and_zeros[:, flat, :], self.group_size, torch.float32)
         return rows.reshape(*input_ids.shape, self.embedding_dim).to(self.out_dtype)
 
     def weight_bytes(self) -> int:

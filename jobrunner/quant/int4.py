@@ -86,6 +86,17 @@ def _refit_groups(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: t
     return torch.where(better, fit_scale, scale), torch.where(better, fit_zero, zero)
 
 
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` in ``dtype`` for codes ``q`` [R, K] (0..15) and their ``scales_and_zeros``
+    [K / group_size, R, 2]: the whole weight, or the rows a tied embedding looked up."""
+    rows, k = q.shape
+    scale = scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [R, groups, 1]
+    zero = scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
+    w = (q.to(dtype).view(rows, k // group_size, group_size) - 8) * scale + zero
+    return w.view(rows, k)
+
+
 class Int4WeightOnlyLinear(torch.nn.Module):
     """Drop-in replacement for ``nn.Linear`` holding an int4 group-wise weight packed for its device."""
 
@@ -131,16 +142,11 @@ class Int4WeightOnlyLinear(torch.nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
-        if self.cpu_layout is not None:
-            q = self.cpu_layout.unpack(self.weight_int4pack)
-        else:  # no unpacker (CUDA layout): recover W^T through the kernel itself with an identity input.
+        if self.cpu_layout is None:  # no unpacker (CUDA layout): recover W^T through the kernel with an identity.
             eye = torch.eye(self.in_features, device=self.weight_int4pack.device, dtype=torch.bfloat16)
             return int4_mm(eye, self.weight_int4pack, self.group_size, self.scales_and_zeros).t().to(dtype)
-        groups = self.in_features // self.group_size
-        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [N, groups, 1]
-        zero = self.scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
-        w = (q.to(dtype).view(self.out_features, groups, self.group_size) - 8) * scale + zero
-        return w.view(self.out_features, self.in_features)
+        q = self.cpu_layout.unpack(self.weight_int4pack)
+        return dequantize_int4(q, self.scales_and_zeros, self.group_size, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the packed weight and its scales/zeros (bias not included)."""

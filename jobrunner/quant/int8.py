@@ -42,6 +42,11 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q.to(torch.int8), torch.where(better, fit, scales)
 
 
+def dequantize_int8(weight_int8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight_int8 * scales[:, None]`` (computed in float32) as a dense ``dtype`` tensor."""
+    return (weight_int8.to(torch.float32) * scales[:, None]).to(dtype)
+
+
 def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """Smallest bfloat16-representable values >= ``x`` (x > 0), returned as float32.
 
@@ -76,7 +81,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
-        return (self.weight_int8.to(torch.float32) * self.scales[:, None]).to(dtype)
+        return dequantize_int8(self.weight_int8, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
