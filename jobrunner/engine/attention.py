@@ -78,7 +78,8 @@ def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, 
     # A whole prompt (or its first chunk) of one request: the causal kernel skips the upper triangle, which
     # an explicit mask cannot. Padded keys past the chunk sit right of every query, so causality hides them.
     Q, L = g.query_len, g.kv_len
-    qg = q.narrow(0, int(g.query_index[0]), Q).transpose(0, 1).unsqueeze(0)            # [1, H, Q, D]
+    # index_select, not narrow(int(query_index[0])): reading the offset back would sync the device every layer
+    qg = q.index_select(0, g.query_index).transpose(0, 1).unsqueeze(0)                # [1, H, Q, D]
     kg = k_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
     vg = v_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
     og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)

@@ -111,9 +111,9 @@ class LLMEngine:
         from jobrunner.engine.scoring import sequence_logits
 
         token_ids = self.tokenize(prompt)
-        if len(token_ids) > self.model.shape.max_position_embeddings:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model context is "
-                             f"{self.model.shape.max_position_embeddings}")
+        limit = self.model.rotary.max_positions  # the positions this model was built for (<= its config's)
+        if len(token_ids) > limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the model context is {limit}")
         logits = sequence_logits(self.model, token_ids)[:-1]
         targets = torch.tensor(token_ids[1:], device=logits.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()

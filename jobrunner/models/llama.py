@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from jobrunner.engine.attention import AttentionMetadata, paged_attention
-from jobrunner.models.rope import RotaryEmbedding
+from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -81,12 +81,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
-        self.rotary = rotary  # shared by all layers (not registered as a submodule twice)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]
+        # x: [T, hidden]; rope: this step's (cos, sin), see RotaryEmbedding.forward
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -94,7 +93,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out)
 
@@ -112,15 +111,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, rotary)
+        self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x, positions, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
+    def forward(self, x, rope, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,9 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.shape = ModelShape.from_config(config)
         s = self.shape
         self.rotary = RotaryEmbedding(config, s.head_dim, max_positions or s.max_position_embeddings)
-        rotary_ref = [self.rotary]  # a list, so the layers don't register it as their own submodule
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary_ref) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         if s.tie_word_embeddings:
@@ -149,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)  # the same cos/sin for every layer: gathered once
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache[i, 0], kv_cache[i, 1])
+            x = layer(x, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

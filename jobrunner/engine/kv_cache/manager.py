@@ -13,8 +13,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -40,8 +38,6 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        self.num_lookup_tokens += len(token_ids)
-        self.num_hit_tokens += len(block_ids) * self.block_size
         return block_ids
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
@@ -90,10 +86,6 @@ class KVCacheManager:
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
 
     def check_integrity(self, live_requests: list[Request]) -> None:
         """Pool consistency plus: every block's ref count equals the number of live requests holding it."""
