@@ -238,30 +238,27 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> JobSpec:
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read a YAML job spec (a file, or 'env:NAME' for an environment variable), apply overrides, validate."""
     if str(path).startswith(ENV_PREFIX):
-        return _load_env(str(path)[len(ENV_PREFIX):], overrides)
+        name = str(path)[len(ENV_PREFIX):]
+        text = os.environ.get(name)
+        if text is None:
+            raise SpecError(f"env:{name}: environment variable {name} is not set")
+        return _from_yaml(text, f"env:{name}", overrides)
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read job spec: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    if overrides and isinstance(data, dict):
-        data = merge(data, parse_overrides(overrides))
-    return spec_from_dict(data, str(path))
+    return _from_yaml(text, str(path), overrides)
 
 
-def _load_env(name: str, overrides: list[str] | tuple[str, ...]) -> JobSpec:
-    text = os.environ.get(name)
-    if text is None:
-        raise SpecError(f"env:{name}: environment variable {name} is not set")
+def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -> JobSpec:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SpecError(f"env:{name}: not valid YAML: {exc}") from None
+        raise SpecError(f"{source}: not valid YAML: {exc}") from None
     if overrides and isinstance(data, dict):
         data = merge(data, parse_overrides(overrides))
-    return spec_from_dict(data, f"env:{name}")
+    return spec_from_dict(data, source)
 
 
 def _format_errors(exc: ValidationError) -> str:

@@ -104,8 +104,7 @@ class _JobLoop:
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.live_progress: dict[str, tuple[int, int]] = {}
         self.run_tokens = 0
-        done_rows = sum(e["rows"] for e in status.values() if e["status"] == "committed")
-        self.progress = Progress(plan.num_rows, done_rows, enabled=show_progress)
+        self.progress = Progress(plan.num_rows, self._committed_rows(), enabled=show_progress)
         self.next_poll = 0.0
 
     # ---- top level ----------------------------------------------------------------------------------
@@ -290,9 +289,11 @@ class _JobLoop:
                               and self.manifest["shards"][k]["status"] != "committed"}
         self._show_progress()
 
+    def _committed_rows(self) -> int:
+        return sum(e["rows"] for e in self.manifest["shards"].values() if e["status"] == "committed")
+
     def _show_progress(self) -> None:
-        committed = sum(e["rows"] for e in self.manifest["shards"].values() if e["status"] == "committed")
-        rows = committed + sum(r for r, _ in self.live_progress.values())
+        rows = self._committed_rows() + sum(r for r, _ in self.live_progress.values())
         self.progress.update(rows, self.run_tokens + sum(t for _, t in self.live_progress.values()))
 
     def _finish(self) -> JobResult:

@@ -82,14 +82,10 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, committed_parts: set[str
                     cost={"worker_hour_usd": spec.cost.worker_hour_usd})
     for entry in manifest["shards"].values():
         if entry["status"] != "committed" or entry.get("part") not in committed_parts:
-            keep = {k: entry[k] for k in ("file", "row_start", "row_end")}
+            pending = pending_entry(Shard("", entry["file"], "", entry["row_start"], entry["row_end"]))
             entry.clear()
-            entry.update({**_blank(), **keep})
+            entry.update(pending)
     return manifest
-
-
-def _blank() -> dict[str, Any]:
-    return {k: v for k, v in pending_entry(Shard("", "", "", 0, 0)).items()}
 
 
 def record_commit(manifest: dict[str, Any], result: ShardResult, attempts: int) -> None:

@@ -25,17 +25,14 @@ class Progress:
 
     def update(self, rows: int, output_tokens: int) -> None:
         """Set the rows done (all runs) and output tokens generated in this run."""
-        rows = min(rows, self.total)
-        self.tokens = output_tokens
+        self.rows, self.tokens = min(rows, self.total), output_tokens
         if self.bar is not None:
-            self.bar.n = rows  # absolute: rows of a dead worker's shard may go back to the queue
+            self.bar.n = self.rows  # absolute: rows of a dead worker's shard may go back to the queue
             self.bar.set_postfix_str(f"{self.tokens_per_s():.1f} out tok/s", refresh=False)
             self.bar.refresh()
         elif self.enabled and time.monotonic() - self.last_line >= self.interval_s:
             self.last_line = time.monotonic()
-            self.rows = rows
             print(self.line(), file=self.file, flush=True)
-        self.rows = rows
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(time.monotonic() - self.start, 1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from jobrunner.spec import JobSpec
 
 def _local_num_cpus(spec: JobSpec) -> int:
     need = spec.cluster.num_workers * spec.cluster.num_cpus_per_worker
-    return max(int(-(-need // 1)), os.cpu_count() or 1)
+    return max(math.ceil(need), os.cpu_count() or 1)
 
 
 @contextmanager

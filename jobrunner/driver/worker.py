@@ -81,24 +81,26 @@ class ShardRunner:
     def run_shard(self, shard: Shard) -> ShardResult:
         """Read, generate and commit one shard; blocks until its part is committed."""
         started = time.monotonic()
+        keep = self.spec.output.keep_columns
+        request_columns = self._request_columns()
         table = read_rows(shard.file_url, self.spec.input.storage_options, shard.row_start, shard.row_end,
-                          self._columns())
-        requests = [to_request(self.spec, shard.file_stem, r) for r in table_to_rows(table)]
+                          list(dict.fromkeys(request_columns + keep)))
+        # Only the columns a request is built from become Python rows; kept columns stay in Arrow.
+        rows = table_to_rows(table.select(request_columns + [ROW_INDEX]))
+        requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
         state = _ShardState(shard=shard, to_add=deque(r for r in requests if r.error is None))
         state.rows = [error_row(r) for r in requests if r.error is not None]
         self._enqueue(state)
         state.done.wait()
         if state.error is not None:
             raise state.error
-        keep = self.spec.output.keep_columns
         kept = table.select(keep + [ROW_INDEX]) if keep else None
         part = write_part(self._output, shard.shard_id, rows_to_table(self._finish_rows(state), kept))
         return self._result(state, part, time.monotonic() - started)
 
-    def _columns(self) -> list[str]:
+    def _request_columns(self) -> list[str]:
         inp = self.spec.input
         cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column]
-        cols += self.spec.output.keep_columns
         return list(dict.fromkeys(c for c in cols if c))
 
     def _enqueue(self, state: _ShardState) -> None:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import io
-import uuid
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import PARTS_DIR, TEMP_DIR, part_key
+from jobrunner.io.layout import PARTS_DIR, part_key
 from jobrunner.io.reader import ROW_INDEX
-from jobrunner.io.storage import Storage, retry
+from jobrunner.io.storage import Storage
 
 # The contract columns, in order (docs/contracts.md).
 OUTPUT_SCHEMA = pa.schema([
@@ -56,11 +55,8 @@ def write_part(storage: Storage, shard_id: str, table: pa.Table) -> str:
     """
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    data = buf.getvalue()
-    tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}/part-{shard_id}.parquet"
     key = part_key(shard_id)
-    retry(f"write {storage.display(tmp)}", lambda: storage.put(tmp, data))
-    storage.commit(tmp, key)
+    storage.write_atomic(key, buf.getvalue())
     return key
 
 

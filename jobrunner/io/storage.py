@@ -15,8 +15,10 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
+from jobrunner.io.layout import TEMP_DIR
+
 log = logging.getLogger(__name__)
-TEMP_PROBE = "_temporary/probe"
+TEMP_PROBE = f"{TEMP_DIR}/probe"
 T = TypeVar("T")
 
 # Errors that mean "this will not get better by retrying".
@@ -81,7 +83,7 @@ class Storage:
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write to a temporary key, then commit to `rel` (overwriting any previous value)."""
-        tmp = f"_temporary/{uuid.uuid4().hex}-{rel.replace('/', '_')}"
+        tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}"
         retry(f"write {self.display(tmp)}", lambda: self.put(tmp, data))
         self.commit(tmp, rel)
 
