@@ -9,9 +9,9 @@ from typing import Any
 from jobrunner import __version__
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult
+from jobrunner.io.layout import MANIFEST_FORMAT_VERSION
 from jobrunner.spec import JobSpec
 
-FORMAT_VERSION = 1
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 # Sections that must match for a resume to be safe (the same rows with the same settings).
 RESUME_SECTIONS = ("model", "sampling")
@@ -49,7 +49,7 @@ def pending_entry(shard: Shard) -> dict[str, Any]:
 def new_manifest(spec: JobSpec, shards: list[Shard]) -> dict[str, Any]:
     """A fresh manifest with every shard pending."""
     return {
-        "format_version": FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
+        "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
         "spec": spec.redacted(), "model": {"source": spec.model.source, "dtype": spec.model.dtype,
                                            "quantization": spec.model.quantization},
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},

@@ -1,6 +1,7 @@
 """Names of things under a job's output URL (see docs/contracts.md)."""
 
 MANIFEST = "_manifest.json"
+MANIFEST_FORMAT_VERSION = 1  # written by the driver, checked by report readers
 SUCCESS = "_SUCCESS"
 PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"

@@ -21,8 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobrunner.io.layout import MANIFEST, PARTS_DIR, SUCCESS, part_key
-
-SUPPORTED_MANIFEST_VERSION = 1
+from jobrunner.io.layout import MANIFEST_FORMAT_VERSION as SUPPORTED_MANIFEST_VERSION
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
