@@ -128,7 +128,21 @@ class ClusterSpec(_Spec):
     max_shard_attempts: int = Field(default=3, ge=1, description="Attempts per shard before it is failed.")
     retry_backoff_s: float = Field(default=1.0, ge=0.0, description="Delay before a shard's 2nd attempt.")
     max_worker_restarts: int = Field(
-        default=3, ge=0, description="Replacement workers started, in total, after worker deaths."
+        default=10, ge=0,
+        description="Replacement workers started per worker_restart_window_s (a rate, not a job total).",
+    )
+    worker_restart_window_s: float = Field(
+        default=600.0, gt=0.0, description="Window over which max_worker_restarts is counted."
+    )
+    worker_start_timeout_s: float = Field(
+        default=1800.0, gt=0.0,
+        description="Most time for the first worker to be placed and load its model; the job then fails "
+        "naming the resources the cluster could not give.",
+    )
+    progress_timeout_s: float = Field(
+        default=600.0, gt=0.0,
+        description="A worker with shards but no engine step finished (no row, no token) for this long is "
+        "replaced and its shards retried.",
     )
 
 
@@ -144,6 +158,16 @@ class OutputSpec(_Spec):
     keep_columns: list[str] = Field(default_factory=list, description="Input columns copied to output rows.")
     rows_per_file: int | None = Field(
         default=None, ge=1, description="Rows per part file; when set it overrides input.rows_per_shard."
+    )
+    max_error_rate: float = Field(
+        default=0.1, ge=0.0, le=1.0,
+        description="Largest share of error rows for a successful job; above it the job exits non-zero "
+        "(a job where every row errors always does).",
+    )
+    lease_ttl_s: float = Field(
+        default=120.0, ge=5.0,
+        description="Lifetime of the output's lease without a heartbeat; a crashed run's lease is taken "
+        "over after it.",
     )
 
 

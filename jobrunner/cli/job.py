@@ -63,20 +63,20 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
     from jobrunner.driver.job import run_job
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.plan import OutputError
+    from jobrunner.io.lease import LeaseLost
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
     spec = _load(job_file, overrides)
     try:
         result = run_job(spec, address=address, show_progress=not no_progress)
-    except (InputError, OutputError, ResumeError, StorageError) as exc:
+    except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:
         raise click.ClickException(str(exc)) from None
     if not no_report:
         _write_report(spec)
     click.echo(result.summary())
     if not result.ok:
-        failed = ", ".join(sorted(result.failed))
-        raise click.ClickException(f"{len(result.failed)} shard(s) failed: {failed}")
+        raise click.ClickException(result.failure_message())
 
 
 def _write_report(spec) -> None:

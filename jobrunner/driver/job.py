@@ -1,10 +1,12 @@
-"""The job loop: start worker actors, hand out shards, commit results to the manifest, retry failures.
+"""The job loop: hand out shards to the worker pool, publish finished ones, retry failures, keep books.
 
-The driver is the only owner of shard state. Each ready worker holds at most two shards (the one decoding
-and the next one, whose rows join the engine before the first drains). A finished shard is recorded in the
-manifest (written atomically) as soon as its part is committed. A worker that dies has all its shards
-requeued (bounded attempts, exponential backoff) and is replaced while the restart budget lasts; a shard
-that keeps failing is marked failed and the rest of the job carries on.
+The driver is the only owner of shard state and the only party that publishes a part: a worker writes an
+attempt to `_temporary/<attempt>/`, and the driver moves the attempt it assigned to `parts/` (fenced commits:
+a zombie attempt finishing late is never published). Each ready worker holds at most two tasks (the one
+decoding and the next, whose rows join the engine before the first drains). Blame for failures and
+bisection of crashing shards are described in driver/tasks.py; the pool's deadlines in driver/pool.py.
+Every event costs O(1) in the number of shards: tasks wait in a heap-backed queue, counts are running
+totals, and a commit writes one small record (driver/manifest.py).
 """
 
 from __future__ import annotations
@@ -12,27 +14,32 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
-from jobrunner.driver.actor import start_worker
-from jobrunner.driver.plan import JobPlan, open_output, plan_job, with_absolute_output
+from jobrunner.driver.output import open_output
+from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
+from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.session import ray_session
+from jobrunner.driver.shards import Shard
+from jobrunner.driver.tasks import ShardWork, Task, TaskQueue
 from jobrunner.driver.worker import EngineFailed, ShardResult
-from jobrunner.io.layout import TEMP_DIR
-from jobrunner.io.manifest import mark_success, write_manifest
+from jobrunner.io.layout import TEMP_DIR, part_key
+from jobrunner.io.lease import Lease
+from jobrunner.io.manifest import mark_success
+from jobrunner.io.parts import commit_part
 from jobrunner.io.storage import Storage
 from jobrunner.spec import JobSpec
 
 log = logging.getLogger(__name__)
 SHARDS_PER_WORKER = 2
 MAX_LISTED_FAILURES = 20
+ALONE_DEATHS_TO_BISECT = 2  # deaths / stalls of a task running alone before it is split (crashes: 1)
 
 
 @dataclass
@@ -42,17 +49,36 @@ class JobResult:
     output_url: str
     manifest: dict[str, Any]
     failed: dict[str, str]  # shard_id -> error
+    error: str | None = None  # the job could not run (no worker, lease lost)
+    max_error_rate: float = 1.0
+    top_errors: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def error_rate(self) -> float:
+        t = self.manifest["totals"]
+        return t["num_errors"] / t["rows"] if t["rows"] else 0.0
+
+    @property
+    def over_error_budget(self) -> bool:
+        """More error rows than output.max_error_rate allows, or every row an error."""
+        t = self.manifest["totals"]
+        return t["rows"] > 0 and (self.error_rate > self.max_error_rate or t["num_errors"] == t["rows"])
 
     @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and self.error is None and not self.over_error_budget
 
     def summary(self) -> str:
-        """A short human summary (names failed shards)."""
+        """A short human summary (names failed shards, the error share and the top error kinds)."""
         t = self.manifest["totals"]
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
-                f"{t['rows']} rows ({t['num_errors']} row errors), {t['num_output_tokens']} output tokens, "
-                f"wall {self.manifest['wall_s']:.1f}s -> {self.output_url}")
+                f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
+                f"{t['num_output_tokens']} output tokens, wall {self.manifest['wall_s']:.1f}s -> "
+                f"{self.output_url}")
+        for kind, count in self.top_errors:
+            text += f"\n  {count} rows: {kind}"
+        if self.error:
+            text += f"\n  JOB ERROR: {self.error}"
         failed = sorted(self.failed.items())
         for shard_id, error in failed[:MAX_LISTED_FAILURES]:
             text += f"\n  FAILED shard {shard_id}: {error}"
@@ -60,59 +86,65 @@ class JobResult:
             text += f"\n  ... and {len(failed) - MAX_LISTED_FAILURES} more failed shards (see _manifest.json)"
         return text
 
-
-@dataclass(eq=False)
-class _Worker:
-    worker_id: str
-    actor: Any
-    ready_ref: Any
-    is_ready: bool = False
-    shard_refs: set = field(default_factory=set)
+    def failure_message(self) -> str:
+        """Why the job exits non-zero (empty when ok)."""
+        reasons = []
+        if self.error:
+            reasons.append(self.error)
+        if self.failed:
+            shown = ", ".join(sorted(self.failed)[:MAX_LISTED_FAILURES])
+            more = len(self.failed) - MAX_LISTED_FAILURES
+            reasons.append(f"{len(self.failed)} shard(s) failed: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+        if self.over_error_budget:
+            kinds = "; ".join(f"{k} ({n})" for k, n in self.top_errors[:3])
+            reasons.append(f"{100 * self.error_rate:.1f}% of rows are errors (output.max_error_rate="
+                           f"{self.max_error_rate:g}); top errors: {kinds}")
+        return "\n".join(reasons)
 
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
     spec = with_absolute_output(spec)
     plan = plan_job(spec)
-    storage, manifest = open_output(spec, plan)
-    loop = _JobLoop(spec, plan, storage, manifest, show_progress)
-    if not loop.queue:  # everything already committed: no need for Ray
-        return loop.run()
-    with ray_session(spec, address):
-        return loop.run()
+    storage, manifest, lease = open_output(spec, plan)
+    try:
+        loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
+        if not len(loop.queue):  # everything already committed: no need for Ray
+            return loop.run()
+        with ray_session(spec, address):
+            return loop.run()
+    finally:
+        lease.release()
 
 
 class _JobLoop:
-    def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any],
+    def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any], lease: Lease,
                  show_progress: bool) -> None:
-        self.spec, self.plan, self.storage, self.manifest = spec, plan, storage, manifest
-        self.shards = {s.shard_id: s for s in plan.shards}
+        self.spec, self.storage, self.manifest, self.lease = spec, storage, manifest, lease
+        self.shards: dict[str, Shard] = {s.shard_id: s for s in plan.shards}
         status = manifest["shards"]
-        todo = [s.shard_id for s in plan.shards if status[s.shard_id]["status"] != "committed"]
-        self.queue: deque[str] = deque(todo)
-        self.not_before: dict[str, float] = {}
-        self.attempts: dict[str, int] = {}
+        todo = [Task(s.shard_id, s.row_start, s.row_end) for s in plan.shards
+                if status[s.shard_id]["status"] != "committed"]
+        self.queue = TaskQueue(todo)
+        self.work: dict[str, ShardWork] = {t.shard_id: ShardWork() for t in todo}
         self.failed: dict[str, str] = {}
-        self.in_flight: dict[Any, tuple[_Worker, str]] = {}
-        self.workers: list[_Worker] = []
-        self.restarts_left = spec.cluster.max_worker_restarts
-        self.num_started = 0
-        self.run_token = uuid.uuid4().hex[:8]
-        self.last_worker_error = ""
+        self.error: str | None = None
+        self.in_flight: dict[Any, tuple[Worker, Task]] = {}
         self.run_index = int(manifest.get("run_count") or 0)
         manifest["run_count"] = self.run_index + 1
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
-        self.live_progress: dict[str, tuple[int, int]] = {}
+        self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
+        self.book = mf.JobBook(storage, manifest)
         self.run_tokens = 0
-        self.progress = Progress(plan.num_rows, self._committed_rows(), enabled=show_progress)
-        self.next_poll = 0.0
+        self.progress = Progress(plan.num_rows, self.book.committed_rows, enabled=show_progress)
+        self.stats = {"commits": 0, "first_commit_s": None}
 
     # ---- top level ----------------------------------------------------------------------------------
     def run(self) -> JobResult:
-        write_manifest(self.storage, self.manifest)
+        self.book.compact(drop_all_records=True)  # the run's starting manifest holds every record
         try:
-            if self.queue:
-                self._start_workers(min(self.spec.cluster.num_workers, len(self.queue)))
+            if len(self.queue):
+                self.pool.start(min(self.spec.cluster.num_workers, len(self.queue)))
                 self._loop()
         finally:
             self._stop_workers()
@@ -120,190 +152,217 @@ class _JobLoop:
         return self._finish()
 
     def _loop(self) -> None:
-        while self.queue or self.in_flight:
+        while (len(self.queue) or self.in_flight) and self.error is None:
+            self._keep_lease()
+            self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.in_flight)))
             self._assign()
-            waiting = list(self.in_flight) + [w.ready_ref for w in self.workers if not w.is_ready]
-            if not waiting:
-                if not self.workers:
-                    self._fail_remaining(f"no worker left to run it ({self.last_worker_error or 'all died'})")
-                    return
-                time.sleep(max(0.05, min(1.0, min(self.not_before.values(), default=0) - time.monotonic())))
-                continue
-            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            for ref in done:
-                self._handle(ref)
-            self._poll_progress()
+            self._wait_and_handle()
+            self.pool.poll()
+            for worker, why in self.pool.stalled():
+                self._worker_lost(worker, why, stalled=True)
+            self.error = self.error or self.pool.start_problem()
+            self._show_progress()
+
+    def _wait_and_handle(self) -> None:
+        start_refs = self.pool.start_refs()
+        waiting = list(self.in_flight) + list(start_refs)
+        if not waiting:
+            due = self.queue.next_due_in()
+            time.sleep(max(0.05, min(1.0, due if due is not None else 1.0)))
+            return
+        done, rest = ray.wait(waiting, num_returns=1, timeout=1.0)
+        if done and rest:  # take everything else that is ready too: one pass per batch, not per result
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            done += more
+        for ref in done:
+            if ref in self.in_flight:
+                self._on_task_done(ref)
+            elif ref in start_refs:
+                self._on_start_ref(ref, start_refs[ref])
+
+    def _keep_lease(self) -> None:
+        if time.monotonic() - self.lease.renewed_at > self.lease.ttl_s / 3:
+            self.lease.renew()
 
     # ---- workers ------------------------------------------------------------------------------------
-    def _start_workers(self, count: int) -> None:
-        for _ in range(count):
-            self._start_one()
-
-    def _start_one(self) -> None:
-        # w0, w1, ... in the first run; r1w0, ... in a resumed run, so ids never clash across runs.
-        prefix = f"r{self.run_index}" if self.run_index else ""
-        worker_id = f"{prefix}w{self.num_started}"
-        self.num_started += 1
-        actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
-        self.workers.append(_Worker(worker_id, actor, actor.ready.remote()))
-
-    def _worker_died(self, worker: _Worker, error: str) -> None:
-        """Requeue the dead worker's shards and start a replacement while the budget lasts."""
-        log.warning("worker %s died: %s", worker.worker_id, error)
-        self.last_worker_error = f"worker {worker.worker_id}: {error}"
-        if worker in self.workers:
-            self.workers.remove(worker)
-        ray.kill(worker.actor, no_restart=True)
-        for ref in list(worker.shard_refs):
-            _, shard_id = self.in_flight.pop(ref)
-            self._attempt_failed(shard_id, f"worker {worker.worker_id} died: {error}")
-        if self.restarts_left > 0 and (self.queue or self.in_flight):
-            self.restarts_left -= 1
-            self._start_one()
-
-    def _stop_workers(self) -> None:
-        refs = {w.actor.finish.remote(): w for w in self.workers if w.is_ready}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=30) if refs else ([], [])
-        for ref in done:
-            try:
-                mf.record_worker(self.manifest, refs[ref].worker_id, ray.get(ref))
-            except (RayActorError, RayTaskError):
-                pass
-        for w in self.workers:
-            ray.kill(w.actor, no_restart=True)
-        self.workers.clear()
-
-    # ---- shards -------------------------------------------------------------------------------------
-    def _assign(self) -> None:
-        for worker in self.workers:
-            while self._can_take(worker):
-                shard_id = self._next_shard(alone=not worker.shard_refs)
-                if shard_id is None:
-                    break
-                self.attempts[shard_id] = self.attempts.get(shard_id, 0) + 1
-                ref = worker.actor.run_shard.remote(self.shards[shard_id])
-                worker.shard_refs.add(ref)
-                self.in_flight[ref] = (worker, shard_id)
-
-    def _can_take(self, worker: _Worker) -> bool:
-        busy = len(worker.shard_refs) >= SHARDS_PER_WORKER or self._has_retried(worker)
-        return worker.is_ready and not busy
-
-    def _has_retried(self, worker: _Worker) -> bool:
-        return any(self.attempts.get(self.in_flight[ref][1], 0) > 1 for ref in worker.shard_refs)
-
-    def _next_shard(self, alone: bool) -> str | None:
-        """The next runnable shard. A retried shard runs alone on its worker (nothing queued beside it), so
-        a shard that kills its worker cannot use up the attempts of healthy shards."""
-        now = time.monotonic()
-        for shard_id in self.queue:
-            retried = self.attempts.get(shard_id, 0) > 0
-            if self.not_before.get(shard_id, 0.0) <= now and (alone or not retried):
-                self.queue.remove(shard_id)
-                self.not_before.pop(shard_id, None)
-                return shard_id
-        return None
-
-    def _handle(self, ref: Any) -> None:
-        if ref not in self.in_flight:
-            self._handle_ready(ref)
+    def _on_start_ref(self, ref: Any, worker: Worker) -> None:
+        if worker not in self.pool.workers:
             return
-        worker, shard_id = self.in_flight[ref]
-        try:
-            result = ray.get(ref)
-        except RayActorError as exc:
-            self._worker_died(worker, _short(exc))
-            return
-        except RayTaskError as exc:
-            self._task_failed(ref, worker, shard_id, exc)
-            return
-        del self.in_flight[ref]
-        worker.shard_refs.discard(ref)
-        self._committed(result)
-
-    def _handle_ready(self, ref: Any) -> None:
-        worker = next(w for w in self.workers if w.ready_ref == ref)
         try:
             info = ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
-            self._worker_died(worker, f"failed to start: {_short(exc)}")
+            self.pool.on_start_failed(worker, _short(exc))
             return
-        worker.is_ready = True
+        if ref == worker.ping_ref:
+            self.pool.on_placed(worker)
+            return
+        self.pool.on_ready(worker)
         self.manifest["model"].update(info["model"])
-        mf.record_worker(self.manifest, worker.worker_id, info["stats"])
+        self.book.record_worker(worker.worker_id, info["stats"])
 
-    def _task_failed(self, ref: Any, worker: _Worker, shard_id: str, exc: RayTaskError) -> None:
-        if isinstance(exc.cause, EngineFailed):
-            self._worker_died(worker, _short(exc))
+    def _worker_lost(self, worker: Worker, error: str, stalled: bool = False, crash: str | None = None) -> None:
+        """Requeue a lost worker's tasks without charging them (see driver/tasks.py) and drop the worker."""
+        log.warning("worker %s lost: %s", worker.worker_id, error)
+        ran_alone = len(worker.tasks) == 1
+        self.pool.remove(worker, error)
+        for ref, task in list(worker.tasks.items()):
+            self.in_flight.pop(ref, None)
+            if task.shard_id in self.failed:
+                continue
+            work = self.work[task.shard_id]
+            if crash is None:
+                task.infra_failures += 1
+                work.infra_failures += 1
+            if not ran_alone:
+                task.alone = True
+                self.queue.put(task)
+                continue
+            task.alone_crashes += 1
+            limit = 1 if crash is not None else ALONE_DEATHS_TO_BISECT
+            if task.alone_crashes < limit:
+                task.alone = True
+                self.queue.put(task)
+            else:
+                self._isolate(task, crash or error)
+        worker.tasks.clear()
+
+    def _isolate(self, task: Task, reason: str) -> None:
+        """A task that fails alone: split it, or (one row) mark its row an error row."""
+        if task.num_rows <= 1:
+            log.warning("shard %s row %d crashes the engine: %s", task.shard_id, task.row_start, reason)
+            task.error_text, task.alone = reason, False
+            self.queue.put(task)
             return
-        del self.in_flight[ref]
-        worker.shard_refs.discard(ref)
-        self._attempt_failed(shard_id, _short(exc))
+        self.work[task.shard_id].num_pieces += 1
+        for half in task.halves():
+            self.queue.put(half)
 
-    def _attempt_failed(self, shard_id: str, error: str) -> None:
-        attempts = self.attempts.get(shard_id, 1)
-        give_up = attempts >= self.spec.cluster.max_shard_attempts
-        mf.record_failure(self.manifest, shard_id, error, attempts, failed=give_up)
-        self.live_progress.pop(shard_id, None)
-        if give_up:
-            self.failed[shard_id] = error
-            log.error("shard %s failed after %d attempt(s): %s", shard_id, attempts, error)
-        else:
-            backoff = self.spec.cluster.retry_backoff_s * 2 ** (attempts - 1)
-            self.not_before[shard_id] = time.monotonic() + backoff
-            self.queue.append(shard_id)
-        self._save()
-
-    def _committed(self, result: ShardResult) -> None:
-        mf.record_commit(self.manifest, result, self.attempts.get(result.shard_id, 1))
-        self.live_progress.pop(result.shard_id, None)
-        self.run_tokens += result.num_output_tokens
-        self._save()
-        self._show_progress()
-
-    def _fail_remaining(self, error: str) -> None:
-        for shard_id in list(self.queue):
-            mf.record_failure(self.manifest, shard_id, error, self.attempts.get(shard_id, 0), failed=True)
-            self.failed[shard_id] = error
-        self.queue.clear()
-        self._save()
-
-    # ---- manifest, progress -------------------------------------------------------------------------
-    def _save(self) -> None:
-        mf.update_totals(self.manifest)
-        write_manifest(self.storage, self.manifest)
-
-    def _poll_progress(self) -> None:
-        if time.monotonic() < self.next_poll:
-            return
-        self.next_poll = time.monotonic() + 1.0
-        refs = [w.actor.progress.remote() for w in self.workers if w.is_ready]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5) if refs else ([], [])
-        live: dict[str, tuple[int, int]] = {}
+    def _stop_workers(self) -> None:
+        ready = [w for w in self.pool.workers if w.is_ready]
+        refs = {w.actor.finish.remote(): w for w in ready}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=30) if refs else ([], [])
         for ref in done:
             try:
-                live.update(ray.get(ref, timeout=0))
-            except (RayActorError, RayTaskError, GetTimeoutError):
+                self.book.record_worker(refs[ref].worker_id, ray.get(ref))
+            except (RayActorError, RayTaskError):
                 pass
-        self.live_progress = {k: v for k, v in live.items() if k in self.shards
-                              and self.manifest["shards"][k]["status"] != "committed"}
-        self._show_progress()
+        for w in list(self.pool.workers):
+            self.pool.remove(w, "job finished")
 
-    def _committed_rows(self) -> int:
-        return sum(e["rows"] for e in self.manifest["shards"].values() if e["status"] == "committed")
+    # ---- tasks --------------------------------------------------------------------------------------
+    def _assign(self) -> None:
+        for worker in self.pool.workers:
+            while worker.is_ready and len(worker.tasks) < SHARDS_PER_WORKER and not _has_alone(worker):
+                task = self.queue.take(worker_is_empty=not worker.tasks)
+                if task is None:
+                    break
+                if task.alone and worker.tasks:  # cannot happen (take() checks); keep the invariant explicit
+                    self.queue.put(task)
+                    break
+                self._start_task(worker, task)
 
+    def _start_task(self, worker: Worker, task: Task) -> None:
+        task.attempts += 1
+        self.work[task.shard_id].attempts += 1
+        shard = self.shards[task.shard_id]
+        piece = Shard(shard.shard_id, shard.file_url, shard.file_stem, task.row_start, task.row_end)
+        attempt_id = f"{task.shard_id}-r{task.row_start}-{uuid.uuid4().hex[:8]}"
+        ref = worker.actor.run_shard.remote(piece, attempt_id, task.error_text)
+        if not worker.tasks:
+            worker.last_heard = time.monotonic()  # idle time is not silence
+        worker.tasks[ref] = task
+        self.in_flight[ref] = (worker, task)
+
+    def _on_task_done(self, ref: Any) -> None:
+        worker, task = self.in_flight[ref]
+        try:
+            result = ray.get(ref)
+        except RayActorError as exc:
+            self._worker_lost(worker, _short(exc))
+            return
+        except RayTaskError as exc:
+            if isinstance(exc.cause, EngineFailed):
+                self._worker_lost(worker, _short(exc), crash=exc.cause.reason)
+            else:
+                self._drop(ref, worker)
+                self._charge(task, _short(exc))
+            return
+        self._drop(ref, worker)
+        worker.last_heard = time.monotonic()
+        worker.live.pop((task.shard_id, task.row_start), None)
+        self.book.record_worker(worker.worker_id, result.worker_stats)
+        if task.shard_id in self.failed:
+            return
+        work = self.work[task.shard_id]
+        work.results.append(result)
+        if work.is_done:
+            self._commit(task.shard_id, work)
+
+    def _drop(self, ref: Any, worker: Worker) -> None:
+        del self.in_flight[ref]
+        worker.tasks.pop(ref, None)
+
+    def _charge(self, task: Task, error: str) -> None:
+        """A failure that is the task's own (not infrastructure, not an engine crash): an attempt."""
+        task.failures += 1
+        work = self.work[task.shard_id]
+        work.failures += 1
+        give_up = task.failures >= self.spec.cluster.max_shard_attempts
+        self.book.fail(task.shard_id, error, work.attempts, failed=give_up)
+        if give_up:
+            self.failed[task.shard_id] = error
+            log.error("shard %s failed after %d attempt(s): %s", task.shard_id, task.failures, error)
+            return
+        task.alone = True
+        self.queue.put(task, self.spec.cluster.retry_backoff_s * 2 ** (task.failures - 1))
+
+    def _commit(self, shard_id: str, work: ShardWork) -> None:
+        """Publish the shard's attempt parts (fenced: only attempts this driver assigned) and record it."""
+        if not self.lease.is_fresh():
+            self.lease.renew()  # LeaseLost if another run took the output over: never publish then
+        results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
+        single = len(results) == 1
+        parts = [commit_part(self.storage, r.part, part_key(shard_id) if single else part_key(shard_id, r.row_start))
+                 for r in results]
+        kinds: dict[str, int] = {}
+        for r in results:
+            for k, n in r.error_kinds.items():
+                kinds[k] = kinds.get(k, 0) + n
+        entry = {key: sum(getattr(r, key) for r in results) for key in
+                 ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")}
+        entry.update(worker_id=results[-1].worker_id, attempts=work.attempts, failures=work.failures,
+                     infra_failures=work.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
+                     part=parts[0], parts=parts)
+        self.book.commit(shard_id, entry, kinds)
+        del self.work[shard_id]
+        self.run_tokens += entry["num_output_tokens"]
+        self.stats["commits"] += 1
+        if self.stats["first_commit_s"] is None:
+            self.stats["first_commit_s"] = time.monotonic() - self.t0
+
+    # ---- progress, end ------------------------------------------------------------------------------
     def _show_progress(self) -> None:
-        rows = self._committed_rows() + sum(r for r, _ in self.live_progress.values())
-        self.progress.update(rows, self.run_tokens + sum(t for _, t in self.live_progress.values()))
+        rows, tokens = self.pool.live_rows_tokens()
+        self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
 
     def _finish(self) -> JobResult:
-        finished = not self.failed and not self.queue
+        finished = not self.failed and not len(self.queue) and not self.in_flight and self.error is None
+        for task in self.queue.drain():
+            if self.error is not None and task.shard_id not in self.failed:
+                self.book.fail(task.shard_id, f"not run: {self.error}", task.attempts, failed=False)
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
-        write_manifest(self.storage, self.manifest)
-        if finished:
+        self.book.compact()
+        result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
+                           error=self.error, max_error_rate=self.spec.output.max_error_rate,
+                           top_errors=self.book.top_error_kinds())
+        if finished and not result.over_error_budget:
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
-        return JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed))
+        return result
+
+
+def _has_alone(worker: Worker) -> bool:
+    return any(t.alone for t in worker.tasks.values())
 
 
 def _short(exc: BaseException) -> str:

@@ -1,18 +1,29 @@
-"""The job manifest as the driver keeps it: shard statuses, worker stats, totals (docs/contracts.md)."""
+"""The job manifest as the driver keeps it: shard statuses, worker stats, totals (docs/contracts.md).
+
+`JobBook` is the bookkeeping of one run, O(1) per event: a committed shard updates its entry and the running
+totals in memory and writes one small commit record; the whole manifest is written only by `compact()`,
+which runs when the records not yet folded reach an eighth of the shards (so the bytes written over a job
+stay linear in its shards) and at the end.
+"""
 
 from __future__ import annotations
 
 import platform
+from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
 from jobrunner import __version__
 from jobrunner.driver.shards import Shard
-from jobrunner.driver.worker import ShardResult
-from jobrunner.io.layout import MANIFEST_FORMAT_VERSION
+from jobrunner.io.commits import delete_commit_records, write_commit_record
+from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION
+from jobrunner.io.manifest import write_manifest
+from jobrunner.io.storage import Storage
 from jobrunner.spec import JobSpec
 
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+COMPACT_MIN_RECORDS = 500  # never compact more often than this many commits
+MAX_ERROR_KINDS = 50
 # Sections that must match for a resume to be safe (the same rows with the same settings).
 RESUME_SECTIONS = ("model", "sampling")
 RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column")
@@ -46,6 +57,14 @@ def pending_entry(shard: Shard) -> dict[str, Any]:
             "worker_id": None, "attempts": 0, "seconds": None, "error": None, "part": None}
 
 
+def parts_of(entry: dict[str, Any]) -> list[str]:
+    """The part keys of a committed shard (several when it was bisected)."""
+    parts = entry.get("parts")
+    if isinstance(parts, list) and parts:
+        return [str(p) for p in parts]
+    return [entry["part"]] if entry.get("part") else []
+
+
 def new_manifest(spec: JobSpec, shards: list[Shard]) -> dict[str, Any]:
     """A fresh manifest with every shard pending."""
     return {
@@ -74,34 +93,26 @@ def check_resumable(old: dict[str, Any], spec: JobSpec, shards: list[Shard]) -> 
 
 
 def resume_manifest(old: dict[str, Any], spec: JobSpec, committed_parts: set[str]) -> dict[str, Any]:
-    """The old manifest, ready for another run:
+    """The old manifest (commit records folded in), ready for another run:
 
-    committed shards whose part exists stay; the rest are pending."""
+    committed shards whose parts all exist stay; the rest are pending."""
     manifest = dict(old)
     manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
-                    cost={"worker_hour_usd": spec.cost.worker_hour_usd})
+                    format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
     for entry in manifest["shards"].values():
-        if entry["status"] != "committed" or entry.get("part") not in committed_parts:
+        parts = parts_of(entry)
+        if entry["status"] != "committed" or not parts or not set(parts) <= committed_parts:
             pending = pending_entry(Shard("", entry["file"], "", entry["row_start"], entry["row_end"]))
             entry.clear()
             entry.update(pending)
     return manifest
 
 
-def record_commit(manifest: dict[str, Any], result: ShardResult, attempts: int) -> None:
-    """Mark a shard committed with its counts."""
-    entry = manifest["shards"][result.shard_id]
-    entry.update(status="committed", rows=result.rows, num_errors=result.num_errors,
-                 num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
-                 num_output_tokens=result.num_output_tokens, worker_id=result.worker_id, attempts=attempts,
-                 seconds=round(result.seconds, 3), error=None, part=result.part)
-    record_worker(manifest, result.worker_id, result.worker_stats)
-
-
-def record_failure(manifest: dict[str, Any], shard_id: str, error: str, attempts: int, failed: bool) -> None:
-    """Record a failed attempt; `failed` marks the shard failed for good."""
-    entry = manifest["shards"][shard_id]
-    entry.update(attempts=attempts, error=error, status="failed" if failed else "pending")
+def orphan_parts(manifest: dict[str, Any], present: list[str]) -> list[str]:
+    """Parts present in storage that no committed shard names (left by a run that died between publishing
+    a part and writing its record): they must go before the shard runs again, or rows would repeat."""
+    named = {p for e in manifest["shards"].values() if e["status"] == "committed" for p in parts_of(e)}
+    return [p for p in present if p not in named]
 
 
 def record_worker(manifest: dict[str, Any], worker_id: str, stats: dict[str, Any]) -> None:
@@ -123,13 +134,75 @@ def finalize(manifest: dict[str, Any], run_started_at: str, run_wall_s: float, f
 
 
 def update_totals(manifest: dict[str, Any]) -> None:
-    """Recompute job totals from committed shards and worker stats."""
+    """Recompute job totals from committed shards and worker stats (O(shards): compaction only)."""
     shards = manifest["shards"].values()
     committed = [s for s in shards if s["status"] == "committed"]
-    totals = {k: sum(int(s.get(k) or 0) for s in committed) for k in _TOTAL_KEYS}
-    alive = [float(w.get("alive_s") or 0) for w in manifest["workers"].values()]
-    totals["worker_seconds"] = round(sum(alive), 3)
+    totals: dict[str, Any] = {k: sum(int(s.get(k) or 0) for s in committed) for k in _TOTAL_KEYS}
+    workers = manifest["workers"].values()
+    startup = sum(float(w.get("startup_s") or 0) for w in workers)
+    totals["worker_seconds"] = round(sum(float(w.get("alive_s") or 0) for w in workers) + startup, 3)
+    totals["startup_seconds"] = round(startup, 3)
     totals["shards_committed"] = len(committed)
     totals["shards_failed"] = sum(s["status"] == "failed" for s in shards)
     totals["shards_total"] = len(manifest["shards"])
+    totals["error_rate"] = round(totals["num_errors"] / totals["rows"], 6) if totals["rows"] else 0.0
+    kinds: Counter = Counter()
+    for s in committed:
+        kinds.update(s.get("error_kinds") or {})
+    totals["error_kinds"] = dict(kinds.most_common(MAX_ERROR_KINDS))
     manifest["totals"] = totals
+
+
+class JobBook:
+    """One run's bookkeeping over the manifest dict: O(1) per commit or failure, compaction now and then."""
+
+    def __init__(self, storage: Storage, manifest: dict[str, Any]) -> None:
+        self.storage, self.manifest = storage, manifest
+        update_totals(manifest)  # once per run: O(shards)
+        self.committed_rows = manifest["totals"]["rows"]
+        self.num_errors = manifest["totals"]["num_errors"]
+        self.error_kinds: Counter = Counter(manifest["totals"]["error_kinds"])
+        self.unfolded: list[str] = []  # shards whose records the written manifest does not hold yet
+        self.compact_every = max(COMPACT_MIN_RECORDS, len(manifest["shards"]) // 8)
+        self.bytes_written = 0
+        self.num_records = 0
+        self.num_compactions = 0
+
+    def commit(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> None:
+        """Mark a shard committed (its parts are published): update it, write its record."""
+        record = {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
+                  "error_kinds": error_kinds}
+        self.bytes_written += write_commit_record(self.storage, shard_id, record)
+        self.manifest["shards"][shard_id] = record
+        self.num_records += 1
+        self.committed_rows += int(record["rows"])
+        self.num_errors += int(record["num_errors"])
+        self.error_kinds.update(error_kinds)
+        self.unfolded.append(shard_id)
+        if len(self.unfolded) >= self.compact_every:
+            self.compact()
+
+    def fail(self, shard_id: str, error: str, attempts: int, failed: bool) -> None:
+        """Record a failed attempt in memory; `failed` marks the shard failed for good."""
+        self.manifest["shards"][shard_id].update(attempts=attempts, error=error,
+                                                 status="failed" if failed else "pending")
+
+    def record_worker(self, worker_id: str, stats: dict[str, Any]) -> None:
+        """A worker's latest stats."""
+        record_worker(self.manifest, worker_id, stats)
+
+    def compact(self, drop_all_records: bool = False) -> None:
+        """Write the whole manifest, then drop the records it now holds (all of `_commits/` at a run's
+        start, where the manifest was built from the records of earlier runs)."""
+        update_totals(self.manifest)
+        self.bytes_written += write_manifest(self.storage, self.manifest)
+        self.num_compactions += 1
+        if drop_all_records:
+            self.storage.delete(COMMITS_DIR, recursive=True)
+        else:
+            delete_commit_records(self.storage, self.unfolded)
+        self.unfolded = []
+
+    def top_error_kinds(self, n: int = 5) -> list[tuple[str, int]]:
+        """The most frequent error kinds among committed rows."""
+        return self.error_kinds.most_common(n)

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
-from jobrunner.driver.manifest import check_resumable, new_manifest, resume_manifest
 from jobrunner.driver.shards import Shard, plan_shards
-from jobrunner.io.layout import MANIFEST, TEMP_DIR
-from jobrunner.io.manifest import clear_success, read_manifest
-from jobrunner.io.parts import list_parts
 from jobrunner.io.reader import InputError, InputFile, check_columns, list_input_files
-from jobrunner.io.storage import Storage, StorageError
 from jobrunner.spec import JobSpec
-
-
-class OutputError(ValueError):
-    """The output location cannot be used as asked (exists in error mode, unreachable, foreign files)."""
 
 
 @dataclass
@@ -72,58 +62,5 @@ def _check_unique_stems(files: list[InputFile]) -> None:
         by_stem[f.stem] = f.url
 
 
-def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any]]:
-    """Prepare the output per output.mode and return it with the manifest to continue from."""
-    storage = Storage(spec.output.url, spec.output.storage_options)
-    try:
-        entries = [e for e in storage.listdir("") if e != TEMP_DIR]
-        storage.check_writable()
-    except (StorageError, OSError) as exc:
-        raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    mode = spec.output.mode
-    if entries and mode == "error":
-        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
-    if entries and mode == "overwrite":
-        for entry in entries:
-            storage.delete(entry, recursive=True)
-        entries = []
-    manifest = _resume_or_new(spec, plan, storage, entries)
-    clear_success(storage)
-    storage.delete(TEMP_DIR, recursive=True)
-    return storage, manifest
-
-
-def describe_output(spec: JobSpec, plan: JobPlan) -> str:
-    """What a run would do with the output (read-only); OutputError/ResumeError when it would refuse."""
-    storage = Storage(spec.output.url, spec.output.storage_options)
-    try:
-        entries = [e for e in storage.listdir("") if e != TEMP_DIR]
-        old = read_manifest(storage) if entries else None
-    except (StorageError, OSError) as exc:
-        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
-    if not entries:
-        return "output is empty: a new job"
-    if spec.output.mode == "error":
-        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
-    if spec.output.mode == "overwrite":
-        return "output exists and will be deleted (output.mode=overwrite)"
-    if old is None:
-        raise _foreign_output(spec)
-    check_resumable(old, spec, plan.shards)
-    done = sum(e.get("status") == "committed" for e in old["shards"].values())
-    return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
-
-
-def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
-    if not entries:
-        return new_manifest(spec, plan.shards)
-    old = read_manifest(storage)
-    if old is None:
-        raise _foreign_output(spec)
-    check_resumable(old, spec, plan.shards)
-    return resume_manifest(old, spec, set(list_parts(storage)))
-
-
-def _foreign_output(spec: JobSpec) -> OutputError:
-    return OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
-                       "output; use output.mode=overwrite or another output.url")
+# Opening the output (lease, modes) lives in driver/output.py; these names stay importable from here.
+from jobrunner.driver.output import OutputError, describe_output, open_output  # noqa: E402, F401

@@ -4,11 +4,13 @@ One engine per worker, driven by one background thread (the only thread that cal
 (`run_shard`, one Ray actor thread per shard) read the shard's rows, queue them, and wait. The loop keeps
 about 2 x max_num_seqs requests in the engine, taking rows from the oldest queued shard first, so the next
 shard's rows join while the previous shard's last requests are still decoding. When a shard's last request
-finishes, its caller builds and commits the Parquet part (off the engine thread) and returns a summary.
+finishes, its caller writes the Parquet part to an attempt-scoped temporary key (off the engine thread) and
+returns a summary; only the driver publishes it (fenced commits: a zombie attempt can never publish a part).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -17,14 +19,25 @@ from typing import Any
 
 from jobrunner.driver.rows import RowRequest, error_row, output_row, to_request
 from jobrunner.driver.shards import Shard
-from jobrunner.io.parts import rows_to_table, write_part
-from jobrunner.io.reader import ROW_INDEX, read_rows, table_to_rows
+from jobrunner.io.decode import row_id_or_none, rows_or_errors
+from jobrunner.io.parts import rows_to_table, write_attempt_part
+from jobrunner.io.reader import ROW_INDEX, read_rows
 from jobrunner.io.storage import Storage
 from jobrunner.spec import JobSpec
 
 
 class EngineFailed(RuntimeError):
-    """The engine raised inside step(); this worker must be replaced."""
+    """The engine raised inside step(); this worker must be replaced. `reason` is the engine's exception."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+    def __reduce__(self):  # keep `reason` across Ray's pickling
+        return (EngineFailed, (str(self), self.reason))
+
+
+MAX_ERROR_KINDS = 20  # distinct error kinds a shard reports (most frequent first)
 
 
 @dataclass(eq=False)
@@ -50,7 +63,7 @@ class ShardResult:
 
     shard_id: str
     worker_id: str
-    part: str
+    part: str  # the attempt's temporary key; the driver commits it
     rows: int
     num_errors: int
     num_prompt_tokens: int
@@ -58,6 +71,10 @@ class ShardResult:
     num_output_tokens: int
     seconds: float
     worker_stats: dict[str, Any]
+    attempt_id: str = ""
+    row_start: int = 0
+    row_end: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)  # error kind -> rows
 
 
 class ShardRunner:
@@ -74,20 +91,25 @@ class ShardRunner:
         self._by_request: dict[str, tuple[_ShardState, RowRequest]] = {}
         self._broken: BaseException | None = None
         self._stopped = False
+        self._last_step = time.monotonic()  # last finished engine step (or work arriving at an idle engine)
         self._output = Storage(spec.output.url, spec.output.storage_options)
         threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True).start()
 
     # ---- caller side ---------------------------------------------------------------------------------
-    def run_shard(self, shard: Shard) -> ShardResult:
-        """Read, generate and commit one shard; blocks until its part is committed."""
+    def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None) -> ShardResult:
+        """Read and generate one shard (or a piece of one: its row range), write the rows to the attempt's
+        temporary key and return the summary; blocks until then.
+
+        error_text: the rows are known to crash the engine (isolated by bisection); they become error
+        rows with this text and never reach the engine."""
         started = time.monotonic()
         keep = self.spec.output.keep_columns
-        request_columns = self._request_columns()
         table = read_rows(shard.file_url, self.spec.input.storage_options, shard.row_start, shard.row_end,
-                          list(dict.fromkeys(request_columns + keep)))
-        # Only the columns a request is built from become Python rows; kept columns stay in Arrow.
-        rows = table_to_rows(table.select(request_columns + [ROW_INDEX]))
-        requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
+                          list(dict.fromkeys(self._request_columns() + keep)))
+        requests = self._requests(shard, table)
+        if error_text is not None:
+            for req in requests:
+                req.error = req.error or f"engine crashed on this row: {error_text}"
         state = _ShardState(shard=shard, to_add=deque(r for r in requests if r.error is None))
         state.rows = [error_row(r) for r in requests if r.error is not None]
         self._enqueue(state)
@@ -95,8 +117,21 @@ class ShardRunner:
         if state.error is not None:
             raise state.error
         kept = table.select(keep + [ROW_INDEX]) if keep else None
-        part = write_part(self._output, shard.shard_id, rows_to_table(self._finish_rows(state), kept))
-        return self._result(state, part, time.monotonic() - started)
+        out = rows_to_table(self._finish_rows(state), kept)
+        part = write_attempt_part(self._output, attempt_id, shard.shard_id, shard.row_start, out)
+        result = self._result(state, part, time.monotonic() - started)
+        result.attempt_id = attempt_id
+        return result
+
+    def _requests(self, shard: Shard, table: Any) -> list[RowRequest]:
+        """Requests of the rows (only request columns become Python rows; kept columns stay in Arrow); a row
+        whose bytes do not decode becomes an error request."""
+        rows, undecodable = rows_or_errors(table.select(self._request_columns() + [ROW_INDEX]))
+        requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
+        for row_index, error in undecodable.items():
+            rid = row_id_or_none(table, self.spec.input.id_column, row_index) or f"{shard.file_stem}:{row_index}"
+            requests.append(RowRequest(row_id=rid, row_index=row_index, error=error))
+        return requests
 
     def _request_columns(self) -> list[str]:
         inp = self.spec.input
@@ -110,6 +145,8 @@ class ShardRunner:
             if state.is_complete:
                 state.done.set()
                 return
+            if not self._queue and not self._by_request:
+                self._last_step = time.monotonic()  # an idle engine is not a stalled one
             self._queue.append(state)
             self._cond.notify()
 
@@ -130,13 +167,19 @@ class ShardRunner:
             num_errors=sum(r["error"] is not None for r in rows),
             num_prompt_tokens=total("num_prompt_tokens"), num_cached_tokens=total("num_cached_tokens"),
             num_output_tokens=total("num_output_tokens"),
-            seconds=seconds, worker_stats=self.stats())
+            seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
+            row_end=state.shard.row_end, error_kinds=error_kinds(rows))
 
-    def progress(self) -> dict[str, tuple[int, int]]:
-        """shard_id -> (rows finished, output tokens) for shards not yet returned."""
+    def progress(self) -> dict[str, Any]:
+        """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
+        "stalled_s": seconds since the engine last finished a step while it had work (0 when idle)}."""
         with self._cond:
-            states = [s for s, _ in self._by_request.values()] + list(self._queue)
-            return {s.shard.shard_id: (len(s.rows), s.num_output_tokens) for s in states}
+            states = {id(s): s for s, _ in self._by_request.values()}
+            states.update({id(s): s for s in self._queue})
+            busy = bool(states)
+            return {"shards": {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
+                               for s in states.values()},
+                    "stalled_s": time.monotonic() - self._last_step if busy else 0.0}
 
     def stats(self) -> dict[str, Any]:
         """Engine stats (engine.stats().to_dict()) plus alive_s, node and device."""
@@ -168,6 +211,7 @@ class ShardRunner:
             self._fill()
         outputs = self.engine.step()
         with self._cond:
+            self._last_step = time.monotonic()
             for out in outputs:
                 self._finish(out)
         return True
@@ -216,8 +260,25 @@ class ShardRunner:
             self._broken = exc
             states = {id(s): s for s, _ in self._by_request.values()}
             states.update({id(s): s for s in self._queue})
+            reason = f"{type(exc).__name__}: {exc}"
             for state in states.values():
-                state.error = EngineFailed(f"worker {self.worker_id}: engine step failed: {exc!r}")
+                state.error = EngineFailed(f"worker {self.worker_id}: engine step failed: {reason}", reason)
                 state.done.set()
             self._queue.clear()
             self._by_request.clear()
+
+
+def error_kind(error: str) -> str:
+    """An error's kind for summaries: its text up to the first detail (row ids, numbers, quoted values)."""
+    head = error.split(" (row ", 1)[0]
+    return re.sub(r"\d+", "N", head)[:120]
+
+
+def error_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Error kind -> rows, the MAX_ERROR_KINDS most frequent."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        if row.get("error") is not None:
+            kind = error_kind(str(row["error"]))
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:MAX_ERROR_KINDS])

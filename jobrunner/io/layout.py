@@ -1,13 +1,31 @@
-"""Names of things under a job's output URL (see docs/contracts.md)."""
+"""Names of things under a job's output URL (see docs/contracts.md).
+
+Data lives under `parts/`; every other file has a name that starts with `_`, which Parquet readers (pyarrow,
+Spark, DuckDB, Ray Data) skip, so they can open the output URL itself.
+"""
 
 MANIFEST = "_manifest.json"
-MANIFEST_FORMAT_VERSION = 1  # written by the driver, checked by report readers
+MANIFEST_FORMAT_VERSION = 2  # written by the driver, checked by report readers
+READABLE_MANIFEST_VERSIONS = (1, 2)  # 1: no commit records; 2: `_commits/` records beside the manifest
 SUCCESS = "_SUCCESS"
 PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"
+COMMITS_DIR = "_commits"  # one small record per committed shard, folded into the manifest by compaction
+LEASE = "_lease.json"  # the run that owns this output (run id, host, heartbeat, expiry)
 REPORT_FILES = ("report.json", "report.html")
 
 
-def part_key(shard_id: str) -> str:
-    """Relative key of a shard's committed part."""
-    return f"{PARTS_DIR}/part-{shard_id}.parquet"
+def part_key(shard_id: str, row_start: int | None = None) -> str:
+    """Relative key of a shard's committed part (`row_start` names one piece of a bisected shard)."""
+    suffix = "" if row_start is None else f"-r{row_start}"
+    return f"{PARTS_DIR}/part-{shard_id}{suffix}.parquet"
+
+
+def attempt_part_key(attempt_id: str, shard_id: str, row_start: int) -> str:
+    """Temporary key a worker writes one attempt of a shard (piece) to; only the driver commits it."""
+    return f"{TEMP_DIR}/{attempt_id}/part-{shard_id}-r{row_start}.parquet"
+
+
+def commit_record_key(shard_id: str) -> str:
+    """Key of a shard's commit record."""
+    return f"{COMMITS_DIR}/{shard_id}.json"

@@ -8,9 +8,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import PARTS_DIR, part_key
+from jobrunner.io.layout import PARTS_DIR, attempt_part_key, part_key
 from jobrunner.io.reader import ROW_INDEX
-from jobrunner.io.storage import Storage
+from jobrunner.io.storage import Storage, retry
 
 # The contract columns, in order (docs/contracts.md).
 OUTPUT_SCHEMA = pa.schema([
@@ -49,15 +49,29 @@ def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> p
 
 
 def write_part(storage: Storage, shard_id: str, table: pa.Table) -> str:
-    """Write a shard's table to a temporary key and commit it as the shard's part; returns the part key.
+    """Write a shard's table and commit it as the shard's part at once; returns the part key.
 
-    A retried shard commits to the same key, so it replaces rather than duplicates.
-    """
+    For single-writer uses (tests, tools). The driver instead has workers write attempts
+    (`write_attempt_part`) and commits the one it assigned (`commit_part`)."""
+    return commit_part(storage, write_attempt_part(storage, "direct", shard_id, 0, table), part_key(shard_id))
+
+
+def write_attempt_part(storage: Storage, attempt_id: str, shard_id: str, row_start: int, table: pa.Table) -> str:
+    """Write one attempt's rows to an attempt-scoped temporary key (never a visible part); returns the key.
+
+    A zombie attempt (its worker declared dead, the shard retried elsewhere) can only ever write here."""
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    key = part_key(shard_id)
-    storage.write_atomic(key, buf.getvalue())
+    key = attempt_part_key(attempt_id, shard_id, row_start)
+    retry(f"write {storage.display(key)}", lambda: storage.put(key, buf.getvalue()))
     return key
+
+
+def commit_part(storage: Storage, temp_key: str, final_key: str) -> str:
+    """Publish an attempt's temporary part at its final key (rename on disk, server-side copy on object
+    stores); only the driver calls this, for the attempt it assigned. Returns the final key."""
+    storage.commit(temp_key, final_key)
+    return final_key
 
 
 def list_parts(storage: Storage) -> list[str]:

@@ -3,7 +3,8 @@
 Tokens are whitespace words. Each step decodes one token for up to max_num_seqs running requests; a request
 generates `max_tokens` tokens ("tok0 tok1 ...") and finishes with "length". An empty prompt or one longer
 than max_model_len finishes with finish_reason "error". `step_delay_s` slows every step so that kills land
-mid-shard; `fail_on` makes step() raise while a request whose prompt contains that text is running.
+mid-shard; `fail_on` makes step() raise while a request whose prompt contains that text is running;
+`hang_on` makes step() block (as a hung kernel would) while such a request is running.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class FakeEngine:
     """Deterministic stand-in for LLMEngine."""
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
-                 fail_on: str | None = None) -> None:
+                 fail_on: str | None = None, hang_on: str | None = None) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.step_delay_s, self.fail_on = step_delay_s, fail_on
+        self.step_delay_s, self.fail_on, self.hang_on = step_delay_s, fail_on, hang_on
         self.tokenizer = None
         self.device = "cpu"
         self.architecture = "FakeForTests"
@@ -92,6 +93,8 @@ class FakeEngine:
             self._running.append(req)
         if self.fail_on and any(self.fail_on in r.text for r in self._running):
             raise RuntimeError("fake engine failure")
+        while self.hang_on and any(self.hang_on in r.text for r in self._running):
+            time.sleep(1.0)  # hung: never returns
         for req in self._running:
             req.output.append(len(req.output))
             req.metrics.token_times.append(now)
@@ -113,7 +116,9 @@ class FakeEngine:
                              error=req.error, metrics=req.metrics)
 
 
-def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None) -> FakeEngine:
-    """Factory for `engine.factory: tests.driver.fake_engine:make_engine`."""
+def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
+                load_delay_s: float = 0.0) -> FakeEngine:
+    """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load)."""
+    time.sleep(load_delay_s)
     return FakeEngine(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
-                      step_delay_s=step_delay_s, fail_on=fail_on)
+                      step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on)

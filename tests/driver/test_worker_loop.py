@@ -10,8 +10,10 @@ import pytest
 
 from jobrunner.driver.shards import plan_shards
 from jobrunner.driver.worker import EngineFailed, ShardRunner
-from jobrunner.io.parts import read_output
+from jobrunner.io.layout import part_key
+from jobrunner.io.parts import commit_part, list_parts, read_output
 from jobrunner.io.reader import list_input_files
+from jobrunner.io.storage import Storage
 from jobrunner.spec import spec_from_dict
 from tests.driver.fake_engine import FakeEngine
 
@@ -28,6 +30,13 @@ def _setup(tmp_path, prompts, max_num_seqs=2, rows_per_shard=4, **engine_kw):
     runner = ShardRunner(engine, spec, "w0", 0.0, {"device": "cpu"})
     shards = plan_shards(list_input_files(spec.input.url, {}), spec.rows_per_shard)
     return spec, engine, runner, shards
+
+
+def _publish(spec, *results) -> None:
+    """What the driver does with the attempts it assigned."""
+    storage = Storage(spec.output.url)
+    for r in results:
+        commit_part(storage, r.part, part_key(r.shard_id))
 
 
 def test_next_shard_joins_before_previous_drains(tmp_path):
@@ -48,6 +57,8 @@ def test_next_shard_joins_before_previous_drains(tmp_path):
     # 2 x max_num_seqs requests were in the engine at once: rows of both shards overlapped.
     assert engine.max_seen_unfinished == 4
     assert all(r.num_output_tokens == 12 and r.num_errors == 0 for r in results)
+    assert read_output(spec.output.url).num_rows == 0  # a worker never publishes a part itself
+    _publish(spec, *results)
     out = read_output(spec.output.url)
     assert sorted(out.column("id").to_pylist()) == [f"r{i}" for i in range(8)]
     assert set(out.column("src").to_pylist()) == {"s"}
@@ -60,6 +71,9 @@ def test_bad_rows_become_error_rows(tmp_path):
     result = runner.run_shard(shards[0])
     runner.stop()
     assert result.rows == 4 and result.num_errors == 3
+    assert result.error_kinds == {"prompt column 'prompt' is null or empty": 2,
+                                  "prompt of N tokens is too long (max_model_len N)": 1}
+    _publish(spec, result)
     out = {r["id"]: r for r in read_output(spec.output.url).to_pylist()}
     assert out["r0"]["error"] is None and out["r0"]["generated_text"] == "tok0 tok1 tok2"
     assert "null or empty" in out["r1"]["error"] and "null or empty" in out["r2"]["error"]
@@ -74,3 +88,34 @@ def test_engine_failure_fails_shard_and_worker(tmp_path):
         runner.run_shard(shards[0])
     with pytest.raises(EngineFailed, match="failed earlier"):
         runner.run_shard(shards[0])
+
+
+def test_attempts_are_fenced_and_only_the_published_one_is_visible(tmp_path):
+    spec, engine, runner, shards = _setup(tmp_path, ["a b", "c d", "e f", "g h"])
+    first = runner.run_shard(shards[0], "attempt-1")
+    late = runner.run_shard(shards[0], "attempt-2")  # a zombie attempt of the same shard, finishing later
+    runner.stop()
+    assert first.part != late.part and first.part.startswith("_temporary/attempt-1/")
+    _publish(spec, first)
+    storage = Storage(spec.output.url)
+    assert list_parts(storage) == [part_key(shards[0].shard_id)]
+    assert sorted(read_output(spec.output.url).column("id").to_pylist()) == ["r0", "r1", "r2", "r3"]
+
+
+def test_isolated_rows_and_undecodable_bytes_become_error_rows(tmp_path):
+    spec, engine, runner, shards = _setup(tmp_path, ["a b", "c d", "e f", "g h"])
+    piece = shards[0].__class__(shards[0].shard_id, shards[0].file_url, shards[0].file_stem, 1, 2)
+    isolated = runner.run_shard(piece, "iso", error_text="RuntimeError: fake engine failure")
+    assert isolated.rows == 1 and isolated.num_errors == 1 and engine.stats().steps == 0
+    bad = pa.array([b"ok", b"\xff\xfe bad", b"fine", b"x y"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": ["u0", "u1", "u2", "u3"], "prompt": bad, "src": ["s"] * 4}),
+                   tmp_path / "in.parquet")
+    result = runner.run_shard(shards[0], "utf8")
+    runner.stop()
+    commit_part(Storage(spec.output.url), isolated.part, part_key("iso"))
+    commit_part(Storage(spec.output.url), result.part, part_key("utf8"))
+    rows = {r["id"]: r for r in read_output(spec.output.url).to_pylist()}
+    assert rows["r1"]["error"] == "engine crashed on this row: RuntimeError: fake engine failure"
+    assert rows["u1"]["error"] == "column 'prompt': not valid UTF-8 (invalid start byte at byte 0)"
+    assert rows["u1"]["finish_reason"] == "error" and rows["u1"]["src"] == "s"
+    assert [rows[i]["generated_text"] for i in ("u0", "u2", "u3")] == ["tok0 tok1 tok2"] * 3

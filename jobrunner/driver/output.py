@@ -1,0 +1,130 @@
+"""The output location: checked, leased to this run, then prepared per `output.mode`.
+
+One run per output: the lease (`io/lease.py`) is taken before anything under the output changes. `overwrite`
+deletes only a prefix that is empty or holds a jobrunner output (entries `parts/`, `_*`, report files), never
+a bucket or filesystem root, never a prefix that is or contains the input.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from jobrunner.driver.manifest import check_resumable, new_manifest, orphan_parts, resume_manifest
+from jobrunner.io.layout import LEASE, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
+from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder, is_expired, read_lease
+from jobrunner.io.manifest import clear_success, read_manifest_with_records
+from jobrunner.io.parts import list_parts
+from jobrunner.io.storage import Storage, StorageError
+from jobrunner.spec import JobSpec
+
+if TYPE_CHECKING:
+    from jobrunner.driver.plan import JobPlan
+
+
+class OutputError(ValueError):
+    """The output location cannot be used as asked (exists in error mode, unreachable, foreign files)."""
+
+
+def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
+    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
+    storage = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        entries = _entries(storage)
+        storage.check_writable()
+    except (StorageError, OSError) as exc:
+        raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
+    mode = spec.output.mode
+    if entries and mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    if mode == "overwrite":
+        check_overwrite(spec, storage, entries)
+    try:
+        lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name)
+    except LeaseHeld as exc:
+        raise OutputError(str(exc)) from None
+    try:
+        manifest = _prepare(spec, plan, storage, entries)
+    except BaseException:
+        lease.release()
+        raise
+    return storage, manifest, lease
+
+
+def _entries(storage: Storage) -> list[str]:
+    return [e for e in storage.listdir("") if e not in (TEMP_DIR, LEASE)]
+
+
+def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+    if entries and spec.output.mode == "overwrite":
+        for entry in entries:
+            storage.delete(entry, recursive=True)
+        entries = []
+    manifest = _resume_or_new(spec, plan, storage, entries)
+    clear_success(storage)
+    storage.delete(TEMP_DIR, recursive=True)
+    return manifest
+
+
+def is_jobrunner_entry(name: str) -> bool:
+    """A top-level name a jobrunner output may hold."""
+    return name == PARTS_DIR or name.startswith("_") or name in REPORT_FILES
+
+
+def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str]) -> None:
+    """OutputError unless deleting everything under the output is safe."""
+    url = spec.output.url
+    if storage.is_root():
+        raise OutputError(f"output.url {url!r} is a bucket or filesystem root: output.mode=overwrite would "
+                          "delete everything in it; use a prefix such as .../my-job")
+    if storage.contains_url(spec.input.url, spec.input.storage_options):
+        raise OutputError(f"output.url {url!r} is or contains input.url {spec.input.url!r}: "
+                          "output.mode=overwrite would delete the input; use another output.url")
+    foreign = [e for e in entries if not is_jobrunner_entry(e)]
+    if foreign or (PARTS_DIR in entries and MANIFEST not in entries):
+        shown = ", ".join(foreign[:5]) or f"{PARTS_DIR}/ without {MANIFEST}"
+        raise OutputError(f"output.url {url!r} holds files that are not a jobrunner output ({shown}); "
+                          "output.mode=overwrite only replaces an empty prefix or a jobrunner output")
+
+
+def describe_output(spec: JobSpec, plan: JobPlan) -> str:
+    """What a run would do with the output (read-only); OutputError/ResumeError when it would refuse."""
+    storage = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        entries = _entries(storage)
+        lease = read_lease(storage)
+        old = read_manifest_with_records(storage) if entries else None
+    except (StorageError, OSError) as exc:
+        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+    if lease is not None and not is_expired(lease):
+        raise OutputError(f"output {spec.output.url} is in use by {describe_holder(lease)}")
+    if not entries:
+        return "output is empty: a new job"
+    if spec.output.mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    if spec.output.mode == "overwrite":
+        check_overwrite(spec, storage, entries)
+        return "output exists and will be deleted (output.mode=overwrite)"
+    if old is None:
+        raise _foreign_output(spec)
+    check_resumable(old, spec, plan.shards)
+    done = sum(e.get("status") == "committed" for e in old["shards"].values())
+    return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
+
+
+def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+    if not entries:
+        return new_manifest(spec, plan.shards)
+    old = read_manifest_with_records(storage)
+    if old is None:
+        raise _foreign_output(spec)
+    check_resumable(old, spec, plan.shards)
+    present = list_parts(storage)
+    manifest = resume_manifest(old, spec, set(present))
+    storage.delete_many(orphan_parts(manifest, present))
+    return manifest
+
+
+def _foreign_output(spec: JobSpec) -> OutputError:
+    return OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
+                       "output; use output.mode=overwrite or another output.url")

@@ -1,0 +1,187 @@
+"""The worker pool: start workers, know which are placed / ready / busy, replace the lost ones at a rate.
+
+A worker is an actor that is first placed (its `ping` answers), then loads its engine (`load` returns).
+The pool keeps `num_workers` workers whenever the cluster can host them: a lost worker is replaced at once
+while fewer than `max_worker_restarts` replacements were started in the last `worker_restart_window_s`, and
+later otherwise, so a few node preemptions never shrink the pool for good. Deadlines: no worker ready within
+`worker_start_timeout_s` ends the job with the resources the cluster could not give; a busy worker silent or
+stalled for `progress_timeout_s` is reported by `stalled()` (the job loop replaces it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from jobrunner.driver.actor import start_worker, worker_resources
+from jobrunner.driver.tasks import Task
+from jobrunner.spec import JobSpec
+
+MAX_START_FAILURES = 3  # workers in a row that fail to load with none ready: the job cannot run
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker actor as the driver sees it."""
+
+    worker_id: str
+    actor: Any
+    ping_ref: Any
+    load_ref: Any
+    started_at: float = field(default_factory=time.monotonic)
+    is_placed: bool = False
+    is_ready: bool = False
+    tasks: dict[Any, Task] = field(default_factory=dict)  # task ref -> task in flight
+    last_heard: float = field(default_factory=time.monotonic)
+    poll_ref: Any = None
+    stalled_s: float = 0.0
+    live: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (shard, row_start) -> rows, tokens
+
+
+class WorkerPool:
+    """Workers of one run (ids w0, w1, ... in the first run; r<k>w0, ... in run k)."""
+
+    def __init__(self, spec: JobSpec, run_index: int, wall_t0: float, run_token: str) -> None:
+        self.spec, self.run_index, self.wall_t0, self.run_token = spec, run_index, wall_t0, run_token
+        self.workers: list[Worker] = []
+        self.num_started = 0
+        self.restart_times: deque[float] = deque()
+        self.start_failures = 0
+        self.ever_ready = False
+        self.last_error = ""
+
+    # ---- size ---------------------------------------------------------------------------------------
+    def start(self, count: int) -> None:
+        """Start `count` workers (the initial pool; not counted as restarts)."""
+        for _ in range(count):
+            self._start_one()
+
+    def top_up(self, wanted: int) -> None:
+        """Start replacements until `wanted` workers exist, within the restart rate."""
+        window = self.spec.cluster.worker_restart_window_s
+        now = time.monotonic()
+        while self.restart_times and now - self.restart_times[0] > window:
+            self.restart_times.popleft()
+        while len(self.workers) < wanted and len(self.restart_times) < self.spec.cluster.max_worker_restarts:
+            self.restart_times.append(now)
+            self._start_one()
+
+    def _start_one(self) -> None:
+        prefix = f"r{self.run_index}" if self.run_index else ""
+        worker_id = f"{prefix}w{self.num_started}"
+        self.num_started += 1
+        actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
+        self.workers.append(Worker(worker_id, actor, actor.ping.remote(), actor.load.remote()))
+
+    def remove(self, worker: Worker, error: str) -> None:
+        """Forget a worker and kill its actor (a stopped or unreachable process included)."""
+        self.last_error = f"worker {worker.worker_id}: {error}"
+        if worker in self.workers:
+            self.workers.remove(worker)
+        try:
+            ray.kill(worker.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    # ---- start-up -----------------------------------------------------------------------------------
+    def start_refs(self) -> dict[Any, Worker]:
+        """Pending ping / load refs -> worker."""
+        refs: dict[Any, Worker] = {}
+        for w in self.workers:
+            if not w.is_placed:
+                refs[w.ping_ref] = w
+            if not w.is_ready:
+                refs[w.load_ref] = w
+        return refs
+
+    def on_placed(self, worker: Worker) -> None:
+        worker.is_placed = True
+
+    def on_ready(self, worker: Worker) -> None:
+        worker.is_ready = worker.is_placed = True
+        worker.last_heard = time.monotonic()
+        self.ever_ready = True
+        self.start_failures = 0
+
+    def on_start_failed(self, worker: Worker, error: str) -> None:
+        self.start_failures += 1
+        self.remove(worker, f"failed to start: {error}")
+
+    def start_problem(self) -> str | None:
+        """Why the job cannot get a worker (None while it still may): start-up deadline or load failures."""
+        if any(w.is_ready for w in self.workers):
+            return None
+        if self.start_failures >= MAX_START_FAILURES and not self.ever_ready:
+            return f"{self.start_failures} workers in a row failed to start; last: {self.last_error}"
+        timeout = self.spec.cluster.worker_start_timeout_s
+        waiting = [w for w in self.workers if time.monotonic() - w.started_at > timeout]
+        if not waiting or len(waiting) < len(self.workers):
+            return None
+        unplaced = [w for w in waiting if not w.is_placed]
+        if unplaced:
+            return (f"no worker started within cluster.worker_start_timeout_s={timeout:g}s: the cluster could "
+                    f"not give {json.dumps(worker_resources(self.spec))} x {len(unplaced)} "
+                    f"({_cluster_resources()})")
+        return (f"no worker finished loading the model within cluster.worker_start_timeout_s={timeout:g}s "
+                f"({len(waiting)} placed, still loading)")
+
+    # ---- progress -----------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Collect finished progress polls and send new ones (never blocks)."""
+        pending = [w.poll_ref for w in self.workers if w.poll_ref is not None]
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+        done = set(done)
+        for w in self.workers:
+            if w.poll_ref is not None and w.poll_ref in done:
+                self._take_poll(w)
+            if w.poll_ref is None and w.is_ready:
+                w.poll_ref = w.actor.progress.remote()
+
+    def _take_poll(self, worker: Worker) -> None:
+        ref, worker.poll_ref = worker.poll_ref, None
+        try:
+            reply = ray.get(ref, timeout=0)
+        except (RayActorError, RayTaskError, GetTimeoutError):
+            return
+        worker.last_heard = time.monotonic()
+        worker.stalled_s = float(reply.get("stalled_s") or 0.0)
+        worker.live = dict(reply.get("shards") or {})
+
+    def stalled(self) -> list[tuple[Worker, str]]:
+        """Busy workers past the progress deadline, with why."""
+        limit = self.spec.cluster.progress_timeout_s
+        now = time.monotonic()
+        out = []
+        for w in self.workers:
+            if not w.tasks:
+                continue
+            silent = now - w.last_heard
+            if silent > limit:
+                out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})"))
+            elif w.stalled_s > limit:
+                out.append((w, f"no row finished and no token produced for {w.stalled_s:.0f}s "
+                               f"(cluster.progress_timeout_s={limit:g})"))
+        return out
+
+    def live_rows_tokens(self) -> tuple[int, int]:
+        """Rows and output tokens finished inside running shards (from the last polls)."""
+        rows = tokens = 0
+        for w in self.workers:
+            for r, t in w.live.values():
+                rows, tokens = rows + r, tokens + t
+        return rows, tokens
+
+
+def _cluster_resources() -> str:
+    try:
+        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        return f"cluster total {json.dumps(total)}, available {json.dumps(free)}"
+    except Exception:  # noqa: BLE001 - the message is still useful without it
+        return "cluster resources unknown"

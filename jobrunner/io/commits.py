@@ -1,0 +1,58 @@
+"""Commit records: one small JSON object per committed shard under `_commits/`.
+
+Committing a shard writes only its own record (O(1) bytes per shard, whatever the job's size); the full
+`_manifest.json` is a compaction of the records, written every so often and at the end. Readers (resume,
+reports) take the manifest and fold in the records it does not yet hold.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jobrunner.io.layout import COMMITS_DIR, commit_record_key
+from jobrunner.io.storage import Storage
+
+
+def write_commit_record(storage: Storage, shard_id: str, entry: dict[str, Any]) -> int:
+    """Write one shard's commit record (its manifest entry); returns the bytes written."""
+    data = json.dumps({"shard_id": shard_id, **entry}, separators=(",", ":")).encode()
+    storage.write_small(commit_record_key(shard_id), data)
+    return len(data)
+
+
+def list_commit_records(storage: Storage) -> list[str]:
+    """Shard ids that have a commit record."""
+    names = (key.rsplit("/", 1)[-1] for key in storage.listdir(COMMITS_DIR))
+    return [n[: -len(".json")] for n in names if n.endswith(".json")]
+
+
+def read_commit_records(storage: Storage, shard_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """shard_id -> record for the given shards (concurrent reads; unreadable records are skipped)."""
+    raw = storage.read_many([commit_record_key(s) for s in shard_ids])
+    out: dict[str, dict[str, Any]] = {}
+    for key, data in raw.items():
+        try:
+            record = json.loads(data)
+        except ValueError:  # a torn record cannot exist (atomic writes); skip rather than fail a resume
+            continue
+        if isinstance(record, dict) and record.get("status") == "committed":
+            out[key.rsplit("/", 1)[-1][: -len(".json")]] = record
+    return out
+
+
+def delete_commit_records(storage: Storage, shard_ids: list[str]) -> None:
+    """Remove records already folded into a written manifest."""
+    storage.delete_many([commit_record_key(s) for s in shard_ids])
+
+
+def fold_records(manifest: dict[str, Any], records: dict[str, dict[str, Any]]) -> int:
+    """Put committed records into the manifest's shard table; returns how many were new."""
+    shards = manifest.setdefault("shards", {})
+    new = 0
+    for shard_id, record in records.items():
+        entry = {k: v for k, v in record.items() if k != "shard_id"}
+        if shards.get(shard_id, {}).get("status") != "committed":
+            new += 1
+        shards[shard_id] = {**shards.get(shard_id, {}), **entry}
+    return new
