@@ -180,7 +180,7 @@ class WorkerPool:
 
 def _cluster_resources() -> str:
     try:
-        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
+        total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         return f"cluster total {json.dumps(total)}, available {json.dumps(free)}"
     except Exception:  # noqa: BLE001 - the message is still useful without it

@@ -20,7 +20,10 @@ import ray
 import yaml
 
 from jobrunner.driver.job import run_job
+from jobrunner.driver.output import OutputError
+from jobrunner.io.manifest import read_manifest_with_records
 from jobrunner.io.parts import read_output
+from jobrunner.io.storage import Storage
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import REPO, fake_spec, read_manifest_file, write_prompts
 
@@ -60,10 +63,12 @@ def _wait_for(predicate, timeout=60.0):
 
 
 def _committed(out) -> dict:
+    """Committed shards as a reader sees them mid-run: the manifest plus the commit records."""
     try:
-        shards = read_manifest_file(out)["shards"]
+        manifest = read_manifest_with_records(Storage(str(out)))
     except (OSError, ValueError):
         return {}
+    shards = (manifest or {}).get("shards") or {}
     return {s: e for s, e in shards.items() if e["status"] == "committed"}
 
 
@@ -103,6 +108,7 @@ def test_killed_worker_actor_shards_are_retried(cluster, tmp_path):
 
 def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_path):
     ids, data = _spec(tmp_path)
+    data["output"]["lease_ttl_s"] = 5.0  # the killed driver's lease expires 5 s after its last heartbeat
     out = tmp_path / "out"
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
     cmd = [sys.executable, "-c", "from jobrunner.cli import main; main()", "run", str(tmp_path / "job.yaml"),
@@ -116,6 +122,9 @@ def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_pat
     before = _committed(out)
     assert len(before) < 8, "the driver finished before it was killed"
     mtimes = {s: (out / e["part"]).stat().st_mtime_ns for s, e in before.items()}
+    with pytest.raises(OutputError, match="is in use by run"):
+        run_job(spec_from_dict(data), show_progress=False)
+    time.sleep(5.5)
     result = run_job(spec_from_dict(data), show_progress=False)
     assert result.ok
     _assert_once(out, ids)
@@ -125,6 +134,64 @@ def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_pat
         assert (out / entry["part"]).stat().st_mtime_ns == mtimes[shard_id], f"{shard_id} recomputed"
     assert (out / "_SUCCESS").exists()
     assert json.loads((out / "_manifest.json").read_text())["run_count"] == 2
+
+
+def _worker_pid(worker_id: str) -> int:
+    return ray.get(_worker_actor(worker_id).ready.remote())["stats"]["pid"]
+
+
+def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path):
+    """SIGSTOP a worker mid-shard past the progress deadline: its shards are retried and committed
+    elsewhere; SIGCONT it afterwards: still one part per shard, every id once."""
+    ids, data = _spec(tmp_path)
+    data["cluster"]["progress_timeout_s"] = 2.0
+    out = tmp_path / "out"
+    thread, box = _run_in_thread(spec_from_dict(data))
+    _wait_for(lambda: _committed(out) and _worker_actor("w0") is not None)
+    pid = _worker_pid("w0")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread.join(timeout=240)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # the driver's ray.kill already ended it
+    time.sleep(1.0)  # let a resumed zombie finish whatever it was writing
+    assert box["result"].ok, box["result"].summary()
+    _assert_once(out, ids)
+    manifest = read_manifest_file(out)
+    parts = sorted(p.name for p in (out / "parts").iterdir())
+    assert parts == sorted(f"part-{s}.parquet" for s in manifest["shards"])
+    retried = [e for e in manifest["shards"].values() if e["infra_failures"]]
+    assert retried and all(e["worker_id"] != "w0" and e["failures"] == 0 for e in retried)
+
+
+def test_hung_engine_is_replaced_and_its_row_isolated(cluster, tmp_path):
+    ids = write_prompts(tmp_path / "in.parquet", 16, poison=5)
+    data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                     engine={"factory_options": {"hang_on": "POISON"}}, output={"max_error_rate": 0.1},
+                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 1.5, "num_workers": 2})
+    result = run_job(spec_from_dict(data), show_progress=False)
+    rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert sorted(rows) == ids
+    assert rows["p005"]["finish_reason"] == "error"
+    assert "no row finished and no token produced" in rows["p005"]["error"]
+    assert result.ok and read_manifest_file(tmp_path / "out")["totals"]["shards_failed"] == 0
+
+
+def test_start_deadline_names_the_missing_resources(cluster, tmp_path):
+    _, data = _spec(tmp_path, n_rows=32)
+    data["cluster"].update(num_gpus_per_worker=1, num_workers=4, worker_start_timeout_s=2.0)
+    started = time.monotonic()
+    result = run_job(spec_from_dict(data), show_progress=False)
+    assert time.monotonic() - started < 60
+    assert not result.ok
+    assert 'the cluster could not give {"CPU": 1.0, "GPU": 1.0} x 4' in result.error
+    assert "worker_start_timeout_s=2s" in result.failure_message()
+    assert '(cluster total {"CPU": 3.0}, available {"CPU": 3.0})' in result.error
+    manifest = read_manifest_file(tmp_path / "out")
+    assert {e["status"] for e in manifest["shards"].values()} == {"pending"}  # resumable later
 
 
 def test_removed_node_mid_job(cluster, tmp_path):
@@ -138,4 +205,7 @@ def test_removed_node_mid_job(cluster, tmp_path):
     thread.join(timeout=240)
     assert box["result"].ok
     _assert_once(tmp_path / "out", ids)
-    assert len(read_manifest_file(tmp_path / "out")["workers"]) >= 3
+    manifest = read_manifest_file(tmp_path / "out")
+    assert len(manifest["workers"]) >= 3
+    lost = [e for e in manifest["shards"].values() if e["infra_failures"]]
+    assert lost and all(e["failures"] == 0 for e in manifest["shards"].values())  # node loss is not charged

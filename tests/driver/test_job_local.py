@@ -75,24 +75,41 @@ def test_job_on_s3_input_and_output(local_ray, s3_server):
     assert manifest["spec"]["output"]["storage_options"]["secret"] == "***"
 
 
-def test_poison_shard_fails_alone_and_job_reports_it(local_ray, tmp_path):
+def test_poison_row_is_isolated_and_error_budget_decides_the_exit(local_ray, tmp_path):
     ids = write_prompts(tmp_path / "in.parquet", 32, poison=13)
     out = tmp_path / "out"
     spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out),
                                     engine={"factory_options": {"fail_on": "POISON"}},
-                                    cluster={"max_shard_attempts": 2, "max_worker_restarts": 4}))
+                                    output={"max_error_rate": 0.01}))
     result = run_job(spec, show_progress=False)
-    assert not result.ok
+    rows = {r["id"]: r for r in read_output(str(out)).to_pylist()}
+    assert sorted(rows) == ids  # every neighbour of the poison row committed, each id once
+    assert rows["p013"]["error"] == "engine crashed on this row: RuntimeError: fake engine failure"
+    assert all(r["error"] is None for i, r in rows.items() if i != "p013")
     manifest = read_manifest_file(out)
-    bad = [s for s, e in manifest["shards"].items() if e["status"] == "failed"]
-    assert list(result.failed) == bad and len(bad) == 1
-    assert manifest["shards"][bad[0]]["row_start"] == 8 and manifest["shards"][bad[0]]["attempts"] == 2
-    assert "fake engine failure" in result.failed[bad[0]] and bad[0] in result.summary()
-    assert _ids(str(out)) == [i for i in ids if not 8 <= int(i[1:]) < 16]
+    poisoned = [e for e in manifest["shards"].values() if e["row_start"] == 8][0]
+    assert poisoned["status"] == "committed" and len(poisoned["parts"]) > 1 and poisoned["failures"] == 0
+    assert manifest["totals"]["num_errors"] == 1 and manifest["totals"]["shards_failed"] == 0
+    # 1 error in 32 rows is above max_error_rate 0.01: the job is not ok, and says why.
+    assert not result.ok and not result.failed
+    assert "3.1% of rows are errors (output.max_error_rate=0.01)" in result.failure_message()
+    assert "engine crashed on this row: RuntimeError: fake engine failure (1)" in result.failure_message()
+    assert "1 row errors (3.1% of rows)" in result.summary()
     assert not (out / "_SUCCESS").exists()
-    # Without the poison the same spec resumes and finishes only the failed shard.
-    spec2 = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out)))
-    assert run_job(spec2, show_progress=False).ok and _ids(str(out)) == ids
+    assert sorted(p.name for p in (out / "parts").iterdir()) == sorted(
+        p.rsplit("/", 1)[-1] for e in manifest["shards"].values() for p in e["parts"])
+
+
+def test_every_row_an_error_exits_non_zero(local_ray, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["", " "]}), tmp_path / "in.parquet")
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                                    output={"keep_columns": [], "max_error_rate": 1.0}))
+    result = run_job(spec, show_progress=False)
+    assert not result.ok and result.error_rate == 1.0
+    assert "100.0% of rows are errors" in result.failure_message()
 
 
 def test_bad_input_and_output_fail_before_anything_is_written(tmp_path):
@@ -153,12 +170,63 @@ def test_messages_json_overrides_struct_and_overwrite_mode(local_ray, tmp_path):
                      input={"prompt_column": None, "messages_column": "messages", "id_column": None,
                             "sampling_column": "params"},
                      output={"keep_columns": [], "mode": "overwrite"})
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "stale.txt").write_text("old")
+    (tmp_path / "out" / "parts").mkdir(parents=True)
+    (tmp_path / "out" / "parts" / "part-stale.parquet").write_text("old")
+    (tmp_path / "out" / "_manifest.json").write_text("{}")
+    data["output"]["max_error_rate"] = 0.5
     assert run_job(spec_from_dict(data), show_progress=False).ok
-    assert not (tmp_path / "out" / "stale.txt").exists()
+    assert not (tmp_path / "out" / "parts" / "part-stale.parquet").exists()
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
     assert sorted(rows) == [f"chat:{i}" for i in range(6)]
     assert [rows[f"chat:{i}"]["num_output_tokens"] for i in (0, 1, 3, 5)] == [2, 4, 1, 4]
     assert "messages column 'messages'" in rows["chat:2"]["error"]
     assert "max_tokens" in rows["chat:4"]["error"] and rows["chat:4"]["finish_reason"] == "error"
+
+
+def test_overwrite_refuses_foreign_prefixes_the_input_and_bucket_roots(tmp_path, s3_server):
+    write_prompts(tmp_path / "data" / "in.parquet", 4)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    cases = [(str(tmp_path / "other"), "not a jobrunner output \\(notes.txt\\)"),
+             (str(tmp_path / "data"), "is or contains input.url"),
+             (str(tmp_path), "is or contains input.url")]
+    for url, match in cases:
+        spec = spec_from_dict(fake_spec(str(tmp_path / "data" / "in.parquet"), url, output={"mode": "overwrite"}))
+        with pytest.raises(OutputError, match=match):
+            run_job(spec, show_progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me" and (tmp_path / "data" / "in.parquet").exists()
+    bucket = new_bucket(s3_server)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "data" / "in.parquet"), f"s3://{bucket}",
+                                    s3_server["storage_options"], output={"mode": "overwrite"}))
+    spec = spec.model_copy(update={"input": spec.input.model_copy(update={"storage_options": {}})})
+    with pytest.raises(OutputError, match=f"'s3://{bucket}' is a bucket or filesystem root"):
+        run_job(spec, show_progress=False)
+
+
+def test_one_run_per_output_and_expired_lease_takeover(local_ray, tmp_path):
+    import json
+    import re
+    import threading
+    import time
+
+    ids = write_prompts(tmp_path / "in.parquet", 24)
+    out = tmp_path / "out"
+    data = fake_spec(str(tmp_path / "in.parquet"), str(out), engine={"factory_options": {"step_delay_s": 0.05}},
+                     cluster={"num_workers": 1})
+    box = {}
+    first = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
+    first.start()
+    deadline = time.monotonic() + 60
+    while not (out / "_lease.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    holder = json.loads((out / "_lease.json").read_text())
+    expected = f"in use by run {holder['run_id']} on .* expires {re.escape(holder['expires_at'])}"
+    with pytest.raises(OutputError, match=expected):
+        run_job(spec_from_dict(data), show_progress=False)
+    first.join(timeout=120)
+    assert box["result"].ok and _ids(str(out)) == ids and not (out / "_lease.json").exists()
+    # A crashed driver's lease (expired) is taken over; a live one in the future is not.
+    stale = {**holder, "run_id": "crashed", "expires_at_s": time.time() - 1}
+    (out / "_lease.json").write_text(json.dumps(stale))
+    assert run_job(spec_from_dict(data), show_progress=False).ok
+    assert not (out / "_lease.json").exists()
