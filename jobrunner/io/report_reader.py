@@ -20,8 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import MANIFEST, PARTS_DIR, SUCCESS, part_key
-from jobrunner.io.layout import MANIFEST_FORMAT_VERSION as SUPPORTED_MANIFEST_VERSION
+from jobrunner.io.layout import COMMITS_DIR, MANIFEST, PARTS_DIR, READABLE_MANIFEST_VERSIONS, SUCCESS, part_key
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
@@ -96,12 +95,33 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict |
     if not isinstance(manifest, dict):
         raise ReportInputError(f"{url}: {MANIFEST} is not a JSON object")
     version = manifest.get("format_version")
-    if version != SUPPORTED_MANIFEST_VERSION:
+    if version not in READABLE_MANIFEST_VERSIONS:
+        readable = ", ".join(str(v) for v in READABLE_MANIFEST_VERSIONS)
         raise ReportInputError(
             f"{url}: {MANIFEST} has format_version {version!r} (written by jobrunner "
             f"{manifest.get('jobrunner_version', 'unknown')}); this jobrunner reads format_version "
-            f"{SUPPORTED_MANIFEST_VERSION}. Use the jobrunner version that wrote it.")
+            f"{readable}. Use the jobrunner version that wrote it.")
+    _fold_commit_records(fs, root, manifest)
     return manifest
+
+
+def _fold_commit_records(fs: fsspec.AbstractFileSystem, root: str, manifest: dict) -> None:
+    """A running (or crashed) job's manifest lags its commits: fold in the `_commits/` records it lacks."""
+    shards = manifest.get("shards")
+    if not isinstance(shards, dict):
+        return
+    try:
+        paths = fs.glob(posixpath.join(root, COMMITS_DIR, "*.json"))
+    except (FileNotFoundError, OSError):
+        return
+    todo = [p for p in paths if (shards.get(posixpath.basename(p)[:-5]) or {}).get("status") != "committed"]
+    for path, data in (fs.cat(todo, on_error="return") if todo else {}).items():
+        try:
+            record = json.loads(data) if isinstance(data, bytes) else None
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("status") == "committed":
+            shards[posixpath.basename(path)[:-5]] = record
 
 
 def _part_paths(outputs: JobOutputs) -> list[str]:
@@ -114,12 +134,13 @@ def _part_paths(outputs: JobOutputs) -> list[str]:
     for shard_id, shard in sorted(shards.items()):
         if not isinstance(shard, dict) or shard.get("status") != "committed":
             continue
-        part = shard.get("part") or part_key(shard_id)
-        path = posixpath.join(outputs.root, part)
-        if outputs.fs.exists(path):
-            paths.append(path)
-        else:
-            outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
+        parts = shard.get("parts") if isinstance(shard.get("parts"), list) else None
+        for part in parts or [shard.get("part") or part_key(shard_id)]:
+            path = posixpath.join(outputs.root, part)
+            if outputs.fs.exists(path):
+                paths.append(path)
+            else:
+                outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
     return paths
 
 

@@ -61,7 +61,7 @@ class Storage:
     """One filesystem plus a root path; all paths are relative to the root."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/") or url  # "/" stays the root
         self.fs, root = url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
 

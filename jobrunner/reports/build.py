@@ -7,7 +7,7 @@ import posixpath
 from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
-from jobrunner.reports.cost import cost_figures, goodput_cost, ratio
+from jobrunner.reports.cost import cost_figures, goodput_cost, ratio, startup_cost
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 
 REPORT_VERSION = 1
@@ -24,6 +24,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     cost = cost_figures(time["worker_seconds"], price, folded.input_tokens, folded.output_tokens,
                         time["prefill_s"], time["decode_s"])
     cost["price_source"] = price_source
+    cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
     return {
         "report_version": REPORT_VERSION,
         "run": _run(outputs),
@@ -96,6 +97,7 @@ def _time(manifest: dict | None, folded: Folded) -> dict:
     prefill, decode = mv.engine_seconds(manifest)
     num_workers = len(mv.workers(manifest)) or None
     return {"wall_s": wall, "wall_source": wall_source, "worker_seconds": mv.worker_seconds(manifest),
+            "startup_seconds": mv.startup_seconds(manifest),
             "num_workers": num_workers, "prefill_s": prefill, "decode_s": decode}
 
 

@@ -6,8 +6,9 @@
     usd_per_m_input   = cost_usd * prefill_share       / input_tokens  * 1e6
     usd_per_m_output  = cost_usd * (1 - prefill_share) / output_tokens * 1e6
 
-Time a worker spent neither in prefill nor decode (model load, waiting for shards) is shared in the same
-proportion. A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
+Worker-seconds count from each worker's process start (actor start and model load included, as a cloud
+bill does; reports show that start-up share on its own line). Time a worker spent neither in prefill nor
+decode (start-up, waiting for shards) is shared in the same proportion. A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
 """
 
 from __future__ import annotations
@@ -78,3 +79,10 @@ def goodput_cost(cost: dict, good_input_tokens: int, good_output_tokens: int) ->
         "usd_per_m_output": per_million(cost["output_usd"], good_output_tokens),
         "usd_per_m_total": per_million(cost["total_usd"], good_input_tokens + good_output_tokens),
     }
+
+
+def startup_cost(startup_s: float | None, worker_hour_usd: float | None) -> float | None:
+    """The part of the bill spent starting workers and loading models (None without a price or figure)."""
+    if startup_s is None or worker_hour_usd is None:
+        return None
+    return startup_s * worker_hour_usd / 3600.0

@@ -27,12 +27,24 @@ def workers(manifest: dict | None) -> dict[str, dict]:
 
 
 def worker_seconds(manifest: dict | None) -> float | None:
-    """totals.worker_seconds, else the sum of workers' alive_s; None when neither is recorded."""
+    """totals.worker_seconds (start-up included), else the sum of workers' startup_s + alive_s; None when
+    neither is recorded."""
     total = number(manifest, "totals", "worker_seconds")
     if total is not None and total > 0:
         return total
-    alive = sum(number(w, "alive_s") or 0.0 for w in workers(manifest).values())
+    records = workers(manifest).values()
+    alive = sum((number(w, "alive_s") or 0.0) + (number(w, "startup_s") or 0.0) for w in records)
     return alive if alive > 0 else None
+
+
+def startup_seconds(manifest: dict | None) -> float | None:
+    """Worker-seconds spent starting actors and loading models (part of worker_seconds); None if unknown."""
+    total = number(manifest, "totals", "startup_seconds")
+    if total is not None:
+        return total
+    values = [number(w, "startup_s") for w in workers(manifest).values()]
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def engine_seconds(manifest: dict | None) -> tuple[float, float]:
