@@ -8,7 +8,8 @@
 
 Worker-seconds count from each worker's process start (actor start and model load included, as a cloud
 bill does; reports show that start-up share on its own line). Time a worker spent neither in prefill nor
-decode (start-up, waiting for shards) is shared in the same proportion. A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
+decode (start-up, waiting for shards) is shared in the same proportion.
+A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
 """
 
 from __future__ import annotations
