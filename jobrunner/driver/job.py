@@ -351,6 +351,11 @@ class _JobLoop:
             if self.error is not None and task.shard_id not in self.failed:
                 self.book.fail(task.shard_id, f"not run: {self.error}", task.attempts, failed=False)
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
+        first = self.stats["first_commit_s"]
+        self.manifest["runs"][-1].update(
+            shards_committed=self.stats["commits"], first_commit_s=None if first is None else round(first, 3),
+            commit_records=self.book.num_records, compactions=self.book.num_compactions + 1,
+            bookkeeping_bytes=self.book.bytes_written)  # before this last compaction
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,

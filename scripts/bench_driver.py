@@ -1,0 +1,151 @@
+"""Driver scale benchmark: driver CPU, peak RSS, bookkeeping bytes and shards/s against the number of shards.
+
+Runs `jobrunner run` (a separate driver process, so its CPU and memory are its own) with the instant test
+engine double (`engine.factory: tests.driver.fake_engine:make_engine`, 10 rows per shard) on a local
+multi-node Ray cluster (a head with no CPUs, one 1-CPU node per worker). For each shard count it prints one
+JSON line; with --kill-resume it also kills the driver half way (SIGKILL), waits for its lease to expire and
+resumes, checking that no committed shard is recomputed and timing the first new commit.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_driver.py --shards 1000 5000 20000 --workers 4 --kill-resume
+    PYTHONPATH=. .venv/bin/python scripts/bench_driver.py --shards 200            # smoke run
+
+Not a test: the numbers mean something only on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS_PER_SHARD = 10
+LEASE_TTL_S = 5.0
+
+
+def write_input(path: Path, num_shards: int) -> None:
+    """num_shards x 10 rows, one 10-row row group per shard."""
+    n = num_shards * ROWS_PER_SHARD
+    table = pa.table({"id": [f"r{i}" for i in range(n)], "prompt": [f"question {i} about things" for i in range(n)]})
+    pq.write_table(table, path, row_group_size=ROWS_PER_SHARD)
+
+
+def job_spec(input_path: Path, out: Path, workers: int) -> dict:
+    return {"name": "bench-driver",
+            "input": {"url": str(input_path), "prompt_column": "prompt", "id_column": "id",
+                      "rows_per_shard": ROWS_PER_SHARD},
+            "sampling": {"max_tokens": 4},
+            "engine": {"max_num_seqs": 16, "factory": "tests.driver.fake_engine:make_engine"},
+            "cluster": {"num_workers": workers, "num_cpus_per_worker": 1},
+            "output": {"url": str(out), "lease_ttl_s": LEASE_TTL_S}}
+
+
+def start_driver(job: Path, address: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "from jobrunner.cli import main; main()", "run", str(job), "--address", address,
+           "--no-progress", "--no-report"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_driver(proc: subprocess.Popen) -> dict:
+    """Exit status, driver CPU seconds and peak RSS of one driver process."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"exit": proc.returncode, "driver_cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "driver_peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+
+
+def committed_shards(out: Path) -> set[str]:
+    """Shards committed so far: compacted into the manifest plus commit records."""
+    try:
+        manifest = json.loads((out / "_manifest.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    done = {s for s, e in manifest.get("shards", {}).items() if e.get("status") == "committed"}
+    records = out / "_commits"
+    return done | ({p.stem for p in records.iterdir() if p.suffix == ".json"} if records.exists() else set())
+
+
+def last_run(out: Path) -> dict:
+    manifest = json.loads((out / "_manifest.json").read_text())
+    return manifest["runs"][-1] | {"manifest_bytes": (out / "_manifest.json").stat().st_size}
+
+
+def one_size(num_shards: int, workers: int, address: str, root: Path) -> dict:
+    work = root / f"s{num_shards}"
+    work.mkdir()
+    write_input(work / "in.parquet", num_shards)
+    job = work / "job.yaml"
+    job.write_text(yaml.safe_dump(job_spec(work / "in.parquet", work / "out", workers)))
+    started = time.monotonic()
+    usage = wait_driver(start_driver(job, address))
+    wall = time.monotonic() - started
+    run = last_run(work / "out")
+    return {"shards": num_shards, "rows": num_shards * ROWS_PER_SHARD, "wall_s": round(wall, 2),
+            "shards_per_s": round(num_shards / wall, 1), **usage,
+            "bookkeeping_bytes": run["bookkeeping_bytes"] + run["manifest_bytes"],
+            "commit_records": run["commit_records"], "compactions": run["compactions"]}
+
+
+def kill_and_resume(num_shards: int, workers: int, address: str, root: Path) -> dict:
+    work = root / f"kill{num_shards}"
+    work.mkdir()
+    write_input(work / "in.parquet", num_shards)
+    out = work / "out"
+    job = work / "job.yaml"
+    job.write_text(yaml.safe_dump(job_spec(work / "in.parquet", out, workers)))
+    proc = start_driver(job, address)
+    while len(committed_shards(out)) < num_shards // 2 and proc.poll() is None:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # A part published a moment before the kill, without its record, is not committed: resume redoes it.
+    before = {f"part-{s}.parquet": (out / "parts" / f"part-{s}.parquet").stat().st_mtime_ns
+              for s in committed_shards(out)}
+    time.sleep(LEASE_TTL_S + 0.5)  # the killed driver's lease expires
+    started = time.monotonic()
+    usage = wait_driver(start_driver(job, address))
+    run = last_run(out)
+    recomputed = [n for n, m in before.items() if (out / "parts" / n).stat().st_mtime_ns != m]
+    parts = len(list((out / "parts").iterdir()))
+    return {"kill_resume_shards": num_shards, "committed_before_kill": len(before),
+            "resume_wall_s": round(time.monotonic() - started, 2), "resume_first_commit_s": run["first_commit_s"],
+            "resume_shards_committed": run["shards_committed"], "recomputed": len(recomputed),
+            "parts": parts, "every_shard_once": parts == num_shards, **usage}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, nargs="+", default=[1000, 5000, 20000])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--kill-resume", action="store_true", help="also kill the largest run half way and resume")
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"  # workers import the double
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(args.workers):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-driver-") as tmp:
+            for n in args.shards:
+                print(json.dumps(one_size(n, args.workers, cluster.address, Path(tmp))), flush=True)
+            if args.kill_resume:
+                print(json.dumps(kill_and_resume(max(args.shards), args.workers, cluster.address, Path(tmp))),
+                      flush=True)
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
