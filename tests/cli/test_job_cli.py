@@ -50,16 +50,19 @@ def test_validate_reports_plan_and_errors(tmp_path):
     assert dup.exit_code == 1 and "input.id_column 'id' has duplicate ids: p000, p001" in dup.output
 
 
-def test_run_fails_named_shard_then_resume_succeeds(tmp_path):
+def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     job = _job(tmp_path, poison=3, engine={"factory_options": {"fail_on": "POISON"}},
-               cluster={"max_shard_attempts": 2, "num_workers": 1})
+               cluster={"max_shard_attempts": 2, "num_workers": 1}, output={"max_error_rate": 0.02})
     runner = CliRunner()
     first = runner.invoke(main, ["run", str(job), "--no-progress"])
-    failed = [s for s, e in read_manifest_file(tmp_path / "out")["shards"].items() if e["status"] == "failed"]
-    assert first.exit_code == 1 and len(failed) == 1
-    assert f"1 shard(s) failed: {failed[0]}" in first.output
+    manifest = read_manifest_file(tmp_path / "out")
+    assert first.exit_code == 1 and manifest["totals"]["shards_committed"] == 3
+    assert "1 row errors (4.2% of rows)" in first.output
+    assert ("4.2% of rows are errors (output.max_error_rate=0.02); top errors: engine crashed on this row: "
+            "RuntimeError: fake engine failure (1)") in first.output
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
     clear = "engine.factory_options.fail_on=null"
-    second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear])
+    second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear, "--set", "output.mode=overwrite"])
     assert second.exit_code == 0, second.output
     assert "3/3 shards committed, 24 rows" in second.output
     assert (tmp_path / "out" / "_SUCCESS").exists()
