@@ -39,7 +39,7 @@ from jobrunner.spec import JobSpec
 log = logging.getLogger(__name__)
 SHARDS_PER_WORKER = 2
 MAX_LISTED_FAILURES = 20
-ALONE_DEATHS_TO_BISECT = 2  # deaths / stalls of a task running alone before it is split (crashes: 1)
+ALONE_DEATHS_TO_BISECT = 2  # deaths of a task running alone before it is split (crashes, stalls: 1)
 
 
 @dataclass
@@ -138,6 +138,7 @@ class _JobLoop:
         self.run_tokens = 0
         self.progress = Progress(plan.num_rows, self.book.committed_rows, enabled=show_progress)
         self.stats = {"commits": 0, "first_commit_s": None}
+        self.next_show = 0.0
 
     # ---- top level ----------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -158,8 +159,8 @@ class _JobLoop:
             self._assign()
             self._wait_and_handle()
             self.pool.poll()
-            for worker, why in self.pool.stalled():
-                self._worker_lost(worker, why, stalled=True)
+            for worker, why, engine_stalled in self.pool.stalled():
+                self._worker_lost(worker, why, stalled=engine_stalled)
             self.error = self.error or self.pool.start_problem()
             self._show_progress()
 
@@ -218,12 +219,13 @@ class _JobLoop:
                 self.queue.put(task)
                 continue
             task.alone_crashes += 1
-            limit = 1 if crash is not None else ALONE_DEATHS_TO_BISECT
+            # An engine crash or a stall alone is surely the task's rows; a death may be the node's.
+            limit = 1 if crash is not None or stalled else ALONE_DEATHS_TO_BISECT
             if task.alone_crashes < limit:
                 task.alone = True
                 self.queue.put(task)
             else:
-                self._isolate(task, crash or error)
+                self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
         worker.tasks.clear()
 
     def _isolate(self, task: Task, reason: str) -> None:
@@ -342,6 +344,9 @@ class _JobLoop:
 
     # ---- progress, end ------------------------------------------------------------------------------
     def _show_progress(self) -> None:
+        if time.monotonic() < self.next_show:
+            return
+        self.next_show = time.monotonic() + 0.2
         rows, tokens = self.pool.live_rows_tokens()
         self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
 

@@ -24,6 +24,7 @@ from jobrunner.driver.tasks import Task
 from jobrunner.spec import JobSpec
 
 MAX_START_FAILURES = 3  # workers in a row that fail to load with none ready: the job cannot run
+POLL_INTERVAL_S = 1.0
 
 
 @dataclass(eq=False)
@@ -55,6 +56,7 @@ class WorkerPool:
         self.start_failures = 0
         self.ever_ready = False
         self.last_error = ""
+        self.next_poll = 0.0
 
     # ---- size ---------------------------------------------------------------------------------------
     def start(self, count: int) -> None:
@@ -133,7 +135,10 @@ class WorkerPool:
 
     # ---- progress -----------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Collect finished progress polls and send new ones (never blocks)."""
+        """Collect finished progress polls and send new ones, at most every POLL_INTERVAL_S (never blocks)."""
+        if time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + POLL_INTERVAL_S
         pending = [w.poll_ref for w in self.workers if w.poll_ref is not None]
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
         done = set(done)
@@ -153,8 +158,9 @@ class WorkerPool:
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
         worker.live = dict(reply.get("shards") or {})
 
-    def stalled(self) -> list[tuple[Worker, str]]:
-        """Busy workers past the progress deadline, with why."""
+    def stalled(self) -> list[tuple[Worker, str, bool]]:
+        """Busy workers past the progress deadline, with why and whether the engine itself reported the
+        stall (True) or the worker did not answer at all (False: stopped, unreachable)."""
         limit = self.spec.cluster.progress_timeout_s
         now = time.monotonic()
         out = []
@@ -163,10 +169,10 @@ class WorkerPool:
                 continue
             silent = now - w.last_heard
             if silent > limit:
-                out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})"))
+                out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})", False))
             elif w.stalled_s > limit:
                 out.append((w, f"no row finished and no token produced for {w.stalled_s:.0f}s "
-                               f"(cluster.progress_timeout_s={limit:g})"))
+                               f"(cluster.progress_timeout_s={limit:g})", True))
         return out
 
     def live_rows_tokens(self) -> tuple[int, int]:

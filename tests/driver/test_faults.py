@@ -168,10 +168,10 @@ def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path):
 
 
 def test_hung_engine_is_replaced_and_its_row_isolated(cluster, tmp_path):
-    ids = write_prompts(tmp_path / "in.parquet", 16, poison=5)
+    ids = write_prompts(tmp_path / "in.parquet", 8, poison=5)
     data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
-                     engine={"factory_options": {"hang_on": "POISON"}}, output={"max_error_rate": 0.1},
-                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 1.5, "num_workers": 2})
+                     engine={"factory_options": {"hang_on": "POISON"}}, output={"max_error_rate": 0.2},
+                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 1.0, "num_workers": 2})
     result = run_job(spec_from_dict(data), show_progress=False)
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
     assert sorted(rows) == ids
