@@ -32,6 +32,18 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     assert {e["status"] for e in manifest["shards"].values()} == {"committed"}
     workers = manifest["workers"]
     assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 and w["steps"] > 0 for w in workers.values())
+    # Worker-seconds count actor start + model load (startup_s), shown on their own line in reports.
+    startup = sum(w["startup_s"] for w in workers.values())
+    assert all(w["startup_s"] > 0 for w in workers.values())
+    assert manifest["totals"]["startup_seconds"] == round(startup, 3)
+    assert manifest["totals"]["worker_seconds"] == round(sum(w["alive_s"] for w in workers.values()) + startup, 3)
+    from jobrunner.reports import load_report
+    from jobrunner.reports.text import render_text
+
+    report = load_report(str(out), worker_hour_usd=3.6)
+    assert report["time"]["startup_seconds"] == manifest["totals"]["startup_seconds"]
+    assert report["cost"]["startup_usd"] == pytest.approx(startup * 3.6 / 3600)
+    assert "of which start-up (actor start + model load)" in render_text([report])
     assert manifest["model"]["architecture"] == "FakeForTests"
     assert (out / "_SUCCESS").exists() and not any((out / "_temporary").glob("**/*.parquet"))
     table = read_output(str(out))
