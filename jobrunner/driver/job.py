@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from jobrunner.driver.session import ray_session
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.tasks import ShardWork, Task, TaskQueue
 from jobrunner.driver.worker import EngineFailed, ShardResult
+from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
 from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
@@ -39,6 +41,7 @@ from jobrunner.spec import JobSpec
 log = logging.getLogger(__name__)
 SHARDS_PER_WORKER = 2
 MAX_LISTED_FAILURES = 20
+PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at once: object stores are slow
 ALONE_DEATHS_TO_BISECT = 2  # deaths of a task running alone before it is split (crashes, stalls: 1)
 
 
@@ -138,6 +141,8 @@ class _JobLoop:
         self.run_tokens = 0
         self.progress = Progress(plan.num_rows, self.book.committed_rows, enabled=show_progress)
         self.stats = {"commits": 0, "first_commit_s": None}
+        self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
+        self.publishing: dict[Future, tuple[str, dict]] = {}  # publish in flight -> shard id, its record
         self.next_show = 0.0
 
     # ---- top level ----------------------------------------------------------------------------------
@@ -148,16 +153,19 @@ class _JobLoop:
                 self.pool.start(min(self.spec.cluster.num_workers, len(self.queue)))
                 self._loop()
         finally:
+            self.publisher.shutdown(wait=True)
             self._stop_workers()
             self.progress.close()
+        self._collect_published()
         return self._finish()
 
     def _loop(self) -> None:
-        while (len(self.queue) or self.in_flight) and self.error is None:
+        while (len(self.queue) or self.in_flight or self.publishing) and self.error is None:
             self._keep_lease()
             self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.in_flight)))
             self._assign()
             self._wait_and_handle()
+            self._collect_published()
             self.pool.poll()
             for worker, why, engine_stalled in self.pool.stalled():
                 self._worker_lost(worker, why, stalled=engine_stalled)
@@ -167,11 +175,12 @@ class _JobLoop:
     def _wait_and_handle(self) -> None:
         start_refs = self.pool.start_refs()
         waiting = list(self.in_flight) + list(start_refs)
+        wait_s = 0.02 if self.publishing else 1.0
         if not waiting:
             due = self.queue.next_due_in()
-            time.sleep(max(0.05, min(1.0, due if due is not None else 1.0)))
+            time.sleep(max(0.02, min(wait_s, due if due is not None else wait_s)))
             return
-        done, rest = ray.wait(waiting, num_returns=1, timeout=1.0)
+        done, rest = ray.wait(waiting, num_returns=1, timeout=wait_s)
         if done and rest:  # take everything else that is ready too: one pass per batch, not per result
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             done += more
@@ -319,25 +328,35 @@ class _JobLoop:
         self.queue.put(task, self.spec.cluster.retry_backoff_s * 2 ** (task.failures - 1))
 
     def _commit(self, shard_id: str, work: ShardWork) -> None:
-        """Publish the shard's attempt parts (fenced: only attempts this driver assigned) and record it."""
+        """Publish the shard's attempt parts (fenced: only attempts this driver assigned), in the background."""
         if not self.lease.is_fresh():
             self.lease.renew()  # LeaseLost if another run took the output over: never publish then
         results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
-        single = len(results) == 1
-        parts = [commit_part(self.storage, r.part, part_key(shard_id) if single else part_key(shard_id, r.row_start))
-                 for r in results]
-        kinds: dict[str, int] = {}
-        for r in results:
-            for k, n in r.error_kinds.items():
-                kinds[k] = kinds.get(k, 0) + n
-        entry = {key: sum(getattr(r, key) for r in results) for key in
-                 ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")}
-        entry.update(worker_id=results[-1].worker_id, attempts=work.attempts, failures=work.failures,
-                     infra_failures=work.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
-                     part=parts[0], parts=parts)
-        self.book.commit(shard_id, entry, kinds)
+        entry, kinds = _shard_entry(results, work)
+        record = self.book.record_for(shard_id, entry, kinds)
+        self.publishing[self.publisher.submit(self._publish, shard_id, results, record)] = (shard_id, record)
         del self.work[shard_id]
-        self.run_tokens += entry["num_output_tokens"]
+
+    def _publish(self, shard_id: str, results: list[ShardResult], record: dict[str, Any]) -> int:
+        """Move the attempts to their final keys, then write the commit record (a publisher thread)."""
+        for result, final in zip(results, record["parts"], strict=True):
+            commit_part(self.storage, result.part, final)
+        return write_commit_record(self.storage, shard_id, record)
+
+    def _collect_published(self) -> None:
+        for future in [f for f in self.publishing if f.done()]:
+            shard_id, record = self.publishing.pop(future)
+            try:
+                record_bytes = future.result()
+            except Exception as exc:  # noqa: BLE001 - storage failed after its retries: the shard fails
+                self.failed[shard_id] = f"publishing failed: {exc}"
+                self.book.fail(shard_id, self.failed[shard_id], record["attempts"], failed=True)
+                continue
+            self._committed(shard_id, record, record_bytes)
+
+    def _committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
+        self.book.mark_committed(shard_id, record, record_bytes)
+        self.run_tokens += record["num_output_tokens"]
         self.stats["commits"] += 1
         if self.stats["first_commit_s"] is None:
             self.stats["first_commit_s"] = time.monotonic() - self.t0
@@ -369,6 +388,23 @@ class _JobLoop:
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return result
+
+
+def _shard_entry(results: list[ShardResult], work: ShardWork) -> tuple[dict[str, Any], dict[str, int]]:
+    """A committed shard's manifest entry from its pieces' results, and its error kinds."""
+    shard_id = results[0].shard_id
+    single = len(results) == 1
+    parts = [part_key(shard_id) if single else part_key(shard_id, r.row_start) for r in results]
+    kinds: dict[str, int] = {}
+    for r in results:
+        for kind, n in r.error_kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    entry: dict[str, Any] = {key: sum(getattr(r, key) for r in results) for key in
+                             ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")}
+    entry.update(worker_id=results[-1].worker_id, attempts=work.attempts, failures=work.failures,
+                 infra_failures=work.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
+                 part=parts[0], parts=parts)
+    return entry, kinds
 
 
 def _has_alone(worker: Worker) -> bool:

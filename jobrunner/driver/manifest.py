@@ -169,15 +169,23 @@ class JobBook:
         self.num_compactions = 0
 
     def commit(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> None:
-        """Mark a shard committed (its parts are published): update it, write its record."""
-        record = {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
-                  "error_kinds": error_kinds}
-        self.bytes_written += write_commit_record(self.storage, shard_id, record)
+        """Mark a shard committed (its parts are published): write its record, then `mark_committed`."""
+        record = self.record_for(shard_id, entry, error_kinds)
+        self.mark_committed(shard_id, record, write_commit_record(self.storage, shard_id, record))
+
+    def record_for(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
+        """A shard's commit record (its manifest entry, committed)."""
+        return {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
+                "error_kinds": error_kinds}
+
+    def mark_committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
+        """Take a written record into the manifest and the running totals (the driver's thread only)."""
+        self.bytes_written += record_bytes
         self.manifest["shards"][shard_id] = record
         self.num_records += 1
         self.committed_rows += int(record["rows"])
         self.num_errors += int(record["num_errors"])
-        self.error_kinds.update(error_kinds)
+        self.error_kinds.update(record.get("error_kinds") or {})
         self.unfolded.append(shard_id)
         if len(self.unfolded) >= self.compact_every:
             self.compact()
