@@ -267,10 +267,8 @@ class _JobLoop:
                 task = self.queue.take(worker_is_empty=not worker.tasks)
                 if task is None:
                     break
-                if task.alone and worker.tasks:  # cannot happen (take() checks); keep the invariant explicit
-                    self.queue.put(task)
-                    break
-                self._start_task(worker, task)
+                if task.shard_id not in self.failed:  # a piece of a shard that failed meanwhile is dropped
+                    self._start_task(worker, task)
 
     def _start_task(self, worker: Worker, task: Task) -> None:
         task.attempts += 1

@@ -104,6 +104,7 @@ def test_killed_worker_actor_shards_are_retried(cluster, tmp_path):
     assert retried
     # the retried shard was finished by a live worker (w1, or the replacement w2 if it started in time)
     assert all(e["worker_id"] != "w0" for e in retried)
+    assert all(e["failures"] == 0 and e["infra_failures"] == 1 for e in retried)  # a killed actor is not charged
 
 
 def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_path):

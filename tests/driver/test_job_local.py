@@ -242,3 +242,14 @@ def test_one_run_per_output_and_expired_lease_takeover(local_ray, tmp_path):
     (out / "_lease.json").write_text(json.dumps(stale))
     assert run_job(spec_from_dict(data), show_progress=False).ok
     assert not (out / "_lease.json").exists()
+
+
+def test_workers_that_cannot_load_end_the_job_with_the_reason(local_ray, tmp_path):
+    write_prompts(tmp_path / "in.parquet", 16)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                                    engine={"factory": "tests.driver.no_such_module:make"}))
+    result = run_job(spec, show_progress=False)
+    assert not result.ok and not result.failed
+    assert result.error.startswith("3 workers in a row failed to start; last: worker w2: failed to start: ")
+    assert "engine.factory 'tests.driver.no_such_module:make': cannot import" in result.error
+    assert {e["status"] for e in read_manifest_file(tmp_path / "out")["shards"].values()} == {"pending"}
