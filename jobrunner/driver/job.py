@@ -368,6 +368,7 @@ class _JobLoop:
         self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
 
     def _finish(self) -> JobResult:
+        self.lease.renew()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         finished = not self.failed and not len(self.queue) and not self.in_flight and self.error is None
         for task in self.queue.drain():
             if self.error is not None and task.shard_id not in self.failed:
