@@ -31,7 +31,8 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     assert manifest["totals"]["num_output_tokens"] == 160
     assert {e["status"] for e in manifest["shards"].values()} == {"committed"}
     workers = manifest["workers"]
-    assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 and w["steps"] > 0 for w in workers.values())
+    assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 for w in workers.values())
+    assert sum(w["steps"] for w in workers.values()) > 0  # a worker ready late may have had no shard left
     # Worker-seconds count actor start + model load (startup_s), shown on their own line in reports.
     startup = sum(w["startup_s"] for w in workers.values())
     assert all(w["startup_s"] > 0 for w in workers.values())
