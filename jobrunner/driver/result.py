@@ -1,0 +1,68 @@
+"""How a job run ended: committed / failed shards, a job-level error, the error budget, and the summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LISTED_FAILURES = 20
+
+
+@dataclass
+class JobResult:
+    """How a run ended."""
+
+    output_url: str
+    manifest: dict[str, Any]
+    failed: dict[str, str]  # shard_id -> error
+    error: str | None = None  # the job could not run (no worker, lease lost)
+    max_error_rate: float = 1.0
+    top_errors: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def error_rate(self) -> float:
+        t = self.manifest["totals"]
+        return t["num_errors"] / t["rows"] if t["rows"] else 0.0
+
+    @property
+    def over_error_budget(self) -> bool:
+        """More error rows than output.max_error_rate allows, or every row an error."""
+        t = self.manifest["totals"]
+        return t["rows"] > 0 and (self.error_rate > self.max_error_rate or t["num_errors"] == t["rows"])
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.error is None and not self.over_error_budget
+
+    def summary(self) -> str:
+        """A short human summary (names failed shards, the error share and the top error kinds)."""
+        t = self.manifest["totals"]
+        text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
+                f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
+                f"{t['num_output_tokens']} output tokens, wall {self.manifest['wall_s']:.1f}s -> "
+                f"{self.output_url}")
+        for kind, count in self.top_errors:
+            text += f"\n  {count} rows: {kind}"
+        if self.error:
+            text += f"\n  JOB ERROR: {self.error}"
+        failed = sorted(self.failed.items())
+        for shard_id, error in failed[:MAX_LISTED_FAILURES]:
+            text += f"\n  FAILED shard {shard_id}: {error}"
+        if len(failed) > MAX_LISTED_FAILURES:
+            text += f"\n  ... and {len(failed) - MAX_LISTED_FAILURES} more failed shards (see _manifest.json)"
+        return text
+
+    def failure_message(self) -> str:
+        """Why the job exits non-zero (empty when ok)."""
+        reasons = []
+        if self.error:
+            reasons.append(self.error)
+        if self.failed:
+            shown = ", ".join(sorted(self.failed)[:MAX_LISTED_FAILURES])
+            more = len(self.failed) - MAX_LISTED_FAILURES
+            reasons.append(f"{len(self.failed)} shard(s) failed: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+        if self.over_error_budget:
+            kinds = "; ".join(f"{k} ({n})" for k, n in self.top_errors[:3])
+            reasons.append(f"{100 * self.error_rate:.1f}% of rows are errors (output.max_error_rate="
+                           f"{self.max_error_rate:g}); top errors: {kinds}")
+        return "\n".join(reasons)
