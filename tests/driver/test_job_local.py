@@ -254,3 +254,20 @@ def test_workers_that_cannot_load_end_the_job_with_the_reason(local_ray, tmp_pat
     assert result.error.startswith("3 workers in a row failed to start; last: worker w2: failed to start: ")
     assert "engine.factory 'tests.driver.no_such_module:make': cannot import" in result.error
     assert {e["status"] for e in read_manifest_file(tmp_path / "out")["shards"].values()} == {"pending"}
+
+
+def test_worker_replacements_are_limited_by_a_rate_not_a_total(local_ray, tmp_path):
+    from jobrunner.driver.pool import WorkerPool
+
+    data = fake_spec("unused", str(tmp_path / "out"),
+                     cluster={"num_workers": 2, "max_worker_restarts": 1, "worker_restart_window_s": 0.5})
+    pool = WorkerPool(spec_from_dict(data), 0, 0.0, "rate")
+    pool.top_up(2)  # the pool is empty (its workers were lost): one replacement per window
+    assert [w.worker_id for w in pool.workers] == ["w0"]
+    pool.top_up(2)
+    assert len(pool.workers) == 1
+    __import__("time").sleep(0.6)  # the window has passed: the pool grows back to num_workers
+    pool.top_up(2)
+    assert [w.worker_id for w in pool.workers] == ["w0", "w1"]
+    for w in list(pool.workers):
+        pool.remove(w, "test over")
