@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from jobrunner.spec import SpecError, load_spec
+from jobrunner.spec import SpecError, load_spec, load_spec_data
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                            help="Override a spec field, e.g. --set sampling.max_tokens=32 (repeatable).")
@@ -103,14 +103,24 @@ def _write_report(spec) -> None:
 @click.option("--auth-token", default=None, envvar="RAY_AUTH_TOKEN",
               help="Ray auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
 @click.option("--working-dir", default=None, help="Directory uploaded as the job's working_dir.")
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="Python on the head that has jobrunner (default: found there; see docs/driver.md).")
 def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, auth_token: str | None,
-           working_dir: str | None) -> None:
-    """Submit JOB_FILE as a Ray job through the Job Submission API; print the job id."""
+           working_dir: str | None, python: str | None) -> None:
+    """Submit JOB_FILE as a Ray job through the Job Submission API; print the job id.
+
+    The spec is sent as written: secrets must be ${env:NAME} references, resolved on the head.
+    """
     from jobrunner.driver.submit import SubmitError, follow_job, submit_job
 
-    spec = _load(job_file, overrides)
     try:
-        client, job_id = submit_job(spec, address, auth_token=auth_token, working_dir=working_dir)
+        load_spec(job_file, overrides, resolve_env=False)  # validate here; ${env:NAME} stays unresolved
+        data, _ = load_spec_data(job_file, overrides)
+    except SpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        client, job_id = submit_job(data, address, auth_token=auth_token, working_dir=working_dir,
+                                    python=python)
     except SubmitError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(job_id)
