@@ -56,7 +56,7 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
 @_set_option
 @click.option("--address", default=None, help="Ray address to join; default: the spec's, else a local Ray.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress bar / lines.")
-@click.option("--no-report", is_flag=True, help="Do not write report.json / report.html at the end.")
+@click.option("--no-report", is_flag=True, help="Do not write _report/report.json and .html at the end.")
 def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progress: bool,
         no_report: bool) -> None:
     """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
@@ -80,7 +80,9 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
 
 
 def _write_report(spec) -> None:
-    """Write report.json/report.html next to the outputs; a report problem never fails the job."""
+    """Write _report/report.json and _report/report.html under the output; a report problem never fails the job."""
+    from jobrunner.io.layout import REPORT_FILES
+
     try:
         from jobrunner.reports import write_job_report
     except ImportError:
@@ -92,7 +94,7 @@ def _write_report(spec) -> None:
     if isinstance(report, dict) and report.get("error"):
         click.echo(f"warning: report not written: {report['error']}", err=True)
     else:
-        click.echo(f"report: {spec.output.url.rstrip('/')}/report.html")
+        click.echo(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}")
 
 
 @click.command()

@@ -1,11 +1,16 @@
-"""Names of things under a job's output URL (see docs/contracts.md)."""
+"""Names of things under a job's output URL (see docs/contracts.md).
+
+Data lives under `parts/`; every other name starts with `_`, which pyarrow, Spark, DuckDB and Ray Data skip,
+so any Parquet reader can be pointed at the output URL itself.
+"""
 
 MANIFEST = "_manifest.json"
 MANIFEST_FORMAT_VERSION = 1  # written by the driver, checked by report readers
 SUCCESS = "_SUCCESS"
 PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"
-REPORT_FILES = ("report.json", "report.html")
+REPORT_DIR = "_report"  # `_` so Parquet readers pointed at the output URL skip it
+REPORT_FILES = (f"{REPORT_DIR}/report.json", f"{REPORT_DIR}/report.html")
 
 
 def part_key(shard_id: str) -> str:

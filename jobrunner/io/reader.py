@@ -11,13 +11,17 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from jobrunner.io.storage import StorageError, retry
+from jobrunner.redaction import redact_text
 
 ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
 ROW_ID = "__id"  # the row id (from id_column or derived)
 
 
 class InputError(ValueError):
-    """Bad input data; the message names the URL, file, column or row."""
+    """Bad input data; the message names the URL, file, column or row (credentials cut out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,18 @@ def check_columns(files: list[InputFile], roles: dict[str, str], keep: list[str]
         for column in keep:
             if column not in f.column_types:
                 raise InputError(f"input file {f.url}: missing column {column!r} (output.keep_columns)")
+    _check_kept_types(files, keep)
+
+
+def _check_kept_types(files: list[InputFile], keep: list[str]) -> None:
+    """Every part gets one schema, so a kept column must have one type across the input files."""
+    for column in keep:
+        first = files[0] if files else None
+        for f in files[1:]:
+            if f.column_types[column] != first.column_types[column]:
+                raise InputError(f"output.keep_columns: column {column!r} is {first.column_types[column]} in "
+                                 f"{first.url} but {f.column_types[column]} in {f.url}; every output part has "
+                                 "one schema, so cast the input to one type")
 
 
 def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, row_end: int,

@@ -16,6 +16,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from jobrunner.io.layout import TEMP_DIR
+from jobrunner.redaction import redact_text
 
 log = logging.getLogger(__name__)
 TEMP_PROBE = f"{TEMP_DIR}/probe"
@@ -26,7 +27,10 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 
 
 class StorageError(RuntimeError):
-    """A storage operation that failed after retries; the message names the URL."""
+    """A storage operation that failed after retries; the message names the URL (credentials cut out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 0.2) -> T:
@@ -47,7 +51,7 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
 def _named(exc: Exception, what: str) -> Exception:
     """The same kind of error with `what` (the operation and URL) in front of its message."""
     try:
-        return type(exc)(f"{what}: {exc}")
+        return type(exc)(redact_text(f"{what}: {exc}"))
     except Exception:  # noqa: BLE001 - exotic constructor: keep the original
         return exc
 
