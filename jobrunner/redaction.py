@@ -30,6 +30,7 @@ _SECRET_SQUASHED = ("secret", "password", "passwd", "credential", "authorization
 _URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/@\s:?#]*):(?P<pw>[^/@\s?#]*)@")
 _PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s+)(?P<value>[^\s&;,'\"]+)")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]+", re.I)
+_NOT_NAMES = ("Error", "Exception", "Warning")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
@@ -70,7 +71,9 @@ def redact_text(text: str) -> str:
 
 
 def _redact_pair(m: re.Match) -> str:
-    if not is_secret_key(m["name"]) or m["value"] == REDACTED:
+    name, value = m["name"], m["value"]
+    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential.
+    if not is_secret_key(name) or value == REDACTED or value.isdigit() or name.endswith(_NOT_NAMES):
         return m.group(0)
     return f"{m['name']}{m['eq']}{REDACTED}"
 

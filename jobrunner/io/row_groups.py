@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -100,19 +102,19 @@ def groups_for(meta: pq.FileMetaData, row_start: int, row_end: int) -> tuple[lis
 class RowGroupCache:
     """Per-process memory of footers (by file) and of split row groups (by file, group, columns)."""
 
-    def __init__(self, max_groups: int = 2, max_footers: int = 256) -> None:
+    def __init__(self, max_groups: int = 2, max_footers: int = 64) -> None:
         self.max_groups, self.max_footers = max_groups, max_footers
         self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
         self._groups: OrderedDict[tuple, pa.Table] = OrderedDict()
         self._lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
 
-    def footer(self, url: str, load: Callable[[], pq.FileMetaData]) -> pq.FileMetaData:
-        """The cached footer of `url`, loaded once (concurrent callers wait for the first)."""
-        return self._get(self._footers, url, load, self.max_footers)
+    def footer(self, key: tuple, load: Callable[[], pq.FileMetaData]) -> pq.FileMetaData:
+        """The cached footer for `key` = (url, file version), loaded once (concurrent callers wait for it)."""
+        return self._get(self._footers, key, load, self.max_footers)
 
     def group(self, key: tuple, load: Callable[[], pa.Table]) -> pa.Table:
-        """The cached decoded row group for `key` = (url, group index, columns), loaded once."""
+        """The cached decoded row group for `key` = (url, file version, group index, columns), loaded once."""
         return self._get(self._groups, key, load, self.max_groups)
 
     def _get(self, store: OrderedDict, key: Any, load: Callable[[], Any], limit: int) -> Any:
@@ -138,17 +140,31 @@ def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: 
     with open_file() as raw:
         f = CountingFile(raw, stats)
         size = raw.seek(0, 2)
-        meta = cache.footer(url, lambda: read_footer(raw, size, stats))
+        version = (url, size, file_version(raw))  # a rewritten file is never served from the cache
+        meta = cache.footer(version, lambda: read_footer(raw, size, stats))
         groups, first = groups_for(meta, row_start, row_end)
         parquet = pq.ParquetFile(f, metadata=meta, pre_buffer=False)
         if len(groups) == 1 and _is_split(meta, groups[0], first, row_start, row_end):
-            key = (url, groups[0], tuple(columns))
+            key = (*version, groups[0], tuple(columns))
             table = cache.group(key, lambda: parquet.read_row_group(groups[0], columns=columns))
         elif groups:
             table = parquet.read_row_groups(groups, columns=columns)
         else:
             table = parquet.schema_arrow.empty_table().select(columns)
     return table.slice(row_start - first, row_end - row_start)
+
+
+def file_version(f: Any) -> Any:
+    """What changes when an open file is rewritten: its ETag / mtime from the open (no extra request)."""
+    details = getattr(f, "details", None)
+    if isinstance(details, dict):
+        for name in ("ETag", "etag", "generation", "version_id", "LastModified", "mtime", "last_modified"):
+            if details.get(name) is not None:
+                return str(details[name])
+    try:
+        return os.fstat(f.fileno()).st_mtime_ns
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def _is_split(meta: pq.FileMetaData, group: int, first: int, row_start: int, row_end: int) -> bool:

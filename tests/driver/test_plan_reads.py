@@ -78,3 +78,11 @@ def test_shards_follow_row_groups_and_each_byte_is_read_once(where, tmp_path, re
     two, ids = _read_all(plan.shards, options, num_workers=2)
     assert sorted(ids) == sorted(f"r{i}" for i in range(3500))
     assert (two.footer_bytes, two.data_bytes) == (2 * footer, sum(chunks) + chunks[3])
+
+
+def test_a_rewritten_file_is_not_served_from_the_cache(tmp_path):
+    url, cache = str(tmp_path / "data.parquet"), RowGroupCache()
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"]}), url, row_group_size=4)
+    assert read_rows(url, {}, 0, 2, ["id"], cache=cache).column("id").to_pylist() == ["a", "b"]
+    pq.write_table(pa.table({"id": ["w", "x", "y", "z", "v"]}), url, row_group_size=5)
+    assert read_rows(url, {}, 0, 2, ["id"], cache=cache).column("id").to_pylist() == ["w", "x"]
