@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
+from jobrunner.redaction import redact_text
 from jobrunner.spec import SpecError, load_spec, load_spec_data
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -31,8 +33,10 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
     from jobrunner.io.storage import StorageError
 
     spec = _load(job_file, overrides)
+    started = time.perf_counter()
     try:
         plan = plan_job(spec)
+        plan_s = time.perf_counter() - started
         output_state = describe_output(spec, plan)
         dups = duplicate_ids(plan.files, spec.input.storage_options, spec.input.id_column) \
             if check_ids and spec.input.id_column else []
@@ -42,13 +46,15 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
         raise click.ClickException(f"input.id_column {spec.input.id_column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
-    click.echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows, "
-               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows")
+    num_bytes = sum(f.num_bytes for f in plan.files)
+    click.echo(f"input {redact_text(spec.input.url)}: {len(plan.files)} file(s), {plan.num_rows} rows, "
+               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
+               f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
+        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
     columns = list(required_columns(spec).values()) + spec.output.keep_columns
     click.echo(f"required columns present: {', '.join(columns)}")
-    click.echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
+    click.echo(f"output {redact_text(spec.output.url)} (mode {spec.output.mode}): {output_state}")
 
 
 @click.command()
@@ -73,7 +79,7 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
         raise click.ClickException(str(exc)) from None
     if not no_report:
         _write_report(spec)
-    click.echo(result.summary())
+    click.echo(redact_text(result.summary()))  # Ray job logs are readable by whoever can list jobs
     if not result.ok:
         failed = ", ".join(sorted(result.failed))
         raise click.ClickException(f"{len(result.failed)} shard(s) failed: {failed}")

@@ -18,6 +18,7 @@ from jobrunner.redaction import redact_text
 ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
 ROW_ID = "__id"  # the row id (from id_column or derived)
 PROCESS_CACHE = RowGroupCache()  # footers and split row groups this process has read (one per worker)
+PROCESS_STATS = ReadStats()  # what read_rows fetched in this process when no `stats` is given (worker stats)
 
 
 class InputError(ValueError):
@@ -182,7 +183,7 @@ def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, ro
 
     def read() -> pa.Table:
         return read_range(lambda: _open_exact(fs, path), file_url, row_start, row_end, columns,
-                          cache or PROCESS_CACHE, stats)
+                          cache or PROCESS_CACHE, PROCESS_STATS if stats is None else stats)
 
     try:
         table = retry(f"read {file_url}", read)
