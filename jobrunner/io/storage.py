@@ -87,7 +87,8 @@ class Storage:
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write to a temporary key, then commit to `rel` (overwriting any previous value)."""
-        tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}"
+        # `.tmp`: a glob reader (`OUT/**/*.parquet`) never picks up a write in flight or one left by a crash.
+        tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}.tmp"
         retry(f"write {self.display(tmp)}", lambda: self.put(tmp, data))
         self.commit(tmp, rel)
 
