@@ -55,8 +55,9 @@ def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFil
     return read_footers(fs, path_to_size)
 
 
-def read_footers(fs: Any, path_to_size: dict[str, int | None], threads: int = FOOTER_THREADS) -> list[InputFile]:
-    """The footers of many files, read concurrently (a thread pool), in the order given."""
+def read_footers(fs: Any, path_to_size: dict[str, int | None], threads: int | None = None) -> list[InputFile]:
+    """The footers of many files, read concurrently (FOOTER_THREADS threads by default), in the order given."""
+    threads = FOOTER_THREADS if threads is None else threads
     if len(path_to_size) == 1 or threads <= 1:
         return [_read_footer(fs, p, s) for p, s in path_to_size.items()]
     with ThreadPoolExecutor(max_workers=min(threads, len(path_to_size))) as pool:
