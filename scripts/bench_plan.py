@@ -1,11 +1,12 @@
-"""Planning time and read amplification on a local S3 server (moto), for issue 11 item 7.
+"""Planning time and read amplification on a local S3 server (moto, own process), for issue 11 item 7.
 
 Writes --files Parquet files (each --rows rows in row groups of --row-group rows, plus a `filler` column no
 job reads) to a fresh bucket, then measures:
 
 - planning: listing + every footer + shard cut (`plan_job`), with the footer thread pool and with one thread;
 - read amplification: every shard read as --workers workers would (shards dealt out in turn, one footer /
-  row-group cache each): bytes fetched / input bytes, footers and column chunks apart.
+  row-group cache each): bytes fetched / input bytes, footers and column chunks apart; and the same shards
+  through the read path before issue 11 (`reads_before`), for comparison.
 
     PYTHONPATH=. python scripts/bench_plan.py                          # 1,000 files (the issue's figure)
     PYTHONPATH=. python scripts/bench_plan.py --files 20 --rows 500    # a smoke run
@@ -18,8 +19,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,6 +80,57 @@ def _amplification(plan, options: dict, workers: int, columns: list[str]) -> dic
             "read_s": round(time.perf_counter() - start, 3)}
 
 
+def _naive_amplification(plan, options: dict, columns: list[str]) -> dict:
+    """The read path before issue 11 (a fresh ParquetFile per shard over s3fs's default read-ahead file):
+    bytes s3fs fetched / input bytes, for comparison."""
+    import s3fs
+    from fsspec.core import url_to_fs
+
+    from jobrunner.io.row_groups import groups_for
+
+    fetched = [0]
+    original = s3fs.core.S3File._fetch_range
+
+    def counting(self, start: int, end: int) -> bytes:
+        data = original(self, start, end)
+        fetched[0] += len(data)
+        return data
+
+    s3fs.core.S3File._fetch_range = counting
+    try:
+        for shard in plan.shards:
+            fs, path = url_to_fs(shard.file_url, **options)
+            with fs.open(path, "rb") as f:
+                parquet = pq.ParquetFile(f)
+                groups, _ = groups_for(parquet.metadata, shard.row_start, shard.row_end)
+                parquet.read_row_groups(groups, columns=columns)
+    finally:
+        s3fs.core.S3File._fetch_range = original
+    input_bytes = sum(f.num_bytes for f in plan.files)
+    return {"read_path": "before issue 11", "fetched_bytes": fetched[0],
+            "read_amplification": round(fetched[0] / input_bytes, 4)}
+
+
+def _start_moto() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process (so it does not share this process's GIL) on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=2).close()
+            return server, endpoint
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto server did not start on {endpoint}") from None
+            time.sleep(0.3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=1000)
@@ -87,17 +142,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import s3fs
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per S3 request otherwise
 
     from jobrunner.spec import spec_from_dict
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server, endpoint = _start_moto()
     try:
-        host, port = server.get_host_and_port()
-        options = {"key": "testing", "secret": "testing", "endpoint_url": f"http://{host}:{port}"}
+        options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
         fs = s3fs.S3FileSystem(**options)
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         fs.mkdir(bucket)
@@ -113,9 +163,11 @@ def main() -> None:
             "row_group_rows": args.row_group, "rows_per_shard": args.rows_per_shard,
             "plan_s_parallel_footers": round(parallel_s, 3), "plan_s_one_thread": round(serial_s, 3),
             "reads": [_amplification(plan, options, w, ["id", "prompt"]) for w in (1, args.workers)],
+            "reads_before": _naive_amplification(plan, options, ["id", "prompt"]),
         }
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=30)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
