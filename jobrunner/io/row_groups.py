@@ -140,7 +140,10 @@ def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: 
     with open_file() as raw:
         f = CountingFile(raw, stats)
         size = raw.seek(0, 2)
-        version = (url, size, file_version(raw))  # a rewritten file is never served from the cache
+        stamp = file_version(raw)
+        if stamp is None:  # cannot tell a rewritten file from the one cached: do not cache this one
+            cache = RowGroupCache(max_groups=0, max_footers=0)
+        version = (url, size, stamp)
         meta = cache.footer(version, lambda: read_footer(raw, size, stats))
         groups, first = groups_for(meta, row_start, row_end)
         parquet = pq.ParquetFile(f, metadata=meta, pre_buffer=False)
