@@ -141,3 +141,8 @@ def test_every_field_is_described():
                 walk(ann)
             assert model.model_config.get("extra") == "forbid"
     walk(JobSpec)
+
+
+def test_no_declared_field_is_mistaken_for_a_secret():
+    spec = load_spec(EXAMPLE, ["sampling.stop_token_ids=[1, 2]", "sampling.stop=['</s>']"])
+    assert spec.redacted() == spec.model_dump(mode="json")
