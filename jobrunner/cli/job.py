@@ -51,7 +51,7 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
                f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
+        click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
     columns = list(required_columns(spec).values()) + spec.output.keep_columns
     click.echo(f"required columns present: {', '.join(columns)}")
     click.echo(f"output {redact_text(spec.output.url)} (mode {spec.output.mode}): {output_state}")

@@ -10,7 +10,6 @@ from jobrunner import __version__
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult
 from jobrunner.io.layout import MANIFEST_FORMAT_VERSION
-from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
@@ -102,7 +101,7 @@ def record_commit(manifest: dict[str, Any], result: ShardResult, attempts: int) 
 def record_failure(manifest: dict[str, Any], shard_id: str, error: str, attempts: int, failed: bool) -> None:
     """Record a failed attempt; `failed` marks the shard failed for good."""
     entry = manifest["shards"][shard_id]
-    entry.update(attempts=attempts, error=redact_text(error), status="failed" if failed else "pending")
+    entry.update(attempts=attempts, error=error, status="failed" if failed else "pending")
 
 
 def record_worker(manifest: dict[str, Any], worker_id: str, stats: dict[str, Any]) -> None:

@@ -13,15 +13,11 @@ from jobrunner.io.manifest import clear_success, read_manifest
 from jobrunner.io.parts import list_parts
 from jobrunner.io.reader import InputError, InputFile, check_columns, list_input_files
 from jobrunner.io.storage import Storage, StorageError
-from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 
 class OutputError(ValueError):
     """The output location cannot be used as asked (exists in error mode, unreachable, foreign files)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(redact_text(str(message)))
 
 
 @dataclass

@@ -1,8 +1,4 @@
-"""Names of things under a job's output URL (see docs/contracts.md).
-
-Data lives under `parts/`; every other name starts with `_`, which pyarrow, Spark, DuckDB and Ray Data skip,
-so any Parquet reader can be pointed at the output URL itself.
-"""
+"""Names of things under a job's output URL (see docs/contracts.md)."""
 
 MANIFEST = "_manifest.json"
 MANIFEST_FORMAT_VERSION = 1  # written by the driver, checked by report readers

@@ -32,33 +32,36 @@ OUTPUT_SCHEMA = pa.schema([
 ])
 
 
-def output_schema(kept: pa.Schema | None = None) -> pa.Schema:
-    """The schema of every part: the contract columns with their exact types, then the kept input columns
-    with their input types (planning checks that every input file gives a kept column one type). A part whose
-    rows are all errors (every `generated_text` null) has this schema too."""
-    fields = list(OUTPUT_SCHEMA)
-    if kept is not None:
-        fields += [f for f in kept if f.name != ROW_INDEX and f.name not in OUTPUT_SCHEMA.names]
-    return pa.schema(fields)
-
-
 def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> pa.Table:
-    """Output rows (dicts with the contract columns and ROW_INDEX) as a table of `output_schema`, plus kept
-    input columns.
+    """Output rows (dicts with the contract columns and ROW_INDEX) as a table, plus kept input columns.
 
     kept: the shard's input table with the kept columns and ROW_INDEX; its rows are matched by ROW_INDEX.
     """
-    schema = output_schema(kept.schema if kept is not None else None)
-    arrays = [pa.array([_cell(r, f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA]
-    if len(schema) > len(OUTPUT_SCHEMA):
-        first = kept.column(ROW_INDEX)[0].as_py() if kept.num_rows else 0
-        indices = pa.array([r[ROW_INDEX] - first for r in rows], pa.int64())
-        arrays += [kept.column(f.name).take(indices) for f in list(schema)[len(OUTPUT_SCHEMA):]]
-    return pa.Table.from_arrays(arrays, schema=schema)
+    columns = {f.name: pa.array([_cell(r, f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA}
+    table = pa.table(columns, schema=OUTPUT_SCHEMA)
+    if kept is None or kept.num_columns <= 1:
+        return table
+    first = kept.column(ROW_INDEX)[0].as_py() if kept.num_rows else 0
+    indices = pa.array([r[ROW_INDEX] - first for r in rows], pa.int64())
+    for name in kept.column_names:
+        if name != ROW_INDEX and name not in OUTPUT_SCHEMA.names:
+            table = table.append_column(kept.schema.field(name), kept.column(name).take(indices))
+    return table
+
+
+# ---- issue 11: one schema for every part; no secret in an error text --------------------------------------
+def part_schema(kept: pa.Schema | None = None, base: pa.Schema = OUTPUT_SCHEMA) -> pa.Schema:
+    """The exact schema of every part of a job (what `rows_to_table` gives): the contract columns with their
+    Arrow types (a part whose rows are all errors, every `generated_text` null, included), then the kept input
+    columns with their input types (planning checks that each has one type across the input files)."""
+    fields = list(base)
+    if kept is not None:
+        fields += [f for f in kept if f.name != ROW_INDEX and f.name not in base.names]
+    return pa.schema(fields)
 
 
 def _cell(row: dict[str, Any], name: str) -> Any:
-    """A row's value for a contract column; error texts lose any credentials they quote (URLs, tokens)."""
+    """A row's value for a contract column; an error text loses any credential it quotes (URLs, tokens)."""
     value = row.get(name)
     return redact_text(value) if name == "error" and isinstance(value, str) else value
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +18,8 @@ from jobrunner.redaction import redact_text
 
 ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
 ROW_ID = "__id"  # the row id (from id_column or derived)
+T = TypeVar("T")
+R = TypeVar("R")
 PROCESS_CACHE = RowGroupCache()  # footers and split row groups this process has read (one per worker)
 PROCESS_STATS = ReadStats()  # what read_rows fetched in this process when no `stats` is given (worker stats)
 
@@ -57,15 +60,24 @@ def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFil
 
 def read_footers(fs: Any, path_to_size: dict[str, int | None], threads: int | None = None) -> list[InputFile]:
     """The footers of many files, read concurrently (FOOTER_THREADS threads by default), in the order given."""
+    return map_files(lambda item: _read_footer(fs, *item), list(path_to_size.items()), threads)
+
+
+def map_files(fn: Callable[[T], R], items: list[T], threads: int | None = None) -> list[R]:
+    """`[fn(x) for x in items]` on a thread pool (FOOTER_THREADS by default): describing input files is a
+    few small reads each, dominated by latency. The first error (in item order) is raised."""
     threads = FOOTER_THREADS if threads is None else threads
-    if len(path_to_size) == 1 or threads <= 1:
-        return [_read_footer(fs, p, s) for p, s in path_to_size.items()]
-    with ThreadPoolExecutor(max_workers=min(threads, len(path_to_size))) as pool:
-        return list(pool.map(lambda item: _read_footer(fs, *item), path_to_size.items()))
+    if len(items) <= 1 or threads <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
-def _expand(fs: Any, url: str, root: str) -> dict[str, int | None]:
-    """Parquet paths under the URL -> size from the listing (None when the listing gave none)."""
+PARQUET_SUFFIXES = (".parquet", ".parq")
+
+
+def _expand(fs: Any, url: str, root: str, suffixes: tuple[str, ...] = PARQUET_SUFFIXES) -> dict[str, int | None]:
+    """Paths under the URL with these suffixes, sorted -> size from the listing (None when it gave none)."""
     fs.invalidate_cache()
     try:
         if any(c in root for c in "*?["):
@@ -79,7 +91,7 @@ def _expand(fs: Any, url: str, root: str) -> dict[str, int | None]:
     except (FileNotFoundError, PermissionError, StorageError) as exc:
         raise InputError(f"input.url {url!r}: cannot list: {exc}") from None
     names = [p for p in sorted(found) if p == root or not _hidden(p, root)]
-    keep = [p for p in names if p.endswith(".parquet") or p.endswith(".parq") or p == root]
+    keep = [p for p in names if p.endswith(suffixes) or p == root]
     return {p: (found[p] or {}).get("size") for p in keep}
 
 
