@@ -93,3 +93,17 @@ def test_entrypoint_finds_a_python_with_jobrunner_without_path(tmp_path):
                      "sys.exit(subprocess.run(['/bin/sh', '-c', sys.argv[1]]).returncode)"]
     supervisor = _run_entrypoint(tmp_path, python_parent, {})
     assert supervisor.returncode == 0 and "jobrunner.cli, version" in supervisor.stdout
+
+
+def test_cli_submit_refuses_a_plain_text_secret_before_contacting_the_cluster(tmp_path):
+    from click.testing import CliRunner
+
+    from jobrunner.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: s\ninput: {url: in.parquet, prompt_column: p, storage_options: {secret: hunter2}}\n"
+                   "output: {url: out}\n")
+    result = CliRunner().invoke(main, ["submit", str(job), "--address", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    assert "the spec holds secrets in plain text (input.storage_options.secret)" in result.output
+    assert "hunter2" not in result.output
