@@ -13,9 +13,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jobrunner.redaction import ENV_REF, redact
+from jobrunner.redaction import ENV_REF, find_secrets, redact
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
+# Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
+# a stop string `token:` must stay as written (and must not stop `submit`).
+USER_DATA_SECTIONS = ("sampling",)
 
 
 class _Spec(BaseModel):
@@ -178,12 +181,20 @@ class JobSpec(_Spec):
     def redacted(self) -> dict[str, Any]:
         """The spec as a plain dict, secrets replaced by '***' at every depth (jobrunner.redaction.redact):
         credential-named keys anywhere (storage_options, engine.factory_options, headers, ...) and
-        credentials inside strings (URL passwords, signed query strings)."""
-        return redact(self.model_dump(mode="json"))
+        credentials inside strings (URL passwords, signed query strings); USER_DATA_SECTIONS are kept."""
+        data = self.model_dump(mode="json")
+        return {k: v if k in USER_DATA_SECTIONS else redact(v) for k, v in data.items()}
 
 
 class SpecError(ValueError):
     """A job spec that cannot be loaded; the message names the file and field."""
+
+
+def plain_text_secrets(data: Any) -> list[str]:
+    """Dotted paths of secrets written out in a spec dict (not `${env:NAME}`); `submit` refuses those."""
+    if not isinstance(data, dict):
+        return []
+    return find_secrets({k: v for k, v in data.items() if k not in USER_DATA_SECTIONS})
 
 
 def resolve_env_refs(value: Any, source: str = "<spec>", path: str = "") -> Any:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from jobrunner.redaction import redact_text
-from jobrunner.spec import JobSpec, SpecError, load_spec, load_spec_data, parse_overrides, spec_from_dict
+from jobrunner.spec import (
+    JobSpec,
+    SpecError,
+    load_spec,
+    load_spec_data,
+    parse_overrides,
+    plain_text_secrets,
+    spec_from_dict,
+)
 
 EXAMPLE = "jobs/example.yaml"
 
@@ -146,3 +154,10 @@ def test_every_field_is_described():
 def test_no_declared_field_is_mistaken_for_a_secret():
     spec = load_spec(EXAMPLE, ["sampling.stop_token_ids=[1, 2]", "sampling.stop=['</s>']"])
     assert spec.redacted() == spec.model_dump(mode="json")
+
+
+def test_sampling_is_user_data_not_secrets():
+    data = _minimal(sampling={"stop": ["password: "]})
+    assert plain_text_secrets(data) == []
+    assert JobSpec.model_validate(data).redacted()["sampling"]["stop"] == ["password: "]
+    assert plain_text_secrets(_minimal(engine={"factory_options": {"token": "t"}})) == ["engine.factory_options.token"]

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from jobrunner.redaction import find_secrets, redact_text
-from jobrunner.spec import JobSpec
+from jobrunner.redaction import redact_text
+from jobrunner.spec import JobSpec, plain_text_secrets
 
 SPEC_ENV = "JOBRUNNER_JOB_SPEC"
 PYTHON_ENV = "JOBRUNNER_PYTHON"
@@ -53,7 +53,7 @@ def build_submission(spec: JobSpec | dict[str, Any], working_dir: str | None = N
     list jobs, so secrets must be `${env:NAME}` references resolved on the cluster.
     """
     data = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
-    secrets = find_secrets(data)
+    secrets = plain_text_secrets(data)
     if secrets:
         raise SubmitError(
             f"the spec holds secrets in plain text ({', '.join(secrets)}); submit never sends secrets to the "
