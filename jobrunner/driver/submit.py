@@ -73,20 +73,27 @@ def entrypoint(submitter_python: str | None = None) -> str:
     """A shell command that runs `jobrunner run env:JOBRUNNER_JOB_SPEC` with a Python that has jobrunner.
 
     The head's PATH is not trusted (a head started as `.venv/bin/ray start` has no `jobrunner` on it).
-    Candidates, first that imports jobrunner wins: $JOBRUNNER_PYTHON (`submit --python`), the Python running
-    this Ray job's supervisor (the cluster's own interpreter, which already has Ray), this machine's
-    interpreter (same machine or same image), then python3 / python on PATH. None: a message that says what
-    the cluster needs, exit 127.
+    Candidates, first that imports jobrunner and ray wins: $JOBRUNNER_PYTHON (`submit --python`), the Python
+    that runs Ray on the head, this machine's interpreter (same machine or same image), then python3 / python
+    on PATH. None: a message that says what the cluster needs, exit 127.
     """
     here = shlex.quote(submitter_python or sys.executable)
-    # $PPID is the job supervisor (a Ray worker): argv[0] of its command line is the cluster's interpreter.
-    ray_python = "$(tr '\\000' '\\n' < /proc/$PPID/cmdline 2>/dev/null | head -n 1)"
+    candidates = f'"${{{PYTHON_ENV}:-}}" "{_VENV_OF_RAY}" "{_EXE_OF_RAY}" {here} python3 python'
     return (
-        f'for py in "${{{PYTHON_ENV}:-}}" "{ray_python}" {here} python3 python; do '
-        f'if [ -n "$py" ] && "$py" -c "import jobrunner" >/dev/null 2>&1; then '
+        f'for py in {candidates}; do '
+        f'if [ -n "$py" ] && "$py" -c "import jobrunner.cli, ray" >/dev/null 2>&1; then '
+        f'echo "jobrunner submit: running with $py" >&2; '
         f'exec "$py" -m jobrunner.cli run env:{SPEC_ENV}; fi; done; '
         f'echo "{NOT_FOUND}" >&2; exit 127'
     )
+
+
+# $PPID is the job supervisor, a Ray worker of the head. Its process title is rewritten by Ray ("ray::...") and
+# its /proc exe resolves a venv's python to the base interpreter, so: the venv (or prefix) whose site-packages
+# its ray/_raylet.so was loaded from, then its executable (right for non-venv installs).
+_VENV_OF_RAY = ("$(sed -n 's#^.* \\(/[^ ]*\\)/lib/python[0-9.]*/site-packages/ray/_raylet[.]so$#\\1/bin/python#p' "
+                "/proc/$PPID/maps 2>/dev/null | head -n 1)")
+_EXE_OF_RAY = "$(readlink /proc/$PPID/exe 2>/dev/null)"
 
 
 NOT_FOUND = (f"jobrunner submit: no Python on this Ray head can import jobrunner. Install jobrunner into the "

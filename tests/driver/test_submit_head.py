@@ -108,6 +108,9 @@ def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, 
                                        "--auth-token", token])
     assert result.exit_code == 0, result.output
     assert "2/2 shards committed, 16 rows" in result.output
+    import ray._raylet  # the entrypoint ran the head's own Ray Python, found without PATH
+
+    assert f"running with {Path(ray._raylet.__file__).resolve().parents[4]}/bin/python" in result.output
     job_id = result.output.splitlines()[0]
 
     from ray.job_submission import JobSubmissionClient

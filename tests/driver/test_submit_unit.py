@@ -69,10 +69,10 @@ def test_submission_refuses_plain_text_secrets_and_ships_env_refs(tmp_path):
 
 def _run_entrypoint(tmp_path, parent: list[str], env: dict) -> subprocess.CompletedProcess:
     """The entrypoint through /bin/sh as Ray runs it (a child of `parent`, as of the job supervisor), with
-    `run` swapped for `--version`; PATH holds only tr and head (no python, no jobrunner)."""
+    `run` swapped for `--version`; PATH holds only sed, head and readlink (no python, no jobrunner)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for tool in ("tr", "head"):
+    for tool in ("sed", "head", "readlink"):
         if not (bin_dir / tool).exists():
             (bin_dir / tool).symlink_to(shutil.which(tool))
     command = entrypoint(submitter_python=str(tmp_path / "missing-python")).replace(
@@ -88,11 +88,17 @@ def test_entrypoint_finds_a_python_with_jobrunner_without_path(tmp_path):
     assert missing.returncode == 127 and missing.stderr.strip() == NOT_FOUND
     explicit = _run_entrypoint(tmp_path, shell_parent, {PYTHON_ENV: sys.executable})
     assert explicit.returncode == 0 and "jobrunner.cli, version" in explicit.stdout
-    # Under Ray the parent is the job supervisor, a Ray worker running the cluster's Python.
-    python_parent = [sys.executable, "-c", "import subprocess, sys; "
+    assert f"jobrunner submit: running with {sys.executable}" in explicit.stderr
+    # Under Ray the parent is the job supervisor, a Ray worker (ray imported) of the head's Python: found
+    # through the site-packages its ray/_raylet.so was loaded from.
+    import ray._raylet
+
+    ray_prefix = Path(ray._raylet.__file__).resolve().parents[4]
+    python_parent = [sys.executable, "-c", "import ray._raylet, subprocess, sys; "
                      "sys.exit(subprocess.run(['/bin/sh', '-c', sys.argv[1]]).returncode)"]
     supervisor = _run_entrypoint(tmp_path, python_parent, {})
     assert supervisor.returncode == 0 and "jobrunner.cli, version" in supervisor.stdout
+    assert f"jobrunner submit: running with {ray_prefix}/bin/python" in supervisor.stderr
 
 
 def test_cli_submit_refuses_a_plain_text_secret_before_contacting_the_cluster(tmp_path):
