@@ -26,6 +26,8 @@ from jobrunner.spec import JobSpec, plain_text_secrets
 SPEC_ENV = "JOBRUNNER_JOB_SPEC"
 PYTHON_ENV = "JOBRUNNER_PYTHON"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 60.0
 
 
 class SubmitError(RuntimeError):
@@ -109,12 +111,17 @@ def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | N
     submission = build_submission(spec, working_dir, python)
     token = find_auth_token(auth_token)
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    try:
-        client = JobSubmissionClient(address, headers=headers)
-        job_id = client.submit_job(**submission)
-    except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
-        raise SubmitError(f"cannot submit to {address}: {redact_text(str(exc))}") from None
-    return client, job_id
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            client = JobSubmissionClient(address, headers=headers)
+            return client, client.submit_job(**submission)
+        except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
+            # A head that has just started answers this until its job agent is up: wait for it, briefly.
+            if NO_AGENT in str(exc) and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            raise SubmitError(f"cannot submit to {address}: {redact_text(str(exc))}") from None
 
 
 def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> str:
