@@ -7,16 +7,18 @@ typo fails loudly, naming the field.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_SECRET_KEY = re.compile(r"(^key$|secret|token|password|passwd|credential|key_id|access_key|session)", re.I)
-REDACTED = "***"
+from jobrunner.redaction import ENV_REF, find_secrets, redact
+
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
+# Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
+# a stop string `token:` must stay as written (and must not stop `submit`).
+USER_DATA_SECTIONS = ("sampling",)
 
 
 class _Spec(BaseModel):
@@ -201,23 +203,44 @@ class JobSpec(_Spec):
         return self.output.rows_per_file or self.input.rows_per_shard
 
     def redacted(self) -> dict[str, Any]:
-        """The spec as a plain dict with credential-looking storage options replaced by '***'."""
+        """The spec as a plain dict, secrets replaced by '***' at every depth (jobrunner.redaction.redact):
+        credential-named keys anywhere (storage_options, engine.factory_options, headers, ...) and
+        credentials inside strings (URL passwords, signed query strings); USER_DATA_SECTIONS are kept."""
         data = self.model_dump(mode="json")
-        for section in ("input", "output"):
-            data[section]["storage_options"] = redact(data[section]["storage_options"])
-        return data
+        return {k: v if k in USER_DATA_SECTIONS else redact(v) for k, v in data.items()}
 
 
 class SpecError(ValueError):
     """A job spec that cannot be loaded; the message names the file and field."""
 
 
-def redact(value: Any) -> Any:
-    """Replace values under secret-looking keys, recursively."""
+def plain_text_secrets(data: Any) -> list[str]:
+    """Dotted paths of secrets written out in a spec dict (not `${env:NAME}`); `submit` refuses those."""
+    if not isinstance(data, dict):
+        return []
+    return find_secrets({k: v for k, v in data.items() if k not in USER_DATA_SECTIONS})
+
+
+def resolve_env_refs(value: Any, source: str = "<spec>", path: str = "") -> Any:
+    """A copy of `value` with every `${env:NAME}` in its strings replaced by $NAME of this process.
+
+    SpecError names the field and the variable when one is not set. This runs where the spec is loaded to
+    run (on a cluster: the head), so a submitted spec carries the reference, never the secret.
+    """
     if isinstance(value, dict):
-        return {k: REDACTED if _SECRET_KEY.search(str(k)) else redact(v) for k, v in value.items()}
+        return {k: resolve_env_refs(v, source, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [redact(v) for v in value]
+        return [resolve_env_refs(v, source, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str) and "${env:" in value:
+        return ENV_REF.sub(lambda m: _env_value(m.group(1), source, path), value)
+    return value
+
+
+def _env_value(name: str, source: str, path: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise SpecError(f"{source}: {path}: environment variable {name} (from ${{env:{name}}}) is not set "
+                        "in this process; set it where the job runs (see docs/driver.md, Secrets)")
     return value
 
 
@@ -259,30 +282,42 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> JobSpec:
         raise SpecError(f"{source}: invalid job spec:\n{_format_errors(exc)}") from None
 
 
-def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read a YAML job spec (a file, or 'env:NAME' for an environment variable), apply overrides, validate."""
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), resolve_env: bool = True) -> JobSpec:
+    """Read a YAML job spec (a file, or 'env:NAME' for an environment variable), apply overrides, validate.
+
+    resolve_env: replace `${env:NAME}` references by this process's environment (False keeps them as
+    written: `jobrunner submit` validates and ships the spec without the secrets).
+    """
+    data, source = load_spec_data(path, overrides)
+    if resolve_env:
+        data = resolve_env_refs(data, source)
+    return spec_from_dict(data, source)
+
+
+def load_spec_data(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, str]:
+    """The spec as written (overrides merged, `${env:NAME}` kept) and a name of where it came from."""
     if str(path).startswith(ENV_PREFIX):
         name = str(path)[len(ENV_PREFIX):]
         text = os.environ.get(name)
         if text is None:
             raise SpecError(f"env:{name}: environment variable {name} is not set")
-        return _from_yaml(text, f"env:{name}", overrides)
+        return _from_yaml(text, f"env:{name}", overrides), f"env:{name}"
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read job spec: {exc.strerror or exc}") from None
-    return _from_yaml(text, str(path), overrides)
+    return _from_yaml(text, str(path), overrides), str(path)
 
 
-def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -> JobSpec:
+def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -> Any:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: not valid YAML: {exc}") from None
     if overrides and isinstance(data, dict):
         data = merge(data, parse_overrides(overrides))
-    return spec_from_dict(data, source)
+    return data
 
 
 def _format_errors(exc: ValidationError) -> str:

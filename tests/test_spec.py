@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from jobrunner.spec import JobSpec, SpecError, load_spec, parse_overrides, spec_from_dict
+from jobrunner.redaction import redact_text
+from jobrunner.spec import (
+    JobSpec,
+    SpecError,
+    load_spec,
+    load_spec_data,
+    parse_overrides,
+    plain_text_secrets,
+    spec_from_dict,
+)
 
 EXAMPLE = "jobs/example.yaml"
 
@@ -71,6 +80,66 @@ def test_redacted_hides_credentials():
     assert spec.output.storage_options["secret"] == "s3cr3t"
 
 
+def test_redacted_hides_every_pattern_at_every_depth():
+    secret_options = {
+        "account_key": "AK", "connection_string": "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=Zz==",
+        "api_key": "sk-1", "password": "pw", "credentials": {"token": "t1"}, "sas_token": "sv=1&sig=abc",
+        "client_kwargs": {"headers": {"Authorization": "Bearer abc", "X-Api-Key": "k2", "Accept": "json"}},
+        "session": {"profile": "p"}, "nested": [{"private_key": "pk"}], "region_name": "eu-west-1",
+    }
+    spec = JobSpec.model_validate(_minimal(
+        input={"url": "s3://AKIA:hunter2@host/in?X-Amz-Signature=sig1&X-Amz-Credential=c&part=1",
+               "prompt_column": "p", "storage_options": secret_options},
+        sampling={"stop_token_ids": [7, 8], "max_tokens": 9},
+        engine={"factory": "m:f", "factory_options": {"api_key": "sk-2", "auth_token": "t2", "depth": 3,
+                                                      "base_url": "https://u:p@api.example.com/v1?token=t3"}},
+        output={"url": "abfs://c@acc.dfs.core.windows.net/o?sv=2020&sig=zz&se=1"}))
+    red = spec.redacted()
+    options = red["input"]["storage_options"]
+    for key in ("account_key", "connection_string", "api_key", "password", "credentials", "sas_token",
+                "session", "nested"):
+        assert options[key] == "***" or options[key] == [{"private_key": "***"}], key
+    assert options["client_kwargs"]["headers"] == {"Authorization": "***", "X-Api-Key": "***", "Accept": "json"}
+    assert options["region_name"] == "eu-west-1"
+    assert red["input"]["url"] == "s3://AKIA:***@host/in?X-Amz-Signature=***&X-Amz-Credential=***&part=1"
+    assert red["output"]["url"] == "abfs://c@acc.dfs.core.windows.net/o?sv=2020&sig=***&se=1"
+    assert red["engine"]["factory_options"] == {"api_key": "***", "auth_token": "***", "depth": 3,
+                                                "base_url": "https://u:***@api.example.com/v1?token=***"}
+    assert red["sampling"]["stop_token_ids"] == [7, 8] and red["sampling"]["max_tokens"] == 9
+    text = str(red)
+    for secret in ("AK", "Zz==", "sk-1", "sk-2", "pw", "t1", "t2", "t3", "abc", "k2", "pk", "hunter2", "sig1"):
+        assert f"'{secret}'" not in text and f"={secret}" not in text and f":{secret}@" not in text, secret
+
+
+def test_redact_text_scrubs_exception_messages():
+    msg = ("ClientError: GET https://b.s3.amazonaws.com/k?X-Amz-Security-Token=tok&X-Amz-Signature=s1 "
+           "failed; Authorization: Bearer abc.def; conn AccountName=a;AccountKey=Zz==;EndpointSuffix=x; "
+           "password: hunter2; max_tokens=5")
+    assert redact_text(msg) == (
+        "ClientError: GET https://b.s3.amazonaws.com/k?X-Amz-Security-Token=***&X-Amz-Signature=*** "
+        "failed; Authorization: *** ***; conn AccountName=a;AccountKey=***;EndpointSuffix=x; "
+        "password: ***; max_tokens=5")
+
+
+def test_env_refs_resolve_where_the_spec_is_loaded(tmp_path, monkeypatch):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: e\ninput: {url: 's3://b/in', prompt_column: p, storage_options: "
+                    "{key: '${env:JR_KEY}', secret: '${env:JR_SECRET}'}}\noutput: {url: o}\n")
+    monkeypatch.setenv("JR_KEY", "AKIA")
+    monkeypatch.delenv("JR_SECRET", raising=False)
+    with pytest.raises(SpecError, match=r"input\.storage_options\.secret: environment variable JR_SECRET"):
+        load_spec(path)
+    unresolved = load_spec(path, resolve_env=False)
+    assert unresolved.input.storage_options == {"key": "${env:JR_KEY}", "secret": "${env:JR_SECRET}"}
+    monkeypatch.setenv("JR_SECRET", "s3cr3t")
+    spec = load_spec(path)
+    assert spec.input.storage_options == {"key": "AKIA", "secret": "s3cr3t"}
+    assert spec.redacted()["input"]["storage_options"] == {"key": "***", "secret": "***"}
+    data, source = load_spec_data(path, ["sampling.max_tokens=3"])
+    assert source == str(path) and data["input"]["storage_options"]["secret"] == "${env:JR_SECRET}"
+    assert data["sampling"] == {"max_tokens": 3}
+
+
 def test_every_field_is_described():
     def walk(model):
         for name, field in model.model_fields.items():
@@ -80,3 +149,15 @@ def test_every_field_is_described():
                 walk(ann)
             assert model.model_config.get("extra") == "forbid"
     walk(JobSpec)
+
+
+def test_no_declared_field_is_mistaken_for_a_secret():
+    spec = load_spec(EXAMPLE, ["sampling.stop_token_ids=[1, 2]", "sampling.stop=['</s>']"])
+    assert spec.redacted() == spec.model_dump(mode="json")
+
+
+def test_sampling_is_user_data_not_secrets():
+    data = _minimal(sampling={"stop": ["password: "]})
+    assert plain_text_secrets(data) == []
+    assert JobSpec.model_validate(data).redacted()["sampling"]["stop"] == ["password: "]
+    assert plain_text_secrets(_minimal(engine={"factory_options": {"token": "t"}})) == ["engine.factory_options.token"]

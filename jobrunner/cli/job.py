@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
-from jobrunner.spec import SpecError, load_spec
+from jobrunner.redaction import redact_text
+from jobrunner.spec import SpecError, load_spec, load_spec_data
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                            help="Override a spec field, e.g. --set sampling.max_tokens=32 (repeatable).")
@@ -31,8 +33,10 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
     from jobrunner.io.storage import StorageError
 
     spec = _load(job_file, overrides)
+    started = time.perf_counter()
     try:
         plan = plan_job(spec)
+        plan_s = time.perf_counter() - started
         output_state = describe_output(spec, plan)
         dups = duplicate_ids(plan.files, spec.input.storage_options, spec.input.id_column) \
             if check_ids and spec.input.id_column else []
@@ -42,13 +46,15 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
         raise click.ClickException(f"input.id_column {spec.input.id_column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
-    click.echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows, "
-               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows")
+    num_bytes = sum(f.num_bytes for f in plan.files)
+    click.echo(f"input {redact_text(spec.input.url)}: {len(plan.files)} file(s), {plan.num_rows} rows, "
+               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
+               f"planned in {plan_s:.2f}s)")
     for f in plan.files:
         click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
     columns = list(required_columns(spec).values()) + spec.output.keep_columns
     click.echo(f"required columns present: {', '.join(columns)}")
-    click.echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
+    click.echo(f"output {redact_text(spec.output.url)} (mode {spec.output.mode}): {output_state}")
 
 
 @click.command()
@@ -56,7 +62,7 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
 @_set_option
 @click.option("--address", default=None, help="Ray address to join; default: the spec's, else a local Ray.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress bar / lines.")
-@click.option("--no-report", is_flag=True, help="Do not write report.json / report.html at the end.")
+@click.option("--no-report", is_flag=True, help="Do not write _report/report.json and .html at the end.")
 def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progress: bool,
         no_report: bool) -> None:
     """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
@@ -74,13 +80,15 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
         raise click.ClickException(str(exc)) from None
     if not no_report:
         _write_report(spec)
-    click.echo(result.summary())
+    click.echo(redact_text(result.summary()))  # Ray job logs are readable by whoever can list jobs
     if not result.ok:
         raise click.ClickException(result.failure_message())
 
 
 def _write_report(spec) -> None:
-    """Write report.json/report.html next to the outputs; a report problem never fails the job."""
+    """Write _report/report.json and _report/report.html under the output; a report problem never fails the job."""
+    from jobrunner.io.layout import REPORT_FILES
+
     try:
         from jobrunner.reports import write_job_report
     except ImportError:
@@ -92,7 +100,7 @@ def _write_report(spec) -> None:
     if isinstance(report, dict) and report.get("error"):
         click.echo(f"warning: report not written: {report['error']}", err=True)
     else:
-        click.echo(f"report: {spec.output.url.rstrip('/')}/report.html")
+        click.echo(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}")
 
 
 @click.command()
@@ -103,14 +111,24 @@ def _write_report(spec) -> None:
 @click.option("--auth-token", default=None, envvar="RAY_AUTH_TOKEN",
               help="Ray auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
 @click.option("--working-dir", default=None, help="Directory uploaded as the job's working_dir.")
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="Python on the head that has jobrunner (default: found there; see docs/driver.md).")
 def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, auth_token: str | None,
-           working_dir: str | None) -> None:
-    """Submit JOB_FILE as a Ray job through the Job Submission API; print the job id."""
+           working_dir: str | None, python: str | None) -> None:
+    """Submit JOB_FILE as a Ray job through the Job Submission API; print the job id.
+
+    The spec is sent as written: secrets must be ${env:NAME} references, resolved on the head.
+    """
     from jobrunner.driver.submit import SubmitError, follow_job, submit_job
 
-    spec = _load(job_file, overrides)
     try:
-        client, job_id = submit_job(spec, address, auth_token=auth_token, working_dir=working_dir)
+        load_spec(job_file, overrides, resolve_env=False)  # validate here; ${env:NAME} stays unresolved
+        data, _ = load_spec_data(job_file, overrides)
+    except SpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        client, job_id = submit_job(data, address, auth_token=auth_token, working_dir=working_dir,
+                                    python=python)
     except SubmitError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(job_id)

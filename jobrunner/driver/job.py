@@ -36,6 +36,7 @@ from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_part
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class _JobLoop:
 
     def _worker_lost(self, worker: Worker, error: str, stalled: bool = False, crash: str | None = None) -> None:
         """Requeue a lost worker's tasks without charging them (see driver/tasks.py) and drop the worker."""
-        log.warning("worker %s lost: %s", worker.worker_id, error)
+        log.warning("worker %s lost: %s", worker.worker_id, redact_text(error))
         ran_alone = len(worker.tasks) == 1
         self.pool.remove(worker, error)
         for ref, task in list(worker.tasks.items()):
@@ -179,7 +180,7 @@ class _JobLoop:
     def _isolate(self, task: Task, reason: str) -> None:
         """A task that fails alone: split it, or (one row) mark its row an error row."""
         if task.num_rows <= 1:
-            log.warning("shard %s row %d crashes the engine: %s", task.shard_id, task.row_start, reason)
+            log.warning("shard %s row %d crashes the engine: %s", task.shard_id, task.row_start, redact_text(reason))
             task.error_text, task.alone = reason, False
             self.queue.put(task)
             return
@@ -259,7 +260,7 @@ class _JobLoop:
         self.book.fail(task.shard_id, error, work.attempts, failed=give_up)
         if give_up:
             self.failed[task.shard_id] = error
-            log.error("shard %s failed after %d attempt(s): %s", task.shard_id, task.failures, error)
+            log.error("shard %s failed after %d attempt(s): %s", task.shard_id, task.failures, redact_text(error))
             return
         task.alone = True
         self.queue.put(task, self.spec.cluster.retry_backoff_s * 2 ** (task.failures - 1))

@@ -19,6 +19,7 @@ from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION
 from jobrunner.io.manifest import write_manifest
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
@@ -192,7 +193,7 @@ class JobBook:
 
     def fail(self, shard_id: str, error: str, attempts: int, failed: bool) -> None:
         """Record a failed attempt in memory; `failed` marks the shard failed for good."""
-        self.manifest["shards"][shard_id].update(attempts=attempts, error=error,
+        self.manifest["shards"][shard_id].update(attempts=attempts, error=redact_text(error),
                                                  status="failed" if failed else "pending")
 
     def record_worker(self, worker_id: str, stats: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder,
 from jobrunner.io.manifest import clear_success, read_manifest_with_records
 from jobrunner.io.parts import list_parts
 from jobrunner.io.storage import Storage, StorageError
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 
 class OutputError(ValueError):
     """The output location cannot be used as asked (exists in error mode, unreachable, foreign files)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:

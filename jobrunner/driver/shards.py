@@ -1,7 +1,8 @@
 """Shard planning: cut the input files into row ranges of about N rows, with stable ids.
 
 A shard is (file, row_start, row_end). Boundaries follow row groups when they are small enough (so a shard
-reads whole row groups), and split a big row group into even pieces. The id hashes the file's position and
+reads whole row groups), and split a big row group into even pieces; a worker fetches a split group once for
+all the pieces it runs (io/row_groups.py), so no byte is fetched once per shard. The id hashes the file's position and
 name and the range, so the same input and rows_per_shard always give the same shards, and a changed
 plan is detected.
 """

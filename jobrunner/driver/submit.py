@@ -1,8 +1,10 @@
 """`jobrunner submit`: run a job spec as a Ray job through Ray's Job Submission API.
 
-The spec travels in the job's runtime_env (env var JOBRUNNER_JOB_SPEC, JSON) and the entrypoint is
-`jobrunner run env:JOBRUNNER_JOB_SPEC`, which joins the cluster through the RAY_ADDRESS that Ray sets for
-the job. With token authentication (RAY_AUTH_MODE=token) every request carries `Authorization: Bearer
+The spec travels, as written, in the job's runtime_env (env var JOBRUNNER_JOB_SPEC, JSON): secrets only
+as `${env:NAME}` references, resolved on the head when the job loads the spec (a plain-text secret is
+refused). The entrypoint runs `python -m jobrunner.cli run env:JOBRUNNER_JOB_SPEC` with a Python that has
+jobrunner, found without relying on the head's PATH, and joins the cluster through the RAY_ADDRESS that Ray
+sets for the job. With token authentication (RAY_AUTH_MODE=token) every request carries `Authorization: Bearer
 <token>`; the token comes from --auth-token / $RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH, else
 ~/.ray/auth_token (where `ray start` writes it). Passing the header ourselves works whether or not this
 machine's Ray has token mode switched on.
@@ -12,14 +14,20 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from jobrunner.spec import JobSpec
+from jobrunner.redaction import redact_text
+from jobrunner.spec import JobSpec, plain_text_secrets
 
 SPEC_ENV = "JOBRUNNER_JOB_SPEC"
+PYTHON_ENV = "JOBRUNNER_PYTHON"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+NO_AGENT = "No available agent to submit job"
+AGENT_WAIT_S = 60.0
 
 
 class SubmitError(RuntimeError):
@@ -39,28 +47,81 @@ def find_auth_token(explicit: str | None = None) -> str | None:
         return None
 
 
-def build_submission(spec: JobSpec, working_dir: str | None = None) -> dict[str, Any]:
-    """Entrypoint and runtime_env for a spec."""
-    runtime_env: dict[str, Any] = {"env_vars": {SPEC_ENV: json.dumps(spec.model_dump(mode="json"))}}
+def build_submission(spec: JobSpec | dict[str, Any], working_dir: str | None = None,
+                     python: str | None = None) -> dict[str, Any]:
+    """Entrypoint and runtime_env for a spec (a JobSpec, or the spec as written, `${env:NAME}` kept).
+
+    SubmitError when the spec holds a secret in plain text: Ray shows a job's runtime_env to anyone who can
+    list jobs, so secrets must be `${env:NAME}` references resolved on the cluster.
+    """
+    data = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
+    secrets = plain_text_secrets(data)
+    if secrets:
+        raise SubmitError(
+            f"the spec holds secrets in plain text ({', '.join(secrets)}); submit never sends secrets to the "
+            "cluster (Ray shows runtime_env to anyone who can list jobs). Write each as ${env:NAME} and set "
+            "NAME in the environment of `ray start` on the head (docs/driver.md, Secrets)")
+    env_vars = {SPEC_ENV: json.dumps(data)}
+    if python:
+        env_vars[PYTHON_ENV] = python
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
     if working_dir:
         runtime_env["working_dir"] = working_dir
-    return {"entrypoint": f"jobrunner run env:{SPEC_ENV}", "runtime_env": runtime_env,
-            "metadata": {"jobrunner_job": spec.name}}
+    return {"entrypoint": entrypoint(), "runtime_env": runtime_env,
+            "metadata": {"jobrunner_job": str(data.get("name", ""))}}
 
 
-def submit_job(spec: JobSpec, address: str, auth_token: str | None = None,
-               working_dir: str | None = None) -> tuple[Any, str]:
-    """Submit; returns (client, Ray job id)."""
+def entrypoint(submitter_python: str | None = None) -> str:
+    """A shell command that runs `jobrunner run env:JOBRUNNER_JOB_SPEC` with a Python that has jobrunner.
+
+    The head's PATH is not trusted (a head started as `.venv/bin/ray start` has no `jobrunner` on it).
+    Candidates, first that imports jobrunner and ray wins: $JOBRUNNER_PYTHON (`submit --python`), the Python
+    that runs Ray on the head, this machine's interpreter (same machine or same image), then python3 / python
+    on PATH. None: a message that says what the cluster needs, exit 127.
+    """
+    here = shlex.quote(submitter_python or sys.executable)
+    candidates = f'"${{{PYTHON_ENV}:-}}" "{_VENV_OF_RAY}" "{_EXE_OF_RAY}" {here} python3 python'
+    return (
+        f'for py in {candidates}; do '
+        f'if [ -n "$py" ] && "$py" -c "import jobrunner.cli, ray" >/dev/null 2>&1; then '
+        f'echo "jobrunner submit: running with $py" >&2; '
+        f'exec "$py" -m jobrunner.cli run env:{SPEC_ENV}; fi; done; '
+        f'echo "{NOT_FOUND}" >&2; exit 127'
+    )
+
+
+# $PPID is the job supervisor, a Ray worker of the head. Its process title is rewritten by Ray ("ray::...") and
+# its /proc exe resolves a venv's python to the base interpreter, so: the venv (or prefix) whose site-packages
+# its ray/_raylet.so was loaded from, then its executable (right for non-venv installs).
+_VENV_OF_RAY = ("$(sed -n 's#^.* \\(/[^ ]*\\)/lib/python[0-9.]*/site-packages/ray/_raylet[.]so$#\\1/bin/python#p' "
+                "/proc/$PPID/maps 2>/dev/null | head -n 1)")
+_EXE_OF_RAY = "$(readlink /proc/$PPID/exe 2>/dev/null)"
+
+
+NOT_FOUND = (f"jobrunner submit: no Python on this Ray head can import jobrunner. Install jobrunner into the "
+             f"Python that runs Ray on every node (pip install jobrunner, or pip install -e . in the image), "
+             f"or pass --python /path/to/python (sent as {PYTHON_ENV}).")
+
+
+def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | None = None,
+               working_dir: str | None = None, python: str | None = None) -> tuple[Any, str]:
+    """Submit; returns (client, Ray job id). SubmitError names the address (or the plain-text secrets)."""
     from ray.job_submission import JobSubmissionClient
 
+    submission = build_submission(spec, working_dir, python)
     token = find_auth_token(auth_token)
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    try:
-        client = JobSubmissionClient(address, headers=headers)
-        job_id = client.submit_job(**build_submission(spec, working_dir))
-    except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
-        raise SubmitError(f"cannot submit to {address}: {exc}") from None
-    return client, job_id
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            client = JobSubmissionClient(address, headers=headers)
+            return client, client.submit_job(**submission)
+        except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
+            # A head that has just started answers this until its job agent is up: wait for it, briefly.
+            if NO_AGENT in str(exc) and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            raise SubmitError(f"cannot submit to {address}: {redact_text(str(exc))}") from None
 
 
 def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> str:

@@ -12,7 +12,8 @@ PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"
 COMMITS_DIR = "_commits"  # one small record per committed shard, folded into the manifest by compaction
 LEASE = "_lease.json"  # the run that owns this output (run id, host, heartbeat, expiry)
-REPORT_FILES = ("report.json", "report.html")
+REPORT_DIR = "_report"  # `_` so Parquet readers pointed at the output URL skip it
+REPORT_FILES = (f"{REPORT_DIR}/report.json", f"{REPORT_DIR}/report.html")
 
 
 def part_key(shard_id: str, row_start: int | None = None) -> str:
@@ -23,7 +24,7 @@ def part_key(shard_id: str, row_start: int | None = None) -> str:
 
 def attempt_part_key(attempt_id: str, shard_id: str, row_start: int) -> str:
     """Temporary key a worker writes one attempt of a shard (piece) to; only the driver commits it."""
-    return f"{TEMP_DIR}/{attempt_id}/part-{shard_id}-r{row_start}.parquet"
+    return f"{TEMP_DIR}/{attempt_id}/part-{shard_id}-r{row_start}.parquet.tmp"
 
 
 def commit_record_key(shard_id: str) -> str:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from jobrunner.io.layout import PARTS_DIR, attempt_part_key, part_key
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage, retry
+from jobrunner.redaction import redact_text
 
 # The contract columns, in order (docs/contracts.md).
 OUTPUT_SCHEMA = pa.schema([
@@ -36,7 +37,7 @@ def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> p
 
     kept: the shard's input table with the kept columns and ROW_INDEX; its rows are matched by ROW_INDEX.
     """
-    columns = {f.name: pa.array([r.get(f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA}
+    columns = {f.name: pa.array([_cell(r, f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA}
     table = pa.table(columns, schema=OUTPUT_SCHEMA)
     if kept is None or kept.num_columns <= 1:
         return table
@@ -46,6 +47,23 @@ def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> p
         if name != ROW_INDEX and name not in OUTPUT_SCHEMA.names:
             table = table.append_column(kept.schema.field(name), kept.column(name).take(indices))
     return table
+
+
+# ---- issue 11: one schema for every part; no secret in an error text --------------------------------------
+def part_schema(kept: pa.Schema | None = None, base: pa.Schema = OUTPUT_SCHEMA) -> pa.Schema:
+    """The exact schema of every part of a job (what `rows_to_table` gives): the contract columns with their
+    Arrow types (a part whose rows are all errors, every `generated_text` null, included), then the kept input
+    columns with their input types (planning checks that each has one type across the input files)."""
+    fields = list(base)
+    if kept is not None:
+        fields += [f for f in kept if f.name != ROW_INDEX and f.name not in base.names]
+    return pa.schema(fields)
+
+
+def _cell(row: dict[str, Any], name: str) -> Any:
+    """A row's value for a contract column; an error text loses any credential it quotes (URLs, tokens)."""
+    value = row.get(name)
+    return redact_text(value) if name == "error" and isinstance(value, str) else value
 
 
 def write_part(storage: Storage, shard_id: str, table: pa.Table) -> str:

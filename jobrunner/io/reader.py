@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
+from jobrunner.io.row_groups import ReadStats, RowGroupCache, read_footer, read_range
 from jobrunner.io.storage import StorageError, retry
+from jobrunner.redaction import redact_text
 
 ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
 ROW_ID = "__id"  # the row id (from id_column or derived)
+T = TypeVar("T")
+R = TypeVar("R")
+PROCESS_CACHE = RowGroupCache()  # footers and split row groups this process has read (one per worker)
+PROCESS_STATS = ReadStats()  # what read_rows fetched in this process when no `stats` is given (worker stats)
 
 
 class InputError(ValueError):
-    """Bad input data; the message names the URL, file, column or row."""
+    """Bad input data; the message names the URL, file, column or row (credentials cut out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,10 @@ class InputFile:
     num_rows: int
     row_group_num_rows: tuple[int, ...]
     column_types: dict[str, str] = field(default_factory=dict)  # name -> Arrow type as text
+    num_bytes: int = 0  # file size (for the read-amplification figure)
+
+
+FOOTER_THREADS = 32  # footers are small reads dominated by latency: read many files at once
 
 
 def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFile]:
@@ -37,27 +52,47 @@ def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFil
         fs, root = url_to_fs(url, **storage_options)
     except (ImportError, ValueError) as exc:
         raise InputError(f"input.url {url!r}: {exc}") from None
-    paths = _expand(fs, url, root)
-    if not paths:
+    path_to_size = _expand(fs, url, root)
+    if not path_to_size:
         raise InputError(f"input.url {url!r}: no Parquet files found")
-    return [_read_footer(fs, p) for p in paths]
+    return read_footers(fs, path_to_size)
 
 
-def _expand(fs: Any, url: str, root: str) -> list[str]:
+def read_footers(fs: Any, path_to_size: dict[str, int | None], threads: int | None = None) -> list[InputFile]:
+    """The footers of many files, read concurrently (FOOTER_THREADS threads by default), in the order given."""
+    return map_files(lambda item: _read_footer(fs, *item), list(path_to_size.items()), threads)
+
+
+def map_files(fn: Callable[[T], R], items: list[T], threads: int | None = None) -> list[R]:
+    """`[fn(x) for x in items]` on a thread pool (FOOTER_THREADS by default): describing input files is a
+    few small reads each, dominated by latency. The first error (in item order) is raised."""
+    threads = FOOTER_THREADS if threads is None else threads
+    if len(items) <= 1 or threads <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+PARQUET_SUFFIXES = (".parquet", ".parq")
+
+
+def _expand(fs: Any, url: str, root: str, suffixes: tuple[str, ...] = PARQUET_SUFFIXES) -> dict[str, int | None]:
+    """Paths under the URL with these suffixes, sorted -> size from the listing (None when it gave none)."""
     fs.invalidate_cache()
     try:
         if any(c in root for c in "*?["):
-            paths = retry(f"glob {url}", lambda: fs.glob(root))
+            found = retry(f"glob {url}", lambda: fs.glob(root, detail=True))
         elif retry(f"inspect {url}", lambda: fs.isdir(root)):
-            paths = retry(f"list {url}", lambda: fs.find(root))
+            found = retry(f"list {url}", lambda: fs.find(root, detail=True))
         elif retry(f"inspect {url}", lambda: fs.exists(root)):
-            paths = [root]
+            found = {root: {}}
         else:
             raise InputError(f"input.url {url!r}: not found")
     except (FileNotFoundError, PermissionError, StorageError) as exc:
         raise InputError(f"input.url {url!r}: cannot list: {exc}") from None
-    names = [p for p in sorted(paths) if p == root or not _hidden(p, root)]
-    return [p for p in names if p.endswith(".parquet") or p.endswith(".parq") or p == root]
+    names = [p for p in sorted(found) if p == root or not _hidden(p, root)]
+    keep = [p for p in names if p.endswith(suffixes) or p == root]
+    return {p: (found[p] or {}).get("size") for p in keep}
 
 
 def _hidden(path: str, root: str) -> bool:
@@ -66,14 +101,15 @@ def _hidden(path: str, root: str) -> bool:
     return any(part.startswith(("_", ".")) for part in rel.split("/") if part)
 
 
-def _read_footer(fs: Any, path: str) -> InputFile:
-    def read() -> pq.FileMetaData:
-        with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata
+def _read_footer(fs: Any, path: str, size: int | None = None) -> InputFile:
+    def read() -> tuple[pq.FileMetaData, int]:
+        with _open_exact(fs, path) as f:
+            num_bytes = size if size is not None else f.seek(0, 2)
+            return read_footer(f, num_bytes), num_bytes
 
     url = fs.unstrip_protocol(path)
     try:
-        meta = retry(f"read {url}", read)
+        meta, num_bytes = retry(f"read {url}", read)
     except (pa.ArrowInvalid, OSError, StorageError) as exc:
         raise InputError(f"input file {url}: not a readable Parquet file ({exc})") from None
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
@@ -81,7 +117,15 @@ def _read_footer(fs: Any, path: str) -> InputFile:
     types = {name: str(schema.field(name).type) for name in schema.names}
     stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
     return InputFile(url=url, stem=stem, num_rows=meta.num_rows, row_group_num_rows=groups,
-                     column_types=types)
+                     column_types=types, num_bytes=num_bytes)
+
+
+def _open_exact(fs: Any, path: str) -> Any:
+    """Open for reading with no read-ahead, so each read fetches exactly the bytes asked for."""
+    try:
+        return fs.open(path, "rb", cache_type="none")
+    except TypeError:  # a filesystem whose open() takes no cache options
+        return fs.open(path, "rb")
 
 
 # Which Arrow types each role accepts (checked on the type text, so no pyarrow is needed by callers).
@@ -126,19 +170,33 @@ def check_columns(files: list[InputFile], roles: dict[str, str], keep: list[str]
         for column in keep:
             if column not in f.column_types:
                 raise InputError(f"input file {f.url}: missing column {column!r} (output.keep_columns)")
+    _check_kept_types(files, keep)
+
+
+def _check_kept_types(files: list[InputFile], keep: list[str]) -> None:
+    """Every part gets one schema, so a kept column must have one type across the input files."""
+    for column in keep:
+        first = files[0] if files else None
+        for f in files[1:]:
+            if f.column_types[column] != first.column_types[column]:
+                raise InputError(f"output.keep_columns: column {column!r} is {first.column_types[column]} in "
+                                 f"{first.url} but {f.column_types[column]} in {f.url}; every output part has "
+                                 "one schema, so cast the input to one type")
 
 
 def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, row_end: int,
-              columns: list[str]) -> pa.Table:
-    """Rows [row_start, row_end) of one file, only `columns`, plus ROW_INDEX (the row number in the file)."""
+              columns: list[str], stats: ReadStats | None = None,
+              cache: RowGroupCache | None = None) -> pa.Table:
+    """Rows [row_start, row_end) of one file, only `columns`, plus ROW_INDEX (the row number in the file).
+
+    Whole row groups are fetched, each column chunk once; footers and split row groups are remembered in
+    `cache` (default: one per process, i.e. per worker) so a worker fetches them once (io/row_groups.py).
+    """
     fs, path = url_to_fs(file_url, **storage_options)
 
     def read() -> pa.Table:
-        with fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            groups, first = _groups_for(pf.metadata, row_start, row_end)
-            table = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table()
-            return table.slice(row_start - first, row_end - row_start)
+        return read_range(lambda: _open_exact(fs, path), file_url, row_start, row_end, columns,
+                          cache or PROCESS_CACHE, PROCESS_STATS if stats is None else stats)
 
     try:
         table = retry(f"read {file_url}", read)
@@ -167,17 +225,6 @@ def duplicate_ids(files: list[InputFile], storage_options: dict[str, Any], colum
                     return dups
             seen.add(key)
     return dups
-
-
-def _groups_for(meta: pq.FileMetaData, row_start: int, row_end: int) -> tuple[list[int], int]:
-    groups, first, offset = [], None, 0
-    for i in range(meta.num_row_groups):
-        n = meta.row_group(i).num_rows
-        if offset < row_end and offset + n > row_start:
-            groups.append(i)
-            first = offset if first is None else first
-        offset += n
-    return groups, first or 0
 
 
 def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:

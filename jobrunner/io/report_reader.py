@@ -213,13 +213,13 @@ def _value_counts(column: pa.Array) -> dict[str, int]:
 
 def write_report_files(url: str, name_to_text: dict[str, str],
                        storage_options: dict | None = None) -> list[str]:
-    """Write each `name -> text` under the output URL (e.g. report.json, report.html); return the paths."""
+    """Write each `name -> text` under the output URL (e.g. _report/report.json); return the paths."""
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
-    fs.makedirs(root, exist_ok=True)
     paths = []
     for name, text in name_to_text.items():
         path = posixpath.join(root, name)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.pipe_file(path, text.encode("utf-8"))
         paths.append(fs.unstrip_protocol(path))
     return paths

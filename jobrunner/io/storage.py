@@ -17,6 +17,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from jobrunner.io.layout import TEMP_DIR
+from jobrunner.redaction import redact_text
 
 log = logging.getLogger(__name__)
 TEMP_PROBE = f"{TEMP_DIR}/probe"
@@ -27,7 +28,10 @@ _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, Permissi
 
 
 class StorageError(RuntimeError):
-    """A storage operation that failed after retries; the message names the URL."""
+    """A storage operation that failed after retries; the message names the URL (credentials cut out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 0.2) -> T:
@@ -48,7 +52,7 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
 def _named(exc: Exception, what: str) -> Exception:
     """The same kind of error with `what` (the operation and URL) in front of its message."""
     try:
-        return type(exc)(f"{what}: {exc}")
+        return type(exc)(redact_text(f"{what}: {exc}"))
     except Exception:  # noqa: BLE001 - exotic constructor: keep the original
         return exc
 
@@ -84,7 +88,8 @@ class Storage:
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write to a temporary key, then commit to `rel` (overwriting any previous value)."""
-        tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}"
+        # `.tmp`: a glob reader (`OUT/**/*.parquet`) never picks up a write in flight or one left by a crash.
+        tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}.tmp"
         retry(f"write {self.display(tmp)}", lambda: self.put(tmp, data))
         self.commit(tmp, rel)
 

@@ -1,9 +1,10 @@
-"""Load reports from output URLs and write report.json / report.html next to a job's outputs."""
+"""Load reports from output URLs and write _report/report.json and _report/report.html under a job's output."""
 
 from __future__ import annotations
 
 import logging
 
+from jobrunner.io.layout import REPORT_FILES
 from jobrunner.io.report_reader import open_outputs, write_report_files
 from jobrunner.reports.build import build_report
 from jobrunner.reports.fold import Slo
@@ -19,7 +20,7 @@ def load_report(output_url: str, storage_options: dict | None = None, worker_hou
 
 def write_job_report(output_url: str, storage_options: dict | None = None,
                      worker_hour_usd: float | None = None) -> dict:
-    """Write report.json and report.html under `output_url`; return the report (or {"error": ...}).
+    """Write _report/report.json and _report/report.html under `output_url`; return the report (or {"error": ...}).
 
     Called by the driver when a job ends. It never raises: a report problem is logged and returned as
     {"error": message} so that it cannot hide the job's own result.
@@ -29,8 +30,9 @@ def write_job_report(output_url: str, storage_options: dict | None = None,
 
     try:
         report = load_report(output_url, storage_options, worker_hour_usd)
-        paths = write_report_files(output_url, {"report.json": render_json([report]),
-                                                "report.html": render_html([report])}, storage_options)
+        json_key, html_key = REPORT_FILES
+        paths = write_report_files(output_url, {json_key: render_json([report]), html_key: render_html([report])},
+                                   storage_options)
     except Exception as exc:  # noqa: BLE001 - a report must never fail the job
         logger.warning("jobrunner report for %s not written: %s", output_url, exc)
         return {"error": f"{type(exc).__name__}: {exc}"}

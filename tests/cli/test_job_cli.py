@@ -66,7 +66,8 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     assert second.exit_code == 0, second.output
     assert "3/3 shards committed, 24 rows" in second.output
     assert (tmp_path / "out" / "_SUCCESS").exists()
-    assert (tmp_path / "out" / "report.json").exists() and (tmp_path / "out" / "report.html").exists()
+    assert (tmp_path / "out" / "_report" / "report.json").exists()
+    assert (tmp_path / "out" / "_report" / "report.html").exists()
 
 
 def _free_port() -> int:

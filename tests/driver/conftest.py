@@ -17,6 +17,8 @@ def local_ray():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # address="local": always a new instance, even while another test's cluster (same machine) has written
+    # /tmp/ray/ray_current_cluster, which a bare ray.init() would try to join.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()

@@ -132,4 +132,4 @@ def test_odd_manifest_fields_do_not_crash(tmp_path: Path) -> None:
 def test_write_job_report_never_raises(tmp_path: Path) -> None:
     result = write_job_report(str(tmp_path / "nothing"))
     assert "no jobrunner outputs" in result["error"]
-    assert not (tmp_path / "nothing" / "report.json").exists()
+    assert not (tmp_path / "nothing" / "_report" / "report.json").exists()

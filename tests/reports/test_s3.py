@@ -44,11 +44,11 @@ def test_write_job_report_to_s3(s3_job: str, s3_server: dict) -> None:
     assert "error" not in result, result
     fs = fsspec.filesystem("s3", **options)
     fs.invalidate_cache()
-    stored = json.loads(fs.cat_file("reports-test/jobs/example/report.json"))
+    stored = json.loads(fs.cat_file("reports-test/jobs/example/_report/report.json"))
     assert stored["rows"]["total"] == 900 and stored["cost"]["worker_hour_usd"] == 0.5
-    assert fs.cat_file("reports-test/jobs/example/report.html").startswith(b"<!DOCTYPE html>")
-    assert sorted(result["files"]) == ["s3://reports-test/jobs/example/report.html",
-                                       "s3://reports-test/jobs/example/report.json"]
+    assert fs.cat_file("reports-test/jobs/example/_report/report.html").startswith(b"<!DOCTYPE html>")
+    assert sorted(result["files"]) == ["s3://reports-test/jobs/example/_report/report.html",
+                                       "s3://reports-test/jobs/example/_report/report.json"]
 
 
 def test_only_metric_column_bytes_cross_the_network(s3_server: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,127 @@
+"""`jobrunner submit` against a real head started as a new user would: `.venv/bin/ray start --head` with the
+venv not activated (no `jobrunner` on the head's PATH), token authentication on, free ports. The spec's
+secret is a ${env:NAME} reference: it never appears in the Ray job's runtime_env, and resolves on the head."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from jobrunner.cli import main
+from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _wait_for_dashboard(url: str, token: str, head: subprocess.Popen, deadline_s: float, log: Path) -> None:
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"}).list_jobs()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if head.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text()[-3000:]
+                raise RuntimeError(f"Ray head did not come up at {url}:\n{tail}") from None
+            time.sleep(1.0)
+
+
+@pytest.fixture
+def token_head(tmp_path):
+    """`<venv>/bin/ray start --head --block` with RAY_AUTH_MODE=token on free ports; PATH without the venv."""
+    gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = _free_ports(7)
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    home = tmp_path / "home"
+    home.mkdir()
+    temp_dir = tempfile.mkdtemp(prefix="jr-head-")  # short: Ray's socket paths must fit in 107 bytes
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(REPO),
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "JR_HEAD_SECRET": SECRET,
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+               "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+               f"--dashboard-agent-grpc-port={agent_grpc}", f"--dashboard-agent-listen-port={agent_http}",
+               f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
+               f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    head = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        _wait_for_dashboard(url, token, head, deadline_s=120, log=tmp_path / "head.log")
+        yield url, token
+    finally:
+        _stop(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _stop(head: subprocess.Popen) -> None:
+    """SIGTERM to the head's own process group (its raylet, GCS, dashboard), then SIGKILL if it lingers."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            head.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, monkeypatch):
+    url, token = token_head
+    write_prompts(tmp_path / "in.parquet", 16)
+    spec = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"), cluster={"num_workers": 1})
+    spec["output"]["storage_options"] = {"api_token": "${env:JR_HEAD_SECRET}"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.delenv("JR_HEAD_SECRET", raising=False)  # only the head has it
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+
+    result = CliRunner().invoke(main, ["submit", str(tmp_path / "job.yaml"), "--address", url, "--wait",
+                                       "--auth-token", token])
+    assert result.exit_code == 0, result.output
+    assert "2/2 shards committed, 16 rows" in result.output
+    import ray._raylet  # the entrypoint ran the head's own Ray Python, found without PATH
+
+    assert f"running with {Path(ray._raylet.__file__).resolve().parents[4]}/bin/python" in result.output
+    job_id = result.output.splitlines()[0]
+
+    from ray.job_submission import JobSubmissionClient
+
+    info = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"}).get_job_info(job_id)
+    shipped = json.dumps(info.runtime_env) + info.entrypoint
+    assert SECRET not in shipped and "${env:JR_HEAD_SECRET}" in shipped
+    manifest = read_manifest_file(tmp_path / "out")
+    assert manifest["spec"]["output"]["storage_options"] == {"api_token": "***"}
+    assert SECRET not in (tmp_path / "out" / "_manifest.json").read_text()
+
+    refused = CliRunner().invoke(main, ["submit", str(tmp_path / "job.yaml"), "--address", url,
+                                        "--auth-token", "wrong-token"])
+    assert refused.exit_code == 1 and f"cannot submit to {url}" in refused.output
