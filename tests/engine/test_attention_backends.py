@@ -1,0 +1,139 @@
+"""The triton attention backend (run by Triton's CPU interpreter) against the torch backend, and selection.
+
+Triton decides at import time whether its kernels are interpreted, so the kernel tests run in a child pytest
+started with ``TRITON_INTERPRET=1`` (``test_kernels_under_the_triton_interpreter``); in the parent process
+they are skipped, and the parent test fails with the child's output if any of them fails.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import engine_from_hf
+
+from jobrunner.attention import StepLayout, StepUpload, make_backend
+from jobrunner.attention.torch_backend import TORCH_BACKEND
+from jobrunner.engine import EngineConfig, SamplingParams
+
+CHILD_FLAG = "JOBRUNNER_TRITON_CHILD"
+IN_CHILD = os.environ.get(CHILD_FLAG) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def interpreted():
+    """Only in the child process, where every Triton kernel is interpreted on the CPU."""
+    if not IN_CHILD:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_under_the_triton_interpreter")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the parent test")
+def test_kernels_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
+    select = "triton and not fallback and not under_the"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(__file__))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+
+def _layout(rows, block_size, num_blocks, rng):
+    """rows: (start, query_len) per row -> a StepLayout with shuffled block tables, and its slot list."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    layout = StepLayout([], [], [], [], 0, block_size)
+    slots = []
+    for start, q_len in rows:
+        seq_len = start + q_len
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        layout.query_starts.append(layout.num_tokens)
+        layout.query_lens.append(q_len)
+        layout.seq_lens.append(seq_len)
+        layout.block_tables.append(table)
+        layout.num_tokens += q_len
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, seq_len)]
+    return layout, slots
+
+
+def _attend(backend, layout, slots, q, k, v, cache):
+    upload = StepUpload(torch.device("cpu"))
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    return backend.forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5), k_cache
+
+
+# prompt chunk from 0 | chunk after a cached prefix | long decode | short decodes | a one-token chunk tail
+MIXED = [(0, 21), (37, 6), (70, 1), (0, 1), (12, 1), (33, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1), (8, 1)])
+def test_triton_matches_torch_on_mixed_steps(interpreted, block_size, num_heads, num_kv_heads):
+    rng = random.Random(block_size * 10 + num_heads)
+    torch.manual_seed(block_size + num_heads)
+    head_dim, num_blocks = 16, 24
+    layout, slots = _layout(MIXED, block_size, num_blocks, rng)
+    cache = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)   # prefixes already "cached"
+    q = torch.randn(layout.num_tokens, num_heads, head_dim)
+    k = torch.randn(layout.num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(layout.num_tokens, num_kv_heads, head_dim)
+    triton = make_backend("triton", num_heads, num_kv_heads, block_size, torch.device("cpu"))
+    triton.block_n = 32  # several key iterations per row even at these lengths
+    got, got_cache = _attend(triton, layout, slots, q, k, v, cache)
+    want, want_cache = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    assert torch.equal(got_cache, want_cache)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_decode_only_and_prefill_only_steps(interpreted):
+    rng = random.Random(3)
+    for rows in ([(5, 1), (40, 1), (16, 1)], [(0, 40)], [(16, 30)]):
+        layout, slots = _layout(rows, 16, 16, rng)
+        cache = torch.randn(2, 16 * 16, 2, 16)
+        q, k, v = (torch.randn(layout.num_tokens, h, 16) for h in (8, 2, 2))
+        triton = make_backend("triton", 8, 2, 16, torch.device("cpu"))
+        got, _ = _attend(triton, layout, slots, q, k, v, cache)
+        want, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_engine_with_step_graph_twin_matches_torch(interpreted, hf_llama, tokenizer):
+    """Whole engine: triton attention through the fixed-shape step path (what CUDA graphs replay), with
+    chunked prefill, prefix-cache hits and decodes sharing steps, gives the torch backend's tokens."""
+    shared = "The quick brown fox jumps over the lazy dog. " * 3
+    prompts = [shared + "Then what?", shared + "And after that", "Hi", shared + "Why?"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    settings = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=40, num_kv_blocks=64)
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer, **settings).generate(prompts, params)]
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton", static_decode=True, **settings)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    stats = engine.runner.stats()
+    assert stats["attention_backend"] == "triton" and stats["attention_fallbacks"] == 0
+    assert stats["static_eager_steps"] == engine.stats().steps == engine.stats().num_fixed_shape_steps
+    assert engine.stats().num_cached_tokens > 0   # some rows started past position 0
+
+
+def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenizer, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
+    assert engine.runner.stats() == {"attention_backend": "torch", "attention_fallbacks": 1}
+    assert "needs CUDA" in caplog.text
+    out = engine.generate(["one two three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].output_token_ids) == 3
+
+
+def test_attention_backend_is_validated():
+    assert EngineConfig().attention_backend == "auto" and EngineConfig().use_cuda_graphs is False
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    assert make_backend("auto", 4, 2, 16, torch.device("cpu")).name == "torch"
