@@ -64,7 +64,7 @@ def _layout(rows, block_size, num_blocks, rng):
 
 
 def _attend(backend, layout, slots, q, k, v, cache):
-    upload = StepUpload(torch.device("cpu"))
+    upload = StepUpload(q.device)
     upload.add("slot_mapping", slots)
     meta = backend.build(layout, upload)
     k_cache, v_cache = cache[0].clone(), cache[1].clone()
@@ -121,6 +121,23 @@ def test_triton_engine_with_step_graph_twin_matches_torch(interpreted, hf_llama,
     assert stats["attention_backend"] == "triton" and stats["attention_fallbacks"] == 0
     assert stats["static_eager_steps"] == engine.stats().steps == engine.stats().num_fixed_shape_steps
     assert engine.stats().num_cached_tokens > 0   # some rows started past position 0
+
+
+def test_triton_failed_graph_capture_runs_eagerly(interpreted, hf_llama, tokenizer, monkeypatch, caplog):
+    """Graph capture on a machine without CUDA fails: one warning, a counter, the same tokens as torch."""
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    prompts = ["one two three four", "five six"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer).generate(prompts, params)]
+    monkeypatch.setattr(LLMEngine, "_decode_graphs_mode", lambda self: "cuda")
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.runner.stats()
+    assert stats["attention_backend"] == "triton" and stats["graphs_captured"] == 0
+    assert stats["graph_capture_failures"] == 2    # the prefill bucket and the 2-row decode bucket, once each
+    assert caplog.text.count("CUDA graph capture failed") == 1
+    assert engine.stats().num_fixed_shape_steps == 0
 
 
 def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenizer, caplog):
