@@ -124,9 +124,14 @@ class TritonBackend(AttentionBackend):
             scale,
             N_REP=self.n_rep, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=meta.block_m,
             BLOCK_N=self.block_n, TOKENS_PER_TILE=self.tokens_per_tile(meta.block_m),
-            BLOCK_SIZE=self.block_size, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            BLOCK_SIZE=self.block_size, DOT_FP32=q.dtype == torch.float32 or _interpreted(),
         )
         return out
+
+
+def _interpreted() -> bool:
+    # Triton's CPU interpreter multiplies bfloat16 tiles wrongly (raw bits); it gets float32 products instead
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _next_pow2(n: int) -> int:

@@ -25,7 +25,7 @@ def paged_attention_kernel(
     scale,
     N_REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,                 # "ieee" for float32 caches (no TF32 rounding)
+    DOT_FP32: tl.constexpr,                      # products in float32 (float32 caches; Triton's interpreter)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,7 +61,11 @@ def paged_attention_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale              # [BLOCK_M, BLOCK_N]
+        if DOT_FP32:  # exact float32 (no TF32 rounding); also the interpreter, whose bf16 dot is wrong
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale                                   # [BLOCK_M, BLOCK_N]
         s = tl.where(n_ok[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
         # every row sees key 0 in the first block, so m_new is finite from the first iteration on
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -69,7 +73,11 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     acc = acc / l_i[:, None]
     out = o_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]

@@ -94,6 +94,19 @@ def test_triton_matches_torch_on_mixed_steps(interpreted, block_size, num_heads,
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def test_triton_bfloat16_matches_float32_torch(interpreted):
+    rng = random.Random(5)
+    layout, slots = _layout(MIXED, 16, 24, rng)
+    torch.manual_seed(5)
+    cache = torch.randn(2, 24 * 16, 2, 16).bfloat16()
+    q, k, v = (torch.randn(layout.num_tokens, h, 16).bfloat16() for h in (8, 2, 2))
+    triton = make_backend("triton", 8, 2, 16, torch.device("cpu"))
+    got, _ = _attend(triton, layout, slots, q, k, v, cache)
+    want, _ = _attend(TORCH_BACKEND, layout, slots, q.float(), k.float(), v.float(), cache.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_triton_decode_only_and_prefill_only_steps(interpreted):
     rng = random.Random(3)
     for rows in ([(5, 1), (40, 1), (16, 1)], [(0, 40)], [(16, 30)]):

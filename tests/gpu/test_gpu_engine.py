@@ -89,7 +89,9 @@ def test_triton_kernel_bf16_head_dim_128_matches_torch(block_size, num_heads, nu
     triton = make_backend("triton", num_heads, num_kv_heads, block_size, dev)
     got, _ = _attend(triton, layout, slots, q, k, v, cache)
     want, _ = _attend(TORCH_BACKEND, layout, slots, q.float(), k.float(), v.float(), cache.float())
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # bf16 inputs/outputs and bf16 probabilities in the P·V product: a few 1e-2 at worst, 1e-3 on average
+    torch.testing.assert_close(got.float(), want, atol=4e-2, rtol=2e-2)
+    assert (got.float() - want).abs().mean() < 2e-3
 
 
 def test_bf16_head_dim_128_backends_and_graphs_agree() -> None:
