@@ -17,8 +17,12 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepLayout", "S
            "make_backend"]
 
 
-def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device) -> AttentionBackend:
-    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises if ``triton`` can't run."""
+def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_rows: int = 256,
+                 max_model_len: int = 8192) -> AttentionBackend:
+    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises if ``triton`` can't run.
+
+    ``max_rows`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
+    """
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "triton":
@@ -27,7 +31,7 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
         reason = triton_unavailable_reason(device)
         if reason:
             raise RuntimeError(reason)
-        return TritonBackend(num_heads, num_kv_heads, block_size)
+        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_rows, max_model_len)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

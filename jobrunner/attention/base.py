@@ -28,6 +28,7 @@ class StepLayout:
     block_tables: list[list[int]]  # each row's block ids (at least ceil(seq_len / block_size) of them)
     num_tokens: int
     block_size: int
+    row_keys: list[str] | None = None  # a stable key per row (request id): lets backends keep per-row state
 
     @property
     def num_rows(self) -> int:

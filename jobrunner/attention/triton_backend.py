@@ -14,6 +14,7 @@ import os
 import torch
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.block_tables import DeviceBlockTables
 from jobrunner.attention.upload import StepUpload
 
 DECODE_BLOCK_M = 16     # query rows per tile when every row of the step decodes one token (tl.dot needs >= 16)
@@ -42,7 +43,8 @@ class TritonMetadata(AttentionMetadata):
         self.slot_mapping = tensors["slot_mapping"]
         self.query_start = tensors["query_start"]    # [B + 1]
         self.seq_lens = tensors["seq_lens"]          # [B]
-        self.block_table = tensors["block_table"]    # [B, W]
+        self.table_rows = tensors["table_rows"]      # [B] row of the device block table
+        self.block_table = backend.tables.table      # [capacity, max_blocks], persistent
         self.tile_row = tensors["tile_row"]          # [num_tiles], -1 = padding tile
         self.tile_start = tensors["tile_start"]      # [num_tiles]
         self.num_tokens = num_tokens
@@ -55,10 +57,13 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, block_n: int = BLOCK_N) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, device: torch.device,
+                 max_rows: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N) -> None:
         self.n_rep = num_heads // num_kv_heads
         self.block_size = block_size
         self.block_n = block_n
+        # twice the running batch: rows of requests that pause a step or two keep their synced tables
+        self.tables = DeviceBlockTables(max(2 * max_rows, 64), -(-max_model_len // block_size) + 1, device)
 
     def block_m(self, max_query_len: int) -> int:
         """Query rows per tile: small when the step only decodes, larger when it holds prompt chunks."""
@@ -80,31 +85,34 @@ class TritonBackend(AttentionBackend):
         return rows, starts
 
     def add_arrays(self, layout: StepLayout, upload: StepUpload, block_m: int, num_rows: int | None = None,
-                   num_tiles: int | None = None, width: int | None = None) -> None:
-        """Queue this step's arrays; optional fixed sizes pad them (for a CUDA graph's persistent buffers)."""
+                   num_tiles: int | None = None) -> None:
+        """Queue this step's arrays; optional fixed sizes pad them (for a CUDA graph's persistent buffers).
+
+        Fixed-size arrays first, then the variable-size block-table updates: with fixed sizes every array
+        lands at the same offset of a persistent buffer at every step.
+        """
         num_rows = num_rows or layout.num_rows
-        query_start = list(layout.query_starts) + [layout.num_tokens] * (num_rows + 1 - layout.num_rows)
-        seq_lens = list(layout.seq_lens) + [0] * (num_rows - layout.num_rows)
-        needed = max((-(-n // self.block_size) for n in layout.seq_lens), default=1)
-        width = width or max(needed, 1)
-        table: list[int] = []
-        for ids in layout.block_tables:
-            ids = ids[:width]
-            table.extend(ids)
-            table.extend([0] * (width - len(ids)))
-        table.extend([0] * (width * (num_rows - layout.num_rows)))
+        pad_rows = num_rows - layout.num_rows
         tile_row, tile_start = self.tiles(layout, block_m)
-        pad = (num_tiles or len(tile_row)) - len(tile_row)
-        upload.add("query_start", query_start)
-        upload.add("seq_lens", seq_lens)
-        upload.add("tile_row", tile_row + [-1] * pad)
-        upload.add("tile_start", tile_start + [0] * pad)
-        upload.add("block_table", table, (num_rows, width))  # last: the only array whose size varies
+        pad_tiles = (num_tiles or len(tile_row)) - len(tile_row)
+        if pad_rows < 0 or pad_tiles < 0:
+            raise ValueError(f"step has {layout.num_rows} rows / {len(tile_row)} tiles; room for "
+                             f"{num_rows} / {num_tiles}")
+        keys = layout.row_keys or [f"_row{i}" for i in range(layout.num_rows)]
+        upload.add("query_start", list(layout.query_starts) + [layout.num_tokens] * (pad_rows + 1))
+        upload.add("seq_lens", list(layout.seq_lens) + [0] * pad_rows)
+        upload.add("tile_row", tile_row + [-1] * pad_tiles)
+        upload.add("tile_start", tile_start + [0] * pad_tiles)
+        table_rows, triples = self.tables.updates(keys, layout.block_tables)
+        upload.add("table_rows", table_rows + [0] * pad_rows)
+        self.tables.add_to(upload, triples)
 
     def build(self, layout: StepLayout, upload: StepUpload) -> TritonMetadata:
         block_m = self.block_m(layout.max_query_len)
         self.add_arrays(layout, upload, block_m)
-        return TritonMetadata(self, upload.flush(), layout.num_tokens, block_m, True)
+        tensors = upload.flush()
+        self.tables.apply(tensors)
+        return TritonMetadata(self, tensors, layout.num_tokens, block_m, True)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
         from jobrunner.attention.triton_kernels import paged_attention_kernel
@@ -118,7 +126,7 @@ class TritonBackend(AttentionBackend):
         grid = (meta.tile_row.shape[0], num_kv_heads)
         paged_attention_kernel[grid](
             q, k_cache, v_cache, out,
-            meta.query_start, meta.seq_lens, meta.block_table, meta.tile_row, meta.tile_start,
+            meta.query_start, meta.seq_lens, meta.table_rows, meta.block_table, meta.tile_row, meta.tile_start,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), meta.block_table.stride(0),
             scale,

@@ -7,8 +7,10 @@ single-token decodes alike. The grid is ``(num_tiles, num_kv_heads)``. A *tile* 
 replay a fixed grid). A program takes its tile's tokens times the ``N_REP`` query heads that share one KV
 head (grouped-query attention folded into the row axis: ``BLOCK_M = TOKENS_PER_TILE * N_REP`` rows, keys
 loaded once for all of them) and streams that row's keys ``BLOCK_N`` at a time through its block table,
-with the online softmax of FlashAttention. Causality is a comparison of positions; nothing is gathered into
-a copy and no mask tensor exists. Keys past a tile's last query position are never loaded.
+with the online softmax of FlashAttention. Block tables are rows of a persistent device table
+(``table_row[row]`` says which one; see :mod:`jobrunner.attention.block_tables`). Causality is a comparison
+of positions; nothing is gathered into a copy and no mask tensor exists. Keys past a tile's last query
+position are never loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import triton.language as tl
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,                  # q: [T, H, D]; k/v cache: [slots, Hkv, D]; o: [T, H * D]
-    query_start_ptr, seq_len_ptr, block_table_ptr, tile_row_ptr, tile_start_ptr,
+    query_start_ptr, seq_len_ptr, table_row_ptr, block_table_ptr, tile_row_ptr, tile_start_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_bt,
     scale,
     N_REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -36,6 +38,7 @@ def paged_attention_kernel(
     q_begin = tl.load(query_start_ptr + row)
     q_len = tl.load(query_start_ptr + row + 1) - q_begin
     seq_len = tl.load(seq_len_ptr + row)
+    table = block_table_ptr + tl.load(table_row_ptr + row) * stride_bt   # the row's block ids
     prefix = seq_len - q_len                               # keys that were in the cache before this step
 
     m = tl.arange(0, BLOCK_M)
@@ -57,7 +60,7 @@ def paged_attention_kernel(
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        block = tl.load(block_table_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)

@@ -72,6 +72,7 @@ class ModelRunner:
         self.staging = PinnedStaging() if device.type == "cuda" else None
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
+        self.max_batch, self.max_model_len = max_batch, max_model_len
         self.backend = self._make_backend(attention_backend)
         self.graphs = None
         if decode_graphs != "off":
@@ -80,7 +81,8 @@ class ModelRunner:
     def _make_backend(self, name: str):
         s = self.model.shape
         try:
-            return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device)
+            return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
+                                max_rows=self.max_batch, max_model_len=self.max_model_len)
         except RuntimeError as exc:  # triton asked for where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
@@ -194,7 +196,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         bs = self.block_size
-        layout = StepLayout([], [], [], [], 0, bs)
+        layout = StepLayout([], [], [], [], 0, bs, row_keys=[])
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             offset = len(input_ids)
@@ -209,6 +211,7 @@ class ModelRunner:
             layout.query_lens.append(n)
             layout.seq_lens.append(start + n)
             layout.block_tables.append(table)
+            layout.row_keys.append(req.request_id)
             if s.samples:
                 sample_rows.append(offset + n - 1)
         layout.num_tokens = len(input_ids)

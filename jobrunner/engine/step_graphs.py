@@ -9,8 +9,8 @@ Context length needs no bucket: the kernel loops over each row's own keys. One g
 (token bucket, tile height) — the tile height is small for decode-only steps, larger with a prompt chunk.
 
 All inputs live in one persistent int64 buffer that the step's single host->device copy lands in (the
-arrays of one bucket always sit at the same offsets, the block table last), plus a persistent block table
-``[max_num_seqs, max_blocks]`` that a device copy fills from the uploaded compact table. Padding tokens read
+arrays of one bucket always sit at the same offsets; the variable-size block-table updates come last and
+are scattered, outside the graph, into the backend's persistent device block table). Padding tokens read
 token 0 at position 0 and write their K/V into a scratch block the pool never hands out; no tile covers them,
 so their attention output is zero and nothing reads them.
 
@@ -52,11 +52,11 @@ class StepGraphs:
         self.token_buckets = _token_buckets(max_num_tokens)
         self.max_rows = max_rows
         max_tokens = self.token_buckets[-1]
-        width = -(-max_model_len // self.block_size)
+        width = backend.tables.max_blocks
         max_tiles = max_tokens + max_rows   # a tile holds at least one token: tiles <= tokens + rows
-        size = 4 * max_tokens + 2 * (max_rows + 1) + 2 * max_tiles + max_rows * width
+        # tokens x3 + sample rows; row arrays; tiles; block-table updates (at most every entry of every row)
+        size = 4 * max_tokens + 3 * (max_rows + 1) + 2 * max_tiles + 3 * max_rows * width
         self.ints = torch.zeros(size, dtype=torch.long, device=self.device)
-        self.block_table = torch.zeros(max_rows, width, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
@@ -101,10 +101,8 @@ class StepGraphs:
         self.backend.add_arrays(layout, upload, block_m, num_rows=rows, num_tiles=num_tiles)
         upload.add("sample_rows", sample_rows)
         t = upload.flush(self.ints)
-        width = t["block_table"].shape[1]
-        self.block_table[:rows, :width].copy_(t["block_table"])
-        tensors = dict(t, block_table=self.block_table[:rows])
-        return TritonMetadata(self.backend, tensors, bucket, block_m, covers_all_tokens=False), t
+        self.backend.tables.apply(t)
+        return TritonMetadata(self.backend, t, bucket, block_m, covers_all_tokens=False), t
 
     def _forward(self, t: dict[str, torch.Tensor], meta: TritonMetadata) -> torch.Tensor:
         return self.model(t["input_ids"], t["positions"], meta, self.kv_cache)

@@ -162,6 +162,32 @@ def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenize
     assert len(out[0].output_token_ids) == 3
 
 
+def test_device_block_tables_send_only_new_blocks():
+    from jobrunner.attention.block_tables import DeviceBlockTables
+
+    tables = DeviceBlockTables(capacity=2, max_blocks=4, device=torch.device("cpu"))
+
+    def step(keys, lists):
+        upload = StepUpload(torch.device("cpu"))
+        rows, triples = tables.updates(keys, lists)
+        tables.add_to(upload, triples)
+        tables.apply(upload.flush())
+        return rows, triples
+
+    a, b = [7, 3], [5]
+    assert step(["a", "b"], [a, b]) == ([0, 1], ([0, 0, 1], [0, 1, 0], [7, 3, 5]))
+    a.append(9)                                                    # a grows by one block: one triple
+    assert step(["a", "b"], [a, b]) == ([0, 1], ([0], [2], [9]))
+    assert tables.table[0, :3].tolist() == [7, 3, 9] and tables.table[1, 0] == 5
+    assert step(["a"], [[1, 2]]) == ([0], ([0, 0], [0, 1], [1, 2]))  # a replaced list (preempted): whole
+    b[0] = 6                                                       # an in-place change of a synced block
+    assert step(["b"], [b]) == ([1], ([1], [0], [6]))
+    assert step(["c"], [[4]]) == ([0], ([0], [0], [4]))            # full: c takes a's row (least recent)
+    assert step(["a"], [[1, 2]])[1] == ([1, 1], [0, 1], [1, 2])    # a comes back: synced again, b's row
+    with pytest.raises(ValueError, match="4 columns"):
+        step(["d"], [[1, 2, 3, 4, 5]])
+
+
 def test_attention_backend_is_validated():
     assert EngineConfig().attention_backend == "auto" and EngineConfig().use_cuda_graphs is False
     with pytest.raises(ValueError, match="attention_backend"):
