@@ -54,18 +54,31 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def build(self, layout: StepLayout, upload: StepUpload) -> TorchMetadata:
-        device = upload.device
-        slot_mapping = upload.flush()["slot_mapping"]
-        groups: list[AttentionGroup] = []
-        decodes: list[tuple[int, int, list[int]]] = []   # (seq_len, token index, block table)
+        # Queue every group's small integer arrays in the step's single upload, then build the groups from
+        # the device views (masks and ranges are computed on the device, never on the host).
+        chunks, decodes = [], []
         for start, q_len, seq_len, table in zip(layout.query_starts, layout.query_lens, layout.seq_lens,
                                                 layout.block_tables):
             if q_len == 1:
                 decodes.append((seq_len, start, table))
             else:
-                groups.append(_chunk_group(start, q_len, seq_len, table, layout.block_size, device))
-        groups.extend(_decode_groups(decodes, layout.block_size, device))
-        return TorchMetadata(slot_mapping, groups, layout.num_tokens, layout.block_size)
+                chunks.append((start, q_len, seq_len))
+                num_blocks = -(-seq_len // layout.block_size)
+                upload.add(f"chunk{len(chunks)}", _padded_table(table, num_blocks))
+        packed = list(_pack_by_length(decodes, layout.block_size))
+        for i, group in enumerate(packed):
+            num_blocks = -(-group[-1][0] // layout.block_size)
+            upload.add(f"dec{i}_len", [d[0] for d in group])
+            upload.add(f"dec{i}_index", [d[1] for d in group])
+            upload.add(f"dec{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
+        t = upload.flush()
+        device, bs = upload.device, layout.block_size
+        groups = [_chunk_group(offset, q_len, seq_len, t[f"chunk{i + 1}"], bs, device)
+                  for i, (offset, q_len, seq_len) in enumerate(chunks)]
+        for i, group in enumerate(packed):
+            groups.append(_decode_group(len(group), -(-group[-1][0] // bs) * bs, t[f"dec{i}_len"],
+                                        t[f"dec{i}_index"], t[f"dec{i}_blocks"], device))
+        return TorchMetadata(t["slot_mapping"], groups, layout.num_tokens, bs)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -89,14 +102,12 @@ def _padded_table(table: list[int], num_blocks: int) -> list[int]:
     return table + [0] * (num_blocks - len(table))  # padding blocks are masked out
 
 
-def _chunk_group(offset: int, q_len: int, seq_len: int, table: list[int], block_size: int,
+def _chunk_group(offset: int, q_len: int, seq_len: int, blocks: torch.Tensor, block_size: int,
                  device: torch.device) -> AttentionGroup:
     # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
     start = seq_len - q_len
-    num_blocks = -(-seq_len // block_size)
+    padded_len = blocks.numel() * block_size
     index = torch.arange(offset, offset + q_len, device=device)
-    blocks = torch.tensor(_padded_table(table, num_blocks), device=device)
-    padded_len = num_blocks * block_size
     if start == 0:
         return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
     rows = torch.arange(start, seq_len, device=device)[:, None]
@@ -104,18 +115,10 @@ def _chunk_group(offset: int, q_len: int, seq_len: int, table: list[int], block_
     return AttentionGroup(1, q_len, padded_len, index, blocks, mask, index, repeat_mask=True)
 
 
-def _decode_groups(decodes: list[tuple[int, int, list[int]]], block_size: int,
-                   device: torch.device) -> list[AttentionGroup]:
-    groups = []
-    for chunk in _pack_by_length(decodes, block_size):
-        num_blocks = -(-chunk[-1][0] // block_size)
-        lengths = torch.tensor([d[0] for d in chunk], device=device)
-        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lengths[:, None]  # [G, L]
-        index = torch.tensor([d[1] for d in chunk], device=device)
-        blocks = torch.tensor([_padded_table(d[2], num_blocks) for d in chunk], device=device).flatten()
-        groups.append(AttentionGroup(len(chunk), 1, num_blocks * block_size, index, blocks,
-                                     mask[:, None, None, :], index))
-    return groups
+def _decode_group(num_seqs: int, kv_len: int, lengths: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor,
+                  device: torch.device) -> AttentionGroup:
+    mask = torch.arange(kv_len, device=device)[None, :] < lengths[:, None]    # [G, L]
+    return AttentionGroup(num_seqs, 1, kv_len, index, blocks, mask[:, None, None, :], index)
 
 
 def _pack_by_length(decodes: list[tuple[int, int, list[int]]], block_size: int):
