@@ -5,11 +5,12 @@ weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (
 drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through ``max_tokens`` (random weights
 make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
 ``fp8:triton+graphs`` — or ``hf`` (the same workload through transformers' continuous-batching
-``generate_batch`` on an HF model with random weights). Every run gets a fresh model and a share of the
-wall-clock budget; a run past its deadline stops early and is marked ``timed_out``; a run's failure (an
-unknown quantization scheme such as ``fp8`` before it exists, a kernel error) is recorded and the next
-run still goes. Results go to stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after
-every run.
+``generate_batch`` on an HF model with random weights) or ``parity`` (bf16 greedy tokens at head_dim 128
+against transformers for torch/triton attention with and without CUDA graphs). Every run gets a fresh
+model and a share of the wall-clock budget; a run past its deadline stops early and is marked
+``timed_out``; a run's failure (an unknown quantization scheme such as ``fp8`` before it exists, a kernel
+error) is recorded and the next run still goes. Results go to stdout and to ``--out`` (default
+``$OUT/gpu_bench.json``), rewritten after every run.
 
 Decode roofline: a decode step must read every weight once and each row's KV cache; at ``rows`` concurrent
 rows of mean context ``L`` it takes at least ``(weight bytes + rows * L * KV bytes per token) / HBM bandwidth``
@@ -37,6 +38,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
+PARITY = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,  # head_dim 128
+              intermediate_size=1024, vocab_size=1024, max_position_embeddings=1024)
+PARITY_COMBOS = (("torch", False), ("torch", True), ("triton", False), ("triton", True))
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
 
@@ -54,12 +58,12 @@ class IdsOnlyTokenizer:
         raise ValueError("IdsOnlyTokenizer takes token-id prompts only")
 
 
-def make_config(tiny: bool):
-    """A Llama-3-8B-shaped (or tiny) ``LlamaConfig`` with llama3 rope scaling."""
+def make_config(tiny: bool, shape: dict | None = None):
+    """A Llama-3-8B-shaped (or tiny, or ``shape``) ``LlamaConfig`` with llama3 rope scaling."""
     import transformers
     from transformers import LlamaConfig
 
-    shape = TINY if tiny else LLAMA3_8B
+    shape = shape or (TINY if tiny else LLAMA3_8B)
     rope = dict(LLAMA3_ROPE, original_max_position_embeddings=256 if tiny else 8192)
     if int(transformers.__version__.split(".")[0]) >= 5:
         rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
@@ -204,6 +208,84 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
     return result
 
 
+def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Greedy tokens at head_dim 128: each (attention backend, CUDA graphs) combination vs transformers.
+
+    A 2-layer random model with large weights (sharp logits), 8 prompts of 64 tokens, 32 greedy tokens each,
+    in float32 (every combination should match transformers token for token) and bfloat16 (rounding makes
+    a random model drift after a few tokens, so compare the combinations with each other there). Reports the
+    share of prompts whose first token matches transformers', the mean matching prefix, the share of
+    matching positions.
+    """
+    from transformers import LlamaForCausalLM
+
+    device = torch.device(args.device)
+    config = make_config(True, PARITY)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    prompts = random_prompts(8, 64, config.vocab_size, seed=3)
+    result: dict[str, Any] = {"run": "parity", "head_dim": 128}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = hf.to(device, dtype)
+        result[str(dtype).replace("torch.", "")] = _parity_one(hf, config, prompts, dtype, device, deadline)
+    del hf
+    _free(device)
+    return result
+
+
+def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device: torch.device,
+                deadline: float) -> dict[str, Any]:
+    from jobrunner.engine import EngineConfig, SamplingParams
+    from jobrunner.engine.llm_engine import LLMEngine
+    from jobrunner.models.loader import build_model, load_weights
+
+    max_new = 32
+    reference = []
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        reference.append(out[0, len(ids):].tolist())
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    combos: dict[str, Any] = {}
+    for backend, graphs in PARITY_COMBOS:
+        if time.perf_counter() > deadline:
+            break
+        model = build_model(config, dtype, device)
+        load_weights(model, hf.state_dict().items())
+        engine = LLMEngine(model, IdsOnlyTokenizer(), EngineConfig(device=str(device), attention_backend=backend,
+                           use_cuda_graphs=graphs, num_kv_blocks=256), eos_token_ids=[])
+        got = [o.output_token_ids for o in engine.generate(prompts, params)]
+        name = f"{backend}{'+graphs' if graphs else ''}"
+        combos[name] = {"vs_transformers": _agreement(got, reference), "tokens": got,
+                        "runner": engine.runner.stats(), "num_fixed_shape_steps": engine.stats().num_fixed_shape_steps}
+        del engine, model
+    first = next(iter(combos.values()), None)
+    for entry in combos.values():
+        entry["vs_torch_eager"] = _agreement(entry["tokens"], first["tokens"])
+    for entry in combos.values():
+        del entry["tokens"]
+    return combos
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
+    prefix = []
+    for a, b in zip(got, want):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix.append(n)
+    positions = sum(len(b) for b in want)
+    return {"first_token_agreement": sum(a[:1] == b[:1] for a, b in zip(got, want)) / len(want),
+            "mean_matching_prefix": sum(prefix) / len(prefix),
+            "position_agreement": sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / positions}
+
+
 def run_hf(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """The same prompts and output lengths through transformers' continuous batching (``generate_batch``)."""
     import transformers
@@ -276,8 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--runs", default="torch,triton,triton+graphs,fp8:triton+graphs,hf",
-                   help="comma list of [quantization:](torch|triton)[+graphs], or hf (transformers)")
+    p.add_argument("--runs", default="parity,torch,triton,triton+graphs,fp8:triton+graphs,hf",
+                   help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers) or parity "
+                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off)")
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
@@ -297,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs):
         deadline = time.perf_counter() + (end - time.perf_counter()) / (len(runs) - i)
         try:
-            result = run_hf(args, deadline) if run == "hf" else run_engine(run, args, deadline)
+            special = {"hf": run_hf, "parity": run_parity}
+            result = special[run](args, deadline) if run in special else run_engine(run, args, deadline)
         except Exception as exc:  # record and go on with the next run
             result = {"run": run, "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=8)}

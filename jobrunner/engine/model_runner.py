@@ -62,7 +62,6 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         s = model.shape
-        self.n_rep = s.num_heads // s.num_kv_heads
         dtype = model.dtype
         total_blocks = num_blocks + (decode_graphs != "off")
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
@@ -99,7 +98,8 @@ class ModelRunner:
 
     def stats(self) -> dict:
         """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
-        out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks}
+        out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
+               "attention_backend_requested": self.requested_backend}
         if self.graphs is not None:
             out.update(self.graphs.stats())
         return out

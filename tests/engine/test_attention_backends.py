@@ -156,7 +156,8 @@ def test_triton_failed_graph_capture_runs_eagerly(interpreted, hf_llama, tokeniz
 def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenizer, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
-    assert engine.runner.stats() == {"attention_backend": "torch", "attention_fallbacks": 1}
+    assert engine.runner.stats() == {"attention_backend": "torch", "attention_fallbacks": 1,
+                                     "attention_backend_requested": "triton"}
     assert "needs CUDA" in caplog.text
     out = engine.generate(["one two three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].output_token_ids) == 3
