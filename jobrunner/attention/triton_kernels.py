@@ -34,10 +34,11 @@ def paged_attention_kernel(
     row = tl.load(tile_row_ptr + tile)
     if row < 0:  # padding tile of a fixed-size grid
         return
-    first = tl.load(tile_start_ptr + tile)                 # first query token of the tile, within the row
-    q_begin = tl.load(query_start_ptr + row)
-    q_len = tl.load(query_start_ptr + row + 1) - q_begin
-    seq_len = tl.load(seq_len_ptr + row)
+    # the host sends int64; positions and token offsets fit int32 (loop bounds and index math stay 32-bit)
+    first = tl.load(tile_start_ptr + tile).to(tl.int32)    # first query token of the tile, within the row
+    q_begin = tl.load(query_start_ptr + row).to(tl.int32)
+    q_len = tl.load(query_start_ptr + row + 1).to(tl.int32) - q_begin
+    seq_len = tl.load(seq_len_ptr + row).to(tl.int32)
     table = block_table_ptr + tl.load(table_row_ptr + row) * stride_bt   # the row's block ids
     prefix = seq_len - q_len                               # keys that were in the cache before this step
 
