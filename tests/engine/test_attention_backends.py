@@ -163,6 +163,29 @@ def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenize
     assert len(out[0].output_token_ids) == 3
 
 
+@pytest.mark.skipif(IN_CHILD or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_kernel_compiles_for_hopper_without_a_gpu(block_m):
+    """The interpreter skips Triton's compiler; compile to PTX for sm_90 (no GPU needed) to catch what only
+    the compiler rejects. bf16, head_dim 128, GQA 4: the Llama-3-8B decode (16) and prompt-chunk (64) tiles."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jobrunner.attention.triton_kernels import paged_attention_kernel as kernel
+
+    consts = dict(N_REP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=64, TOKENS_PER_TILE=block_m // 4,
+                  BLOCK_SIZE=16, DOT_FP32=False)
+    pointer = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16"}
+    signature = {name: "constexpr" if name in consts else pointer.get(name) or (
+        "*i64" if name.endswith("_ptr") else "fp32" if name == "scale" else "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert ".entry paged_attention_kernel" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 64 * 1024   # leaves room for two programs per SM
+
+
 def test_device_block_tables_send_only_new_blocks():
     from jobrunner.attention.block_tables import DeviceBlockTables
 
