@@ -99,7 +99,14 @@ class EngineSpec(_Spec):
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks.")
     device: str = Field(default="auto", description="auto, cpu or cuda.")
     use_cuda_graphs: bool = Field(
-        default=True, description="On CUDA, replay decode-only steps from CUDA graphs (ignored on CPU)."
+        default=False,
+        description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a GPU "
+        "check has passed (docs/engine.md).",
+    )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto",
+        description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) or "
+        "auto (= torch until a GPU check has passed; docs/engine.md).",
     )
     factory: str | None = Field(
         default=None,

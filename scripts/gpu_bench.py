@@ -1,11 +1,20 @@
 """Throughput of our engine on a Llama-3-8B-shaped model with random bf16 weights (no weights, no tokenizer).
 
 Builds OUR model directly on the device (``jobrunner.models.loader.build_model``), fills it with N(0, 0.02)
-weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (greedy, ignore_eos). Each
-quantization scheme (none, none without CUDA graphs, int8, int4) gets a fresh
-model; a scheme's failure is recorded and the next one still runs. Every scheme has a wall-clock deadline:
-a run past it stops early and is marked ``timed_out`` (its counters cover what finished). Results go to
-stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after every scheme.
+weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (greedy). Output lengths are
+drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through ``max_tokens`` (random weights
+make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
+``fp8:triton+graphs`` — or ``hf`` (the same workload through transformers' continuous-batching
+``generate_batch`` on an HF model with random weights) or ``parity`` (bf16 greedy tokens at head_dim 128
+against transformers for torch/triton attention with and without CUDA graphs). Every run gets a fresh
+model and a share of the wall-clock budget; a run past its deadline stops early and is marked
+``timed_out``; a run's failure (an unknown quantization scheme such as ``fp8`` before it exists, a kernel
+error) is recorded and the next run still goes. Results go to stdout and to ``--out`` (default
+``$OUT/gpu_bench.json``), rewritten after every run.
+
+Decode roofline: a decode step must read every weight once and each row's KV cache; at ``rows`` concurrent
+rows of mean context ``L`` it takes at least ``(weight bytes + rows * L * KV bytes per token) / HBM bandwidth``
+(4.8 TB/s, H200). ``roofline_share`` = measured decode tokens/s ÷ ``rows`` / that time.
 
     PYTHONPATH=. python scripts/gpu_bench.py                      # the H200 run
     PYTHONPATH=. python scripts/gpu_bench.py --device cpu --tiny  # a smoke check anywhere
@@ -29,6 +38,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
+PARITY = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,  # head_dim 128
+              intermediate_size=1024, vocab_size=1024, max_position_embeddings=1024)
+PARITY_COMBOS = (("torch", False), ("torch", True), ("triton", False), ("triton", True))
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
 
@@ -46,12 +58,12 @@ class IdsOnlyTokenizer:
         raise ValueError("IdsOnlyTokenizer takes token-id prompts only")
 
 
-def make_config(tiny: bool):
-    """A Llama-3-8B-shaped (or tiny) ``LlamaConfig`` with llama3 rope scaling."""
+def make_config(tiny: bool, shape: dict | None = None):
+    """A Llama-3-8B-shaped (or tiny, or ``shape``) ``LlamaConfig`` with llama3 rope scaling."""
     import transformers
     from transformers import LlamaConfig
 
-    shape = TINY if tiny else LLAMA3_8B
+    shape = shape or (TINY if tiny else LLAMA3_8B)
     rope = dict(LLAMA3_ROPE, original_max_position_embeddings=256 if tiny else 8192)
     if int(transformers.__version__.split(".")[0]) >= 5:
         rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
@@ -82,73 +94,234 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def timed_run(engine, prompts: list[list[int]], output_len: int, deadline: float) -> dict[str, Any]:
+def output_lengths(n: int, max_len: int, seed: int = 1) -> list[int]:
+    """Per-request output lengths, uniform in [1, max_len]."""
+    rng = random.Random(seed)
+    return [rng.randint(1, max_len) for _ in range(n)]
+
+
+def timed_run(engine, prompts: list[list[int]], lengths: list[int], deadline: float) -> dict[str, Any]:
     """Add every prompt, step until done or ``deadline`` (perf_counter); counters of what finished."""
     from jobrunner.bench.result import sync
     from jobrunner.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     before = dict(engine.stats().to_dict())
     sync(engine.device)
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"b{i}", ids, params)
+    for i, (ids, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"b{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     outputs = []
     while engine.has_unfinished_requests() and time.perf_counter() < deadline:
         outputs += engine.step()
     sync(engine.device)
     seconds = time.perf_counter() - start
     after = engine.stats().to_dict()
-    delta = {k: after[k] - before[k] for k in ("steps", "prefill_s", "decode_s", "schedule_s",
-                                               "num_prefill_tokens", "num_decode_tokens", "num_preemptions")}
+    delta = {k: after[k] - before[k] for k in ("steps", "num_fixed_shape_steps", "prefill_s", "decode_s",
+                                               "schedule_s", "num_prefill_tokens", "num_decode_tokens",
+                                               "num_preemptions")}
     # Tokens actually computed (also by unfinished requests when the deadline hit):
     out_tok = delta["num_decode_tokens"] + sum(1 for o in outputs if o.output_token_ids)
-    prompt_tok = sum(len(o.prompt_token_ids) for o in outputs)
     errors = [o.error for o in outputs if o.finish_reason == "error"]
-    return {"seconds": seconds, "timed_out": engine.has_unfinished_requests(), "finished": len(outputs),
+    return {"seconds": round(seconds, 3), "timed_out": engine.has_unfinished_requests(), "finished": len(outputs),
             "num_output_tokens_finished": sum(len(o.output_token_ids) for o in outputs),
-            "num_prompt_tokens_finished": prompt_tok, "num_output_tokens_computed": out_tok,
-            "output_tokens_per_s": out_tok / seconds,
-            "total_tokens_per_s": (delta["num_prefill_tokens"] + delta["num_decode_tokens"]) / seconds,
+            "num_output_tokens_computed": out_tok,
+            "output_tokens_per_s": round(out_tok / seconds, 1),
+            "total_tokens_per_s": round((delta["num_prefill_tokens"] + delta["num_decode_tokens"]) / seconds, 1),
+            "decode_tokens_per_s": round(delta["num_decode_tokens"] / delta["decode_s"], 1)
+            if delta["decode_s"] else None,
             "num_errors": len(errors), "first_error": errors[0] if errors else None,
             "kv_num_blocks": after["kv_num_blocks"], "kv_peak_blocks_used": after["kv_peak_blocks_used"],
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in delta.items()}}
 
 
-def run_scheme(scheme: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+def decode_roofline(model, rows: int, mean_context: float, hbm_bytes_per_s: float) -> dict[str, float]:
+    """Lower bound of one decode step's time from the bytes it must read (weights + KV), and tokens/s at it."""
+    s = model.shape
+    weight_bytes = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or "rotary" in name:  # the embedding is looked up, not read whole
+            continue
+        weight_bytes += t.numel() * t.element_size()
+    if s.tie_word_embeddings:
+        weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * model.norm.weight.element_size()
+    step_bytes = weight_bytes + rows * mean_context * kv_per_token
+    step_s = step_bytes / hbm_bytes_per_s
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": rows,
+            "mean_context": round(mean_context, 1), "step_bytes": step_bytes, "min_step_s": step_s,
+            "roofline_decode_tokens_per_s": round(rows / step_s, 1), "hbm_bytes_per_s": hbm_bytes_per_s}
+
+
+def parse_run(run: str) -> tuple[str, str, bool]:
+    """``[quant:]backend[+graphs]`` -> (quantization, attention backend, CUDA graphs)."""
+    quant, _, rest = run.rpartition(":")
+    backend, _, graphs = rest.partition("+")
+    if backend not in ("torch", "triton", "auto") or graphs not in ("", "graphs"):
+        raise ValueError(f"run {run!r}: expected [quant:](torch|triton|auto)[+graphs] or hf")
+    return quant or "none", backend, graphs == "graphs"
+
+
+def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Build, quantize (unless ``none``), warm up, time one run; always free the model afterwards."""
     from jobrunner.bench.result import peak_memory, reset_peak_memory, sync
     from jobrunner.engine import EngineConfig, SamplingParams
     from jobrunner.engine.llm_engine import LLMEngine
 
     device = torch.device(args.device)
-    result: dict[str, Any] = {"scheme": scheme}
-    scheme, _, mode = scheme.partition(":")  # "none:eager": no CUDA graphs, to measure what they bring
+    quant, backend, graphs = parse_run(run)
+    result: dict[str, Any] = {"run": run, "quantization": quant, "attention_backend": backend, "cuda_graphs": graphs}
     t0 = time.perf_counter()
     model = build_random_model(make_config(args.tiny), torch.bfloat16, device)
     result["build_s"] = round(time.perf_counter() - t0, 2)
-    if scheme != "none":
+    if quant != "none":
         from jobrunner.quant import quantize_model
 
         t0 = time.perf_counter()
-        report = quantize_model(model, scheme)
+        report = quantize_model(model, quant)
         sync(device)
         result["quantize_s"] = round(time.perf_counter() - t0, 2)
         result["quant_summary"] = report.summary()
     reset_peak_memory(device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=False, device=str(device), use_cuda_graphs=mode != "eager",
+                          enable_prefix_caching=False, device=str(device), use_cuda_graphs=graphs,
+                          attention_backend=backend,
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
     engine = LLMEngine(model, IdsOnlyTokenizer(), config, eos_token_ids=[])
     vocab = model.shape.vocab_size
-    engine.generate(random_prompts(2, 16, vocab, seed=1), SamplingParams(max_tokens=4, temperature=0.0,
-                                                                         ignore_eos=True))
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
-    result.update(timed_run(engine, prompts, args.output_len, deadline))
+    lengths = output_lengths(args.num_prompts, args.output_len)
+    # warm-up on the run's own shapes (kernels compiled, graphs of the prefill and decode buckets captured)
+    t0 = time.perf_counter()
+    warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(args.num_prompts, args.input_len, vocab, seed=7), warm)
+    result["warmup_s"] = round(time.perf_counter() - t0, 2)
+    result.update(timed_run(engine, prompts, lengths, deadline))
+    rows = min(args.num_prompts, args.max_num_seqs)
+    roof = decode_roofline(model, rows, args.input_len + sum(lengths) / len(lengths) / 2, args.hbm_tb_s * 1e12)
+    result["roofline"] = roof
+    if result.get("decode_tokens_per_s"):
+        result["roofline_share"] = float(f"{result['decode_tokens_per_s'] / roof['roofline_decode_tokens_per_s']:.4g}")
     result["memory"] = peak_memory(device)
-    graphs = getattr(engine.runner, "graphs", None)
-    result["decode_graphs"] = graphs.stats() if graphs is not None else None
+    result["runner"] = engine.runner.stats()
     del engine, model
+    _free(device)
+    return result
+
+
+def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Greedy tokens at head_dim 128: each (attention backend, CUDA graphs) combination vs transformers.
+
+    A 2-layer random model with large weights (sharp logits), 8 prompts of 64 tokens, 32 greedy tokens each,
+    in float32 (every combination should match transformers token for token) and bfloat16 (rounding makes
+    a random model drift after a few tokens, so compare the combinations with each other there). Reports the
+    share of prompts whose first token matches transformers', the mean matching prefix, the share of
+    matching positions.
+    """
+    from transformers import LlamaForCausalLM
+
+    device = torch.device(args.device)
+    config = make_config(True, PARITY)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    prompts = random_prompts(8, 64, config.vocab_size, seed=3)
+    result: dict[str, Any] = {"run": "parity", "head_dim": 128}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = hf.to(device, dtype)
+        result[str(dtype).replace("torch.", "")] = _parity_one(hf, config, prompts, dtype, device, deadline)
+    del hf
+    _free(device)
+    return result
+
+
+def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device: torch.device,
+                deadline: float) -> dict[str, Any]:
+    from jobrunner.engine import EngineConfig, SamplingParams
+    from jobrunner.engine.llm_engine import LLMEngine
+    from jobrunner.models.loader import build_model, load_weights
+
+    max_new = 32
+    reference = []
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        reference.append(out[0, len(ids):].tolist())
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    combos: dict[str, Any] = {}
+    for backend, graphs in PARITY_COMBOS:
+        if time.perf_counter() > deadline:
+            break
+        model = build_model(config, dtype, device)
+        load_weights(model, hf.state_dict().items())
+        engine = LLMEngine(model, IdsOnlyTokenizer(), EngineConfig(device=str(device), attention_backend=backend,
+                           use_cuda_graphs=graphs, num_kv_blocks=256), eos_token_ids=[])
+        got = [o.output_token_ids for o in engine.generate(prompts, params)]
+        name = f"{backend}{'+graphs' if graphs else ''}"
+        combos[name] = {"vs_transformers": _agreement(got, reference), "tokens": got,
+                        "runner": engine.runner.stats(), "num_fixed_shape_steps": engine.stats().num_fixed_shape_steps}
+        del engine, model
+    first = next(iter(combos.values()), None)
+    for entry in combos.values():
+        entry["vs_torch_eager"] = _agreement(entry["tokens"], first["tokens"])
+    for entry in combos.values():
+        del entry["tokens"]
+    return combos
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
+    prefix = []
+    for a, b in zip(got, want):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix.append(n)
+    positions = sum(len(b) for b in want)
+    return {"first_token_agreement": sum(a[:1] == b[:1] for a, b in zip(got, want)) / len(want),
+            "mean_matching_prefix": sum(prefix) / len(prefix),
+            "position_agreement": sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / positions}
+
+
+def run_hf(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """The same prompts and output lengths through transformers' continuous batching (``generate_batch``)."""
+    import transformers
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    device = torch.device(args.device)
+    result: dict[str, Any] = {"run": "hf", "transformers": transformers.__version__}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(make_config(args.tiny), dtype=torch.bfloat16).eval()
+    vocab = model.config.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
+    lengths = output_lengths(args.num_prompts, args.output_len)
+    config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None, pad_token_id=0)
+    done: dict[str, int] = {}
+    try:  # generate_batch's own manager, fed per-request lengths as in our run; its warm-up is not timed
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+            start = time.perf_counter()
+            for i, (ids, n) in enumerate(zip(prompts, lengths)):
+                manager.add_request(ids, request_id=f"h{i}", max_new_tokens=n)
+            while len(done) < len(prompts) and time.perf_counter() < deadline:
+                out = manager.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    done[out.request_id] = len(out.generated_tokens)
+            seconds = time.perf_counter() - start
+        result["lengths"] = "per request"
+    except TypeError:  # an API without per-request lengths: generate_batch, everyone at the longest length
+        start = time.perf_counter()
+        outs = model.generate_batch(prompts, generation_config=config)
+        seconds = time.perf_counter() - start
+        done = {k: len(v.generated_tokens) for k, v in outs.items()}
+        result["lengths"] = f"all {max(lengths)}"
+    tokens = sum(done.values())
+    result.update({"seconds": round(seconds, 3), "finished": len(done), "timed_out": len(done) < len(prompts),
+                   "num_output_tokens_finished": tokens, "output_tokens_per_s": round(tokens / seconds, 1)})
+    del model
     _free(device)
     return result
 
@@ -159,7 +332,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _schemes(requested: str) -> list[str]:
+def _runs(requested: str) -> list[str]:
     return [s.strip() for s in requested.split(",") if s.strip()]
 
 
@@ -168,6 +341,7 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "device": args.device, "tiny": args.tiny,
+           "output_lengths": f"uniform in [1, {args.output_len}]",
            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.device.startswith("cuda") and torch.cuda.is_available():
@@ -184,8 +358,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--schemes", default="none,none:eager,int8,int4",
-                   help="quantization schemes; a ':eager' suffix turns CUDA graphs off for that run")
+    p.add_argument("--runs", default="parity,torch,triton,triton+graphs,fp8:triton+graphs,hf",
+                   help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers) or parity "
+                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off)")
+    p.add_argument("--hbm-tb-s", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = p.parse_args(argv)
@@ -198,23 +374,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report: dict[str, Any] = {"environment": _environment(args), "schemes": {}}
-    schemes = _schemes(args.schemes)
+    report: dict[str, Any] = {"environment": _environment(args), "runs": {}}
+    runs = _runs(args.runs)
     end = time.perf_counter() + args.budget_s
-    for i, scheme in enumerate(schemes):
-        deadline = time.perf_counter() + (end - time.perf_counter()) / (len(schemes) - i)
+    for i, run in enumerate(runs):
+        deadline = time.perf_counter() + (end - time.perf_counter()) / (len(runs) - i)
         try:
-            result = run_scheme(scheme, args, deadline)
-        except Exception as exc:  # record and go on with the next scheme
-            result = {"scheme": scheme, "error": f"{type(exc).__name__}: {exc}",
+            special = {"hf": run_hf, "parity": run_parity}
+            result = special[run](args, deadline) if run in special else run_engine(run, args, deadline)
+        except Exception as exc:  # record and go on with the next run
+            result = {"run": run, "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=8)}
         _free(torch.device(args.device))  # outside the except block: the traceback no longer pins the model
-        report["schemes"][scheme] = result
+        report["runs"][run] = result
         print(json.dumps(result, default=str), flush=True)
         _write(args.out, report)
-    failed = [s for s, r in report["schemes"].items() if "error" in r]
-    print(f"wrote {args.out}; failed schemes: {', '.join(failed) or '(no failures)'}", flush=True)
-    return 1 if "none" in failed else 0
+    report["summary"] = _summary(report["runs"])
+    _write(args.out, report)
+    failed = [r for r, v in report["runs"].items() if "error" in v]
+    print(f"wrote {args.out}; failed runs: {', '.join(failed) or '(no failures)'}", flush=True)
+    return 1 if runs and runs[0] in failed else 0
+
+
+def _summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Output tokens/s per run, each run's share of the decode roofline, ratios to the first run and to hf."""
+    tok = {r: v.get("output_tokens_per_s") for r, v in runs.items() if v.get("output_tokens_per_s")}
+    out: dict[str, Any] = {"output_tokens_per_s": tok,
+                           "roofline_share": {r: v["roofline_share"] for r, v in runs.items() if "roofline_share" in v}}
+    if tok:
+        first = next(iter(tok.values()))
+        out["vs_first_run"] = {r: round(t / first, 3) for r, t in tok.items()}
+        if "hf" in tok:
+            out["vs_hf"] = {r: round(t / tok["hf"], 3) for r, t in tok.items()}
+    return out
 
 
 def _write(path: str, report: dict[str, Any]) -> None:

@@ -13,9 +13,14 @@ class EngineConfig:
     ``gpu_memory_utilization`` of the memory left free after the weights are loaded. ``num_kv_blocks``
     overrides both (tests use it to force preemption).
 
-    ``use_cuda_graphs``: on CUDA, decode-only steps replay CUDA graphs captured per padded shape
-    (:mod:`jobrunner.engine.decode_graphs`); ignored on CPU. ``static_decode``: run decode-only steps through
-    the same fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
+    ``attention_backend``: ``torch`` (gather + SDPA, runs anywhere), ``triton`` (one Triton kernel per layer
+    over the paged cache; CUDA only, falls back to torch with a warning elsewhere) or ``auto`` (= ``torch``
+    until ``scripts/gpu_check.sh`` has passed on a GPU; see docs/engine.md).
+
+    ``use_cuda_graphs`` (opt-in, off by default until a GPU run has passed): on CUDA, fixed-shape steps replay
+    CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.engine.decode_graphs`; triton backend:
+    every step, :mod:`jobrunner.engine.step_graphs`); ignored on CPU. ``static_decode``: run the same
+    fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
     """
 
     max_num_seqs: int = 64
@@ -28,7 +33,8 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    use_cuda_graphs: bool = True
+    attention_backend: str = "auto"
+    use_cuda_graphs: bool = False
     static_decode: bool = False
     seed: int = 0
 
@@ -42,6 +48,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_cache_memory_bytes must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("EngineConfig.attention_backend must be auto|torch|triton, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 

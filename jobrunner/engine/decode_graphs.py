@@ -1,4 +1,4 @@
-"""Fixed-shape decode steps, replayed as CUDA graphs.
+"""Fixed-shape decode steps of the ``torch`` attention backend, replayed as CUDA graphs.
 
 In a decode-only step (every scheduled request computes exactly one token) the model's work is small and
 its cost on a GPU is mostly the launch of a few hundred kernels. A CUDA graph records those launches once
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BLOCKS = 16    # the smallest context bucket, in blocks (256 tokens at block size 16)
@@ -135,7 +135,7 @@ class DecodeGraphs:
         index = self.row_index[:batch]
         table = self.block_table[:batch, :blocks].reshape(-1)
         group = AttentionGroup(batch, 1, kv_len, index, table, mask, index)
-        meta = AttentionMetadata(self.slots[:batch], [group], batch, self.block_size)
+        meta = TorchMetadata(self.slots[:batch], [group], batch, self.block_size)
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.kv_cache)
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -43,7 +43,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager)
         self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
-                                  self.config.max_num_seqs, self.max_model_len)
+                                  self.config.max_num_seqs, self.max_model_len,
+                                  attention_backend=self.config.attention_backend,
+                                  max_num_tokens=self.config.max_num_batched_tokens)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         self._requests: dict[str, Request] = {}
         self._rejected: list[Request] = []

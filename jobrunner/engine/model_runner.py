@@ -1,18 +1,26 @@
-"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, and samples."""
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, and samples.
+
+Per step the runner describes the scheduled rows once (:class:`~jobrunner.attention.StepLayout`), lets the
+attention backend add its arrays, and sends every integer input of the step to the device in one copy
+(:class:`~jobrunner.attention.StepUpload`, pinned and reused on CUDA). Fixed-shape paths (CUDA graphs and
+their eager twins) live in :mod:`jobrunner.engine.decode_graphs` (torch backend: decode-only steps) and
+:mod:`jobrunner.engine.step_graphs` (triton backend: every step).
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+from jobrunner.attention import AttentionMetadata, StepLayout, StepUpload, make_backend
+from jobrunner.attention.upload import PinnedStaging
 from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 
-MAX_DECODE_GROUP = 32     # decodes of similar context length attended together in one padded call
-MAX_PADDING_WASTE = 0.5   # start a new group rather than pad the keys gathered by more than this share
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,36 +29,80 @@ class StepResult:
     logprobs: dict[str, float]
     num_prefill_tokens: int
     num_decode_tokens: int
-    fixed_shape: bool = False          # ran through DecodeGraphs (a CUDA graph replay, or its eager twin)
+    fixed_shape: bool = False          # ran through a fixed-shape path (a CUDA graph replay, or its eager twin)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor            # [T]
+    positions: torch.Tensor            # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor          # [num sampling rows] flat index of the token each samples from
+    sampling: list[ScheduledRequest]
 
 
 class ModelRunner:
     """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``.
 
-    ``decode_graphs``: ``"off"``; ``"cuda"`` (decode-only steps replay CUDA graphs, see
-    :mod:`jobrunner.engine.decode_graphs`); ``"static"`` (the same fixed-shape decode path run eagerly, on any
-    device: for tests). With either of the last two the cache holds one scratch block past ``num_blocks``.
+    ``attention_backend``: ``auto`` | ``torch`` | ``triton`` (see :mod:`jobrunner.attention`); a ``triton``
+    backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
+    ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
+    fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
+    scratch block past ``num_blocks``. With the torch backend only decode-only steps take the fixed-shape
+    path (:mod:`~jobrunner.engine.decode_graphs`); with triton every step up to ``max_num_tokens`` does
+    (:mod:`~jobrunner.engine.step_graphs`).
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
-                 seed: int = 0, decode_graphs: str = "off", max_batch: int = 1, max_model_len: int = 1) -> None:
+                 seed: int = 0, decode_graphs: str = "off", max_batch: int = 1, max_model_len: int = 1,
+                 attention_backend: str = "auto", max_num_tokens: int = 2048) -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.model = model
         self.device = device
         self.block_size = block_size
         s = model.shape
-        self.n_rep = s.num_heads // s.num_kv_heads
         dtype = model.dtype
         total_blocks = num_blocks + (decode_graphs != "off")
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, s.head_dim,
                                     dtype=dtype, device=device)
         self.sampler = Sampler(device, seed)
+        self.staging = PinnedStaging() if device.type == "cuda" else None
+        self.num_attention_fallbacks = 0
+        self.requested_backend = attention_backend
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.backend = self._make_backend(attention_backend)
         self.graphs = None
         if decode_graphs != "off":
-            self.graphs = DecodeGraphs(model, self.kv_cache, block_size, max_batch, max_model_len,
-                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
+            self.graphs = self._make_graphs(decode_graphs, num_blocks, max_batch, max_model_len, max_num_tokens)
+
+    def _make_backend(self, name: str):
+        s = self.model.shape
+        try:
+            return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
+                                max_rows=self.max_batch, max_model_len=self.max_model_len)
+        except RuntimeError as exc:  # triton asked for where it cannot run: the tested torch path instead
+            self.num_attention_fallbacks += 1
+            log.warning("attention backend %r unavailable (%s); using torch", name, exc)
+            return make_backend("torch", s.num_heads, s.num_kv_heads, self.block_size, self.device)
+
+    def _make_graphs(self, mode: str, num_blocks: int, max_batch: int, max_model_len: int, max_num_tokens: int):
+        if self.backend.name == "triton":
+            from jobrunner.engine.step_graphs import StepGraphs
+
+            return StepGraphs(self.model, self.kv_cache, self.backend, max_batch, max_num_tokens, max_model_len,
+                              scratch_block=num_blocks, capture=mode == "cuda", staging=self.staging)
+        return DecodeGraphs(self.model, self.kv_cache, self.block_size, max_batch, max_model_len,
+                            scratch_block=num_blocks, capture=mode == "cuda")
+
+    def stats(self) -> dict:
+        """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
+        out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
+               "attention_backend_requested": self.requested_backend}
+        if self.graphs is not None:
+            out.update(self.graphs.stats())
+        return out
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -60,12 +112,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        fixed = self._run_fixed_shape(sched.scheduled) if self.graphs is not None else None
-        if fixed is not None:
-            hidden, sample_rows, sampling = fixed
-        else:
-            input_ids, positions, meta, sample_rows, sampling = self._prepare(sched.scheduled)
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)
+        hidden, sample_rows, sampling, fixed = self._forward(sched.scheduled)
         sampled, logprobs = {}, {}
         if sampling:
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
@@ -78,9 +125,51 @@ class ModelRunner:
                 if lps is not None:
                     logprobs[r.request_id] = lps[i]
         num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
-        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed is not None)
+        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed)
+
+    # -- the forward pass (attention metadata and fixed-shape paths; sampling stays in execute) ---------------
+
+    def _forward(self, scheduled: list[ScheduledRequest]):
+        """(hidden [T, hidden], sample_rows, sampling requests, whether a fixed-shape path ran)."""
+        if self.graphs is not None:
+            fixed = self._run_fixed_shape(scheduled)
+            if fixed is not None:
+                return (*fixed, True)
+        inputs = self._prepare(scheduled)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        except Exception as exc:
+            if self.backend.name == "torch":
+                raise
+            # e.g. a Triton compile error: never a crashed job. Rewriting this step's K/V is harmless.
+            self._fall_back_to_torch(exc)
+            inputs = self._prepare(scheduled)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        return hidden, inputs.sample_rows, inputs.sampling, False
+
+    def _fall_back_to_torch(self, exc: Exception) -> None:
+        log.warning("attention backend %r failed (%s: %s); falling back to torch for the rest of the run",
+                    self.backend.name, type(exc).__name__, exc)
+        self.num_attention_fallbacks += 1
+        self.backend = make_backend("torch", 1, 1, self.block_size, self.device)
+        if self.graphs is not None and not isinstance(self.graphs, DecodeGraphs):
+            self.graphs = None  # step graphs need the triton metadata
 
     def _run_fixed_shape(self, scheduled: list[ScheduledRequest]):
+        if isinstance(self.graphs, DecodeGraphs):
+            return self._run_decode_graphs(scheduled)
+        layout, lists = self._layout(scheduled)
+        try:
+            out = self.graphs.run(layout, *lists)
+        except Exception as exc:  # a failed replay/launch of the triton path: eager torch from now on
+            self._fall_back_to_torch(exc)
+            return None
+        if out is None:
+            return None
+        hidden, sample_rows = out
+        return hidden, sample_rows, [s for s in scheduled if s.samples]
+
+    def _run_decode_graphs(self, scheduled: list[ScheduledRequest]):
         """A step of single-token rows through DecodeGraphs; None when it has a chunk or doesn't fit a shape."""
         if any(s.num_new_tokens != 1 for s in scheduled):
             return None
@@ -100,15 +189,14 @@ class ModelRunner:
         sample_rows = torch.tensor([i for i, s in enumerate(scheduled) if s.samples], device=self.device)
         return hidden, sample_rows, sampling
 
-    def _prepare(self, scheduled: list[ScheduledRequest]):
+    def _layout(self, scheduled: list[ScheduledRequest]):
+        """The step's StepLayout and its flat lists (input ids, positions, cache slots, sampling rows)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        groups: list[AttentionGroup] = []
-        decodes: list[tuple[int, int, ScheduledRequest]] = []  # (context_len, token_index, s)
         sample_rows: list[int] = []
-        sampling: list[ScheduledRequest] = []
         bs = self.block_size
+        layout = StepLayout([], [], [], [], 0, bs, row_keys=[])
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             offset = len(input_ids)
@@ -118,72 +206,40 @@ class ModelRunner:
                 input_ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decodes.append((start + 1, offset, s))
-            else:
-                groups.append(self._chunk_group(s, offset))
+            slots.extend(_slots(table, start, start + n, bs))
+            layout.query_starts.append(offset)
+            layout.query_lens.append(n)
+            layout.seq_lens.append(start + n)
+            layout.block_tables.append(table)
+            layout.row_keys.append(req.request_id)
             if s.samples:
                 sample_rows.append(offset + n - 1)
-                sampling.append(s)
-        groups.extend(self._decode_groups(decodes))
-        dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, len(input_ids), bs)
-        return (torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                meta, torch.tensor(sample_rows, device=dev), sampling)
+        layout.num_tokens = len(input_ids)
+        return layout, (input_ids, positions, slots, sample_rows)
 
-    def _block_table(self, s: ScheduledRequest, num_blocks: int) -> list[int]:
-        table = s.request.block_ids[:num_blocks]
-        return table + [0] * (num_blocks - len(table))  # padding blocks are masked out
-
-    def _chunk_group(self, s: ScheduledRequest, offset: int) -> AttentionGroup:
-        # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
-        q_len, kv_len = s.num_new_tokens, s.start + s.num_new_tokens
-        num_blocks = -(-kv_len // self.block_size)
-        index = torch.arange(offset, offset + q_len, device=self.device)
-        blocks = torch.tensor(self._block_table(s, num_blocks), device=self.device)
-        padded_len = num_blocks * self.block_size
-        if s.start == 0:
-            return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
-        rows = torch.arange(q_len)[:, None] + s.start
-        mask = torch.arange(padded_len)[None, :] <= rows      # [Q, L] causal with offset
-        mask = mask.repeat(self.n_rep, 1)[None, None]          # [1, 1, n_rep * Q, L]
-        return AttentionGroup(1, q_len, padded_len, index, blocks, mask.to(self.device), index)
-
-    def _decode_groups(self, decodes: list[tuple[int, int, ScheduledRequest]]) -> list[AttentionGroup]:
-        groups = []
-        bs = self.block_size
-        for chunk in _pack_by_length(decodes, bs):
-            lengths = [d[0] for d in chunk]
-            num_blocks = -(-lengths[-1] // bs)
-            tables = [self._block_table(s, num_blocks) for _, _, s in chunk]
-            valid = torch.arange(num_blocks * bs)[None, :] < torch.tensor(lengths)[:, None]   # [G, L]
-            mask = valid[:, None, None, :].to(self.device)                                   # [G, 1, 1, L]
-            index = torch.tensor([d[1] for d in chunk], device=self.device)
-            blocks = torch.tensor(tables, device=self.device).flatten()
-            groups.append(AttentionGroup(len(chunk), 1, num_blocks * bs, index, blocks, mask, index))
-        return groups
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        layout, (input_ids, positions, slots, sample_rows) = self._layout(scheduled)
+        upload = StepUpload(self.device, self.staging)
+        upload.add("input_ids", input_ids)
+        upload.add("positions", positions)
+        upload.add("slot_mapping", slots)
+        upload.add("sample_rows", sample_rows)
+        meta = self.backend.build(layout, upload)  # adds the backend's arrays, then one copy for all
+        t = upload.flush()
+        return StepInputs(t["input_ids"], t["positions"], meta, t["sample_rows"],
+                          [s for s in scheduled if s.samples])
 
 
-def _pack_by_length(decodes: list[tuple[int, int, ScheduledRequest]], block_size: int):
-    """Sort decodes by context length and cut them into groups whose padding stays small.
-
-    Every member of a group is padded to the group's longest context, so one long request in a group of
-    short ones would multiply the keys gathered; a group closes when padding would pass MAX_PADDING_WASTE.
-    """
-    decodes = sorted(decodes, key=lambda d: d[0])
-    group: list = []
-    total = 0
-    for d in decodes:
-        padded = len(group) + 1
-        blocks = -(-d[0] // block_size) * block_size
-        if group and (padded > MAX_DECODE_GROUP or padded * blocks > (1 + MAX_PADDING_WASTE) * (total + d[0])):
-            yield group
-            group, total = [], 0
-        group.append(d)
-        total += d[0]
-    if group:
-        yield group
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions start..end-1 (block by block: a whole block is one range)."""
+    out: list[int] = []
+    p = start
+    while p < end:
+        block_end = min(end, (p // block_size + 1) * block_size)
+        base = table[p // block_size] * block_size - (p // block_size) * block_size
+        out.extend(range(base + p, base + block_end))
+        p = block_end
+    return out
 
 
 def _is_decode(s: ScheduledRequest) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
+from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 
 SCORE_BLOCK_SIZE = 16
 
@@ -31,6 +31,6 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     blocks = torch.arange(num_blocks, device=dev)
     # a chunk starting at position 0: the causal kernel path, no explicit mask
     group = AttentionGroup(1, num_tokens, kv_len, index, blocks, None, index, causal=True)
-    meta = AttentionMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
+    meta = TorchMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
     ids = torch.tensor(list(token_ids), device=dev)
     return model.compute_logits(model(ids, index, meta, kv)).float()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from jobrunner.engine.attention import AttentionMetadata, paged_attention
+from jobrunner.attention import AttentionMetadata, paged_attention
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 

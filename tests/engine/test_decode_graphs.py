@@ -49,3 +49,10 @@ def test_static_decode_counts_fixed_shape_steps(hf_llama, tokenizer):
     # every step after the joint prefill is a decode-only step of 2 rows padded to the 2-row bucket
     assert stats["num_fixed_shape_steps"] == 5 and stats["steps"] == 6
     assert engine.runner.kv_cache.shape[2] == (engine.kv_manager.pool.num_blocks + 1) * engine.config.block_size
+
+
+def test_step_graph_token_buckets_end_at_the_step_budget():
+    from jobrunner.engine.step_graphs import _token_buckets
+
+    assert _token_buckets(2048)[-1] == 2048 and _token_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
+    assert _token_buckets(1) == (1,)

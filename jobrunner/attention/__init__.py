@@ -1,0 +1,37 @@
+"""Attention backends over the paged KV cache, below both the model and the engine.
+
+``torch`` (:mod:`.torch_backend`): gather + ``scaled_dot_product_attention``; runs everywhere and is the
+default. ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer reading the cache in place;
+CUDA only (or Triton's interpreter), opt-in until a GPU check has passed. The model calls
+:func:`paged_attention` with whatever metadata the runner built; it never names a backend.
+"""
+
+from __future__ import annotations
+
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, paged_attention
+from jobrunner.attention.upload import StepUpload
+
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepLayout", "StepUpload", "paged_attention",
+           "make_backend"]
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_rows: int = 256,
+                 max_model_len: int = 8192) -> AttentionBackend:
+    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises if ``triton`` can't run.
+
+    ``max_rows`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "triton":
+        from jobrunner.attention.triton_backend import TritonBackend, triton_unavailable_reason
+
+        reason = triton_unavailable_reason(device)
+        if reason:
+            raise RuntimeError(reason)
+        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_rows, max_model_len)
+    from jobrunner.attention.torch_backend import TORCH_BACKEND
+
+    return TORCH_BACKEND

@@ -1,0 +1,82 @@
+"""The attention-backend interface: what a step looks like to attention, and what every backend implements.
+
+A step's tokens are one flat batch ``[T]``. Each *row* is one request's slice of it: ``query_len`` new tokens
+starting at flat offset ``query_start``, at positions ``seq_len - query_len .. seq_len - 1`` of that request
+(a decode has ``query_len == 1``; a prompt chunk that hit the prefix cache, or a later chunk, starts past 0).
+Its keys are positions ``0 .. seq_len - 1``, found through its block table. The model runner describes the
+step once (:class:`StepLayout`); the backend turns that into its own metadata once per step; every layer then
+calls :func:`paged_attention` with it. Backends own no state between steps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from jobrunner.attention.upload import StepUpload
+
+
+@dataclass
+class StepLayout:
+    """Host-side description of one step's rows, in flat-batch order (rows cover tokens ``0 .. num_tokens-1``)."""
+
+    query_starts: list[int]       # flat offset of each row's first new token
+    query_lens: list[int]         # new tokens of each row
+    seq_lens: list[int]           # keys each row attends to (its context after this step)
+    block_tables: list[list[int]]  # each row's block ids (at least ceil(seq_len / block_size) of them)
+    num_tokens: int
+    block_size: int
+    row_keys: list[str] | None = None  # a stable key per row (request id): lets backends keep per-row state
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+
+class AttentionMetadata:
+    """Per-step inputs of one backend (the same for every layer). ``slot_mapping[t]``: cache slot of token t."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor    # [T] long
+    num_tokens: int
+
+
+class AttentionBackend(ABC):
+    """Writes a step's K/V into the paged cache and attends over it.
+
+    Cache of one layer: ``[num_slots, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset).
+    """
+
+    name: str = "?"
+
+    @abstractmethod
+    def build(self, layout: StepLayout, upload: StepUpload) -> AttentionMetadata:
+        """This step's metadata (built once per step, used by every layer).
+
+        ``upload`` already holds the runner's ``slot_mapping`` (and its other inputs); a backend adds its own
+        integer arrays and calls ``upload.flush()`` once, so the whole step crosses to the device in one copy.
+        """
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k, v at ``meta.slot_mapping`` and attend. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention through the backend that built ``meta`` (what the model calls)."""
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V at their cache slots (one index_copy_ each: a single kernel on CUDA)."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)

@@ -1,0 +1,173 @@
+"""The ``torch`` backend: paged attention in plain torch (CPU, and CUDA when Triton is not chosen).
+
+For each group of rows we gather its keys/values block by block (whole blocks are long contiguous rows, so
+the copy runs at memory speed) into a padded ``[G, num_blocks * block_size]`` layout and call
+``scaled_dot_product_attention`` once. Every prompt chunk is its own group; single-token rows are sorted by
+context length and packed into groups of similar length. A chunk starting at position 0 uses the causal
+kernel with no mask; other groups get a boolean mask, built on the device from a few small index vectors.
+Grouped-query attention is folded into the query-length axis — queries ``[G, kv_heads, n_rep * Q, D]``
+against keys ``[G, kv_heads, L, D]`` — so keys and values are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.upload import StepUpload
+
+MAX_DECODE_GROUP = 32     # decodes of similar context length attended together in one padded call
+MAX_PADDING_WASTE = 0.5   # start a new group rather than pad the keys gathered by more than this share
+
+
+@dataclass
+class AttentionGroup:
+    num_seqs: int                     # G
+    query_len: int                    # Q (padded)
+    kv_len: int                       # L (padded to whole blocks)
+    query_index: torch.Tensor         # [G * Q] flat token index of each query row
+    block_ids: torch.Tensor           # [G * L / block_size] cache block of each (padded) key block
+    mask: torch.Tensor | None         # [G, 1, n_rep * Q or 1, L] bool, True = attend; None = see ``causal``
+    out_index: torch.Tensor           # [G * Q] flat token index to write each output row to
+    causal: bool = False              # a chunk starting at position 0: plain causal attention, no mask
+    repeat_mask: bool = False         # mask is [Q, L]-shaped: repeat it n_rep times along the query axis
+
+
+class TorchMetadata(AttentionMetadata):
+    """The groups of one step (their indices and masks are shared by every layer)."""
+
+    def __init__(self, slot_mapping: torch.Tensor, groups: list[AttentionGroup], num_tokens: int,
+                 block_size: int) -> None:
+        self.backend = TORCH_BACKEND
+        self.slot_mapping = slot_mapping
+        self.groups = groups
+        self.num_tokens = num_tokens
+        self.block_size = block_size
+
+
+class TorchBackend(AttentionBackend):
+    """Gather + ``scaled_dot_product_attention``; runs anywhere torch does."""
+
+    name = "torch"
+
+    def build(self, layout: StepLayout, upload: StepUpload) -> TorchMetadata:
+        # Queue every group's small integer arrays in the step's single upload, then build the groups from
+        # the device views (masks and ranges are computed on the device, never on the host).
+        chunks, decodes = [], []
+        for start, q_len, seq_len, table in zip(layout.query_starts, layout.query_lens, layout.seq_lens,
+                                                layout.block_tables):
+            if q_len == 1:
+                decodes.append((seq_len, start, table))
+            else:
+                chunks.append((start, q_len, seq_len))
+                num_blocks = -(-seq_len // layout.block_size)
+                upload.add(f"chunk{len(chunks)}", _padded_table(table, num_blocks))
+        packed = list(_pack_by_length(decodes, layout.block_size))
+        for i, group in enumerate(packed):
+            num_blocks = -(-group[-1][0] // layout.block_size)
+            upload.add(f"dec{i}_len", [d[0] for d in group])
+            upload.add(f"dec{i}_index", [d[1] for d in group])
+            upload.add(f"dec{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
+        t = upload.flush()
+        device, bs = upload.device, layout.block_size
+        groups = [_chunk_group(offset, q_len, seq_len, t[f"chunk{i + 1}"], bs, device)
+                  for i, (offset, q_len, seq_len) in enumerate(chunks)]
+        for i, group in enumerate(packed):
+            groups.append(_decode_group(len(group), -(-group[-1][0] // bs) * bs, t[f"dec{i}_len"],
+                                        t[f"dec{i}_index"], t[f"dec{i}_blocks"], device))
+        return TorchMetadata(t["slot_mapping"], groups, layout.num_tokens, bs)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        n_rep = num_heads // num_kv_heads
+        k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)  # [num_blocks, block elements]
+        v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
+        out = q.new_empty(meta.num_tokens, num_heads * head_dim)
+        for g in meta.groups:
+            rows = _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale)
+            out.index_copy_(0, g.out_index, rows)
+        return out
+
+
+TORCH_BACKEND = TorchBackend()
+
+
+def _padded_table(table: list[int], num_blocks: int) -> list[int]:
+    table = table[:num_blocks]
+    return table + [0] * (num_blocks - len(table))  # padding blocks are masked out
+
+
+def _chunk_group(offset: int, q_len: int, seq_len: int, blocks: torch.Tensor, block_size: int,
+                 device: torch.device) -> AttentionGroup:
+    # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
+    start = seq_len - q_len
+    padded_len = blocks.numel() * block_size
+    index = torch.arange(offset, offset + q_len, device=device)
+    if start == 0:
+        return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
+    rows = torch.arange(start, seq_len, device=device)[:, None]
+    mask = torch.arange(padded_len, device=device)[None, :] <= rows      # [Q, L] causal with offset
+    return AttentionGroup(1, q_len, padded_len, index, blocks, mask, index, repeat_mask=True)
+
+
+def _decode_group(num_seqs: int, kv_len: int, lengths: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor,
+                  device: torch.device) -> AttentionGroup:
+    mask = torch.arange(kv_len, device=device)[None, :] < lengths[:, None]    # [G, L]
+    return AttentionGroup(num_seqs, 1, kv_len, index, blocks, mask[:, None, None, :], index)
+
+
+def _pack_by_length(decodes: list[tuple[int, int, list[int]]], block_size: int):
+    """Sort decodes by context length and cut them into groups whose padding stays small.
+
+    Every member of a group is padded to the group's longest context, so one long request in a group of
+    short ones would multiply the keys gathered; a group closes when padding would pass MAX_PADDING_WASTE.
+    """
+    decodes = sorted(decodes, key=lambda d: d[0])
+    group: list = []
+    total = 0
+    for d in decodes:
+        padded = len(group) + 1
+        blocks = -(-d[0] // block_size) * block_size
+        if group and (padded > MAX_DECODE_GROUP or padded * blocks > (1 + MAX_PADDING_WASTE) * (total + d[0])):
+            yield group
+            group, total = [], 0
+        group.append(d)
+        total += d[0]
+    if group:
+        yield group
+
+
+def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n_rep: int, head_dim: int,
+                  scale: float) -> torch.Tensor:
+    G, Q, L = g.num_seqs, g.query_len, g.kv_len
+    if g.causal:
+        return _attend_causal(q, k_blocks, v_blocks, g, num_kv_heads, head_dim, scale)
+    # q: [G*Q, H, D] -> [G, Hkv, n_rep*Q, D] (query head h uses kv head h // n_rep)
+    qg = q.index_select(0, g.query_index).view(G, Q, num_kv_heads, n_rep, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(G, num_kv_heads, n_rep * Q, head_dim)
+    kg = k_blocks.index_select(0, g.block_ids).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
+    vg = v_blocks.index_select(0, g.block_ids).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
+    if g.repeat_mask:  # once per step, not per layer: the group is shared by every layer
+        g.mask, g.repeat_mask = g.mask.repeat(n_rep, 1)[None, None], False
+    og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+    # [G, Hkv, n_rep*Q, D] -> [G*Q, H*D]
+    og = og.view(G, num_kv_heads, n_rep, Q, head_dim).permute(0, 3, 1, 2, 4)
+    return og.reshape(G * Q, num_kv_heads * n_rep * head_dim)
+
+
+def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, head_dim: int,
+                   scale: float) -> torch.Tensor:
+    # A whole prompt (or its first chunk) of one request: the causal kernel skips the upper triangle, which
+    # an explicit mask cannot. Padded keys past the chunk sit right of every query, so causality hides them.
+    Q, L = g.query_len, g.kv_len
+    # index_select, not narrow(int(query_index[0])): reading the offset back would sync the device every layer
+    qg = q.index_select(0, g.query_index).transpose(0, 1).unsqueeze(0)                # [1, H, Q, D]
+    kg = k_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    vg = v_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+    return og.squeeze(0).transpose(0, 1).reshape(Q, -1)                                  # [Q, H*D]

@@ -1,0 +1,146 @@
+"""The ``triton`` backend: one kernel launch per layer reads the paged KV cache in place (CUDA).
+
+See :mod:`jobrunner.attention.triton_kernels` for the kernel. Per step the host lists the row offsets, the
+context lengths, the block tables and the tiles (row, first query token) — a few small integer arrays that
+go to the device with the runner's own inputs in one copy. On CPU the same kernel runs under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported): slow, but it is how the tests check
+it against the ``torch`` backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.block_tables import DeviceBlockTables
+from jobrunner.attention.upload import StepUpload
+
+DECODE_BLOCK_M = 16     # query rows per tile when every row of the step decodes one token (tl.dot needs >= 16)
+CHUNK_BLOCK_M = 64      # ... when the step holds a prompt chunk
+BLOCK_N = 64            # keys per inner iteration
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run on ``device`` (None when it can)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpret:
+        return f"the triton attention backend needs CUDA (or TRITON_INTERPRET=1), not {device.type}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not installed ({exc})"
+    return None
+
+
+class TritonMetadata(AttentionMetadata):
+    """Device arrays of one step for :func:`~jobrunner.attention.triton_kernels.paged_attention_kernel`."""
+
+    def __init__(self, backend: TritonBackend, tensors: dict[str, torch.Tensor], num_tokens: int,
+                 block_m: int, covers_all_tokens: bool) -> None:
+        self.backend = backend
+        self.slot_mapping = tensors["slot_mapping"]
+        self.query_start = tensors["query_start"]    # [B + 1]
+        self.seq_lens = tensors["seq_lens"]          # [B]
+        self.table_rows = tensors["table_rows"]      # [B] row of the device block table
+        self.block_table = backend.tables.table      # [capacity, max_blocks], persistent
+        self.tile_row = tensors["tile_row"]          # [num_tiles], -1 = padding tile
+        self.tile_start = tensors["tile_start"]      # [num_tiles]
+        self.num_tokens = num_tokens
+        self.block_m = block_m
+        self.covers_all_tokens = covers_all_tokens   # False: padding tokens exist, their output must be zeros
+
+
+class TritonBackend(AttentionBackend):
+    """Varlen paged attention in one Triton launch per layer (prompt chunks, prefix hits and decodes)."""
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, device: torch.device,
+                 max_rows: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N) -> None:
+        self.n_rep = num_heads // num_kv_heads
+        self.block_size = block_size
+        self.block_n = block_n
+        # twice the running batch: rows of requests that pause a step or two keep their synced tables
+        self.tables = DeviceBlockTables(max(2 * max_rows, 64), -(-max_model_len // block_size) + 1, device)
+
+    def block_m(self, max_query_len: int) -> int:
+        """Query rows per tile: small when the step only decodes, larger when it holds prompt chunks."""
+        rows = DECODE_BLOCK_M if max_query_len <= 1 else CHUNK_BLOCK_M
+        return max(rows, _next_pow2(self.n_rep))
+
+    def tokens_per_tile(self, block_m: int) -> int:
+        return block_m // self.n_rep
+
+    def tiles(self, layout: StepLayout, block_m: int) -> tuple[list[int], list[int]]:
+        """(row, first query token) of every tile of the step."""
+        per_tile = self.tokens_per_tile(block_m)
+        rows: list[int] = []
+        starts: list[int] = []
+        for row, q_len in enumerate(layout.query_lens):
+            first = range(0, q_len, per_tile)
+            rows.extend([row] * len(first))
+            starts.extend(first)
+        return rows, starts
+
+    def add_arrays(self, layout: StepLayout, upload: StepUpload, block_m: int, num_rows: int | None = None,
+                   num_tiles: int | None = None) -> None:
+        """Queue this step's arrays; optional fixed sizes pad them (for a CUDA graph's persistent buffers).
+
+        Fixed-size arrays first, then the variable-size block-table updates: with fixed sizes every array
+        lands at the same offset of a persistent buffer at every step.
+        """
+        num_rows = num_rows or layout.num_rows
+        pad_rows = num_rows - layout.num_rows
+        tile_row, tile_start = self.tiles(layout, block_m)
+        pad_tiles = (num_tiles or len(tile_row)) - len(tile_row)
+        if pad_rows < 0 or pad_tiles < 0:
+            raise ValueError(f"step has {layout.num_rows} rows / {len(tile_row)} tiles; room for "
+                             f"{num_rows} / {num_tiles}")
+        keys = layout.row_keys or [f"_row{i}" for i in range(layout.num_rows)]
+        upload.add("query_start", list(layout.query_starts) + [layout.num_tokens] * (pad_rows + 1))
+        upload.add("seq_lens", list(layout.seq_lens) + [0] * pad_rows)
+        upload.add("tile_row", tile_row + [-1] * pad_tiles)
+        upload.add("tile_start", tile_start + [0] * pad_tiles)
+        table_rows, triples = self.tables.updates(keys, layout.block_tables)
+        upload.add("table_rows", table_rows + [0] * pad_rows)
+        self.tables.add_to(upload, triples)
+
+    def build(self, layout: StepLayout, upload: StepUpload) -> TritonMetadata:
+        block_m = self.block_m(layout.max_query_len)
+        self.add_arrays(layout, upload, block_m)
+        tensors = upload.flush()
+        self.tables.apply(tensors)
+        return TritonMetadata(self, tensors, layout.num_tokens, block_m, True)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
+        from jobrunner.attention.triton_kernels import paged_attention_kernel
+
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()  # the kernel assumes unit stride along head_dim (a no-op after rotary)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        alloc = torch.empty if meta.covers_all_tokens else torch.zeros
+        out = alloc(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        grid = (meta.tile_row.shape[0], num_kv_heads)
+        paged_attention_kernel[grid](
+            q, k_cache, v_cache, out,
+            meta.query_start, meta.seq_lens, meta.table_rows, meta.block_table, meta.tile_row, meta.tile_start,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), out.stride(0), meta.block_table.stride(0),
+            scale,
+            N_REP=self.n_rep, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=meta.block_m,
+            BLOCK_N=self.block_n, TOKENS_PER_TILE=self.tokens_per_tile(meta.block_m),
+            BLOCK_SIZE=self.block_size, DOT_FP32=q.dtype == torch.float32 or _interpreted(),
+        )
+        return out
+
+
+def _interpreted() -> bool:
+    # Triton's CPU interpreter multiplies bfloat16 tiles wrongly (raw bits); it gets float32 products instead
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,147 @@
+"""Every step of the ``triton`` attention backend at a fixed shape, replayed as CUDA graphs.
+
+With the triton backend the attention of a step reads only small integer arrays (row offsets, context
+lengths, block tables, the tile list) and its grid depends only on how many tiles it may have, so *any* step
+— prompt chunks, prefix hits and decodes mixed — can run at a fixed shape: its tokens are padded to a
+*token bucket* ``T`` (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to ``max_num_batched_tokens``), its rows to
+``min(max_num_seqs, T)`` and its tile list to ``T / tokens_per_tile + rows`` (padding tiles return at once).
+Context length needs no bucket: the kernel loops over each row's own keys. One graph is captured per
+(token bucket, tile height) — the tile height is small for decode-only steps, larger with a prompt chunk.
+
+All inputs live in one persistent int64 buffer that the step's single host->device copy lands in (the
+arrays of one bucket always sit at the same offsets; the variable-size block-table updates come last and
+are scattered, outside the graph, into the backend's persistent device block table). Padding tokens read
+token 0 at position 0 and write their K/V into a scratch block the pool never hands out; no tile covers them,
+so their attention output is zero and nothing reads them.
+
+A failed capture warns once, counts, and that bucket runs eagerly from then on; tokens never change. With
+``capture=False`` the same fixed-shape forward runs eagerly (tests run it on CPU under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
+from jobrunner.attention.upload import PinnedStaging, StepUpload
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+                 4096, 6144, 8192, 12288, 16384)
+MAX_GRAPHS = 64   # captured graphs kept; steps needing another shape run eagerly
+
+
+class StepGraphs:
+    """Persistent inputs plus one captured graph per (token bucket, tile height)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: TritonBackend, max_rows: int,
+                 max_num_tokens: int, max_model_len: int, scratch_block: int, capture: bool,
+                 staging: PinnedStaging | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_size = backend.block_size
+        self.scratch_block = scratch_block
+        self.capture = capture
+        self.staging = staging
+        self.device = kv_cache.device
+        self.token_buckets = _token_buckets(max_num_tokens)
+        self.max_rows = max_rows
+        max_tokens = self.token_buckets[-1]
+        width = backend.tables.max_blocks
+        max_tiles = max_tokens + max_rows   # a tile holds at least one token: tiles <= tokens + rows
+        # tokens x3 + sample rows; row arrays; tiles; block-table updates (at most every entry of every row)
+        size = 4 * max_tokens + 3 * (max_rows + 1) + 2 * max_tiles + 3 * max_rows * width
+        self.ints = torch.zeros(size, dtype=torch.long, device=self.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[tuple[int, int]] = set()
+        self.pool = None
+        self.num_replays = 0
+        self.num_eager_static = 0
+        self.num_capture_failures = 0
+
+    def run(self, layout, input_ids: list[int], positions: list[int], slots: list[int], sample_rows: list[int]):
+        """(hidden ``[T, hidden]``, sample_rows on the device), or None when the step should run eagerly."""
+        num_tokens, num_rows = layout.num_tokens, layout.num_rows
+        i = bisect.bisect_left(self.token_buckets, num_tokens)
+        if i == len(self.token_buckets) or num_rows > self.max_rows or num_tokens == 0:
+            return None
+        bucket = self.token_buckets[i]
+        block_m = self.backend.block_m(layout.max_query_len)
+        key = (bucket, block_m)
+        if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
+            return None
+        rows = min(self.max_rows, bucket)
+        meta, t = self._fill(layout, (input_ids, positions, slots, sample_rows), bucket, rows, block_m)
+        if not self.capture:
+            self.num_eager_static += 1
+            return self._forward(t, meta)[:num_tokens], t["sample_rows"]
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._try_capture(key, t, meta)
+            if entry is None:
+                return None
+        entry[0].replay()
+        self.num_replays += 1
+        return entry[1][:num_tokens], t["sample_rows"]
+
+    def _fill(self, layout, lists, bucket: int, rows: int, block_m: int):
+        input_ids, positions, slots, sample_rows = lists
+        pad = bucket - layout.num_tokens
+        scratch = self.scratch_block * self.block_size
+        upload = StepUpload(self.device, self.staging)
+        upload.add("input_ids", input_ids + [0] * pad)
+        upload.add("positions", positions + [0] * pad)
+        upload.add("slot_mapping", slots + [scratch + j % self.block_size for j in range(pad)])
+        num_tiles = bucket // self.backend.tokens_per_tile(block_m) + rows
+        self.backend.add_arrays(layout, upload, block_m, num_rows=rows, num_tiles=num_tiles)
+        upload.add("sample_rows", sample_rows)
+        t = upload.flush(self.ints)
+        self.backend.tables.apply(t)
+        return TritonMetadata(self.backend, t, bucket, block_m, covers_all_tokens=False), t
+
+    def _forward(self, t: dict[str, torch.Tensor], meta: TritonMetadata) -> torch.Tensor:
+        return self.model(t["input_ids"], t["positions"], meta, self.kv_cache)
+
+    def _try_capture(self, key, t, meta):
+        try:
+            entry = self.graphs[key] = self._capture(t, meta)
+            return entry
+        except Exception as exc:  # never a crash: this bucket runs eagerly from now on
+            self.failed.add(key)
+            self.num_capture_failures += 1
+            if self.num_capture_failures == 1:
+                log.warning("CUDA graph capture failed for %s (%s: %s); such steps run eagerly",
+                            key, type(exc).__name__, exc)
+            return None
+
+    def _capture(self, t, meta) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream first (Triton compiles, lazy library init must not land in the graph).
+        # The warm-up runs compute the real step: they write the same K/V to the same slots as the replay.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(t, meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a Ray worker's other threads (uploads, heartbeats) may touch CUDA during a capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            output = self._forward(t, meta)
+        return graph, output
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and the bench."""
+        return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
+                "static_eager_steps": self.num_eager_static, "graph_capture_failures": self.num_capture_failures}
+
+
+def _token_buckets(max_num_tokens: int) -> tuple[int, ...]:
+    buckets = [b for b in TOKEN_BUCKETS if b < max_num_tokens]
+    return tuple(buckets + [max_num_tokens])

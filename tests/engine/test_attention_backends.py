@@ -1,0 +1,219 @@
+"""The triton attention backend (run by Triton's CPU interpreter) against the torch backend, and selection.
+
+Triton decides at import time whether its kernels are interpreted, so the kernel tests run in a child pytest
+started with ``TRITON_INTERPRET=1`` (``test_kernels_under_the_triton_interpreter``); in the parent process
+they are skipped, and the parent test fails with the child's output if any of them fails.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import engine_from_hf
+
+from jobrunner.attention import StepLayout, StepUpload, make_backend
+from jobrunner.attention.torch_backend import TORCH_BACKEND
+from jobrunner.engine import EngineConfig, SamplingParams
+
+CHILD_FLAG = "JOBRUNNER_TRITON_CHILD"
+IN_CHILD = os.environ.get(CHILD_FLAG) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def interpreted():
+    """Only in the child process, where every Triton kernel is interpreted on the CPU."""
+    if not IN_CHILD:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_under_the_triton_interpreter")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the parent test")
+def test_kernels_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
+    select = "triton and not fallback and not under_the"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(__file__))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+
+def _layout(rows, block_size, num_blocks, rng):
+    """rows: (start, query_len) per row -> a StepLayout with shuffled block tables, and its slot list."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    layout = StepLayout([], [], [], [], 0, block_size)
+    slots = []
+    for start, q_len in rows:
+        seq_len = start + q_len
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        layout.query_starts.append(layout.num_tokens)
+        layout.query_lens.append(q_len)
+        layout.seq_lens.append(seq_len)
+        layout.block_tables.append(table)
+        layout.num_tokens += q_len
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, seq_len)]
+    return layout, slots
+
+
+def _attend(backend, layout, slots, q, k, v, cache):
+    upload = StepUpload(q.device)
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    return backend.forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5), k_cache
+
+
+# prompt chunk from 0 | chunk after a cached prefix | long decode | short decodes | a one-token chunk tail
+MIXED = [(0, 21), (37, 6), (70, 1), (0, 1), (12, 1), (33, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1), (8, 1)])
+def test_triton_matches_torch_on_mixed_steps(interpreted, block_size, num_heads, num_kv_heads):
+    rng = random.Random(block_size * 10 + num_heads)
+    torch.manual_seed(block_size + num_heads)
+    head_dim, num_blocks = 16, 24
+    layout, slots = _layout(MIXED, block_size, num_blocks, rng)
+    cache = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)   # prefixes already "cached"
+    q = torch.randn(layout.num_tokens, num_heads, head_dim)
+    k = torch.randn(layout.num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(layout.num_tokens, num_kv_heads, head_dim)
+    triton = make_backend("triton", num_heads, num_kv_heads, block_size, torch.device("cpu"))
+    triton.block_n = 32  # several key iterations per row even at these lengths
+    got, got_cache = _attend(triton, layout, slots, q, k, v, cache)
+    want, want_cache = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    assert torch.equal(got_cache, want_cache)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_bfloat16_matches_float32_torch(interpreted):
+    rng = random.Random(5)
+    layout, slots = _layout(MIXED, 16, 24, rng)
+    torch.manual_seed(5)
+    cache = torch.randn(2, 24 * 16, 2, 16).bfloat16()
+    q, k, v = (torch.randn(layout.num_tokens, h, 16).bfloat16() for h in (8, 2, 2))
+    triton = make_backend("triton", 8, 2, 16, torch.device("cpu"))
+    got, _ = _attend(triton, layout, slots, q, k, v, cache)
+    want, _ = _attend(TORCH_BACKEND, layout, slots, q.float(), k.float(), v.float(), cache.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_triton_decode_only_and_prefill_only_steps(interpreted):
+    rng = random.Random(3)
+    for rows in ([(5, 1), (40, 1), (16, 1)], [(0, 40)], [(16, 30)]):
+        layout, slots = _layout(rows, 16, 16, rng)
+        cache = torch.randn(2, 16 * 16, 2, 16)
+        q, k, v = (torch.randn(layout.num_tokens, h, 16) for h in (8, 2, 2))
+        triton = make_backend("triton", 8, 2, 16, torch.device("cpu"))
+        got, _ = _attend(triton, layout, slots, q, k, v, cache)
+        want, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_engine_with_step_graph_twin_matches_torch(interpreted, hf_llama, tokenizer):
+    """Whole engine: triton attention through the fixed-shape step path (what CUDA graphs replay), with
+    chunked prefill, prefix-cache hits and decodes sharing steps, gives the torch backend's tokens."""
+    shared = "The quick brown fox jumps over the lazy dog. " * 3
+    prompts = [shared + "Then what?", shared + "And after that", "Hi", shared + "Why?"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    settings = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=40, num_kv_blocks=64)
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer, **settings).generate(prompts, params)]
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton", static_decode=True, **settings)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    stats = engine.runner.stats()
+    assert stats["attention_backend"] == "triton" and stats["attention_fallbacks"] == 0
+    assert stats["static_eager_steps"] == engine.stats().steps == engine.stats().num_fixed_shape_steps
+    assert engine.stats().num_cached_tokens > 0   # some rows started past position 0
+
+
+def test_triton_failed_graph_capture_runs_eagerly(interpreted, hf_llama, tokenizer, monkeypatch, caplog):
+    """Graph capture on a machine without CUDA fails: one warning, a counter, the same tokens as torch."""
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    prompts = ["one two three four", "five six"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer).generate(prompts, params)]
+    monkeypatch.setattr(LLMEngine, "_decode_graphs_mode", lambda self: "cuda")
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.runner.stats()
+    assert stats["attention_backend"] == "triton" and stats["graphs_captured"] == 0
+    assert stats["graph_capture_failures"] == 2    # the prefill bucket and the 2-row decode bucket, once each
+    assert caplog.text.count("CUDA graph capture failed") == 1
+    assert engine.stats().num_fixed_shape_steps == 0
+
+
+def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenizer, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
+    assert engine.runner.stats() == {"attention_backend": "torch", "attention_fallbacks": 1,
+                                     "attention_backend_requested": "triton"}
+    assert "needs CUDA" in caplog.text
+    out = engine.generate(["one two three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].output_token_ids) == 3
+
+
+@pytest.mark.skipif(IN_CHILD or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_kernel_compiles_for_hopper_without_a_gpu(block_m):
+    """The interpreter skips Triton's compiler; compile to PTX for sm_90 (no GPU needed) to catch what only
+    the compiler rejects. bf16, head_dim 128, GQA 4: the Llama-3-8B decode (16) and prompt-chunk (64) tiles."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jobrunner.attention.triton_kernels import paged_attention_kernel as kernel
+
+    consts = dict(N_REP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=64, TOKENS_PER_TILE=block_m // 4,
+                  BLOCK_SIZE=16, DOT_FP32=False)
+    pointer = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16"}
+    signature = {name: "constexpr" if name in consts else pointer.get(name) or (
+        "*i64" if name.endswith("_ptr") else "fp32" if name == "scale" else "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert ".entry paged_attention_kernel" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 64 * 1024   # leaves room for two programs per SM
+
+
+def test_device_block_tables_send_only_new_blocks():
+    from jobrunner.attention.block_tables import DeviceBlockTables
+
+    tables = DeviceBlockTables(capacity=2, max_blocks=4, device=torch.device("cpu"))
+
+    def step(keys, lists):
+        upload = StepUpload(torch.device("cpu"))
+        rows, triples = tables.updates(keys, lists)
+        tables.add_to(upload, triples)
+        tables.apply(upload.flush())
+        return rows, triples
+
+    a, b = [7, 3], [5]
+    assert step(["a", "b"], [a, b]) == ([0, 1], ([0, 0, 1], [0, 1, 0], [7, 3, 5]))
+    a.append(9)                                                    # a grows by one block: one triple
+    assert step(["a", "b"], [a, b]) == ([0, 1], ([0], [2], [9]))
+    assert tables.table[0, :3].tolist() == [7, 3, 9] and tables.table[1, 0] == 5
+    assert step(["a"], [[1, 2]]) == ([0], ([0, 0], [0, 1], [1, 2]))  # a replaced list (preempted): whole
+    b[0] = 6                                                       # an in-place change of a synced block
+    assert step(["b"], [b]) == ([1], ([1], [0], [6]))
+    assert step(["c"], [[4]]) == ([0], ([0], [0], [4]))            # full: c takes a's row (least recent)
+    assert step(["a"], [[1, 2]])[1] == ([1, 1], [0, 1], [1, 2])    # a comes back: synced again, b's row
+    with pytest.raises(ValueError, match="4 columns"):
+        step(["d"], [[1, 2, 3, 4, 5]])
+
+
+def test_attention_backend_is_validated():
+    assert EngineConfig().attention_backend == "auto" and EngineConfig().use_cuda_graphs is False
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    assert make_backend("auto", 4, 2, 16, torch.device("cpu")).name == "torch"

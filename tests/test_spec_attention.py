@@ -1,0 +1,26 @@
+"""engine.attention_backend / engine.use_cuda_graphs: validated in the spec and passed on to EngineConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobrunner.driver.engine_factory import engine_config_kwargs
+from jobrunner.engine import EngineConfig
+from jobrunner.spec import SpecError, spec_from_dict
+
+
+def _spec(**engine):
+    return spec_from_dict({"name": "t", "input": {"url": "x.parquet", "prompt_column": "prompt"},
+                           "output": {"url": "out"}, "engine": engine})
+
+
+def test_attention_backend_reaches_the_engine_config():
+    kwargs = engine_config_kwargs(_spec())
+    assert kwargs["attention_backend"] == "auto" and kwargs["use_cuda_graphs"] is False
+    config = EngineConfig(**engine_config_kwargs(_spec(attention_backend="triton", use_cuda_graphs=True)))
+    assert config.attention_backend == "triton" and config.use_cuda_graphs is True
+
+
+def test_unknown_attention_backend_is_named():
+    with pytest.raises(SpecError, match=r"engine\.attention_backend"):
+        _spec(attention_backend="flash")
