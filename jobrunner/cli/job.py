@@ -46,7 +46,8 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows")
     for f in plan.files:
         click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
-    columns = list(required_columns(spec).values()) + spec.output.keep_columns
+    keep = spec.output.keep_columns
+    columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     click.echo(f"required columns present: {', '.join(columns)}")
     click.echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
 

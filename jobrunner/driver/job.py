@@ -21,6 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.actor import start_worker
+from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, open_output, plan_job, with_absolute_output
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.session import ray_session
@@ -301,6 +302,7 @@ class _JobLoop:
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
         write_manifest(self.storage, self.manifest)
         if finished:
+            finish_job_files(self.spec, self.storage, sorted(self.shards))
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed))

@@ -15,11 +15,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobrunner.driver.rows import RowRequest, error_row, output_row, to_request
+from jobrunner.driver import output_files
+from jobrunner.driver.rows import (
+    RowRequest,
+    error_row,
+    kept_columns,
+    output_row,
+    prompt_tokens_once,
+    request_columns,
+    to_request,
+)
 from jobrunner.driver.shards import Shard
-from jobrunner.io.parts import rows_to_table, write_part
-from jobrunner.io.reader import ROW_INDEX, read_rows, table_to_rows
+from jobrunner.io.parts import write_part
+from jobrunner.io.reader import ROW_INDEX, table_to_rows
 from jobrunner.io.storage import Storage
+from jobrunner.io.text_input import read_input_rows
 from jobrunner.spec import JobSpec
 
 
@@ -81,12 +91,15 @@ class ShardRunner:
     def run_shard(self, shard: Shard) -> ShardResult:
         """Read, generate and commit one shard; blocks until its part is committed."""
         started = time.monotonic()
-        keep = self.spec.output.keep_columns
-        request_columns = self._request_columns()
-        table = read_rows(shard.file_url, self.spec.input.storage_options, shard.row_start, shard.row_end,
-                          list(dict.fromkeys(request_columns + keep)))
+        inp = self.spec.input
+        columns = request_columns(self.spec)
+        wanted = None if self.spec.output.keep_columns == "*" else list(dict.fromkeys(
+            columns + self.spec.output.keep_columns))
+        table = read_input_rows(shard.file_url, inp.storage_options, inp.format, shard.row_start,
+                                shard.row_end, wanted)
+        keep = kept_columns(self.spec, table.column_names)
         # Only the columns a request is built from become Python rows; kept columns stay in Arrow.
-        rows = table_to_rows(table.select(request_columns + [ROW_INDEX]))
+        rows = table_to_rows(table.select(columns + [ROW_INDEX]))
         requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
         state = _ShardState(shard=shard, to_add=deque(r for r in requests if r.error is None))
         state.rows = [error_row(r) for r in requests if r.error is not None]
@@ -95,13 +108,10 @@ class ShardRunner:
         if state.error is not None:
             raise state.error
         kept = table.select(keep + [ROW_INDEX]) if keep else None
-        part = write_part(self._output, shard.shard_id, rows_to_table(self._finish_rows(state), kept))
+        rows = self._finish_rows(state)
+        output_files.write_extra_files(self.spec, self._output, shard.shard_id, rows, requests)
+        part = write_part(self._output, shard.shard_id, output_files.rows_table(self.spec, rows, kept))
         return self._result(state, part, time.monotonic() - started)
-
-    def _request_columns(self) -> list[str]:
-        inp = self.spec.input
-        cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column]
-        return list(dict.fromkeys(c for c in cols if c))
 
     def _enqueue(self, state: _ShardState) -> None:
         with self._cond:
@@ -128,7 +138,7 @@ class ShardRunner:
         return ShardResult(
             shard_id=state.shard.shard_id, worker_id=self.worker_id, part=part, rows=len(rows),
             num_errors=sum(r["error"] is not None for r in rows),
-            num_prompt_tokens=total("num_prompt_tokens"), num_cached_tokens=total("num_cached_tokens"),
+            num_prompt_tokens=prompt_tokens_once(rows), num_cached_tokens=total("num_cached_tokens"),
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats())
 
@@ -184,7 +194,8 @@ class ShardRunner:
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = f"{state.shard.shard_id}/{req.row_index}"  # unique even if row ids repeat
         try:
-            self.engine.add_request(request_id, req.prompt, req.params)
+            kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
+            self.engine.add_request(request_id, req.prompt, req.params, **kwargs)
         except Exception as exc:  # noqa: BLE001 - one bad row never fails a shard
             req.error = f"engine rejected the request: {exc}"
             state.rows.append(error_row(req))
@@ -194,14 +205,19 @@ class ShardRunner:
         self._by_request[request_id] = (state, req)
 
     def _finish(self, out: Any) -> None:
-        entry = self._by_request.pop(out.request_id, None)
+        """One finished sample; the row's request is done when all its n samples are."""
+        entry = self._by_request.get(out.request_id)
         if entry is None:
             return
         state, req = entry
-        row = output_row(req, out)
+        row = output_row(self.spec, req, out)
         row["finish_time_s"] = time.time() - self.job_start_s
         state.rows.append(row)
         state.num_output_tokens += row["num_output_tokens"]
+        req.num_finished += 1
+        if req.num_finished < (getattr(out, "num_samples", None) or req.params.n):
+            return
+        del self._by_request[out.request_id]
         state.in_flight -= 1
         self._maybe_done(state)
 

@@ -43,7 +43,10 @@ def list_input_files(url: str, storage_options: dict[str, Any]) -> list[InputFil
     return [_read_footer(fs, p) for p in paths]
 
 
-def _expand(fs: Any, url: str, root: str) -> list[str]:
+PARQUET_SUFFIXES = (".parquet", ".parq")
+
+
+def _expand(fs: Any, url: str, root: str, suffixes: tuple[str, ...] = PARQUET_SUFFIXES) -> list[str]:
     fs.invalidate_cache()
     try:
         if any(c in root for c in "*?["):
@@ -57,7 +60,7 @@ def _expand(fs: Any, url: str, root: str) -> list[str]:
     except (FileNotFoundError, PermissionError, StorageError) as exc:
         raise InputError(f"input.url {url!r}: cannot list: {exc}") from None
     names = [p for p in sorted(paths) if p == root or not _hidden(p, root)]
-    return [p for p in names if p.endswith(".parquet") or p.endswith(".parq") or p == root]
+    return [p for p in names if p.endswith(suffixes) or p == root]
 
 
 def _hidden(path: str, root: str) -> bool:
