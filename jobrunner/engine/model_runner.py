@@ -9,6 +9,7 @@ import torch
 from jobrunner.engine.attention import AttentionGroup, AttentionMetadata
 from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
 from jobrunner.engine.sampler import Sampler
+from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 MAX_DECODE_GROUP = 32     # decodes of similar context length attended together in one padded call
@@ -17,8 +18,8 @@ MAX_PADDING_WASTE = 0.5   # start a new group rather than pad the keys gathered 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]            # request_id -> new token (only requests that reached their end)
-    logprobs: dict[str, float]
+    sampled: dict[str, int]            # Request.key -> new token (only requests that reached their end)
+    logprobs: dict[str, LogprobEntry]  # Request.key -> (token, logprob, top alternatives), where asked
     num_prefill_tokens: int
     num_decode_tokens: int
     fixed_shape: bool = False          # ran through DecodeGraphs (a CUDA graph replay, or its eager twin)
@@ -66,19 +67,23 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_rows, sampling = self._prepare(sched.scheduled)
             hidden = self.model(input_ids, positions, meta, self.kv_cache)
-        sampled, logprobs = {}, {}
-        if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-            requests = [s.request for s in sampling]
-            want = any(r.params.logprobs for r in requests)
-            tokens, lps = self.sampler.sample(logits, [r.params for r in requests],
-                                              [r.num_output_tokens for r in requests], want)
-            for i, r in enumerate(requests):
-                sampled[r.request_id] = tokens[i]
-                if lps is not None:
-                    logprobs[r.request_id] = lps[i]
+        sampled, logprobs = self._sample(hidden, sample_rows, sampling)
         num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
         return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed is not None)
+
+    # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: list[ScheduledRequest]
+                ) -> tuple[dict[str, int], dict[str, LogprobEntry]]:
+        """New tokens (and logprob entries where asked) keyed by ``Request.key``."""
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+        requests = [s.request for s in sampling]
+        out = self.sampler.sample(logits, requests)
+        sampled = {r.key: t for r, t in zip(requests, out.token_ids)}
+        logprobs = {r.key: e for r, e in zip(requests, out.logprobs) if e is not None}
+        return sampled, logprobs
 
     def _run_fixed_shape(self, scheduled: list[ScheduledRequest]):
         """A step of single-token rows through DecodeGraphs; None when it has a chunk or doesn't fit a shape."""

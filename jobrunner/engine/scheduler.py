@@ -60,6 +60,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_forked(self, requests: list[Request]) -> None:
+        """Queue forked samples first: they already hold their shared prompt blocks."""
+        self.waiting.extendleft(reversed(requests))
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -92,8 +96,11 @@ class Scheduler:
         now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv.block_size
+            if request.block_ids:  # a forked sample: it holds its shared prompt blocks already
+                cached, num_cached_tokens = [], request.num_computed_tokens
+            else:
+                cached = self.kv.find_cached_prefix(request)
+                num_cached_tokens = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, cached):
                 break

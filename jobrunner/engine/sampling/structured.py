@@ -1,0 +1,90 @@
+"""Structured output: a grammar (JSON schema, regex or a fixed choice) masks the logits every step.
+
+Backed by xgrammar (chosen by measured per-step mask cost, see docs/engine.md): the schema is compiled once per
+distinct spec (the compiler caches), each sample gets its own matcher, and every step the sampler fills one
+token bitmask row per constrained sample and applies the batch's mask in one call. The matcher only allows
+EOS once the grammar is complete, so the output always ends where the grammar does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import torch
+
+from jobrunner.engine.sampling_params import SamplingParams
+
+
+class GrammarUnavailable(ValueError):
+    """Structured output was asked for but xgrammar is not installed."""
+
+
+class Grammar:
+    """One sample's grammar state: which tokens may come next, advanced by every accepted token."""
+
+    def __init__(self, matcher, compiler: GrammarCompiler) -> None:
+        self.matcher = matcher
+        self.compiler = compiler  # applies the batch's masks
+
+    def accept(self, token_id: int) -> None:
+        # a rejected token can only be EOS after completion (or ignore_eos past it): nothing to advance
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer and vocabulary (the model's, maybe padded)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        try:
+            import xgrammar
+        except ImportError as exc:  # an optional extra: say so per request instead of failing the engine
+            raise GrammarUnavailable(
+                "structured output (json_schema/regex/choice) needs xgrammar: pip install 'jobrunner[structured]'"
+            ) from exc
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.vocab_size = vocab_size
+
+    def factory(self, params: SamplingParams) -> Callable[[], Grammar]:
+        """A maker of fresh matchers for ``params``' spec; ``ValueError`` naming the field if the spec is bad."""
+        compiled = self._compile(params)
+        return lambda: Grammar(self._xgr.GrammarMatcher(compiled), self)
+
+    def _compile(self, params: SamplingParams):
+        if params.json_schema is not None:
+            field, compile_ = "json_schema", lambda: self.compiler.compile_json_schema(
+                json.dumps(params.json_schema), any_whitespace=False, strict_mode=True)
+        elif params.regex is not None:
+            field, compile_ = "regex", lambda: self.compiler.compile_regex(params.regex)
+        else:
+            # an EBNF alternation of string literals (JSON escapes are valid EBNF escapes)
+            rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            field, compile_ = "choice", lambda: self.compiler.compile_grammar(f"root ::= {rule}")
+        try:
+            return compile_()
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with a reason
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"sampling parameter {field!r} is invalid or unsupported: {reason}") from None
+
+    def bitmask(self, num_rows: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
+        """Mask ``logits`` ``[N, vocab]`` in place: row ``rows[i]`` may only take tokens ``grammars[i]`` allows."""
+        bitmask = self.bitmask(len(rows))
+        for i, grammar in enumerate(grammars):
+            grammar.fill(bitmask, i)
+        sub = logits[rows]
+        self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        logits[rows] = sub
