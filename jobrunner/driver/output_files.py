@@ -11,6 +11,7 @@ from jobrunner.driver.openai_batch import result_lines
 from jobrunner.driver.rows import RowRequest, is_openai_batch
 from jobrunner.io.openai_files import merge_openai_parts, write_openai_part
 from jobrunner.io.parts import output_schema, rows_to_table
+from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
 from jobrunner.spec import JobSpec
 
@@ -26,7 +27,8 @@ def write_extra_files(spec: JobSpec, storage: Storage, shard_id: str, rows: list
     if not is_openai_batch(spec):
         return
     endpoint_of = {r.row_id: r.endpoint or "chat" for r in requests}
-    outputs, errors = result_lines(rows, endpoint_of, spec.model.source, spec.name)
+    in_order = sorted(rows, key=lambda r: r[ROW_INDEX])  # result lines in input order, like the batch file
+    outputs, errors = result_lines(in_order, endpoint_of, spec.model.source, spec.name)
     write_openai_part(storage, shard_id, outputs, errors)
 
 
