@@ -9,11 +9,41 @@ EOS once the grammar is complete, so the output always ends where the grammar do
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 
 import torch
 
 from jobrunner.engine.sampling_params import SamplingParams
+
+# Schema keywords the grammar cannot enforce (xgrammar accepts some of them silently): refused, so that every
+# output that parses also validates.
+UNSUPPORTED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "uniqueItems",
+    "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+    "multipleOf", "patternProperties",
+})
+_NAMED_SCHEMAS = ("properties", "$defs", "definitions")   # maps of name -> schema (names are not keywords)
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
+
+
+def check_schema_keywords(schema, where: str = "#") -> None:
+    """Raise ValueError naming the first keyword the grammar cannot enforce, with its JSON pointer."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            check_schema_keywords(item, f"{where}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in UNSUPPORTED_KEYWORDS:
+            raise ValueError(f"sampling parameter 'json_schema' uses {key!r} at {where}, which structured "
+                             "output cannot enforce")
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema_keywords(sub, f"{where}/{key}/{name}")
+        elif isinstance(value, (dict, list)) and key not in ("enum", "const", "default", "examples"):
+            check_schema_keywords(value, f"{where}/{key}")
 
 
 class GrammarUnavailable(ValueError):
@@ -63,6 +93,7 @@ class GrammarCompiler:
 
     def _compile(self, params: SamplingParams):
         if params.json_schema is not None:
+            check_schema_keywords(params.json_schema)
             field, compile_ = "json_schema", lambda: self.compiler.compile_json_schema(
                 json.dumps(params.json_schema), any_whitespace=False, strict_mode=True)
         elif params.regex is not None:
@@ -74,7 +105,7 @@ class GrammarCompiler:
         try:
             return compile_()
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with a reason
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ValueError(f"sampling parameter {field!r} is invalid or unsupported: {reason}") from None
 
     def bitmask(self, num_rows: int) -> torch.Tensor:
