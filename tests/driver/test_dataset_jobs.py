@@ -16,6 +16,7 @@ import yaml
 from click.testing import CliRunner
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from transformers import AutoTokenizer
 
 from jobrunner.cli import main
 from jobrunner.driver.job import run_job
@@ -119,7 +120,7 @@ def _check_samples(by_id: dict[str, list[dict]]) -> None:
 
 
 def _check_logprobs_against_transformers(model_dir, row: dict) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -142,7 +143,7 @@ BATCH = [
      "body": {"model": "x", "messages": _chat("hello world"), "max_tokens": 3, "n": 2, "temperature": 0.9,
               "seed": 1, "logprobs": True, "top_logprobs": 2}},
     {"custom_id": "json", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": _chat("json please"), "max_completion_tokens": 24,
+     "body": {"messages": _chat("json please"), "max_completion_tokens": 24, "chat_template_kwargs": {"tag": "A: "},
               "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}},
     {"custom_id": "text", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": "The quick brown", "max_tokens": 3, "logprobs": 1}},
@@ -153,6 +154,9 @@ BATCH = [
 ]
 
 
+TAG_TEMPLATE = "{% for m in messages %}{{ tag }}{{ m['content'] }}{% endfor %}"
+
+
 def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     bucket = new_bucket(s3_server)
     opts = s3_server["storage_options"]
@@ -160,8 +164,9 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     lines = [json.dumps(r) for r in BATCH[:3]] + ["{this is not json"] + [json.dumps(r) for r in BATCH[3:]]
     fs.pipe_file(f"{bucket}/in/batch.jsonl", ("\n".join(lines) + "\n").encode())
     spec = spec_from_dict(_spec(tiny_llama_hf_dir, {"url": f"s3://{bucket}/in/batch.jsonl",
-                                                    "format": "openai_batch"}, f"s3://{bucket}/out",
-                                storage_options=opts, output={"keep_columns": "*"}))
+                                                    "format": "openai_batch", "chat_template": TAG_TEMPLATE,
+                                                    "chat_template_kwargs": {"tag": "Q: "}},
+                                f"s3://{bucket}/out", storage_options=opts, output={"keep_columns": "*"}))
     result = run_job(spec, show_progress=False)
     assert result.ok, result.summary()
     outputs = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/output.jsonl").decode().splitlines()]
@@ -174,6 +179,11 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     assert all(len(t.top_logprobs) == 2 for c in chat.choices for t in c.logprobs.content)
     jsonschema.validate(json.loads(ChatCompletion.model_validate(outputs[1]["response"]["body"])
                                    .choices[0].message.content), SCHEMA)
+    # The spec's chat template and its variables; a request's own chat_template_kwargs win for that request.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_hf_dir)
+    assert chat.usage.prompt_tokens == len(tokenizer.encode("Q: hello world", add_special_tokens=False))
+    assert outputs[1]["response"]["body"]["usage"]["prompt_tokens"] == len(
+        tokenizer.encode("A: json please", add_special_tokens=False))
     text = Completion.model_validate(outputs[2]["response"]["body"])
     assert text.object == "text_completion" and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
     by_id = {e["custom_id"]: e["response"] for e in errors}
