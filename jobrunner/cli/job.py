@@ -27,19 +27,22 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
     """Check JOB_FILE, its input (files, rows, shards, columns) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
-    from jobrunner.io.reader import InputError, duplicate_ids
+    from jobrunner.driver.rows import id_column
+    from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
+    from jobrunner.io.text_input import duplicate_input_ids
 
     spec = _load(job_file, overrides)
     try:
         plan = plan_job(spec)
         output_state = describe_output(spec, plan)
-        dups = duplicate_ids(plan.files, spec.input.storage_options, spec.input.id_column) \
-            if check_ids and spec.input.id_column else []
+        column = id_column(spec)
+        dups = duplicate_input_ids(plan.files, spec.input.storage_options, spec.input.format, column) \
+            if check_ids and column else []
     except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
     if dups:
-        raise click.ClickException(f"input.id_column {spec.input.id_column!r} has duplicate ids: "
+        raise click.ClickException(f"input.id_column {column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
     click.echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows, "

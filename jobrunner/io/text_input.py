@@ -165,3 +165,20 @@ def _openai_record(line: str, number: int) -> tuple[dict[str, Any], str | None]:
     if not isinstance(record, dict):
         return {}, f"line {number} is not a JSON object"
     return record, None
+
+
+def duplicate_input_ids(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
+                        limit: int = 10) -> list[str]:
+    """Up to `limit` values of `column` that appear more than once across the files, for any input format."""
+    seen: set[str] = set()
+    dups: list[str] = []
+    for f in files:
+        table = read_input_rows(f.url, storage_options, fmt, 0, f.num_rows, [column])
+        for value in table.column(column).to_pylist() if column in table.column_names else []:
+            key = str(value)
+            if key in seen and key not in dups:
+                dups.append(key)
+                if len(dups) >= limit:
+                    return dups
+            seen.add(key)
+    return dups

@@ -211,3 +211,16 @@ def test_csv_input_and_kept_column_clash(local_ray, tmp_path, tiny_llama_hf_dir)
     assert set(rows) == {"k1", "k2", "k3"} and rows["k1"]["key"] == "k1"
     assert rows["k2"]["error"] == "prompt column 'prompt' is null or empty"
     assert rows["k1"]["num_output_tokens"] > 0 and rows["k3"]["generated_text"] is not None
+
+
+def test_validate_openai_batch_file_and_duplicate_custom_ids(tmp_path):
+    lines = [json.dumps(r) for r in BATCH[:3]] + [json.dumps({**BATCH[2], "body": {"prompt": "again"}})]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    job = {"name": "v", "input": {"url": str(tmp_path / "b.jsonl"), "format": "openai_batch"},
+           "output": {"url": str(tmp_path / "out")}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", str(tmp_path / "job.yaml")])
+    assert ok.exit_code == 0 and "1 file(s), 4 rows, 1 shard(s)" in ok.output, ok.output
+    dup = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--check-ids"])
+    assert dup.exit_code == 1 and "input.id_column 'custom_id' has duplicate ids: text" in dup.output
