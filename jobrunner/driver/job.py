@@ -105,7 +105,8 @@ class _JobLoop:
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.live_progress: dict[str, tuple[int, int]] = {}
         self.run_tokens = 0
-        self.progress = Progress(plan.num_rows, self._committed_rows(), enabled=show_progress)
+        # Output rows: n per input row (per-row overrides of n make this an estimate).
+        self.progress = Progress(plan.num_rows * spec.sampling.n, self._committed_rows(), enabled=show_progress)
         self.next_poll = 0.0
 
     # ---- top level ----------------------------------------------------------------------------------

@@ -195,6 +195,6 @@ def token_logprobs(entries: Any) -> list[dict[str, Any] | None] | None:
                          for t in (e.top_logprobs or ())]} for e in entries]
 
 
-def prompt_tokens_once(rows: list[dict[str, Any]]) -> int:
-    """Prompt tokens of the rows, counting a prompt shared by sibling samples once."""
-    return sum(int(r.get("num_prompt_tokens") or 0) for r in rows if not r.get("prompt_shared"))
+def prompt_tokens_once(rows: list[dict[str, Any]], key: str = "num_prompt_tokens") -> int:
+    """Prompt (or cached) tokens of the rows, counting a prompt shared by sibling samples once."""
+    return sum(int(r.get(key) or 0) for r in rows if not r.get("prompt_shared"))

@@ -138,7 +138,8 @@ class ShardRunner:
         return ShardResult(
             shard_id=state.shard.shard_id, worker_id=self.worker_id, part=part, rows=len(rows),
             num_errors=sum(r["error"] is not None for r in rows),
-            num_prompt_tokens=prompt_tokens_once(rows), num_cached_tokens=total("num_cached_tokens"),
+            num_prompt_tokens=prompt_tokens_once(rows),
+            num_cached_tokens=prompt_tokens_once(rows, "num_cached_tokens"),
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats())
 

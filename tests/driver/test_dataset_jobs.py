@@ -83,6 +83,8 @@ def test_jsonl_n_samples_logprobs_messages_keep_all(local_ray, tmp_path, tiny_ll
     once = sum(r["num_prompt_tokens"] for r in ok_rows if not r["prompt_shared"])
     assert manifest["totals"]["rows"] == 10 and manifest["totals"]["num_errors"] == 3
     assert manifest["totals"]["num_prompt_tokens"] == once
+    assert manifest["totals"]["num_cached_tokens"] == sum(
+        r["num_cached_tokens"] for r in ok_rows if not r["prompt_shared"])
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     report = report[0] if isinstance(report, list) else report
     assert report["tokens"]["input"] == once
