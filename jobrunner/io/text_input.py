@@ -9,6 +9,7 @@ becomes that row's error (column `_error`), never the file's.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from typing import Any
@@ -84,11 +85,33 @@ def read_input_rows(file_url: str, storage_options: dict[str, Any], fmt: str, ro
     fmt = file_format(file_url, fmt)
     if fmt == "parquet":
         return read_rows(file_url, storage_options, row_start, row_end, columns)
-    fs, path = url_to_fs(file_url, **storage_options)
-    table = _parse(_read_bytes(fs, path, file_url), fmt, file_url).slice(row_start, row_end - row_start)
+    options = json.dumps(storage_options, sort_keys=True, default=str)
+    table = _parsed_file(file_url, options, fmt, _version(file_url, storage_options))
+    table = table.slice(row_start, row_end - row_start)
     if columns is not None:
         table = table.select([c for c in columns if c in table.column_names])
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
+
+
+def _version(file_url: str, storage_options: dict[str, Any]) -> str:
+    """Size and modification stamp of a file, so a changed file is parsed again."""
+    fs, path = url_to_fs(file_url, **storage_options)
+    fs.invalidate_cache()
+    try:
+        info = retry(f"inspect {file_url}", lambda: fs.info(path))
+    except (OSError, StorageError) as exc:
+        raise InputError(f"input file {file_url}: cannot read: {exc}") from None
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("updated")
+    return f"{info.get('size')}|{stamp}"
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_file(file_url: str, options_json: str, fmt: str, version: str) -> pa.Table:
+    """A whole text file as a table, kept while a worker takes its shards one after another (a shard is a row
+    range of it: parsing once per worker, not once per shard; one parse also keeps column types equal
+    across the file's parts)."""
+    fs, path = url_to_fs(file_url, **json.loads(options_json))
+    return _parse(_read_bytes(fs, path, file_url), fmt, file_url)
 
 
 def _read_bytes(fs: Any, path: str, url: str) -> bytes:

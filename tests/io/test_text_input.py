@@ -97,3 +97,11 @@ def test_jsonl_on_s3(s3_server, tmp_path):
     [f] = list_input(f"s3://{bucket}/in/", opts, "jsonl")
     assert f.url == f"s3://{bucket}/in/d.jsonl" and f.num_rows == 3
     assert read_input_rows(f.url, opts, "jsonl", 2, 3, ["id"]).to_pylist() == [{"id": "c", ROW_INDEX: 2}]
+
+
+def test_a_rewritten_file_is_read_again(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "one"}\n')
+    assert read_input_rows(str(path), {}, "auto", 0, 1, ["prompt"]).column("prompt").to_pylist() == ["one"]
+    path.write_text('{"prompt": "two, longer"}\n')
+    assert read_input_rows(str(path), {}, "auto", 0, 1, ["prompt"]).column("prompt").to_pylist() == ["two, longer"]
