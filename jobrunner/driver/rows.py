@@ -168,7 +168,7 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
            "prompt_shared": bool(metrics.get("prompt_shared")),
            "logprobs": token_logprobs(getattr(out, "logprobs", None)),
            "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None)),
-           "_status": 500 if failed else 200}
+           "_status": _status(out) if failed else 200}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
@@ -176,6 +176,13 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
     if spec.output.format == "messages" and not failed:
         row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": out.text}]
     return row
+
+
+def _status(out: Any) -> int:
+    """HTTP-like status of a failed sample for OpenAI result files: refused before generating anything (prompt
+    too long, untokenizable) is the request's fault (400); a failure after it started is ours (500)."""
+    started = getattr(out, "output_token_ids", None) or getattr(out.metrics, "first_token_time", None) is not None
+    return 500 if started else 400
 
 
 def chat_of(prompt: Any) -> list[dict[str, Any]]:

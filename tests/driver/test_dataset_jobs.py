@@ -153,6 +153,7 @@ BATCH = [
      "body": {"messages": _chat("x"), "tools": [{"type": "function"}]}},
     {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": _chat("x"), "n": 0}},
+    {"custom_id": "too-long", "method": "POST", "url": "/v1/completions", "body": {"prompt": "word " * 300, "n": 2}},
 ]
 
 
@@ -174,7 +175,7 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     outputs = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/output.jsonl").decode().splitlines()]
     errors = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/errors.jsonl").decode().splitlines()]
     assert [o["custom_id"] for o in outputs] == ["chat-n", "json", "text"]
-    assert sorted(e["custom_id"] for e in errors) == ["bad-n", "bad-url", "batch:3", "unknown-field"]
+    assert sorted(e["custom_id"] for e in errors) == ["bad-n", "bad-url", "batch:3", "too-long", "unknown-field"]
     chat = ChatCompletion.model_validate(outputs[0]["response"]["body"])
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == sum(
         len(c.logprobs.content) for c in chat.choices)
@@ -194,9 +195,10 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     assert "url '/v1/embeddings'" in by_id["bad-url"]["body"]["error"]["message"]
     assert "line 4 is not valid JSON" in by_id["batch:3"]["body"]["error"]["message"]
     assert "'n'" in by_id["bad-n"]["body"]["error"]["message"]
+    assert by_id["too-long"]["status_code"] == 400 and "prompt has" in by_id["too-long"]["body"]["error"]["message"]
     # Parquet readers of the output URL see only the parts (one row per sample) with the kept request columns.
     table = pads.dataset(f"{bucket}/out", filesystem=fs, format="parquet").to_table()
-    assert table.num_rows == 8 and {"custom_id", "url", "body"} <= set(table.column_names)
+    assert table.num_rows == 10 and {"custom_id", "url", "body"} <= set(table.column_names)
 
 
 def test_csv_input_and_kept_column_clash(local_ray, tmp_path, tiny_llama_hf_dir):
