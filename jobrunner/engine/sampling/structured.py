@@ -24,6 +24,8 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "multipleOf", "patternProperties",
 })
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions")   # maps of name -> schema (names are not keywords)
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 
 
@@ -94,8 +96,8 @@ class GrammarCompiler:
     def _compile(self, params: SamplingParams):
         if params.json_schema is not None:
             check_schema_keywords(params.json_schema)
-            field, compile_ = "json_schema", lambda: self.compiler.compile_json_schema(
-                json.dumps(params.json_schema), any_whitespace=False, strict_mode=True)
+            field, compile_ = "json_schema", lambda: self.compiler.compile_grammar(
+                self._json_schema_ebnf(params.json_schema))
         elif params.regex is not None:
             field, compile_ = "regex", lambda: self.compiler.compile_regex(params.regex)
         else:
@@ -107,6 +109,12 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with a reason
             reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ValueError(f"sampling parameter {field!r} is invalid or unsupported: {reason}") from None
+
+    def _json_schema_ebnf(self, schema: dict) -> str:
+        # xgrammar (0.2.x) writes strings with minLength/maxLength as repeats of [^"\\\r\n], which lets raw
+        # control characters through (invalid JSON); give them the same character class as its plain strings
+        grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
     def bitmask(self, num_rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
