@@ -48,6 +48,13 @@ def test_n_samples_each_follow_the_grammar(engine):
         assert len(out.logprobs) == len(out.output_token_ids)
 
 
+def test_grammar_end_stops_even_with_ignore_eos(engine, tokenizer):
+    out = engine.generate([CORPUS[1]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                      choice=("alpha", "beta")))[0]
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+    assert out.output_token_ids[-1] == tokenizer.eos_token_id
+
+
 def test_regex_and_choice(engine):
     pattern = r"[0-9]{3}-[a-z]{2,4}"
     choices = ("yes", "no", "maybe so")
@@ -80,6 +87,7 @@ def test_bad_spec_raises_at_add_request(engine, values, message):
     ({"json_schema": [1]}, "json_schema"),
     ({"regex": "a", "choice": ["a"]}, "regex/choice"),
     ({"choice": []}, "choice"),
+    ({"choice": ["a"], "min_tokens": 2}, "min_tokens"),
 ])
 def test_bad_spec_values_are_named(values, message):
     with pytest.raises(ValueError, match=message):
