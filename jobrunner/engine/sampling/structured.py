@@ -23,6 +23,7 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
     "multipleOf", "patternProperties",
 })
+MAX_CACHED_GRAMMARS = 256
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions")   # maps of name -> schema (names are not keywords)
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
@@ -87,10 +88,16 @@ class GrammarCompiler:
                                                         stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.vocab_size = vocab_size
+        self._compiled: dict[str, object] = {}
 
     def factory(self, params: SamplingParams) -> Callable[[], Grammar]:
         """A maker of fresh matchers for ``params``' spec; ``ValueError`` naming the field if the spec is bad."""
-        compiled = self._compile(params)
+        key = json.dumps([params.json_schema, params.regex, params.choice], sort_keys=True)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # rows of a job usually share one spec: convert and compile it once
+            compiled = self._compiled[key] = self._compile(params)
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:  # per-row specs: keep the newest only
+                del self._compiled[next(iter(self._compiled))]
         return lambda: Grammar(self._xgr.GrammarMatcher(compiled), self)
 
     def _compile(self, params: SamplingParams):
