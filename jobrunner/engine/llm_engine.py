@@ -253,6 +253,8 @@ class LLMEngine:
             self.kv_manager.adopt(sibling, shared)
             sibling.metrics.prompt_shared = True
         self.scheduler.add_forked(request.siblings)
+        self._stats.num_forked_samples += len(request.siblings)
+        self._stats.num_shared_prompt_tokens += len(request.siblings) * len(shared) * self.kv_manager.block_size
         request.siblings = []
 
     def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:
