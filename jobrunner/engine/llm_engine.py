@@ -28,7 +28,8 @@ class LLMEngine:
 
     Build it with :meth:`from_source` (a model alias, local dir, Hub id or fsspec URL) or directly from a loaded
     model and tokenizer. Per-request problems (empty prompt, too long, ...) never raise: the request finishes
-    with ``finish_reason="error"`` and the rest of the batch is unaffected.
+    with ``finish_reason="error"`` and the rest of the batch is unaffected. ``chat_template`` (or
+    :meth:`set_chat_template`) replaces the tokenizer's chat template for message prompts.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
@@ -97,7 +98,10 @@ class LLMEngine:
         samples = self._make_samples(request_id, token_ids, params, now)
         self._request_ids[request_id] = len(samples)
         if not error and params.prompt_logprobs is not None:
-            error = self._attach_prompt_logprobs(samples, token_ids, params.prompt_logprobs)
+            try:
+                error = self._attach_prompt_logprobs(samples, token_ids, params.prompt_logprobs)
+            except Exception as exc:  # e.g. out of memory scoring one long prompt: that request only
+                error = f"could not score the prompt for prompt_logprobs: {exc}"
         if error:
             for request in samples:
                 request.status, request.error = RequestStatus.FINISHED_ERROR, error
@@ -253,6 +257,8 @@ class LLMEngine:
             self.kv_manager.adopt(sibling, shared)
             sibling.metrics.prompt_shared = True
         self.scheduler.add_forked(request.siblings)
+        self._stats.num_forked_samples += len(request.siblings)
+        self._stats.num_shared_prompt_tokens += len(request.siblings) * len(shared) * self.kv_manager.block_size
         request.siblings = []
 
     def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:

@@ -84,7 +84,8 @@ class Sampler:
                 picked = filters.sample_top_k(logits[index], temps, [r.params.top_k for r in sub], top_ps,
                                               min_ps, keys)
             else:
-                picked = filters.sample_full(logits[index], temps, top_ps, min_ps, keys)
+                picked = filters.sample_full(logits[index], temps, top_ps, min_ps, keys,
+                                             any(r.params.top_p < 1.0 for r in sub))
             tokens[index] = picked
         return tokens
 

@@ -115,6 +115,9 @@ class SamplingParams:
         given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
         _check(len(given) <= 1, "/".join(given), "used alone (at most one of json_schema, regex, choice)",
                given)
+        # the grammar decides where a structured output ends (it allows only EOS once complete)
+        _check(not (given and self.min_tokens), "min_tokens", f"0 with {given[0] if given else ''}",
+               self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

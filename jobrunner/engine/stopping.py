@@ -29,6 +29,8 @@ def check_stop(request: Request, token_id: int, max_model_len: int, tokenizer) -
     ``include_stop_str_in_output``).
     """
     params = request.params
+    if request.grammar is not None and request.grammar.is_terminated:  # EOS accepted (even with ignore_eos)
+        return RequestStatus.FINISHED_STOPPED
     if params.stop:
         new_text = decode_new_text(request, tokenizer)
     if request.num_output_tokens > params.min_tokens or params.min_tokens == 0:

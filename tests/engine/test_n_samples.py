@@ -40,6 +40,8 @@ def test_prompt_is_computed_once_for_n_samples(hf_llama, tokenizer):
     assert all(o.num_samples == 4 and o.metrics.num_prompt_tokens == num_prompt for o in outs.values())
     assert outs[("r0", 1)].metrics.to_dict()["prompt_shared"] is True
     assert shared.stats().num_prompt_tokens == num_prompt  # the report counts the prompt once per row
+    assert shared.stats().num_forked_samples == 3
+    assert shared.stats().num_shared_prompt_tokens == 3 * (num_prompt - tail)
 
 
 def test_greedy_samples_are_identical_and_seeded_ones_differ(hf_llama, tokenizer):

@@ -22,7 +22,8 @@ def _top_p_remove(sorted_scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Te
     # drop a token once the mass *before* it already reaches top_p (the best token always stays)
     probs = torch.softmax(sorted_scaled, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    return mass_before >= top_ps[:, None]
+    # rows with top_p = 1 keep everything (a float cumsum may reach 1 before the last token)
+    return (mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None]
 
 
 def apply_min_p(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -46,10 +47,12 @@ def filter_top_k(scaled: torch.Tensor, top_ks: list[int], top_ps: torch.Tensor, 
     return values.masked_fill(_top_p_remove(values, top_ps), float("-inf")), ids
 
 
-def filter_full(scaled: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """Rows without top_k: min-p, then top-p (one sort, only if some row has top_p < 1)."""
+def filter_full(scaled: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, any_top_p: bool = True
+                ) -> torch.Tensor:
+    """Rows without top_k: min-p, then top-p (one sort; skipped when the caller knows no row has top_p < 1,
+    a host-side fact, so no device->host sync)."""
     scaled = apply_min_p(scaled, min_ps)
-    if bool((top_ps < 1.0).any()):
+    if any_top_p:
         sorted_scaled, order = scaled.sort(dim=-1, descending=True)
         remove = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, order, _top_p_remove(sorted_scaled, top_ps))
         scaled = scaled.masked_fill(remove, float("-inf"))
@@ -65,8 +68,8 @@ def sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], t
 
 
 def sample_full(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-                keys: torch.Tensor) -> torch.Tensor:
+                keys: torch.Tensor, any_top_p: bool = True) -> torch.Tensor:
     """Token ids ``[R]`` for rows without top_k: over the whole vocabulary."""
-    scaled = filter_full(logits / temps[:, None], top_ps, min_ps)
+    scaled = filter_full(logits / temps[:, None], top_ps, min_ps, any_top_p)
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     return (scaled + gumbel(keys, vocab_ids)).argmax(dim=-1)

@@ -17,10 +17,8 @@ import torch
 
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """``[rows, vocab]`` float counts of each token id in each row's list."""
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    width = max(max((len(t) for t in token_lists), default=0), 1)
+    padded = torch.tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]

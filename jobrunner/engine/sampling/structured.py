@@ -23,7 +23,10 @@ UNSUPPORTED_KEYWORDS = frozenset({
     "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
     "multipleOf", "patternProperties",
 })
+MAX_CACHED_GRAMMARS = 256
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions")   # maps of name -> schema (names are not keywords)
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: "
 
 
@@ -85,17 +88,23 @@ class GrammarCompiler:
                                                         stop_token_ids=list(stop_token_ids) or None)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.vocab_size = vocab_size
+        self._compiled: dict[str, object] = {}
 
     def factory(self, params: SamplingParams) -> Callable[[], Grammar]:
         """A maker of fresh matchers for ``params``' spec; ``ValueError`` naming the field if the spec is bad."""
-        compiled = self._compile(params)
+        key = json.dumps([params.json_schema, params.regex, params.choice], sort_keys=True)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # rows of a job usually share one spec: convert and compile it once
+            compiled = self._compiled[key] = self._compile(params)
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:  # per-row specs: keep the newest only
+                del self._compiled[next(iter(self._compiled))]
         return lambda: Grammar(self._xgr.GrammarMatcher(compiled), self)
 
     def _compile(self, params: SamplingParams):
         if params.json_schema is not None:
             check_schema_keywords(params.json_schema)
-            field, compile_ = "json_schema", lambda: self.compiler.compile_json_schema(
-                json.dumps(params.json_schema), any_whitespace=False, strict_mode=True)
+            field, compile_ = "json_schema", lambda: self.compiler.compile_grammar(
+                self._json_schema_ebnf(params.json_schema))
         elif params.regex is not None:
             field, compile_ = "regex", lambda: self.compiler.compile_regex(params.regex)
         else:
@@ -107,6 +116,12 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with a reason
             reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             raise ValueError(f"sampling parameter {field!r} is invalid or unsupported: {reason}") from None
+
+    def _json_schema_ebnf(self, schema: dict) -> str:
+        # xgrammar (0.2.x) writes strings with minLength/maxLength as repeats of [^"\\\r\n], which lets raw
+        # control characters through (invalid JSON); give them the same character class as its plain strings
+        grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
     def bitmask(self, num_rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
