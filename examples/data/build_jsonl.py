@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-                 "additionalProperties": False}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 10**9}},
+                 "required": ["answer"], "additionalProperties": False}
 
 
 def _jsonl(path: Path) -> list[dict]:
