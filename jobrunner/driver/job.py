@@ -303,7 +303,7 @@ class _JobLoop:
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
         write_manifest(self.storage, self.manifest)
         if finished:
-            finish_job_files(self.spec, self.storage, sorted(self.shards))
+            finish_job_files(self.spec, self.storage, self.manifest)
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed))

@@ -1,5 +1,5 @@
-"""What a shard writes besides its output rows: the part's table per output.format, and for OpenAI batch
-input the OpenAI-style result lines (jobrunner.io.openai_files)."""
+"""What a job writes besides its rows: the part's table per output.format, and for OpenAI batch input the
+OpenAI-style result files (jobrunner.io.openai_files), built by the driver from the committed parts."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from jobrunner.driver.openai_batch import result_lines
-from jobrunner.driver.rows import RowRequest, is_openai_batch
-from jobrunner.io.openai_files import merge_openai_parts, write_openai_part
+from jobrunner.driver.openai_batch import ENDPOINTS, result_lines
+from jobrunner.driver.rows import OPENAI_ID_COLUMN, is_openai_batch
+from jobrunner.io.openai_files import read_result_rows, write_openai_results
 from jobrunner.io.parts import output_schema, rows_to_table
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
+from jobrunner.io.text_input import list_input, read_input_rows
 from jobrunner.spec import JobSpec
 
 
@@ -21,19 +22,38 @@ def rows_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None)
     return rows_to_table(rows, kept, output_schema(spec.output.format))
 
 
-def write_extra_files(spec: JobSpec, storage: Storage, shard_id: str, rows: list[dict[str, Any]],
-                      requests: list[RowRequest]) -> None:
-    """For an OpenAI batch job, the shard's output and error lines (before its part is committed)."""
-    if not is_openai_batch(spec):
-        return
-    endpoint_of = {r.row_id: r.endpoint or "chat" for r in requests}
-    in_order = sorted(rows, key=lambda r: r[ROW_INDEX])  # result lines in input order, like the batch file
-    outputs, errors = result_lines(in_order, endpoint_of, spec.model.source, spec.name)
-    write_openai_part(storage, shard_id, outputs, errors)
-
-
-def finish_job_files(spec: JobSpec, storage: Storage, shard_ids: list[str]) -> list[str]:
-    """When every shard is committed: merge the OpenAI result parts into one output and one error file."""
+def finish_job_files(spec: JobSpec, storage: Storage, manifest: dict[str, Any]) -> list[str]:
+    """When every shard is committed: an OpenAI batch job's output and error files, in input order."""
     if not is_openai_batch(spec):
         return []
-    return merge_openai_parts(storage, shard_ids)
+    shards = manifest["shards"]
+    parts = [shards[s]["part"] for s in sorted(shards) if shards[s].get("status") == "committed"]
+    position, endpoint_of = _requests_in_order(spec)
+    rows = read_result_rows(storage, parts)
+    for row in rows:
+        row["_status"] = error_status(row)
+    rows.sort(key=lambda r: (position.get(r["id"], len(position)), r["sample_index"] or 0))
+    outputs, errors = result_lines(rows, endpoint_of, spec.model.source, spec.name)
+    return write_openai_results(storage, outputs, errors)
+
+
+def _requests_in_order(spec: JobSpec) -> tuple[dict[str, int], dict[str, str]]:
+    """custom_id -> position in the input, and -> endpoint ("chat" / "completions"), from the batch files."""
+    inp = spec.input
+    position: dict[str, int] = {}
+    endpoint_of: dict[str, str] = {}
+    for f in list_input(inp.url, inp.storage_options, inp.format):
+        table = read_input_rows(f.url, inp.storage_options, inp.format, 0, f.num_rows, [OPENAI_ID_COLUMN, "url"])
+        for row in table.to_pylist():
+            rid = row[OPENAI_ID_COLUMN] if row[OPENAI_ID_COLUMN] is not None else f"{f.stem}:{row[ROW_INDEX]}"
+            position.setdefault(rid, len(position))
+            endpoint_of.setdefault(rid, ENDPOINTS.get(row["url"], "chat"))
+    return position, endpoint_of
+
+
+def error_status(row: dict[str, Any]) -> int:
+    """HTTP-like status of a row: 200; 400 for a request refused before generating anything (bad request,
+    prompt too long); 500 for a failure after generation started."""
+    if row.get("error") is None:
+        return 200
+    return 500 if row.get("num_output_tokens") or row.get("ttft_s") is not None else 400

@@ -155,7 +155,7 @@ def error_row(req: RowRequest) -> dict[str, Any]:
     """The output row of a row that never reached the engine (one row, whatever n was asked)."""
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
             "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
-            "sample_index": 0, "prompt_shared": False, "_status": 400}
+            "sample_index": 0, "prompt_shared": False}
 
 
 def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
@@ -167,8 +167,7 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
            "sample_index": int(getattr(out, "sample_index", 0) or 0),
            "prompt_shared": bool(metrics.get("prompt_shared")),
            "logprobs": token_logprobs(getattr(out, "logprobs", None)),
-           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None)),
-           "_status": _status(out) if failed else 200}
+           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None))}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
@@ -176,13 +175,6 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
     if spec.output.format == "messages" and not failed:
         row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": out.text}]
     return row
-
-
-def _status(out: Any) -> int:
-    """HTTP-like status of a failed sample for OpenAI result files: refused before generating anything (prompt
-    too long, untokenizable) is the request's fault (400); a failure after it started is ours (500)."""
-    started = getattr(out, "output_token_ids", None) or getattr(out.metrics, "first_token_time", None) is not None
-    return 500 if started else 400
 
 
 def chat_of(prompt: Any) -> list[dict[str, Any]]:

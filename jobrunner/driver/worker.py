@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobrunner.driver import output_files
+from jobrunner.driver.output_files import rows_table
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
@@ -108,9 +108,7 @@ class ShardRunner:
         if state.error is not None:
             raise state.error
         kept = table.select(keep + [ROW_INDEX]) if keep else None
-        rows = self._finish_rows(state)
-        output_files.write_extra_files(self.spec, self._output, shard.shard_id, rows, requests)
-        part = write_part(self._output, shard.shard_id, output_files.rows_table(self.spec, rows, kept))
+        part = write_part(self._output, shard.shard_id, rows_table(self.spec, self._finish_rows(state), kept))
         return self._result(state, part, time.monotonic() - started)
 
     def _enqueue(self, state: _ShardState) -> None:

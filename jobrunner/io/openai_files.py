@@ -1,8 +1,7 @@
 """OpenAI-style result files of an `openai_batch` job, under `_openai/` so Parquet readers skip them.
 
-Each shard writes its lines to `_openai/parts/output-<shard_id>.jsonl` and `errors-<shard_id>.jsonl` (atomic,
-before its Parquet part is committed; a retried shard overwrites them). When every shard is committed the
-driver concatenates them, in shard order, into `_openai/output.jsonl` and `_openai/errors.jsonl`.
+Written by the driver once every shard is committed, from the committed Parquet parts (the one source of
+truth: a late or duplicate shard attempt can never make these files disagree with the parts).
 """
 
 from __future__ import annotations
@@ -10,26 +9,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pyarrow as pa
+
+from jobrunner.io.parts import read_part
 from jobrunner.io.storage import Storage
 
 OPENAI_DIR = "_openai"
-OPENAI_PARTS_DIR = f"{OPENAI_DIR}/parts"
 OUTPUT_FILE = f"{OPENAI_DIR}/output.jsonl"
 ERRORS_FILE = f"{OPENAI_DIR}/errors.jsonl"
+# What a result line is built from (never kept input columns).
+RESULT_COLUMNS = ("id", "sample_index", "generated_text", "finish_reason", "error", "num_prompt_tokens",
+                  "num_output_tokens", "ttft_s", "logprobs")
 
 
-def write_openai_part(storage: Storage, shard_id: str, outputs: list[dict[str, Any]],
-                      errors: list[dict[str, Any]]) -> None:
-    """Write one shard's output and error lines (each file even when empty, so a merge sees every shard)."""
-    storage.write_atomic(f"{OPENAI_PARTS_DIR}/output-{shard_id}.jsonl", _jsonl(outputs))
-    storage.write_atomic(f"{OPENAI_PARTS_DIR}/errors-{shard_id}.jsonl", _jsonl(errors))
+def read_result_rows(storage: Storage, part_keys: list[str]) -> list[dict[str, Any]]:
+    """The result columns of the committed parts, as plain rows."""
+    tables = [read_part(storage, key).select(list(RESULT_COLUMNS)) for key in part_keys]
+    return pa.concat_tables(tables).to_pylist() if tables else []
 
 
-def merge_openai_parts(storage: Storage, shard_ids: list[str]) -> list[str]:
-    """Concatenate the shards' parts into the two result files; returns their keys."""
-    for kind, key in (("output", OUTPUT_FILE), ("errors", ERRORS_FILE)):
-        data = b"".join(storage.read_bytes(f"{OPENAI_PARTS_DIR}/{kind}-{s}.jsonl") for s in shard_ids)
-        storage.write_atomic(key, data)
+def write_openai_results(storage: Storage, outputs: list[dict[str, Any]], errors: list[dict[str, Any]]) -> list[str]:
+    """Write the output and error lines (each file even when empty); returns their keys."""
+    storage.write_atomic(OUTPUT_FILE, _jsonl(outputs))
+    storage.write_atomic(ERRORS_FILE, _jsonl(errors))
     return [OUTPUT_FILE, ERRORS_FILE]
 
 

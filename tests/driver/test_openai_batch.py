@@ -107,3 +107,12 @@ def test_result_lines_parse_as_openai_types():
     assert errors[0]["response"]["body"]["error"]["type"] == "invalid_request_error"
     again, _ = result_lines(rows, {"c1": "chat", "t1": "completions"}, "tiny", "job", created=123)
     assert again == outputs  # ids are stable (a retried shard writes the same lines)
+
+
+def test_error_status_from_part_columns():
+    from jobrunner.driver.output_files import error_status
+
+    assert error_status({"error": None, "num_output_tokens": 3, "ttft_s": 0.1}) == 200
+    assert error_status({"error": "bad n", "num_output_tokens": 0, "ttft_s": None}) == 400
+    assert error_status({"error": "prompt too long", "num_output_tokens": 0, "ttft_s": None}) == 400
+    assert error_status({"error": "engine died", "num_output_tokens": 2, "ttft_s": 0.2}) == 500
