@@ -303,7 +303,8 @@ class _JobLoop:
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
         write_manifest(self.storage, self.manifest)
         if finished:
-            finish_job_files(self.spec, self.storage, self.manifest)
+            shards = self.manifest["shards"]
+            finish_job_files(self.spec, self.storage, [shards[s]["part"] for s in sorted(shards)])
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed))

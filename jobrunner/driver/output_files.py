@@ -22,14 +22,13 @@ def rows_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None)
     return rows_to_table(rows, kept, output_schema(spec.output.format))
 
 
-def finish_job_files(spec: JobSpec, storage: Storage, manifest: dict[str, Any]) -> list[str]:
-    """When every shard is committed: an OpenAI batch job's output and error files, in input order."""
+def finish_job_files(spec: JobSpec, storage: Storage, part_keys: list[str]) -> list[str]:
+    """When every shard is committed (`part_keys`: their committed parts): an OpenAI batch job's output and
+    error files, in input order."""
     if not is_openai_batch(spec):
         return []
-    shards = manifest["shards"]
-    parts = [shards[s]["part"] for s in sorted(shards) if shards[s].get("status") == "committed"]
     position, endpoint_of = _requests_in_order(spec)
-    rows = read_result_rows(storage, parts)
+    rows = read_result_rows(storage, part_keys)
     for row in rows:
         row["_status"] = error_status(row)
     rows.sort(key=lambda r: (position.get(r["id"], len(position)), r["sample_index"] or 0))
