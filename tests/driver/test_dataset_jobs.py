@@ -196,9 +196,20 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     assert "line 4 is not valid JSON" in by_id["batch:3"]["body"]["error"]["message"]
     assert "'n'" in by_id["bad-n"]["body"]["error"]["message"]
     assert by_id["too-long"]["status_code"] == 400 and "prompt has" in by_id["too-long"]["body"]["error"]["message"]
+    # A resumed run (everything committed: no worker starts) writes the same result lines again.
+    again = run_job(spec.model_copy(update={"output": spec.output.model_copy(update={"mode": "resume"})}),
+                    show_progress=False)
+    assert again.ok
+    rerun = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/output.jsonl").decode().splitlines()]
+    assert [_without_created(o) for o in rerun] == [_without_created(o) for o in outputs]
     # Parquet readers of the output URL see only the parts (one row per sample) with the kept request columns.
     table = pads.dataset(f"{bucket}/out", filesystem=fs, format="parquet").to_table()
     assert table.num_rows == 10 and {"custom_id", "url", "body"} <= set(table.column_names)
+
+
+def _without_created(line: dict) -> dict:
+    body = {k: v for k, v in line["response"]["body"].items() if k != "created"}
+    return {**line, "response": {**line["response"], "body": body}}
 
 
 def test_csv_input_and_kept_column_clash(local_ray, tmp_path, tiny_llama_hf_dir):
