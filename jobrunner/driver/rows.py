@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from jobrunner.driver.openai_batch import parse_request
 from jobrunner.engine import SamplingParams
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_INDEX, parse_messages, parse_overrides
-from jobrunner.io.text_input import OPENAI_COLUMNS, OPENAI_ERROR_COLUMN
+from jobrunner.io.text_input import OPENAI_COLUMNS, OPENAI_ERROR_COLUMN, read_input_rows
 from jobrunner.spec import JobSpec
 
 OPENAI_ID_COLUMN = "custom_id"
@@ -72,6 +74,15 @@ def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:
         raise ValueError(f"output.keep_columns: input column(s) {', '.join(map(repr, clashes))} have the name of "
                          "an output column; rename them in the input or leave them out of keep_columns")
     return list(keep)
+
+
+def read_shard_input(spec: JobSpec, file_url: str, row_start: int, row_end: int) -> tuple[pa.Table, list[str]]:
+    """A shard's input rows (any input format; the request columns, the kept columns, ROW_INDEX) and the
+    names of the kept columns ('*' resolved against the file's columns)."""
+    inp, keep = spec.input, spec.output.keep_columns
+    wanted = None if keep == "*" else list(dict.fromkeys(request_columns(spec) + keep))
+    table = read_input_rows(file_url, inp.storage_options, inp.format, row_start, row_end, wanted)
+    return table, kept_columns(spec, table.column_names)
 
 
 def row_id(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> tuple[str, str | None]:

@@ -19,9 +19,9 @@ from jobrunner.driver.output_files import rows_table
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
-    kept_columns,
     output_row,
     prompt_tokens_once,
+    read_shard_input,
     request_columns,
     to_request,
 )
@@ -29,7 +29,6 @@ from jobrunner.driver.shards import Shard
 from jobrunner.io.parts import write_part
 from jobrunner.io.reader import ROW_INDEX, table_to_rows
 from jobrunner.io.storage import Storage
-from jobrunner.io.text_input import read_input_rows
 from jobrunner.spec import JobSpec
 
 
@@ -91,15 +90,9 @@ class ShardRunner:
     def run_shard(self, shard: Shard) -> ShardResult:
         """Read, generate and commit one shard; blocks until its part is committed."""
         started = time.monotonic()
-        inp = self.spec.input
-        columns = request_columns(self.spec)
-        wanted = None if self.spec.output.keep_columns == "*" else list(dict.fromkeys(
-            columns + self.spec.output.keep_columns))
-        table = read_input_rows(shard.file_url, inp.storage_options, inp.format, shard.row_start,
-                                shard.row_end, wanted)
-        keep = kept_columns(self.spec, table.column_names)
+        table, keep = read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end)
         # Only the columns a request is built from become Python rows; kept columns stay in Arrow.
-        rows = table_to_rows(table.select(columns + [ROW_INDEX]))
+        rows = table_to_rows(table.select(self._request_columns() + [ROW_INDEX]))
         requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
         state = _ShardState(shard=shard, to_add=deque(r for r in requests if r.error is None))
         state.rows = [error_row(r) for r in requests if r.error is not None]
@@ -110,6 +103,9 @@ class ShardRunner:
         kept = table.select(keep + [ROW_INDEX]) if keep else None
         part = write_part(self._output, shard.shard_id, rows_table(self.spec, self._finish_rows(state), kept))
         return self._result(state, part, time.monotonic() - started)
+
+    def _request_columns(self) -> list[str]:
+        return request_columns(self.spec)  # the OpenAI batch columns for input.format openai_batch
 
     def _enqueue(self, state: _ShardState) -> None:
         with self._cond:
