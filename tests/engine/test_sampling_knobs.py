@@ -147,8 +147,8 @@ def test_include_stop_str_in_output(engine):
 
 def test_penalties_change_greedy_output(engine):
     plain, penalized = engine.generate([CORPUS[3]] * 2, [
-        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)])
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)])
     assert len(set(penalized.output_token_ids)) >= len(set(plain.output_token_ids))
     assert penalized.output_token_ids != plain.output_token_ids
 
