@@ -1,5 +1,7 @@
 """Sampling knobs against transformers' logits processors on random logits, then through the engine."""
 
+import math
+
 import pytest
 import torch
 from tiny import CORPUS, engine_from_hf
@@ -15,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from jobrunner.engine import SamplingParams
 from jobrunner.engine.sampling import filters, penalties
-from jobrunner.engine.sampling.noise import gumbel, keys_tensor, row_key
+from jobrunner.engine.sampling.noise import gumbel, keys_tensor, row_key, uniform_reference
 
 VOCAB = 50
 
@@ -87,6 +89,15 @@ def test_logit_bias_matches_transformers(logits):
     ours = logits.clone()
     penalties.apply_logit_bias(ours, [0, 1, 2], [bias] * 3)
     torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def test_gumbel_noise_equals_the_plain_python_hash():
+    raw = [row_key(11, 0), row_key(2**62 + 5, 17), row_key(0, 3)]
+    ids = torch.tensor([[0, 1, 49_151, 151_935, 7]])
+    noise = gumbel(keys_tensor(raw, torch.device("cpu")), ids)
+    for r, key in enumerate(raw):
+        expected = [-math.log(-math.log(uniform_reference(key >> 1, t))) for t in ids[0].tolist()]
+        assert noise[r].tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def test_gumbel_noise_is_a_pure_function_of_key_and_token():
