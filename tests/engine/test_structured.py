@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -94,3 +95,11 @@ def test_bad_spec_raises_at_add_request(engine, values, message):
 def test_bad_spec_values_are_named(values, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams.from_dict(values)
+
+
+def test_without_xgrammar_a_structured_request_is_a_clear_error(engine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if the optional extra were not installed
+    with pytest.raises(ValueError, match="needs xgrammar"):
+        engine.add_request("s", CORPUS[0], SamplingParams(choice=["a", "b"]))
+    out = engine.generate([CORPUS[0]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.error is None  # unconstrained requests are unaffected
