@@ -103,3 +103,15 @@ def test_without_xgrammar_a_structured_request_is_a_clear_error(engine, monkeypa
         engine.add_request("s", CORPUS[0], SamplingParams(choice=["a", "b"]))
     out = engine.generate([CORPUS[0]], SamplingParams(max_tokens=2, temperature=0))[0]
     assert out.error is None  # unconstrained requests are unaffected
+
+
+def test_grammar_reports_a_rejected_token(tokenizer):
+    from jobrunner.engine.sampling.structured import GrammarCompiler
+
+    grammar = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).factory(
+        SamplingParams(choice=["fox"]))()
+    z = tokenizer.convert_tokens_to_ids("z")
+    assert grammar.accept(z) is False and not grammar.is_terminated
+    for token in tokenizer("fox", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]:
+        assert grammar.accept(token) is True
+    assert grammar.is_terminated
