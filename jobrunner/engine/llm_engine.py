@@ -231,24 +231,26 @@ class LLMEngine:
             token = result.sampled.get(request.key)
             if token is None:
                 continue
-            self._append_token(request, token, result.logprobs.get(request.key), now)
+            accepted = self._append_token(request, token, result.logprobs.get(request.key), now)
             if request.siblings:  # the prompt is computed: start the other samples on its KV blocks
                 self._fork_siblings(request)
-            status = check_stop(request, token, self.max_model_len, self.tokenizer)
+            status = check_stop(request, token, self.max_model_len, self.tokenizer) if accepted else None
+            if not accepted:  # never hand back output that breaks its grammar
+                status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
             if status is not None:
                 self.scheduler.finish(request, status)
                 finished.append(self._finish_output(request, now))
         return finished
 
-    def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> None:
+    def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> bool:
+        """Record one new token; False if the request's grammar rejected it."""
         request.output_token_ids.append(token)
         if logprob_entry is not None:
             request.logprobs.append(self._token_texts.entry(logprob_entry))
-        if request.grammar is not None:
-            request.grammar.accept(token)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.token_times.append(now)
+        return request.grammar is None or request.grammar.accept(token)
 
     def _fork_siblings(self, request: Request) -> None:
         """Samples 1..n-1 take references on sample 0's full prompt blocks and queue (see docs/engine.md)."""
@@ -264,6 +266,7 @@ class LLMEngine:
     def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:
         if request.status != RequestStatus.FINISHED_ERROR:
             request.text = final_text(request, self.tokenizer)
+        if request.metrics.finish_time is None:
             request.metrics.finish_time = now
         left = self._request_ids[request.request_id] - 1
         if left:

@@ -18,8 +18,8 @@ MAX_PADDING_WASTE = 0.5   # start a new group rather than pad the keys gathered 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]            # Request.key -> new token (only requests that reached their end)
-    logprobs: dict[str, LogprobEntry]  # Request.key -> (token, logprob, top alternatives), where asked
+    sampled: dict[tuple[str, int], int]            # Request.key -> new token (rows that reached their end)
+    logprobs: dict[tuple[str, int], LogprobEntry]  # Request.key -> (token, logprob, top alternatives), if asked
     num_prefill_tokens: int
     num_decode_tokens: int
     fixed_shape: bool = False          # ran through DecodeGraphs (a CUDA graph replay, or its eager twin)
@@ -74,7 +74,7 @@ class ModelRunner:
     # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
 
     def _sample(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: list[ScheduledRequest]
-                ) -> tuple[dict[str, int], dict[str, LogprobEntry]]:
+                ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], LogprobEntry]]:
         """New tokens (and logprob entries where asked) keyed by ``Request.key``."""
         if not sampling:
             return {}, {}

@@ -150,8 +150,8 @@ class Request:
                  seed: int = 0) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
-        # unique inside the engine: the n samples of a request share its request_id
-        self.key = request_id if params.n == 1 else f"{request_id}#{sample_index}"
+        # unique inside the engine (the n samples of a request share its request_id)
+        self.key: tuple[str, int] = (request_id, sample_index)
         self.seed = seed  # counter-based sampling stream: (seed, output position) -> noise
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

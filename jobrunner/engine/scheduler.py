@@ -9,6 +9,8 @@ arrival order while budget and KV blocks last. A prefix-cache hit simply starts 
 out for a running request, the newest running request is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed later (its generated tokens are kept, so recomputing
 reproduces the same state). A request that can never fit is rejected when it is added (see LLMEngine).
+Samples 1..n-1 of an n > 1 request join at the front of the waiting queue once sample 0's prompt is computed,
+already holding references on its full prompt blocks (``add_forked``), so they start past them.
 """
 
 from __future__ import annotations

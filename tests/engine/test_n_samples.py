@@ -84,3 +84,14 @@ def test_a_bad_prompt_fails_every_sample(hf_llama, tokenizer):
 def test_bad_n_is_named(n):
     with pytest.raises(ValueError, match="'n'"):
         SamplingParams.from_dict({"n": n})
+
+
+def test_sample_keys_never_collide_with_other_ids(hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer)
+    engine.add_request("a", CORPUS[0], SamplingParams(n=2, max_tokens=3, temperature=0, ignore_eos=True))
+    engine.add_request("a#1", CORPUS[1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    lengths = sorted((o.request_id, o.sample_index, len(o.output_token_ids)) for o in outs)
+    assert lengths == [("a", 0, 3), ("a", 1, 3), ("a#1", 0, 5)]

@@ -1,5 +1,7 @@
 """Sampling knobs against transformers' logits processors on random logits, then through the engine."""
 
+import math
+
 import pytest
 import torch
 from tiny import CORPUS, engine_from_hf
@@ -15,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from jobrunner.engine import SamplingParams
 from jobrunner.engine.sampling import filters, penalties
-from jobrunner.engine.sampling.noise import gumbel, keys_tensor, row_key
+from jobrunner.engine.sampling.noise import gumbel, keys_tensor, row_key, uniform_reference
 
 VOCAB = 50
 
@@ -89,6 +91,15 @@ def test_logit_bias_matches_transformers(logits):
     torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
+def test_gumbel_noise_equals_the_plain_python_hash():
+    raw = [row_key(11, 0), row_key(2**62 + 5, 17), row_key(0, 3)]
+    ids = torch.tensor([[0, 1, 49_151, 151_935, 7]])
+    noise = gumbel(keys_tensor(raw, torch.device("cpu")), ids)
+    for r, key in enumerate(raw):
+        expected = [-math.log(-math.log(uniform_reference(key >> 1, t))) for t in ids[0].tolist()]
+        assert noise[r].tolist() == pytest.approx(expected, rel=1e-5)
+
+
 def test_gumbel_noise_is_a_pure_function_of_key_and_token():
     keys = keys_tensor([row_key(11, 0), row_key(11, 1), row_key(12, 0)], torch.device("cpu"))
     ids = torch.arange(1000)[None, :]
@@ -147,8 +158,8 @@ def test_include_stop_str_in_output(engine):
 
 def test_penalties_change_greedy_output(engine):
     plain, penalized = engine.generate([CORPUS[3]] * 2, [
-        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)])
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)])
     assert len(set(penalized.output_token_ids)) >= len(set(plain.output_token_ids))
     assert penalized.output_token_ids != plain.output_token_ids
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -41,10 +42,12 @@ def test_every_json_row_parses_and_validates(engine):
 
 
 def test_n_samples_each_follow_the_grammar(engine):
-    outs = engine.generate([CORPUS[2]], SamplingParams(n=4, max_tokens=120, temperature=1.0, seed=3,
-                                                       json_schema=SCHEMA, logprobs=2))
+    schema = {"type": "object", "properties": {"color": SCHEMA["properties"]["color"], "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    outs = engine.generate([CORPUS[2]], SamplingParams(n=4, max_tokens=40, temperature=1.0, seed=3,
+                                                       json_schema=schema, logprobs=2))
     for out in outs:
-        jsonschema.validate(json.loads(out.text), SCHEMA)
+        jsonschema.validate(json.loads(out.text), schema)
         assert len(out.logprobs) == len(out.output_token_ids)
 
 
@@ -92,3 +95,23 @@ def test_bad_spec_raises_at_add_request(engine, values, message):
 def test_bad_spec_values_are_named(values, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams.from_dict(values)
+
+
+def test_without_xgrammar_a_structured_request_is_a_clear_error(engine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if the optional extra were not installed
+    with pytest.raises(ValueError, match="needs xgrammar"):
+        engine.add_request("s", CORPUS[0], SamplingParams(choice=["a", "b"]))
+    out = engine.generate([CORPUS[0]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.error is None  # unconstrained requests are unaffected
+
+
+def test_grammar_reports_a_rejected_token(tokenizer):
+    from jobrunner.engine.sampling.structured import GrammarCompiler
+
+    grammar = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).factory(
+        SamplingParams(choice=["fox"]))()
+    z = tokenizer.convert_tokens_to_ids("z")
+    assert grammar.accept(z) is False and not grammar.is_terminated
+    for token in tokenizer("fox", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]:
+        assert grammar.accept(token) is True
+    assert grammar.is_terminated

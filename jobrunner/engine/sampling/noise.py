@@ -33,24 +33,54 @@ def row_key(seed: int, position: int) -> int:
     return splitmix64(splitmix64(seed & M64) ^ position)
 
 
+def _signed32(value: int) -> int:
+    """A 32-bit pattern as the int32 value with the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_C1, _C2, _GOLDEN = _signed32(0x7FEB_352D), _signed32(0x846C_A68B), _signed32(GOLDEN32)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # lowbias32 (C. Wellons) on int64 tensors holding 32-bit values: shifts stay logical because x >= 0,
-    # products may wrap past 2**63 but only their low 32 bits are kept
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB_352D) & M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846C_A68B) & M32
-    return x ^ (x >> 16)
+    # lowbias32 (C. Wellons) on int32 tensors: products wrap mod 2**32 (what we want), and each right shift is
+    # masked to its width because int32 shifts are arithmetic
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _C1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _C2
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise ``[rows, k]`` for ``token_ids`` ``[rows, k]`` (or ``[k]``) under per-row ``keys`` ``[rows]``."""
-    lo = (keys & M32)[:, None]
-    hi = ((keys >> 32) & M32)[:, None]
-    x = _mix32((token_ids.long() * GOLDEN32 + lo) & M32)
+    """Gumbel noise ``[rows, k]`` for ``token_ids`` ``[rows, k]`` (or ``[1, k]``) under per-row ``keys`` ``[rows]``.
+
+    32-bit integer work (half the memory of int64 on a ``[rows, vocab]`` draw); the same numbers as
+    :func:`uniform_reference`.
+    """
+    lo = _as_int32(keys & M32)[:, None]
+    hi = _as_int32((keys >> 32) & M32)[:, None]
+    x = _mix32(token_ids.int() * _GOLDEN + lo)
     x = _mix32(x ^ hi)
-    uniform = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    uniform = (((x >> 8) & 0xFF_FFFF).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
     return -torch.log(-torch.log(uniform))
+
+
+def _as_int32(values: torch.Tensor) -> torch.Tensor:
+    # int64 in [0, 2**32) -> int32 with the same low 32 bits
+    return torch.where(values >= 1 << 31, values - (1 << 32), values).int()
+
+
+def uniform_reference(key: int, token_id: int) -> float:
+    """The uniform behind :func:`gumbel` for one (row key, token id), in plain Python (tests, docs)."""
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB_352D) & M32
+        x ^= x >> 15
+        x = (x * 0x846C_A68B) & M32
+        return x ^ (x >> 16)
+
+    x = mix(mix((token_id * GOLDEN32 + (key & M32)) & M32) ^ ((key >> 32) & M32))
+    return ((x >> 8) + 0.5) / (1 << 24)
 
 
 def keys_tensor(keys: list[int], device: torch.device) -> torch.Tensor:

@@ -60,10 +60,11 @@ class Grammar:
         self.matcher = matcher
         self.compiler = compiler  # applies the batch's masks
 
-    def accept(self, token_id: int) -> None:
-        # a rejected token can only be EOS after completion (or ignore_eos past it): nothing to advance
-        if not self.matcher.is_terminated():
-            self.matcher.accept_token(token_id)
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar rejects it (the mask should make that impossible)."""
+        if self.matcher.is_terminated():
+            return True
+        return bool(self.matcher.accept_token(token_id))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
