@@ -6,6 +6,7 @@ typo fails loudly, naming the field.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -43,9 +44,14 @@ class ModelSpec(_Spec):
 class InputSpec(_Spec):
     """Where the prompts come from and how rows become requests."""
 
-    url: str = Field(description="fsspec URL of a Parquet file, a directory of Parquet files or a glob.")
+    url: str = Field(description="fsspec URL of an input file, a directory of input files or a glob.")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec storage options (credentials, endpoint_url, ...)."
+    )
+    format: Literal["auto", "parquet", "jsonl", "csv", "openai_batch"] = Field(
+        default="auto",
+        description="Input file format; auto = by extension (.parquet/.parq, .jsonl/.ndjson/.json, .csv). "
+        "openai_batch: OpenAI batch request lines (custom_id, method, url, body); set no column names.",
     )
     prompt_column: str | None = Field(default=None, description="Column of raw-text prompts (string).")
     messages_column: str | None = Field(
@@ -64,11 +70,28 @@ class InputSpec(_Spec):
         default=1000, ge=1, description="About this many rows per shard (and per output part file)."
     )
 
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (e.g. {enable_thinking: false} for Qwen3).",
+    )
+    chat_template: str | None = Field(
+        default=None, description="A Jinja chat template used instead of the tokenizer's own."
+    )
+
     @model_validator(mode="after")
     def _one_text_column(self) -> InputSpec:
+        if self.format == "openai_batch":
+            named = [k for k in _OPENAI_BATCH_UNSET if getattr(self, k) is not None]
+            if named:
+                raise ValueError(f"input.format openai_batch takes the id (custom_id), the prompt and the "
+                                 f"sampling from each request line; unset {', '.join(named)}")
+            return self
         if (self.prompt_column is None) == (self.messages_column is None):
             raise ValueError("input: set exactly one of prompt_column or messages_column")
         return self
+
+
+_OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column")
 
 
 class SamplingSpec(_Spec):
@@ -82,6 +105,57 @@ class SamplingSpec(_Spec):
     stop: list[str] = Field(default_factory=list, description="Stop strings (removed from the output).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that stop generation.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
+    n: int = Field(default=1, ge=1, le=128, description="Samples per row (one output row each, sample_index).")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20,
+        description="Per output token: the sampled token's logprob and the top K alternatives (0..20).",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="Per prompt token: its logprob and the top K alternatives."
+    )
+    json_schema: dict[str, Any] | str | None = Field(
+        default=None, description="Constrain the output to JSON valid against this schema (mapping or JSON text)."
+    )
+    regex: str | None = Field(default=None, description="Constrain the output to match this regular expression.")
+    choice: list[str] | None = Field(default=None, description="Constrain the output to one of these strings.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Subtract this from logits of tokens already generated."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Subtract this x count from logits of generated tokens."
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, description="Divide (multiply if negative) logits of prompt/output tokens; 1 = off."
+    )
+    min_tokens: int = Field(default=0, ge=0, description="Generate at least this many tokens before EOS / stops.")
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> bias added to its logit every step."
+    )
+    include_stop_str_in_output: bool = Field(
+        default=False, description="Keep the matched stop string at the end of the output."
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_json(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"sampling.json_schema is not valid JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("sampling.json_schema must be a JSON object")
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingSpec:
+        named = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        if len(named) > 1:
+            raise ValueError(f"sampling: set at most one of json_schema, regex, choice (got {', '.join(named)})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("sampling.choice must list at least one string")
+        return self
 
 
 class EngineSpec(_Spec):
@@ -164,7 +238,14 @@ class OutputSpec(_Spec):
         default="resume",
         description="If the output exists: resume (skip committed shards), overwrite, or error.",
     )
-    keep_columns: list[str] = Field(default_factory=list, description="Input columns copied to output rows.")
+    keep_columns: list[str] | Literal["*"] = Field(
+        default_factory=list, description="Input columns copied to output rows; '*' = every input column."
+    )
+    format: Literal["parquet", "messages"] = Field(
+        default="parquet",
+        description="parquet: the output rows; messages: also a `messages` column, the input chat with the "
+        "assistant turn appended (ready for fine-tuning).",
+    )
     rows_per_file: int | None = Field(
         default=None, ge=1, description="Rows per part file; when set it overrides input.rows_per_shard."
     )

@@ -161,3 +161,37 @@ def test_sampling_is_user_data_not_secrets():
     assert plain_text_secrets(data) == []
     assert JobSpec.model_validate(data).redacted()["sampling"]["stop"] == ["password: "]
     assert plain_text_secrets(_minimal(engine={"factory_options": {"token": "t"}})) == ["engine.factory_options.token"]
+
+
+def test_dataset_generation_keys_validate():
+    spec = spec_from_dict(_minimal(
+        sampling={"n": 4, "logprobs": 5, "prompt_logprobs": 0, "json_schema": '{"type": "object"}',
+                  "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                  "min_tokens": 2, "logit_bias": {"7": 1.5}, "include_stop_str_in_output": True},
+        output={"url": "o", "keep_columns": "*", "format": "messages"}))
+    assert spec.sampling.n == 4 and spec.sampling.logit_bias == {7: 1.5} and spec.output.keep_columns == "*"
+    batch = spec_from_dict({"name": "t", "input": {"url": "b.jsonl", "format": "openai_batch",
+                                                   "chat_template_kwargs": {"enable_thinking": False}},
+                            "output": {"url": "o"}})
+    assert batch.input.format == "openai_batch" and batch.input.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(("sampling", "message"), [
+    ({"n": 0}, r"sampling\.n: Input should be greater than or equal to 1"),
+    ({"logprobs": 21}, r"sampling\.logprobs: Input should be less than or equal to 20"),
+    ({"json_schema": "{not json"}, r"sampling\.json_schema: Value error, sampling.json_schema is not valid JSON"),
+    ({"json_schema": "[1]"}, r"must be a JSON object"),
+    ({"regex": "a+", "choice": ["a"]}, r"set at most one of json_schema, regex, choice"),
+    ({"min_p": 1.5}, r"sampling\.min_p"),
+])
+def test_bad_sampling_values_are_named(sampling, message):
+    with pytest.raises(SpecError, match=message):
+        spec_from_dict(_minimal(sampling=sampling))
+
+
+def test_openai_batch_takes_no_column_names():
+    with pytest.raises(SpecError, match=r"openai_batch .* unset prompt_column, id_column"):
+        spec_from_dict({"name": "t", "input": {"url": "b.jsonl", "format": "openai_batch", "prompt_column": "p",
+                                               "id_column": "i"}, "output": {"url": "o"}})
+    with pytest.raises(SpecError, match=r"output\.keep_columns"):
+        spec_from_dict(_minimal(output={"url": "o", "keep_columns": "all"}))

@@ -29,8 +29,10 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
     """Check JOB_FILE, its input (files, rows, shards, columns) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
-    from jobrunner.io.reader import InputError, duplicate_ids
+    from jobrunner.driver.rows import id_column
+    from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
+    from jobrunner.io.text_input import duplicate_input_ids
 
     spec = _load(job_file, overrides)
     started = time.perf_counter()
@@ -38,12 +40,13 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
         plan = plan_job(spec)
         plan_s = time.perf_counter() - started
         output_state = describe_output(spec, plan)
-        dups = duplicate_ids(plan.files, spec.input.storage_options, spec.input.id_column) \
-            if check_ids and spec.input.id_column else []
+        column = id_column(spec)
+        dups = duplicate_input_ids(plan.files, spec.input.storage_options, spec.input.format, column) \
+            if check_ids and column else []
     except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None
     if dups:
-        raise click.ClickException(f"input.id_column {spec.input.id_column!r} has duplicate ids: "
+        raise click.ClickException(f"input.id_column {column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
     num_bytes = sum(f.num_bytes for f in plan.files)
@@ -52,7 +55,8 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
                f"planned in {plan_s:.2f}s)")
     for f in plan.files:
         click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
-    columns = list(required_columns(spec).values()) + spec.output.keep_columns
+    keep = spec.output.keep_columns
+    columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     click.echo(f"required columns present: {', '.join(columns)}")
     click.echo(f"output {redact_text(spec.output.url)} (mode {spec.output.mode}): {output_state}")
 

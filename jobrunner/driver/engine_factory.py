@@ -32,8 +32,9 @@ def build_engine(spec: JobSpec) -> Any:
     from jobrunner.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(**engine_config_kwargs(spec))
+    template = {"chat_template": spec.input.chat_template} if spec.input.chat_template else {}
     return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype,
-                                 quantization=spec.model.quantization, config=config)
+                                 quantization=spec.model.quantization, config=config, **template)
 
 
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.output import open_output
+from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.progress import Progress
@@ -79,7 +80,8 @@ class _JobLoop:
         self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.book = mf.JobBook(storage, manifest)
         self.run_tokens = 0
-        self.progress = Progress(plan.num_rows, self.book.committed_rows, enabled=show_progress)
+        # Output rows: n per input row (per-row overrides of n make this an estimate).
+        self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
         self.stats = {"commits": 0, "first_commit_s": None}
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
         self.publishing: dict[Future, tuple[str, dict]] = {}  # publish in flight -> shard id, its record
@@ -324,6 +326,9 @@ class _JobLoop:
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds())
         if finished and not result.over_error_budget:
+            shards = self.manifest["shards"]
+            finish_job_files(self.spec, self.storage,
+                             [p for s in sorted(shards) for p in shards[s].get("parts") or [shards[s]["part"]]])
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return result

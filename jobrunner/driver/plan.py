@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from jobrunner.driver.rows import kept_columns
 from jobrunner.driver.shards import Shard, plan_shards
-from jobrunner.io.reader import InputError, InputFile, check_columns, list_input_files
+from jobrunner.io.reader import InputError, InputFile, check_columns
+from jobrunner.io.text_input import list_input
 from jobrunner.spec import JobSpec
 
 
@@ -41,8 +43,10 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
 
 def plan_job(spec: JobSpec) -> JobPlan:
     """List the input, check its columns and cut shards; InputError names the URL, file or column."""
-    files = list_input_files(spec.input.url, spec.input.storage_options)
-    check_columns(files, required_columns(spec), spec.output.keep_columns)
+    files = list_input(spec.input.url, spec.input.storage_options, spec.input.format)
+    keep = spec.output.keep_columns
+    check_columns(files, required_columns(spec), [] if keep == "*" else keep)
+    check_kept_columns(spec, files)
     if spec.input.id_column is None:
         _check_unique_stems(files)
     plan = JobPlan(files=files, shards=plan_shards([f for f in files if f.num_rows], spec.rows_per_shard))
@@ -50,6 +54,16 @@ def plan_job(spec: JobSpec) -> JobPlan:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
                          f"({len(files)} file(s), all empty)")
     return plan
+
+
+def check_kept_columns(spec: JobSpec, files: list[InputFile]) -> None:
+    """output.keep_columns (or '*') against each file's columns: InputError names a clash with an output
+    column, before any worker starts."""
+    for f in files:
+        try:
+            kept_columns(spec, list(f.column_types))
+        except ValueError as exc:
+            raise InputError(f"input file {f.url}: {exc}") from None
 
 
 def _check_unique_stems(files: list[InputFile]) -> None:

@@ -1,8 +1,9 @@
 """Rows to requests and finished requests to output rows.
 
-A row that cannot become a request (null or empty prompt, bad messages, bad per-row sampling override,
-null id) becomes an output row with `error` set right away; it never reaches the engine and never fails
-its shard.
+A row that cannot become a request (null or empty prompt, bad messages, bad per-row sampling override or
+OpenAI request body, null id) becomes an output row with `error` set right away; it never reaches the engine
+and never fails its shard. A row sampled n times comes back as n output rows with the same id and
+`sample_index` 0..n-1.
 """
 
 from __future__ import annotations
@@ -10,9 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
+from jobrunner.driver.openai_batch import parse_request
 from jobrunner.engine import SamplingParams
+from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_INDEX, parse_messages, parse_overrides
+from jobrunner.io.text_input import OPENAI_COLUMNS, OPENAI_ERROR_COLUMN, read_input_rows
 from jobrunner.spec import JobSpec
+
+OPENAI_ID_COLUMN = "custom_id"
 
 
 @dataclass
@@ -21,15 +29,66 @@ class RowRequest:
 
     row_id: str
     row_index: int
-    prompt: str | list[dict[str, Any]] | None = None
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
     params: SamplingParams | None = None
     error: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    endpoint: str | None = None  # OpenAI batch rows: "chat" or "completions"
+    num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
+
+
+def is_openai_batch(spec: JobSpec) -> bool:
+    """Whether the job reads OpenAI batch request lines (and writes OpenAI-style result files)."""
+    return spec.input.format == "openai_batch"
+
+
+def id_column(spec: JobSpec) -> str | None:
+    """The input column holding row ids (custom_id for OpenAI batch files)."""
+    return OPENAI_ID_COLUMN if is_openai_batch(spec) else spec.input.id_column
+
+
+def request_columns(spec: JobSpec) -> list[str]:
+    """The input columns a request is built from."""
+    if is_openai_batch(spec):
+        return list(OPENAI_COLUMNS)
+    inp = spec.input
+    cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column]
+    return list(dict.fromkeys(c for c in cols if c))
+
+
+def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:
+    """The input columns copied to output rows; ValueError names a kept column that clashes with an output
+    column. '*' keeps every column of `available` except internal ones (`_`-prefixed) and the input column
+    an output column of the same name is made from (the id column `id`, a `messages` chat in messages
+    format)."""
+    names = output_schema(spec.output.format).names
+    keep = spec.output.keep_columns
+    if keep == "*":
+        sources = {id_column(spec)}
+        if spec.output.format == "messages":
+            sources.add(spec.input.messages_column)
+        keep = [c for c in available if not c.startswith("_") and c != ROW_INDEX
+                and not (c in names and c in sources)]
+    clashes = [c for c in keep if c in names]
+    if clashes:
+        raise ValueError(f"output.keep_columns: input column(s) {', '.join(map(repr, clashes))} have the name of "
+                         "an output column; rename them in the input or leave them out of keep_columns")
+    return list(keep)
+
+
+def read_shard_input(spec: JobSpec, file_url: str, row_start: int, row_end: int) -> tuple[pa.Table, list[str]]:
+    """A shard's input rows (any input format; the request columns, the kept columns, ROW_INDEX) and the
+    names of the kept columns ('*' resolved against the file's columns)."""
+    inp, keep = spec.input, spec.output.keep_columns
+    wanted = None if keep == "*" else list(dict.fromkeys(request_columns(spec) + keep))
+    table = read_input_rows(file_url, inp.storage_options, inp.format, row_start, row_end, wanted)
+    return table, kept_columns(spec, table.column_names)
 
 
 def row_id(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> tuple[str, str | None]:
     """The row's id and an error when the id column is null (the derived id is used then)."""
     derived = f"{file_stem}:{row[ROW_INDEX]}"
-    column = spec.input.id_column
+    column = id_column(spec)
     if column is None:
         return derived, None
     value = row.get(column)
@@ -42,14 +101,29 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> RowRequest
     """Build the request of one input row, or an error row."""
     rid, id_error = row_id(spec, file_stem, row)
     req = RowRequest(row_id=rid, row_index=row[ROW_INDEX], error=id_error)
+    if is_openai_batch(spec):
+        req.endpoint = "chat"
+        req.error = row.get(OPENAI_ERROR_COLUMN) or req.error
     if req.error:
         return req
+    req.chat_template_kwargs = dict(spec.input.chat_template_kwargs) or None
     try:
-        req.prompt = _prompt(spec, row)
-        req.params = _params(spec, row)
+        if is_openai_batch(spec):
+            _fill_openai(spec, req, row)
+        else:
+            req.prompt = _prompt(spec, row)
+            req.params = _params(spec, _row_overrides(spec, row), spec.input.sampling_column)
     except ValueError as exc:
         req.prompt, req.params, req.error = None, None, str(exc)
     return req
+
+
+def _fill_openai(spec: JobSpec, req: RowRequest, row: dict[str, Any]) -> None:
+    parsed = parse_request(row.get("method"), row.get("url"), row.get("body"))
+    req.endpoint, req.prompt = parsed.endpoint, parsed.prompt
+    if parsed.chat_template_kwargs:
+        req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), **parsed.chat_template_kwargs}
+    req.params = _params(spec, parsed.overrides, None)
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -65,15 +139,23 @@ def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
         raise ValueError(f"messages column {column!r}: {exc}") from None
 
 
-def _params(spec: JobSpec, row: dict[str, Any]) -> SamplingParams:
-    values = spec.sampling.model_dump()
+def _row_overrides(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
     column = spec.input.sampling_column
-    if column is not None:
-        try:
-            values.update(parse_overrides(row.get(column)))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"sampling column {column!r}: {exc}") from None
+    if column is None:
+        return {}
     try:
+        return parse_overrides(row.get(column))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"sampling column {column!r}: {exc}") from None
+
+
+def _params(spec: JobSpec, overrides: dict[str, Any], column: str | None) -> SamplingParams:
+    values = spec.sampling.model_dump()
+    if any(k in overrides for k in ("json_schema", "regex", "choice")):
+        values.update(json_schema=None, regex=None, choice=None)  # a row's constraint replaces the spec's
+    values.update(overrides)
+    try:
+        values["logit_bias"] = {int(k): float(v) for k, v in (values.get("logit_bias") or {}).items()}
         return SamplingParams.from_dict(values)
     except (ValueError, TypeError) as exc:
         where = f"bad sampling override in column {column!r}" if column else "bad sampling settings"
@@ -81,19 +163,48 @@ def _params(spec: JobSpec, row: dict[str, Any]) -> SamplingParams:
 
 
 def error_row(req: RowRequest) -> dict[str, Any]:
-    """The output row of a row that never reached the engine."""
+    """The output row of a row that never reached the engine (one row, whatever n was asked)."""
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
-            "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0}
+            "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
+            "sample_index": 0, "prompt_shared": False}
 
 
-def output_row(req: RowRequest, out: Any) -> dict[str, Any]:
-    """The output row of a finished engine request (a RequestOutput)."""
+def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
+    """The output row of one finished sample of an engine request (a RequestOutput)."""
     metrics = out.metrics.to_dict()
     failed = out.finish_reason == "error"
     row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None if failed else out.text,
-           "finish_reason": out.finish_reason, "error": out.error or ("engine error" if failed else None)}
+           "finish_reason": out.finish_reason, "error": out.error or ("engine error" if failed else None),
+           "sample_index": int(getattr(out, "sample_index", 0) or 0),
+           "prompt_shared": bool(metrics.get("prompt_shared")),
+           "logprobs": token_logprobs(getattr(out, "logprobs", None)),
+           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None))}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
         row[key] = metrics.get(key)
+    if spec.output.format == "messages" and not failed:
+        row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": out.text}]
     return row
+
+
+def chat_of(prompt: Any) -> list[dict[str, Any]]:
+    """A request's prompt as chat messages (a raw-text prompt is one user turn)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return [dict(m) for m in prompt]
+    return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
+
+
+def token_logprobs(entries: Any) -> list[dict[str, Any] | None] | None:
+    """Engine TokenLogprob entries as plain dicts for the `logprobs` list column (None entries stay None)."""
+    if entries is None:
+        return None
+    return [None if e is None else {
+        "token_id": int(e.token_id), "token": e.token, "logprob": float(e.logprob),
+        "top_logprobs": [{"token_id": int(t.token_id), "token": t.token, "logprob": float(t.logprob)}
+                         for t in (e.top_logprobs or ())]} for e in entries]
+
+
+def prompt_tokens_once(rows: list[dict[str, Any]], key: str = "num_prompt_tokens") -> int:
+    """Prompt (or cached) tokens of the rows, counting a prompt shared by sibling samples once."""
+    return sum(int(r.get(key) or 0) for r in rows if not r.get("prompt_shared"))

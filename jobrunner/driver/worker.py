@@ -17,11 +17,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobrunner.driver.rows import RowRequest, error_row, output_row, to_request
+from jobrunner.driver.output_files import rows_table
+from jobrunner.driver.rows import (
+    RowRequest,
+    error_row,
+    id_column,
+    output_row,
+    prompt_tokens_once,
+    read_shard_input,
+    request_columns,
+    to_request,
+)
 from jobrunner.driver.shards import Shard
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
-from jobrunner.io.parts import rows_to_table, write_attempt_part
-from jobrunner.io.reader import ROW_INDEX, read_rows
+from jobrunner.io.parts import write_attempt_part
+from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
 from jobrunner.spec import JobSpec
 
@@ -103,9 +113,7 @@ class ShardRunner:
         error_text: the rows are known to crash the engine (isolated by bisection); they become error
         rows with this text and never reach the engine."""
         started = time.monotonic()
-        keep = self.spec.output.keep_columns
-        table = read_rows(shard.file_url, self.spec.input.storage_options, shard.row_start, shard.row_end,
-                          list(dict.fromkeys(self._request_columns() + keep)))
+        table, keep = read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end)
         requests = self._requests(shard, table)
         if error_text is not None:
             for req in requests:
@@ -117,7 +125,7 @@ class ShardRunner:
         if state.error is not None:
             raise state.error
         kept = table.select(keep + [ROW_INDEX]) if keep else None
-        out = rows_to_table(self._finish_rows(state), kept)
+        out = rows_table(self.spec, self._finish_rows(state), kept)
         part = write_attempt_part(self._output, attempt_id, shard.shard_id, shard.row_start, out)
         result = self._result(state, part, time.monotonic() - started)
         result.attempt_id = attempt_id
@@ -129,14 +137,12 @@ class ShardRunner:
         rows, undecodable = rows_or_errors(table.select(self._request_columns() + [ROW_INDEX]))
         requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
         for row_index, error in undecodable.items():
-            rid = row_id_or_none(table, self.spec.input.id_column, row_index) or f"{shard.file_stem}:{row_index}"
+            rid = row_id_or_none(table, id_column(self.spec), row_index) or f"{shard.file_stem}:{row_index}"
             requests.append(RowRequest(row_id=rid, row_index=row_index, error=error))
         return requests
 
     def _request_columns(self) -> list[str]:
-        inp = self.spec.input
-        cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column]
-        return list(dict.fromkeys(c for c in cols if c))
+        return request_columns(self.spec)  # the OpenAI batch columns for input.format openai_batch
 
     def _enqueue(self, state: _ShardState) -> None:
         with self._cond:
@@ -165,7 +171,8 @@ class ShardRunner:
         return ShardResult(
             shard_id=state.shard.shard_id, worker_id=self.worker_id, part=part, rows=len(rows),
             num_errors=sum(r["error"] is not None for r in rows),
-            num_prompt_tokens=total("num_prompt_tokens"), num_cached_tokens=total("num_cached_tokens"),
+            num_prompt_tokens=prompt_tokens_once(rows),
+            num_cached_tokens=prompt_tokens_once(rows, "num_cached_tokens"),
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
             row_end=state.shard.row_end, error_kinds=error_kinds(rows))
@@ -228,7 +235,8 @@ class ShardRunner:
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = f"{state.shard.shard_id}/{req.row_index}"  # unique even if row ids repeat
         try:
-            self.engine.add_request(request_id, req.prompt, req.params)
+            kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
+            self.engine.add_request(request_id, req.prompt, req.params, **kwargs)
         except Exception as exc:  # noqa: BLE001 - one bad row never fails a shard
             req.error = f"engine rejected the request: {exc}"
             state.rows.append(error_row(req))
@@ -238,14 +246,19 @@ class ShardRunner:
         self._by_request[request_id] = (state, req)
 
     def _finish(self, out: Any) -> None:
-        entry = self._by_request.pop(out.request_id, None)
+        """One finished sample; the row's request is done when all its n samples are."""
+        entry = self._by_request.get(out.request_id)
         if entry is None:
             return
         state, req = entry
-        row = output_row(req, out)
+        row = output_row(self.spec, req, out)
         row["finish_time_s"] = time.time() - self.job_start_s
         state.rows.append(row)
         state.num_output_tokens += row["num_output_tokens"]
+        req.num_finished += 1
+        if req.num_finished < (getattr(out, "num_samples", None) or req.params.n):
+            return
+        del self._by_request[out.request_id]
         state.in_flight -= 1
         self._maybe_done(state)
 

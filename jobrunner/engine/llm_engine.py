@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,8 @@ from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
+from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
+from jobrunner.engine.sampling.noise import derive_seed
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.engine.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.stats import EngineStats
@@ -25,11 +28,13 @@ class LLMEngine:
 
     Build it with :meth:`from_source` (a model alias, local dir, Hub id or fsspec URL) or directly from a loaded
     model and tokenizer. Per-request problems (empty prompt, too long, ...) never raise: the request finishes
-    with ``finish_reason="error"`` and the rest of the batch is unaffected.
+    with ``finish_reason="error"`` and the rest of the batch is unaffected. ``chat_template`` (or
+    :meth:`set_chat_template`) replaces the tokenizer's chat template for message prompts.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
-                 eos_token_ids: Sequence[int] = (), model_info: dict[str, Any] | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), model_info: dict[str, Any] | None = None,
+                 chat_template: str | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -47,44 +52,83 @@ class LLMEngine:
                                   attention_backend=self.config.attention_backend,
                                   max_num_tokens=self.config.max_num_batched_tokens)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
-        self._requests: dict[str, Request] = {}
+        self._request_ids: dict[str, int] = {}  # request id -> samples not yet handed back
         self._rejected: list[Request] = []
+        self._seeds = random.Random(self.config.seed)
+        self.chat_template = chat_template
+        self._grammars = None  # GrammarCompiler, built on the first structured request
+        self._token_texts = TokenTexts(tokenizer)
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",
-                    config: EngineConfig | None = None, **load_options: Any) -> LLMEngine:
-        """Load a model (alias, local dir, Hub id or fsspec URL) and build an engine over it."""
+                    config: EngineConfig | None = None, chat_template: str | None = None,
+                    **load_options: Any) -> LLMEngine:
+        """Load a model (alias, local dir, Hub id or fsspec URL) and build an engine over it.
+
+        ``chat_template``: a Jinja chat template used instead of the tokenizer's own.
+        """
         from jobrunner.models.factory import load_for_engine
 
         config = config or EngineConfig()
         model, tokenizer, eos_ids, info = load_for_engine(
             source, dtype=dtype if dtype != "auto" else config.dtype, device=config.device,
             quantization=quantization, max_model_len=config.max_model_len, **load_options)
-        return cls(model, tokenizer, config, eos_ids, info)
+        return cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template)
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
-        """Queue one request. Bad content becomes an error output on the next ``step``; never raises for it."""
-        if request_id in self._requests:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        """Queue one request (``params.n`` samples of it, all answered with this ``request_id``).
+
+        Bad *content* (empty or too long prompt, a broken chat template) never raises: the request finishes
+        with ``finish_reason="error"`` on the next ``step``. Raises ``ValueError`` for a duplicate id and for an
+        invalid structured-output spec (bad or unsupported JSON schema, bad regex), which the caller turns
+        into a per-row error. ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g.
+        ``{"enable_thinking": False}``).
+        """
+        if request_id in self._request_ids:
             raise ValueError(f"duplicate request id {request_id!r}")
         params = params or SamplingParams()
+        grammar_factory = self._grammar_factory(params)  # raises ValueError on a bad spec, before any state
         now = time.perf_counter()
         try:
-            token_ids = self.tokenize(prompt)
+            token_ids = self.tokenize(prompt, chat_template_kwargs)
             error = self._admission_error(token_ids)
         except Exception as exc:  # a broken chat template or odd input: that request only
             token_ids, error = [], f"could not tokenize the prompt: {exc}"
-        request = Request(request_id, token_ids, params, now, self.eos_token_ids)
-        self._requests[request_id] = request
+        samples = self._make_samples(request_id, token_ids, params, now)
+        self._request_ids[request_id] = len(samples)
+        if not error and params.prompt_logprobs is not None:
+            try:
+                error = self._attach_prompt_logprobs(samples, token_ids, params.prompt_logprobs)
+            except Exception as exc:  # e.g. out of memory scoring one long prompt: that request only
+                error = f"could not score the prompt for prompt_logprobs: {exc}"
         if error:
-            request.status, request.error = RequestStatus.FINISHED_ERROR, error
-            request.metrics.finish_time = now
-            self._rejected.append(request)
-        else:
-            self.scheduler.add(request)
+            for request in samples:
+                request.status, request.error = RequestStatus.FINISHED_ERROR, error
+                request.metrics.finish_time = now
+                self._rejected.append(request)
+            return
+        for request in samples:
+            request.grammar = grammar_factory() if grammar_factory is not None else None
+        samples[0].siblings = samples[1:]  # forked from sample 0 once its prompt is computed
+        self.scheduler.add(samples[0])
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def set_chat_template(self, template: str | None) -> None:
+        """Use this Jinja chat template for message prompts instead of the tokenizer's own (None: the own)."""
+        self.chat_template = template
+
+    def _make_samples(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      now: float) -> list[Request]:
+        # sample i of a seeded request draws from (seed, i); unseeded requests get a seed from the engine's
+        # own stream (EngineConfig.seed), so every row samples through the same counter-based path
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return [Request(request_id, token_ids, params, now, self.eos_token_ids, sample_index=i,
+                        seed=derive_seed(base_seed, i))
+                for i in range(params.n)]
+
+    def tokenize(self, prompt: Prompt, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a prompt exactly as ``add_request`` makes them.
 
         Raw text gets the tokenizer's special tokens (e.g. BOS); chat messages go through the chat template
@@ -94,7 +138,9 @@ class LLMEngine:
             return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
         items = list(prompt)
         if items and isinstance(items[0], dict):
-            text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True,
+                                                      chat_template=self.chat_template,
+                                                      **(chat_template_kwargs or {}))
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
@@ -119,6 +165,28 @@ class LLMEngine:
         logits = sequence_logits(self.model, token_ids)[:-1]
         targets = torch.tensor(token_ids[1:], device=logits.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
+
+    def _grammar_factory(self, params: SamplingParams):
+        """A maker of per-sample grammar matchers, or None; ValueError if the spec is bad or unsupported."""
+        if not params.is_structured:
+            return None
+        if self._grammars is None:
+            from jobrunner.engine.sampling.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.shape.vocab_size, self.eos_token_ids)
+        return self._grammars.factory(params)
+
+    def _attach_prompt_logprobs(self, samples: list[Request], token_ids: list[int], k: int) -> str | None:
+        """Score the prompt once (a private causal pass, engine/scoring.py); every sample shares the entries."""
+        from jobrunner.engine.scoring import sequence_logits
+
+        if len(token_ids) > self.model.rotary.max_positions:
+            return f"prompt has {len(token_ids)} tokens; too long to score for prompt_logprobs"
+        entries = prompt_logprob_entries(sequence_logits(self.model, token_ids), token_ids, k)
+        values = [None if e is None else self._token_texts.entry(e) for e in entries]
+        for request in samples:
+            request.prompt_logprobs = values
+        return None
 
     def _admission_error(self, token_ids: list[int]) -> str | None:
         if not token_ids:
@@ -162,26 +230,51 @@ class LLMEngine:
         for s in sched.scheduled:
             request = s.request
             request.num_computed_tokens = s.start + s.num_new_tokens
-            token = result.sampled.get(request.request_id)
+            token = result.sampled.get(request.key)
             if token is None:
                 continue
-            request.output_token_ids.append(token)
-            if request.request_id in result.logprobs:
-                request.logprobs.append(result.logprobs[request.request_id])
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.token_times.append(now)
-            status = check_stop(request, token, self.max_model_len, self.tokenizer)
+            accepted = self._append_token(request, token, result.logprobs.get(request.key), now)
+            if request.siblings:  # the prompt is computed: start the other samples on its KV blocks
+                self._fork_siblings(request)
+            status = check_stop(request, token, self.max_model_len, self.tokenizer) if accepted else None
+            if not accepted:  # never hand back output that breaks its grammar
+                status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
             if status is not None:
                 self.scheduler.finish(request, status)
                 finished.append(self._finish_output(request, now))
         return finished
 
+    def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> bool:
+        """Record one new token; False if the request's grammar rejected it."""
+        request.output_token_ids.append(token)
+        if logprob_entry is not None:
+            request.logprobs.append(self._token_texts.entry(logprob_entry))
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.token_times.append(now)
+        return request.grammar is None or request.grammar.accept(token)
+
+    def _fork_siblings(self, request: Request) -> None:
+        """Samples 1..n-1 take references on sample 0's full prompt blocks and queue (see docs/engine.md)."""
+        shared = self.kv_manager.fork(request, request.num_prompt_tokens)
+        for sibling in request.siblings:
+            self.kv_manager.adopt(sibling, shared)
+            sibling.metrics.prompt_shared = True
+        self.scheduler.add_forked(request.siblings)
+        self._stats.num_forked_samples += len(request.siblings)
+        self._stats.num_shared_prompt_tokens += len(request.siblings) * len(shared) * self.kv_manager.block_size
+        request.siblings = []
+
     def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:
         if request.status != RequestStatus.FINISHED_ERROR:
             request.text = final_text(request, self.tokenizer)
+        if request.metrics.finish_time is None:
             request.metrics.finish_time = now
-        del self._requests[request.request_id]
+        left = self._request_ids[request.request_id] - 1
+        if left:
+            self._request_ids[request.request_id] = left
+        else:
+            del self._request_ids[request.request_id]
         out = request.to_output()
         self._count(out)
         return out
@@ -189,8 +282,9 @@ class LLMEngine:
     def _count(self, out: RequestOutput) -> None:
         st, m = self._stats, out.metrics
         st.num_requests += 1
-        st.num_prompt_tokens += m.num_prompt_tokens
-        st.num_cached_tokens += m.num_cached_tokens
+        if not m.prompt_shared:  # a forked sample's prompt is counted once, with sample 0
+            st.num_prompt_tokens += m.num_prompt_tokens
+            st.num_cached_tokens += m.num_cached_tokens
         st.num_output_tokens += m.num_output_tokens
         st.num_preemptions += m.num_preemptions
         st.num_errors += out.finish_reason == "error"
@@ -201,14 +295,18 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Raise if the KV bookkeeping is inconsistent (for tests, after every step)."""
-        self.kv_manager.check_integrity(self.scheduler.running)
+        # forked samples hold their shared prompt blocks while they wait
+        self.kv_manager.check_integrity(self.scheduler.running + list(self.scheduler.waiting))
 
     # -- convenience -------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts (texts, token-id lists or chat message lists) to completion; outputs in input order."""
+        """Run prompts (texts, token-id lists or chat message lists) to completion; outputs in input order.
+
+        A prompt whose params have ``n = k`` contributes k outputs in a row (sample_index 0..k-1).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -218,15 +316,16 @@ class LLMEngine:
         for request_id, prompt, p in zip(ids, prompts, params):
             self.add_request(request_id, prompt, p)
         outputs = {}
-        bar = _progress(len(ids)) if use_tqdm else None
+        bar = _progress(sum(self._request_ids[i] for i in ids)) if use_tqdm else None
         while self.has_unfinished_requests():
             for out in self.step():
-                outputs[out.request_id] = out
+                outputs[(out.request_id, out.sample_index)] = out
                 if bar is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
-        return [outputs[i] for i in ids]
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        return [outputs[key] for key in sorted(outputs, key=lambda key: (order[key[0]], key[1]))]
 
     def _decode_graphs_mode(self) -> str:
         if self.device.type == "cuda" and self.config.use_cuda_graphs:

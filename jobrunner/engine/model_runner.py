@@ -18,6 +18,7 @@ from jobrunner.attention import AttentionMetadata, StepLayout, StepUpload, make_
 from jobrunner.attention.upload import PinnedStaging
 from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
 from jobrunner.engine.sampler import Sampler
+from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]            # request_id -> new token (only requests that reached their end)
-    logprobs: dict[str, float]
+    sampled: dict[tuple[str, int], int]            # Request.key -> new token (rows that reached their end)
+    logprobs: dict[tuple[str, int], LogprobEntry]  # Request.key -> (token, logprob, top alternatives), if asked
     num_prefill_tokens: int
     num_decode_tokens: int
     fixed_shape: bool = False          # ran through a fixed-shape path (a CUDA graph replay, or its eager twin)
@@ -113,17 +114,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         hidden, sample_rows, sampling, fixed = self._forward(sched.scheduled)
-        sampled, logprobs = {}, {}
-        if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-            requests = [s.request for s in sampling]
-            want = any(r.params.logprobs for r in requests)
-            tokens, lps = self.sampler.sample(logits, [r.params for r in requests],
-                                              [r.num_output_tokens for r in requests], want)
-            for i, r in enumerate(requests):
-                sampled[r.request_id] = tokens[i]
-                if lps is not None:
-                    logprobs[r.request_id] = lps[i]
+        sampled, logprobs = self._sample(hidden, sample_rows, sampling)
         num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
         return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed)
 
@@ -154,6 +145,20 @@ class ModelRunner:
         self.backend = make_backend("torch", 1, 1, self.block_size, self.device)
         if self.graphs is not None and not isinstance(self.graphs, DecodeGraphs):
             self.graphs = None  # step graphs need the triton metadata
+
+    # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: list[ScheduledRequest]
+                ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], LogprobEntry]]:
+        """New tokens (and logprob entries where asked) keyed by ``Request.key``."""
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+        requests = [s.request for s in sampling]
+        out = self.sampler.sample(logits, requests)
+        sampled = {r.key: t for r, t in zip(requests, out.token_ids)}
+        logprobs = {r.key: e for r, e in zip(requests, out.logprobs) if e is not None}
+        return sampled, logprobs
 
     def _run_fixed_shape(self, scheduled: list[ScheduledRequest]):
         if isinstance(self.graphs, DecodeGraphs):

@@ -48,6 +48,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    prompt_shared: bool = False  # this sample's prompt KV was forked from sample 0 (count prompt tokens once)
 
     @property
     def queue_s(self) -> float | None:
@@ -82,6 +83,7 @@ class RequestMetrics:
             "num_cached_tokens": self.num_cached_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,
+            "prompt_shared": self.prompt_shared,
         }
 
 
@@ -90,8 +92,34 @@ def _gap(start: float | None, end: float | None) -> float | None:
 
 
 @dataclass
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of the token at a position and the top alternatives there (most likely first).
+
+    Log-probabilities are those of the model's distribution (log-softmax of the raw logits, before
+    temperature, penalties or grammar masks), as in vLLM and OpenAI.
+    """
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
-    """A finished request as handed back by ``LLMEngine.step`` / ``generate``."""
+    """A finished sample as handed back by ``LLMEngine.step`` / ``generate``.
+
+    A request with ``n = k`` gives k outputs with the same ``request_id`` and ``sample_index`` 0..k-1.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -100,7 +128,10 @@ class RequestOutput:
     finish_reason: str
     error: str | None
     metrics: RequestMetrics
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token: None
+    sample_index: int = 0
+    num_samples: int = 1
 
     @property
     def finished(self) -> bool:
@@ -115,8 +146,13 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 arrival_time: float, eos_token_ids: tuple[int, ...] = (), sample_index: int = 0,
+                 seed: int = 0) -> None:
         self.request_id = request_id
+        self.sample_index = sample_index
+        # unique inside the engine (the n samples of a request share its request_id)
+        self.key: tuple[str, int] = (request_id, sample_index)
+        self.seed = seed  # counter-based sampling stream: (seed, output position) -> noise
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
@@ -126,10 +162,14 @@ class Request:
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []
-        self.logprobs: list[float] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.text = ""
         self.stopped_on_string = False
         self.error: str | None = None
+        self.siblings: list[Request] = []  # samples 1..n-1, started once this one's prompt is computed
+        self.grammar = None                # a structured-output matcher (engine/sampling/structured.py)
+        self.detok = None                  # incremental detokenizer state (stop strings)
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
 
     @property
@@ -162,5 +202,8 @@ class Request:
             finish_reason=FINISH_REASONS.get(self.status, "error"),
             error=self.error,
             metrics=self.metrics,
-            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
+            sample_index=self.sample_index,
+            num_samples=self.params.n,
         )

@@ -1,71 +1,95 @@
-"""Turn the last-position logits of each sampling request into its next token.
+"""Turn the last-position logits of each sampling request into its next token, vectorised over the batch.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k and top-p, then sampled
-with the exponential-race trick (argmax of probs / Exp(1) noise), which draws exactly from the distribution.
-A row with a seed draws its noise from a generator seeded by (seed, output position), so its text depends only
-on its own seed — not on what it is batched with, nor on preemption and recompute.
+Order per step: log-probabilities of the raw logits (if any row asks), then logits processors (logit bias,
+min_tokens, penalties; :mod:`jobrunner.engine.sampling.penalties`), then grammar masks (structured output),
+then greedy rows take the argmax and the others go through temperature, min-p, top-k, top-p and a Gumbel-max
+draw whose noise is a hash of (row seed, output position, token id) (:mod:`jobrunner.engine.sampling.noise`):
+no generator objects, no per-row launches, and a row's text depends only on its own seed. Everything the
+host needs (tokens, and logprobs when asked) comes back in one device->host transfer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from jobrunner.engine.sampling_params import SamplingParams
+from jobrunner.engine.request import Request
+from jobrunner.engine.sampling import filters, penalties
+from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
+from jobrunner.engine.sampling.noise import keys_tensor, row_key
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[LogprobEntry | None]   # per row; None where the request did not ask
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.seed = seed
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-               want_logprobs: bool) -> tuple[list[int], list[float] | None]:
-        """logits: [N, vocab]; positions: each row's output index (seeds the per-request stream)."""
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
         logits = logits.float()
-        if all(p.is_greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample_mixed(logits, params, positions)
-        logprobs = None
-        if want_logprobs:
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+        k_max = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
+        logprobs = torch.log_softmax(logits, dim=-1) if k_max is not None else None
+        self._process(logits, requests)
+        tokens = self._pick(logits, requests)
+        if logprobs is None:
+            return SamplerOutput(tokens.tolist(), [None] * len(requests))
+        packed = torch.cat([tokens[:, None].double(), gather_logprobs(logprobs, tokens, k_max)], dim=1).tolist()
+        token_ids = [int(row[0]) for row in packed]
+        entries = [None if r.params.logprobs is None else unpack(t, row[1:], r.params.logprobs, k_max)
+                   for r, t, row in zip(requests, token_ids, packed)]
+        return SamplerOutput(token_ids, entries)
 
-    def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
-                      ) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        probs = torch.softmax(_top_k_top_p(sub / temps[:, None], [params[i] for i in rows]), dim=-1)
-        noise = torch.stack([self._noise(params[i], positions[i], sub.shape[1]) for i in rows])
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy[rows] = sampled
-        return greedy
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Logits processors and grammar masks, in place, only on the rows that use them."""
+        biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        if biased:
+            penalties.apply_logit_bias(logits, biased, [requests[i].params.logit_bias for i in biased])
+        early = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if early:
+            penalties.apply_banned_tokens(logits, early, [_stop_ids(requests[i]) for i in early])
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if penalized:
+            ps = [requests[i].params for i in penalized]
+            penalties.apply_penalties(logits, penalized, [requests[i].prompt_token_ids for i in penalized],
+                                      [requests[i].output_token_ids for i in penalized],
+                                      [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                                      [p.frequency_penalty for p in ps])
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
+        if constrained:
+            grammars = [requests[i].grammar for i in constrained]
+            grammars[0].compiler.apply(logits, constrained, grammars)
 
-    def _noise(self, params: SamplingParams, position: int, vocab: int) -> torch.Tensor:
-        generator = self.generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(hash((params.seed, position)) & 0x7FFF_FFFF_FFFF_FFFF)
-        return torch.empty(vocab, device=self.device).exponential_(generator=generator)
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        with_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k > 0]
+        without_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k == 0]
+        for rows, top_k in ((with_k, True), (without_k, False)):
+            if not rows:
+                continue
+            sub = [requests[i] for i in rows]
+            dev = logits.device
+            temps = torch.tensor([r.params.temperature for r in sub], device=dev)
+            top_ps = torch.tensor([r.params.top_p for r in sub], device=dev)
+            min_ps = torch.tensor([r.params.min_p for r in sub], device=dev)
+            keys = keys_tensor([row_key(r.seed, r.num_output_tokens) for r in sub], dev)
+            index = torch.tensor(rows, device=dev)
+            if top_k:
+                picked = filters.sample_top_k(logits[index], temps, [r.params.top_k for r in sub], top_ps,
+                                              min_ps, keys)
+            else:
+                picked = filters.sample_full(logits[index], temps, top_ps, min_ps, keys,
+                                             any(r.params.top_p < 1.0 for r in sub))
+            tokens[index] = picked
+        return tokens
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    top_ks = [p.top_k for p in params]
-    top_ps = [p.top_p for p in params]
-    if not any(top_ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= ks[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # drop tokens once the mass *before* them already reaches top_p (the top token always stays)
-    mass_before = probs.cumsum(dim=-1) - probs
-    ps = torch.tensor(top_ps, device=logits.device)
-    remove |= mass_before >= ps[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _stop_ids(request: Request) -> list[int]:
+    ids = list(request.params.stop_token_ids)
+    return ids if request.params.ignore_eos else ids + list(request.eos_token_ids)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+MAX_N = 128            # samples per request
+MAX_LOGPROBS = 20      # top alternatives per token (OpenAI's limit)
+MAX_PENALTY = 2.0      # presence / frequency penalty range is [-2, 2] (OpenAI)
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -11,39 +17,120 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible for this request whatever it is
-    batched with (the random stream depends only on the seed and the output position). ``stop`` strings are
-    matched on the decoded text (also across token boundaries) and removed from the output.
+    batched with (the random stream depends only on the seed, the sample index and the output position).
+    ``stop`` strings are matched on the decoded text (also across token boundaries) and removed from the
+    output unless ``include_stop_str_in_output``.
+
+    ``n`` samples share the prompt's KV blocks. ``logprobs = K`` returns the sampled token's log-probability
+    and the top K alternatives for every output token (``True`` is read as 0); ``prompt_logprobs = K`` the
+    same for prompt tokens. At most one of ``json_schema`` (a mapping or its JSON text), ``regex`` and
+    ``choice`` constrains the output with a grammar. Knobs as in vLLM / OpenAI: ``min_p``, ``presence_penalty``,
+    ``frequency_penalty`` (OpenAI semantics, on output tokens), ``repetition_penalty`` (CTRL/transformers
+    semantics, on prompt + output tokens), ``min_tokens`` (EOS and stop tokens masked until reached),
+    ``logit_bias`` (token id -> bias added to the logits; keys may be strings of ints).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    json_schema: dict[str, Any] | str | None = field(default=None, hash=False)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._normalize()
+        self._check_basic()
+        self._check_knobs()
+        self._check_outputs()
+
+    def _normalize(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        _check(all(_is_int(t) for t in (self.stop_token_ids or ())), "stop_token_ids", "a list of token ids",
+               self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
+        for name in ("logprobs", "prompt_logprobs"):  # the old boolean flag: True = the sampled token only
+            value = getattr(self, name)
+            if value is True:
+                object.__setattr__(self, name, 0)
+            elif value is False:
+                object.__setattr__(self, name, None)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)), "choice", "a list of strings", self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def _check_basic(self) -> None:
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
                self.max_tokens)
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0",
                self.temperature)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or null", self.seed)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
+        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or null", self.seed)
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in 1..{MAX_N}", self.n)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+
+    def _check_knobs(self) -> None:
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
+                   f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", value)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               "a number > 0 (1 = off)", self.repetition_penalty)
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"an integer in 0..max_tokens ({self.max_tokens})", self.min_tokens)
+
+    def _check_outputs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"null or an integer in 0..{MAX_LOGPROBS}", value)
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex), "regex", "a non-empty string",
+               self.regex)
+        _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
+               "choice", "a non-empty list of non-empty strings", self.choice)
+        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        _check(len(given) <= 1, "/".join(given), "used alone (at most one of json_schema, regex, choice)",
+               given)
+        # the grammar decides where a structured output ends (it allows only EOS once complete)
+        _check(not (given and self.min_tokens), "min_tokens", f"0 with {given[0] if given else ''}",
+               self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def is_structured(self) -> bool:
+        """Whether a grammar constrains the output (json_schema, regex or choice)."""
+        return self.json_schema is not None or self.regex is not None or self.choice is not None
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -61,7 +148,41 @@ class SamplingParams:
         out.pop("extra")
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        out["choice"] = list(self.choice) if self.choice is not None else None
         return out
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    _check(isinstance(value, dict), "logit_bias", "a mapping of token id -> bias", value)
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"sampling parameter 'logit_bias' keys must be token ids, got {key!r}") from None
+        _check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS and token >= 0, "logit_bias",
+               f"token id >= 0 -> a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", {key: bias})
+        out[token] = float(bias)
+    return out
+
+
+def _json_schema(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sampling parameter 'json_schema' is not valid JSON: {exc}") from None
+    _check(isinstance(value, dict), "json_schema", "a JSON schema object (a mapping or its JSON text)", value)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

@@ -9,6 +9,8 @@ arrival order while budget and KV blocks last. A prefix-cache hit simply starts 
 out for a running request, the newest running request is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed later (its generated tokens are kept, so recomputing
 reproduces the same state). A request that can never fit is rejected when it is added (see LLMEngine).
+Samples 1..n-1 of an n > 1 request join at the front of the waiting queue once sample 0's prompt is computed,
+already holding references on its full prompt blocks (``add_forked``), so they start past them.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_forked(self, requests: list[Request]) -> None:
+        """Queue forked samples first: they already hold their shared prompt blocks."""
+        self.waiting.extendleft(reversed(requests))
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -92,8 +98,11 @@ class Scheduler:
         now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv.block_size
+            if request.block_ids:  # a forked sample: it holds its shared prompt blocks already
+                cached, num_cached_tokens = [], request.num_computed_tokens
+            else:
+                cached = self.kv.find_cached_prefix(request)
+                num_cached_tokens = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, cached):
                 break

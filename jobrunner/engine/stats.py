@@ -27,6 +27,8 @@ class EngineStats:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_errors: int = 0
+    num_forked_samples: int = 0        # samples 1..n-1 of n > 1 requests, started on sample 0's prompt blocks
+    num_shared_prompt_tokens: int = 0  # prompt tokens those samples did not compute (shared KV)
     kv_num_blocks: int = 0
     kv_block_size: int = 0
     kv_blocks_used: int = 0

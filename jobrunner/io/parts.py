@@ -13,6 +13,11 @@ from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage, retry
 from jobrunner.redaction import redact_text
 
+# One token's log-probability and its top alternatives (the `logprobs` / `prompt_logprobs` list elements).
+TOP_LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
+                          ("top_logprobs", pa.list_(TOP_LOGPROB_TYPE))])
+
 # The contract columns, in order (docs/contracts.md).
 OUTPUT_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -29,22 +34,38 @@ OUTPUT_SCHEMA = pa.schema([
     ("shard_id", pa.string()),
     ("worker_id", pa.string()),
     ("finish_time_s", pa.float64()),
+    ("sample_index", pa.int64()),
+    ("prompt_shared", pa.bool_()),
+    ("logprobs", pa.list_(LOGPROB_TYPE)),
+    ("prompt_logprobs", pa.list_(LOGPROB_TYPE)),
 ])
+# Only with output.format = messages: the input chat plus the generated assistant turn.
+MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
 
 
-def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None) -> pa.Table:
+def output_schema(output_format: str = "parquet") -> pa.Schema:
+    """The output row schema of a job with this output.format."""
+    return OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
+
+
+def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None,
+                  schema: pa.Schema = OUTPUT_SCHEMA) -> pa.Table:
     """Output rows (dicts with the contract columns and ROW_INDEX) as a table, plus kept input columns.
 
-    kept: the shard's input table with the kept columns and ROW_INDEX; its rows are matched by ROW_INDEX.
+    kept: the shard's input table with the kept columns and ROW_INDEX; its rows are matched by ROW_INDEX
+    (several output rows may take the same input row: the samples of one row). A kept column named like an
+    output column is an error (the planner reports it first, naming the column).
     """
-    columns = {f.name: pa.array([_cell(r, f.name) for r in rows], f.type) for f in OUTPUT_SCHEMA}
-    table = pa.table(columns, schema=OUTPUT_SCHEMA)
+    columns = {f.name: pa.array([_cell(r, f.name) for r in rows], f.type) for f in schema}
+    table = pa.table(columns, schema=schema)
     if kept is None or kept.num_columns <= 1:
         return table
     first = kept.column(ROW_INDEX)[0].as_py() if kept.num_rows else 0
     indices = pa.array([r[ROW_INDEX] - first for r in rows], pa.int64())
     for name in kept.column_names:
-        if name != ROW_INDEX and name not in OUTPUT_SCHEMA.names:
+        if name in schema.names:
+            raise ValueError(f"output.keep_columns: input column {name!r} has the name of an output column")
+        if name != ROW_INDEX:
             table = table.append_column(kept.schema.field(name), kept.column(name).take(indices))
     return table
 

@@ -25,6 +25,7 @@ from jobrunner.io.layout import COMMITS_DIR, MANIFEST, PARTS_DIR, READABLE_MANIF
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
 STRING_COLUMNS = ("finish_reason", "error")
+SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
 
@@ -161,8 +162,9 @@ def iter_metric_batches(outputs: JobOutputs, batch_rows: int = 65_536) -> Iterat
         with _open_for_ranges(outputs.fs, path) as fh:
             parquet = pq.ParquetFile(fh)
             _check_columns(parquet.schema_arrow, path)
+            columns = list(METRIC_COLUMNS) + _optional_columns(parquet.schema_arrow)
             for index in range(parquet.metadata.num_row_groups):
-                table = parquet.read_row_group(index, columns=list(METRIC_COLUMNS), use_threads=False)
+                table = parquet.read_row_group(index, columns=columns, use_threads=False)
                 for batch in table.to_batches(max_chunksize=batch_rows):
                     yield _to_metric_batch(batch)
 
@@ -182,9 +184,20 @@ def _check_columns(schema: pa.Schema, path: str) -> None:
         raise ReportInputError(f"{path}: not a jobrunner output part (missing columns: {', '.join(missing)})")
 
 
+def _optional_columns(schema: pa.Schema) -> list[str]:
+    """Metric columns older parts may lack."""
+    return [SHARED_PROMPT_COLUMN] if schema.get_field_index(SHARED_PROMPT_COLUMN) >= 0 else []
+
+
 def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
+    shared = None
+    if SHARED_PROMPT_COLUMN in batch.schema.names:
+        shared = pc.fill_null(batch.column(SHARED_PROMPT_COLUMN), False)
+
     def counts(name: str) -> np.ndarray:
         column = pc.fill_null(batch.column(name).cast(pa.int64()), 0)
+        if shared is not None and name in ("num_prompt_tokens", "num_cached_tokens"):
+            column = pc.if_else(shared, 0, column)  # a prompt shared by sibling samples counts once per row
         return column.to_numpy(zero_copy_only=False)
 
     def seconds(name: str) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jobrunner.driver.rows import to_request
 from jobrunner.driver.shards import plan_shards
 from jobrunner.io.reader import ROW_INDEX, InputFile
@@ -49,3 +51,47 @@ def test_rows_become_requests_or_error_rows():
                                       "output": {"url": "o"}}), "f",
                       {ROW_INDEX: 7, "m": [{"role": "user", "content": "hello"}]})
     assert msgs.row_id == "f:7" and msgs.prompt == [{"role": "user", "content": "hello"}]
+
+
+def test_kept_columns_star_and_clashes():
+    from jobrunner.driver.rows import kept_columns
+
+    def spec(keep, fmt="parquet", **inp):
+        return spec_from_dict({"name": "t", "input": {"url": "x", "messages_column": "messages", "id_column": "id",
+                                                      **inp}, "output": {"url": "o", "keep_columns": keep,
+                                                                         "format": fmt}})
+
+    cols = ["id", "messages", "topic", "_private", ROW_INDEX]
+    assert kept_columns(spec("*"), cols) == ["messages", "topic"]  # `id` is the output id itself
+    assert kept_columns(spec("*", "messages"), cols) == ["topic"]  # the output messages extend the input's
+    assert kept_columns(spec(["topic"]), cols) == ["topic"]
+    with pytest.raises(ValueError, match=r"input column\(s\) 'error', 'sample_index' have the name of an output"):
+        kept_columns(spec("*"), ["id", "error", "sample_index", "messages"])
+    with pytest.raises(ValueError, match=r"'id' have the name of an output column"):
+        kept_columns(spec(["id"]), cols)
+    with pytest.raises(ValueError, match=r"'messages' have the name"):
+        kept_columns(spec(["messages"], "messages"), cols)
+    with pytest.raises(ValueError, match=r"'id' have the name"):
+        kept_columns(spec("*", id_column="key"), ["key", "id", "messages"])
+
+
+def test_openai_batch_rows_become_requests_or_error_rows():
+    import json
+
+    spec = spec_from_dict({"name": "t", "input": {"url": "b.jsonl", "format": "openai_batch"},
+                           "sampling": {"max_tokens": 5}, "output": {"url": "o"}})
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    ok = to_request(spec, "b", {ROW_INDEX: 0, "custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
+                                "body": json.dumps(body), "_error": None})
+    assert ok.error is None and ok.row_id == "r0" and ok.endpoint == "chat"
+    assert ok.prompt == body["messages"]
+    bad_line = to_request(spec, "b", {ROW_INDEX: 1, "custom_id": None, "method": None, "url": None,
+                                      "body": "{x", "_error": "line 2 is not valid JSON"})
+    assert bad_line.row_id == "b:1" and bad_line.error == "line 2 is not valid JSON"
+    no_id = to_request(spec, "b", {ROW_INDEX: 2, "custom_id": None, "method": "POST",
+                                   "url": "/v1/chat/completions", "body": json.dumps(body), "_error": None})
+    assert no_id.error == "id column 'custom_id' is null (row b:2)"
+    unknown = to_request(spec, "b", {ROW_INDEX: 3, "custom_id": "r3", "method": "POST",
+                                     "url": "/v1/chat/completions", "body": json.dumps({**body, "tools": []}),
+                                     "_error": None})
+    assert unknown.error == "body field(s) tools not supported for /v1/chat/completions"

@@ -61,6 +61,22 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
+    def fork(self, request: Request, num_prompt_tokens: int) -> list[int]:
+        """The blocks of ``request`` that sibling samples can share: the full prompt blocks.
+
+        Never the block holding the last prompt token: each sample recomputes that token (and the partial
+        block's few tokens) in its own block, so its first token gets its own logits and no block is ever
+        written by two requests (no copy-on-write needed).
+        """
+        return request.block_ids[:(num_prompt_tokens - 1) // self.block_size]
+
+    def adopt(self, request: Request, shared_block_ids: list[int]) -> None:
+        """Give a waiting ``request`` one reference on each shared block; it starts after them."""
+        self.pool.touch(shared_block_ids)
+        request.block_ids = list(shared_block_ids)
+        request.num_cached_blocks = len(shared_block_ids) if self.enable_prefix_caching else 0
+        request.num_computed_tokens = len(shared_block_ids) * self.block_size
+
     def free(self, request: Request) -> None:
         """Release a request's blocks (tail first, so the prefix head is evicted last)."""
         self.pool.free(list(reversed(request.block_ids)))

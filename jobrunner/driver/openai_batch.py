@@ -1,0 +1,228 @@
+"""OpenAI batch files: a request line's body to a prompt and sampling overrides, and finished rows back to
+OpenAI-style result lines (`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`).
+
+The body's sampling fields are honoured per row; a field we do not know (or cannot honour: `stream`, `tools`,
+`echo`, several prompts) is that row's error, naming the field, so a request is never silently run with
+different settings than it asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# Body fields copied to our sampling parameters under the same name (OpenAI's and vLLM's extras).
+_SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
+              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+              "include_stop_str_in_output", "skip_special_tokens")
+_RENAMED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+            "max_completion_tokens": "max_tokens"}
+_IGNORED = ("model", "user", "metadata", "store", "service_tier")  # accepted, no effect on generation
+_HANDLED = {"chat": ("messages", "logprobs", "top_logprobs", "response_format", "chat_template_kwargs"),
+            "completions": ("prompt", "logprobs", "echo")}
+
+
+@dataclass
+class ParsedRequest:
+    """What one request line asks for."""
+
+    endpoint: str  # "chat" or "completions"
+    prompt: str | list[int] | list[dict[str, Any]]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
+    """A request line's method, url and body (JSON text) as a prompt and sampling overrides; ValueError
+    names the bad field."""
+    if method not in (None, "POST"):
+        raise ValueError(f"method {method!r}: only POST is supported")
+    if url not in ENDPOINTS:
+        raise ValueError(f"url {url!r}: must be one of {', '.join(ENDPOINTS)}")
+    endpoint = ENDPOINTS[url]
+    body = _body(body_text)
+    unknown = sorted(set(body) - set(_SAME_NAME) - set(_RENAMED) - set(_IGNORED) - set(_HANDLED[endpoint])
+                     - {"stop", "logit_bias", "stream"})
+    if unknown:
+        raise ValueError(f"body field(s) {', '.join(unknown)} not supported for {url}")
+    if body.get("stream"):
+        raise ValueError("body.stream: streaming is not supported in a batch")
+    overrides = _common_overrides(body)
+    if endpoint == "chat":
+        overrides.update(_chat_overrides(body))
+        prompt: Any = _messages(body.get("messages"))
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("body.chat_template_kwargs must be an object")
+        return ParsedRequest(endpoint, prompt, overrides, kwargs)
+    if body.get("echo"):
+        raise ValueError("body.echo: echoing the prompt is not supported")
+    if body.get("logprobs") is not None:
+        overrides["logprobs"] = body["logprobs"]
+    return ParsedRequest(endpoint, _completion_prompt(body.get("prompt")), overrides)
+
+
+def _body(text: Any) -> dict[str, Any]:
+    if text is None:
+        raise ValueError("body is missing")
+    try:
+        body = json.loads(text) if isinstance(text, str) else text
+    except ValueError as exc:
+        raise ValueError(f"body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    return body
+
+
+def _common_overrides(body: dict[str, Any]) -> dict[str, Any]:
+    out = {k: body[k] for k in _SAME_NAME if body.get(k) is not None}
+    out.update({ours: body[theirs] for theirs, ours in _RENAMED.items() if body.get(theirs) is not None})
+    stop = body.get("stop")
+    if stop is not None:
+        out["stop"] = [stop] if isinstance(stop, str) else stop
+    bias = body.get("logit_bias")
+    if bias is not None:
+        try:
+            out["logit_bias"] = {int(k): float(v) for k, v in dict(bias).items()}
+        except (TypeError, ValueError):
+            raise ValueError("body.logit_bias must map token ids to numbers") from None
+    return out
+
+
+def _chat_overrides(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    top = body.get("top_logprobs")
+    if body.get("logprobs"):
+        out["logprobs"] = 0 if top is None else top
+    elif top is not None:
+        raise ValueError("body.top_logprobs needs body.logprobs: true")
+    out.update(_response_format(body.get("response_format")))
+    return out
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("body.response_format.json_schema.schema must be a JSON schema object")
+        return {"json_schema": schema}
+    raise ValueError(f"body.response_format: type must be text, json_object or json_schema, got {fmt!r}")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("body.messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"body.messages[{i}] needs a string role")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or a list of text parts (joined with newlines)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "\n".join(str(p.get("text", "")) for p in content)
+    raise ValueError(f"body.messages[{i}].content: only text content is supported")
+
+
+def _completion_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    raise ValueError("body.prompt must be one non-empty string or one list of token ids")
+
+
+# ---- results ------------------------------------------------------------------------------------------
+
+def result_lines(rows: list[dict[str, Any]], endpoint_of: dict[str, str], model: str, job: str,
+                 created: int | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The output lines and error lines of a shard's rows (one line per custom_id, samples as choices)."""
+    created = int(time.time()) if created is None else created
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_id.setdefault(row["id"], []).append(row)
+    outputs, errors = [], []
+    for custom_id, samples in by_id.items():
+        samples.sort(key=lambda r: r.get("sample_index") or 0)
+        digest = hashlib.sha1(f"{job}\0{custom_id}".encode()).hexdigest()[:24]
+        failed = next((r for r in samples if r.get("error") is not None), None)
+        if failed is not None:
+            errors.append(_line(digest, custom_id, failed.get("_status") or 500, _error_body(failed)))
+        else:
+            body = _completion(samples, endpoint_of.get(custom_id, "chat"), model, digest, created)
+            outputs.append(_line(digest, custom_id, 200, body))
+    return outputs, errors
+
+
+def _line(digest: str, custom_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{digest}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
+
+
+def _error_body(row: dict[str, Any]) -> dict[str, Any]:
+    kind = "invalid_request_error" if row.get("_status") == 400 else "server_error"
+    return {"error": {"message": row.get("error") or "error", "type": kind, "param": None, "code": None}}
+
+
+def _completion(samples: list[dict[str, Any]], endpoint: str, model: str, digest: str,
+                created: int) -> dict[str, Any]:
+    prompt_tokens = max(int(r.get("num_prompt_tokens") or 0) for r in samples)
+    completion_tokens = sum(int(r.get("num_output_tokens") or 0) for r in samples)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if endpoint == "chat":
+        choices = [_chat_choice(r) for r in samples]
+        return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage}
+    choices = [_text_choice(r) for r in samples]
+    return {"id": f"cmpl-{digest}", "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def _chat_choice(row: dict[str, Any]) -> dict[str, Any]:
+    logprobs = row.get("logprobs")
+    content = None if logprobs is None else [_chat_token(e) for e in logprobs if e is not None]
+    return {"index": row.get("sample_index") or 0, "finish_reason": row["finish_reason"],
+            "message": {"role": "assistant", "content": row["generated_text"]},
+            "logprobs": None if content is None else {"content": content}}
+
+
+def _chat_token(entry: dict[str, Any]) -> dict[str, Any]:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode()),
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}
+                             for t in entry["top_logprobs"]]}
+
+
+def _text_choice(row: dict[str, Any]) -> dict[str, Any]:
+    logprobs = row.get("logprobs")
+    return {"index": row.get("sample_index") or 0, "text": row["generated_text"],
+            "finish_reason": row["finish_reason"],
+            "logprobs": None if logprobs is None else _text_logprobs([e for e in logprobs if e is not None])}
+
+
+def _text_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    offsets, offset = [], 0
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}

@@ -1,0 +1,73 @@
+"""Logits processors applied before sampling: logit bias, min_tokens, repetition / presence / frequency penalties.
+
+Each works on a batch of rows at once: token lists are padded into one ``[rows, L]`` tensor (the pad index is
+``vocab``, a column dropped afterwards), so a step costs a few vectorised ops however many rows ask for it.
+Semantics follow transformers / vLLM / OpenAI:
+- repetition_penalty (CTRL, transformers' RepetitionPenaltyLogitsProcessor): over prompt + output tokens, a
+  seen token's logit is divided by the penalty when positive and multiplied by it when negative;
+- presence / frequency penalty (OpenAI): over output tokens, ``logit -= frequency * count + presence * (count > 0)``;
+- logit_bias: added to the logits (token id -> bias);
+- min_tokens: EOS and stop token ids are masked until that many tokens were generated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[rows, vocab]`` float counts of each token id in each row's list."""
+    width = max(max((len(t) for t in token_lists), default=0), 1)
+    padded = torch.tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.int64)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_counts: torch.Tensor, penalties: torch.Tensor) -> None:
+    """In place on ``logits`` ``[R, V]``; ``seen_counts`` ``[R, V]`` (prompt + output); ``penalties`` ``[R]``."""
+    p = penalties[:, None]
+    penalized = torch.where(logits < 0, logits * p, logits / p)
+    logits.copy_(torch.where(seen_counts > 0, penalized, logits))
+
+
+def apply_presence_frequency(logits: torch.Tensor, output_counts: torch.Tensor, presence: torch.Tensor,
+                             frequency: torch.Tensor) -> None:
+    """In place: ``logits -= frequency * count + presence * (count > 0)`` over output tokens, per row."""
+    logits -= frequency[:, None] * output_counts + presence[:, None] * (output_counts > 0).float()
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[int, float]]) -> None:
+    """In place: add each row's ``{token_id: bias}`` (ids outside the vocabulary are ignored)."""
+    vocab = logits.shape[-1]
+    index = [(r, t, b) for r, bias in zip(rows, biases) for t, b in bias.items() if t < vocab]
+    if not index:
+        return
+    r, t, b = zip(*index)
+    dev = logits.device
+    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                      torch.tensor(b, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def apply_banned_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
+    """In place: ``-inf`` for each row's banned token ids (min_tokens: EOS and stop tokens)."""
+    vocab = logits.shape[-1]
+    index = [(r, t) for r, tokens in zip(rows, banned) for t in tokens if 0 <= t < vocab]
+    if index:
+        r, t = zip(*index)
+        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
+                    repetition: list[float], presence: list[float], frequency: list[float]) -> None:
+    """All three penalties for the given rows of ``logits`` (in place)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    sub = logits[rows]
+    out_counts = token_counts(outputs, vocab, dev)
+    if any(p != 1.0 for p in repetition):
+        seen = out_counts + token_counts(prompts, vocab, dev)
+        apply_repetition_penalty(sub, seen, torch.tensor(repetition, device=dev))
+    if any(presence) or any(frequency):
+        apply_presence_frequency(sub, out_counts, torch.tensor(presence, device=dev),
+                                 torch.tensor(frequency, device=dev))
+    logits[rows] = sub
