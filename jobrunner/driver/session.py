@@ -33,7 +33,9 @@ def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[None]:
     if address:
         ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
+        # address="local": always a new instance for this job, never a cluster some other process started on
+        # this machine (a bare ray.init() would join the one recorded in /tmp/ray and refuse num_cpus)
+        ray.init(address="local", num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
     try:
         yield
     finally:
