@@ -36,7 +36,8 @@ def run(engine: LLMEngine, prompts, params) -> dict:
     num_out = sum(len(o.output_token_ids) for o in outs)
     return {"rows": len(outs), "wall_s": wall, "output_tok_s": num_out / wall,
             "computed_prompt_tokens": after["num_prefill_tokens"] - before["num_prefill_tokens"],
-            "output_tokens": num_out, "errors": sum(o.error is not None for o in outs)}
+            "output_tokens": num_out, "errors": sum(o.error is not None for o in outs),
+            "finished_stop": sum(o.finish_reason == "stop" for o in outs)}
 
 
 def workloads(prompts, max_tokens: int, stop_tokens: int) -> dict:
@@ -47,7 +48,8 @@ def workloads(prompts, max_tokens: int, stop_tokens: int) -> dict:
         "rows_x4": ([p for p in prompts for _ in range(4)],
                     [SamplingParams(**base, seed=i) for i in range(4 * len(prompts))]),
         "plain": (prompts, seeded),
-        "json_schema": (prompts, [SamplingParams(max_tokens=max_tokens * 4, temperature=0.8, seed=i,
+        # same knobs as "plain"; room for the whole JSON (the grammar ends it, ignore_eos or not)
+        "json_schema": (prompts, [SamplingParams(**{**base, "max_tokens": max_tokens * 4}, seed=i,
                                                  json_schema=ANSWER_SCHEMA) for i in range(len(prompts))]),
         "logprobs_5": (prompts, [SamplingParams(**base, seed=i, logprobs=5) for i in range(len(prompts))]),
         "greedy_x2": (prompts * 2, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.engine.request import Request
-from jobrunner.engine.sampling import filters, penalties
+from jobrunner.engine.sampling import filters, penalties, to_device
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
 
@@ -75,11 +75,11 @@ class Sampler:
                 continue
             sub = [requests[i] for i in rows]
             dev = logits.device
-            temps = torch.tensor([r.params.temperature for r in sub], device=dev)
-            top_ps = torch.tensor([r.params.top_p for r in sub], device=dev)
-            min_ps = torch.tensor([r.params.min_p for r in sub], device=dev)
+            temps = to_device([r.params.temperature for r in sub], dev, torch.float32)
+            top_ps = to_device([r.params.top_p for r in sub], dev, torch.float32)
+            min_ps = to_device([r.params.min_p for r in sub], dev, torch.float32)
             keys = keys_tensor([row_key(r.seed, r.num_output_tokens) for r in sub], dev)
-            index = torch.tensor(rows, device=dev)
+            index = to_device(rows, dev, torch.int64)
             if top_k:
                 picked = filters.sample_top_k(logits[index], temps, [r.params.top_k for r in sub], top_ps,
                                               min_ps, keys)

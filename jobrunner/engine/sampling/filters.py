@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from jobrunner.engine.sampling import to_device
 from jobrunner.engine.sampling.noise import gumbel
 
 
@@ -40,7 +41,7 @@ def filter_top_k(scaled: torch.Tensor, top_ks: list[int], top_ps: torch.Tensor, 
     """
     k_max = min(max(top_ks), scaled.shape[-1])
     values, ids = scaled.topk(k_max, dim=-1)                      # sorted, best first
-    ks = torch.tensor(top_ks, device=scaled.device)[:, None]
+    ks = to_device(top_ks, scaled.device, torch.int64)[:, None]
     remove = torch.arange(k_max, device=scaled.device)[None, :] >= ks
     remove |= values < _min_p_floor(values[:, :1], min_ps[:, None])
     values = values.masked_fill(remove, float("-inf"))

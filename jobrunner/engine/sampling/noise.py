@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from jobrunner.engine.sampling import to_device
+
 M32 = 0xFFFF_FFFF
 M64 = 0xFFFF_FFFF_FFFF_FFFF
 GOLDEN32 = 0x9E37_79B9
@@ -85,4 +87,4 @@ def uniform_reference(key: int, token_id: int) -> float:
 
 def keys_tensor(keys: list[int], device: torch.device) -> torch.Tensor:
     """Row keys as an int64 tensor (the top bit is dropped: int64 is signed)."""
-    return torch.tensor([k >> 1 for k in keys], dtype=torch.int64, device=device)
+    return to_device([k >> 1 for k in keys], device, torch.int64)

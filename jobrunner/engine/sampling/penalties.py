@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from jobrunner.engine.sampling import to_device
+
 
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """``[rows, vocab]`` float counts of each token id in each row's list."""
     width = max(max((len(t) for t in token_lists), default=0), 1)
     padded = torch.tensor([list(t) + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, padded if device.type == "cpu" else padded.to(device, non_blocking=True),
+                        torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -45,8 +48,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], biases: list[dict[in
         return
     r, t, b = zip(*index)
     dev = logits.device
-    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                      torch.tensor(b, device=dev, dtype=logits.dtype), accumulate=True)
+    logits.index_put_((to_device(r, dev, torch.int64), to_device(t, dev, torch.int64)),
+                      to_device(b, dev, logits.dtype), accumulate=True)
 
 
 def apply_banned_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
@@ -55,19 +58,21 @@ def apply_banned_tokens(logits: torch.Tensor, rows: list[int], banned: list[list
     index = [(r, t) for r, tokens in zip(rows, banned) for t in tokens if 0 <= t < vocab]
     if index:
         r, t = zip(*index)
-        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
+        dev = logits.device
+        logits[to_device(r, dev, torch.int64), to_device(t, dev, torch.int64)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
                     repetition: list[float], presence: list[float], frequency: list[float]) -> None:
     """All three penalties for the given rows of ``logits`` (in place)."""
     dev, vocab = logits.device, logits.shape[-1]
-    sub = logits[rows]
+    index = to_device(rows, dev, torch.int64)
+    sub = logits.index_select(0, index)
     out_counts = token_counts(outputs, vocab, dev)
     if any(p != 1.0 for p in repetition):
         seen = out_counts + token_counts(prompts, vocab, dev)
-        apply_repetition_penalty(sub, seen, torch.tensor(repetition, device=dev))
+        apply_repetition_penalty(sub, seen, to_device(repetition, dev, torch.float32))
     if any(presence) or any(frequency):
-        apply_presence_frequency(sub, out_counts, torch.tensor(presence, device=dev),
-                                 torch.tensor(frequency, device=dev))
-    logits[rows] = sub
+        apply_presence_frequency(sub, out_counts, to_device(presence, dev, torch.float32),
+                                 to_device(frequency, dev, torch.float32))
+    logits.index_copy_(0, index, sub)

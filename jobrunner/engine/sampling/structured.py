@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from jobrunner.engine.sampling import to_device
 from jobrunner.engine.sampling_params import SamplingParams
 
 # Schema keywords the grammar cannot enforce (xgrammar accepts some of them silently): refused, so that every
@@ -132,6 +133,8 @@ class GrammarCompiler:
         bitmask = self.bitmask(len(rows))
         for i, grammar in enumerate(grammars):
             grammar.fill(bitmask, i)
-        sub = logits[rows]
-        self._xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=self.vocab_size)
-        logits[rows] = sub
+        index = to_device(rows, logits.device, torch.int64)
+        sub = logits.index_select(0, index)
+        device_mask = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
+        self._xgr.apply_token_bitmask_inplace(sub, device_mask, vocab_size=self.vocab_size)
+        logits.index_copy_(0, index, sub)
