@@ -110,10 +110,13 @@ def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
     return (base if base in CPU_CAPABILITIES else "default"), False
 
 
-@functools.cache
 def cpu_profile(capability: str | None = None) -> CpuProfile:
-    """This CPU's profile (cached per process and per forced capability)."""
-    cap, forced = detect_cpu_capability(capability)
+    """This CPU's profile (cached per process and per forced capability, argument or environment)."""
+    return _cpu_profile(*detect_cpu_capability(capability))
+
+
+@functools.cache
+def _cpu_profile(cap: str, forced: bool) -> CpuProfile:
     if cap not in BF16_CAPABILITIES:
         return CpuProfile(cap, forced, fast_bf16=False)
     if forced:
