@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
+# "int8=8,int4=64": override the crossovers below (for tuning with bench_dispatch; recorded when set)
+CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
 BF16_CAPABILITIES = ("avx512_bf16", "amx")
 # bf16 must beat float32 by this factor in the calibration GEMM to be chosen: a margin that a noisy machine
@@ -147,14 +149,27 @@ def calibrate_gemm(shape: tuple[int, int, int] = CALIBRATION_SHAPE, repeats: int
 
 def dispatch_for(device: torch.device | str, capability: str | None = None) -> QuantDispatch:
     """The quantized-layer dispatch for ``device`` (CPU: from :func:`cpu_profile`)."""
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        return QuantDispatch("cuda", _cuda_capability(torch.device(device)), None, dict(CUDA_CROSSOVERS),
-                             CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(torch.device(device)))
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return QuantDispatch("cuda", _cuda_capability(device), None, crossovers(CUDA_CROSSOVERS),
+                             CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(device))
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
-    return QuantDispatch("cpu", profile.capability, dtype, dict(CPU_CROSSOVERS[profile.fast_bf16]),
+    return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
                          CPU_TILE_WEIGHTS)
+
+
+def crossovers(defaults: dict[str, int]) -> dict[str, int]:
+    """``defaults`` with ``$JOBRUNNER_QUANT_KERNEL_TOKENS`` (``"int8=8,int4=64"``) applied."""
+    out = dict(defaults)
+    for item in filter(None, (part.strip() for part in os.environ.get(CROSSOVER_ENV, "").split(","))):
+        scheme, _, value = item.partition("=")
+        if scheme not in out or not value.strip().isdigit():
+            raise ValueError(f"{CROSSOVER_ENV}: bad item {item!r}; expected e.g. 'int8=8,int4=64'")
+        out[scheme] = int(value)
+    return out
 
 
 def choose_cpu_dtype(capability: str | None = None) -> tuple[torch.dtype, dict[str, Any]]:

@@ -135,3 +135,11 @@ def test_cuda_int4_layout_read_back(inner_k_tiles: int) -> None:
     assert packed.shape == (3, 3, 32, inner_k_tiles // 2) and packed.dtype == torch.int32
     assert torch.equal(unpack_int4_cuda(packed), q.to(torch.uint8))
     assert torch.equal(unpack_int4_cuda(packed, 1, 2), q[8:16].to(torch.uint8))
+
+
+def test_crossovers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int4=64")
+    assert dispatch_for("cpu", "avx2").max_kernel_tokens == {"int8": 4, "int4": 64}
+    monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int3=4")
+    with pytest.raises(ValueError, match="JOBRUNNER_QUANT_KERNEL_TOKENS: bad item 'int3=4'"):
+        dispatch_for("cpu", "avx2")

@@ -82,3 +82,14 @@ def test_fp8_shape_rule_and_spec() -> None:
     assert ModelSpec(quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match="quantization"):
         ModelSpec(quantization="nf4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_bit_conversion_is_exact_for_every_value(dtype: torch.dtype) -> None:
+    from jobrunner.quant.fp8 import fp8_to_float_bits
+
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # all but the NaNs
+    q = codes.view(FP8_DTYPE).reshape(2, -1)
+    out = fp8_to_float_bits(q, torch.empty(q.shape, dtype=dtype))
+    assert torch.equal(out.float(), q.float())  # subnormals, zeros of both signs, +-448 included
+    assert torch.equal(out.float().signbit(), q.float().signbit())
