@@ -89,7 +89,8 @@ class Fp8Linear(torch.nn.Module):
     """Drop-in replacement for ``nn.Linear`` with an e4m3 weight (see the module docstring)."""
 
     def __init__(self, weight_fp8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dispatch: QuantDispatch | None = None, scratch: DequantBuffer | None = None) -> None:
+                 dispatch: QuantDispatch | None = None, scratch: DequantBuffer | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_fp8.shape
         problem = fp8_shape_problem(self.out_features, self.in_features, weight_fp8.device)
@@ -104,15 +105,16 @@ class Fp8Linear(torch.nn.Module):
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.native = weight_fp8.is_cuda and self.dispatch.fp8_native
         self.rowwise = self.native and rowwise_scaled_mm(weight_fp8.device)
-        if not self.native and self.dispatch.compute_dtype is not None:
-            self.scratch.reserve(self.tile_rows * self.in_features, self.dispatch.compute_dtype, weight_fp8.device)
+        dtype = self.dispatch.compute_dtype or act_dtype
+        if not self.native and dtype is not None:  # sized at load time, not inside a CUDA graph capture
+            self.scratch.reserve(self.tile_rows * self.in_features, dtype, weight_fp8.device)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, dispatch: QuantDispatch | None = None,
                     scratch: DequantBuffer | None = None) -> Fp8Linear:
         """Quantize ``linear`` into a new module on its device."""
         q, scales = quantize_fp8_per_channel(linear.weight)
-        return cls(q, scales, linear.bias, dispatch, scratch)
+        return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     def path(self, num_tokens: int) -> str:
         """``scaled_mm`` (CUDA sm89+) or ``dequant`` (elsewhere), whatever the token count."""

@@ -106,7 +106,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
 
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, dispatch: QuantDispatch | None = None,
-                 scratch: DequantBuffer | None = None) -> None:
+                 scratch: DequantBuffer | None = None, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
@@ -125,8 +125,9 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.cuda_readable = q.is_cuda and torch.equal(unpack_int4_cuda(self.weight_int4pack), q.to(torch.uint8))
         block = self.cpu_layout.block_n if self.cpu_layout is not None else 8
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights, block)
-        if self.dispatch.compute_dtype is not None and self.dequant_available:
-            self.scratch.reserve(self.tile_rows * self.in_features, self.dispatch.compute_dtype, q.device)
+        dtype = self.dispatch.compute_dtype or act_dtype
+        if dtype is not None and self.dequant_available:  # sized at load time, not inside a CUDA graph capture
+            self.scratch.reserve(self.tile_rows * self.in_features, dtype, q.device)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int, dispatch: QuantDispatch | None = None,
@@ -137,7 +138,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         if problem is not None:
             raise ValueError(f"int4 cannot take {linear}: {problem}")
         q, scales_and_zeros = quantize_int4_groupwise(linear.weight, group_size)
-        return cls(q, scales_and_zeros, group_size, linear.bias, dispatch, scratch)
+        return cls(q, scales_and_zeros, group_size, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     @property
     def dequant_available(self) -> bool:

@@ -64,7 +64,8 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     """Drop-in replacement for ``nn.Linear`` holding an int8 per-channel weight (see module docstring)."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dispatch: QuantDispatch | None = None, scratch: DequantBuffer | None = None) -> None:
+                 dispatch: QuantDispatch | None = None, scratch: DequantBuffer | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)
@@ -77,15 +78,20 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights)
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.use_cuda_kernel = weight_int8.is_cuda and has_cuda_int8pack()
-        if self.dispatch.compute_dtype is not None:
-            self.scratch.reserve(self.tile_rows * self.in_features, self.dispatch.compute_dtype, weight_int8.device)
+        self._reserve(act_dtype, weight_int8.device)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, dispatch: QuantDispatch | None = None,
                     scratch: DequantBuffer | None = None) -> Int8WeightOnlyLinear:
         """Quantize ``linear`` (any float dtype, any device) into a new module on the same device."""
         q, scales = quantize_int8_per_channel(linear.weight)
-        return cls(q, scales, linear.bias, dispatch, scratch)
+        return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
+
+    def _reserve(self, act_dtype: torch.dtype | None, device: torch.device) -> None:
+        """Size the shared buffer now (at load time), not inside a CUDA graph capture."""
+        dtype = self.dispatch.compute_dtype or act_dtype
+        if dtype is not None:
+            self.scratch.reserve(self.tile_rows * self.in_features, dtype, device)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
