@@ -42,6 +42,29 @@ def choose_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, dict[st
     return DTYPES[dtype], {"requested": dtype, "chosen": dtype}
 
 
+def describe_dtype_choice(choice: dict[str, Any]) -> str:
+    """One line for the manifest (its ``model`` section keeps plain values only)."""
+    text = f"{choice['requested']} -> {choice['chosen']}"
+    if choice.get("reason"):
+        text += f": {choice['reason']}" + (" (forced)" if choice.get("forced") else "")
+    calibration = choice.get("calibration")
+    if calibration:
+        text += f"; calibration GFLOP/s float32 {calibration['float32_gflops']}, " \
+                f"bfloat16 {calibration['bfloat16_gflops']}"
+    return text
+
+
+def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
+    """The quantized layers' dispatch as one line for the manifest, e.g.
+    ``cpu avx2: int8 kernel <= 4 tokens, int4 kernel <= 16 tokens, else dequantized float32 tiles``."""
+    if not dispatch:
+        return None
+    kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
+    fp8 = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    return f"{dispatch['device']} {dispatch['capability']}: {kernels}, else dequantized " \
+           f"{dispatch['dequant_dtype']} tiles{fp8}"
+
+
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
     """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
     ids: list[int] = []
@@ -75,13 +98,15 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len))
     load_weights(model, iter_safetensors(model_dir, allow_pickle=allow_pickle))
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
-            "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice}
+            "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
+            "dtype_reason": describe_dtype_choice(dtype_choice)}
     if quantization != "none":
         from jobrunner.quant import quantize_model
 
         report = quantize_model(model, quantization)
         info["quantization_report"] = report.summary()
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
+        info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
     tokenizer = load_tokenizer(model_dir)
     return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
 
