@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
-from jobrunner.quant.kernels import has_cuda_int8pack, int8_int_mm
+from jobrunner.quant.kernels import has_cuda_int8pack, int8_int_mm, int_mm_shape_ok
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 
 INT8_MAX = 127
@@ -102,7 +102,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         if num_tokens > self.small_batch_max_tokens:
             return "dequant"
         if self.weight_int8.is_cuda and not self.use_cuda_kernel:
-            return "int_mm"
+            return "int_mm" if int_mm_shape_ok(self.out_features, self.in_features) else "dequant"
         return "packed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,7 @@ def int8_int_mm(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor
     return acc.float() * x_scale * scales[None, :]
 
 
+@functools.cache
 def _tinygemm_order(inner_k_tiles: int) -> torch.Tensor:
     """For one (8 rows x 16 * inner_k_tiles columns) super-tile of the CUDA int4 layout: the position of each
     nibble (in [lane 32][inner_k_tiles / 2][nibble 8] order) as ``row * (16 * inner_k_tiles) + col``.
@@ -141,6 +142,17 @@ def unpack_int4_cuda(packed: torch.Tensor, n0_tile: int = 0, n1_tile: int | None
     width = 32 * half
     shifts = torch.arange(0, 32, 4, device=part.device, dtype=torch.int32)
     nib = ((part.unsqueeze(-1) >> shifts) & 15).to(torch.uint8).reshape(n_tiles, k_super, -1)
-    inverse = torch.argsort(_tinygemm_order(2 * half).to(part.device))
+    inverse = _tinygemm_inverse(2 * half, part.device)
     codes = nib[:, :, inverse].reshape(n_tiles, k_super, 8, width)
     return codes.permute(0, 2, 1, 3).reshape(n_tiles * 8, k_super * width)
+
+
+@functools.cache
+def _tinygemm_inverse(inner_k_tiles: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: built (host -> device copy) when a layer is created, never inside a graph capture.
+    return torch.argsort(_tinygemm_order(inner_k_tiles)).to(device)
+
+
+def int_mm_shape_ok(out_features: int, in_features: int) -> bool:
+    """Whether ``torch._int_mm`` takes this weight (K and N multiples of 8)."""
+    return out_features % 8 == 0 and in_features % 8 == 0
