@@ -59,11 +59,11 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
     rules.update({pattern: "none" for pattern in skip})
     requested_group = group_size or DEFAULT_GROUP_SIZE
     report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    dispatch = dispatch_for(device, capability)
+    dispatch, scratch = None, DequantBuffer()
     if scheme != "none":
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dispatch = dispatch_for(device, capability)
         report.dispatch = dispatch.to_dict()
-    scratch = DequantBuffer()
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     tied = _tied_embeddings(model)
     for name, linear in _linears(model):
@@ -81,7 +81,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
 
 
 def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, scheme: str, group_size: int,
-                  report: QuantReport, kernels: tuple[QuantDispatch, DequantBuffer]) -> LayerQuant:
+                  report: QuantReport, kernels: tuple[QuantDispatch | None, DequantBuffer]) -> LayerQuant:
     entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
                        bytes_before=_nbytes(linear.weight))
     if scheme == "none":
@@ -128,7 +128,7 @@ def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns:
 
 
 def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entry: LayerQuant,
-                     kernels: tuple[QuantDispatch, DequantBuffer]) -> torch.nn.Module:
+                     kernels: tuple[QuantDispatch | None, DequantBuffer]) -> torch.nn.Module:
     if scheme == "fp8":
         problem = fp8_shape_problem(linear.out_features, linear.in_features, linear.weight.device)
         if problem is None:

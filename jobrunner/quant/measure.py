@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", required=True, help=".jsonl/.parquet; the first --num-prompts rows are used")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--schemes", default="none,int8,int4",
-                        help="comma-separated; 'bf16' is an unquantized bfloat16 control; "
+                        help="comma-separated, of none|int8|int4|fp8; 'bf16' is an unquantized bfloat16 control; "
                              "'int4/lm_head=int8' adds per-layer overrides")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--device", default="cpu")
