@@ -81,6 +81,7 @@ class QuantDispatch:
     max_kernel_tokens: dict[str, int]
     tile_weights: int
     fp8_native: bool = False
+    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU, float32 tiles), see quant.native
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -95,7 +96,7 @@ class QuantDispatch:
         dtype = None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch.")
         return {"device": self.device_type, "capability": self.capability,
                 "dequant_dtype": dtype or "activation dtype", "max_kernel_tokens": dict(self.max_kernel_tokens),
-                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native}
+                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack}
 
 
 def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
@@ -157,10 +158,13 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
             device = torch.device("cuda", torch.cuda.current_device())
         return QuantDispatch("cuda", _cuda_capability(device), None, crossovers(CUDA_CROSSOVERS),
                              CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(device))
+    from jobrunner.quant.native import int4_unpack_fn
+
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
+    unpack = "c" if dtype == torch.float32 and int4_unpack_fn() is not None else "torch"
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
-                         CPU_TILE_WEIGHTS)
+                         CPU_TILE_WEIGHTS, int4_unpack=unpack)
 
 
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:

@@ -19,6 +19,7 @@ from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
+from jobrunner.quant.native import int4_unpack_fn
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 
 # Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
@@ -175,14 +176,31 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         scale, zero = self._scales_and_offsets(n0, n1)
         if self.cpu_layout is not None:  # the CPU layout stores K-major blocks: build W^T [K, rows]
             wt = out.reshape(-1)[: k * rows].view(k, rows)
-            self.cpu_layout.unpack_rows_t(self.weight_int4pack, n0, n1, wt)
-            wt.unflatten(0, (groups, self.group_size)).mul_(scale[:, None].to(wt.dtype)).add_(
-                zero[:, None].to(wt.dtype))
+            done = self._fill_native(n0, n1, wt, scale, zero)
+            if done < rows:  # torch ops for the rest (all of it without the native unpack)
+                rest = wt[:, done:]
+                self.cpu_layout.unpack_rows_t(self.weight_int4pack, n0 + done, n1, rest)
+                rest.unflatten(0, (groups, self.group_size)).mul_(scale[:, None, done:].to(wt.dtype)).add_(
+                    zero[:, None, done:].to(wt.dtype))
             return wt.t()
         out.copy_(unpack_int4_cuda(self.weight_int4pack, n0 // 8, n1 // 8))
         grouped = out.unflatten(1, (groups, self.group_size))
         grouped.mul_(scale.t()[:, :, None].to(out.dtype)).add_(zero.t()[:, :, None].to(out.dtype))
         return out
+
+    def _fill_native(self, n0: int, n1: int, wt: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> int:
+        """Whole blocks of rows ``[n0, n1)`` through the one-pass C unpack (float32 only); columns done."""
+        unpack = int4_unpack_fn() if wt.dtype == torch.float32 else None
+        layout = self.cpu_layout
+        full = min(n1, layout.num_full_rows) - n0
+        if unpack is None or full <= 0:
+            return 0
+        half = layout.block_n // 2
+        b0, nb = n0 // layout.block_n, full // layout.block_n
+        blocks = self.weight_int4pack.reshape(-1)[b0 * self.in_features * half:(b0 + nb) * self.in_features * half]
+        unpack(blocks.view(nb, self.in_features, half), scale, zero, wt, layout.block_n, layout.is_split,
+               self.group_size)
+        return full
 
     def _scales_and_offsets(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous float32 ``scale`` and ``zero - 8 * scale`` [groups, n1 - n0], so ``w = q * scale + offset``.

@@ -31,6 +31,11 @@ class CpuInt4Layout:
         return self.out_features // self.block_n
 
     @property
+    def num_full_rows(self) -> int:
+        """Rows in whole blocks (a partial last block is stored interleaved)."""
+        return self._num_full * self.block_n
+
+    @property
     def _cut(self) -> int:
         return self._num_full * self.in_features * self.block_n // 2
 

@@ -143,3 +143,25 @@ def test_crossovers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int3=4")
     with pytest.raises(ValueError, match="JOBRUNNER_QUANT_KERNEL_TOKENS: bad item 'int3=4'"):
         dispatch_for("cpu", "avx2")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_native_int4_unpack_matches_torch(split: bool) -> None:
+    from jobrunner.quant.int4_unpack import CpuInt4Layout
+    from jobrunner.quant.native import int4_unpack_fn
+
+    unpack = int4_unpack_fn()
+    if unpack is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    torch.manual_seed(0)
+    k, block_n, nb, ld = 64, 32, 3, 112  # out wider than the blocks: the last 16 columns stay untouched
+    packed = torch.randint(0, 256, (nb, k, block_n // 2), dtype=torch.uint8)
+    layout = CpuInt4Layout(nb * block_n, k, block_n, split)
+    codes = layout.unpack(packed.reshape(-1)).double().t()  # [K, nb * block_n]
+    scale, offset = torch.rand(k // 32, ld) + 0.5, torch.randn(k // 32, ld)
+    out = torch.full((k, ld), -7.0)
+    unpack(packed, scale, offset, out, block_n, split, 32)
+    expect = codes * scale.double().repeat_interleave(32, 0)[:, :96] + offset.double().repeat_interleave(32, 0)[:, :96]
+    assert torch.allclose(out[:, :96].double(), expect, rtol=0, atol=1e-5)
+    assert torch.equal(out[:, 96:], torch.full((k, 16), -7.0))
+    assert dispatch_for("cpu", "avx2").int4_unpack == "c"
