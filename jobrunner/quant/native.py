@@ -9,6 +9,8 @@ for this CPU, ``-march=native``; OpenMP over K).
 It is plain C called through ctypes (no torch headers, so it builds in about a second), cached under
 ``~/.cache/jobrunner`` per source, compiler and CPU. No compiler, a failed build, or
 ``JOBRUNNER_QUANT_NATIVE=0``: :func:`int4_unpack_fn` returns ``None`` and the torch path runs.
+The library links ``libgomp.so.1``; where torch's own OpenMP runtime has that name (this venv) the loader
+reuses it, so there is one thread pool.
 """
 
 from __future__ import annotations
