@@ -20,12 +20,49 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" means float32 on CPU and bfloat16 on CUDA."""
+    """"auto" means bfloat16 on CUDA; on CPU bfloat16 where this CPU computes it fast, else float32."""
+    return choose_dtype(dtype, device)[0]
+
+
+def choose_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, dict[str, Any]]:
+    """The model dtype for ``dtype`` on ``device``, and how it was chosen (recorded in the manifest).
+
+    CPU ``auto`` asks :func:`jobrunner.quant.dispatch.choose_cpu_dtype`: bf16 hardware (avx512_bf16 / AMX)
+    confirmed by a ~10 ms GEMM calibration, cached per process; ``JOBRUNNER_CPU_CAPABILITY`` forces it.
+    """
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16, {"requested": "auto", "chosen": "bfloat16", "reason": "cuda"}
+        from jobrunner.quant.dispatch import choose_cpu_dtype
+
+        chosen, why = choose_cpu_dtype()
+        return chosen, {"requested": "auto", **why}
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[dtype], {"requested": dtype, "chosen": dtype}
+
+
+def describe_dtype_choice(choice: dict[str, Any]) -> str:
+    """One line for the manifest (its ``model`` section keeps plain values only)."""
+    text = f"{choice['requested']} -> {choice['chosen']}"
+    if choice.get("reason"):
+        text += f": {choice['reason']}" + (" (forced)" if choice.get("forced") else "")
+    calibration = choice.get("calibration")
+    if calibration:
+        text += f"; calibration GFLOP/s float32 {calibration['float32_gflops']}, " \
+                f"bfloat16 {calibration['bfloat16_gflops']}"
+    return text
+
+
+def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
+    """The quantized layers' dispatch as one line for the manifest, e.g.
+    ``cpu avx2: int8 kernel <= 4 tokens, int4 kernel <= 16 tokens, else dequantized float32 tiles``."""
+    if not dispatch:
+        return None
+    kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
+    fp8 = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    return f"{dispatch['device']} {dispatch['capability']}: {kernels}, else dequantized " \
+           f"{dispatch['dequant_dtype']} tiles{fp8}"
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
@@ -57,16 +94,19 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     config = load_config(model_dir)
     arch = check_architecture(config)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype, dtype_choice = choose_dtype(dtype, dev)
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len))
     load_weights(model, iter_safetensors(model_dir, allow_pickle=allow_pickle))
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
-            "device": str(dev), "quantization": quantization}
+            "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
+            "dtype_reason": describe_dtype_choice(dtype_choice)}
     if quantization != "none":
         from jobrunner.quant import quantize_model
 
         report = quantize_model(model, quantization)
-        info["quantization_report"] = getattr(report, "summary", lambda: None)()
+        info["quantization_report"] = report.summary()
+        info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
+        info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
     tokenizer = load_tokenizer(model_dir)
     return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
 

@@ -1,18 +1,21 @@
-"""jobrunner.quant: int8 / int4 weight-only quantization (state-dict transform + module swap).
+"""jobrunner.quant: int8 / int4 weight-only and fp8 quantization (module swap), dispatched per machine.
 
 Imports only torch.
 
-``quantize_model(model, "int8" | "int4" | "none", group_size=None, skip=())`` returns a :class:`QuantReport`.
+``quantize_model(model, "int8" | "int4" | "fp8" | "none", group_size=None, skip=())`` returns a :class:`QuantReport`.
 """
 
 from jobrunner.quant.apply import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme, quantize_model
+from jobrunner.quant.dispatch import QuantDispatch, choose_cpu_dtype, cpu_profile, dispatch_for
 from jobrunner.quant.embedding import Int8Embedding
+from jobrunner.quant.fp8 import Fp8Linear, quantize_fp8_per_channel
 from jobrunner.quant.int4 import Int4WeightOnlyLinear, quantize_int4_groupwise
 from jobrunner.quant.int8 import Int8WeightOnlyLinear, quantize_int8_per_channel
 from jobrunner.quant.report import LayerQuant, QuantReport
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "SCHEMES", "Int4WeightOnlyLinear", "Int8Embedding", "Int8WeightOnlyLinear",
-    "LayerQuant", "QuantReport",
-    "check_scheme", "quantize_int4_groupwise", "quantize_int8_per_channel", "quantize_model",
+    "DEFAULT_GROUP_SIZE", "SCHEMES", "Fp8Linear", "Int4WeightOnlyLinear", "Int8Embedding", "Int8WeightOnlyLinear",
+    "LayerQuant", "QuantDispatch", "QuantReport",
+    "check_scheme", "choose_cpu_dtype", "cpu_profile", "dispatch_for", "quantize_fp8_per_channel",
+    "quantize_int4_groupwise", "quantize_int8_per_channel", "quantize_model",
 ]

@@ -1,9 +1,10 @@
-"""``quantize_model``: swap every ``nn.Linear`` of a model for an int8 or int4 weight-only layer, in place.
+"""``quantize_model``: swap every ``nn.Linear`` of a model for an int8 / int4 weight-only or fp8 layer, in place.
 
 Per layer, in order: skipped by request -> kept float; int4 wanted -> the largest allowed group size not above
 the requested one that divides ``in_features`` (576 = 9 x 64 in SmolLM2 takes 64 when 128 is asked); int4
 impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the reason recorded. int8 takes
-any 2-D float weight. A tied ``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
+any 2-D float weight; fp8 takes any shape on CPU and multiples of 16 on CUDA (else int8). A tied
+``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
 the ``lm_head`` tensor when both are int8 (or int4 on CPU); ``quantize_embeddings=False`` keeps them float.
 """
 
@@ -14,13 +15,17 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.embedding import Int4SharedEmbedding, Int8Embedding
+from jobrunner.quant.fp8 import Fp8Linear, fp8_shape_problem
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear
 from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_shape_problem
 from jobrunner.quant.report import LayerQuant, QuantReport
+from jobrunner.quant.tiled import DequantBuffer
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "fp8")
+QUANTIZED_LINEARS = (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear)
 # Chosen by measurement on SmolLM2-135M (docs/quantization.md): perplexity +7% at 32 vs +36% at 64 (the
 # kernels run both at the same speed); int4 bytes stay at 0.31x of bf16. 128 does not divide K = 576.
 DEFAULT_GROUP_SIZE = 32
@@ -36,13 +41,15 @@ def check_scheme(scheme: str) -> str:
 
 def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | None = None,
                    skip: Iterable[str] = (), overrides: Mapping[str, str] | None = None,
-                   quantize_embeddings: bool = True) -> QuantReport:
+                   quantize_embeddings: bool = True, capability: str | None = None) -> QuantReport:
     """Quantize every ``nn.Linear`` of ``model`` in place (weight-only) and report what happened.
 
-    ``scheme``: ``none`` | ``int8`` (per-channel) | ``int4`` (group-wise, ``group_size`` default 32).
+    ``scheme``: ``none`` | ``int8`` (per-channel) | ``int4`` (group-wise, ``group_size`` default 32) |
+    ``fp8`` (e4m3, per-channel weight scales; W8A8 with per-token activation scales on CUDA sm89+).
     ``skip``: layer names or glob patterns (``"lm_head"``, ``"*.down_proj"``) to keep in float.
     ``overrides``: pattern -> scheme for some layers, e.g. ``{"lm_head": "int8"}`` under ``int4``.
     ``quantize_embeddings``: also store ``nn.Embedding`` tables quantized (shared with a tied head).
+    ``capability``: force the CPU capability the kernels are chosen for (see :mod:`jobrunner.quant.dispatch`).
     Call it after the model is on its final device: int4 weights are packed for that device's kernel.
     """
     scheme = check_scheme(scheme)
@@ -52,22 +59,29 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
     rules.update({pattern: "none" for pattern in skip})
     requested_group = group_size or DEFAULT_GROUP_SIZE
     report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
+    dispatch, scratch = None, DequantBuffer()
+    if scheme != "none":
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dispatch = dispatch_for(device, capability)
+        report.dispatch = dispatch.to_dict()
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     tied = _tied_embeddings(model)
     for name, linear in _linears(model):
         layer_scheme = next((s for p, s in rules.items() if _matches(name, p)), scheme)
         layer_scheme = "none" if scheme == "none" else layer_scheme
         report.linear_bf16_bytes += linear.weight.numel() * 2
-        report.layers.append(_quantize_one(model, name, linear, layer_scheme, requested_group, report))
+        report.layers.append(_quantize_one(model, name, linear, layer_scheme, requested_group, report,
+                                           (dispatch, scratch)))
         report.linear_bytes_after += report.layers[-1].bytes_after
     if scheme != "none" and quantize_embeddings:
         _quantize_embeddings(model, tied, tuple(p for p, s in rules.items() if s == "none"), report)
     report.model_bytes_after = _model_bytes(model)[1]
+    report.scratch_bytes = scratch.nbytes()
     return report
 
 
 def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, scheme: str, group_size: int,
-                  report: QuantReport) -> LayerQuant:
+                  report: QuantReport, kernels: tuple[QuantDispatch | None, DequantBuffer]) -> LayerQuant:
     entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
                        bytes_before=_nbytes(linear.weight))
     if scheme == "none":
@@ -76,7 +90,7 @@ def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, sc
     else:
         if _is_tied(model, linear):
             report.notes.append(f"{name} is tied to another parameter: quantized its own copy")
-        _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry))
+        _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry, kernels))
     entry.bytes_after = _layer_weight_bytes(model.get_submodule(name))
     return entry
 
@@ -113,8 +127,14 @@ def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns:
         _set_module(model, name, new)
 
 
-def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int,
-                     entry: LayerQuant) -> torch.nn.Module:
+def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entry: LayerQuant,
+                     kernels: tuple[QuantDispatch | None, DequantBuffer]) -> torch.nn.Module:
+    if scheme == "fp8":
+        problem = fp8_shape_problem(linear.out_features, linear.in_features, linear.weight.device)
+        if problem is None:
+            entry.scheme = "fp8"
+            return Fp8Linear.from_linear(linear, *kernels)
+        entry.fallback_reason = f"fp8 kernel cannot take this shape ({problem}); used int8"
     if scheme == "int4":
         group, problem = _pick_group_size(linear, group_size)
         if problem is None:
@@ -122,10 +142,10 @@ def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int,
             if group != group_size:
                 entry.fallback_reason = (
                     f"group size {group_size} does not divide {linear.in_features}; used {group}")
-            return Int4WeightOnlyLinear.from_linear(linear, group)
+            return Int4WeightOnlyLinear.from_linear(linear, group, *kernels)
         entry.fallback_reason = f"int4 kernel cannot take this shape ({problem}); used int8"
     entry.scheme = "int8"
-    return Int8WeightOnlyLinear.from_linear(linear)
+    return Int8WeightOnlyLinear.from_linear(linear, *kernels)
 
 
 def _pick_group_size(linear: torch.nn.Linear, requested: int) -> tuple[int, str | None]:
@@ -170,7 +190,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _layer_weight_bytes(module: torch.nn.Module) -> int:
-    if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+    if isinstance(module, QUANTIZED_LINEARS):
         return module.weight_bytes()
     return _nbytes(module.weight)
 

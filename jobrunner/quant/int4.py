@@ -4,18 +4,23 @@ Each run of ``group_size`` input features of one output row shares a scale and a
 ``w = (q - 8) * scale + zero`` with q in 0..15. ``scales_and_zeros`` is [K / group_size, N, 2] bfloat16.
 The kernels want bfloat16 activations, so other dtypes are cast in and out (float32 on CPU, float16 on CUDA).
 
-On CPU the packed kernel wins at few tokens but its cost grows linearly with the token count; above
-``small_batch_max_tokens`` we unpack the weight to bfloat16 and run one dense GEMM (see ``int4_unpack``).
+The packed kernel wins at few tokens but its cost grows linearly with the token count; above
+``small_batch_max_tokens`` (per machine, :mod:`jobrunner.quant.dispatch`) the weight is unpacked tile by tile
+into a reused buffer in the machine's fast compute dtype and multiplied with one dense GEMM per tile. Both
+packed layouts are read back exactly (CPU: ``int4_unpack``; CUDA: ``kernels.unpack_int4_cuda``), checked
+against the codes at load time; a layer whose layout does not check out keeps the packed kernel for all sizes.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.int8 import round_up_to_bf16
-from jobrunner.quant.kernels import INT4_KERNEL_MAX_TOKENS, int4_mm, int4_shape_problem, pack_int4
+from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
+from jobrunner.quant.native import int4_unpack_fn
+from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 
 # Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
@@ -101,7 +106,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
     """Drop-in replacement for ``nn.Linear`` holding an int4 group-wise weight packed for its device."""
 
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, dispatch: QuantDispatch | None = None,
+                 scratch: DequantBuffer | None = None, act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
@@ -111,42 +117,109 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("weight_int4pack", pack_int4(q))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.small_batch_max_tokens = INT4_KERNEL_MAX_TOKENS
-        self.cpu_layout = None if q.is_cuda else find_cpu_layout(self.weight_int4pack, q)
+        self.dispatch = dispatch or dispatch_for(q.device)
+        self.scratch = scratch or DequantBuffer()
+        self.small_batch_max_tokens = self.dispatch.kernel_tokens("int4")
         self._packed_on = q.device.type
+        self.cpu_layout = None if q.is_cuda else find_cpu_layout(self.weight_int4pack, q)
+        # CUDA: our reading of tinygemm's layout must reproduce the codes, else the kernel runs for all sizes.
+        self.cuda_readable = q.is_cuda and torch.equal(unpack_int4_cuda(self.weight_int4pack), q.to(torch.uint8))
+        block = self.cpu_layout.block_n if self.cpu_layout is not None else 8
+        self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights, block)
+        dtype = self.dispatch.compute_dtype or act_dtype
+        if dtype is not None and self.dequant_available:  # sized at load time, not inside a CUDA graph capture
+            self.scratch.reserve(self.tile_rows * self.in_features, dtype, q.device)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group_size: int) -> Int4WeightOnlyLinear:
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int, dispatch: QuantDispatch | None = None,
+                    scratch: DequantBuffer | None = None) -> Int4WeightOnlyLinear:
         """Quantize ``linear`` into a new module on its device (``ValueError`` if the shape can't fit)."""
         device = linear.weight.device
         problem = int4_shape_problem(linear.out_features, linear.in_features, group_size, device)
         if problem is not None:
             raise ValueError(f"int4 cannot take {linear}: {problem}")
         q, scales_and_zeros = quantize_int4_groupwise(linear.weight, group_size)
-        return cls(q, scales_and_zeros, group_size, linear.bias)
+        return cls(q, scales_and_zeros, group_size, linear.bias, dispatch, scratch, linear.weight.dtype)
+
+    @property
+    def dequant_available(self) -> bool:
+        """Whether the packed weight can be read back (needed by the large-batch path)."""
+        return self.cpu_layout is not None or self.cuda_readable
+
+    def path(self, num_tokens: int) -> str:
+        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``dequant``."""
+        if num_tokens <= self.small_batch_max_tokens or not self.dequant_available:
+            return "packed"
+        return "dequant"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
         if x.device.type != self._packed_on:
             raise RuntimeError(
                 f"int4 weight was packed for {self._packed_on}; quantize after moving the model")
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if x2.is_cuda or self.cpu_layout is None or x2.shape[0] <= self.small_batch_max_tokens:
-            y = int4_mm(x2.contiguous(), self.weight_int4pack, self.group_size, self.scales_and_zeros)
+        x2 = x.reshape(-1, self.in_features)
+        if self.path(x2.shape[0]) == "packed":
+            y = int4_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int4pack, self.group_size,
+                        self.scales_and_zeros)
         else:
-            y = F.linear(x2, self.dequantized_weight(torch.bfloat16))
+            dtype = self.dispatch.compute_dtype_for(x2.dtype)
+            y = tiled_linear(x2.to(dtype), self.out_features, self._fill, self.scratch, self.tile_rows)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _fill(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+        """Write rows ``[n0, n1)`` of the dequantized weight into ``out``'s memory; return them as [rows, K]."""
+        k, rows = self.in_features, n1 - n0
+        groups = k // self.group_size
+        scale, zero = self._scales_and_offsets(n0, n1)
+        if self.cpu_layout is not None:  # the CPU layout stores K-major blocks: build W^T [K, rows]
+            wt = out.reshape(-1)[: k * rows].view(k, rows)
+            done = self._fill_native(n0, n1, wt, scale, zero)
+            if done < rows:  # torch ops for the rest (all of it without the native unpack)
+                rest = wt[:, done:]
+                self.cpu_layout.unpack_rows_t(self.weight_int4pack, n0 + done, n1, rest)
+                rest.unflatten(0, (groups, self.group_size)).mul_(scale[:, None, done:].to(wt.dtype)).add_(
+                    zero[:, None, done:].to(wt.dtype))
+            return wt.t()
+        out.copy_(unpack_int4_cuda(self.weight_int4pack, n0 // 8, n1 // 8))
+        grouped = out.unflatten(1, (groups, self.group_size))
+        grouped.mul_(scale.t()[:, :, None].to(out.dtype)).add_(zero.t()[:, :, None].to(out.dtype))
+        return out
+
+    def _fill_native(self, n0: int, n1: int, wt: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> int:
+        """Whole blocks of rows ``[n0, n1)`` through the one-pass C unpack (float32 only); columns done."""
+        unpack = int4_unpack_fn() if wt.dtype == torch.float32 else None
+        layout = self.cpu_layout
+        full = min(n1, layout.num_full_rows) - n0
+        if unpack is None or full <= 0:
+            return 0
+        half = layout.block_n // 2
+        b0, nb = n0 // layout.block_n, full // layout.block_n
+        blocks = self.weight_int4pack.reshape(-1)[b0 * self.in_features * half:(b0 + nb) * self.in_features * half]
+        unpack(blocks.view(nb, self.in_features, half), scale, zero, wt, layout.block_n, layout.is_split,
+               self.group_size)
+        return full
+
+    def _scales_and_offsets(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous float32 ``scale`` and ``zero - 8 * scale`` [groups, n1 - n0], so ``w = q * scale + offset``.
+
+        Read from the bfloat16 pairs as bits (a bf16 is the top half of a float32): slicing every other
+        element out of [groups, N, 2] instead gives strided operands that make the multiply below ~10x slower.
+        """
+        pairs = self.scales_and_zeros[:, n0:n1].contiguous().view(torch.int32).squeeze(-1)  # [groups, rows]
+        scale = (pairs << 16).view(torch.float32)  # element 0 of each pair is the low half (little endian)
+        zero = (pairs & -65536).view(torch.float32)
+        return scale, zero.sub_(scale, alpha=8)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
-        if self.cpu_layout is None:  # no unpacker (CUDA layout): recover W^T through the kernel with an identity.
+        if not self.dequant_available:  # recover W^T through the kernel with an identity (slow, exact)
             eye = torch.eye(self.in_features, device=self.weight_int4pack.device, dtype=torch.bfloat16)
             return int4_mm(eye, self.weight_int4pack, self.group_size, self.scales_and_zeros).t().to(dtype)
-        q = self.cpu_layout.unpack(self.weight_int4pack)
-        return dequantize_int4(q, self.scales_and_zeros, self.group_size, dtype)
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight_int4pack.device)
+        return self._fill(0, self.out_features, out).contiguous()
 
     def weight_bytes(self) -> int:
         """Bytes of the packed weight and its scales/zeros (bias not included)."""

@@ -31,6 +31,11 @@ class CpuInt4Layout:
         return self.out_features // self.block_n
 
     @property
+    def num_full_rows(self) -> int:
+        """Rows in whole blocks (a partial last block is stored interleaved)."""
+        return self._num_full * self.block_n
+
+    @property
     def _cut(self) -> int:
         return self._num_full * self.in_features * self.block_n // 2
 
@@ -46,6 +51,32 @@ class CpuInt4Layout:
         if tail_n:
             parts.append(_interleave(flat[self._cut:].view(k, tail_n // 2)).t())
         return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+    def unpack_rows_t(self, packed: torch.Tensor, n0: int, n1: int, out: torch.Tensor) -> None:
+        """Write the codes of rows ``[n0, n1)`` transposed into ``out`` [K, n1 - n0] (any dtype).
+
+        ``n0`` must start a block. Whole blocks are two strided copies (low and high nibbles) straight into
+        ``out``, with the conversion to ``out.dtype`` in the same pass; rows of a partial last block are
+        gathered.
+        """
+        k, half = self.in_features, self.block_n // 2
+        full_end = self._num_full * self.block_n
+        f1 = min(n1, full_end)
+        if f1 > n0:
+            b0, b1 = n0 // self.block_n, f1 // self.block_n
+            src = packed.reshape(-1)[b0 * k * half: b1 * k * half].view(b1 - b0, k, half).transpose(0, 1)
+            if self.is_split:
+                dst = out[:, : f1 - n0].unflatten(1, (b1 - b0, self.block_n))
+                dst[..., :half].copy_(src & 15)
+                dst[..., half:].copy_(src >> 4)
+            else:
+                dst = out[:, : f1 - n0].unflatten(1, (b1 - b0, half, 2))
+                dst[..., 0].copy_(src & 15)
+                dst[..., 1].copy_(src >> 4)
+        if n1 > max(n0, f1):
+            start = max(n0, f1)
+            rows = torch.arange(start, n1, device=packed.device)
+            out[:, start - n0:].copy_(self.gather_rows(packed, rows).t())
 
     def gather_rows(self, packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Values of output rows ``rows`` [T] as uint8 [T, in_features] (one gather of T * K bytes)."""

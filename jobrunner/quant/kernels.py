@@ -7,6 +7,8 @@ Kernels (torch 2.13 CPU, checked against the installed build; CUDA rules from th
 * int4, CPU: ``_convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)`` -> uint8 [N, K/2] in a
   CPU-capability-specific layout; ``_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)``.
   Rules: N % 16 == 0, group size in {32, 64, 128, 256}, K % group size == 0.
+* ``torch._int_mm(a int8 [M, K], b int8 [K, N]) -> int32``: W8A8, used on CUDA builds without
+  ``_weight_int8pack_mm`` (needs M > 16 and K, N multiples of 8: rows are padded).
 * int4, CUDA: ``_convert_weight_to_int4pack(q uint8 [N, K/2] (even k in the high nibble), inner_k_tiles)`` ->
   int32 tiles; ``_weight_int4pack_mm(x bf16, packed, group_size, scales_and_zeros)``.
   Rules: bfloat16 activations, N % 8 == 0, K % (16 * inner_k_tiles) == 0, group size in {32, 64, 128, 256}.
@@ -21,12 +23,7 @@ import functools
 
 import torch
 
-# CPU: up to this many tokens the packed kernel beats dequantize-then-GEMM (the packed kernels' cost grows
-# linearly with the token count). Measured on SmolLM2 shapes, 1 thread (docs/quantization.md): int8 packed
-# wins at 8 tokens (532 vs 805 us, gate_up), dequant + bf16 GEMM wins from 16; int4 packed wins up to 64
-# tokens (unpacking the nibbles costs ~3-6 ms per gate_up call), unpacking wins from 256 (11.7 vs 21.1 ms).
-INT8_KERNEL_MAX_TOKENS = 8
-INT4_KERNEL_MAX_TOKENS = 128
+# Which kernel runs for how many tokens is decided per machine in jobrunner.quant.dispatch.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -86,3 +83,76 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
     if x.is_cuda:
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+def int8_int_mm(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W8A8: ``x [M, K]`` quantized per token (symmetric int8), times ``weight_int8 [N, K]``; float32 [M, N].
+
+    ``torch._int_mm`` wants more than 16 rows (and a multiple of 8), so small batches are zero-padded.
+    """
+    m = x.shape[0]
+    xf = x.float()
+    x_scale = (xf.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+    xq = torch.round(xf / x_scale).clamp(-127, 127).to(torch.int8)
+    rows = max(24, -(-m // 8) * 8)
+    if rows != m:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, rows - m))
+    acc = torch._int_mm(xq, weight_int8.t())[:m]
+    return acc.float() * x_scale * scales[None, :]
+
+
+@functools.cache
+def _tinygemm_order(inner_k_tiles: int) -> torch.Tensor:
+    """For one (8 rows x 16 * inner_k_tiles columns) super-tile of the CUDA int4 layout: the position of each
+    nibble (in [lane 32][inner_k_tiles / 2][nibble 8] order) as ``row * (16 * inner_k_tiles) + col``.
+
+    Written from ``matrix_to_m16n8k16_Bint4_layout`` (aten/src/ATen/native/cuda/int4mm.cu, NVIDIA path): lane
+    t holds row ``t // 4``; pair h of k-tiles starts at byte ``16 h`` of that row; its int32 holds the high
+    nibbles (even k) of bytes ``t%4, t%4+4, 8+t%4, 12+t%4`` in nibbles 0..3 and their low nibbles (odd k) in
+    nibbles 4..7. :func:`unpack_int4_cuda` checks it against the real weight at load time.
+    """
+    width = 16 * inner_k_tiles
+    order = []
+    for t in range(32):
+        for h in range(inner_k_tiles // 2):
+            offsets = (t % 4, t % 4 + 4, 8 + t % 4, 12 + t % 4)
+            for j in range(8):
+                byte = 16 * h + offsets[j % 4]
+                k = 2 * byte + (0 if j < 4 else 1)
+                order.append((t // 4) * width + k)
+    return torch.tensor(order, dtype=torch.int64)
+
+
+def pack_int4_cuda_reference(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """The CUDA layout built with torch ops on any device (the test oracle for :func:`unpack_int4_cuda`)."""
+    n, k = q.shape
+    width = 16 * inner_k_tiles
+    tiles = q.to(torch.int64).reshape(n // 8, 8, k // width, width).permute(0, 2, 1, 3)
+    nib = tiles.reshape(n // 8, k // width, -1)[:, :, _tinygemm_order(inner_k_tiles).to(q.device)]
+    nib = nib.reshape(n // 8, k // width, 32, inner_k_tiles // 2, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    word = (nib << shifts).sum(-1)  # 0 .. 2^32 - 1
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_int4_cuda(packed: torch.Tensor, n0_tile: int = 0, n1_tile: int | None = None) -> torch.Tensor:
+    """Codes (0..15, uint8) of rows ``[8 * n0_tile, 8 * n1_tile)`` of a CUDA-packed int4 weight."""
+    part = packed[n0_tile:n1_tile]
+    n_tiles, k_super, _, half = part.shape
+    width = 32 * half
+    shifts = torch.arange(0, 32, 4, device=part.device, dtype=torch.int32)
+    nib = ((part.unsqueeze(-1) >> shifts) & 15).to(torch.uint8).reshape(n_tiles, k_super, -1)
+    inverse = _tinygemm_inverse(2 * half, part.device)
+    codes = nib[:, :, inverse].reshape(n_tiles, k_super, 8, width)
+    return codes.permute(0, 2, 1, 3).reshape(n_tiles * 8, k_super * width)
+
+
+@functools.cache
+def _tinygemm_inverse(inner_k_tiles: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: built (host -> device copy) when a layer is created, never inside a graph capture.
+    return torch.argsort(_tinygemm_order(inner_k_tiles)).to(device)
+
+
+def int_mm_shape_ok(out_features: int, in_features: int) -> bool:
+    """Whether ``torch._int_mm`` takes this weight (K and N multiples of 8)."""
+    return out_features % 8 == 0 and in_features % 8 == 0

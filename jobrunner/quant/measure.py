@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from jobrunner.engine.scoring import sequence_logits
-from jobrunner.quant.int4 import Int4WeightOnlyLinear
-from jobrunner.quant.int8 import Int8WeightOnlyLinear
+from jobrunner.quant.apply import QUANTIZED_LINEARS
 
 GREEDY_TOKENS = 32
 THROUGHPUT_BATCHES = (1, 8, 64)
@@ -30,7 +29,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the linear weights (quantized or not) and of all unique parameters and buffers."""
     linear = 0
     for module in model.modules():
-        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+        if isinstance(module, QUANTIZED_LINEARS):
             linear += module.weight_bytes()
         elif isinstance(module, torch.nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()
@@ -244,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", required=True, help=".jsonl/.parquet; the first --num-prompts rows are used")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--schemes", default="none,int8,int4",
-                        help="comma-separated; 'bf16' is an unquantized bfloat16 control; "
+                        help="comma-separated, of none|int8|int4|fp8; 'bf16' is an unquantized bfloat16 control; "
                              "'int4/lm_head=int8' adds per-layer overrides")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--device", default="cpu")
@@ -278,7 +277,7 @@ def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_n
                    max_num_batched_tokens: int = 2048) -> Callable[[str], Any]:
     """A ``scheme -> LLMEngine`` function for :func:`measure_quantization` (prefix caching off).
 
-    Schemes: ``none`` | ``int8`` | ``int4``; ``bf16``: unquantized in bfloat16, a control that shows how far
+    Schemes: ``none`` | ``int8`` | ``int4`` | ``fp8``; ``bf16``: unquantized in bfloat16, a control that shows how far
     a float dtype change alone moves the numbers; ``int4/lm_head=int8``: per-layer overrides.
     """
     from jobrunner.engine import EngineConfig, LLMEngine

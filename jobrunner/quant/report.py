@@ -12,7 +12,7 @@ class LayerQuant:
 
     name: str
     shape: tuple[int, int]
-    scheme: str  # "int8" | "int4" | "none"
+    scheme: str  # "int8" | "int4" | "fp8" | "none"
     group_size: int | None = None
     fallback_reason: str | None = None
     bytes_before: int = 0  # at the model's own dtype
@@ -36,6 +36,8 @@ class QuantReport:
     model_bytes_before: int = 0
     model_bytes_after: int = 0
     notes: list[str] = field(default_factory=list)
+    dispatch: dict[str, Any] | None = None  # QuantDispatch.to_dict(): which kernel runs for how many tokens
+    scratch_bytes: int = 0  # the shared dequantize buffer (not in the weight bytes)
 
     @property
     def fallbacks(self) -> list[LayerQuant]:
@@ -70,7 +72,7 @@ class QuantReport:
             "model_bf16_bytes": self.model_bf16_bytes, "model_bytes_before": self.model_bytes_before,
             "model_bytes_after": self.model_bytes_after,
             "model_ratio_vs_bf16": round(self.model_ratio_vs_bf16, 4),
-            "notes": list(self.notes),
+            "notes": list(self.notes), "dispatch": self.dispatch, "scratch_bytes": self.scratch_bytes,
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -115,7 +115,8 @@ def test_bench_compare_quantization(tiny_llama_hf_dir: Path, tmp_path: Path) -> 
     texts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    data = _bench(tiny_llama_hf_dir, prompts, "--raw-prompts", "--compare-quantization", "none,int8,int4",
+    data = _bench(tiny_llama_hf_dir, prompts, "--raw-prompts", "--dtype", "float32",  # exact self-agreement
+                  "--compare-quantization", "none,int8,int4",
                   "--quality-texts", str(texts), "--batch-sizes", "1,2")
     rows = data["quantization"]["schemes"]
     assert list(rows) == ["none", "int8", "int4"]
@@ -128,7 +129,7 @@ def test_bench_compare_quantization(tiny_llama_hf_dir: Path, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("extra, message", [
     (("--compare-quantization", "int8,none"), "starting with none"),
-    (("--compare-quantization", "none,int3"), "none|int8|int4|bf16"),
+    (("--compare-quantization", "none,int3"), "none|int8|int4|fp8|bf16"),
     (("--compare-quantization", "none,int8"), "--quality-texts"),
 ])
 def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: Path, extra, message) -> None:

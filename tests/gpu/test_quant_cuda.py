@@ -1,4 +1,4 @@
-"""int8 / int4 weight-only layers on CUDA (tinygemm int4, int8pack or dequantize-then-GEMM). Needs a GPU."""
+"""int8 / int4 / fp8 layers on CUDA (tinygemm, int8pack or int_mm, _scaled_mm, dequantize-then-GEMM). Needs a GPU."""
 
 from __future__ import annotations
 
@@ -47,3 +47,65 @@ def test_cuda_quantize_model_with_fallbacks() -> None:
     with torch.no_grad():
         y = model[1](model[0](x))
     assert torch.isfinite(y.float()).all() and y.shape == (4, 50)
+
+
+def test_cuda_int4_dispatch_tinygemm_small_dequant_large() -> None:
+    from jobrunner.quant.int4 import quantize_int4_groupwise
+    from jobrunner.quant.kernels import pack_int4_cuda_reference
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    q4 = Int4WeightOnlyLinear.from_linear(lin, 32)
+    codes, _ = quantize_int4_groupwise(lin.weight, 32)
+    # our reading of tinygemm's layout is the real packer's, so the large-batch path can dequantize
+    assert torch.equal(q4.weight_int4pack, pack_int4_cuda_reference(codes, 8))
+    assert q4.cuda_readable and q4.path(q4.small_batch_max_tokens) == "packed" and q4.path(2048) == "dequant"
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        big = q4(x)
+        ptr = q4.scratch._buffers[("cuda:0", torch.bfloat16)].data_ptr()
+        small = q4(x[:8])
+        again = q4(x)
+    assert q4.scratch._buffers[("cuda:0", torch.bfloat16)].data_ptr() == ptr  # one reused bf16 buffer
+    assert torch.equal(big, again)
+    exact = x.float() @ q4.dequantized_weight().float().t()
+    assert _rel_err(big, exact) < 0.01 and _rel_err(small, exact[:8]) < 0.02
+
+
+def test_cuda_int8_small_batch_never_dequantizes() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    q8 = Int8WeightOnlyLinear.from_linear(lin)
+    del lin
+    assert q8.path(1) in ("packed", "int_mm") and q8.path(q8.small_batch_max_tokens + 1) == "dequant"
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        y = q8(x)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 4 << 20  # a bf16 copy of the weight would be 32 MiB
+    exact = x.float() @ q8.dequantized_weight().float().t()
+    assert _rel_err(y, exact) < 0.02
+
+
+def test_cuda_fp8_scaled_mm_matches_reference() -> None:
+    from jobrunner.quant import Fp8Linear
+    from jobrunner.quant.dispatch import cuda_fp8_supported
+    from jobrunner.quant.fp8 import fp8_w8a8_reference
+
+    if not cuda_fp8_supported(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("fp8 _scaled_mm needs sm89+")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(lin)
+    assert layer.native and layer.path(1) == "scaled_mm"
+    for num_tokens in (1, 7, 64, 300):
+        x = torch.randn(num_tokens, 512, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            y = layer(x)
+            ref = fp8_w8a8_reference(x, layer.weight_fp8, layer.scales) + lin.bias.float()
+        assert y.shape == (num_tokens, 1024) and y.dtype == torch.bfloat16
+        assert _rel_err(y, ref) < 0.01  # the same fp8 products; bf16 output rounding only
+        assert _rel_err(y, lin(x)) < 0.06

@@ -55,7 +55,7 @@ def test_measure_quantization_side_by_side() -> None:
     tokenizer = make_tokenizer()
     hf_model = make_hf_model("llama_tied")
     result = measure_quantization(lambda scheme: _engine(hf_model, tokenizer, scheme), tokenizer,
-                                  texts=PROMPTS, prompts=PROMPTS[:3], schemes=("none", "int8", "int4"),
+                                  texts=PROMPTS, prompts=PROMPTS[:3], schemes=("none", "int8", "int4", "fp8"),
                                   batch_sizes=(1, 2), max_tokens=4)
     rows = result["schemes"]
     assert rows["none"]["greedy_agreement"]["exact"] == 1.0 and rows["none"]["perplexity_vs_base"] == 1.0
@@ -68,9 +68,11 @@ def test_measure_quantization_side_by_side() -> None:
     assert rows["int8"]["linear_bytes_vs_base"] < 0.3  # float32 engine: int8 is ~1/4 of its bytes
     assert set(rows["int4"]["throughput"]) == {"1", "2"}
     assert rows["int8"]["quantization_report"]["scheme"] == "int8"
+    assert rows["fp8"]["linear_weight_bytes"] == rows["int8"]["linear_weight_bytes"]  # 1 byte + f32 row scale
+    assert rows["fp8"]["perplexity_vs_base"] < 1.05 and rows["fp8"]["quantization_report"]["scheme"] == "fp8"
     table = to_markdown(result)
     assert "greedy decisions" in table
-    assert table.count("\n") == 4 and "| int4 |" in table
+    assert table.count("\n") == 5 and "| int4 |" in table and "| fp8 |" in table
 
 
 def test_decision_agreement_counts_and_gaps() -> None:

@@ -51,8 +51,8 @@ def test_none_changes_nothing(tiny_llama) -> None:
 
 
 def test_unknown_scheme_lists_choices(tiny_llama) -> None:
-    with pytest.raises(ValueError, match=r"none\|int8\|int4"):
-        quantize_model(tiny_llama, "fp8")
+    with pytest.raises(ValueError, match=r"none\|int8\|int4\|fp8"):
+        quantize_model(tiny_llama, "nf4")
     with pytest.raises(ValueError, match="group_size"):
         quantize_model(tiny_llama, "int4", group_size=48)
 

@@ -1,0 +1,213 @@
+"""Which kernel a quantized layer runs, decided once per process from what this machine computes fast.
+
+A weight-only kernel (int8 / int4 packed) reads 1 or 0.5 byte per weight instead of 4, so it wins where the
+GEMM is memory-bound: few tokens. Its cost grows with the token count, so above a crossover the layer
+dequantizes its weight (tile by tile, into a reused buffer) to the *compute dtype* and runs one dense GEMM,
+which is at least as fast as the float model. The compute dtype is the one this machine multiplies fast:
+
+* CPU with bf16 hardware (``avx512_bf16`` or AMX) where a short calibration confirms it: ``bfloat16``;
+* any other CPU (e.g. an AVX2-only AMD EPYC: float32 GEMM ~67 GFLOP/s, bf16 ~10): ``float32``;
+* CUDA: the activation dtype (bf16 / fp16; float32 activations use float32).
+
+The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
+forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_bf16`` | ``amx`` | ``default``) or a
+``capability=`` argument, so the AVX2 decisions are testable on any machine. A forced capability skips the
+calibration (it is a statement about the machine). Decisions are cached per process and recorded in the
+model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
+# "int8=8,int4=64": override the crossovers below (for tuning with bench_dispatch; recorded when set)
+CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+BF16_CAPABILITIES = ("avx512_bf16", "amx")
+# bf16 must beat float32 by this factor in the calibration GEMM to be chosen: a margin that a noisy machine
+# does not cross by chance (AMX / avx512_bf16 measure 2-10x; emulated bf16 is slower than float32).
+BF16_MIN_SPEEDUP = 1.25
+CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a millisecond in float32
+
+# Crossovers in tokens (rows of the GEMM): at or below, the packed weight-only kernel; above, dequantize.
+# Fast-bf16 CPU (2-core Xeon, AVX512 + avx512_bf16, 1 thread, SmolLM2 gate_up 3072x576, docs/quantization.md):
+# int8 packed 532 us vs dequant+GEMM 805 us at 8 tokens, 1336 vs 944 at 16; int4 packed 1086 us at 16 tokens
+# vs float32 1133, 4089 at 64. AVX2: the int8 packed bf16 kernel does 8-wide FMAs with a per-element scale
+# multiply, roughly 1/3 of float32 GEMM throughput once the GEMM is compute-bound (from ~4-8 tokens), while
+# dequantizing int8 to float32 is one converting copy per weight; int4's unpack costs ~3 passes, so int4
+# keeps its packed kernel longer. Reasoned from the kernels' code, to be confirmed with
+# ``python -m jobrunner.quant.bench_dispatch`` on the AVX2 machine.
+CPU_CROSSOVERS = {True: {"int8": 8, "int4": 16}, False: {"int8": 4, "int4": 16}}  # key: fast bf16
+# CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
+# dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
+CUDA_CROSSOVERS = {"int8": 16, "int4": 32}
+# Dequantize at most this many weights at a time: on CPU a tile stays in cache between the dequantize
+# pass and the GEMM that reads it (1 MB in float32). Single-thread AVX2 runs on SmolLM2's lm_head (49152 x 576,
+# 64 tokens; loaded machine): int8 103 / 119 / 148 / 207 ms with 2^18 / 2^19 / 2^21 / whole-layer tiles,
+# float32 127 ms. On CUDA tiles only bound the scratch buffer.
+CPU_TILE_WEIGHTS = 1 << 18
+CUDA_TILE_WEIGHTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """What this CPU computes fast: its capability and whether bf16 GEMM beats float32 here."""
+
+    capability: str
+    forced: bool
+    fast_bf16: bool
+    calibration: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (for the manifest)."""
+        return {"capability": self.capability, "forced": self.forced, "fast_bf16": self.fast_bf16,
+                "calibration": self.calibration}
+
+
+@dataclass(frozen=True)
+class QuantDispatch:
+    """The paths quantized layers take on one device type (see the module docstring)."""
+
+    device_type: str
+    capability: str
+    compute_dtype: torch.dtype | None  # None on CUDA: the activation dtype
+    max_kernel_tokens: dict[str, int]
+    tile_weights: int
+    fp8_native: bool = False
+    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU, float32 tiles), see quant.native
+
+    def kernel_tokens(self, scheme: str) -> int:
+        """Largest token count for which ``scheme`` runs its weight-only kernel."""
+        return self.max_kernel_tokens.get(scheme, 0)
+
+    def compute_dtype_for(self, x_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the dequantized weight for activations of ``x_dtype``."""
+        return self.compute_dtype or x_dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (for the manifest)."""
+        dtype = None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch.")
+        return {"device": self.device_type, "capability": self.capability,
+                "dequant_dtype": dtype or "activation dtype", "max_kernel_tokens": dict(self.max_kernel_tokens),
+                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack}
+
+
+def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
+    """``(capability, forced)``: the argument, else ``$JOBRUNNER_CPU_CAPABILITY``, else what torch reports."""
+    forced = capability or os.environ.get(CAPABILITY_ENV, "").strip()
+    if forced:
+        value = forced.strip().lower()
+        if value not in CPU_CAPABILITIES:
+            raise ValueError(f"{CAPABILITY_ENV}={forced!r}: expected one of {'|'.join(CPU_CAPABILITIES)}")
+        return value, True
+    base = torch.backends.cpu.get_cpu_capability().lower()
+    if base.startswith("avx512"):
+        if torch.cpu._is_amx_tile_supported():
+            return "amx", False
+        return ("avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"), False
+    return (base if base in CPU_CAPABILITIES else "default"), False
+
+
+def cpu_profile(capability: str | None = None) -> CpuProfile:
+    """This CPU's profile (cached per process and per forced capability, argument or environment)."""
+    return _cpu_profile(*detect_cpu_capability(capability))
+
+
+@functools.cache
+def _cpu_profile(cap: str, forced: bool) -> CpuProfile:
+    if cap not in BF16_CAPABILITIES:
+        return CpuProfile(cap, forced, fast_bf16=False)
+    if forced:
+        return CpuProfile(cap, forced, fast_bf16=True)
+    calibration = calibrate_gemm()
+    fast = calibration["bfloat16_gflops"] >= BF16_MIN_SPEEDUP * calibration["float32_gflops"]
+    return CpuProfile(cap, forced, fast_bf16=fast, calibration=calibration)
+
+
+def calibrate_gemm(shape: tuple[int, int, int] = CALIBRATION_SHAPE, repeats: int = 3) -> dict[str, float]:
+    """GFLOP/s of one small GEMM in float32 and in bfloat16 on this CPU (best of ``repeats``, ~10 ms)."""
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dtype), w.to(dtype)
+        torch.nn.functional.linear(xd, wd)  # warm-up: oneDNN picks and JIT-compiles its kernel here
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.nn.functional.linear(xd, wd)
+            best = min(best, time.perf_counter() - start)
+        out[f"{str(dtype).removeprefix('torch.')}_gflops"] = round(2 * m * k * n / max(best, 1e-9) / 1e9, 2)
+    return out
+
+
+def dispatch_for(device: torch.device | str, capability: str | None = None) -> QuantDispatch:
+    """The quantized-layer dispatch for ``device`` (CPU: from :func:`cpu_profile`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return QuantDispatch("cuda", _cuda_capability(device), None, crossovers(CUDA_CROSSOVERS),
+                             CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(device))
+    from jobrunner.quant.native import int4_unpack_fn
+
+    profile = cpu_profile(capability)
+    dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
+    unpack = "c" if dtype == torch.float32 and int4_unpack_fn() is not None else "torch"
+    return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
+                         CPU_TILE_WEIGHTS, int4_unpack=unpack)
+
+
+def crossovers(defaults: dict[str, int]) -> dict[str, int]:
+    """``defaults`` with ``$JOBRUNNER_QUANT_KERNEL_TOKENS`` (``"int8=8,int4=64"``) applied."""
+    out = dict(defaults)
+    for item in filter(None, (part.strip() for part in os.environ.get(CROSSOVER_ENV, "").split(","))):
+        scheme, _, value = item.partition("=")
+        if scheme not in out or not value.strip().isdigit():
+            raise ValueError(f"{CROSSOVER_ENV}: bad item {item!r}; expected e.g. 'int8=8,int4=64'")
+        out[scheme] = int(value)
+    return out
+
+
+def choose_cpu_dtype(capability: str | None = None) -> tuple[torch.dtype, dict[str, Any]]:
+    """``dtype: auto`` on CPU: bfloat16 where this CPU computes it fast, float32 elsewhere; and why."""
+    profile = cpu_profile(capability)
+    dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
+    if profile.fast_bf16:
+        reason = f"{profile.capability}: bf16 GEMM fast here"
+    elif profile.capability in BF16_CAPABILITIES:
+        reason = f"{profile.capability}: bf16 GEMM measured under {BF16_MIN_SPEEDUP}x float32"
+    else:
+        reason = f"{profile.capability}: no bf16 GEMM hardware"
+    return dtype, {"chosen": str(dtype).removeprefix("torch."), "reason": reason, **profile.to_dict()}
+
+
+def _cuda_capability(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+@functools.cache
+def cuda_fp8_supported(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs e4m3 GEMMs on ``device`` (sm89+; one tiny probe, cached)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+        b = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        y = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return bool(torch.all(y.float() == 32.0))
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -1,0 +1,170 @@
+"""FP8 (e4m3) linear layer: per-output-channel weight scales, dynamic per-token activation scales.
+
+Storage: ``weight_fp8`` [out, in] ``float8_e4m3fn`` and ``scales`` [out] float32, ``W ~= weight_fp8 * scales``.
+
+* CUDA sm89+ (Ada, Hopper): W8A8. Each token row of the input gets its own scale (``amax / 448``) and is cast
+  to e4m3; ``torch._scaled_mm`` multiplies in fp8 with float32 accumulation and applies both scales
+  (row-wise scaling where this build supports it, else the product is scaled afterwards).
+* Elsewhere (CPU, older GPUs): the weight is converted to the compute dtype tile by tile (e4m3 values are
+  exact in bf16 and float32) and multiplied in floating point; activations are not quantized, so this path
+  is the more accurate of the two. :func:`fp8_w8a8_reference` computes the CUDA path's numbers on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
+from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+@torch.no_grad()
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight_fp8 [out, in] e4m3, scales [out] float32)`` with each row's amax mapped to 448."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8 [M, K] e4m3, scales [M, 1] float32)``: dynamic, one scale per row (token)."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def fp8_w8a8_reference(x: torch.Tensor, weight_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the CUDA W8A8 path computes, in float32 on any device: fp8 inputs, exact products, fp32 sums."""
+    xq, x_scales = quantize_fp8_per_token(x)
+    return (xq.float() @ weight_fp8.float().t()) * x_scales * scales[None, :]
+
+
+# (integer view, shift, mask): where the e4m3 sign / exponent / mantissa bits go in a float32 or bfloat16
+_FP8_BITS = {torch.float32: (torch.int32, 20, -2014314496), torch.bfloat16: (torch.int16, 4, -30736)}
+
+
+def fp8_to_float_bits(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Convert e4m3 ``q`` into ``out`` (float32 or bfloat16, same shape) exactly, with integer ops.
+
+    torch's own e4m3 -> float conversion on CPU is a scalar loop (~3 ns per weight, 16x a float32 copy).
+    Sign-extending the byte and shifting its 7 exponent/mantissa bits under the float's (mask 0x87F00000 /
+    0x87F0 keeps the sign bit too) gives ``value * 2^-120`` for normal and subnormal e4m3 alike (the
+    exponent biases differ by 120); one multiply by 2^120 then restores it (and leaves no float denormals).
+    """
+    ints, shift, mask = _FP8_BITS[out.dtype]
+    bits = out.view(ints)
+    bits.copy_(q.view(torch.int8))
+    bits.bitwise_left_shift_(shift).bitwise_and_(mask)
+    return out.mul_(2.0 ** 120)
+
+
+def fp8_shape_problem(out_features: int, in_features: int, device: torch.device) -> str | None:
+    """Why ``_scaled_mm`` cannot take this weight on ``device`` (both dims multiples of 16), or ``None``."""
+    if device.type == "cuda" and (out_features % 16 or in_features % 16):
+        return f"weight [{out_features}, {in_features}]: _scaled_mm needs both dimensions multiples of 16"
+    return None
+
+
+@functools.cache
+def rowwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``_scaled_mm`` takes per-row / per-column float32 scales here (one tiny probe, cached)."""
+    try:
+        a = torch.ones(16, 32, device=device).to(FP8_DTYPE)
+        sa = torch.full((16, 1), 2.0, device=device)
+        sb = torch.full((1, 16), 3.0, device=device)
+        y = torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return bool(torch.all(y.float() == 192.0))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class Fp8Linear(torch.nn.Module):
+    """Drop-in replacement for ``nn.Linear`` with an e4m3 weight (see the module docstring)."""
+
+    def __init__(self, weight_fp8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dispatch: QuantDispatch | None = None, scratch: DequantBuffer | None = None,
+                 act_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        problem = fp8_shape_problem(self.out_features, self.in_features, weight_fp8.device)
+        if problem is not None:
+            raise ValueError(f"fp8 cannot take this layer: {problem}")
+        self.register_buffer("weight_fp8", weight_fp8.to(FP8_DTYPE))
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.dispatch = dispatch or dispatch_for(weight_fp8.device)
+        self.scratch = scratch or DequantBuffer()
+        self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights)
+        # Probed here, not in forward: forward may run inside CUDA graph capture.
+        self.native = weight_fp8.is_cuda and self.dispatch.fp8_native
+        self.rowwise = self.native and rowwise_scaled_mm(weight_fp8.device)
+        dtype = self.dispatch.compute_dtype or act_dtype
+        if not self.native and dtype is not None:  # sized at load time, not inside a CUDA graph capture
+            self.scratch.reserve(self.tile_rows * self.in_features, dtype, weight_fp8.device)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, dispatch: QuantDispatch | None = None,
+                    scratch: DequantBuffer | None = None) -> Fp8Linear:
+        """Quantize ``linear`` into a new module on its device."""
+        q, scales = quantize_fp8_per_channel(linear.weight)
+        return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
+
+    def path(self, num_tokens: int) -> str:
+        """``scaled_mm`` (CUDA sm89+) or ``dequant`` (elsewhere), whatever the token count."""
+        return "scaled_mm" if self.native else "dequant"
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense ``dtype`` tensor [out, in]."""
+        return (self.weight_fp8.float() * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features]; the engine passes [num_tokens, in_features].
+        x2 = x.reshape(-1, self.in_features)
+        y = self._scaled_mm(x2) if self.native else self._dequant_forward(x2)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        m = x2.shape[0]
+        xq, x_scales = quantize_fp8_per_token(x2)
+        rows = -(-m // 16) * 16  # keep every GEMM dimension a multiple of 16
+        if rows != m:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, rows - m)).view(FP8_DTYPE)
+            x_scales = F.pad(x_scales, (0, 0, 0, rows - m), value=1.0)
+        w = self.weight_fp8.t()  # column-major [K, N], as _scaled_mm wants
+        if self.rowwise:
+            y = torch._scaled_mm(xq, w, scale_a=x_scales, scale_b=self.scales[None, :],
+                                 out_dtype=torch.bfloat16)
+        else:
+            one = torch.ones((), device=x2.device)
+            y = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = y * x_scales * self.scales[None, :]
+        return y[:m]
+
+    def _dequant_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        dtype = self.dispatch.compute_dtype_for(x2.dtype)
+
+        def fill(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
+            if out.is_cuda or out.dtype not in _FP8_BITS:
+                return out.copy_(self.weight_fp8[n0:n1])  # exact; the scale is applied to the result
+            return fp8_to_float_bits(self.weight_fp8[n0:n1], out)
+
+        y = tiled_linear(x2.to(dtype), self.out_features, fill, self.scratch, self.tile_rows)
+        return y.mul_(self.scales.to(dtype))
+
+    def weight_bytes(self) -> int:
+        """Bytes of the fp8 weight and its float32 scales (bias not included)."""
+        return self.weight_fp8.numel() + self.scales.numel() * 4
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, native={self.native}")

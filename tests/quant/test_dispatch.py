@@ -1,0 +1,167 @@
+"""Per-machine dispatch of the quantized layers: decisions for forced AVX2 and fast-bf16 CPUs, both paths' numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jobrunner.models.factory import choose_dtype
+from jobrunner.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+from jobrunner.quant.dispatch import (
+    BF16_MIN_SPEEDUP,
+    CAPABILITY_ENV,
+    choose_cpu_dtype,
+    cpu_profile,
+    detect_cpu_capability,
+    dispatch_for,
+)
+from jobrunner.quant.int4 import dequantize_int4
+from jobrunner.quant.kernels import int8_int_mm, pack_int4_cuda_reference, unpack_int4_cuda
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _linear(out_features: int, in_features: int) -> torch.nn.Linear:
+    torch.manual_seed(3)
+    return torch.nn.Linear(in_features, out_features, bias=True)
+
+
+def test_avx2_and_fast_bf16_decisions() -> None:
+    avx2 = dispatch_for("cpu", "avx2")
+    assert (avx2.capability, avx2.compute_dtype) == ("avx2", torch.float32)
+    assert avx2.max_kernel_tokens == {"int8": 4, "int4": 16}
+    for cap in ("avx512_bf16", "amx"):
+        fast = dispatch_for("cpu", cap)
+        assert (fast.capability, fast.compute_dtype) == (cap, torch.bfloat16)
+        assert fast.max_kernel_tokens == {"int8": 8, "int4": 16}
+    assert dispatch_for("cpu", "avx512").compute_dtype == torch.float32  # AVX512 without bf16 hardware
+    assert dispatch_for("cpu", "avx2").to_dict()["dequant_dtype"] == "float32"
+
+
+def test_dtype_auto_follows_the_capability() -> None:
+    dtype, why = choose_cpu_dtype("avx2")
+    assert dtype == torch.float32 and why["chosen"] == "float32" and why["forced"] is True
+    assert why["reason"] == "avx2: no bf16 GEMM hardware"
+    dtype, why = choose_cpu_dtype("amx")
+    assert dtype == torch.bfloat16 and why["reason"] == "amx: bf16 GEMM fast here"
+    assert choose_dtype("float16", torch.device("cpu")) == (torch.float16, {"requested": "float16",
+                                                                           "chosen": "float16"})
+
+
+def test_capability_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CAPABILITY_ENV, "AVX2")
+    assert detect_cpu_capability() == ("avx2", True)
+    assert dispatch_for("cpu").compute_dtype == torch.float32
+    chosen, why = choose_dtype("auto", torch.device("cpu"))
+    assert chosen == torch.float32 and why["requested"] == "auto" and why["capability"] == "avx2"
+    monkeypatch.setenv(CAPABILITY_ENV, "sse9")
+    with pytest.raises(ValueError, match=f"{CAPABILITY_ENV}='sse9'"):
+        dispatch_for("cpu")
+
+
+def test_unforced_profile_is_calibrated_consistently(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CAPABILITY_ENV, raising=False)
+    profile = cpu_profile()
+    assert profile.forced is False and profile is cpu_profile()  # cached per process
+    if profile.capability in ("avx512_bf16", "amx"):
+        cal = profile.calibration
+        assert cal["float32_gflops"] > 0 and cal["bfloat16_gflops"] > 0
+        assert profile.fast_bf16 == (cal["bfloat16_gflops"] >= BF16_MIN_SPEEDUP * cal["float32_gflops"])
+    else:
+        assert profile.calibration is None and profile.fast_bf16 is False
+
+
+@pytest.mark.parametrize("cls", ["int8", "int4"])
+def test_paths_by_token_count_and_compute_dtype(cls: str) -> None:
+    lin = _linear(208, 128)  # 208 = 3 x 64 + 16: whole blocks and a partial one in the CPU int4 layout
+    x = torch.randn(40, 128)
+    results = {}
+    for cap, limit, dtype, tol in (("avx2", {"int8": 4, "int4": 16}, torch.float32, 1e-6),
+                                   ("avx512_bf16", {"int8": 8, "int4": 16}, torch.bfloat16, 1e-2)):
+        d = dispatch_for("cpu", cap)
+        q = Int8WeightOnlyLinear.from_linear(lin, d) if cls == "int8" else Int4WeightOnlyLinear.from_linear(lin, 32, d)
+        assert q.path(limit[cls]) == "packed" and q.path(limit[cls] + 1) == "dequant"
+        q.tile_rows = 64  # four tiles, the last one partial
+        exact = torch.nn.functional.linear(x.double(), q.dequantized_weight().double(), lin.bias.double())
+        with torch.no_grad():
+            y = q(x)
+        assert y.dtype == torch.float32 and _rel_err(y, exact) < tol
+        assert list(q.scratch._buffers) == [("cpu", dtype)]  # the dequantized tiles are in the compute dtype
+        results[cap] = y
+    assert _rel_err(results["avx2"], results["avx512_bf16"]) < 1e-2
+
+
+def test_int4_dequantized_tiles_match_the_packed_codes() -> None:
+    q = Int4WeightOnlyLinear.from_linear(_linear(208, 256), 64, dispatch_for("cpu", "avx2"))
+    codes = q.cpu_layout.unpack(q.weight_int4pack)
+    ref = dequantize_int4(codes, q.scales_and_zeros.float(), 64, torch.float64)
+    out = torch.empty(208, 256)
+    for n0, n1 in ((0, 64), (64, 192), (192, 208)):  # tiles start on a block; the last is the partial block
+        tile = q._fill(n0, n1, out[n0:n1])
+        assert torch.allclose(tile.double(), ref[n0:n1], rtol=0, atol=1e-6)
+
+
+def test_scratch_buffer_is_shared_and_reused(tiny_llama) -> None:
+    report = quantize_model(tiny_llama, "int8", capability="avx2")
+    assert report.dispatch["capability"] == "avx2" and report.summary()["dispatch"]["dequant_dtype"] == "float32"
+    layers = [m for m in tiny_llama.modules() if isinstance(m, Int8WeightOnlyLinear)]
+    assert len({id(m.scratch) for m in layers}) == 1 and report.scratch_bytes > 0
+    scratch = layers[0].scratch._buffers[("cpu", torch.float32)]
+    ids = torch.arange(24).reshape(2, 12) % 96
+    with torch.no_grad():
+        first = tiny_llama(ids)
+        second = tiny_llama(ids)
+    assert torch.equal(first, second)
+    assert layers[0].scratch._buffers[("cpu", torch.float32)].data_ptr() == scratch.data_ptr()
+    assert report.scratch_bytes == scratch.numel() * 4
+
+
+def test_int8_w8a8_int_mm_close_to_float() -> None:
+    lin = _linear(64, 96)
+    q = Int8WeightOnlyLinear.from_linear(lin)
+    x = torch.randn(5, 96)
+    y = int8_int_mm(x, q.weight_int8, q.scales)  # 5 rows are padded to 24 for _int_mm
+    exact = x @ q.dequantized_weight().t()
+    assert y.shape == (5, 64) and _rel_err(y, exact) < 0.01
+
+
+@pytest.mark.parametrize("inner_k_tiles", [2, 4, 8])
+def test_cuda_int4_layout_read_back(inner_k_tiles: int) -> None:
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (24, 48 * inner_k_tiles))
+    packed = pack_int4_cuda_reference(q, inner_k_tiles)
+    assert packed.shape == (3, 3, 32, inner_k_tiles // 2) and packed.dtype == torch.int32
+    assert torch.equal(unpack_int4_cuda(packed), q.to(torch.uint8))
+    assert torch.equal(unpack_int4_cuda(packed, 1, 2), q[8:16].to(torch.uint8))
+
+
+def test_crossovers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int4=64")
+    assert dispatch_for("cpu", "avx2").max_kernel_tokens == {"int8": 4, "int4": 64}
+    monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int3=4")
+    with pytest.raises(ValueError, match="JOBRUNNER_QUANT_KERNEL_TOKENS: bad item 'int3=4'"):
+        dispatch_for("cpu", "avx2")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_native_int4_unpack_matches_torch(split: bool) -> None:
+    from jobrunner.quant.int4_unpack import CpuInt4Layout
+    from jobrunner.quant.native import int4_unpack_fn
+
+    unpack = int4_unpack_fn()
+    if unpack is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    torch.manual_seed(0)
+    k, block_n, nb, ld = 64, 32, 3, 112  # out wider than the blocks: the last 16 columns stay untouched
+    packed = torch.randint(0, 256, (nb, k, block_n // 2), dtype=torch.uint8)
+    layout = CpuInt4Layout(nb * block_n, k, block_n, split)
+    codes = layout.unpack(packed.reshape(-1)).double().t()  # [K, nb * block_n]
+    scale, offset = torch.rand(k // 32, ld) + 0.5, torch.randn(k // 32, ld)
+    out = torch.full((k, ld), -7.0)
+    unpack(packed, scale, offset, out, block_n, split, 32)
+    expect = codes * scale.double().repeat_interleave(32, 0)[:, :96] + offset.double().repeat_interleave(32, 0)[:, :96]
+    assert torch.allclose(out[:, :96].double(), expect, rtol=0, atol=1e-5)
+    assert torch.equal(out[:, 96:], torch.full((k, 16), -7.0))
+    assert dispatch_for("cpu", "avx2").int4_unpack == "c"
