@@ -31,7 +31,10 @@ def _write_input(url: str, storage_options: dict) -> list[str]:
 
 def _run(input_url: str, output_url: str, storage_options: dict) -> list[str]:
     ids = _write_input(input_url, storage_options)
-    spec = spec_from_dict(fake_spec(input_url, output_url, storage_options, cluster={"num_workers": 1}))
+    # half the rows are errors on purpose (an all-error part): above the default error budget
+    spec = spec_from_dict(fake_spec(input_url, output_url, storage_options, cluster={"num_workers": 1},
+                                    output={"url": output_url, "storage_options": storage_options,
+                                            "keep_columns": ["topic"], "max_error_rate": 1.0}))
     assert run_job(spec, show_progress=False).ok
     report = write_job_report(output_url, storage_options)
     assert "error" not in report, report
