@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
 
-PROMPTS = Path("/work/shared/data/gsm8k_test.prompts.jsonl")
+PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.prompts.jsonl"  # beside the checkout
 ANSWER_SCHEMA = {"type": "object", "properties": {
     "reasoning": {"type": "string", "maxLength": 200}, "answer": {"type": "integer"}},
     "required": ["reasoning", "answer"], "additionalProperties": False}

@@ -173,3 +173,27 @@ def test_penalties_change_greedy_output(engine):
 def test_bad_knob_values_are_named(values, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams.from_dict(values)
+
+
+def test_uniform_never_reaches_one_so_noise_stays_finite():
+    # every hash value, the extremes included: a uniform of exactly 1.0 would give +inf noise, and
+    # +inf + -inf = NaN would win the argmax over a masked (filtered or grammar-forbidden) token
+    from jobrunner.engine.sampling.noise import uniform_from_bits
+
+    bits = torch.tensor([0, 1, 511, 512, 2**31 - 1, -(2**31), -1], dtype=torch.int32)
+    u = uniform_from_bits(bits)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert float(u.max()) == 1 - 2**-24 and float(u.min()) == 2**-24
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+
+
+def test_masked_tokens_are_never_drawn():
+    # a row where only 3 tokens may come (as under a grammar mask), sampled at many positions
+    logits = torch.full((1, 49152), float("-inf"))
+    allowed = torch.tensor([7, 3000, 40000])
+    logits[0, allowed] = torch.tensor([1.0, 0.5, 0.2])
+    for position in range(2000):
+        keys = keys_tensor([row_key(11, position)], torch.device("cpu"))
+        token = int(filters.sample_full(logits, torch.tensor([0.8]), torch.tensor([0.95]), torch.tensor([0.0]),
+                                        keys, True))
+        assert token in allowed.tolist(), position

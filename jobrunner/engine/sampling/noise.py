@@ -63,8 +63,17 @@ def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     hi = _as_int32((keys >> 32) & M32)[:, None]
     x = _mix32(token_ids.int() * _GOLDEN + lo)
     x = _mix32(x ^ hi)
-    uniform = (((x >> 8) & 0xFF_FFFF).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_from_bits(x)))
+
+
+def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 hash bits -> float32 uniforms in (0, 1), never 0 or 1.
+
+    23 bits, not 24: float32 spaces its values 2**-24 apart just below 1, so (2**24 - 0.5) / 2**24 would round
+    to exactly 1.0, and its Gumbel noise to +inf (then inf + -inf = NaN wins the argmax: a filtered or
+    grammar-masked token would be drawn). The largest value here, 1 - 2**-24, is exact.
+    """
+    return (((x >> 9) & 0x7F_FFFF).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def _as_int32(values: torch.Tensor) -> torch.Tensor:
@@ -82,7 +91,7 @@ def uniform_reference(key: int, token_id: int) -> float:
         return x ^ (x >> 16)
 
     x = mix(mix((token_id * GOLDEN32 + (key & M32)) & M32) ^ ((key >> 32) & M32))
-    return ((x >> 8) + 0.5) / (1 << 24)
+    return ((x >> 9) + 0.5) / (1 << 23)
 
 
 def keys_tensor(keys: list[int], device: torch.device) -> torch.Tensor:
