@@ -197,3 +197,20 @@ def test_masked_tokens_are_never_drawn():
         token = int(filters.sample_full(logits, torch.tensor([0.8]), torch.tensor([0.95]), torch.tensor([0.0]),
                                         keys, True))
         assert token in allowed.tolist(), position
+
+
+def test_top_p_from_candidates_draws_what_the_full_sort_draws():
+    # peaked rows take the candidate path (top-p mass within the best 1,024), flat rows and top_p = 1 rows the
+    # sort; every row must draw exactly what the sort-based draw over the whole vocabulary gives
+    torch.manual_seed(3)
+    vocab = 49152
+    logits = torch.randn(6, vocab)
+    logits[:3] *= 12.0                                   # peaked: candidates hold the mass
+    top_ps = torch.tensor([0.9, 0.5, 0.99, 0.95, 1.0, 0.8])
+    temps, min_ps = torch.tensor([0.8, 1.0, 1.2, 0.7, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.0])
+    for position in range(40):
+        keys = keys_tensor([row_key(seed, position) for seed in range(6)], torch.device("cpu"))
+        ours = filters.sample_full(logits, temps, top_ps, min_ps, keys, True)
+        scaled = filters.filter_full(logits / temps[:, None], top_ps, min_ps)
+        reference = (scaled + gumbel(keys, torch.arange(vocab)[None, :])).argmax(dim=-1)
+        assert ours.tolist() == reference.tolist(), position

@@ -13,6 +13,8 @@ import torch
 from jobrunner.engine.sampling import to_device
 from jobrunner.engine.sampling.noise import gumbel
 
+TOP_P_CANDIDATES = 1024  # top-p rows look at their best this-many tokens first (see sample_full)
+
 
 def _min_p_floor(scaled_max: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     # p >= min_p * p_max  <=>  logit / T >= max / T + log(min_p)   (min_p = 0 -> -inf: keep all)
@@ -70,7 +72,40 @@ def sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], t
 
 def sample_full(logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
                 keys: torch.Tensor, any_top_p: bool = True) -> torch.Tensor:
-    """Token ids ``[R]`` for rows without top_k: over the whole vocabulary."""
-    scaled = filter_full(logits / temps[:, None], top_ps, min_ps, any_top_p)
-    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    """Token ids ``[R]`` for rows without top_k: over the whole vocabulary.
+
+    On CPU, when some row has top_p < 1, rows whose best ``TOP_P_CANDIDATES`` tokens already hold top_p of the
+    probability mass draw among those alone (a ``topk``, no sort of the vocabulary, noise for 1k tokens, not
+    50k): the tokens top-p keeps all lie among them, so the draw is the same. Whether a row takes that path
+    depends on its own logits only, so a seeded row still draws the same whatever it is batched with.
+    """
+    scaled = apply_min_p(logits / temps[:, None], min_ps)
+    if any_top_p and scaled.device.type == "cpu" and scaled.shape[-1] > 4 * TOP_P_CANDIDATES:
+        return _sample_top_p_candidates(scaled, top_ps, keys)
+    return _draw(_top_p_filter(scaled, top_ps) if any_top_p else scaled, keys)
+
+
+def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_scaled, order = scaled.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, order, _top_p_remove(sorted_scaled, top_ps))
+    return scaled.masked_fill(remove, float("-inf"))
+
+
+def _draw(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    vocab_ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     return (scaled + gumbel(keys, vocab_ids)).argmax(dim=-1)
+
+
+def _sample_top_p_candidates(scaled: torch.Tensor, top_ps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Top-p draws from each row's best TOP_P_CANDIDATES tokens; rows whose candidates hold less than top_p
+    of the mass (flat distributions, or top_p = 1) take the full path."""
+    values, ids = scaled.topk(TOP_P_CANDIDATES, dim=-1)                    # sorted, best first
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # under the full softmax
+    covered = probs.sum(dim=-1) >= top_ps
+    mass_before = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill((mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None], float("-inf"))
+    picked = ids.gather(1, (values + gumbel(keys, ids)).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if not bool(covered.all()):  # a host read: free on CPU, the only device this path runs on
+        rest = (~covered).nonzero().flatten()
+        picked[rest] = _draw(_top_p_filter(scaled[rest], top_ps[rest]), keys[rest])
+    return picked
