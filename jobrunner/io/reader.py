@@ -217,14 +217,21 @@ def duplicate_ids(files: list[InputFile], storage_options: dict[str, Any], colum
             with fs.open(path, "rb") as fh:
                 return pq.read_table(fh, columns=[column])
 
-        for value in retry(f"read {f.url}", read).column(column).to_pylist():
-            key = str(value)
-            if key in seen and key not in dups:
-                dups.append(key)
-                if len(dups) >= limit:
-                    return dups
-            seen.add(key)
+        if add_duplicates(retry(f"read {f.url}", read).column(column).to_pylist(), seen, dups, limit):
+            return dups
     return dups
+
+
+def add_duplicates(values: list[Any], seen: set[str], dups: list[str], limit: int) -> bool:
+    """Record ids in ``values`` already in ``seen`` (as strings) into ``dups``; True once ``limit`` are found."""
+    for value in values:
+        key = str(value)
+        if key in seen and key not in dups:
+            dups.append(key)
+            if len(dups) >= limit:
+                return True
+        seen.add(key)
+    return False
 
 
 def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from jobrunner.io.reader import (
     InputFile,
     _expand,
     _read_footer,
+    add_duplicates,
     map_files,
     read_rows,
 )
@@ -199,11 +200,7 @@ def duplicate_input_ids(files: list[InputFile], storage_options: dict[str, Any],
     dups: list[str] = []
     for f in files:
         table = read_input_rows(f.url, storage_options, fmt, 0, f.num_rows, [column])
-        for value in table.column(column).to_pylist() if column in table.column_names else []:
-            key = str(value)
-            if key in seen and key not in dups:
-                dups.append(key)
-                if len(dups) >= limit:
-                    return dups
-            seen.add(key)
+        values = table.column(column).to_pylist() if column in table.column_names else []
+        if add_duplicates(values, seen, dups, limit):
+            return dups
     return dups
