@@ -39,12 +39,13 @@ CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a mil
 # Crossovers in tokens (rows of the GEMM): at or below, the packed weight-only kernel; above, dequantize.
 # Fast-bf16 CPU (2-core Xeon, AVX512 + avx512_bf16, 1 thread, SmolLM2 gate_up 3072x576, docs/quantization.md):
 # int8 packed 532 us vs dequant+GEMM 805 us at 8 tokens, 1336 vs 944 at 16; int4 packed 1086 us at 16 tokens
-# vs float32 1133, 4089 at 64. AVX2: the int8 packed bf16 kernel does 8-wide FMAs with a per-element scale
-# multiply, roughly 1/3 of float32 GEMM throughput once the GEMM is compute-bound (from ~4-8 tokens), while
-# dequantizing int8 to float32 is one converting copy per weight; int4's unpack costs ~3 passes, so int4
-# keeps its packed kernel longer. Reasoned from the kernels' code, to be confirmed with
-# ``python -m jobrunner.quant.bench_dispatch`` on the AVX2 machine.
-CPU_CROSSOVERS = {True: {"int8": 8, "int4": 16}, False: {"int8": 4, "int4": 16}}  # key: fast bf16
+# vs float32 1133, 4089 at 64.
+# Other CPUs (AVX2; AVX512 without bf16): measured on SmolLM2 in the engine with AVX2 forced (2-core Zen 4,
+# `JOBRUNNER_QUANT_KERNEL_TOKENS`, docs/quantization.md). The packed kernels beat dequantize + float32 GEMM
+# well past batch 64 there: decode at batch 128, 31 steps: int8 packed 15.2 s vs dequantized 16.7 s, int4
+# 14.8 s vs 22.5 s (float32 12.7 s); at batch 64, int8 8.1 s vs 12.7 s. Prefill in 2048-token chunks is where
+# dequantizing wins: int8 9.1 s vs 12.4 s all-packed, int4 9.6 s vs 13.6 s (float32 9.9 s).
+CPU_CROSSOVERS = {True: {"int8": 8, "int4": 16}, False: {"int8": 256, "int4": 256}}  # key: fast bf16
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}

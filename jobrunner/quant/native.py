@@ -7,8 +7,11 @@ once and writes each float once, with the scale and offset applied on the way (v
 for this CPU, ``-march=native``; OpenMP over K).
 
 It is plain C called through ctypes (no torch headers, so it builds in about a second), cached under
-``~/.cache/jobrunner`` per source, compiler and CPU. No compiler, a failed build, or
-``JOBRUNNER_QUANT_NATIVE=0``: :func:`int4_unpack_fn` returns ``None`` and the torch path runs.
+``~/.cache/jobrunner`` per source, compiler, flags and CPU. The instruction set follows the dispatch's CPU
+capability: ``-march=native``, or, where the capability is forced (``JOBRUNNER_CPU_CAPABILITY=avx2``), that
+ISA (``-march=haswell`` for avx2), so a forced-AVX2 run measures the code an AVX2-only CPU would run.
+No compiler, a failed build, or ``JOBRUNNER_QUANT_NATIVE=0``: :func:`int4_unpack_fn` returns ``None`` and the
+torch path runs.
 The library links ``libgomp.so.1``; where torch's own OpenMP runtime has that name (this venv) the loader
 reuses it, so there is one thread pool.
 """
@@ -78,14 +81,21 @@ Unpack = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, 
 
 
 @functools.cache
-def int4_unpack_fn() -> Unpack | None:
-    """The compiled unpack as ``fn(packed_blocks, scale, offset, out, block_n, split, group)``, or ``None``."""
+def _library() -> ctypes.CDLL | None:
     if os.environ.get(NATIVE_ENV, "1").strip() == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as exc:
         warnings.warn(f"jobrunner.quant: native int4 unpack unavailable ({exc}); using torch ops", stacklevel=2)
+        return None
+
+
+@functools.cache
+def int4_unpack_fn() -> Unpack | None:
+    """The compiled unpack as ``fn(packed_blocks, scale, offset, out, block_n, split, group)``, or ``None``."""
+    lib = _library()
+    if lib is None:
         return None
     fn = lib.jr_int4_unpack_t
     fn.restype = None
@@ -112,7 +122,7 @@ def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler on PATH")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", march_flag(), "-fopenmp", "-shared", "-fPIC"]
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"int4_unpack_{key}.so"
     if target.exists():
@@ -124,6 +134,19 @@ def _build() -> Path:
         subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
         os.replace(lib, target)  # atomic: concurrent workers build the same file
     return target
+
+
+# -march for a forced capability (what that CPU class has; the tuning stays generic)
+FORCED_MARCH = {"default": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
+                "avx512_bf16": "-march=cooperlake", "amx": "-march=sapphirerapids"}
+
+
+def march_flag() -> str:
+    """``-march=native``, or the ISA of a forced capability (see :mod:`jobrunner.quant.dispatch`)."""
+    from jobrunner.quant.dispatch import detect_cpu_capability
+
+    capability, forced = detect_cpu_capability()
+    return FORCED_MARCH[capability] if forced else "-march=native"
 
 
 def _cpu_id() -> str:

@@ -31,7 +31,7 @@ def _linear(out_features: int, in_features: int) -> torch.nn.Linear:
 def test_avx2_and_fast_bf16_decisions() -> None:
     avx2 = dispatch_for("cpu", "avx2")
     assert (avx2.capability, avx2.compute_dtype) == ("avx2", torch.float32)
-    assert avx2.max_kernel_tokens == {"int8": 4, "int4": 16}
+    assert avx2.max_kernel_tokens == {"int8": 256, "int4": 256}
     for cap in ("avx512_bf16", "amx"):
         fast = dispatch_for("cpu", cap)
         assert (fast.capability, fast.compute_dtype) == (cap, torch.bfloat16)
@@ -76,9 +76,9 @@ def test_unforced_profile_is_calibrated_consistently(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("cls", ["int8", "int4"])
 def test_paths_by_token_count_and_compute_dtype(cls: str) -> None:
     lin = _linear(208, 128)  # 208 = 3 x 64 + 16: whole blocks and a partial one in the CPU int4 layout
-    x = torch.randn(40, 128)
+    x = torch.randn(300, 128)  # above every crossover: the dequantized-tile path
     results = {}
-    for cap, limit, dtype, tol in (("avx2", {"int8": 4, "int4": 16}, torch.float32, 1e-6),
+    for cap, limit, dtype, tol in (("avx2", {"int8": 256, "int4": 256}, torch.float32, 1e-6),
                                    ("avx512_bf16", {"int8": 8, "int4": 16}, torch.bfloat16, 1e-2)):
         d = dispatch_for("cpu", cap)
         q = Int8WeightOnlyLinear.from_linear(lin, d) if cls == "int8" else Int4WeightOnlyLinear.from_linear(lin, 32, d)
@@ -109,7 +109,7 @@ def test_scratch_buffer_is_shared_and_reused(tiny_llama) -> None:
     layers = [m for m in tiny_llama.modules() if isinstance(m, Int8WeightOnlyLinear)]
     assert len({id(m.scratch) for m in layers}) == 1 and report.scratch_bytes > 0
     scratch = layers[0].scratch._buffers[("cpu", torch.float32)]
-    ids = torch.arange(24).reshape(2, 12) % 96
+    ids = torch.arange(280).reshape(2, 140) % 96  # 280 tokens: above the AVX2 crossover (dequantized tiles)
     with torch.no_grad():
         first = tiny_llama(ids)
         second = tiny_llama(ids)
@@ -139,7 +139,7 @@ def test_cuda_int4_layout_read_back(inner_k_tiles: int) -> None:
 
 def test_crossovers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int4=64")
-    assert dispatch_for("cpu", "avx2").max_kernel_tokens == {"int8": 4, "int4": 64}
+    assert dispatch_for("cpu", "avx2").max_kernel_tokens == {"int8": 256, "int4": 64}
     monkeypatch.setenv("JOBRUNNER_QUANT_KERNEL_TOKENS", "int3=4")
     with pytest.raises(ValueError, match="JOBRUNNER_QUANT_KERNEL_TOKENS: bad item 'int3=4'"):
         dispatch_for("cpu", "avx2")

@@ -13,7 +13,7 @@ def test_model_info_records_dtype_and_dispatch(tiny_llama_hf_dir, monkeypatch: p
     _, _, _, info = load_for_engine(str(tiny_llama_hf_dir), device="cpu", quantization="int4")
     assert info["dtype"] == "float32"
     assert info["dtype_reason"] == "auto -> float32: avx2: no bf16 GEMM hardware (forced)"
-    assert info["quant_kernels"] == ("cpu avx2: int8 kernel <= 4 tokens, int4 kernel <= 16 tokens, "
+    assert info["quant_kernels"] == ("cpu avx2: int8 kernel <= 256 tokens, int4 kernel <= 256 tokens, "
                                      "else dequantized float32 tiles")
     assert info["quant_dispatch"]["dequant_dtype"] == "float32"
     monkeypatch.setenv(CAPABILITY_ENV, "amx")
@@ -34,4 +34,4 @@ def test_manifest_model_section_keeps_the_choices(tiny_llama_hf_dir, monkeypatch
     model = describe_model(build_engine(spec), spec)
     assert model["dtype"] == "float32" and model["quantization"] == "int8"
     assert model["dtype_reason"] == "auto -> float32: avx2: no bf16 GEMM hardware (forced)"
-    assert model["quant_kernels"].startswith("cpu avx2: int8 kernel <= 4 tokens")
+    assert model["quant_kernels"].startswith("cpu avx2: int8 kernel <= 256 tokens")
