@@ -206,9 +206,16 @@ def _chat_choice(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chat_token(entry: dict[str, Any]) -> dict[str, Any]:
-    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode()),
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": _token_bytes(entry),
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _token_bytes(t)}
                              for t in entry["top_logprobs"]]}
+
+
+def _token_bytes(entry: dict[str, Any]) -> list[int]:
+    """OpenAI's `bytes`: the token's raw bytes as the engine recorded them (a piece of a multi-byte character
+    has its own bytes, not those of U+FFFD); the UTF-8 of the token text for parts written without them."""
+    raw = entry.get("token_bytes")
+    return list(raw) if raw is not None else list(entry["token"].encode())
 
 
 def _text_choice(row: dict[str, Any]) -> dict[str, Any]:

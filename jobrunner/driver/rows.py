@@ -201,7 +201,9 @@ def token_logprobs(entries: Any) -> list[dict[str, Any] | None] | None:
         return None
     return [None if e is None else {
         "token_id": int(e.token_id), "token": e.token, "logprob": float(e.logprob),
-        "top_logprobs": [{"token_id": int(t.token_id), "token": t.token, "logprob": float(t.logprob)}
+        "token_bytes": getattr(e, "token_bytes", None),
+        "top_logprobs": [{"token_id": int(t.token_id), "token": t.token, "logprob": float(t.logprob),
+                          "token_bytes": getattr(t, "token_bytes", None)}
                          for t in (e.top_logprobs or ())]} for e in entries]
 
 

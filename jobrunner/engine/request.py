@@ -93,11 +93,12 @@ def _gap(start: float | None, end: float | None) -> float | None:
 
 @dataclass
 class TopLogprob:
-    """One of the most likely tokens at a position."""
+    """One of the most likely tokens at a position (``token_bytes``: see :class:`TokenLogprob`)."""
 
     token_id: int
     token: str
     logprob: float
+    token_bytes: bytes | None = None
 
 
 @dataclass
@@ -105,13 +106,16 @@ class TokenLogprob:
     """The log-probability of the token at a position and the top alternatives there (most likely first).
 
     Log-probabilities are those of the model's distribution (log-softmax of the raw logits, before
-    temperature, penalties or grammar masks), as in vLLM and OpenAI.
+    temperature, penalties or grammar masks), as in vLLM and OpenAI. ``token`` is the token decoded alone (a
+    piece of a multi-byte character decodes to U+FFFD); ``token_bytes`` are the token's raw bytes (OpenAI's
+    ``bytes``), so the pieces of a split character join back into it.
     """
 
     token_id: int
     token: str
     logprob: float
     top_logprobs: list[TopLogprob] = field(default_factory=list)
+    token_bytes: bytes | None = None
 
 
 @dataclass

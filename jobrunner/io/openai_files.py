@@ -23,9 +23,10 @@ RESULT_COLUMNS = ("id", "sample_index", "generated_text", "finish_reason", "erro
 
 
 def read_result_rows(storage: Storage, part_keys: list[str]) -> list[dict[str, Any]]:
-    """The result columns of the committed parts, as plain rows."""
+    """The result columns of the committed parts, as plain rows. Parts of a resumed job written by an older
+    jobrunner (logprobs without `token_bytes`) read with that field null."""
     tables = [read_part(storage, key).select(list(RESULT_COLUMNS)) for key in part_keys]
-    return pa.concat_tables(tables).to_pylist() if tables else []
+    return pa.concat_tables(tables, promote_options="permissive").to_pylist() if tables else []
 
 
 def write_openai_results(storage: Storage, outputs: list[dict[str, Any]], errors: list[dict[str, Any]]) -> list[str]:

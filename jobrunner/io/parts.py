@@ -14,9 +14,11 @@ from jobrunner.io.storage import Storage, retry
 from jobrunner.redaction import redact_text
 
 # One token's log-probability and its top alternatives (the `logprobs` / `prompt_logprobs` list elements).
-TOP_LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+# token_bytes: the token's raw bytes (a piece of a multi-byte character has `token` U+FFFD but its own bytes).
+TOP_LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
+                              ("token_bytes", pa.binary())])
 LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
-                          ("top_logprobs", pa.list_(TOP_LOGPROB_TYPE))])
+                          ("top_logprobs", pa.list_(TOP_LOGPROB_TYPE)), ("token_bytes", pa.binary())])
 
 # The contract columns, in order (docs/contracts.md).
 OUTPUT_SCHEMA = pa.schema([

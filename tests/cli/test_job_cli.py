@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -76,9 +77,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _refresh_ray_auth_state() -> None:
+    """Make this process's Ray re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN (both are cached on first use)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # the config first, then the token cache (Ray's own test helper does the same)
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 @pytest.fixture
 def ray_head(monkeypatch):
-    """A Ray head with the Job Submission API on 127.0.0.1; its jobs can import the fake engine."""
+    """A Ray head with the Job Submission API on 127.0.0.1, token authentication on with a token of its own
+    (given to submit as $RAY_AUTH_TOKEN); its jobs can import the fake engine.
+
+    Token mode is set here, not inherited: a local ``ray.init()`` earlier in the session (other tests) turns it
+    on for the whole process, so without this the head checked tokens or not depending on test order.
+    """
     import ray
     from ray.cluster_utils import Cluster
 
@@ -86,11 +100,25 @@ def ray_head(monkeypatch):
         ray.shutdown()
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(REPO))
+    auth = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    _refresh_ray_auth_state()
     port = _free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
-    yield f"http://127.0.0.1:{port}"
-    cluster.shutdown()
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            cluster.shutdown()
+    finally:
+        for name, value in auth.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _refresh_ray_auth_state()
 
 
 def test_submit_runs_the_job_on_a_ray_head(ray_head, tmp_path):

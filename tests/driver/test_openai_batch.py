@@ -109,6 +109,61 @@ def test_result_lines_parse_as_openai_types():
     assert again == outputs  # ids are stable (a retried shard writes the same lines)
 
 
+def test_logprob_bytes_are_the_token_bytes_through_a_part():
+    """A character split over tokens: each piece's text is U+FFFD, its `bytes` are its own raw bytes (engine
+    entry -> row -> Parquet part -> result line), and the pieces join back into the character."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from jobrunner.driver.rows import token_logprobs
+    from jobrunner.engine import TokenLogprob, TopLogprob
+    from jobrunner.io.parts import rows_to_table
+
+    def entry(token_id, raw):
+        text = raw.decode(errors="replace")
+        return TokenLogprob(token_id, text, -0.5, [TopLogprob(token_id, text, -0.5, raw)], raw)
+
+    engine_entries = [entry(7, b" caf"), entry(8, b"\xc3"), entry(9, b"\xa9")]  # " café" as 3 tokens
+    row = _row("c1", 0, " café", token_logprobs(engine_entries), num_output_tokens=3)
+    buf = io.BytesIO()
+    pq.write_table(rows_to_table([row]), buf)
+    stored = pq.read_table(io.BytesIO(buf.getvalue())).to_pylist()[0]
+    assert [e["token_bytes"] for e in stored["logprobs"]] == [b" caf", b"\xc3", b"\xa9"]
+    legacy = _row("c2", 0, "A", [_lp("A", -0.25, [("A", -0.25)])])  # a part written without token_bytes
+    outputs, _ = result_lines([stored, legacy], {"c1": "chat", "c2": "chat"}, "tiny", "job", created=1)
+    content = ChatCompletion.model_validate(outputs[0]["response"]["body"]).choices[0].logprobs.content
+    assert [t.token for t in content] == [" caf", "\ufffd", "\ufffd"]
+    assert [t.bytes for t in content] == [list(b" caf"), [0xC3], [0xA9]]
+    assert [t.top_logprobs[0].bytes for t in content] == [list(b" caf"), [0xC3], [0xA9]]
+    assert bytes(b for t in content for b in t.bytes).decode() == " café"
+    legacy_content = ChatCompletion.model_validate(outputs[1]["response"]["body"]).choices[0].logprobs.content
+    assert legacy_content[0].bytes == [ord("A")] and legacy_content[0].top_logprobs[0].bytes == [ord("A")]
+
+
+def test_result_rows_of_parts_with_and_without_token_bytes(tmp_path):
+    """A job resumed across the `token_bytes` schema change: old parts read with the field null."""
+    import pyarrow as pa
+
+    from jobrunner.io.openai_files import RESULT_COLUMNS, read_result_rows
+    from jobrunner.io.parts import OUTPUT_SCHEMA, rows_to_table, write_part
+    from jobrunner.io.storage import Storage
+
+    old_top = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+    old_type = pa.list_(pa.struct([*old_top, ("top_logprobs", pa.list_(old_top))]))
+    old_schema = pa.schema([f if f.name != "logprobs" else pa.field("logprobs", old_type) for f in OUTPUT_SCHEMA])
+    storage = Storage(str(tmp_path / "out"))
+    old = _row("c1", 0, "A", [_lp("A", -0.25, [("A", -0.25)])])
+    new = _row("c2", 0, "B", [{**_lp("B", -0.5, []), "token_bytes": b"B"}])
+    keys = [write_part(storage, "s0", rows_to_table([old], schema=old_schema)),
+            write_part(storage, "s1", rows_to_table([new]))]
+    rows = read_result_rows(storage, keys)
+    assert set(rows[0]) == set(RESULT_COLUMNS)
+    assert [r["logprobs"][0]["token_bytes"] for r in rows] == [None, b"B"]
+    outputs, _ = result_lines(rows, {"c1": "chat", "c2": "chat"}, "tiny", "job", created=1)
+    assert [o["response"]["body"]["choices"][0]["logprobs"]["content"][0]["bytes"] for o in outputs] == [[65], [66]]
+
+
 def test_error_status_from_part_columns():
     from jobrunner.driver.output_files import error_status
 

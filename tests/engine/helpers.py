@@ -6,15 +6,22 @@ from jobrunner.engine import SamplingParams
 from jobrunner.engine.llm_engine import LLMEngine
 
 
-def run_checked(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams]) -> dict:
-    """Add prompts as requests "r0", "r1", ...; step to completion checking the KV pool every step."""
+def run_checked(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams],
+                by_sample: bool = False) -> dict:
+    """Add prompts as requests "r0", "r1", ...; step to completion checking the KV pool every step.
+
+    Outputs are keyed by request id, or with ``by_sample`` by ``(request_id, sample_index)`` (requests with
+    ``n > 1``); each key must come back once.
+    """
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            outputs[out.request_id] = out
+            key = (out.request_id, out.sample_index) if by_sample else out.request_id
+            assert key not in outputs, f"{key} finished twice"
+            outputs[key] = out
         engine.check_integrity()
     assert engine.kv_manager.pool.num_used_blocks == 0
     return outputs

@@ -1,10 +1,14 @@
-"""Top-K logprobs of output and prompt tokens against transformers' log-softmax on the tiny Llama."""
+"""Top-K logprobs of output and prompt tokens against transformers' log-softmax on the tiny Llama; the raw
+bytes of each token (byte-level BPE and SentencePiece byte pieces)."""
 
 import pytest
 import torch
 from tiny import CORPUS, engine_from_hf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from jobrunner.engine import SamplingParams
+from jobrunner.engine.sampling.logprobs import TokenTexts
 
 
 def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
@@ -71,3 +75,50 @@ def test_bad_logprobs_is_named(value):
 def test_boolean_logprobs_still_accepted():
     assert SamplingParams(logprobs=True).logprobs == 0
     assert SamplingParams(logprobs=False).logprobs is None
+
+
+SPLIT_TEXT = "é café 😀 naïve"  # the tiny tokenizer splits é, ï and the emoji into single-byte tokens
+
+
+def test_token_bytes_of_byte_level_bpe_pieces(tokenizer):
+    ids = tokenizer(SPLIT_TEXT, add_special_tokens=False)["input_ids"]
+    texts = TokenTexts(tokenizer)
+    pairs = [texts.text_and_bytes(i) for i in ids]
+    assert sum(text == "\ufffd" for text, _ in pairs) >= 4  # pieces of characters: their text says nothing
+    assert b"".join(raw for _, raw in pairs) == SPLIT_TEXT.encode()
+    assert pairs[0] == ("\ufffd", b"\xc3") and pairs[1] == ("\ufffd", b"\xa9")  # é = C3 A9, one token each
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert texts.text_and_bytes(im_end) == ("<|im_end|>", b"<|im_end|>")  # added tokens: their text
+
+
+def sentencepiece_byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-style tokenizer: ▁ for spaces, <0xNN> byte pieces for characters outside the vocabulary."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "c", "a", "f", "▁c", "▁ca", "▁caf"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "c"), ("▁c", "a"), ("▁ca", "f")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_token_bytes_of_sentencepiece_byte_pieces():
+    sp = sentencepiece_byte_fallback_tokenizer()
+    ids = sp("café", add_special_tokens=False)["input_ids"]
+    assert sp.convert_ids_to_tokens(ids) == ["▁caf", "<0xC3>", "<0xA9>"]
+    texts = TokenTexts(sp)
+    assert [texts.text_and_bytes(i) for i in ids] == [("caf", b" caf"), ("\ufffd", b"\xc3"), ("\ufffd", b"\xa9")]
+
+
+def test_engine_logprobs_carry_token_bytes(hf_llama, tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = engine.generate([SPLIT_TEXT], params)[0]
+    texts = TokenTexts(tokenizer)
+    first = texts.text_and_bytes(out.prompt_token_ids[0])[1]
+    assert first + b"".join(e.token_bytes for e in out.prompt_logprobs[1:]) == SPLIT_TEXT.encode()
+    for entry in out.prompt_logprobs[1:] + out.logprobs:
+        assert (entry.token, entry.token_bytes) == texts.text_and_bytes(entry.token_id)
+        assert all((t.token, t.token_bytes) == texts.text_and_bytes(t.token_id) for t in entry.top_logprobs)

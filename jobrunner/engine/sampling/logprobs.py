@@ -6,6 +6,8 @@ or grammar masks), as vLLM and OpenAI report them.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 
 import torch
@@ -32,22 +34,116 @@ def unpack(token_id: int, row: Sequence[float], k: int, k_max: int) -> LogprobEn
 
 
 class TokenTexts:
-    """Decoded text of single tokens, cached (a top-20 list would otherwise decode 21 tokens per step)."""
+    """Decoded text and raw bytes of single tokens, cached (a top-20 list would otherwise decode 21 tokens per
+    step)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        self._bytes_of: TokenBytes | None = None  # built on first use
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+        return self.text_and_bytes(token_id)[0]
+
+    def text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            if self._bytes_of is None:
+                self._bytes_of = TokenBytes(self.tokenizer)
+            text = self.tokenizer.decode([token_id])
+            hit = self._cache[token_id] = (text, self._bytes_of(token_id, text))
+        return hit
 
     def entry(self, entry: LogprobEntry) -> TokenLogprob:
         token_id, logprob, alts = entry
-        return TokenLogprob(token_id, self(token_id), logprob,
-                            [TopLogprob(t, self(t), lp) for t, lp in alts])
+        top = []
+        for alt_id, alt_logprob in alts:
+            alt_text, alt_bytes = self.text_and_bytes(alt_id)
+            top.append(TopLogprob(alt_id, alt_text, alt_logprob, token_bytes=alt_bytes))
+        text, raw = self.text_and_bytes(token_id)
+        return TokenLogprob(token_id, text, logprob, top, token_bytes=raw)
+
+
+def _gpt2_byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte as the printable character that stands for it in the vocab."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _gpt2_byte_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
+
+
+class TokenBytes:
+    """The raw bytes of a token, from its vocabulary piece.
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2: the tokenizer's decoder is ``ByteLevel``): each character of
+    the piece stands for one byte. SentencePiece (``▁`` for a space; ``<0xNN>`` byte-fallback pieces): the
+    piece with ``▁`` as a space, or that one byte. Added/special tokens and anything else: the UTF-8 of the
+    decoded text (right for every token that is whole characters).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.kind = _decoder_kind(tokenizer)
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        fallback = text.encode("utf-8")
+        if token_id in self._added:
+            return fallback
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:  # an id past the tokenizer's vocabulary (a padded embedding row)
+            return fallback
+        if not isinstance(piece, str) or not piece:
+            return fallback
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if self.kind == "byte_level" and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if self.kind == "metaspace":
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return fallback
+
+
+def _decoder_kind(tokenizer) -> str:
+    """``byte_level``, ``metaspace`` or ``text``, from the fast tokenizer's decoder (``text`` if none)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return "text"
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:
+        return "text"
+    types, strings = set(), set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            types.add(node.get("type"))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            strings.add(node)
+
+    walk(spec)
+    if "ByteLevel" in types:
+        return "byte_level"
+    if "Metaspace" in types or "\u2581" in strings:
+        return "metaspace"
+    return "text"
 
 
 def prompt_logprob_entries(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[LogprobEntry | None]:
