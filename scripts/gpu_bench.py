@@ -8,9 +8,9 @@ make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. 
 ``generate_batch`` on an HF model with random weights) or ``parity`` (bf16 greedy tokens at head_dim 128
 against transformers for torch/triton attention with and without CUDA graphs). Every run gets a fresh
 model and a share of the wall-clock budget; a run past its deadline stops early and is marked
-``timed_out``; a run's failure (an unknown quantization scheme such as ``fp8`` before it exists, a kernel
-error) is recorded and the next run still goes. Results go to stdout and to ``--out`` (default
-``$OUT/gpu_bench.json``), rewritten after every run.
+``timed_out``; a run's failure (a kernel error, an fp8 GEMM the device refuses) is recorded and the next
+run still goes. Results go to stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after
+every run.
 
 Decode roofline: a decode step must read every weight once and each row's KV cache; at ``rows`` concurrent
 rows of mean context ``L`` it takes at least ``(weight bytes + rows * L * KV bytes per token) / HBM bandwidth``
