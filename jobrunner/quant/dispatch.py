@@ -37,15 +37,15 @@ BF16_MIN_SPEEDUP = 1.25
 CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a millisecond in float32
 
 # Crossovers in tokens (rows of the GEMM): at or below, the packed weight-only kernel; above, dequantize.
-# Fast-bf16 CPU (2-core Xeon, AVX512 + avx512_bf16, 1 thread, SmolLM2 gate_up 3072x576, docs/quantization.md):
-# int8 packed 532 us vs dequant+GEMM 805 us at 8 tokens, 1336 vs 944 at 16; int4 packed 1086 us at 16 tokens
-# vs float32 1133, 4089 at 64.
-# Other CPUs (AVX2; AVX512 without bf16): measured on SmolLM2 in the engine with AVX2 forced (2-core Zen 4,
-# `JOBRUNNER_QUANT_KERNEL_TOKENS`, docs/quantization.md). The packed kernels beat dequantize + float32 GEMM
-# well past batch 64 there: decode at batch 128, 31 steps: int8 packed 15.2 s vs dequantized 16.7 s, int4
-# 14.8 s vs 22.5 s (float32 12.7 s); at batch 64, int8 8.1 s vs 12.7 s. Prefill in 2048-token chunks is where
-# dequantizing wins: int8 9.1 s vs 12.4 s all-packed, int4 9.6 s vs 13.6 s (float32 9.9 s).
-CPU_CROSSOVERS = {True: {"int8": 8, "int4": 16}, False: {"int8": 256, "int4": 256}}  # key: fast bf16
+# Measured in the engine on SmolLM2 (2-core Zen 4 with avx512_bf16; AVX2 forced for the other row;
+# `JOBRUNNER_QUANT_KERNEL_TOKENS` to move them, numbers in docs/quantization.md):
+# * fast bf16: int8 dequantized to bf16 beats its packed kernel at batch 64 (189.5 vs 149.9 tok/s); int4's
+#   packed kernel wins at 64 (170.6 vs 127.9) but not at 128 (decode 11.1 s vs 9.8 s dequantized).
+# * other CPUs (AVX2; AVX512 without bf16): the packed kernels beat dequantize + float32 GEMM well past batch
+#   64: decode at batch 128, int8 packed 15.2 s vs dequantized 16.7 s, int4 14.8 s vs 22.5 s (float32
+#   12.7 s). Dequantizing wins for prefill in 2048-token chunks: int8 9.1 s vs 12.4 s all-packed, int4 9.6 s
+#   vs 13.6 s (float32 9.9 s).
+CPU_CROSSOVERS = {True: {"int8": 8, "int4": 64}, False: {"int8": 256, "int4": 256}}  # key: fast bf16
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}
@@ -82,7 +82,7 @@ class QuantDispatch:
     max_kernel_tokens: dict[str, int]
     tile_weights: int
     fp8_native: bool = False
-    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU, float32 tiles), see quant.native
+    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU tiles), see quant.native
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -163,7 +163,7 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
 
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
-    unpack = "c" if dtype == torch.float32 and int4_unpack_fn() is not None else "torch"
+    unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
                          CPU_TILE_WEIGHTS, int4_unpack=unpack)
 

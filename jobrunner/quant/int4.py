@@ -189,8 +189,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         return out
 
     def _fill_native(self, n0: int, n1: int, wt: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> int:
-        """Whole blocks of rows ``[n0, n1)`` through the one-pass C unpack (float32 only); columns done."""
-        unpack = int4_unpack_fn() if wt.dtype == torch.float32 else None
+        """Whole blocks of rows ``[n0, n1)`` through the one-pass C unpack (float32 / bfloat16); columns done."""
+        unpack = int4_unpack_fn(wt.dtype)
         layout = self.cpu_layout
         full = min(n1, layout.num_full_rows) - n0
         if unpack is None or full <= 0:

@@ -37,44 +37,51 @@ _SOURCE = r"""
 #include <stdint.h>
 /* W^T[k, n] = code(n, k) * scale[k / group, n] + offset[k / group, n] for whole blocks of the CPU int4
    layout: packed is [nb][K][half] bytes; split: rows j and j + half of a block share byte j (low, high);
-   interleaved: rows 2j and 2j + 1. out, scale and offset have rows of ld >= nb * block_n floats. */
-/* half is a compile-time constant in the common cases so that the compiler emits whole-vector code */
-#define SPLIT_BLOCK(NAME, HALF_EXPR)                                                                      \
-  static void NAME(const uint8_t* restrict p, const float* restrict s, const float* restrict z,         \
-                   float* restrict o, int64_t half_arg) {                                                  \
-    const int64_t half = HALF_EXPR;                                                                        \
-    for (int64_t j = 0; j < half; j++) o[j] = (float)(p[j] & 15) * s[j] + z[j];                          \
-    for (int64_t j = 0; j < half; j++) o[half + j] = (float)(p[j] >> 4) * s[half + j] + z[half + j];     \
-  }
-SPLIT_BLOCK(split_block16, 16)
-SPLIT_BLOCK(split_block32, 32)
-SPLIT_BLOCK(split_block, half_arg)
-
-void jr_int4_unpack_t(const uint8_t* packed, const float* scale, const float* offset, float* out,
-                      int64_t K, int64_t nb, int64_t block_n, int64_t split, int64_t group, int64_t ld,
-                      int64_t threads) {
-  const int64_t half = block_n / 2, rows = ld;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t k = 0; k < K; k++) {
-    const float* s = scale + (k / group) * rows;
-    const float* z = offset + (k / group) * rows;
-    float* o = out + k * rows;
-    for (int64_t b = 0; b < nb; b++) {
-      const uint8_t* p = packed + (b * K + k) * half;
-      const int64_t c = b * block_n;
-      if (split) {
-        if (half == 16) split_block16(p, s + c, z + c, o + c, half);
-        else if (half == 32) split_block32(p, s + c, z + c, o + c, half);
-        else split_block(p, s + c, z + c, o + c, half);
-      } else {
-        for (int64_t j = 0; j < half; j++) {
-          o[c + 2 * j] = (float)(p[j] & 15) * s[c + 2 * j] + z[c + 2 * j];
-          o[c + 2 * j + 1] = (float)(p[j] >> 4) * s[c + 2 * j + 1] + z[c + 2 * j + 1];
-        }
-      }
-    }
-  }
+   interleaved: rows 2j and 2j + 1. out, scale and offset have rows of ld >= nb * block_n elements.
+   Two outputs: float32, and bfloat16 (rounded to nearest even, as torch's float -> bfloat16 conversion). */
+static inline float as_f32(float x) { return x; }
+static inline uint16_t as_bf16(float x) {
+  union { float f; uint32_t u; } v = {x};
+  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
+/* half is a compile-time constant in the common cases so that the compiler emits whole-vector code */
+#define SPLIT_BLOCK(NAME, HALF_EXPR, OUT_T, STORE)                                                       \
+  static void NAME(const uint8_t* restrict p, const float* restrict s, const float* restrict z,         \
+                   OUT_T* restrict o, int64_t half_arg) {                                                  \
+    const int64_t half = HALF_EXPR;                                                                        \
+    for (int64_t j = 0; j < half; j++) o[j] = STORE((float)(p[j] & 15) * s[j] + z[j]);                   \
+    for (int64_t j = 0; j < half; j++) o[half + j] = STORE((float)(p[j] >> 4) * s[half + j] + z[half + j]); \
+  }
+#define UNPACK(NAME, OUT_T, STORE)                                                                        \
+  SPLIT_BLOCK(NAME##_split16, 16, OUT_T, STORE)                                                           \
+  SPLIT_BLOCK(NAME##_split32, 32, OUT_T, STORE)                                                           \
+  SPLIT_BLOCK(NAME##_split, half_arg, OUT_T, STORE)                                                       \
+  void NAME(const uint8_t* packed, const float* scale, const float* offset, OUT_T* out, int64_t K,         \
+            int64_t nb, int64_t block_n, int64_t split, int64_t group, int64_t ld, int64_t threads) {      \
+    const int64_t half = block_n / 2, rows = ld;                                                           \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
+    for (int64_t k = 0; k < K; k++) {                                                                      \
+      const float* s = scale + (k / group) * rows;                                                         \
+      const float* z = offset + (k / group) * rows;                                                        \
+      OUT_T* o = out + k * rows;                                                                           \
+      for (int64_t b = 0; b < nb; b++) {                                                                   \
+        const uint8_t* p = packed + (b * K + k) * half;                                                    \
+        const int64_t c = b * block_n;                                                                     \
+        if (split) {                                                                                       \
+          if (half == 16) NAME##_split16(p, s + c, z + c, o + c, half);                                    \
+          else if (half == 32) NAME##_split32(p, s + c, z + c, o + c, half);                               \
+          else NAME##_split(p, s + c, z + c, o + c, half);                                                 \
+        } else {                                                                                           \
+          for (int64_t j = 0; j < half; j++) {                                                             \
+            o[c + 2 * j] = STORE((float)(p[j] & 15) * s[c + 2 * j] + z[c + 2 * j]);                        \
+            o[c + 2 * j + 1] = STORE((float)(p[j] >> 4) * s[c + 2 * j + 1] + z[c + 2 * j + 1]);            \
+          }                                                                                                \
+        }                                                                                                  \
+      }                                                                                                    \
+    }                                                                                                      \
+  }
+UNPACK(jr_int4_unpack_t, float, as_f32)
+UNPACK(jr_int4_unpack_t_bf16, uint16_t, as_bf16)
 """
 
 Unpack = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, int], None]
@@ -91,27 +98,30 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
+UNPACK_SYMBOLS = {torch.float32: "jr_int4_unpack_t", torch.bfloat16: "jr_int4_unpack_t_bf16"}
+
+
 @functools.cache
-def int4_unpack_fn() -> Unpack | None:
-    """The compiled unpack as ``fn(packed_blocks, scale, offset, out, block_n, split, group)``, or ``None``."""
-    lib = _library()
+def int4_unpack_fn(dtype: torch.dtype = torch.float32) -> Unpack | None:
+    """The compiled unpack writing ``dtype`` (float32 or bfloat16) as ``fn(packed_blocks, scale, offset, out,
+    block_n, split, group)``, or ``None`` (no such variant, or no native code here)."""
+    lib = _library() if dtype in UNPACK_SYMBOLS else None
     if lib is None:
         return None
-    fn = lib.jr_int4_unpack_t
+    fn = getattr(lib, UNPACK_SYMBOLS[dtype])
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7
 
     def unpack(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out: torch.Tensor,
                block_n: int, split: bool, group: int) -> None:
-        # packed: uint8 [nb, K, block_n / 2]; scale, offset: float32 [K / group, ld]; out: float32 [K, ld],
+        # packed: uint8 [nb, K, block_n / 2]; scale, offset: float32 [K / group, ld]; out: dtype [K, ld],
         # of which the first nb * block_n columns are written
         nb, k, _ = packed.shape
         if out.shape[1] < nb * block_n or scale.shape[1] != out.shape[1] or offset.shape != scale.shape:
             raise ValueError("native int4 unpack: out / scale / offset widths do not match")
-        for t, dtype in ((packed, torch.uint8), (scale, torch.float32), (offset, torch.float32),
-                         (out, torch.float32)):
-            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"native int4 unpack: expected a contiguous CPU {dtype} tensor, got {t.dtype}")
+        for t, want in ((packed, torch.uint8), (scale, torch.float32), (offset, torch.float32), (out, dtype)):
+            if t.dtype != want or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"native int4 unpack: expected a contiguous CPU {want} tensor, got {t.dtype}")
         fn(packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), out.data_ptr(), k, nb, block_n, int(split),
            group, out.shape[1], torch.get_num_threads())
 

@@ -35,7 +35,7 @@ def test_avx2_and_fast_bf16_decisions() -> None:
     for cap in ("avx512_bf16", "amx"):
         fast = dispatch_for("cpu", cap)
         assert (fast.capability, fast.compute_dtype) == (cap, torch.bfloat16)
-        assert fast.max_kernel_tokens == {"int8": 8, "int4": 16}
+        assert fast.max_kernel_tokens == {"int8": 8, "int4": 64}
     assert dispatch_for("cpu", "avx512").compute_dtype == torch.float32  # AVX512 without bf16 hardware
     assert dispatch_for("cpu", "avx2").to_dict()["dequant_dtype"] == "float32"
 
@@ -79,7 +79,7 @@ def test_paths_by_token_count_and_compute_dtype(cls: str) -> None:
     x = torch.randn(300, 128)  # above every crossover: the dequantized-tile path
     results = {}
     for cap, limit, dtype, tol in (("avx2", {"int8": 256, "int4": 256}, torch.float32, 1e-6),
-                                   ("avx512_bf16", {"int8": 8, "int4": 16}, torch.bfloat16, 1e-2)):
+                                   ("avx512_bf16", {"int8": 8, "int4": 64}, torch.bfloat16, 1e-2)):
         d = dispatch_for("cpu", cap)
         q = Int8WeightOnlyLinear.from_linear(lin, d) if cls == "int8" else Int4WeightOnlyLinear.from_linear(lin, 32, d)
         assert q.path(limit[cls]) == "packed" and q.path(limit[cls] + 1) == "dequant"
@@ -165,3 +165,8 @@ def test_native_int4_unpack_matches_torch(split: bool) -> None:
     assert torch.allclose(out[:, :96].double(), expect, rtol=0, atol=1e-5)
     assert torch.equal(out[:, 96:], torch.full((k, 16), -7.0))
     assert dispatch_for("cpu", "avx2").int4_unpack == "c"
+    # the bfloat16 variant writes the float32 result rounded to nearest even (torch's own conversion)
+    out_bf16 = torch.full((k, ld), -7.0, dtype=torch.bfloat16)
+    int4_unpack_fn(torch.bfloat16)(packed, scale, offset, out_bf16, block_n, split, 32)
+    assert torch.equal(out_bf16, out.to(torch.bfloat16))
+    assert int4_unpack_fn(torch.float16) is None  # no such variant: the torch path
