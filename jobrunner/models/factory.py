@@ -56,7 +56,7 @@ def describe_dtype_choice(choice: dict[str, Any]) -> str:
 
 def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
     """The quantized layers' dispatch as one line for the manifest, e.g.
-    ``cpu avx2: int8 kernel <= 4 tokens, int4 kernel <= 16 tokens, else dequantized float32 tiles``."""
+    ``cpu avx2: int8 kernel <= 256 tokens, int4 kernel <= 256 tokens, else dequantized float32 tiles``."""
     if not dispatch:
         return None
     kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
