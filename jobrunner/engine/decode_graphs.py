@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
+from jobrunner.engine.graph_capture import capture_graph
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BLOCKS = 16    # the smallest context bucket, in blocks (256 tokens at block size 16)
@@ -139,20 +140,7 @@ class DecodeGraphs:
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.kv_cache)
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream first (lazy kernel/library initialisation must not land in the graph).
-        # The warm-up runs compute the real step: they write the same K/V to the same slots as the replay.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(batch, blocks)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a Ray worker's other threads (uploads, heartbeats) may touch CUDA during a capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            output = self._forward(batch, blocks)
+        graph, output, self.pool = capture_graph(self.device, self.pool, lambda: self._forward(batch, blocks))
         return graph, output
 
     def stats(self) -> dict[str, int]:

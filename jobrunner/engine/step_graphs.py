@@ -27,6 +27,7 @@ import torch
 
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
+from jobrunner.engine.graph_capture import capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -120,20 +121,7 @@ class StepGraphs:
             return None
 
     def _capture(self, t, meta) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream first (Triton compiles, lazy library init must not land in the graph).
-        # The warm-up runs compute the real step: they write the same K/V to the same slots as the replay.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(t, meta)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a Ray worker's other threads (uploads, heartbeats) may touch CUDA during a capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            output = self._forward(t, meta)
+        graph, output, self.pool = capture_graph(self.device, self.pool, lambda: self._forward(t, meta))
         return graph, output
 
     def stats(self) -> dict[str, int]:
