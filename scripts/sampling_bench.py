@@ -24,6 +24,7 @@ from pathlib import Path
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS_FILE = "gsm8k_test.prompts.jsonl"
+NEVER_STOP = ["\x00never", "zzzz-no"]  # stop strings that never match: the check runs on every step
 ANSWER_SCHEMA = {"type": "object", "properties": {
     "reasoning": {"type": "string", "maxLength": 200}, "answer": {"type": "integer"}},
     "required": ["reasoning", "answer"], "additionalProperties": False}
@@ -47,13 +48,18 @@ def load_prompts(path: Path, rows: int) -> list[list[dict]]:
     return [[{"role": "user", "content": q}] for q in load_questions(path)[:rows]]
 
 
-def run(engine: LLMEngine, prompts, params) -> dict:
-    """One workload on a fresh stats baseline: wall time, output tok/s, computed prompt tokens."""
+def timed_generate(engine: LLMEngine, prompts, params) -> tuple[list, float, dict, dict]:
+    """``(outputs, wall seconds, engine stats before, stats after)`` of one ``generate`` call."""
     before = engine.stats().to_dict()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
-    after = engine.stats().to_dict()
+    return outs, wall, before, engine.stats().to_dict()
+
+
+def run(engine: LLMEngine, prompts, params) -> dict:
+    """One workload on a fresh stats baseline: wall time, output tok/s, computed prompt tokens."""
+    outs, wall, before, after = timed_generate(engine, prompts, params)
     num_out = sum(len(o.output_token_ids) for o in outs)
     return {"rows": len(outs), "wall_s": wall, "output_tok_s": num_out / wall,
             "computed_prompt_tokens": after["num_prefill_tokens"] - before["num_prefill_tokens"],
@@ -76,7 +82,7 @@ def workloads(prompts, max_tokens: int, stop_tokens: int) -> dict:
         "greedy_x2": (prompts * 2, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)),
         "sampled_x2": (prompts * 2, [SamplingParams(**base, seed=i) for i in range(2 * len(prompts))]),
         "stop_strings": (prompts[:8], SamplingParams(max_tokens=stop_tokens, temperature=0.8, seed=1,
-                                                     ignore_eos=True, stop=["\x00never", "zzzz-no"])),
+                                                     ignore_eos=True, stop=NEVER_STOP)),
     }
 
 

@@ -1,9 +1,10 @@
 """Stop-string cost before/after the incremental detokenizer (b48bc5c): the same greedy rows with stop strings
 that never match (so the check runs every step) and without stop strings; output tok/s of each and the ratio.
 
-Self-contained: only engine API that every version since ed662c2 has (EngineConfig, LLMEngine.from_source,
-generate, SamplingParams(max_tokens, temperature, ignore_eos, stop), stats().to_dict()), so the same file runs
-against an old checkout: whichever jobrunner is first on PYTHONPATH is measured.
+It (and the helpers it takes from sampling_bench.py beside it) uses only engine API that every version since
+ed662c2 has (EngineConfig, LLMEngine.from_source, generate, SamplingParams(max_tokens, temperature,
+ignore_eos, stop), stats().to_dict()), so the same file runs against an old checkout:
+whichever jobrunner is first on PYTHONPATH is measured.
 
     git worktree add /work/wt/old-ed662c2 ed662c2    # old stop check (whole output re-decoded every step)
     cd /work/wt/old-ed662c2 && PYTHONPATH=$PWD /work/wt/bench/.venv/bin/python \\
@@ -24,30 +25,14 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from sampling_bench import NEVER_STOP, PROMPTS_FILE, find_prompts, load_prompts, timed_generate  # scripts/
 
 import jobrunner
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
 
-PROMPTS_FILE = "gsm8k_test.prompts.jsonl"
-NEVER_STOP = ["\x00never", "zzzz-no"]  # as in sampling_bench's stop_strings workload
 CHECKOUT = Path(jobrunner.__file__).resolve().parents[1]  # the jobrunner under test (may be another worktree)
-
-
-def find_prompts() -> Path:
-    """shared/data/gsm8k_test.prompts.jsonl beside (or above) this script's checkout or the one under test."""
-    for start in (Path(__file__).resolve().parent, CHECKOUT):
-        for parent in [start, *start.parents]:
-            candidate = parent / "shared" / "data" / PROMPTS_FILE
-            if candidate.exists():
-                return candidate
-    raise SystemExit(f"no shared/data/{PROMPTS_FILE} found; pass --prompts PATH")
-
-
-def load_prompts(path: Path, rows: int) -> list[list[dict]]:
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:rows]
-    return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in lines]
 
 
 def git_commit(root: Path) -> str | None:
@@ -71,11 +56,7 @@ def build_engine(args) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params) -> tuple[dict, list[list[int]]]:
-    before = engine.stats().to_dict()
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    after = engine.stats().to_dict()
+    outs, wall, before, after = timed_generate(engine, prompts, params)
     num_out = sum(len(o.output_token_ids) for o in outs)
     engine_s = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in ("prefill_s", "decode_s", "schedule_s"))
     return {"wall_s": wall, "output_tokens": num_out, "output_tok_s": num_out / wall,
