@@ -6,9 +6,9 @@ ed662c2 has (EngineConfig, LLMEngine.from_source, generate, SamplingParams(max_t
 ignore_eos, stop), stats().to_dict()), so the same file runs against an old checkout:
 whichever jobrunner is first on PYTHONPATH is measured.
 
-    git worktree add /work/wt/old-ed662c2 ed662c2    # old stop check (whole output re-decoded every step)
-    cd /work/wt/old-ed662c2 && PYTHONPATH=$PWD /work/wt/bench/.venv/bin/python \\
-        /work/wt/bench/scripts/stop_string_bench.py [--rows 8] [--max-tokens 1024]
+    REPO=$PWD; git worktree add ../old-88a4d19 88a4d19    # old stop check (whole output re-decoded every step)
+    cd ../old-88a4d19 && PYTHONPATH=$PWD $REPO/.venv/bin/python \\
+        $REPO/scripts/stop_string_bench.py [--rows 8] [--max-tokens 1024]
 
 b48bc5c's parent is 88a4d19, not ed662c2: ed662c2 has the same stopping.py but ~50 older commits elsewhere
 (attention, rotary, decode graphs), so compare ratios (stop / no stop), not raw tok/s, across versions; a
