@@ -1,6 +1,7 @@
 """Fixtures shared by every test package.
 
-- `s3_server`: a real S3-compatible server (moto in server mode) on 127.0.0.1, on a port the OS picks.
+- `s3_server`: a real S3-compatible server (moto in server mode) on 127.0.0.1, on a port the OS picks; if it
+  cannot start, the S3 tests fail under ``CI=true`` and skip elsewhere (see ``tests/components.py``).
 - `tiny_llama_hf_dir`: a 2-layer random Llama saved in Hugging Face layout with a small byte-level BPE
   tokenizer and a ChatML chat template (what `jobrunner.models.sources` accepts as a local model dir).
 
@@ -9,9 +10,16 @@ Heavy imports stay inside the fixtures so collecting tests that do not use them 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `tests.*` helper modules import the same under `pytest` and `python -m pytest`
+    sys.path.insert(0, str(REPO))
+
+from tests.components import missing_component, require_import  # noqa: E402
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -30,9 +38,12 @@ def s3_server():
 
     Buckets are shared by the whole session: give each test its own bucket name.
     """
-    moto_server = pytest.importorskip("moto.server")
+    moto_server = require_import("moto.server", "the S3 tests need moto's server (pip install 'moto[server]')")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot start is the same missing component
+        missing_component(f"moto's S3 server did not start on 127.0.0.1: {exc!r}")
     host, port = server.get_host_and_port()
     endpoint_url = f"http://{host}:{port}"
     storage_options = {

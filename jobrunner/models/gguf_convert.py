@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-# Written into the converted directory; bump when the conversion changes in a way that needs a redo.
+# Written into the converted directory and read back by `conversion_is_current`: bump it when the conversion
+# changes in a way that needs a redo, and every cached conversion is rebuilt on its next use.
 CONVERTER_VERSION = 1
 MARKER_FILE = "jobrunner_conversion.json"
 
@@ -118,11 +119,26 @@ def read_gguf_chat_template(gguf_path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def _write_marker(gguf_path: Path, out_dir: Path) -> None:
-    """Record where the directory came from (for humans and for future cache invalidation)."""
-    marker = {
+def conversion_is_current(gguf_path: Path, out_dir: Path) -> bool:
+    """Whether `out_dir` was converted from this GGUF file (name, size) by this CONVERTER_VERSION.
+
+    A directory without a readable marker (an older converter, a crash, a hand-made copy) is not current.
+    """
+    try:
+        marker = json.loads((out_dir / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == _marker(gguf_path)
+
+
+def _marker(gguf_path: Path) -> dict:
+    return {
         "converter_version": CONVERTER_VERSION,
         "gguf_file": gguf_path.name,
         "gguf_size": gguf_path.stat().st_size,
     }
-    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _write_marker(gguf_path: Path, out_dir: Path) -> None:
+    """Record where the directory came from; `conversion_is_current` reads it to decide on a rebuild."""
+    (out_dir / MARKER_FILE).write_text(json.dumps(_marker(gguf_path), indent=2) + "\n")

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobrunner.models.gguf_convert import GGUFFixups, convert_gguf
+from jobrunner.models.gguf_convert import GGUFFixups, conversion_is_current, convert_gguf
 
 # The patterns fetched from the Hub and from storage URLs; `*.bin` joins them only with allow_pickle.
 MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -133,12 +133,15 @@ def fetch_patterns(allow_pickle: bool) -> list[str]:
 
 
 def _resolve_alias(name: str, root: Path) -> Path:
-    """Convert the alias's GGUF file once into `<root>/models/<name>` and return that directory."""
+    """Convert the alias's GGUF file once into `<root>/models/<name>` and return that directory.
+
+    A cached conversion whose marker names another converter version or GGUF file is converted again.
+    """
     alias = ALIASES[name]
     target = root / "models" / name
-    if not target.is_dir():
-        gguf_path = find_packaged_gguf(alias)
-        build_dir_once(target, lambda tmp: convert_gguf(gguf_path, tmp, alias.fixups))
+    gguf_path = find_packaged_gguf(alias)
+    build_dir_once(target, lambda tmp: convert_gguf(gguf_path, tmp, alias.fixups),
+                   is_current=lambda built: conversion_is_current(gguf_path, built))
     return check_model_dir(target, name, allow_pickle=False)
 
 
@@ -166,27 +169,40 @@ def find_packaged_gguf(alias: GGUFAlias) -> Path:
 # --- caches: build once, atomically, under a lock ------------------------------------------------------
 
 
-def build_dir_once(target: Path, build: Callable[[Path], None]) -> Path:
+def build_dir_once(target: Path, build: Callable[[Path], None],
+                   is_current: Callable[[Path], bool] = lambda built: True) -> Path:
     """Make `target` exist by running `build(tmp_dir)` and renaming tmp_dir to `target`, at most once.
 
     Holds an exclusive `fcntl.flock` on `<target>.lock` while building, so concurrent callers (Ray workers
-    on one machine) wait for the first one and then reuse its result. A failed build leaves no `target`.
+    on one machine) wait for the first one and then reuse its result. A failed build leaves no `target`
+    (and an outdated one in place). An existing `target` for which `is_current` is false is built again
+    and replaced.
     """
-    if target.is_dir():
+    if target.is_dir() and is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.with_name(target.name + ".lock")):
-        if target.is_dir():
+        if target.is_dir() and is_current(target):
             return target
         _remove_stale_builds(target)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=_tmp_prefix(target)))
         try:
             build(tmp)
             _make_readable(tmp)
+            _retire(target)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _retire(target: Path) -> None:
+    """Move an outdated `target` aside (a rename: readers holding its files keep them) and delete it."""
+    if not target.exists():
+        return
+    old = Path(tempfile.mkdtemp(dir=target.parent, prefix=_tmp_prefix(target) + "old-"))
+    os.replace(target, old / target.name)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from tiny import engine_from_hf
 from jobrunner.attention import StepLayout, StepUpload, make_backend
 from jobrunner.attention.torch_backend import TORCH_BACKEND
 from jobrunner.engine import EngineConfig, SamplingParams
+from tests.components import require_import
 
 CHILD_FLAG = "JOBRUNNER_TRITON_CHILD"
 IN_CHILD = os.environ.get(CHILD_FLAG) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,7 +36,7 @@ def interpreted():
 
 @pytest.mark.skipif(IN_CHILD, reason="this is the parent test")
 def test_kernels_under_the_triton_interpreter():
-    pytest.importorskip("triton")
+    require_import("triton", "a [test] dependency on Linux: its CPU interpreter runs our attention kernels")
     env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
     select = "triton and not fallback and not under_the"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(__file__))]
@@ -168,7 +169,7 @@ def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenize
 def test_kernel_compiles_for_hopper_without_a_gpu(block_m):
     """The interpreter skips Triton's compiler; compile to PTX for sm_90 (no GPU needed) to catch what only
     the compiler rejects. bf16, head_dim 128, GQA 4: the Llama-3-8B decode (16) and prompt-chunk (64) tiles."""
-    triton = pytest.importorskip("triton")
+    triton = require_import("triton", "a [test] dependency on Linux: compiles our kernels to PTX")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from jobrunner.engine import EngineConfig, SamplingParams
+from tests.components import missing_component
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
 NUM_PROMPTS, NUM_TOKENS = 64, 64
@@ -26,7 +27,7 @@ def one_thread():
 @pytest.mark.timeout(1200)
 def test_smollm2_greedy_matches_transformers(one_thread):
     if not DATA.exists():
-        pytest.skip(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
+        missing_component(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
     from transformers import AutoModelForCausalLM
 
     from jobrunner.engine import LLMEngine

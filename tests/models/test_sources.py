@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import threading
 import time
@@ -14,10 +15,11 @@ import pytest
 import torch
 
 from jobrunner.io import model_fetch
-from jobrunner.models import sources
+from jobrunner.models import gguf_convert, sources
 from jobrunner.models.gguf_convert import read_gguf_chat_template
 from jobrunner.models.sources import ModelSourceError, build_dir_once, resolve_model_dir
 from jobrunner.models.weights import iter_safetensors, load_config, load_tokenizer
+from tests.components import require_import
 
 
 def _file_names(path: Path) -> set[str]:
@@ -206,15 +208,61 @@ def test_alias_without_package_says_how_to_install(tmp_path, monkeypatch):
         resolve_model_dir("smollm2-135m-instruct", cache_dir=str(tmp_path))
 
 
+@pytest.fixture
+def fake_alias(tmp_path, monkeypatch, tiny_llama_hf_dir) -> list[Path]:
+    """The alias path with a stand-in GGUF file and a converter that copies the tiny model and writes the real
+    marker (`gguf_convert._write_marker`); returns the list of conversions it ran."""
+    gguf_path = tmp_path / "pkg" / "model.gguf"
+    gguf_path.parent.mkdir()
+    gguf_path.write_bytes(b"GGUF" + b"\0" * 60)
+    conversions: list[Path] = []
+
+    def convert(path: Path, out_dir: Path, fixups=None) -> None:
+        conversions.append(path)
+        for item in tiny_llama_hf_dir.iterdir():
+            shutil.copy(item, out_dir / item.name)
+        gguf_convert._write_marker(path, out_dir)
+
+    monkeypatch.setattr(sources, "find_packaged_gguf", lambda alias: gguf_path)
+    monkeypatch.setattr(sources, "convert_gguf", convert)
+    return conversions
+
+
+def test_alias_cache_is_rebuilt_when_the_converter_changes(fake_alias, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    model_dir = resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
+    assert len(fake_alias) == 1  # current marker: reused
+    marker = json.loads((model_dir / gguf_convert.MARKER_FILE).read_text())
+    assert marker["converter_version"] == gguf_convert.CONVERTER_VERSION
+    monkeypatch.setattr(gguf_convert, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
+    assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
+    assert len(fake_alias) == 2  # a newer converter: converted again, in place
+    marker = json.loads((model_dir / gguf_convert.MARKER_FILE).read_text())
+    assert marker["converter_version"] == gguf_convert.CONVERTER_VERSION
+    assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
+    assert len(fake_alias) == 2
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [
+        "smollm2-135m-instruct", "smollm2-135m-instruct.lock"]  # the outdated copy is gone
+
+
+def test_alias_cache_without_marker_is_rebuilt(fake_alias, tmp_path):
+    cache = str(tmp_path / "cache")
+    model_dir = resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    (model_dir / gguf_convert.MARKER_FILE).unlink()  # a conversion by a converter that wrote no marker
+    resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    assert len(fake_alias) == 2 and (model_dir / gguf_convert.MARKER_FILE).is_file()
+
+
 def test_gguf_chat_template_fallback_reads_metadata():
-    pytest.importorskip("gguf")
+    require_import("gguf", "the packaged SmolLM2 GGUF needs the [gguf] extra")
     gguf_path = sources.find_packaged_gguf(sources.ALIASES["smollm2-135m-instruct"])
     template = read_gguf_chat_template(gguf_path)
     assert template.startswith("{% for message in messages %}") and "<|im_start|>assistant" in template
 
 
 @pytest.mark.slow
-def test_smollm2_alias_converts_once_and_loads():
+def test_smollm2_alias_converts_once_and_loads(monkeypatch):
     """Uses the shared default cache (`$JOBRUNNER_CACHE` or ~/.cache/jobrunner): converts only when cold."""
     alias = sources.ALIASES["smollm2-135m-instruct"]
     model_dir = resolve_model_dir("smollm2-135m-instruct")
@@ -230,6 +278,8 @@ def test_smollm2_alias_converts_once_and_loads():
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer("Hello world").input_ids == [19556, 905]  # no BOS, no prefix space
 
-    start = time.perf_counter()
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("the cached conversion was current: it must not be converted again")
+
+    monkeypatch.setattr(sources, "convert_gguf", no_second_conversion)
     assert resolve_model_dir("smollm2-135m-instruct") == model_dir
-    assert time.perf_counter() - start < 1.0

@@ -15,17 +15,22 @@ import pytest
 from jobrunner.reports import Slo, load_report
 from jobrunner.reports.html import render_html
 from jobrunner.reports.svg import PALETTE
+from tests.components import missing_component
 
 CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="needs Debian's Chromium at /usr/bin/chromium (`make test` installs it as root; "
-           "or: apt-get update && apt-get install -y chromium)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--hide-scrollbars", "--enable-logging=stderr", "--v=0"]
 # Chromium's own console lines and load failures; container noise (dbus, ...) is not about the page.
 PAGE_PROBLEM = re.compile(r"CONSOLE|Uncaught|Page load failed|ERR_[A-Z_]+")
+
+
+@pytest.fixture(autouse=True)
+def chromium_present() -> None:
+    """A skip on a machine without Chromium; a failure under CI=true (CI installs it with `make browser`)."""
+    if not CHROMIUM.exists():
+        missing_component("needs Debian's Chromium at /usr/bin/chromium (`make test` installs it as root; "
+                          "or: apt-get update && apt-get install -y chromium)")
 
 
 def _chromium(page: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
