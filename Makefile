@@ -30,7 +30,7 @@ browser:
 
 test: venv browser
 	$(BIN)/ruff check jobrunner tests
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -rs --durations=15
 
 lint: venv
 	$(BIN)/ruff check jobrunner tests

@@ -29,6 +29,7 @@ class StepLayout:
     num_tokens: int
     block_size: int
     row_keys: list[str] | None = None  # a stable key per row (request id): lets backends keep per-row state
+    sliding_window: int | None = None  # a query at position p sees keys p - sliding_window + 1 .. p only
 
     @property
     def num_rows(self) -> int:

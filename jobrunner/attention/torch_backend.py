@@ -4,7 +4,8 @@ For each group of rows we gather its keys/values block by block (whole blocks ar
 the copy runs at memory speed) into a padded ``[G, num_blocks * block_size]`` layout and call
 ``scaled_dot_product_attention`` once. Every prompt chunk is its own group; single-token rows are sorted by
 context length and packed into groups of similar length. A chunk starting at position 0 uses the causal
-kernel with no mask; other groups get a boolean mask, built on the device from a few small index vectors.
+kernel with no mask; other groups get a boolean mask, built on the device from a few small index vectors
+(with a sliding window, the mask also hides keys more than ``sliding_window - 1`` positions back).
 Grouped-query attention is folded into the query-length axis — queries ``[G, kv_heads, n_rep * Q, D]``
 against keys ``[G, kv_heads, L, D]`` — so keys and values are never repeated per query head.
 """
@@ -73,11 +74,12 @@ class TorchBackend(AttentionBackend):
             upload.add(f"dec{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
         t = upload.flush()
         device, bs = upload.device, layout.block_size
-        groups = [_chunk_group(offset, q_len, seq_len, t[f"chunk{i + 1}"], bs, device)
+        window = layout.sliding_window
+        groups = [_chunk_group(offset, q_len, seq_len, t[f"chunk{i + 1}"], bs, device, window)
                   for i, (offset, q_len, seq_len) in enumerate(chunks)]
         for i, group in enumerate(packed):
             groups.append(_decode_group(len(group), -(-group[-1][0] // bs) * bs, t[f"dec{i}_len"],
-                                        t[f"dec{i}_index"], t[f"dec{i}_blocks"], device))
+                                        t[f"dec{i}_index"], t[f"dec{i}_blocks"], device, window))
         return TorchMetadata(t["slot_mapping"], groups, layout.num_tokens, bs)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
@@ -103,21 +105,28 @@ def _padded_table(table: list[int], num_blocks: int) -> list[int]:
 
 
 def _chunk_group(offset: int, q_len: int, seq_len: int, blocks: torch.Tensor, block_size: int,
-                 device: torch.device) -> AttentionGroup:
-    # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1.
+                 device: torch.device, window: int | None = None) -> AttentionGroup:
+    # One request computing Q tokens at positions start..start+Q-1, attending to keys 0..start+Q-1
+    # (with a window w: keys row-w+1..row of each query row).
     start = seq_len - q_len
     padded_len = blocks.numel() * block_size
     index = torch.arange(offset, offset + q_len, device=device)
-    if start == 0:
+    if start == 0 and (window is None or seq_len <= window):
         return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
     rows = torch.arange(start, seq_len, device=device)[:, None]
-    mask = torch.arange(padded_len, device=device)[None, :] <= rows      # [Q, L] causal with offset
+    keys = torch.arange(padded_len, device=device)[None, :]
+    mask = keys <= rows      # [Q, L] causal with offset
+    if window is not None:
+        mask &= keys > rows - window
     return AttentionGroup(1, q_len, padded_len, index, blocks, mask, index, repeat_mask=True)
 
 
 def _decode_group(num_seqs: int, kv_len: int, lengths: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor,
-                  device: torch.device) -> AttentionGroup:
-    mask = torch.arange(kv_len, device=device)[None, :] < lengths[:, None]    # [G, L]
+                  device: torch.device, window: int | None = None) -> AttentionGroup:
+    keys = torch.arange(kv_len, device=device)[None, :]
+    mask = keys < lengths[:, None]    # [G, L]; the query sits at position length - 1
+    if window is not None:
+        mask &= keys >= lengths[:, None] - window
     return AttentionGroup(num_seqs, 1, kv_len, index, blocks, mask[:, None, None, :], index)
 
 

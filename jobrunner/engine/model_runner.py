@@ -59,6 +59,12 @@ class ModelRunner:
                  attention_backend: str = "auto", max_num_tokens: int = 2048) -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
+        self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
+        if self.sliding_window is not None and (attention_backend == "triton" or decode_graphs != "off"):
+            log.warning("sliding-window attention (window %d < max_model_len %d) runs on the eager torch backend "
+                        "only; attention_backend=%r and decode_graphs=%r are not used", self.sliding_window,
+                        max_model_len, attention_backend, decode_graphs)
+            attention_backend, decode_graphs = "torch", "off"
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -201,7 +207,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         bs = self.block_size
-        layout = StepLayout([], [], [], [], 0, bs, row_keys=[])
+        layout = StepLayout([], [], [], [], 0, bs, row_keys=[], sliding_window=self.sliding_window)
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             offset = len(input_ids)
@@ -233,6 +239,11 @@ class ModelRunner:
         t = upload.flush()
         return StepInputs(t["input_ids"], t["positions"], meta, t["sample_rows"],
                           [s for s in scheduled if s.samples])
+
+
+def _effective_window(window: int | None, max_model_len: int) -> int | None:
+    """The model's sliding window where it can hide a key: None when no sequence outgrows it."""
+    return window if window is not None and window < max_model_len else None
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

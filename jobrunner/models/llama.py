@@ -1,9 +1,11 @@
 """Our Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV cache.
 
 Differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings, rope scaling, explicit head_dim. Projections are fused (q|k|v and gate|up) so a
-step runs two GEMMs fewer per layer; every projection is a plain ``nn.Linear`` so quantization can swap it.
-Inputs are flat token batches: ``input_ids`` / ``positions`` are ``[T]`` for all scheduled requests of a step.
+(Qwen3), tied embeddings, rope scaling, explicit head_dim, Mistral's sliding-window attention (each token
+sees only the last ``sliding_window`` positions, itself included; the attention backend applies it as a
+mask). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer; every projection
+is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
+``positions`` are ``[T]`` for all scheduled requests of a step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    sliding_window: int | None = None  # keys a query sees (itself included); None = all earlier positions
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -55,7 +58,19 @@ class ModelShape:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(config, arch),
         )
+
+
+def _sliding_window(config, arch: str) -> int | None:
+    """Mistral's window (every layer); Qwen2/3 windows are per layer (max_window_layers): refused clearly."""
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{arch}: use_sliding_window=true (a window on some layers only) is not supported; "
+                         "supported: Mistral's sliding_window on every layer")
+    window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
+    if window is not None and int(window) < 1:
+        raise ValueError(f"{arch}: sliding_window must be a positive number of tokens, got {window!r}")
+    return None if window is None else int(window)
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,10 @@
-"""Rotary position embeddings as the model config says (default, linear, llama3, yarn, ... scaling)."""
+"""Rotary position embeddings as the model config says (default, linear, llama3 or yarn scaling).
+
+Our cos/sin tables are fixed per position, so we accept exactly the scalings whose frequencies do not depend on
+the running sequence length. ``dynamic`` (NTK) and ``longrope`` recompute their frequencies in transformers from
+the longest position of each forward pass (and ``proportional`` is Gemma's partial rotary): they are refused
+with an error naming the type, rather than silently computed differently.
+"""
 
 from __future__ import annotations
 
@@ -16,18 +22,23 @@ def rope_parameters(config) -> dict:
     return params
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def inv_freq_and_scaling(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim // 2] and the cos/sin scaling factor, computed as transformers does."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling rope_type={rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)} (dynamic and longrope change with the sequence length, "
+                         "which fixed per-position tables cannot follow)")
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     with torch.device("cpu"):  # also when the model itself is being built on "meta"
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
