@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.driver.job import run_job
+from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
 from jobrunner.io.parts import read_output
 from jobrunner.spec import load_spec
 from tests.driver.helpers import REPO, read_manifest_file
@@ -23,6 +24,7 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     pq.write_table(table, tmp_path / "slice.parquet", row_group_size=5)
     spec = load_spec(REPO / "jobs" / "example.yaml", [
         f"input.url={tmp_path / 'slice.parquet'}", "input.rows_per_shard=5", "sampling.max_tokens=8",
+        "model.dtype=float32",
         f"output.url={tmp_path / 'out'}", "cluster.num_cpus_per_worker=1"])
     result = run_job(spec, show_progress=False)
     assert result.ok, result.summary()
@@ -32,7 +34,10 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     assert out[bad_id]["finish_reason"] == "error" and "messages column" in out[bad_id]["error"]
     good = [r for i, r in out.items() if i != bad_id]
     assert all(r["finish_reason"] in ("stop", "length") and r["generated_text"] is not None for r in good)
-    assert sum(bool(r["generated_text"].strip()) for r in good) >= 7
+    # The content: the engine's own greedy output for the same chats, outside Ray and the driver.
+    expected = _reference_texts([messages[i] for i in range(10) if i != 3], max_tokens=8)
+    good_ids = [sample.column("id")[i].as_py() for i in range(10) if i != 3]
+    assert {i: out[i]["generated_text"] for i in good_ids} == dict(zip(good_ids, expected, strict=True))
     assert all(0 < r["num_output_tokens"] <= 8 and r["num_prompt_tokens"] > 0 for r in good)
     assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in good)
     assert {r["source"] for r in good} <= {"gsm8k_test", "mt_bench_question"}
@@ -41,3 +46,10 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     worker = manifest["workers"]["w0"]
     assert worker["prefill_s"] > 0 and worker["decode_s"] >= 0 and worker["steps"] > 0
     assert manifest["model"]["source"] == "smollm2-135m-instruct"
+
+
+def _reference_texts(chats: list, max_tokens: int) -> list[str]:
+    engine = LLMEngine.from_source("smollm2-135m-instruct", dtype="float32",
+                                   config=EngineConfig(device="cpu", max_num_seqs=32))
+    outputs = engine.generate(chats, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [o.text for o in outputs]

@@ -125,3 +125,17 @@ def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, 
     refused = CliRunner().invoke(main, ["submit", str(tmp_path / "job.yaml"), "--address", url,
                                         "--auth-token", "wrong-token"])
     assert refused.exit_code == 1 and f"cannot submit to {url}" in refused.output
+
+    # A job that fails (every row an error): `--wait` follows it to the end and exits 1 with Ray's status.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["", " "], "topic": ["t", "t"]}), tmp_path / "bad.parquet")
+    bad = fake_spec(str(tmp_path / "bad.parquet"), str(tmp_path / "bad-out"), cluster={"num_workers": 1})
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    failed = CliRunner().invoke(main, ["submit", str(tmp_path / "bad.yaml"), "--address", url, "--wait",
+                                       "--auth-token", token])
+    bad_id = failed.output.splitlines()[0]
+    assert failed.exit_code == 1, failed.output
+    assert f"Ray job {bad_id} ended with status FAILED" in failed.output
+    assert "100.0% of rows are errors" in failed.output  # the driver's own reason, followed from the logs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,9 +40,24 @@ def _publish(spec, *results) -> None:
         commit_part(storage, r.part, part_key(r.shard_id))
 
 
-def test_next_shard_joins_before_previous_drains(tmp_path):
+def test_next_shard_joins_before_previous_drains(tmp_path, monkeypatch):
     prompts = [f"prompt {i}" for i in range(8)]
-    spec, engine, runner, shards = _setup(tmp_path, prompts, step_delay_s=0.01)
+    spec, engine, runner, shards = _setup(tmp_path, prompts)
+    both_queued = threading.Event()
+    joins = []  # per add_request: (its shard, the shards with unfinished requests in the engine at that moment)
+    real_step, real_add = engine.step, engine.add_request
+
+    def gated_step():  # the engine steps only once both shards wait in the worker: no race with thread starts
+        assert both_queued.wait(timeout=60), "the second shard was never queued"
+        return real_step()
+
+    def recording_add(request_id, prompt, params, **kwargs):
+        unfinished = {r.request_id.split("/")[0] for r in engine._waiting + engine._running}
+        joins.append((request_id.split("/")[0], unfinished))
+        real_add(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "step", gated_step)
+    monkeypatch.setattr(engine, "add_request", recording_add)
     results = [None, None]
 
     def go(i):
@@ -50,12 +66,18 @@ def test_next_shard_joins_before_previous_drains(tmp_path):
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
+    while len(runner.progress()["shards"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    both_queued.set()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=60)
     runner.stop()
     assert [r.rows for r in results] == [4, 4]
-    # 2 x max_num_seqs requests were in the engine at once: rows of both shards overlapped.
-    assert engine.max_seen_unfinished == 4
+    # Rows of one shard were added while rows of the other were still unfinished in the engine.
+    overlaps = [(shard, others) for shard, others in joins if others - {shard}]
+    assert overlaps, f"every shard drained before the next one joined: {joins}"
+    assert engine.max_seen_unfinished == runner.target_in_engine == 4  # topped up to 2 x max_num_seqs
     assert all(r.num_output_tokens == 12 and r.num_errors == 0 for r in results)
     assert read_output(spec.output.url).num_rows == 0  # a worker never publishes a part itself
     _publish(spec, *results)

@@ -67,3 +67,37 @@ def test_request_longer_than_cache_is_an_error_not_a_hang(hf_llama, tokenizer):
     # the short one runs until the whole cache is its context, then stops on length
     assert outputs["r1"].finish_reason == "length" and outputs["r1"].error is None
     assert len(outputs["r1"].output_token_ids) == 16 - 3
+
+
+@pytest.mark.parametrize("max_num_batched_tokens, max_num_seqs", [(7, 64), (64, 3), (10, 2)])
+def test_every_step_keeps_the_per_step_limits(max_num_batched_tokens, max_num_seqs, reference, hf_llama,
+                                              tokenizer):
+    engine = engine_from_hf(hf_llama, tokenizer, max_num_batched_tokens=max_num_batched_tokens,
+                            max_num_seqs=max_num_seqs)
+    steps = []
+    real_schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = real_schedule()
+        steps.append((out.num_tokens, len(out.scheduled)))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    outputs = run_checked(engine, _prompts(), GREEDY)
+    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+    assert all(tokens <= max_num_batched_tokens and rows <= max_num_seqs for tokens, rows in steps), steps
+    assert any(tokens == max_num_batched_tokens for tokens, _ in steps)  # the limit binds: reached, never passed
+    if max_num_seqs < len(_prompts()):
+        assert any(rows == max_num_seqs for _, rows in steps)
+
+
+def test_kv_cache_is_sized_from_the_memory_budget(reference, hf_llama, tokenizer):
+    # 2 layers x (K, V) x 16 slots x 2 kv heads x head_dim 16 x 4 bytes (float32) = 8 KiB per block
+    per_block = 2 * 2 * 16 * 2 * (64 // 4) * 4
+    engine = engine_from_hf(hf_llama, tokenizer, num_kv_blocks=None, kv_cache_memory_bytes=40 * per_block + 100)
+    assert engine.kv_manager.pool.num_blocks == engine.stats().kv_num_blocks == 40
+    assert engine.runner.kv_cache.numel() * 4 == 40 * per_block
+    outputs = run_checked(engine, _prompts(), GREEDY)  # a cache this small preempts; greedy output unchanged
+    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+    tiny = engine_from_hf(hf_llama, tokenizer, num_kv_blocks=None, kv_cache_memory_bytes=per_block - 1)
+    assert tiny.kv_manager.pool.num_blocks == 1  # never zero blocks

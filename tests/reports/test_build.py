@@ -121,3 +121,46 @@ def test_errors_by_kind_lists_the_top_20(tmp_path: Path) -> None:
     kinds = report["rows"]["errors_by_kind"]
     assert list(kinds)[0] == "A failed" and kinds["A failed"] == 3
     assert len(kinds) == 21 and kinds["(other kinds)"] == 10 and sum(kinds.values()) == 51
+
+
+def _points(svg: str) -> list[tuple[float, float]]:
+    import re
+
+    (points,) = re.findall(r'<polyline class="series"[^>]* points="([^"]+)"', svg)
+    return [tuple(map(float, p.split(","))) for p in points.split()]
+
+
+def test_chart_values_are_the_data(small_job: str) -> None:
+    """The CDF and bar charts draw the report's numbers: positions and labels, not just element counts."""
+    import re
+
+    from jobrunner.reports.charts import cost_chart, latency_cdf_chart
+    from jobrunner.reports.svg import HEIGHT, MARGIN_BOTTOM, MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, WIDTH
+
+    report = load_report(small_job)
+    cdf = report["charts"]["latency_cdf"]["ttft_s"]  # ttft 0.1, 0.3, 0.2 (the error row has none)
+    assert (cdf["x"][0], cdf["x"][100], cdf["x"][-1]) == pytest.approx((0.1, 0.2, 0.3))
+    assert (cdf["p"][0], cdf["p"][100], cdf["p"][-1]) == (0.0, 0.5, 1.0)
+    points = _points(latency_cdf_chart([report], "ttft_s"))
+    assert len(points) == len(cdf["x"])
+    left, right, top, bottom = MARGIN_LEFT, WIDTH - MARGIN_RIGHT, MARGIN_TOP, HEIGHT - MARGIN_BOTTOM
+    for (_px, py), p in zip(points, cdf["p"], strict=True):  # y: 0% at the bottom, 100% at the top, linear
+        assert py == pytest.approx(bottom - p * (bottom - top), abs=0.01)
+    (x0, _), (x_mid, _) = points[0], points[100]  # x: linear in seconds from the axis origin
+    assert (x0 - left) / (x_mid - left) == pytest.approx(0.1 / 0.2, abs=1e-3)
+    assert max(px for px, _ in points) <= right
+
+    cheap = load_report(small_job, worker_hour_usd=36.0)
+    dear = {**cheap, "run": {**cheap["run"], "label": "dear"},
+            "cost": {k: v * 3 if isinstance(v, float) else v for k, v in cheap["cost"].items()}}
+    svg = cost_chart([cheap, dear])
+    bars = re.findall(r'<rect class="bar" x="[^"]+" y="[^"]+" width="([^"]+)"[^>]*><title>([^<]+)</title>', svg)
+    widths = {title.rsplit(" ", 1)[0]: float(width) for width, title in bars}
+    # Bar lengths keep the ratio of the values (drawn to 0.01 px; bars under 1 px are drawn 1 px long).
+    assert widths["dear: output"] == pytest.approx(3 * widths["small: output"], rel=1e-3)
+    assert widths["dear: blended"] == pytest.approx(3 * widths["small: blended"], rel=1e-2)
+    assert cheap["cost"]["usd_per_m_total"] == pytest.approx(0.2 / 5460 * 1e6)  # $0.2 over 5460 tokens
+    titles = [title for _, title in bars]
+    assert "small: blended $36.63" in titles and "dear: blended $109.89" in titles
+    blended_to_output = cheap["cost"]["usd_per_m_total"] / cheap["cost"]["usd_per_m_output"]
+    assert widths["small: blended"] / widths["small: output"] == pytest.approx(blended_to_output, rel=1e-2)

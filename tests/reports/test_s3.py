@@ -7,7 +7,7 @@ import json
 import fsspec
 import pytest
 from click.testing import CliRunner
-from report_outputs import write_job
+from report_outputs import make_rows, write_job
 
 from jobrunner.cli import main
 from jobrunner.reports import load_report, write_job_report
@@ -24,18 +24,42 @@ def s3_job(s3_server: dict) -> str:
                      storage_options=options)
 
 
-def test_report_from_s3(s3_job: str, s3_server: dict) -> None:
+# The rows write_job puts in the bucket (same seeds): the token totals a report of them must show.
+ROWS = [make_rows(300, f"s{i:03d}", f"w{i}", seed=i, error_every=100) for i in range(3)]
+INPUT_TOKENS = sum(sum(r["num_prompt_tokens"]) for r in ROWS)
+OUTPUT_TOKENS = sum(sum(r["num_output_tokens"]) for r in ROWS)
+
+
+@pytest.fixture(scope="module")
+def local_report(tmp_path_factory) -> dict:
+    """The same job written to local disk: the report read through S3 must equal it in every figure."""
+    url = write_job(str(tmp_path_factory.mktemp("local") / "example"), rows_per_shard=300, shards=3,
+                    error_every=100)
+    return _without_url(load_report(url, worker_hour_usd=1.0))
+
+
+def _without_url(report: dict) -> dict:
+    return {**report, "run": {k: v for k, v in report["run"].items() if k != "url"}}
+
+
+def test_report_from_s3(s3_job: str, s3_server: dict, local_report: dict) -> None:
     report = load_report(s3_job, s3_server["storage_options"], worker_hour_usd=1.0)
     assert report["rows"]["total"] == 900 and report["rows"]["errors"] == 9
     assert report["run"]["num_parts"] == 3 and report["run"]["complete"] is True
-    assert report["cost"]["usd_per_m_total"] is not None
+    assert report["run"]["url"] == s3_job
+    assert (report["tokens"]["input"], report["tokens"]["output"]) == (INPUT_TOKENS, OUTPUT_TOKENS)
+    cost = report["cost"]
+    assert cost["usd_per_m_total"] == pytest.approx(cost["total_usd"] / (INPUT_TOKENS + OUTPUT_TOKENS) * 1e6)
+    assert _without_url(report) == local_report  # every figure, chart point and warning
 
 
 def test_cli_reads_s3(s3_job: str, s3_server: dict) -> None:
     options = json.dumps(s3_server["storage_options"])
     result = CliRunner().invoke(main, ["report", s3_job, "--storage-options", options, "--format", "json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["tokens"]["output"] > 0
+    tokens = json.loads(result.output)["tokens"]
+    assert (tokens["input"], tokens["output"], tokens["total"]) == (
+        INPUT_TOKENS, OUTPUT_TOKENS, INPUT_TOKENS + OUTPUT_TOKENS)
 
 
 def test_write_job_report_to_s3(s3_job: str, s3_server: dict) -> None:
