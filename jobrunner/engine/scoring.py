@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
+from jobrunner.attention.torch_backend import TorchMetadata, _chunk_group
 
 SCORE_BLOCK_SIZE = 16
 
@@ -29,8 +29,8 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     kv = torch.zeros(s.num_layers, 2, kv_len, s.num_kv_heads, s.head_dim, device=dev, dtype=dtype)
     index = torch.arange(num_tokens, device=dev)
     blocks = torch.arange(num_blocks, device=dev)
-    # a chunk starting at position 0: the causal kernel path, no explicit mask
-    group = AttentionGroup(1, num_tokens, kv_len, index, blocks, None, index, causal=True)
+    # a chunk starting at position 0: the causal kernel, no mask (a masked group past a sliding window)
+    group = _chunk_group(0, num_tokens, num_tokens, blocks, SCORE_BLOCK_SIZE, dev, s.sliding_window)
     meta = TorchMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
     ids = torch.tensor(list(token_ids), device=dev)
     return model.compute_logits(model(ids, index, meta, kv)).float()

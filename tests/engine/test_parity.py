@@ -20,7 +20,7 @@ def test_greedy_matches_transformers(arch, tokenizer):
 
 
 # Every scaling the loader accepts (jobrunner.models.rope.SUPPORTED_ROPE_TYPES), with original context 16 and
-# prompts + generations of 30-60 positions: the scaled frequencies are used well past the original context.
+# prompts + generations of 40-70 positions: the scaled frequencies are used well past the original context.
 ROPE_SCALINGS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
@@ -38,7 +38,7 @@ def test_rope_scaling_matches_transformers(tokenizer, rope_type):
 
     assert set(ROPE_SCALINGS) == set(SUPPORTED_ROPE_TYPES)  # a newly accepted type needs its parity case here
     scaling = ROPE_SCALINGS[rope_type]
-    hf = make_hf_model("llama", rope_scaling=scaling, rope_parameters=scaling, max_position_embeddings=64)
+    hf = make_hf_model("llama", rope_scaling=scaling, rope_parameters=scaling, max_position_embeddings=128)
     engine = engine_from_hf(hf, tokenizer, block_size=8)
     prompts = [tokenizer(p)["input_ids"] for p in CORPUS[1:4]]
     outputs = run_checked(engine, prompts, GREEDY)
@@ -59,7 +59,7 @@ def test_rope_scalings_that_change_with_length_are_refused(rope_type):
 
     scaling = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
                "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    config = make_hf_model("llama", max_position_embeddings=64).config
+    config = make_hf_model("llama", max_position_embeddings=128).config
     config.rope_parameters, config.rope_scaling = scaling, scaling
     with pytest.raises(ValueError, match=f"unsupported rope scaling rope_type='{rope_type}'; supported: default"):
         build_model(config, torch.float32, torch.device("cpu"))
