@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from jobrunner.driver.manifest import JobBook, new_manifest
-from jobrunner.driver.shards import Shard
+from jobrunner.driver.shards import Shard, ShardTable
 from jobrunner.io.layout import COMMITS_DIR, LEASE, part_key
 from jobrunner.io.lease import LeaseHeld, LeaseLost, acquire_lease, read_lease
 from jobrunner.io.manifest import read_manifest, read_manifest_with_records
@@ -23,8 +23,9 @@ from tests.io.test_io_storage import make_bucket
 
 def _book(url: str, num_shards: int, opts=None) -> JobBook:
     spec = spec_from_dict({"name": "b", "input": {"url": "in", "prompt_column": "p"}, "output": {"url": url}})
-    shards = [Shard(f"{i:05d}-x", "file:///in.parquet", "in", i, i + 1) for i in range(num_shards)]
-    return JobBook(Storage(url, opts), new_manifest(spec, shards))
+    shards = ShardTable.from_shards([Shard(f"{i:05d}-x", "file:///in.parquet", "in", i, i + 1)
+                                     for i in range(num_shards)])
+    return JobBook(Storage(url, opts), new_manifest(spec, shards), shards)
 
 
 def _commit(book: JobBook, shard_id: str, errors: int = 0, with_part: bool = True) -> None:
