@@ -94,7 +94,7 @@ def check_resumable(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
 def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable,
                     present_parts: list[str]) -> dict[str, Any]:
     """The old manifest ready for another run; `shards` takes the old table's state: committed shards whose
-    parts all exist stay, the rest become pending."""
+    parts all exist stay, the rest become pending (as if never run: failed ones run again)."""
     manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
     manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
                     format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
@@ -106,7 +106,8 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
     missing = [i for i in missing.tolist() if i not in columns.parts]
     present_set = set(present_parts) if columns.parts else set()
     missing += [i for i, parts in columns.parts.items() if not set(parts) <= present_set]
-    columns.reset(np.array(sorted(set(missing)), np.int64))
+    not_committed = np.flatnonzero(columns.status != COMMITTED)
+    columns.reset(np.union1d(not_committed, np.array(missing, np.int64)).astype(np.int64))
     return manifest
 
 

@@ -211,9 +211,9 @@ class ShardColumns:
         keep = np.ones(len(self), bool)
         keep[indices] = False
         self.error_kinds.drop(keep)
-        for index in indices.tolist():
-            self.parts.pop(index, None)
-            self.extra.pop(index, None)
+        for mapping in (self.parts, self.extra):  # sparse: loop over what they hold, not over `indices`
+            for index in [i for i in mapping if not keep[i]]:
+                del mapping[index]
 
     def copy(self) -> ShardColumns:
         """A snapshot (the plan's arrays, which never change, are shared)."""
