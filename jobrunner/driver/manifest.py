@@ -237,15 +237,15 @@ class JobBook:
     def _compact_in_background(self) -> None:
         """Snapshot the table (a copy of its state arrays: milliseconds) and write it on the compaction thread."""
         header, columns = copy.deepcopy(self.manifest), self.shards.columns.copy()
-        folded, self.unfolded = self._ids(self.unfolded), array("q")
+        folded, self.unfolded = self.unfolded, array("q")
         if self._compactor is None:
             self._compactor = ThreadPoolExecutor(1, thread_name_prefix="compact")
         self._compacting = self._compactor.submit(self._write_snapshot, header, columns, folded)
 
-    def _write_snapshot(self, header: dict[str, Any], columns: ShardColumns, folded: list[str]) -> int:
+    def _write_snapshot(self, header: dict[str, Any], columns: ShardColumns, folded: array) -> int:
         update_totals(header, ShardTable(columns, self.shards.file_stems))
         written = write_manifest(self.storage, header, columns)
-        delete_commit_records(self.storage, folded)
+        delete_commit_records(self.storage, self._ids(folded))  # ids never change: safe to read here
         return written
 
     def _collect_compaction(self) -> None:
