@@ -3,10 +3,15 @@
 Runs `jobrunner run` (a separate driver process, so its CPU and memory are its own) with the instant test
 engine double (`engine.factory: tests.driver.fake_engine:make_engine`, 10 rows per shard) on a local
 multi-node Ray cluster (a head with no CPUs, one 1-CPU node per worker). For each shard count it prints one
-JSON line; with --kill-resume it also kills the driver half way (SIGKILL), waits for its lease to expire and
-resumes, checking that no committed shard is recomputed and timing the first new commit.
+JSON line; with --rerun it then runs the same job again over the finished output (resume: nothing to do, no
+Ray) and times it; with --kill-resume it also kills the driver half way (SIGKILL), waits for its lease to expire
+and resumes, checking that no committed shard is recomputed and timing the first new commit. The last line fits
+peak RSS against shards: the driver's memory per added shard. It reads both manifest forms (the shard table
+in `_manifest.json` up to format 2, `_shards/*.parquet` from format 3), so the same script measures any tree:
+`PYTHONPATH=/path/to/tree python /path/to/tree/scripts/bench_driver.py ...` (workers import its test engine).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_driver.py --shards 1000 5000 20000 --workers 4 --kill-resume
+    PYTHONPATH=. .venv/bin/python scripts/bench_driver.py --shards 10000 100000 --rerun
     PYTHONPATH=. .venv/bin/python scripts/bench_driver.py --shards 200            # smoke run
 
 Not a test: the numbers mean something only on a quiet machine.
@@ -70,17 +75,25 @@ def committed_shards(out: Path) -> set[str]:
         manifest = json.loads((out / "_manifest.json").read_text())
     except (OSError, ValueError):
         return set()
-    done = {s for s, e in manifest.get("shards", {}).items() if e.get("status") == "committed"}
+    if "shards" in manifest:  # format 1-2: a JSON object per shard
+        done = {s for s, e in manifest["shards"].items() if e.get("status") == "committed"}
+    else:  # format 3: the shard table is a Parquet file
+        table = pq.read_table(out / manifest["shard_table"]["key"], columns=["shard_id", "status"])
+        done = {s for s, st in zip(table["shard_id"].to_pylist(), table["status"].to_pylist(), strict=True)
+                if st == "committed"}
     records = out / "_commits"
     return done | ({p.stem for p in records.iterdir() if p.suffix == ".json"} if records.exists() else set())
 
 
 def last_run(out: Path) -> dict:
     manifest = json.loads((out / "_manifest.json").read_text())
-    return manifest["runs"][-1] | {"manifest_bytes": (out / "_manifest.json").stat().st_size}
+    size = (out / "_manifest.json").stat().st_size
+    if "shard_table" in manifest:
+        size += (out / manifest["shard_table"]["key"]).stat().st_size
+    return manifest["runs"][-1] | {"manifest_bytes": size}
 
 
-def one_size(num_shards: int, workers: int, address: str, root: Path) -> dict:
+def one_size(num_shards: int, workers: int, address: str, root: Path, rerun: bool) -> dict:
     work = root / f"s{num_shards}"
     work.mkdir()
     write_input(work / "in.parquet", num_shards)
@@ -90,10 +103,27 @@ def one_size(num_shards: int, workers: int, address: str, root: Path) -> dict:
     usage = wait_driver(start_driver(job, address))
     wall = time.monotonic() - started
     run = last_run(work / "out")
-    return {"shards": num_shards, "rows": num_shards * ROWS_PER_SHARD, "wall_s": round(wall, 2),
-            "shards_per_s": round(num_shards / wall, 1), **usage,
-            "bookkeeping_bytes": run["bookkeeping_bytes"] + run["manifest_bytes"],
+    bookkeeping = run["bookkeeping_bytes"] + run["manifest_bytes"]
+    line = {"shards": num_shards, "rows": num_shards * ROWS_PER_SHARD, "wall_s": round(wall, 2),
+            "shards_per_s": round(num_shards / wall, 1), **usage, "bookkeeping_bytes": bookkeeping,
+            "bookkeeping_bytes_per_shard": round(bookkeeping / num_shards, 1), "manifest_bytes": run["manifest_bytes"],
             "commit_records": run["commit_records"], "compactions": run["compactions"]}
+    if rerun:  # everything is committed: the rerun reads the manifest, checks the parts and ends (no Ray)
+        started = time.monotonic()
+        again = wait_driver(start_driver(job, address))
+        line.update(rerun_wall_s=round(time.monotonic() - started, 2), rerun_exit=again["exit"],
+                    rerun_peak_rss_mb=again["driver_peak_rss_mb"], rerun_cpu_s=again["driver_cpu_s"])
+    return line
+
+
+def rss_per_shard(lines: list[dict]) -> dict:
+    """Least-squares slope of peak RSS against shards: what one more shard costs the driver."""
+    xs = [line["shards"] for line in lines]
+    ys = [line["driver_peak_rss_mb"] * 1024 * 1024 for line in lines]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else None
+    return {"peak_rss_bytes_per_shard": None if slope is None else round(slope, 1), "sizes": xs}
 
 
 def kill_and_resume(num_shards: int, workers: int, address: str, root: Path) -> dict:
@@ -128,6 +158,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="+", default=[1000, 5000, 20000])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--kill-resume", action="store_true", help="also kill the largest run half way and resume")
+    parser.add_argument("--rerun", action="store_true", help="rerun each finished job (resume with nothing to do)")
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"  # workers import the double
     from ray.cluster_utils import Cluster
@@ -138,8 +169,12 @@ def main() -> None:
     cluster.wait_for_nodes()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-driver-") as tmp:
+            lines = []
             for n in args.shards:
-                print(json.dumps(one_size(n, args.workers, cluster.address, Path(tmp))), flush=True)
+                lines.append(one_size(n, args.workers, cluster.address, Path(tmp), args.rerun))
+                print(json.dumps(lines[-1]), flush=True)
+            if len(lines) > 1:
+                print(json.dumps(rss_per_shard(lines)), flush=True)
             if args.kill_resume:
                 print(json.dumps(kill_and_resume(max(args.shards), args.workers, cluster.address, Path(tmp))),
                       flush=True)

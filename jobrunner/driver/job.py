@@ -6,7 +6,8 @@ a zombie attempt finishing late is never published). Each ready worker holds at 
 decoding and the next, whose rows join the engine before the first drains). Blame for failures and
 bisection of crashing shards are described in driver/tasks.py; the pool's deadlines in driver/pool.py.
 Every event costs O(1) in the number of shards: tasks wait in a heap-backed queue, counts are running
-totals, and a commit writes one small record (driver/manifest.py).
+totals, and a commit writes one small record (driver/manifest.py). Shard state lives in one compact table
+(driver/shards.py: columns, ~120 bytes a shard); a Task exists only for a shard handed out.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
-from jobrunner.driver.shards import Shard
-from jobrunner.driver.tasks import ShardWork, Task, TaskQueue
+from jobrunner.driver.shards import ShardTable
+from jobrunner.driver.tasks import FreshTasks, ShardWork, Task, TaskQueue
 from jobrunner.driver.worker import EngineFailed, ShardResult
 from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
@@ -65,12 +66,9 @@ class _JobLoop:
     def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any], lease: Lease,
                  show_progress: bool) -> None:
         self.spec, self.storage, self.manifest, self.lease = spec, storage, manifest, lease
-        self.shards: dict[str, Shard] = {s.shard_id: s for s in plan.shards}
-        status = manifest["shards"]
-        todo = [Task(s.shard_id, s.row_start, s.row_end) for s in plan.shards
-                if status[s.shard_id]["status"] != "committed"]
-        self.queue = TaskQueue(todo)
-        self.work: dict[str, ShardWork] = {t.shard_id: ShardWork() for t in todo}
+        self.shards: ShardTable = plan.shards
+        self.queue = TaskQueue(fresh=FreshTasks(self.shards.todo(), self._fresh_task))
+        self.work: dict[str, ShardWork] = {}  # shards handed out and not yet committed
         self.failed: dict[str, str] = {}
         self.error: str | None = None
         self.in_flight: dict[Any, tuple[Worker, Task]] = {}
@@ -78,7 +76,7 @@ class _JobLoop:
         manifest["run_count"] = self.run_index + 1
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
-        self.book = mf.JobBook(storage, manifest)
+        self.book = mf.JobBook(storage, manifest, self.shards)
         self.run_tokens = 0
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
@@ -203,6 +201,9 @@ class _JobLoop:
             self.pool.remove(w, "job finished")
 
     # ---- tasks --------------------------------------------------------------------------------------
+    def _fresh_task(self, row: int) -> Task:
+        return Task(self.shards.id_of(row), *self.shards.rows_of(row))
+
     def _assign(self) -> None:
         for worker in self.pool.workers:
             while worker.is_ready and len(worker.tasks) < SHARDS_PER_WORKER and not _has_alone(worker):
@@ -214,9 +215,8 @@ class _JobLoop:
 
     def _start_task(self, worker: Worker, task: Task) -> None:
         task.attempts += 1
-        self.work[task.shard_id].attempts += 1
-        shard = self.shards[task.shard_id]
-        piece = Shard(shard.shard_id, shard.file_url, shard.file_stem, task.row_start, task.row_end)
+        self.work.setdefault(task.shard_id, ShardWork()).attempts += 1
+        piece = self.shards.shard(self.shards.index_of(task.shard_id), task.row_start, task.row_end)
         attempt_id = f"{task.shard_id}-r{task.row_start}-{uuid.uuid4().hex[:8]}"
         ref = worker.actor.run_shard.remote(piece, attempt_id, task.error_text)
         if not worker.tasks:
@@ -312,10 +312,14 @@ class _JobLoop:
     def _finish(self) -> JobResult:
         self.lease.renew()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         finished = not self.failed and not len(self.queue) and not self.in_flight and self.error is None
+        never_started = self.queue.drain_fresh()
+        if self.error is not None:
+            self.shards.mark_not_run(never_started, f"not run: {self.error}")
         for task in self.queue.drain():
             if self.error is not None and task.shard_id not in self.failed:
                 self.book.fail(task.shard_id, f"not run: {self.error}", task.attempts, failed=False)
         mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
+        self.book.wait()  # a compaction in flight counts in this run's figures
         first = self.stats["first_commit_s"]
         self.manifest["runs"][-1].update(
             shards_committed=self.stats["commits"], first_commit_s=None if first is None else round(first, 3),
@@ -326,9 +330,7 @@ class _JobLoop:
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds())
         if finished and not result.over_error_budget:
-            shards = self.manifest["shards"]
-            finish_job_files(self.spec, self.storage,
-                             [p for s in sorted(shards) for p in shards[s].get("parts") or [shards[s]["part"]]])
+            finish_job_files(self.spec, self.storage, self.shards.committed_parts())
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return result

@@ -1,28 +1,34 @@
-"""The job manifest as the driver keeps it: shard statuses, worker stats, totals (docs/contracts.md).
+"""The job manifest as the driver keeps it: a header dict (spec, model, versions, runs, workers, totals) and
+the shard table (driver/shards.py: columns, not an object per shard); docs/contracts.md.
 
-`JobBook` is the bookkeeping of one run, O(1) per event: a committed shard updates its entry and the running
-totals in memory and writes one small commit record; the whole manifest is written only by `compact()`,
-which runs when the records not yet folded reach an eighth of the shards (so the bytes written over a job
-stay linear in its shards) and at the end.
+`JobBook` is the bookkeeping of one run, O(1) per event: a committed shard updates its row of the table and
+the running totals and writes one small commit record; the whole manifest (header + shard table) is written
+only by a compaction, when the records not yet folded reach an eighth of the shards (so the bytes written
+over a job stay linear in its shards) and at the end. Compactions during the run work on a thread, from a
+snapshot of the table, so the loop keeps handing out work while the table is encoded and written.
 """
 
 from __future__ import annotations
 
+import copy
 import platform
+from array import array
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
+
 from jobrunner import __version__
-from jobrunner.driver.shards import Shard
+from jobrunner.driver.shards import ShardTable
 from jobrunner.io.commits import delete_commit_records, write_commit_record
-from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION
+from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION, PARTS_DIR
 from jobrunner.io.manifest import write_manifest
+from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
-_TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 COMPACT_MIN_RECORDS = 500  # never compact more often than this many commits
 MAX_ERROR_KINDS = 50
 # Sections that must match for a resume to be safe (the same rows with the same settings).
@@ -50,35 +56,26 @@ def versions() -> dict[str, str]:
     return out
 
 
-def pending_entry(shard: Shard) -> dict[str, Any]:
-    """A shard's manifest entry before it runs."""
-    return {"status": "pending", "file": shard.file_url, "row_start": shard.row_start,
-            "row_end": shard.row_end, "rows": 0, "num_errors": 0, "num_prompt_tokens": 0,
-            "num_cached_tokens": 0, "num_output_tokens": 0,
-            "worker_id": None, "attempts": 0, "seconds": None, "error": None, "part": None}
-
-
 def parts_of(entry: dict[str, Any]) -> list[str]:
-    """The part keys of a committed shard (several when it was bisected)."""
+    """The part keys of a committed shard's entry (several when it was bisected)."""
     parts = entry.get("parts")
     if isinstance(parts, list) and parts:
         return [str(p) for p in parts]
     return [entry["part"]] if entry.get("part") else []
 
 
-def new_manifest(spec: JobSpec, shards: list[Shard]) -> dict[str, Any]:
-    """A fresh manifest with every shard pending."""
+def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
+    """A fresh manifest header for a job whose shards are all pending (the shards live in `shards`)."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
         "spec": spec.redacted(), "model": {"source": spec.model.source, "dtype": spec.model.dtype,
                                            "quantization": spec.model.quantization},
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
-        "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [],
-        "shards": {s.shard_id: pending_entry(s) for s in shards}, "workers": {}, "totals": {},
+        "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [], "workers": {}, "totals": {},
     }
 
 
-def check_resumable(old: dict[str, Any], spec: JobSpec, shards: list[Shard]) -> None:
+def check_resumable(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable) -> None:
     """Raise ResumeError when the old manifest was written for other rows or other settings."""
     old_spec = old.get("spec") or {}
     new_spec = spec.redacted()
@@ -88,32 +85,50 @@ def check_resumable(old: dict[str, Any], spec: JobSpec, shards: list[Shard]) -> 
     if differ:
         raise ResumeError(f"the existing output was written with different {', '.join(differ)}; "
                           "use output.mode=overwrite (or another output.url)")
-    if set(old.get("shards") or {}) != {s.shard_id for s in shards}:
+    new_ids = shards.columns.shard_id
+    if len(old_shards) != len(new_ids) or not np.array_equal(np.sort(old_shards.shard_id), np.sort(new_ids)):
         raise ResumeError("the existing output was cut into different shards (input files or rows_per_shard "
                           "changed); use output.mode=overwrite (or another output.url)")
 
 
-def resume_manifest(old: dict[str, Any], spec: JobSpec, committed_parts: set[str]) -> dict[str, Any]:
-    """The old manifest (commit records folded in), ready for another run:
-
-    committed shards whose parts all exist stay; the rest are pending."""
-    manifest = dict(old)
+def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable,
+                    present_parts: list[str]) -> dict[str, Any]:
+    """The old manifest ready for another run; `shards` takes the old table's state: committed shards whose
+    parts all exist stay, the rest become pending (as if never run: failed ones run again)."""
+    manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
     manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
                     format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
-    for entry in manifest["shards"].values():
-        parts = parts_of(entry)
-        if entry["status"] != "committed" or not parts or not set(parts) <= committed_parts:
-            pending = pending_entry(Shard("", entry["file"], "", entry["row_start"], entry["row_end"]))
-            entry.clear()
-            entry.update(pending)
+    shards.adopt(old_shards)
+    columns = shards.columns
+    committed = np.flatnonzero(columns.status == COMMITTED)
+    present = _as_bytes(present_parts)
+    missing = committed[~np.isin(_default_parts(columns, committed), present)]
+    missing = [i for i in missing.tolist() if i not in columns.parts]
+    present_set = set(present_parts) if columns.parts else set()
+    missing += [i for i, parts in columns.parts.items() if not set(parts) <= present_set]
+    not_committed = np.flatnonzero(columns.status != COMMITTED)
+    columns.reset(np.union1d(not_committed, np.array(missing, np.int64)).astype(np.int64))
     return manifest
 
 
-def orphan_parts(manifest: dict[str, Any], present: list[str]) -> list[str]:
+def orphan_parts(shards: ShardTable, present: list[str]) -> list[str]:
     """Parts present in storage that no committed shard names (left by a run that died between publishing
     a part and writing its record): they must go before the shard runs again, or rows would repeat."""
-    named = {p for e in manifest["shards"].values() if e["status"] == "committed" for p in parts_of(e)}
-    return [p for p in present if p not in named]
+    columns = shards.columns
+    committed = np.flatnonzero(columns.status == COMMITTED)
+    named = _default_parts(columns, committed)
+    extra = _as_bytes([p for parts in columns.parts.values() for p in parts])
+    stray = ~np.isin(_as_bytes(present), np.concatenate([named, extra]) if len(extra) else named)
+    return [p for p, is_stray in zip(present, stray.tolist(), strict=True) if is_stray]
+
+
+def _default_parts(columns: ShardColumns, indices: np.ndarray) -> np.ndarray:
+    """`parts/part-<shard_id>.parquet` of these shards, as bytes (vectorized)."""
+    return np.char.add(np.char.add(f"{PARTS_DIR}/part-".encode(), columns.shard_id[indices]), b".parquet")
+
+
+def _as_bytes(keys: list[str]) -> np.ndarray:
+    return np.array([k.encode() for k in keys], dtype=bytes) if keys else np.zeros(0, "S1")
 
 
 def record_worker(manifest: dict[str, Any], worker_id: str, stats: dict[str, Any]) -> None:
@@ -126,48 +141,44 @@ def _is_plain(value: Any) -> bool:
 
 
 def finalize(manifest: dict[str, Any], run_started_at: str, run_wall_s: float, finished: bool) -> None:
-    """Fill totals and timing at the end of a run."""
+    """Fill timing at the end of a run (totals are filled by the compaction that writes it)."""
     manifest["runs"] = list(manifest.get("runs") or []) + [
         {"started_at": run_started_at, "finished_at": now_iso(), "wall_s": round(run_wall_s, 3)}]
     manifest["wall_s"] = round(sum(r["wall_s"] for r in manifest["runs"]), 3)
     manifest["finished_at"] = now_iso() if finished else None
-    update_totals(manifest)
 
 
-def update_totals(manifest: dict[str, Any]) -> None:
-    """Recompute job totals from committed shards and worker stats (O(shards): compaction only)."""
-    shards = manifest["shards"].values()
-    committed = [s for s in shards if s["status"] == "committed"]
-    totals: dict[str, Any] = {k: sum(int(s.get(k) or 0) for s in committed) for k in _TOTAL_KEYS}
+def update_totals(manifest: dict[str, Any], shards: ShardTable) -> None:
+    """Recompute job totals from the shard table and worker stats (O(shards) in numpy: compaction only)."""
+    totals = shards.totals()
     workers = manifest["workers"].values()
     startup = sum(float(w.get("startup_s") or 0) for w in workers)
     totals["worker_seconds"] = round(sum(float(w.get("alive_s") or 0) for w in workers) + startup, 3)
     totals["startup_seconds"] = round(startup, 3)
-    totals["shards_committed"] = len(committed)
-    totals["shards_failed"] = sum(s["status"] == "failed" for s in shards)
-    totals["shards_total"] = len(manifest["shards"])
     totals["error_rate"] = round(totals["num_errors"] / totals["rows"], 6) if totals["rows"] else 0.0
-    kinds: Counter = Counter()
-    for s in committed:
-        kinds.update(s.get("error_kinds") or {})
-    totals["error_kinds"] = dict(kinds.most_common(MAX_ERROR_KINDS))
+    totals["error_kinds"] = dict(list(totals["error_kinds"].items())[:MAX_ERROR_KINDS])
     manifest["totals"] = totals
 
 
 class JobBook:
-    """One run's bookkeeping over the manifest dict: O(1) per commit or failure, compaction now and then."""
+    """One run's bookkeeping over the manifest header and the shard table: O(1) per commit or failure,
+    compaction now and then (on a thread while the run goes on)."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any]) -> None:
-        self.storage, self.manifest = storage, manifest
-        update_totals(manifest)  # once per run: O(shards)
+    def __init__(self, storage: Storage, manifest: dict[str, Any], shards: ShardTable,
+                 background: bool = True) -> None:
+        self.storage, self.manifest, self.shards = storage, manifest, shards
+        self.background = background  # compactions during the run on a thread (False: in the caller)
+        update_totals(manifest, shards)  # once per run: O(shards)
         self.committed_rows = manifest["totals"]["rows"]
         self.num_errors = manifest["totals"]["num_errors"]
-        self.error_kinds: Counter = Counter(manifest["totals"]["error_kinds"])
-        self.unfolded: list[str] = []  # shards whose records the written manifest does not hold yet
-        self.compact_every = max(COMPACT_MIN_RECORDS, len(manifest["shards"]) // 8)
+        self.error_kinds: Counter = Counter(shards.columns.error_kinds.totals(shards.columns.status == COMMITTED))
+        self.unfolded = array("q")  # rows of the shards whose records the written manifest does not hold yet
+        self.compact_every = max(COMPACT_MIN_RECORDS, len(shards) // 8)
         self.bytes_written = 0
         self.num_records = 0
         self.num_compactions = 0
+        self._compactor: ThreadPoolExecutor | None = None
+        self._compacting: Future | None = None
 
     def commit(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> None:
         """Mark a shard committed (its parts are published): write its record, then `mark_committed`."""
@@ -176,41 +187,77 @@ class JobBook:
 
     def record_for(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
         """A shard's commit record (its manifest entry, committed)."""
-        return {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
-                "error_kinds": error_kinds}
+        return {**self.shards.columns.entry(self.shards.index_of(shard_id)), **entry, "status": "committed",
+                "error": None, "error_kinds": error_kinds}
 
     def mark_committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
-        """Take a written record into the manifest and the running totals (the driver's thread only)."""
+        """Take a written record into the table and the running totals (the driver's thread only)."""
+        index = self.shards.index_of(shard_id)
         self.bytes_written += record_bytes
-        self.manifest["shards"][shard_id] = record
+        self.shards.commit(index, record)
         self.num_records += 1
         self.committed_rows += int(record["rows"])
         self.num_errors += int(record["num_errors"])
         self.error_kinds.update(record.get("error_kinds") or {})
-        self.unfolded.append(shard_id)
-        if len(self.unfolded) >= self.compact_every:
-            self.compact()
+        self.unfolded.append(index)
+        self._collect_compaction()
+        if len(self.unfolded) >= self.compact_every and self._compacting is None:
+            self._compact_in_background() if self.background else self.compact()
 
     def fail(self, shard_id: str, error: str, attempts: int, failed: bool) -> None:
         """Record a failed attempt in memory; `failed` marks the shard failed for good."""
-        self.manifest["shards"][shard_id].update(attempts=attempts, error=redact_text(error),
-                                                 status="failed" if failed else "pending")
+        self.shards.fail(self.shards.index_of(shard_id), error, attempts, failed)
 
     def record_worker(self, worker_id: str, stats: dict[str, Any]) -> None:
         """A worker's latest stats."""
         record_worker(self.manifest, worker_id, stats)
 
     def compact(self, drop_all_records: bool = False) -> None:
-        """Write the whole manifest, then drop the records it now holds (all of `_commits/` at a run's
-        start, where the manifest was built from the records of earlier runs)."""
-        update_totals(self.manifest)
-        self.bytes_written += write_manifest(self.storage, self.manifest)
+        """Write the whole manifest now, then drop the records it holds (all of `_commits/` at a run's start,
+        where the manifest was built from the records of earlier runs)."""
+        self.wait()
+        update_totals(self.manifest, self.shards)
+        self.bytes_written += write_manifest(self.storage, self.manifest, self.shards.columns)
         self.num_compactions += 1
         if drop_all_records:
             self.storage.delete(COMMITS_DIR, recursive=True)
         else:
-            delete_commit_records(self.storage, self.unfolded)
-        self.unfolded = []
+            delete_commit_records(self.storage, self._ids(self.unfolded))
+        self.unfolded = array("q")
+
+    def wait(self) -> None:
+        """Wait for a compaction in flight (raising its error) and stop the compaction thread."""
+        if self._compacting is not None:
+            self._compacting.result()
+            self._collect_compaction()
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
+            self._compactor = None
+
+    def _compact_in_background(self) -> None:
+        """Snapshot the table (a copy of its state arrays: milliseconds) and write it on the compaction thread."""
+        header, columns = copy.deepcopy(self.manifest), self.shards.columns.copy()
+        folded, self.unfolded = self.unfolded, array("q")
+        if self._compactor is None:
+            self._compactor = ThreadPoolExecutor(1, thread_name_prefix="compact")
+        self._compacting = self._compactor.submit(self._write_snapshot, header, columns, folded)
+
+    def _write_snapshot(self, header: dict[str, Any], columns: ShardColumns, folded: array) -> int:
+        update_totals(header, ShardTable(columns, self.shards.file_stems))
+        written = write_manifest(self.storage, header, columns)
+        delete_commit_records(self.storage, self._ids(folded))  # ids never change: safe to read here
+        return written
+
+    def _collect_compaction(self) -> None:
+        """Account a finished background compaction; re-raise its error here, on the driver's thread."""
+        if self._compacting is None or not self._compacting.done():
+            return
+        future, self._compacting = self._compacting, None
+        self.bytes_written += future.result()
+        self.num_compactions += 1
+
+    def _ids(self, rows: array) -> list[str]:
+        return [self.shards.id_of(i) for i in rows]
 
     def top_error_kinds(self, n: int = 5) -> list[tuple[str, int]]:
         """The most frequent error kinds among committed rows."""

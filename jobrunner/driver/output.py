@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from jobrunner.driver.manifest import check_resumable, new_manifest, orphan_parts, resume_manifest
 from jobrunner.io.layout import LEASE, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
 from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder, is_expired, read_lease
-from jobrunner.io.manifest import clear_success, read_manifest_with_records
+from jobrunner.io.manifest import clear_success, read_manifest_table
 from jobrunner.io.parts import list_parts
+from jobrunner.io.shard_file import COMMITTED
 from jobrunner.io.storage import Storage, StorageError
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -31,7 +32,8 @@ class OutputError(ValueError):
 
 
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
-    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
+    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from (its
+    shards' state goes into `plan.shards`)."""
     storage = Storage(spec.output.url, spec.output.storage_options)
     try:
         entries = _entries(storage)
@@ -97,7 +99,7 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     try:
         entries = _entries(storage)
         lease = read_lease(storage)
-        old = read_manifest_with_records(storage) if entries else None
+        old = read_manifest_table(storage) if entries else None
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
     if lease is not None and not is_expired(lease):
@@ -111,21 +113,23 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
         return "output exists and will be deleted (output.mode=overwrite)"
     if old is None:
         raise _foreign_output(spec)
-    check_resumable(old, spec, plan.shards)
-    done = sum(e.get("status") == "committed" for e in old["shards"].values())
+    header, old_shards = old
+    check_resumable(header, spec, old_shards, plan.shards)
+    done = int((old_shards.status == COMMITTED).sum())
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
 
 
 def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
     if not entries:
         return new_manifest(spec, plan.shards)
-    old = read_manifest_with_records(storage)
+    old = read_manifest_table(storage)
     if old is None:
         raise _foreign_output(spec)
-    check_resumable(old, spec, plan.shards)
+    header, old_shards = old
+    check_resumable(header, spec, old_shards, plan.shards)
     present = list_parts(storage)
-    manifest = resume_manifest(old, spec, set(present))
-    storage.delete_many(orphan_parts(manifest, present))
+    manifest = resume_manifest(header, spec, old_shards, plan.shards, present)  # plan.shards takes the state
+    storage.delete_many(orphan_parts(plan.shards, present))
     return manifest
 
 

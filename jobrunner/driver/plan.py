@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from jobrunner.driver.rows import kept_columns
-from jobrunner.driver.shards import Shard, plan_shards
+from jobrunner.driver.shards import ShardTable, plan_shards
 from jobrunner.io.reader import InputError, InputFile, check_columns
 from jobrunner.io.text_input import list_input
 from jobrunner.spec import JobSpec
@@ -14,10 +14,10 @@ from jobrunner.spec import JobSpec
 
 @dataclass
 class JobPlan:
-    """The input files and the shards cut from them."""
+    """The input files and the shards cut from them (one table: columns, not an object per shard)."""
 
     files: list[InputFile]
-    shards: list[Shard]
+    shards: ShardTable
 
     @property
     def num_rows(self) -> int:

@@ -9,8 +9,10 @@ single crashing row becomes an error row carrying the exception text, and every 
 Any other error (reading the input, writing the part) is charged an attempt, with exponential backoff, and
 after `max_shard_attempts` the whole shard is failed.
 
-The queue is O(log n) per operation: fresh and alone-only tasks in two deques, backed-off tasks in a heap
-ordered by the time they may run again.
+The queue is O(log n) per operation: requeued and alone-only tasks in two deques, backed-off tasks in a heap
+ordered by the time they may run again. Shards not started yet wait as rows of the shard table
+(`FreshTasks`): a `Task` (and its `ShardWork`) exists only from the moment a shard is handed out, so a job of
+10^6 shards holds ~10^6 integers here, not 10^6 objects.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,17 +66,40 @@ class ShardWork:
         return len(self.results) == self.num_pieces
 
 
-class TaskQueue:
-    """Runnable tasks: fresh ones first-in first-out, alone-only ones for a worker with nothing else."""
+class FreshTasks:
+    """Shards never handed out in this run, as shard table rows in plan order; `make` builds a row's Task."""
 
-    def __init__(self, tasks: list[Task]) -> None:
+    def __init__(self, rows: Sequence[int], make: Callable[[int], Task]) -> None:
+        self.rows, self.make, self.next = rows, make, 0
+
+    def __len__(self) -> int:
+        return len(self.rows) - self.next
+
+    def pop(self) -> Task:
+        """The next shard's Task."""
+        task = self.make(int(self.rows[self.next]))
+        self.next += 1
+        return task
+
+    def drain(self) -> Sequence[int]:
+        """Remove and return the rows not handed out."""
+        rows, self.rows, self.next = self.rows[self.next:], self.rows[:0], 0
+        return rows
+
+
+class TaskQueue:
+    """Runnable tasks: requeued ones first-in first-out, then fresh shards in plan order; alone-only ones for
+    a worker with nothing else."""
+
+    def __init__(self, tasks: Iterable[Task] = (), fresh: FreshTasks | None = None) -> None:
         self.ready: deque[Task] = deque(tasks)
+        self.fresh = fresh if fresh is not None else FreshTasks([], lambda row: Task("", 0, 0))
         self.alone: deque[Task] = deque()
         self.delayed: list[tuple[float, int, Task]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self.ready) + len(self.alone) + len(self.delayed)
+        return len(self.ready) + len(self.fresh) + len(self.alone) + len(self.delayed)
 
     def put(self, task: Task, delay_s: float = 0.0) -> None:
         """Queue a task, runnable after delay_s."""
@@ -87,15 +113,22 @@ class TaskQueue:
         self._release_due()
         if worker_is_empty and self.alone:
             return self.alone.popleft()
-        return self.ready.popleft() if self.ready else None
+        if self.ready:
+            return self.ready.popleft()
+        return self.fresh.pop() if len(self.fresh) else None
 
     def next_due_in(self) -> float | None:
         """Seconds until the next backed-off task may run (None when none waits)."""
         return max(0.0, self.delayed[0][0] - time.monotonic()) if self.delayed else None
 
+    def drain_fresh(self) -> Sequence[int]:
+        """Remove the shards never handed out and return their table rows (no Task built for them)."""
+        return self.fresh.drain()
+
     def drain(self) -> list[Task]:
-        """Remove and return every queued task."""
-        tasks = list(self.ready) + list(self.alone) + [t for _, _, t in self.delayed]
+        """Remove and return every queued task (fresh shards' Tasks built here: see `drain_fresh`)."""
+        tasks = list(self.ready) + [self.fresh.pop() for _ in range(len(self.fresh))]
+        tasks += list(self.alone) + [t for _, _, t in self.delayed]
         self.ready.clear()
         self.alone.clear()
         self.delayed.clear()

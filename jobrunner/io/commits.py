@@ -1,8 +1,8 @@
 """Commit records: one small JSON object per committed shard under `_commits/`.
 
 Committing a shard writes only its own record (O(1) bytes per shard, whatever the job's size); the full
-`_manifest.json` is a compaction of the records, written every so often and at the end. Readers (resume,
-reports) take the manifest and fold in the records it does not yet hold.
+`_manifest.json` (with its shard table) is a compaction of the records, written every so often and at the end.
+Readers (resume, reports) take the manifest and fold in the records it does not yet hold (io/manifest.py).
 """
 
 from __future__ import annotations
@@ -44,15 +44,3 @@ def read_commit_records(storage: Storage, shard_ids: list[str]) -> dict[str, dic
 def delete_commit_records(storage: Storage, shard_ids: list[str]) -> None:
     """Remove records already folded into a written manifest."""
     storage.delete_many([commit_record_key(s) for s in shard_ids])
-
-
-def fold_records(manifest: dict[str, Any], records: dict[str, dict[str, Any]]) -> int:
-    """Put committed records into the manifest's shard table; returns how many were new."""
-    shards = manifest.setdefault("shards", {})
-    new = 0
-    for shard_id, record in records.items():
-        entry = {k: v for k, v in record.items() if k != "shard_id"}
-        if shards.get(shard_id, {}).get("status") != "committed":
-            new += 1
-        shards[shard_id] = {**shards.get(shard_id, {}), **entry}
-    return new

@@ -5,8 +5,10 @@ Spark, DuckDB, Ray Data) skip, so they can open the output URL itself.
 """
 
 MANIFEST = "_manifest.json"
-MANIFEST_FORMAT_VERSION = 2  # written by the driver, checked by report readers
-READABLE_MANIFEST_VERSIONS = (1, 2)  # 1: no commit records; 2: `_commits/` records beside the manifest
+MANIFEST_FORMAT_VERSION = 3  # written by the driver, checked by report readers
+# 1: no commit records; 2: `_commits/` records beside the manifest; 3: the shards in a Parquet table
+READABLE_MANIFEST_VERSIONS = (1, 2, 3)
+SHARDS_DIR = "_shards"  # the manifest's shard table, `_shards/<generation>.parquet` (format 3)
 SUCCESS = "_SUCCESS"
 PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"

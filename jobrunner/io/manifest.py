@@ -1,13 +1,26 @@
-"""The job manifest (`_manifest.json`) and the `_SUCCESS` marker: read (with commit records), atomic write."""
+"""The job manifest and the `_SUCCESS` marker: read (with commit records), atomic write.
+
+From format 3 the manifest is two objects: `_manifest.json` (spec, model, versions, runs, workers, totals)
+and the shard table it names, `_shards/<generation>.parquet` (io/shard_file.py). A compaction writes a new
+table first, then the JSON naming it (an atomic replace), then deletes older tables: a reader always finds
+a complete pair. Formats 1-2 kept the shards in the JSON (`"shards": {id: entry}`); they are still read.
+"""
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
-from jobrunner.io.commits import fold_records, list_commit_records, read_commit_records
-from jobrunner.io.layout import MANIFEST, SUCCESS
+import numpy as np
+
+from jobrunner.io import shard_file as sf
+from jobrunner.io.commits import list_commit_records, read_commit_records
+from jobrunner.io.layout import MANIFEST, SHARDS_DIR, SUCCESS
+from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
+
+TABLE_READ_ATTEMPTS = 3  # a compaction may delete the table a reader just found named: read the JSON again
 
 
 class ManifestError(ValueError):
@@ -15,7 +28,7 @@ class ManifestError(ValueError):
 
 
 def read_manifest(storage: Storage) -> dict[str, Any] | None:
-    """The manifest, or None when there is none."""
+    """The manifest's JSON object (in format 3 without the shards: see `read_manifest_table`), or None."""
     if not storage.exists(MANIFEST):
         return None
     raw = storage.read_bytes(MANIFEST)
@@ -28,22 +41,85 @@ def read_manifest(storage: Storage) -> dict[str, Any] | None:
     return data
 
 
+def read_manifest_table(storage: Storage) -> tuple[dict[str, Any], ShardColumns] | None:
+    """The manifest (without "shards") and its shard table with every commit record it lacks folded in;
+    None when there is no manifest. Builds no Python object per shard for a format 3 manifest."""
+    for attempt in range(TABLE_READ_ATTEMPTS):
+        manifest = read_manifest(storage)
+        if manifest is None:
+            return None
+        try:
+            columns = _shard_columns(storage, manifest)
+            break
+        except FileNotFoundError:
+            if attempt == TABLE_READ_ATTEMPTS - 1:
+                raise
+    fold_commit_records(storage, columns)
+    return manifest, columns
+
+
+def _shard_columns(storage: Storage, manifest: dict[str, Any]) -> ShardColumns:
+    entries = manifest.pop("shards", None)
+    if isinstance(entries, dict):  # format 1-2
+        return sf.from_entries({str(k): v for k, v in entries.items() if isinstance(v, dict)})
+    table = manifest.get("shard_table")
+    if not isinstance(table, dict) or not isinstance(table.get("key"), str):
+        raise ManifestError(f"{storage.display(MANIFEST)}: neither 'shards' nor 'shard_table'")
+    try:
+        return sf.from_parquet(storage.read_bytes(table["key"]))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ManifestError(f"{storage.display(table['key'])}: not a shard table ({exc})") from None
+
+
+def fold_commit_records(storage: Storage, columns: ShardColumns) -> int:
+    """Take the commit records of shards the table does not hold as committed; returns how many."""
+    todo = []
+    for shard_id in list_commit_records(storage):
+        index = _row_of(columns, shard_id)
+        if index is not None and columns.status[index] != COMMITTED:
+            todo.append(shard_id)
+    records = read_commit_records(storage, todo)
+    for shard_id, record in records.items():
+        columns.set_entry(_row_of(columns, shard_id), record)
+    return len(records)
+
+
+def _row_of(columns: ShardColumns, shard_id: str) -> int | None:
+    index = columns.index_of(shard_id)
+    if index is None:  # an id of another form (an old manifest): look it up
+        found = np.flatnonzero(columns.shard_id == shard_id.encode())
+        index = int(found[0]) if len(found) else None
+    return index
+
+
 def read_manifest_with_records(storage: Storage) -> dict[str, Any] | None:
-    """The manifest with every commit record not yet compacted into it folded in (None: no manifest)."""
-    manifest = read_manifest(storage)
-    if manifest is None:
+    """The manifest with its shards as `"shards": {id: entry}` (format 2's form) and every commit record
+    folded in; None when there is none. One dict per shard: for small outputs, tools and tests."""
+    found = read_manifest_table(storage)
+    if found is None:
         return None
-    shards = manifest.get("shards") or {}
-    todo = [s for s in list_commit_records(storage) if (shards.get(s) or {}).get("status") != "committed"]
-    fold_records(manifest, read_commit_records(storage, todo))
+    manifest, columns = found
+    manifest.pop("shard_table", None)
+    manifest["shards"] = sf.to_entries(columns)
     return manifest
 
 
-def write_manifest(storage: Storage, manifest: dict[str, Any]) -> int:
-    """Write the manifest atomically (temporary key, then commit over the old one); returns its bytes."""
-    data = json.dumps(manifest, separators=(",", ":"), sort_keys=False).encode()
+def write_manifest(storage: Storage, manifest: dict[str, Any], columns: ShardColumns) -> int:
+    """Write the shard table under a new key, then the manifest naming it (atomically), then delete older
+    tables; returns the bytes written."""
+    table = sf.to_parquet(columns)
+    key = f"{SHARDS_DIR}/{uuid.uuid4().hex[:12]}.parquet"
+    storage.write_small(key, table)
+    counts = np.bincount(columns.status, minlength=len(STATUS_VALUES))
+    header = {k: v for k, v in manifest.items() if k != "shards"}
+    header["shard_table"] = {"key": key, "num_shards": len(columns),
+                             "status_counts": {s: int(counts[i]) for i, s in enumerate(STATUS_VALUES)}}
+    data = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
     storage.write_atomic(MANIFEST, data)
-    return len(data)
+    storage.delete_many([k for k in storage.listdir(SHARDS_DIR) if k != key])
+    return len(data) + len(table)
 
 
 def mark_success(storage: Storage) -> None:

@@ -21,6 +21,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST, PARTS_DIR, READABLE_MANIFEST_VERSIONS, SUCCESS, part_key
+from jobrunner.io.manifest import ManifestError, read_manifest_table
+from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
+from jobrunner.io.storage import Storage
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
@@ -45,6 +48,7 @@ class JobOutputs:
     part_paths: list[str]
     is_complete: bool
     warnings: list[str] = field(default_factory=list)
+    shards: ShardColumns | None = None  # the shard table of a format 3 manifest (records folded in)
 
 
 @dataclass
@@ -79,6 +83,8 @@ def open_outputs(url: str, storage_options: dict | None = None) -> JobOutputs:
     manifest = _read_manifest(fs, root, url)
     outputs = JobOutputs(url=url, fs=fs, root=root, manifest=manifest, part_paths=[],
                          is_complete=fs.exists(posixpath.join(root, SUCCESS)))
+    if manifest is not None and "shard_table" in manifest and not isinstance(manifest.get("shards"), dict):
+        outputs.shards = _read_shard_table(url, storage_options, manifest)
     outputs.part_paths = _part_paths(outputs)
     if not outputs.part_paths:
         raise ReportInputError(_no_parts_message(outputs))
@@ -125,8 +131,25 @@ def _fold_commit_records(fs: fsspec.AbstractFileSystem, root: str, manifest: dic
             shards[posixpath.basename(path)[:-5]] = record
 
 
+def _read_shard_table(url: str, storage_options: dict | None, manifest: dict) -> ShardColumns:
+    """A format 3 manifest's shard table with the commit records it lacks; refreshes its status counts."""
+    try:
+        found = read_manifest_table(Storage(url, storage_options))
+    except (ManifestError, OSError, ValueError) as exc:
+        raise ReportInputError(f"{url}: cannot read the manifest's shard table ({exc})") from exc
+    if found is None:
+        raise ReportInputError(f"{url}: {MANIFEST} disappeared while reading it")
+    columns = found[1]
+    counts = np.bincount(columns.status, minlength=len(STATUS_VALUES))
+    table = manifest.setdefault("shard_table", {})
+    table["status_counts"] = {status: int(counts[i]) for i, status in enumerate(STATUS_VALUES)}
+    return columns
+
+
 def _part_paths(outputs: JobOutputs) -> list[str]:
     """Committed parts named by the manifest, else every `parts/*.parquet` (a manifest-less output)."""
+    if outputs.shards is not None:
+        return _table_part_paths(outputs, outputs.shards)
     shards = (outputs.manifest or {}).get("shards") or {}
     if not isinstance(shards, dict) or not shards:
         pattern = posixpath.join(outputs.root, PARTS_DIR, "*.parquet")
@@ -142,6 +165,19 @@ def _part_paths(outputs: JobOutputs) -> list[str]:
                 paths.append(path)
             else:
                 outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
+    return paths
+
+
+def _table_part_paths(outputs: JobOutputs, columns: ShardColumns) -> list[str]:
+    committed = np.flatnonzero(columns.status == COMMITTED)
+    paths = []
+    for index in committed[np.argsort(columns.shard_id[committed], kind="stable")].tolist():
+        for part in columns.parts_of(index):
+            path = posixpath.join(outputs.root, part)
+            if outputs.fs.exists(path):
+                paths.append(path)
+            else:
+                outputs.warnings.append(f"shard {columns.id_of(index)}: committed part {part} is missing; skipped")
     return paths
 
 

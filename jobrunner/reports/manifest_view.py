@@ -88,7 +88,11 @@ def text(mapping: Any, key: str) -> str | None:
 
 
 def shard_counts(manifest: dict | None) -> dict[str, int]:
-    """status -> number of shards."""
+    """status -> number of shards (format 3: the shard table's counts, which the report reader refreshes
+    with the commit records; formats 1-2: counted over the manifest's shard entries)."""
+    table = (manifest or {}).get("shard_table")
+    if isinstance(table, dict) and isinstance(table.get("status_counts"), dict):
+        return {str(k): int(v) for k, v in table["status_counts"].items() if isinstance(v, int) and v > 0}
     shards = (manifest or {}).get("shards")
     counts: dict[str, int] = {}
     for shard in (shards.values() if isinstance(shards, dict) else []):

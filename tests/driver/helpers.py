@@ -1,6 +1,5 @@
 """Helpers for driver, fault and CLI tests: prompt files, fake-engine job specs, buckets, manifests."""
 
-import json
 import uuid
 from pathlib import Path
 
@@ -41,7 +40,11 @@ def fake_spec(input_url: str, output_url: str, storage_options=None, **sections)
 
 
 def read_manifest_file(path) -> dict:
-    return json.loads((path / "_manifest.json").read_text())
+    """The manifest with its shards as `{shard_id: entry}` (the shard table expanded, records folded)."""
+    from jobrunner.io.manifest import read_manifest_with_records
+    from jobrunner.io.storage import Storage
+
+    return read_manifest_with_records(Storage(str(path)))
 
 
 def new_bucket(s3_server) -> str:

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from jobrunner.driver.manifest import JobBook, new_manifest
-from jobrunner.driver.shards import Shard
+from jobrunner.driver.shards import Shard, ShardTable
 from jobrunner.io.layout import COMMITS_DIR, LEASE, part_key
 from jobrunner.io.lease import LeaseHeld, LeaseLost, acquire_lease, read_lease
 from jobrunner.io.manifest import read_manifest, read_manifest_with_records
@@ -21,10 +21,11 @@ from jobrunner.spec import spec_from_dict
 from tests.io.test_io_storage import make_bucket
 
 
-def _book(url: str, num_shards: int, opts=None) -> JobBook:
+def _book(url: str, num_shards: int, opts=None, background: bool = True) -> JobBook:
     spec = spec_from_dict({"name": "b", "input": {"url": "in", "prompt_column": "p"}, "output": {"url": url}})
-    shards = [Shard(f"{i:05d}-x", "file:///in.parquet", "in", i, i + 1) for i in range(num_shards)]
-    return JobBook(Storage(url, opts), new_manifest(spec, shards))
+    shards = ShardTable.from_shards([Shard(f"{i:05d}-x", "file:///in.parquet", "in", i, i + 1)
+                                     for i in range(num_shards)])
+    return JobBook(Storage(url, opts), new_manifest(spec, shards), shards, background=background)
 
 
 def _commit(book: JobBook, shard_id: str, errors: int = 0, with_part: bool = True) -> None:
@@ -68,7 +69,7 @@ def test_commits_write_records_and_compaction_folds_them(where, tmp_path, reques
 
 
 def test_compaction_runs_every_eighth_of_the_shards(tmp_path):
-    book = _book(str(tmp_path / "out"), 4000)
+    book = _book(str(tmp_path / "out"), 4000, background=False)  # on a thread: test_shard_table.py
     assert book.compact_every == 500
     book.compact(drop_all_records=True)
     for i in range(1001):
