@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobrunner.io.layout import COMMITS_DIR, commit_record_key
+from jobrunner.io.layout import COMMITS_DIR, LEASE_GENERATION, commit_record_key
 from jobrunner.io.storage import Storage
 
 
-def write_commit_record(storage: Storage, shard_id: str, entry: dict[str, Any]) -> int:
-    """Write one shard's commit record (its manifest entry); returns the bytes written."""
-    data = json.dumps({"shard_id": shard_id, **entry}, separators=(",", ":")).encode()
+def write_commit_record(storage: Storage, shard_id: str, entry: dict[str, Any], epoch: int | None = None) -> int:
+    """Write one shard's commit record (its manifest entry, plus the writer's lease generation `epoch`);
+    returns the bytes written."""
+    fenced = {"shard_id": shard_id, **entry} if epoch is None else {"shard_id": shard_id, "epoch": epoch, **entry}
+    data = json.dumps(fenced, separators=(",", ":")).encode()
     storage.write_small(commit_record_key(shard_id), data)
     return len(data)
 
@@ -46,12 +48,22 @@ def delete_commit_records(storage: Storage, shard_ids: list[str]) -> None:
     storage.delete_many([commit_record_key(s) for s in shard_ids])
 
 
+def is_stale(record: dict[str, Any], manifest: dict[str, Any]) -> bool:
+    """A record written under an older lease generation than the manifest's: a driver that had lost the
+    output wrote it after the current run's start-up compaction (which folds and deletes every earlier
+    record), so it is ignored."""
+    epoch, current = record.get("epoch"), manifest.get(LEASE_GENERATION)
+    return isinstance(epoch, int) and isinstance(current, int) and epoch < current
+
+
 def fold_records(manifest: dict[str, Any], records: dict[str, dict[str, Any]]) -> int:
-    """Put committed records into the manifest's shard table; returns how many were new."""
+    """Put committed records into the manifest's shard table (stale ones left out); returns how many were new."""
     shards = manifest.setdefault("shards", {})
     new = 0
     for shard_id, record in records.items():
-        entry = {k: v for k, v in record.items() if k != "shard_id"}
+        if is_stale(record, manifest):
+            continue
+        entry = {k: v for k, v in record.items() if k not in ("shard_id", "epoch")}
         if shards.get(shard_id, {}).get("status") != "committed":
             new += 1
         shards[shard_id] = {**shards.get(shard_id, {}), **entry}
