@@ -216,6 +216,7 @@ class _JobLoop:
                     self._start_task(worker, task)
 
     def _start_task(self, worker: Worker, task: Task) -> None:
+        self.lease.check()  # a driver that lost the output starts no attempt (not even a temporary part)
         task.attempts += 1
         self.work[task.shard_id].attempts += 1
         shard = self.shards[task.shard_id]
