@@ -36,7 +36,7 @@ from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
 from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
-from jobrunner.io.parts import commit_part
+from jobrunner.io.parts import commit_part, list_parts
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -92,6 +92,10 @@ class _JobLoop:
             if len(self.queue):
                 self.pool.start(min(self.spec.cluster.num_workers, len(self.queue)))
                 self._loop()
+        except BaseException:
+            # LeaseLost (or any abort): queued publishes never start; one in flight meets the fence
+            self.publisher.shutdown(wait=True, cancel_futures=True)
+            raise
         finally:
             self.publisher.shutdown(wait=True)
             self._stop_workers()
@@ -131,8 +135,7 @@ class _JobLoop:
                 self._on_start_ref(ref, start_refs[ref])
 
     def _keep_lease(self) -> None:
-        if time.monotonic() - self.lease.renewed_at > self.lease.ttl_s / 3:
-            self.lease.renew()
+        self.lease.check()  # the heartbeat thread renews; LeaseLost once it could not (io/lease.py)
 
     # ---- workers ------------------------------------------------------------------------------------
     def _on_start_ref(self, ref: Any, worker: Worker) -> None:
@@ -214,6 +217,7 @@ class _JobLoop:
                     self._start_task(worker, task)
 
     def _start_task(self, worker: Worker, task: Task) -> None:
+        self.lease.check()  # a driver that lost the output starts no attempt (not even a temporary part)
         task.attempts += 1
         self.work.setdefault(task.shard_id, ShardWork()).attempts += 1
         piece = self.shards.shard(self.shards.index_of(task.shard_id), task.row_start, task.row_end)
@@ -269,8 +273,7 @@ class _JobLoop:
 
     def _commit(self, shard_id: str, work: ShardWork) -> None:
         """Publish the shard's attempt parts (fenced: only attempts this driver assigned), in the background."""
-        if not self.lease.is_fresh():
-            self.lease.renew()  # LeaseLost if another run took the output over: never publish then
+        self.lease.check()  # LeaseLost if another run took the output over: never publish then
         results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
         entry, kinds = _shard_entry(results, work)
         record = self.book.record_for(shard_id, entry, kinds)
@@ -281,7 +284,7 @@ class _JobLoop:
         """Move the attempts to their final keys, then write the commit record (a publisher thread)."""
         for result, final in zip(results, record["parts"], strict=True):
             commit_part(self.storage, result.part, final)
-        return write_commit_record(self.storage, shard_id, record)
+        return write_commit_record(self.storage, shard_id, record, epoch=self.lease.generation)
 
     def _collect_published(self) -> None:
         for future in [f for f in self.publishing if f.done()]:
@@ -310,7 +313,7 @@ class _JobLoop:
         self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
 
     def _finish(self) -> JobResult:
-        self.lease.renew()  # LeaseLost (write nothing) if the output was taken over while workers stopped
+        self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         finished = not self.failed and not len(self.queue) and not self.in_flight and self.error is None
         never_started = self.queue.drain_fresh()
         if self.error is not None:
@@ -331,6 +334,7 @@ class _JobLoop:
                            top_errors=self.book.top_error_kinds())
         if finished and not result.over_error_budget:
             finish_job_files(self.spec, self.storage, self.shards.committed_parts())
+            self.storage.delete_many(mf.orphan_parts(self.shards, list_parts(self.storage)))  # stray parts
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)
         return result

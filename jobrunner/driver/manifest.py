@@ -75,22 +75,6 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     }
 
 
-def check_resumable(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable) -> None:
-    """Raise ResumeError when the old manifest was written for other rows or other settings."""
-    old_spec = old.get("spec") or {}
-    new_spec = spec.redacted()
-    differ = [s for s in RESUME_SECTIONS if old_spec.get(s) != new_spec[s]]
-    differ += [f"input.{k}" for k in RESUME_INPUT_KEYS
-               if (old_spec.get("input") or {}).get(k) != new_spec["input"][k]]
-    if differ:
-        raise ResumeError(f"the existing output was written with different {', '.join(differ)}; "
-                          "use output.mode=overwrite (or another output.url)")
-    new_ids = shards.columns.shard_id
-    if len(old_shards) != len(new_ids) or not np.array_equal(np.sort(old_shards.shard_id), np.sort(new_ids)):
-        raise ResumeError("the existing output was cut into different shards (input files or rows_per_shard "
-                          "changed); use output.mode=overwrite (or another output.url)")
-
-
 def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable,
                     present_parts: list[str]) -> dict[str, Any]:
     """The old manifest ready for another run; `shards` takes the old table's state: committed shards whose

@@ -1,21 +1,37 @@
 """The output location: checked, leased to this run, then prepared per `output.mode`.
 
-One run per output: the lease (`io/lease.py`) is taken before anything under the output changes. `overwrite`
-deletes only a prefix that is empty or holds a jobrunner output (entries `parts/`, `_*`, report files), never
-a bucket or filesystem root, never a prefix that is or contains the input.
+One run per output: the lease (`io/lease.py`) is taken before anything under the output changes; a lease
+held by a run that is provably dead is taken over at once, any other is watched (with a countdown on stderr)
+until it expires or shows its holder alive. Everything the run writes afterwards goes through a
+`FencedStorage`. `overwrite` deletes only a prefix that is empty or holds a jobrunner output (entries
+`parts/`, `_*`, report files), never a bucket or filesystem root, never a prefix that is or contains the
+input. An output whose earlier runs committed nothing is replaced whatever changed; one with committed
+shards is resumed only with the same settings (driver/resume_check.py).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from jobrunner.driver.manifest import check_resumable, new_manifest, orphan_parts, resume_manifest
-from jobrunner.io.layout import LEASE, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
-from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder, is_expired, read_lease
+from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
+from jobrunner.driver.resume_check import check_resume, num_committed
+from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
+from jobrunner.io.lease import (
+    FencedStorage,
+    Lease,
+    LeaseHeld,
+    acquire_lease,
+    describe_holder,
+    holder_is_dead_here,
+    is_free,
+    read_lease,
+)
 from jobrunner.io.manifest import clear_success, read_manifest_table
 from jobrunner.io.parts import list_parts
-from jobrunner.io.shard_file import COMMITTED
+from jobrunner.io.shard_file import ShardColumns
 from jobrunner.io.storage import Storage, StorageError
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -32,41 +48,66 @@ class OutputError(ValueError):
 
 
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
-    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from (its
-    shards' state goes into `plan.shards`)."""
+    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
     storage = Storage(spec.output.url, spec.output.storage_options)
     try:
         entries = _entries(storage)
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    mode = spec.output.mode
-    if entries and mode == "error":
-        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
-    if mode == "overwrite":
-        check_overwrite(spec, storage, entries)
+    _check_mode(spec, storage, entries)  # before any wait for the lease
     try:
-        lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name)
+        lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name,
+                              on_wait=CountdownPrinter(storage.display()))
     except LeaseHeld as exc:
         raise OutputError(str(exc)) from None
+    fenced = FencedStorage(storage, lease)
     try:
-        manifest = _prepare(spec, plan, storage, entries)
+        entries = _entries(storage)  # again: the previous holder may have written more meanwhile
+        _check_mode(spec, storage, entries)
+        manifest = _prepare(spec, plan, fenced, entries, lease)
     except BaseException:
         lease.release()
         raise
-    return storage, manifest, lease
+    return fenced, manifest, lease
+
+
+def _check_mode(spec: JobSpec, storage: Storage, entries: list[str]) -> None:
+    if entries and spec.output.mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    if spec.output.mode == "overwrite":
+        check_overwrite(spec, storage, entries)
 
 
 def _entries(storage: Storage) -> list[str]:
-    return [e for e in storage.listdir("") if e not in (TEMP_DIR, LEASE)]
+    """Top-level names under the output, without the lease's own files (`_lease.json`, its lock)."""
+    return [e for e in storage.listdir("") if e != TEMP_DIR and not e.startswith(LEASE)]
 
 
-def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+class CountdownPrinter:
+    """Prints, at most every PERIOD_S, who holds the output and how long until this run takes it over."""
+
+    PERIOD_S = 5.0
+
+    def __init__(self, url: str) -> None:  # noqa: D107
+        self.url, self.next_at = url, 0.0
+
+    def __call__(self, holder: dict[str, Any], left_s: float) -> None:  # noqa: D102
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + self.PERIOD_S
+        print(redact_text(f"output {self.url} is leased by {describe_holder(holder)}; no heartbeat seen yet: "
+                          f"taking it over in {left_s:.0f} s unless it renews (then this run stops)"),
+              file=sys.stderr, flush=True)
+
+
+def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str], lease: Lease) -> dict[str, Any]:
     if entries and spec.output.mode == "overwrite":
         for entry in entries:
             storage.delete(entry, recursive=True)
         entries = []
-    manifest = _resume_or_new(spec, plan, storage, entries)
+    manifest = _resume_or_new(spec, plan, storage, entries, lease)
+    manifest[LEASE_GENERATION] = lease.generation  # the fencing epoch, in the start-up compaction
     clear_success(storage)
     storage.delete(TEMP_DIR, recursive=True)
     return manifest
@@ -98,12 +139,19 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     storage = Storage(spec.output.url, spec.output.storage_options)
     try:
         entries = _entries(storage)
-        lease = read_lease(storage)
+        holder = read_lease(storage)
         old = read_manifest_table(storage) if entries else None
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
-    if lease is not None and not is_expired(lease):
-        raise OutputError(f"output {spec.output.url} is in use by {describe_holder(lease)}")
+    held = ""
+    if not is_free(holder) and not holder_is_dead_here(holder):
+        held = (f"leased by {describe_holder(holder)}: run waits up to {holder.get('ttl_s')} s for the lease to "
+                "expire (and stops if it is renewed); ")
+    return held + _describe_state(spec, plan, storage, entries, old)
+
+
+def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+                    old: tuple[dict[str, Any], ShardColumns] | None) -> str:
     if not entries:
         return "output is empty: a new job"
     if spec.output.mode == "error":
@@ -114,19 +162,27 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     if old is None:
         raise _foreign_output(spec)
     header, old_shards = old
-    check_resumable(header, spec, old_shards, plan.shards)
-    done = int((old_shards.status == COMMITTED).sum())
+    if not num_committed(old_shards):
+        return "output holds runs that committed nothing: a new job replaces them"
+    check_resume(header, old_shards, spec, plan.shards)
+    done = num_committed(old_shards)
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
 
 
-def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+                   lease: Lease) -> dict[str, Any]:
     if not entries:
         return new_manifest(spec, plan.shards)
     old = read_manifest_table(storage)
     if old is None:
         raise _foreign_output(spec)
     header, old_shards = old
-    check_resumable(header, spec, old_shards, plan.shards)
+    old_generation = header.get(LEASE_GENERATION)
+    if isinstance(old_generation, int) and old_generation >= lease.generation:
+        lease.advance_to(old_generation + 1)  # the lease object was deleted by hand: keep epochs increasing
+    if not num_committed(old_shards):
+        return _replace(spec, plan, storage, header)
+    check_resume(header, old_shards, spec, plan.shards)
     present = list_parts(storage)
     manifest = resume_manifest(header, spec, old_shards, plan.shards, present)  # plan.shards takes the state
     storage.delete_many(orphan_parts(plan.shards, present))
@@ -136,3 +192,13 @@ def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list
 def _foreign_output(spec: JobSpec) -> OutputError:
     return OutputError(f"output.url {spec.output.url!r} has files but no {MANIFEST}: not a jobrunner "
                        "output; use output.mode=overwrite or another output.url")
+
+
+def _replace(spec: JobSpec, plan: JobPlan, storage: Storage, old: dict[str, Any]) -> dict[str, Any]:
+    """A new manifest over an output whose runs committed nothing (a failed first run, whatever it was run
+    with): its leftovers go, its run count and history stay."""
+    storage.delete(PARTS_DIR, recursive=True)
+    storage.delete(COMMITS_DIR, recursive=True)
+    manifest = new_manifest(spec, plan.shards)
+    manifest.update(run_count=int(old.get("run_count") or 0), runs=list(old.get("runs") or []))
+    return manifest

@@ -14,9 +14,11 @@ from jobrunner.io.layout import COMMITS_DIR, commit_record_key
 from jobrunner.io.storage import Storage
 
 
-def write_commit_record(storage: Storage, shard_id: str, entry: dict[str, Any]) -> int:
-    """Write one shard's commit record (its manifest entry); returns the bytes written."""
-    data = json.dumps({"shard_id": shard_id, **entry}, separators=(",", ":")).encode()
+def write_commit_record(storage: Storage, shard_id: str, entry: dict[str, Any], epoch: int | None = None) -> int:
+    """Write one shard's commit record (its manifest entry, plus the writer's lease generation `epoch`);
+    returns the bytes written."""
+    fenced = {"shard_id": shard_id, **entry} if epoch is None else {"shard_id": shard_id, "epoch": epoch, **entry}
+    data = json.dumps(fenced, separators=(",", ":")).encode()
     storage.write_small(commit_record_key(shard_id), data)
     return len(data)
 
@@ -44,3 +46,11 @@ def read_commit_records(storage: Storage, shard_ids: list[str]) -> dict[str, dic
 def delete_commit_records(storage: Storage, shard_ids: list[str]) -> None:
     """Remove records already folded into a written manifest."""
     storage.delete_many([commit_record_key(s) for s in shard_ids])
+
+
+def is_stale(record: dict[str, Any], generation: int | None) -> bool:
+    """A record written under an older lease generation than the manifest's: a driver that had lost the
+    output wrote it after the current run's start-up compaction (which folds and deletes every earlier
+    record), so it is ignored."""
+    epoch = record.get("epoch")
+    return isinstance(epoch, int) and isinstance(generation, int) and epoch < generation

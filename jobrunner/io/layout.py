@@ -13,7 +13,8 @@ SUCCESS = "_SUCCESS"
 PARTS_DIR = "parts"
 TEMP_DIR = "_temporary"
 COMMITS_DIR = "_commits"  # one small record per committed shard, folded into the manifest by compaction
-LEASE = "_lease.json"  # the run that owns this output (run id, host, heartbeat, expiry)
+LEASE = "_lease.json"  # the run that owns this output (run id, generation, host, pid, heartbeat)
+LEASE_GENERATION = "lease_generation"  # manifest key: the generation (fencing epoch) of the run that wrote it
 REPORT_DIR = "_report"  # `_` so Parquet readers pointed at the output URL skip it
 REPORT_FILES = (f"{REPORT_DIR}/report.json", f"{REPORT_DIR}/report.html")
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from jobrunner.io import shard_file as sf
-from jobrunner.io.commits import list_commit_records, read_commit_records
-from jobrunner.io.layout import MANIFEST, SHARDS_DIR, SUCCESS
+from jobrunner.io.commits import is_stale, list_commit_records, read_commit_records
+from jobrunner.io.layout import LEASE_GENERATION, MANIFEST, SHARDS_DIR, SUCCESS
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
 
@@ -54,7 +54,7 @@ def read_manifest_table(storage: Storage) -> tuple[dict[str, Any], ShardColumns]
         except FileNotFoundError:
             if attempt == TABLE_READ_ATTEMPTS - 1:
                 raise
-    fold_commit_records(storage, columns)
+    fold_commit_records(storage, columns, manifest.get(LEASE_GENERATION))
     return manifest, columns
 
 
@@ -73,16 +73,17 @@ def _shard_columns(storage: Storage, manifest: dict[str, Any]) -> ShardColumns:
         raise ManifestError(f"{storage.display(table['key'])}: not a shard table ({exc})") from None
 
 
-def fold_commit_records(storage: Storage, columns: ShardColumns) -> int:
-    """Take the commit records of shards the table does not hold as committed; returns how many."""
+def fold_commit_records(storage: Storage, columns: ShardColumns, generation: int | None = None) -> int:
+    """Take the commit records of shards the table does not hold as committed; returns how many. Records
+    older than the manifest's lease `generation` (written by a driver that had lost the output) are ignored."""
     todo = []
     for shard_id in list_commit_records(storage):
         index = _row_of(columns, shard_id)
         if index is not None and columns.status[index] != COMMITTED:
             todo.append(shard_id)
-    records = read_commit_records(storage, todo)
+    records = {k: r for k, r in read_commit_records(storage, todo).items() if not is_stale(r, generation)}
     for shard_id, record in records.items():
-        columns.set_entry(_row_of(columns, shard_id), record)
+        columns.set_entry(_row_of(columns, shard_id), {k: v for k, v in record.items() if k != "epoch"})
     return len(records)
 
 

@@ -20,7 +20,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import COMMITS_DIR, MANIFEST, PARTS_DIR, READABLE_MANIFEST_VERSIONS, SUCCESS, part_key
+from jobrunner.io.commits import is_stale
+from jobrunner.io.layout import (
+    COMMITS_DIR,
+    LEASE_GENERATION,
+    MANIFEST,
+    PARTS_DIR,
+    READABLE_MANIFEST_VERSIONS,
+    SUCCESS,
+    part_key,
+)
 from jobrunner.io.manifest import ManifestError, read_manifest_table
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
@@ -127,7 +136,8 @@ def _fold_commit_records(fs: fsspec.AbstractFileSystem, root: str, manifest: dic
             record = json.loads(data) if isinstance(data, bytes) else None
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("status") == "committed":
+        if (isinstance(record, dict) and record.get("status") == "committed"
+                and not is_stale(record, manifest.get(LEASE_GENERATION))):
             shards[posixpath.basename(path)[:-5]] = record
 
 

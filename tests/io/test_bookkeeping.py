@@ -1,17 +1,15 @@
-"""Commit records + manifest compaction, the output lease, and URL checks: on local disk and the S3 server."""
+"""Commit records + manifest compaction and URL checks: on local disk and the S3 server (the lease:
+tests/io/test_lease.py)."""
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
 
 import pytest
 
 from jobrunner.driver.manifest import JobBook, new_manifest
 from jobrunner.driver.shards import Shard, ShardTable
-from jobrunner.io.layout import COMMITS_DIR, LEASE, part_key
-from jobrunner.io.lease import LeaseHeld, LeaseLost, acquire_lease, read_lease
+from jobrunner.io.layout import COMMITS_DIR, part_key
 from jobrunner.io.manifest import read_manifest, read_manifest_with_records
 from jobrunner.io.parts import rows_to_table, write_part
 from jobrunner.io.reader import ROW_INDEX
@@ -75,32 +73,6 @@ def test_compaction_runs_every_eighth_of_the_shards(tmp_path):
     for i in range(1001):
         _commit(book, f"{i:05d}-x", with_part=False)
     assert book.num_compactions == 3 and len(book.unfolded) == 1 and book.num_records == 1001
-
-
-def test_lease_refuses_a_live_holder_takes_over_an_expired_one_and_detects_loss(tmp_path):
-    storage = Storage(str(tmp_path / "out"))
-    first = acquire_lease(storage, "run-a", ttl_s=60, job_name="j")
-    held = read_lease(storage)
-    assert held["run_id"] == "run-a" and held["job_name"] == "j" and held["expires_at_s"] > time.time() + 50
-    with pytest.raises(LeaseHeld, match=f"in use by run run-a on .*expires {held['expires_at'][:16]}"):
-        acquire_lease(storage, "run-b", ttl_s=60)
-    storage.write_small(LEASE, json.dumps({**held, "expires_at_s": time.time() - 1}).encode())
-    second = acquire_lease(storage, "run-b", ttl_s=60)  # the first run "crashed": its lease expired
-    assert read_lease(storage)["run_id"] == "run-b"
-    with pytest.raises(LeaseLost, match="taken over by run run-b"):
-        first.renew()
-    first.release()  # not ours any more: left alone
-    assert read_lease(storage)["run_id"] == "run-b"
-    second.release()
-    assert read_lease(storage) is None
-
-
-def test_lease_on_s3_is_exclusive(s3_server):
-    storage = Storage(f"s3://{make_bucket(s3_server)}/out", s3_server["storage_options"])
-    acquire_lease(storage, "run-a", ttl_s=30)
-    with pytest.raises(LeaseHeld, match="run run-a"):
-        acquire_lease(storage, "run-b", ttl_s=30)
-    assert not storage.create_exclusive(LEASE, b"{}")
 
 
 def test_roots_and_containment(tmp_path):

@@ -1,0 +1,96 @@
+"""Whether an existing output can be resumed with a spec, and if not, exactly what differs.
+
+Only an output with committed shards is protected: its rows were made with the old settings, so a resume
+with other model/sampling settings or another shard plan would mix two jobs in one output. The refusal
+lists every differing field with its old and new value (from the redacted specs: no secret is shown) and
+the two ways on. An output whose runs committed nothing has nothing to protect and is simply replaced
+(driver/output.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jobrunner.driver.manifest import RESUME_INPUT_KEYS, RESUME_SECTIONS, ResumeError
+from jobrunner.driver.shards import ShardTable
+from jobrunner.io.shard_file import COMMITTED, ShardColumns
+from jobrunner.spec import JobSpec
+
+MAX_SHOWN = 20  # differing fields listed in a message
+
+
+def num_committed(old_shards: ShardColumns) -> int:
+    """Committed shards in a manifest's shard table (commit records folded in)."""
+    return int((old_shards.status == COMMITTED).sum())
+
+
+def flatten(value: Any, prefix: str) -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"<prefix>.a.b": 1}; lists and scalars are leaves."""
+    if not isinstance(value, dict) or not value:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key in sorted(value):
+        out.update(flatten(value[key], f"{prefix}.{key}"))
+    return out
+
+
+def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, old value, new value) for every resume-relevant field that differs between two redacted specs."""
+    old_flat: dict[str, Any] = {}
+    new_flat: dict[str, Any] = {}
+    for section in RESUME_SECTIONS:
+        old_flat.update(flatten(old_spec.get(section) or {}, section))
+        new_flat.update(flatten(new_spec.get(section) or {}, section))
+    for key in RESUME_INPUT_KEYS:
+        old_flat[f"input.{key}"] = (old_spec.get("input") or {}).get(key)
+        new_flat[f"input.{key}"] = (new_spec.get("input") or {}).get(key)
+    missing = object()
+    fields = sorted(set(old_flat) | set(new_flat))
+    return [(f, old_flat.get(f, missing), new_flat.get(f, missing)) for f in fields
+            if old_flat.get(f, missing) != new_flat.get(f, missing)
+            and not _both_default(old_flat.get(f, missing), new_flat.get(f, missing), missing)]
+
+
+def _both_default(old: Any, new: Any, missing: object) -> bool:
+    """A field absent on one side (a spec written by an older version) and None on the other is no change."""
+    return (old is missing and new is None) or (new is missing and old is None)
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if type(value) is object else repr(value)
+
+
+def plan_differences(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, shards: ShardTable) -> list[str]:
+    """Lines describing how the shard plan differs (input files or rows per shard changed)."""
+    old_ids, new_ids = np.unique(old_shards.shard_id), np.unique(shards.columns.shard_id)
+    if len(old_ids) == len(new_ids) and np.array_equal(old_ids, new_ids):
+        return []
+    gone = int((~np.isin(old_ids, new_ids)).sum())
+    new = int((~np.isin(new_ids, old_ids)).sum())
+    lines = [f"shards: {len(old_ids)} before, {len(new_ids)} now ({gone} no longer planned, "
+             f"{new} new): the input files or the rows per shard changed"]
+    old_spec, new_spec = old.get("spec") or {}, spec.redacted()
+    for section, key in (("input", "rows_per_shard"), ("output", "rows_per_file")):
+        before, now = (old_spec.get(section) or {}).get(key), new_spec[section].get(key)
+        if before != now:
+            lines.append(f"{section}.{key}: {before!r} -> {now!r}")
+    return lines
+
+
+def check_resume(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, shards: ShardTable) -> None:
+    """ResumeError when an output with committed shards was written with other settings or another shard
+    plan: the message lists each differing field (old -> new) and the two choices."""
+    lines = [f"{field}: {_show(a)} -> {_show(b)}" for field, a, b in spec_differences(old.get("spec") or {},
+                                                                                      spec.redacted())]
+    lines = plan_differences(old, old_shards, spec, shards) + lines
+    if not lines:
+        return
+    shown = lines[:MAX_SHOWN] + ([f"... and {len(lines) - MAX_SHOWN} more"] if len(lines) > MAX_SHOWN else [])
+    done = num_committed(old_shards)
+    raise ResumeError(
+        f"output.url {spec.output.url!r} holds {done} committed shard(s) written with other settings:\n  "
+        + "\n  ".join(shown)
+        + f"\nEither set output.mode=overwrite to start over (deletes those {done} shard(s)), or keep the old "
+        "values (revert the fields above, or write this job to a new output.url) to resume.")
