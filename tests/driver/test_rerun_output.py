@@ -16,6 +16,7 @@ from jobrunner.driver.plan import plan_job
 from jobrunner.io.layout import LEASE, LEASE_GENERATION, part_key
 from jobrunner.io.lease import LeaseLost, host_identity, read_lease
 from jobrunner.io.parts import list_parts
+from jobrunner.io.shard_file import COMMITTED
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
 
@@ -27,12 +28,13 @@ def _spec(tmp_path, model="tiny-llamma", **sections):
 
 
 def _open(spec):
-    return open_output(spec, plan_job(spec))
+    plan = plan_job(spec)
+    return (*open_output(spec, plan), plan.shards)
 
 
-def _commit_first_shard(storage, manifest) -> str:
-    book = JobBook(storage, manifest)
-    shard_id = sorted(manifest["shards"])[0]
+def _commit_first_shard(storage, manifest, shards) -> str:
+    book = JobBook(storage, manifest, shards)
+    shard_id = shards.columns.id_of(0)
     storage.write_small(part_key(shard_id), b"part")
     book.commit(shard_id, {"rows": 8, "num_errors": 0, "num_prompt_tokens": 8, "num_cached_tokens": 0,
                            "num_output_tokens": 32, "worker_id": "w0", "attempts": 1, "seconds": 0.1,
@@ -42,23 +44,23 @@ def _commit_first_shard(storage, manifest) -> str:
 
 def test_a_run_that_committed_nothing_is_replaced_whatever_changed(tmp_path):
     write_prompts(tmp_path / "in.parquet", 32)
-    storage, manifest, lease = _open(_spec(tmp_path, model="tiny-llamma"))  # the typo'd first run
-    JobBook(storage, manifest).compact(drop_all_records=True)
+    storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llamma"))  # the typo'd first run
+    JobBook(storage, manifest, shards).compact(drop_all_records=True)
     storage.write_small("parts/part-stray.parquet", b"x")  # published just before it died, never recorded
     lease.release()
     fixed = _spec(tmp_path, model="tiny-llama", input={"rows_per_shard": 4})  # other model, other shard plan
     assert "committed nothing" in describe_output(fixed, plan_job(fixed))
-    storage, manifest, lease = _open(fixed)
-    assert manifest["spec"]["model"]["source"] == "tiny-llama" and len(manifest["shards"]) == 8
+    storage, manifest, lease, shards = _open(fixed)
+    assert manifest["spec"]["model"]["source"] == "tiny-llama" and len(shards) == 8
     assert manifest[LEASE_GENERATION] == 2 and list_parts(storage) == []
     lease.release()
 
 
 def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp_path):
     write_prompts(tmp_path / "in.parquet", 32)
-    storage, manifest, lease = _open(_spec(tmp_path, model="tiny-llama"))
-    JobBook(storage, manifest).compact(drop_all_records=True)
-    _commit_first_shard(storage, manifest)
+    storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llama"))
+    JobBook(storage, manifest, shards).compact(drop_all_records=True)
+    _commit_first_shard(storage, manifest, shards)
     lease.release()
     changed = _spec(tmp_path, model="tiny-llama-v2", sampling={"max_tokens": 4, "temperature": 0.5},
                     input={"rows_per_shard": 16})
@@ -73,8 +75,8 @@ def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp
     with pytest.raises(ResumeError, match="model.source"):
         describe_output(changed, plan_job(changed))
     assert read_lease(storage)["state"] == "released"  # the refused run released the lease it took
-    storage, manifest, lease = _open(_spec(tmp_path, model="tiny-llama"))  # the same settings resume
-    assert sum(e["status"] == "committed" for e in manifest["shards"].values()) == 1
+    storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llama"))  # the same settings resume
+    assert int((shards.columns.status == COMMITTED).sum()) == 1
     lease.release()
 
 
@@ -86,21 +88,21 @@ def test_a_crashed_drivers_lease_on_this_host_is_taken_over_at_once(tmp_path):
                               text=True).stdout)
     (out / LEASE).write_text(json.dumps({"run_id": "crashed", "generation": 3, "state": "held", **host_identity(),
                                          "pid": gone, "ttl_s": 3600}))
-    storage, manifest, lease = _open(_spec(tmp_path))  # no wait for the hour-long ttl
+    storage, manifest, lease, _ = _open(_spec(tmp_path))  # no wait for the hour-long ttl
     assert lease.generation == 4 and read_lease(storage)["run_id"] == lease.run_id
     lease.release()
 
 
 def test_a_book_whose_lease_was_lost_writes_nothing(tmp_path):
     write_prompts(tmp_path / "in.parquet", 16)
-    storage, manifest, lease = _open(_spec(tmp_path))
-    book = JobBook(storage, manifest)
+    storage, manifest, lease, shards = _open(_spec(tmp_path))
+    book = JobBook(storage, manifest, shards)
     book.compact(drop_all_records=True)
     before = (tmp_path / "out" / "_manifest.json").read_bytes()
     lease.stop_heartbeat()
     lease.valid_until = 0.0  # as if its renewals had failed for most of the ttl
     with pytest.raises(LeaseLost):
-        _commit_first_shard(storage, manifest)
+        _commit_first_shard(storage, manifest, shards)
     with pytest.raises(LeaseLost):
         book.compact()
     assert (tmp_path / "out" / "_manifest.json").read_bytes() == before

@@ -125,6 +125,7 @@ def test_resume_from_the_table_keeps_committed_shards_and_redoes_lost_ones(tmp_p
     header = read_manifest(storage)
     assert "shards" not in header and header["shard_table"]["key"].startswith(f"{SHARDS_DIR}/")
     assert header["shard_table"]["status_counts"] == {"pending": 2, "committed": 3, "failed": 0}
+    storage = Storage(spec.output.url)  # the released run's fenced storage writes nothing more
     storage.delete(part_key(done[1]))  # a committed part lost
     write_part(storage, plan.shards.id_of(4), rows_to_table([]))  # an orphan: published, never recorded
 
@@ -149,6 +150,7 @@ def test_a_format_2_manifest_is_read_and_resumed(tmp_path):
     for row in (0, 2):
         _publish(book, row)
     lease.release()
+    storage = Storage(spec.output.url)  # the released run's fenced storage writes nothing more
     # The same state as a format 2 manifest: a JSON object per shard, shard 2 in a record only.
     old = {**{k: v for k, v in read_manifest(storage).items() if k != "shard_table"}, "format_version": 2,
            "shards": to_entries(plan.shards.columns)}

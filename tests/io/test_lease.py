@@ -28,6 +28,7 @@ from jobrunner.io.lease import (
     read_lease,
 )
 from jobrunner.io.manifest import read_manifest, read_manifest_with_records, write_manifest
+from jobrunner.io.shard_file import from_entries
 from jobrunner.io.storage import Storage
 from tests.io.test_io_storage import make_bucket
 
@@ -71,7 +72,7 @@ def test_live_holder_refuses_stalled_holder_is_taken_over_and_fenced(storage):
     with pytest.raises(LeaseLost):
         fenced.write_small("_commits/x.json", b"{}")
     with pytest.raises(LeaseLost):
-        write_manifest(fenced, {"shards": {}})
+        write_manifest(fenced, {}, from_entries({}))
     assert not storage.exists("_commits/x.json") and not storage.exists(MANIFEST)
     first.release()  # not ours any more: left alone
     assert read_lease(storage)["run_id"] == "run-b"
@@ -200,12 +201,12 @@ def test_renewal_errors_are_tolerated_for_part_of_the_ttl_then_the_run_stops():
 
 def test_records_from_a_driver_that_lost_the_lease_are_ignored(tmp_path):
     storage = Storage(str(tmp_path / "out"))
-    write_manifest(storage, {"shards": {"s1": {"status": "pending"}, "s2": {"status": "pending"}},
-                             LEASE_GENERATION: 3})
+    write_manifest(storage, {LEASE_GENERATION: 3},
+                   from_entries({"s1": {"status": "pending"}, "s2": {"status": "pending"}}))
     write_commit_record(storage, "s1", {"status": "committed", "rows": 1}, epoch=3)
     write_commit_record(storage, "s2", {"status": "committed", "rows": 1}, epoch=2)  # a stale driver's
     assert set(read_commit_records(storage, ["s1", "s2"])) == {"s1", "s2"}
     merged = read_manifest_with_records(storage)
-    assert merged["shards"]["s1"] == {"status": "committed", "rows": 1}
-    assert merged["shards"]["s2"] == {"status": "pending"}
+    assert (merged["shards"]["s1"]["status"], merged["shards"]["s1"]["rows"]) == ("committed", 1)
+    assert (merged["shards"]["s2"]["status"], merged["shards"]["s2"]["rows"]) == ("pending", 0)
     assert read_manifest(storage)[LEASE_GENERATION] == 3
