@@ -24,7 +24,8 @@ _KEPT_KEYS = ("id", "sample_index", "prompt_shared", "num_prompt_tokens", "num_c
 
 
 def part_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None, cost: IsolationCost) -> pa.Table:
-    """The part's table of `rows` (see the module doc); `cost.rows_isolated` counts rows made error rows."""
+    """The part's table of `rows` (see the module doc); a row that cannot be stored is replaced in place by its
+    error row, and counted in `cost.rows_isolated`."""
     try:
         return rows_table(spec, rows, kept)
     except ROW_BUILD_ERRORS as exc:
@@ -32,7 +33,10 @@ def part_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None,
             if not rows:
                 raise
             cost.rows_isolated += 1
-            return rows_table(spec, [unbuildable_row(rows[0], exc)], kept)
+            replacement = unbuildable_row(rows[0], exc)
+            rows[0].clear()
+            rows[0].update(replacement)  # the shard's own row dict: the summary counts it as an error
+            return rows_table(spec, rows, kept)
     mid = len(rows) // 2
     return pa.concat_tables([part_table(spec, rows[:mid], kept, cost), part_table(spec, rows[mid:], kept, cost)])
 

@@ -123,12 +123,16 @@ class HangingS3Proxy:
                 reply = conn.getresponse()
                 data = reply.read()
                 self.send_response(reply.status)
+                head = self.command == "HEAD"  # keeps the object's Content-Length, sends no body
                 for key, value in reply.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    if key.lower() not in ("transfer-encoding", "connection") and (head or key.lower() !=
+                                                                                  "content-length"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if not head:
+                    self.wfile.write(data)
                 conn.close()
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward

@@ -120,7 +120,7 @@ def test_an_input_read_that_hangs_fails_the_attempt_naming_shard_and_rows(tmp_pa
     with pytest.raises(PhaseTimeout) as info:
         runner.run_shard(shards[0])
     runner.stop()
-    assert str(info.value) == (f"shard {shards[0].shard_id}: reading input rows 0-2 of {tmp_path}/in.parquet: "
+    assert str(info.value) == (f"shard {shards[0].shard_id}: reading input rows 0-2 of file://{tmp_path}/in.parquet: "
                                "no answer for 1 s (cluster.io_timeout_s)")
     _unblock(tmp_path / "in.parquet", "w")
 
@@ -175,3 +175,23 @@ def test_a_row_that_cannot_be_stored_becomes_an_error_row(tmp_path):
     assert rows["r1"]["finish_reason"] == "error" and rows["r1"]["num_output_tokens"] == 3
     assert [rows[f"r{i}"]["generated_text"] for i in (0, 2, 3)] == ["tok0 tok1 tok2"] * 3
     assert result.num_errors == 1 and result.isolation["rows_isolated"] == 1
+
+
+def test_our_engine_is_rebuilt_over_the_weights_it_holds(tiny_llama_hf_dir, tmp_path):
+    from jobrunner.driver.engine_factory import build_engine, rebuild_engine
+    from jobrunner.engine import SamplingParams
+
+    spec = spec_from_dict({"name": "t", "model": {"source": str(tiny_llama_hf_dir), "dtype": "float32"},
+                           "input": {"url": str(tmp_path / "unused.parquet"), "prompt_column": "prompt"},
+                           "engine": {"max_num_seqs": 4, "num_kv_blocks": 32},
+                           "output": {"url": str(tmp_path / "out")}})
+    engine = build_engine(spec)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    before = engine.generate(["hello world", "the quick fox"], params)
+    model = engine.model
+    rebuilt, loaded = rebuild_engine(engine, spec)
+    assert not loaded and rebuilt is not engine and rebuilt.model is model  # the same weights, no load
+    assert engine.runner is None and engine.kv_manager is None  # the failed engine's KV cache is let go
+    after = rebuilt.generate(["hello world", "the quick fox"], params)
+    assert [o.output_token_ids for o in after] == [o.output_token_ids for o in before]
+    assert rebuilt.stats().steps > 0
