@@ -126,12 +126,13 @@ def test_an_input_read_that_hangs_fails_the_attempt_naming_shard_and_rows(tmp_pa
 
 
 def test_a_part_write_that_hangs_fails_the_attempt_naming_shard_and_phase(tmp_path):
-    spec, engine, runner, shards = _runner(tmp_path, ["a b", "c d"], io_timeout_s=1.0)
+    spec, engine, runner, shards = _runner(tmp_path, ["a b", "c d", "e f", "g h"], rows_per_shard=2,
+                                           io_timeout_s=1.0)
     key = attempt_part_key("att", shards[0].shard_id, 0)
     _fifo(tmp_path / "out" / key)  # writing the attempt's part blocks on open
     with pytest.raises(PhaseTimeout, match=rf"^shard {shards[0].shard_id}: writing part \(2 rows\): no answer"):
         runner.run_shard(shards[0], "att")
-    result = runner.run_shard(shards[0], "att-2")  # the worker and its engine carry on
+    result = runner.run_shard(shards[1], "att-2")  # the worker and its engine carry on
     runner.stop()
     assert result.rows == 2 and result.num_errors == 0
     _unblock(tmp_path / "out" / key, "r")
