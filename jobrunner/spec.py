@@ -226,8 +226,27 @@ class ClusterSpec(_Spec):
     )
     progress_timeout_s: float = Field(
         default=600.0, gt=0.0,
-        description="A worker with shards but no engine step finished (no row, no token) for this long is "
-        "replaced and its shards retried.",
+        description="A worker holding rows with no token produced and no row finished for this long rebuilds "
+        "its engine and isolates the rows in-process (an engine call that never returns: the worker is "
+        "replaced and its shards retried).",
+    )
+    io_timeout_s: float = Field(
+        default=600.0, gt=0.0,
+        description="Most time a worker waits for reading a shard's input or writing its part; then the "
+        "attempt fails naming the shard and phase (charged, retried with backoff).",
+    )
+    max_engine_rebuilds_per_shard: int = Field(
+        default=100, ge=0,
+        description="In-process engine rebuilds a shard may cause while its crashing rows are isolated; then "
+        "its remaining suspect rows become error rows.",
+    )
+    max_isolation_restarts_per_shard: int = Field(
+        default=8, ge=0,
+        description="Worker restarts (process deaths, hung engine calls) a shard may cause while its rows are "
+        "isolated; then its remaining suspect rows become error rows.",
+    )
+    max_isolation_restarts: int = Field(
+        default=32, ge=0, description="The same over the whole job (all shards together).",
     )
 
 

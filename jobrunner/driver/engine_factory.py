@@ -53,3 +53,33 @@ def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
 
 def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
+
+
+def rebuild_engine(engine: Any, spec: JobSpec) -> tuple[Any, bool]:
+    """A fresh engine after `engine` failed (empty queues, a new KV cache), and whether the model was loaded
+    again. The weights the worker holds are reused: an engine's own `rebuild()` if it has one, our LLMEngine
+    rebuilt over its model and tokenizer; only a custom engine with neither is built (loaded) anew."""
+    if callable(getattr(engine, "rebuild", None)):
+        return engine.rebuild(), False
+    from jobrunner.engine import LLMEngine
+
+    if not isinstance(engine, LLMEngine):
+        _free_device_memory()
+        return build_engine(spec), True
+    args = (engine.model, engine.tokenizer, engine.config, engine.eos_token_ids, engine.model_info)
+    engine.runner = engine.kv_manager = engine.scheduler = None  # the old KV cache goes before the new one
+    _free_device_memory()
+    return LLMEngine(*args, chat_template=engine.chat_template), False
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a device that cannot even free its cache fails the rebuild next
+        pass

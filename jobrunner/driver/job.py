@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
+from jobrunner.driver.isolation import IsolationCost
 from jobrunner.driver.output import open_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
@@ -44,7 +45,7 @@ from jobrunner.spec import JobSpec
 log = logging.getLogger(__name__)
 SHARDS_PER_WORKER = 2
 PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at once: object stores are slow
-ALONE_DEATHS_TO_BISECT = 2  # deaths of a task running alone before it is split (crashes, stalls: 1)
+ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is split (pieces, crashes, stalls: 1)
 
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
@@ -81,6 +82,7 @@ class _JobLoop:
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
         self.stats = {"commits": 0, "first_commit_s": None}
+        self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
         self.publishing: dict[Future, tuple[str, dict]] = {}  # publish in flight -> shard id, its record
         self.next_show = 0.0
@@ -171,8 +173,10 @@ class _JobLoop:
                 self.queue.put(task)
                 continue
             task.alone_crashes += 1
-            # An engine crash or a stall alone is surely the task's rows; a death may be the node's.
-            limit = 1 if crash is not None or stalled else ALONE_DEATHS_TO_BISECT
+            self._count_restart(work)
+            # An engine crash or a stall alone is surely the task's rows; a death may be the node's (unless the
+            # rows are already suspects: a piece).
+            limit = 1 if crash is not None or stalled or task.is_piece else ALONE_DEATHS_TO_BISECT
             if task.alone_crashes < limit:
                 task.alone = True
                 self.queue.put(task)
@@ -180,11 +184,27 @@ class _JobLoop:
                 self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
         worker.tasks.clear()
 
+    def _count_restart(self, work: ShardWork) -> None:
+        """A worker died (or hung) running a shard's rows alone: one more model load spent isolating them."""
+        work.isolation.model_loads += 1
+        self.isolation.model_loads += 1
+        if work.isolating_since is None:
+            work.isolating_since = time.monotonic()
+
     def _isolate(self, task: Task, reason: str) -> None:
-        """A task that fails alone: split it, or (one row) mark its row an error row."""
-        if task.num_rows <= 1:
-            log.warning("shard %s row %d crashes the engine: %s", task.shard_id, task.row_start, redact_text(reason))
-            task.error_text, task.alone = reason, False
+        """A task that fails alone: split it, or (one row, or past the restart caps) make its rows error rows."""
+        c, work = self.spec.cluster, self.work[task.shard_id]
+        capped = (f"cluster.max_isolation_restarts_per_shard={c.max_isolation_restarts_per_shard}"
+                  if work.isolation.model_loads >= c.max_isolation_restarts_per_shard else
+                  f"cluster.max_isolation_restarts={c.max_isolation_restarts}"
+                  if self.isolation.model_loads >= c.max_isolation_restarts else None)
+        if task.num_rows <= 1 or capped:
+            log.warning("shard %s rows %d-%d crash their worker: %s", task.shard_id, task.row_start, task.row_end,
+                        redact_text(reason))
+            task.error_text = (f"engine crashed on this row: {reason}" if task.num_rows <= 1 else
+                               f"engine crashed on one of rows {task.row_start}-{task.row_end}, not isolated "
+                               f"further ({capped} reached): {reason}")
+            task.alone = False
             self.queue.put(task)
             return
         self.work[task.shard_id].num_pieces += 1
@@ -250,8 +270,20 @@ class _JobLoop:
             return
         work = self.work[task.shard_id]
         work.results.append(result)
+        self._count_isolation(task, work, result)
         if work.is_done:
             self._commit(task.shard_id, work)
+
+    def _count_isolation(self, task: Task, work: ShardWork, result: ShardResult) -> None:
+        """Add a finished attempt's isolation cost (in-process rebuilds, rows made error rows) to its shard's
+        and the run's; a shard's restart-isolation wall time ends with its last piece."""
+        cost = IsolationCost()
+        cost.add(result.isolation)
+        cost.rows_isolated += task.num_rows if task.error_text else 0
+        if work.is_done and work.isolating_since is not None:
+            cost.seconds += time.monotonic() - work.isolating_since
+        work.isolation.add(cost)
+        self.isolation.add(cost)
 
     def _drop(self, ref: Any, worker: Worker) -> None:
         del self.in_flight[ref]
@@ -327,7 +359,8 @@ class _JobLoop:
         self.manifest["runs"][-1].update(
             shards_committed=self.stats["commits"], first_commit_s=None if first is None else round(first, 3),
             commit_records=self.book.num_records, compactions=self.book.num_compactions + 1,
-            bookkeeping_bytes=self.book.bytes_written)  # before this last compaction
+            bookkeeping_bytes=self.book.bytes_written,  # before this last compaction
+            isolation=self.isolation.to_dict())
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
@@ -354,6 +387,8 @@ def _shard_entry(results: list[ShardResult], work: ShardWork) -> tuple[dict[str,
     entry.update(worker_id=results[-1].worker_id, attempts=work.attempts, failures=work.failures,
                  infra_failures=work.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
                  part=parts[0], parts=parts)
+    if not work.isolation.is_empty:
+        entry["isolation"] = work.isolation.to_dict()
     return entry, kinds
 
 

@@ -4,8 +4,9 @@ A worker is an actor that is first placed (its `ping` answers), then loads its e
 The pool keeps `num_workers` workers whenever the cluster can host them: a lost worker is replaced at once
 while fewer than `max_worker_restarts` replacements were started in the last `worker_restart_window_s`, and
 later otherwise, so a few node preemptions never shrink the pool for good. Deadlines: no worker ready within
-`worker_start_timeout_s` ends the job with the resources the cluster could not give; a busy worker silent or
-stalled for `progress_timeout_s` is reported by `stalled()` (the job loop replaces it).
+`worker_start_timeout_s` ends the job with the resources the cluster could not give; a busy worker silent, or
+inside an engine call that has not returned, for `progress_timeout_s` is reported by `stalled()` (the job loop
+replaces it; an engine that steps without progress is handled inside the worker: driver/isolation.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Worker:
     tasks: dict[Any, Task] = field(default_factory=dict)  # task ref -> task in flight
     last_heard: float = field(default_factory=time.monotonic)
     poll_ref: Any = None
-    stalled_s: float = 0.0
+    stalled_s: float = 0.0  # how long its current engine call has not returned (from the last poll)
+    stall: str = ""  # what it was doing then, naming its shards
     live: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (shard, row_start) -> rows, tokens
 
 
@@ -156,6 +158,7 @@ class WorkerPool:
             return
         worker.last_heard = time.monotonic()
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
+        worker.stall = str(reply.get("stall") or "")
         worker.live = dict(reply.get("shards") or {})
 
     def stalled(self) -> list[tuple[Worker, str, bool]]:
@@ -171,8 +174,8 @@ class WorkerPool:
             if silent > limit:
                 out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})", False))
             elif w.stalled_s > limit:
-                out.append((w, f"no row finished and no token produced for {w.stalled_s:.0f}s "
-                               f"(cluster.progress_timeout_s={limit:g})", True))
+                what = w.stall or f"no token produced and no row finished for {w.stalled_s:.0f} s"
+                out.append((w, f"{what}; cluster.progress_timeout_s={limit:g}", True))
         return out
 
     def live_rows_tokens(self) -> tuple[int, int]:

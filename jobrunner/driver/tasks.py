@@ -1,13 +1,18 @@
 """What the driver hands out: tasks (a shard, or a piece of one after bisection) and the queue they wait in.
 
-Blame, in one paragraph. An infrastructure failure (actor killed, node lost, worker stalled past its
-progress deadline) costs the task nothing but a place in the queue; it then runs alone on its worker, since
-a row that kills its process looks the same from outside. An engine crash while other shards shared the
-engine only makes the task run alone. A crash (or a death, or a stall) while running alone is the task's
-fault: a piece of many rows is split in halves, each run alone, until the crashing row is isolated; a
-single crashing row becomes an error row carrying the exception text, and every other row is committed.
-Any other error (reading the input, writing the part) is charged an attempt, with exponential backoff, and
-after `max_shard_attempts` the whole shard is failed.
+Blame, in one paragraph. An engine exception (or an engine stepping without progress) is isolated inside
+the worker, which rebuilds its engine from the weights it holds (driver/isolation.py): the driver sees a
+normal result. What the worker cannot survive reaches the driver: an infrastructure failure (actor killed,
+node lost, an engine call that never returns) costs the task nothing but a place in the queue; it then runs
+alone on its worker, since a row that kills its process looks the same from outside. A death (or a hang, or
+an engine the worker gave up on) while running alone is the task's fault: after two deaths of a whole shard
+(a node can die under a healthy shard), or one of a piece, the task is split in halves, each run alone,
+until the killing row is isolated; a single such row becomes an error row carrying the reason, and every
+other row is committed. Each of those deaths costs a worker restart (a model load): after
+`cluster.max_isolation_restarts_per_shard` of them for one shard, or `cluster.max_isolation_restarts` in the
+job, the remaining suspects (the piece being split) become error rows naming the cap. Any other error
+(reading the input, writing the part) is charged an attempt, with exponential backoff, and after
+`max_shard_attempts` the whole shard is failed.
 
 The queue is O(log n) per operation: requeued and alone-only tasks in two deques, backed-off tasks in a heap
 ordered by the time they may run again. Shards not started yet wait as rows of the shard table
@@ -25,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobrunner.driver.isolation import IsolationCost
+
 
 @dataclass(eq=False)
 class Task:
@@ -39,6 +46,7 @@ class Task:
     alone_crashes: int = 0  # crashes / deaths / stalls while running alone
     infra_failures: int = 0
     error_text: str | None = None  # set: write its rows as error rows (an isolated poison row)
+    is_piece: bool = False  # a half from bisection: its rows are already suspects
 
     @property
     def num_rows(self) -> int:
@@ -47,8 +55,8 @@ class Task:
     def halves(self) -> tuple[Task, Task]:
         """Two alone-only tasks covering this one's rows."""
         mid = (self.row_start + self.row_end) // 2
-        return (Task(self.shard_id, self.row_start, mid, alone=True),
-                Task(self.shard_id, mid, self.row_end, alone=True))
+        return (Task(self.shard_id, self.row_start, mid, alone=True, is_piece=True),
+                Task(self.shard_id, mid, self.row_end, alone=True, is_piece=True))
 
 
 @dataclass
@@ -60,6 +68,8 @@ class ShardWork:
     attempts: int = 0
     failures: int = 0
     infra_failures: int = 0
+    isolation: IsolationCost = field(default_factory=IsolationCost)
+    isolating_since: float | None = None  # first worker death blamed on this shard (monotonic)
 
     @property
     def is_done(self) -> bool:

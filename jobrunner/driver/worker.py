@@ -1,11 +1,18 @@
 """The worker's engine loop: shards in, committed parts out, with no drain bubble between shards.
 
-One engine per worker, driven by one background thread (the only thread that calls the engine). Callers
-(`run_shard`, one Ray actor thread per shard) read the shard's rows, queue them, and wait. The loop keeps
-about 2 x max_num_seqs requests in the engine, taking rows from the oldest queued shard first, so the next
-shard's rows join while the previous shard's last requests are still decoding. When a shard's last request
-finishes, its caller writes the Parquet part to an attempt-scoped temporary key (off the engine thread) and
-returns a summary; only the driver publishes it (fenced commits: a zombie attempt can never publish a part).
+One engine per worker, driven by one background thread (the only thread that calls the engine, and never
+while holding the lock that `progress` and `stats` take). Callers (`run_shard`, one Ray actor thread per
+shard) read the shard's rows, queue them, and wait. The loop keeps about 2 x max_num_seqs requests in the
+engine, taking rows from the oldest queued shard first, so the next shard's rows join while the previous
+shard's last requests are still decoding. When a shard's last request finishes, its caller writes the Parquet
+part to an attempt-scoped temporary key (off the engine thread) and returns a summary; only the driver
+publishes it (fenced commits: a zombie attempt can never publish a part).
+
+Deadlines: reading the input and writing the part have `cluster.io_timeout_s` (driver/deadlines.py). The
+engine must make progress (a token computed or a row finished) within `cluster.progress_timeout_s`: steps
+that return without progress are treated like an engine exception, and either one is isolated in-process
+(driver/isolation.py); an engine call that does not return at all shows in `progress()` and the driver
+replaces the worker. Every deadline error names the shard and what it was doing.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobrunner.driver.output_files import rows_table
+from jobrunner.driver.deadlines import call_with_deadline
+from jobrunner.driver.engine_factory import rebuild_engine
+from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
+from jobrunner.driver.part_build import part_table, unbuildable_row
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
@@ -33,11 +43,13 @@ from jobrunner.io.decode import row_id_or_none, rows_or_errors
 from jobrunner.io.parts import write_attempt_part
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 
 class EngineFailed(RuntimeError):
-    """The engine raised inside step(); this worker must be replaced. `reason` is the engine's exception."""
+    """The engine failed and could not be recovered in-process; this worker must be replaced. `reason` is the
+    engine's exception."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
@@ -48,19 +60,22 @@ class EngineFailed(RuntimeError):
 
 
 MAX_ERROR_KINDS = 20  # distinct error kinds a shard reports (most frequent first)
+_GAUGES = ("kv_num_blocks", "kv_block_size", "kv_blocks_used", "prefix_cache_hit_rate")  # not summed over engines
 
 
 @dataclass(eq=False)
 class _ShardState:
-    """A shard inside the worker: requests not yet added, requests in flight, finished rows."""
+    """A shard inside the worker: what it is doing, requests not yet added, requests in flight, finished rows."""
 
     shard: Shard
-    to_add: deque[RowRequest]
-    in_flight: int = 0
+    to_add: deque[RowRequest] = field(default_factory=deque)
+    in_flight: int = 0  # taken from to_add, not yet complete
     rows: list[dict[str, Any]] = field(default_factory=list)
     num_output_tokens: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    phase: str = "reading"
+    cost: IsolationCost = field(default_factory=IsolationCost)
 
     @property
     def is_complete(self) -> bool:
@@ -85,6 +100,7 @@ class ShardResult:
     row_start: int = 0
     row_end: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)  # error kind -> rows
+    isolation: dict[str, Any] = field(default_factory=dict)  # IsolationCost.to_dict() of this attempt
 
 
 class ShardRunner:
@@ -96,12 +112,20 @@ class ShardRunner:
         self.info = info  # node, device
         self.loaded_at = time.monotonic()
         self.target_in_engine = 2 * spec.engine.max_num_seqs
+        self.cost = IsolationCost()  # this worker's engine rebuilds (and model loads, for custom engines)
         self._cond = threading.Condition()
-        self._queue: deque[_ShardState] = deque()
-        self._by_request: dict[str, tuple[_ShardState, RowRequest]] = {}
+        self._active: dict[int, _ShardState] = {}  # every shard between run_shard's start and return
+        self._queue: deque[_ShardState] = deque()  # shards with rows to add
+        self._by_request: dict[str, Suspect] = {}  # request id -> (shard, row): what the engine holds
+        self._samples: dict[str, list[dict[str, Any]]] = {}  # finished samples of requests not yet complete
+        self._isolator = Isolator(spec.cluster.max_engine_rebuilds_per_shard, self.target_in_engine)
         self._broken: BaseException | None = None
         self._stopped = False
-        self._last_step = time.monotonic()  # last finished engine step (or work arriving at an idle engine)
+        self._call: tuple[str, float] | None = None  # the engine call running now (name, since)
+        self._last_progress = time.monotonic()  # last token computed or row finished (or idle engine)
+        self._stats_base: dict[str, Any] = {}  # stats of engines replaced by rebuilds
+        self._stats = self._merged_stats()
+        self._tokens = self._num_tokens()
         self._output = Storage(spec.output.url, spec.output.storage_options)
         threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True).start()
 
@@ -110,23 +134,39 @@ class ShardRunner:
         """Read and generate one shard (or a piece of one: its row range), write the rows to the attempt's
         temporary key and return the summary; blocks until then.
 
-        error_text: the rows are known to crash the engine (isolated by bisection); they become error
-        rows with this text and never reach the engine."""
-        started = time.monotonic()
-        table, keep = read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end)
+        error_text: the rows are known to crash the worker (isolated by the driver); they become error rows
+        with this text and never reach the engine."""
+        state = _ShardState(shard=shard)
+        with self._cond:
+            self._active[id(state)] = state
+        try:
+            return self._run(state, attempt_id, error_text)
+        finally:
+            with self._cond:
+                self._active.pop(id(state), None)
+
+    def _run(self, state: _ShardState, attempt_id: str, error_text: str | None) -> ShardResult:
+        started, shard, limit = time.monotonic(), state.shard, self.spec.cluster.io_timeout_s
+        where = f"shard {shard.shard_id}: reading input rows {shard.row_start}-{shard.row_end} of " \
+                f"{redact_text(shard.file_url)}"
+        table, keep = call_with_deadline(
+            lambda: read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end), limit, where)
         requests = self._requests(shard, table)
-        if error_text is not None:
-            for req in requests:
-                req.error = req.error or f"engine crashed on this row: {error_text}"
-        state = _ShardState(shard=shard, to_add=deque(r for r in requests if r.error is None))
+        for req in requests if error_text is not None else ():
+            req.error = req.error or error_text
+        state.to_add = deque(r for r in requests if r.error is None)
         state.rows = [error_row(r) for r in requests if r.error is not None]
+        state.phase = "generating"
         self._enqueue(state)
         state.done.wait()
         if state.error is not None:
             raise state.error
+        state.phase = "writing"
         kept = table.select(keep + [ROW_INDEX]) if keep else None
-        out = rows_table(self.spec, self._finish_rows(state), kept)
-        part = write_attempt_part(self._output, attempt_id, shard.shard_id, shard.row_start, out)
+        out = part_table(self.spec, self._finish_rows(state), kept, state.cost)
+        part = call_with_deadline(
+            lambda: write_attempt_part(self._output, attempt_id, shard.shard_id, shard.row_start, out), limit,
+            f"shard {shard.shard_id}: writing part ({out.num_rows} rows)")
         result = self._result(state, part, time.monotonic() - started)
         result.attempt_id = attempt_id
         return result
@@ -152,7 +192,7 @@ class ShardRunner:
                 state.done.set()
                 return
             if not self._queue and not self._by_request:
-                self._last_step = time.monotonic()  # an idle engine is not a stalled one
+                self._last_progress = time.monotonic()  # an idle engine is not a stalled one
             self._queue.append(state)
             self._cond.notify()
 
@@ -175,24 +215,35 @@ class ShardRunner:
             num_cached_tokens=prompt_tokens_once(rows, "num_cached_tokens"),
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
-            row_end=state.shard.row_end, error_kinds=error_kinds(rows))
+            row_end=state.shard.row_end, error_kinds=error_kinds(rows),
+            isolation={} if state.cost.is_empty else state.cost.to_dict())
 
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
-        "stalled_s": seconds since the engine last finished a step while it had work (0 when idle)}."""
+        "stalled_s": seconds the current engine call has not returned (0 when none runs), "stall": what the
+        worker was doing then, naming its shards}. Never waits for the engine."""
         with self._cond:
-            states = {id(s): s for s, _ in self._by_request.values()}
-            states.update({id(s): s for s in self._queue})
-            busy = bool(states)
-            return {"shards": {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
-                               for s in states.values()},
-                    "stalled_s": time.monotonic() - self._last_step if busy else 0.0}
+            shards = {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
+                      for s in self._active.values()}
+            call = self._call
+            stalled_s = time.monotonic() - call[1] if call is not None else 0.0
+            stall = self._engine_doing(f"engine {call[0]} has not returned for {stalled_s:.0f} s") if call else ""
+            return {"shards": shards, "stalled_s": stalled_s, "stall": stall}
+
+    def _engine_doing(self, what: str) -> str:
+        """"shard A, B: no token produced and no row finished for N s while decoding K rows (<what>)"."""
+        shard_ids = sorted({state.shard.shard_id for state, _ in self._by_request.values()})
+        idle_s = time.monotonic() - self._last_progress
+        return (f"shard {', '.join(shard_ids) or '-'}: no token produced and no row finished for {idle_s:.0f} s "
+                f"while decoding {len(self._by_request)} rows ({what})")
 
     def stats(self) -> dict[str, Any]:
-        """Engine stats (engine.stats().to_dict()) plus alive_s, node and device."""
+        """Engine stats (summed over the engines this worker rebuilt) plus alive_s, node, device and the
+        rebuild count; never waits for the engine."""
         with self._cond:
-            engine_stats = dict(self.engine.stats().to_dict())
-        return {**self.info, "alive_s": time.monotonic() - self.loaded_at, **engine_stats}
+            engine_stats = dict(self._stats)
+        return {**self.info, "alive_s": time.monotonic() - self.loaded_at, **engine_stats,
+                "engine_rebuilds": self.cost.engine_rebuilds}
 
     def stop(self) -> None:
         """Stop the engine thread."""
@@ -205,45 +256,98 @@ class ShardRunner:
         try:
             while self._iterate():
                 pass
-        except Exception as exc:  # noqa: BLE001 - an engine failure fails the shards in it, never hangs them
+        except Exception as exc:  # noqa: BLE001 - an engine beyond repair fails the shards in it, never hangs them
             self._fail_all(exc)
 
     def _iterate(self) -> bool:
-        """One engine step (after topping up the engine); False once stopped."""
-        with self._cond:
-            while not self._stopped and not self._queue and not self.engine.has_unfinished_requests():
-                self._cond.wait(timeout=1.0)
-            if self._stopped:
-                return False
-            self._fill()
-        outputs = self.engine.step()
-        with self._cond:
-            self._last_step = time.monotonic()
-            for out in outputs:
-                self._finish(out)
+        """Add rows, then one engine step (no lock held across engine calls); False once stopped."""
+        adds = self._next_adds()
+        if adds is None:
+            return False
+        for state, req in adds:
+            self._add(state, req)
+        try:
+            outputs = self._engine_call("step", self.engine.step)
+        except Exception as exc:  # noqa: BLE001 - isolated in-process (driver/isolation.py)
+            self._on_engine_failure(f"{type(exc).__name__}: {exc}")
+            return True
+        self._after_step(outputs)
+        stall = self._stall()
+        if stall is not None:
+            self._on_engine_failure(stall)
         return True
 
-    def _fill(self) -> None:
-        """Add rows (oldest shard first) until the engine holds target_in_engine requests."""
-        while self._queue and self.engine.num_unfinished_requests < self.target_in_engine:
+    def _engine_call(self, name: str, fn: Any) -> Any:
+        self._call = (name, time.monotonic())  # read by progress(): an engine call that never returns
+        try:
+            return fn()
+        finally:
+            self._call = None
+
+    def _next_adds(self) -> list[Suspect] | None:
+        """What to add to the engine now (a suspect group while isolating, else rows up to the target);
+        waits while there is nothing to do; None once stopped."""
+        with self._cond:
+            while not (self._stopped or self._queue or self._by_request or self._isolator.is_active):
+                self._cond.wait(timeout=1.0)
+            if self._stopped:
+                return None
+            if self._isolator.is_active:
+                if self._by_request:
+                    return []  # the group alone in the engine is still running
+                group = self._isolator.next_group()
+                if group is not None:
+                    for state, req in group:
+                        self._by_request[_request_id(state, req)] = (state, req)
+                    return group
+            return self._fill()
+
+    def _fill(self) -> list[Suspect]:
+        """Rows (oldest shard first) until the engine holds target_in_engine requests."""
+        adds = []
+        while self._queue and len(self._by_request) < self.target_in_engine:
             state = self._queue[0]
             if not state.to_add:
                 self._queue.popleft()
                 continue
-            self._add(state, state.to_add.popleft())
+            req = state.to_add.popleft()
+            state.in_flight += 1
+            self._by_request[_request_id(state, req)] = (state, req)
+            adds.append((state, req))
+        return adds
 
     def _add(self, state: _ShardState, req: RowRequest) -> None:
-        request_id = f"{state.shard.shard_id}/{req.row_index}"  # unique even if row ids repeat
+        request_id = _request_id(state, req)
+        kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
         try:
-            kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
-            self.engine.add_request(request_id, req.prompt, req.params, **kwargs)
+            self._engine_call("add_request", lambda: self.engine.add_request(request_id, req.prompt, req.params,
+                                                                             **kwargs))
         except Exception as exc:  # noqa: BLE001 - one bad row never fails a shard
-            req.error = f"engine rejected the request: {exc}"
-            state.rows.append(error_row(req))
-            self._maybe_done(state)
-            return
-        state.in_flight += 1
-        self._by_request[request_id] = (state, req)
+            with self._cond:
+                if self._by_request.pop(request_id, None) is not None:
+                    req.error = f"engine rejected the request: {exc}"
+                    self._complete(state, [error_row(req)])
+
+    def _after_step(self, outputs: list[Any]) -> None:
+        """Take the finished samples; a token computed or a row finished is progress."""
+        stats = self._merged_stats()
+        with self._cond:
+            self._stats = stats
+            for out in outputs:
+                self._finish(out)
+            tokens = self._num_tokens()
+            if outputs or tokens != self._tokens:
+                self._last_progress, self._tokens = time.monotonic(), tokens
+            if outputs:
+                self._isolator.on_progress()
+
+    def _stall(self) -> str | None:
+        """Why the engine counts as failed although its steps return: no progress within the deadline."""
+        limit = self.spec.cluster.progress_timeout_s
+        with self._cond:
+            if not self._by_request or time.monotonic() - self._last_progress <= limit:
+                return None
+            return self._engine_doing(f"engine steps return; cluster.progress_timeout_s={limit:g}")
 
     def _finish(self, out: Any) -> None:
         """One finished sample; the row's request is done when all its n samples are."""
@@ -251,34 +355,93 @@ class ShardRunner:
         if entry is None:
             return
         state, req = entry
-        row = output_row(self.spec, req, out)
+        try:
+            row = output_row(self.spec, req, out)
+        except Exception as exc:  # noqa: BLE001 - a sample that cannot become a row is that row's error
+            sample = {"id": req.row_id, ROW_INDEX: req.row_index, "sample_index": getattr(out, "sample_index", 0)}
+            row = unbuildable_row(sample, exc)
+            state.cost.rows_isolated += 1
         row["finish_time_s"] = time.time() - self.job_start_s
-        state.rows.append(row)
-        state.num_output_tokens += row["num_output_tokens"]
+        samples = self._samples.setdefault(out.request_id, [])
+        samples.append(row)
         req.num_finished += 1
         if req.num_finished < (getattr(out, "num_samples", None) or req.params.n):
             return
-        del self._by_request[out.request_id]
-        state.in_flight -= 1
-        self._maybe_done(state)
+        del self._by_request[out.request_id], self._samples[out.request_id]
+        self._complete(state, samples)
 
-    def _maybe_done(self, state: _ShardState) -> None:
+    def _complete(self, state: _ShardState, rows: list[dict[str, Any]]) -> None:
+        """A row's request is complete (its output rows, or its error row)."""
+        state.rows.extend(rows)
+        state.num_output_tokens += sum(int(r.get("num_output_tokens") or 0) for r in rows)
+        state.in_flight -= 1
         if state.is_complete:
             if state in self._queue:
                 self._queue.remove(state)
             state.done.set()
 
+    # ---- in-process isolation -----------------------------------------------------------------------
+    def _on_engine_failure(self, reason: str) -> None:
+        """The engine raised (or stopped making progress) with the suspects in it: blame or regroup them
+        (driver/isolation.py), then rebuild the engine from the weights this worker holds."""
+        with self._cond:
+            failed = list(self._by_request.values())
+            self._by_request.clear()
+            for state, req in failed:
+                self._samples.pop(_request_id(state, req), None)  # its samples run again, all of them
+                req.num_finished = 0
+            for (state, req), text in self._isolator.on_failure(failed, reason) if failed else ():
+                req.error = text
+                self._complete(state, [error_row(req)])
+            if self._isolator.is_broken:
+                raise RuntimeError(f"the engine failed {self._isolator.failures_in_a_row} times in a row with "
+                                   f"no row finishing in between; last: {reason}")
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        stats = self._merged_stats()
+        engine, loaded = self._engine_call("rebuild", lambda: rebuild_engine(self.engine, self.spec))
+        with self._cond:
+            self.engine, self._stats_base = engine, stats
+            self.cost.engine_rebuilds += 1
+            self.cost.model_loads += int(loaded)
+            self._stats, self._tokens = self._merged_stats(), self._num_tokens()
+            self._last_progress = time.monotonic()
+
+    def _merged_stats(self) -> dict[str, Any]:
+        """This engine's stats over those of the engines it replaced (counters summed, gauges current)."""
+        current = dict(self.engine.stats().to_dict())
+        for key, value in self._stats_base.items():
+            if key in _GAUGES or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            now = current.get(key)
+            if key == "kv_peak_blocks_used":
+                current[key] = max(value, now or 0)
+            elif isinstance(now, (int, float)):
+                current[key] = now + value
+        if self._stats_base and current.get("num_prompt_tokens"):
+            current["prefix_cache_hit_rate"] = current.get("num_cached_tokens", 0) / current["num_prompt_tokens"]
+        return current
+
+    def _num_tokens(self) -> int:
+        return int(self._stats.get("num_prefill_tokens") or 0) + int(self._stats.get("num_decode_tokens") or 0)
+
     def _fail_all(self, exc: BaseException) -> None:
+        """The engine is beyond in-process repair: fail every shard that was generating; the driver replaces
+        this worker."""
         with self._cond:
             self._broken = exc
-            states = {id(s): s for s, _ in self._by_request.values()}
-            states.update({id(s): s for s in self._queue})
             reason = f"{type(exc).__name__}: {exc}"
-            for state in states.values():
-                state.error = EngineFailed(f"worker {self.worker_id}: engine step failed: {reason}", reason)
-                state.done.set()
+            for state in self._active.values():
+                if state.phase == "generating" and not state.done.is_set():
+                    state.error = EngineFailed(f"worker {self.worker_id}: engine failed: {reason}", reason)
+                    state.done.set()
             self._queue.clear()
             self._by_request.clear()
+
+
+def _request_id(state: _ShardState, req: RowRequest) -> str:
+    return f"{state.shard.shard_id}/{req.row_index}"  # unique even if row ids repeat
 
 
 def error_kind(error: str) -> str:

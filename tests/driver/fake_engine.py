@@ -4,7 +4,10 @@ Tokens are whitespace words. Each step decodes one token for up to max_num_seqs 
 generates `max_tokens` tokens ("tok0 tok1 ...") and finishes with "length". An empty prompt or one longer
 than max_model_len finishes with finish_reason "error". `step_delay_s` slows every step so that kills land
 mid-shard; `fail_on` makes step() raise while a request whose prompt contains that text is running;
-`hang_on` makes step() block (as a hung kernel would) while such a request is running.
+`hang_on` makes step() block (as a hung kernel would) while such a request is running; `stall_on` makes
+step() return at once with nothing done (no token, no finished row) while such a request is running;
+`bad_text_on` gives such a request a text Arrow cannot store (an error outside the engine, when the part is
+built). `rebuild()` is a fresh engine with the same settings (no model load), as the worker asks after a crash.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ class FakeEngine:
     """Deterministic stand-in for LLMEngine."""
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
-                 fail_on: str | None = None, hang_on: str | None = None) -> None:
+                 fail_on: str | None = None, hang_on: str | None = None, stall_on: str | None = None,
+                 bad_text_on: str | None = None) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.step_delay_s, self.fail_on, self.hang_on = step_delay_s, fail_on, hang_on
+        self.stall_on, self.bad_text_on = stall_on, bad_text_on
         self.tokenizer = None
         self.device = "cpu"
         self.architecture = "FakeForTests"
@@ -80,6 +85,11 @@ class FakeEngine:
     def stats(self) -> FakeStats:
         return self._stats
 
+    def rebuild(self) -> FakeEngine:
+        """A fresh engine with the same settings (what the worker asks for after a crash)."""
+        return FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
+                          self.stall_on, self.bad_text_on)
+
     def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -95,6 +105,8 @@ class FakeEngine:
             raise RuntimeError("fake engine failure")
         while self.hang_on and any(self.hang_on in r.text for r in self._running):
             time.sleep(1.0)  # hung: never returns
+        if self.stall_on and any(self.stall_on in r.text for r in self._running):
+            return finished  # steps, but nothing progresses
         for req in self._running:
             req.output.append(len(req.output))
             req.metrics.token_times.append(now)
@@ -110,6 +122,8 @@ class FakeEngine:
         req.metrics.finish_time = now
         req.metrics.num_output_tokens = len(req.output)
         text = " ".join(f"tok{t}" for t in req.output)
+        if self.bad_text_on and self.bad_text_on in req.text:
+            text = {"not": "a string"}  # Arrow refuses it in a string column
         reason = "error" if req.error else "length"
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                              output_token_ids=list(req.output), text=text, finish_reason=reason,
@@ -117,8 +131,18 @@ class FakeEngine:
 
 
 def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
-                load_delay_s: float = 0.0) -> FakeEngine:
-    """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load)."""
+                load_delay_s: float = 0.0, stall_on: str | None = None, bad_text_on: str | None = None,
+                no_rebuild: bool = False) -> FakeEngine:
+    """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load;
+    no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash)."""
     time.sleep(load_delay_s)
-    return FakeEngine(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
-                      step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on)
+    cls = _NoRebuildEngine if no_rebuild else FakeEngine
+    return cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
+               step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
+               bad_text_on=bad_text_on)
+
+
+class _NoRebuildEngine(FakeEngine):
+    """A custom engine that cannot rebuild itself (as the worker's engine before in-process isolation)."""
+
+    rebuild = None

@@ -182,8 +182,29 @@ def test_hung_engine_is_replaced_and_its_row_isolated(cluster, tmp_path):
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
     assert sorted(rows) == ids
     assert rows["p005"]["finish_reason"] == "error"
-    assert "no row finished and no token produced" in rows["p005"]["error"]
+    assert "no token produced and no row finished for " in rows["p005"]["error"]
+    assert "(engine step has not returned for " in rows["p005"]["error"]
     assert result.ok and read_manifest_file(tmp_path / "out")["totals"]["shards_failed"] == 0
+    cost = read_manifest_file(tmp_path / "out")["runs"][-1]["isolation"]
+    assert cost["model_loads"] >= 2 and cost["rows_isolated"] == 1
+
+
+def test_restart_cap_makes_the_remaining_suspects_error_rows(cluster, tmp_path):
+    """A row that hangs its worker, with one restart allowed per shard: the shard's rows become error rows
+    naming the cap instead of costing a restart per bisection level."""
+    ids = write_prompts(tmp_path / "in.parquet", 8, poison=5)
+    data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                     engine={"factory_options": {"hang_on": "POISON"}}, output={"max_error_rate": 1.0},
+                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 1.0, "num_workers": 1,
+                              "max_isolation_restarts_per_shard": 1})
+    result = run_job(spec_from_dict(data), show_progress=False)
+    rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert sorted(rows) == ids and all(r["finish_reason"] == "error" for r in rows.values())
+    assert rows["p000"]["error"].startswith("engine crashed on one of rows 0-8, not isolated further "
+                                            "(cluster.max_isolation_restarts_per_shard=1 reached): worker w0: ")
+    cost = read_manifest_file(tmp_path / "out")["runs"][-1]["isolation"]
+    assert cost["model_loads"] == 1 and cost["rows_isolated"] == 8
+    assert result.manifest["totals"]["shards_failed"] == 0
 
 
 def test_start_deadline_names_the_missing_resources(cluster, tmp_path):

@@ -7,10 +7,9 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from jobrunner.driver.shards import plan_shards
-from jobrunner.driver.worker import EngineFailed, ShardRunner
+from jobrunner.driver.worker import ShardRunner
 from jobrunner.io.layout import part_key
 from jobrunner.io.parts import commit_part, list_parts, read_output
 from jobrunner.io.reader import list_input_files
@@ -103,13 +102,23 @@ def test_bad_rows_become_error_rows(tmp_path):
     assert out["r3"]["generated_text"] is None
 
 
-def test_engine_failure_fails_shard_and_worker(tmp_path):
-    spec, engine, runner, shards = _setup(tmp_path, ["a b", "c d"], rows_per_shard=2)
-    engine.fail_on = "c d"
-    with pytest.raises(EngineFailed):
-        runner.run_shard(shards[0])
-    with pytest.raises(EngineFailed, match="failed earlier"):
-        runner.run_shard(shards[0])
+def test_engine_failure_is_isolated_in_process(tmp_path):
+    """The engine raises with a poison row in it: the worker rebuilds its engine (no new worker, no model
+    load) and bisects the rows that were in the engine; only the poison row becomes an error row."""
+    prompts = [f"prompt {i}" for i in range(8)]
+    prompts[5] = "POISON row"
+    spec, engine, runner, shards = _setup(tmp_path, prompts, rows_per_shard=8, fail_on="POISON")
+    result = runner.run_shard(shards[0])
+    runner.stop()
+    assert result.rows == 8 and result.num_errors == 1
+    # rows 4-7 were in the engine (2 x max_num_seqs): [4, 5] fails, [4] runs, [5] fails alone
+    assert runner.cost.engine_rebuilds == 3 and runner.cost.model_loads == 0
+    assert result.isolation["engine_rebuilds"] == 3 and result.isolation["rows_isolated"] == 1
+    assert result.worker_stats["engine_rebuilds"] == 3
+    _publish(spec, result)
+    out = {r["id"]: r for r in read_output(spec.output.url).to_pylist()}
+    assert out["r5"]["error"] == "engine crashed on this row: RuntimeError: fake engine failure"
+    assert all(out[f"r{i}"]["generated_text"] == "tok0 tok1 tok2" for i in range(8) if i != 5)
 
 
 def test_attempts_are_fenced_and_only_the_published_one_is_visible(tmp_path):
@@ -127,7 +136,8 @@ def test_attempts_are_fenced_and_only_the_published_one_is_visible(tmp_path):
 def test_isolated_rows_and_undecodable_bytes_become_error_rows(tmp_path):
     spec, engine, runner, shards = _setup(tmp_path, ["a b", "c d", "e f", "g h"])
     piece = shards[0].__class__(shards[0].shard_id, shards[0].file_url, shards[0].file_stem, 1, 2)
-    isolated = runner.run_shard(piece, "iso", error_text="RuntimeError: fake engine failure")
+    text = "engine crashed on this row: RuntimeError: fake engine failure"
+    isolated = runner.run_shard(piece, "iso", error_text=text)
     assert isolated.rows == 1 and isolated.num_errors == 1 and engine.stats().steps == 0
     bad = pa.array([b"ok", b"\xff\xfe bad", b"fine", b"x y"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"id": ["u0", "u1", "u2", "u3"], "prompt": bad, "src": ["s"] * 4}),
