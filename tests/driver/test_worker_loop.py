@@ -66,7 +66,8 @@ def test_next_shard_joins_before_previous_drains(tmp_path, monkeypatch):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while len(runner.progress()["shards"]) < 2 and time.monotonic() < deadline:
+    # Both shards read and queued for the engine (a shard is listed in progress() while its input is read).
+    while sum(s.phase == "generating" for s in list(runner._active.values())) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     both_queued.set()
     for t in threads:
