@@ -19,7 +19,7 @@ from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION
 from jobrunner.io.manifest import write_manifest
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_counts, redact_text, redact_url
 from jobrunner.spec import JobSpec
 
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
@@ -52,7 +52,7 @@ def versions() -> dict[str, str]:
 
 def pending_entry(shard: Shard) -> dict[str, Any]:
     """A shard's manifest entry before it runs."""
-    return {"status": "pending", "file": shard.file_url, "row_start": shard.row_start,
+    return {"status": "pending", "file": redact_url(shard.file_url), "row_start": shard.row_start,
             "row_end": shard.row_end, "rows": 0, "num_errors": 0, "num_prompt_tokens": 0,
             "num_cached_tokens": 0, "num_output_tokens": 0,
             "worker_id": None, "attempts": 0, "seconds": None, "error": None, "part": None}
@@ -70,7 +70,7 @@ def new_manifest(spec: JobSpec, shards: list[Shard]) -> dict[str, Any]:
     """A fresh manifest with every shard pending."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
-        "spec": spec.redacted(), "model": {"source": spec.model.source, "dtype": spec.model.dtype,
+        "spec": spec.redacted(), "model": {"source": redact_text(spec.model.source), "dtype": spec.model.dtype,
                                            "quantization": spec.model.quantization},
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
         "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [],
@@ -150,7 +150,7 @@ def update_totals(manifest: dict[str, Any]) -> None:
     kinds: Counter = Counter()
     for s in committed:
         kinds.update(s.get("error_kinds") or {})
-    totals["error_kinds"] = dict(kinds.most_common(MAX_ERROR_KINDS))
+    totals["error_kinds"] = redact_counts(dict(kinds.most_common(MAX_ERROR_KINDS)))  # older records: raw
     manifest["totals"] = totals
 
 
@@ -177,7 +177,7 @@ class JobBook:
     def record_for(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
         """A shard's commit record (its manifest entry, committed)."""
         return {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
-                "error_kinds": error_kinds}
+                "error_kinds": redact_counts(error_kinds)}
 
     def mark_committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
         """Take a written record into the manifest and the running totals (the driver's thread only)."""

@@ -1,8 +1,7 @@
 """The output location: checked, leased to this run, then prepared per `output.mode`.
 
 One run per output: the lease (`io/lease.py`) is taken before anything under the output changes. `overwrite`
-deletes only a prefix that is empty or holds a jobrunner output (entries `parts/`, `_*`, report files), never
-a bucket or filesystem root, never a prefix that is or contains the input.
+deletes only a prefix that is empty or holds an earlier output of the same job (see driver/output_guard.py).
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import check_resumable, new_manifest, orphan_parts, resume_manifest
-from jobrunner.io.layout import LEASE, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
+from jobrunner.driver.output_guard import overwrite_refusal
+from jobrunner.io.layout import LEASE, MANIFEST, TEMP_DIR
 from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder, is_expired, read_lease
 from jobrunner.io.manifest import clear_success, read_manifest_with_records
 from jobrunner.io.parts import list_parts
@@ -42,7 +42,7 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
     if entries and mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
     if mode == "overwrite":
-        check_overwrite(spec, storage, entries)
+        check_overwrite(spec, storage, entries, plan)
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name)
     except LeaseHeld as exc:
@@ -70,25 +70,11 @@ def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str])
     return manifest
 
 
-def is_jobrunner_entry(name: str) -> bool:
-    """A top-level name a jobrunner output may hold."""
-    return name == PARTS_DIR or name.startswith("_") or name in REPORT_FILES
-
-
-def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str]) -> None:
-    """OutputError unless deleting everything under the output is safe."""
-    url = spec.output.url
-    if storage.is_root():
-        raise OutputError(f"output.url {url!r} is a bucket or filesystem root: output.mode=overwrite would "
-                          "delete everything in it; use a prefix such as .../my-job")
-    if storage.contains_url(spec.input.url, spec.input.storage_options):
-        raise OutputError(f"output.url {url!r} is or contains input.url {spec.input.url!r}: "
-                          "output.mode=overwrite would delete the input; use another output.url")
-    foreign = [e for e in entries if not is_jobrunner_entry(e)]
-    if foreign or (PARTS_DIR in entries and MANIFEST not in entries):
-        shown = ", ".join(foreign[:5]) or f"{PARTS_DIR}/ without {MANIFEST}"
-        raise OutputError(f"output.url {url!r} holds files that are not a jobrunner output ({shown}); "
-                          "output.mode=overwrite only replaces an empty prefix or a jobrunner output")
+def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan | None = None) -> None:
+    """OutputError unless deleting everything under the output is safe (driver/output_guard.py)."""
+    refusal = overwrite_refusal(spec, storage, entries, [f.url for f in plan.files] if plan else ())
+    if refusal:
+        raise OutputError(refusal)
 
 
 def describe_output(spec: JobSpec, plan: JobPlan) -> str:
@@ -107,7 +93,7 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     if spec.output.mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
     if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, entries)
+        check_overwrite(spec, storage, entries, plan)
         return "output exists and will be deleted (output.mode=overwrite)"
     if old is None:
         raise _foreign_output(spec)
