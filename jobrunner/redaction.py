@@ -40,9 +40,11 @@ _TOKENIZER_NAMES = re.compile(r"^(?:eos|bos|pad|unk|sep|cls|mask|stop|start|end)
 
 # A URL ends before whitespace, quotes and trailing punctuation ("cannot read URL: 403").
 _URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<rest>(?:[^\s'\"<>`\\]*[^\s'\"<>`\\.,;:!?)\]}])?)")
+# `"name": "value"`, `'name': 'value'`, `name="value"`; a value left open (a quoted line cut short) runs to the
+# end of the line.
 _QUOTED_PAIR = re.compile(
     r"(?P<q1>\\?[\"']|)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q1)(?P<eq>\s*[:=]\s*)"
-    r"(?P<q2>\\?[\"'])(?P<value>(?:\\.|[^\\\n])*?)(?P=q2)")
+    r"(?P<q2>\\?[\"'])(?P<value>(?:\\.|[^\\\n])*?)(?P<close>(?P=q2)|(?=\n)|\Z)")
 _PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s*)(?P<value>[^\s&;,'\"]+)")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]+", re.I)
 _TOKEN_SHAPES = re.compile(
@@ -123,7 +125,10 @@ def _redact_url_match(m: re.Match) -> str:
     authority, tail = rest[:cut], rest[cut:]
     if "@" in authority:
         userinfo, host = authority.rsplit("@", 1)
-        if ":" in userinfo or looks_random(userinfo) or _TOKEN_SHAPES.search(userinfo):
+        user, has_password, password = userinfo.partition(":")
+        token_like = looks_random(user) or bool(_TOKEN_SHAPES.search(user))
+        # `user:***@` is already redacted (an ${env:NAME} password masked by find_secrets, or redacted before)
+        if token_like or (has_password and password != REDACTED):
             authority = f"{REDACTED}@{host}"
     if "?" in tail:
         path, query = tail.split("?", 1)
@@ -140,18 +145,21 @@ def _redact_query_param(m: re.Match) -> str:
 
 
 def _redact_quoted_pair(m: re.Match) -> str:
-    name = m["name"]
-    if not is_secret_key(name) or m["value"] == REDACTED or name.endswith(_NOT_NAMES):
-        return m.group(0)
-    return f"{m['q1']}{name}{m['q1']}{m['eq']}{m['q2']}{REDACTED}{m['q2']}"
+    name, value = m["name"], m["value"]
+    head = f"{m['q1']}{name}{m['q1']}{m['eq']}{m['q2']}"
+    if not is_secret_key(name) or name.endswith(_NOT_NAMES):  # a pair may sit inside the value
+        return f"{head}{_QUOTED_PAIR.sub(_redact_quoted_pair, value)}{m['close']}"
+    return f"{head}{value if value == REDACTED else REDACTED}{m['close']}"
 
 
 def _redact_pair(m: re.Match) -> str:
     name, value = m["name"], m["value"]
-    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential.
-    if not is_secret_key(name) or value.startswith(REDACTED) or value.isdigit() or name.endswith(_NOT_NAMES):
+    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential; a pair may sit in the value.
+    if not is_secret_key(name) or name.endswith(_NOT_NAMES):
+        return f"{name}{m['eq']}{_PAIR.sub(_redact_pair, value)}"
+    if value.startswith(REDACTED) or value.isdigit():
         return m.group(0)
-    return f"{m['name']}{m['eq']}{REDACTED}"
+    return f"{name}{m['eq']}{REDACTED}"
 
 
 def find_secrets(value: Any, path: str = "") -> list[str]:

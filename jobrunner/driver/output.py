@@ -88,12 +88,13 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
         raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
     if lease is not None and not is_expired(lease):
         raise OutputError(f"output {spec.output.url} is in use by {describe_holder(lease)}")
+    if spec.output.mode == "overwrite":
+        check_overwrite(spec, storage, entries, plan)  # also when empty: the input containment
     if not entries:
         return "output is empty: a new job"
     if spec.output.mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
     if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, entries, plan)
         return "output exists and will be deleted (output.mode=overwrite)"
     if old is None:
         raise _foreign_output(spec)

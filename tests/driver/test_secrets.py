@@ -127,3 +127,18 @@ def test_model_source_error(tmp_path):
     with pytest.raises(ModelSourceError) as info:
         resolve_model_dir(f"memory://jr-user:{SECRET}@nowhere/model?token={SECRET}", cache_dir=str(tmp_path))
     _clean(str(info.value))
+
+
+def test_cli_traceback_of_an_unexpected_error(tmp_path):
+    """An error the CLI does not expect (here a corrupt manifest under a folder named like a credential) is
+    printed as a redacted traceback, exit 1."""
+    from tests.driver.helpers import write_prompts
+
+    write_prompts(tmp_path / "in.parquet", 4)
+    out = tmp_path / f"token={SECRET}" / "out"
+    out.mkdir(parents=True)
+    (out / "_manifest.json").write_text("not json")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(fake_spec(str(tmp_path / "in.parquet"), str(out))))
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "job.yaml"), "--no-progress"])
+    assert result.exit_code == 1 and "Traceback" in result.output and "ManifestError" in result.output
+    _clean(result.output)

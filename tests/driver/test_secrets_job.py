@@ -92,5 +92,6 @@ def test_no_planted_secret_leaves_the_job(local_ray, s3_server, capfd, caplog):
     openai_out = places[f"{bucket}/out/_openai/output.jsonl"]
     assert '"model": "https://***@models.example.com/m?token=***"' in openai_out.replace('":"', '": "')
     errors = places[f"{bucket}/out/_openai/errors.jsonl"]
-    assert "Bearer ***" in errors and "'token': '***'" in errors and '\\"password\\":\\"***\\"' in errors
+    assert "sent Authorization: ***" in errors and "'token': '***'" in errors
+    assert '\\"password\\":\\"***\\"' in errors
     assert manifest["spec"]["engine"]["factory_options"] == {"api_key": REDACTED}
