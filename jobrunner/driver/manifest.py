@@ -19,7 +19,7 @@ from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION
 from jobrunner.io.manifest import write_manifest
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_counts, redact_text, redact_url
+from jobrunner.redaction import redact_text, redact_url
 from jobrunner.spec import JobSpec
 
 _TOTAL_KEYS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
@@ -150,7 +150,7 @@ def update_totals(manifest: dict[str, Any]) -> None:
     kinds: Counter = Counter()
     for s in committed:
         kinds.update(s.get("error_kinds") or {})
-    totals["error_kinds"] = redact_counts(dict(kinds.most_common(MAX_ERROR_KINDS)))  # older records: raw
+    totals["error_kinds"] = dict(kinds.most_common(MAX_ERROR_KINDS))
     manifest["totals"] = totals
 
 
@@ -177,7 +177,7 @@ class JobBook:
     def record_for(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
         """A shard's commit record (its manifest entry, committed)."""
         return {**self.manifest["shards"][shard_id], **entry, "status": "committed", "error": None,
-                "error_kinds": redact_counts(error_kinds)}
+                "error_kinds": error_kinds}
 
     def mark_committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
         """Take a written record into the manifest and the running totals (the driver's thread only)."""

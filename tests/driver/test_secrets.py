@@ -13,9 +13,10 @@ from click.testing import CliRunner
 
 from jobrunner.cli import main
 from jobrunner.driver.engine_factory import describe_model
-from jobrunner.driver.manifest import JobBook, new_manifest, update_totals
+from jobrunner.driver.manifest import JobBook, new_manifest
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.shards import Shard
+from jobrunner.driver.worker import error_kinds
 from jobrunner.io.reader import file_stem
 from jobrunner.io.storage import Storage, retry
 from jobrunner.models.sources import ModelSourceError, resolve_model_dir
@@ -59,25 +60,18 @@ def test_worker_model_section(tmp_path):
     assert _clean(model["source"]) == "https://***@models.example.com/llama?token=***&rev=main"
 
 
-def test_commit_records_and_manifest_error_kinds(tmp_path):
+def test_error_kinds_of_commit_records_manifest_and_summary(tmp_path):
+    """A worker's error kinds are redacted where they are made: commit records, the manifest's totals and the
+    run's summary all take them from there."""
+    rows = [{"error": QUOTED_ERROR}, {"error": QUOTED_ERROR.replace(SECRET, "another")}, {"error": None}]
+    kinds = error_kinds(rows)
+    assert kinds == {'upstream error {"api_key": "***"}, \'token\': \'***\', "password":"***"': 2}
     storage = Storage(str(tmp_path / "out"))
-    manifest = new_manifest(_spec(tmp_path), [_shard()])
-    book = JobBook(storage, manifest)
-    entry = {"rows": 8, "num_errors": 2, "part": "parts/part-00000-abc.parquet"}
-    book.commit("00000-abc", entry, {QUOTED_ERROR: 2})
-    record = (tmp_path / "out" / "_commits" / "00000-abc.json").read_text()
-    assert '{\\"api_key\\": \\"***\\"}' in _clean(record)
-    assert _clean(" ".join(kind for kind, _ in book.top_error_kinds()))
+    book = JobBook(storage, new_manifest(_spec(tmp_path), [_shard()]))
+    book.commit("00000-abc", {"rows": 3, "num_errors": 2, "part": "parts/part-00000-abc.parquet"}, kinds)
+    _clean((tmp_path / "out" / "_commits" / "00000-abc.json").read_text())
     book.compact()
     _clean((tmp_path / "out" / "_manifest.json").read_text())
-
-
-def test_error_kinds_of_older_records_are_redacted_in_totals(tmp_path):
-    manifest = new_manifest(_spec(tmp_path), [_shard()])
-    manifest["shards"]["00000-abc"].update(status="committed", rows=8, num_errors=2, error_kinds={QUOTED_ERROR: 2})
-    update_totals(manifest)
-    assert sum(manifest["totals"]["error_kinds"].values()) == 2
-    _clean(json.dumps(manifest["totals"]))
 
 
 def test_storage_retry_warning(caplog):
