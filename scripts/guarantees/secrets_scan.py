@@ -75,7 +75,10 @@ def main() -> int:
         places.update(_ray_session_files(work / "ray"))
         places["ray start --head (its stdout/stderr)"] = {"head.log": (work / "head.log").read_text("utf-8", "replace")}
         hits = _search(places, secrets)
-        _show_markers(places, bucket)
+        try:
+            _show_markers(places, bucket)
+        except (KeyError, IndexError, StopIteration, ValueError) as exc:
+            print(f"\n(run A left no output to show: {type(exc).__name__}: {exc})")
         _overwrite_refusals(work, gcs)
         print(f"\nsecrets planted: {len(secrets)}; places checked: {len(places)}; "
               f"files/texts searched: {sum(len(v) for v in places.values())}; hits: {len(hits)}")
@@ -237,7 +240,11 @@ def _ray_job(dashboard: int, submitted: dict[str, str]) -> dict[str, str]:
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(f"http://127.0.0.1:{dashboard}")
-    job_id = next(iter(submitted.values())).splitlines()[0].strip()
+    lines = next(iter(submitted.values())).splitlines()
+    if not lines:
+        print("  (no Ray job id printed: nothing to ask the API)")
+        return {}
+    job_id = lines[0].strip()
     info = client.get_job_info(job_id)
     return {"runtime_env": json.dumps(info.runtime_env), "entrypoint": info.entrypoint,
             "metadata": json.dumps(info.metadata), "message": str(info.message),
