@@ -1,17 +1,26 @@
-"""Hiding secrets in what jobrunner writes down: manifests, error texts, output rows, Ray job submissions.
+"""Hiding secrets in what jobrunner writes down or shows: manifests, commit records, reports, output rows, logs,
+error messages, Ray job submissions. The one module every boundary uses (no dependencies, so spec, models, io,
+driver, reports and cli can all import it).
 
-Two rules, applied everywhere (no dependencies, so spec, io and driver can all use it):
+Rules:
 
 - a mapping key that looks like a credential (`key`, `secret`, `token`, `password`, `credential`,
   `authorization`, `connection_string`, `account_key`, `api_key`, `session`, `signature`, ...) has its value
   replaced by `***`, at every depth. Numbers, booleans and lists of numbers are kept: `stop_token_ids` is
   not a secret.
-- free text (URLs, exception messages) has credentials cut out: `user:pass@` in URLs, `name=value` pairs
-  whose name looks like a credential (query strings, connection strings), `Bearer <token>`.
+- in free text (URLs, exception messages, error kinds):
+  - a URL keeps its scheme, host and path; its userinfo goes (`https://***@host/...`) when it holds a password
+    or looks like a token, and so does every query value whose name looks like a credential
+    (`X-Amz-Signature`, `sig`, `X-Goog-Credential`, `token`, ...) or whose value looks like one (long, random);
+  - `name=value`, `name: value` and quoted pairs (`{"api_key": "..."}`, `'token': '...'`, `password="..."`)
+    whose name looks like a credential lose their value;
+  - `Bearer <token>` / `Basic <token>` and well-known token shapes (`hf_...`, `sk-...`, `ghp_...`, `AKIA...`,
+    JWTs) are cut wherever they appear.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -26,10 +35,23 @@ _SECRET_COMPONENTS = frozenset({
 _SECRET_SQUASHED = ("secret", "password", "passwd", "credential", "authorization", "connectionstring",
                     "apikey", "accountkey", "accesskey", "privatekey", "sastoken", "signature", "authtoken",
                     "sessiontoken")
+# Names that contain `token` but name a vocabulary entry, not a credential (`eos_token`, `stop_token_ids`).
+_TOKENIZER_NAMES = re.compile(r"^(?:eos|bos|pad|unk|sep|cls|mask|stop|start|end)_token(?:_ids?)?$|^token_ids?$")
 
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/@\s:?#]*):(?P<pw>[^/@\s?#]*)@")
-_PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s+)(?P<value>[^\s&;,'\"]+)")
+# A URL ends before whitespace, quotes and trailing punctuation ("cannot read URL: 403").
+_URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<rest>(?:[^\s'\"<>`\\]*[^\s'\"<>`\\.,;:!?)\]}])?)")
+# `"name": "value"`, `'name': 'value'`, `name="value"`; a value left open (a quoted line cut short) runs to the
+# end of the line.
+_QUOTED_PAIR = re.compile(
+    r"(?P<q1>\\?[\"']|)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q1)(?P<eq>\s*[:=]\s*)"
+    r"(?P<q2>\\?[\"'])(?P<value>(?:\\.|[^\\\n])*?)(?P<close>(?P=q2)|(?=\n)|\Z)")
+_PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s*)(?P<value>[^\s&;,'\"]+)")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]+", re.I)
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:hf_[A-Za-z0-9]{20,}|sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9\-]{10,}"
+    r"|AIza[0-9A-Za-z_\-]{30,}|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})")
+_RANDOM_LOOKING = re.compile(r"^[A-Za-z0-9+/=_\-.~%]{24,}$")
 _NOT_NAMES = ("Error", "Exception", "Warning")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
@@ -37,10 +59,20 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 def is_secret_key(key: Any) -> bool:
     """Whether a mapping key (or query / connection-string parameter name) names a credential."""
     text = _CAMEL.sub("_", str(key)).lower()
-    if any(part in _SECRET_COMPONENTS for part in re.split(r"[^a-z0-9]+", text)):
+    parts = [p for p in re.split(r"[^a-z0-9]+", text) if p]
+    if _TOKENIZER_NAMES.match("_".join(parts)):
+        return False
+    if any(part in _SECRET_COMPONENTS for part in parts):
         return True
-    squashed = re.sub(r"[^a-z0-9]", "", text)
+    squashed = "".join(parts)
     return any(word in squashed for word in _SECRET_SQUASHED)
+
+
+def looks_random(value: str) -> bool:
+    """Whether a value looks like a generated credential: long, URL-safe, letters and digits, many distinct
+    characters (a signature, a token), as opposed to a date, a number or a word."""
+    return (bool(_RANDOM_LOOKING.match(value)) and any(c.isdigit() for c in value)
+            and any(c.isalpha() for c in value) and len(set(value)) >= 14)
 
 
 def _is_plain_number(value: Any) -> bool:
@@ -62,20 +94,72 @@ def redact(value: Any) -> Any:
 
 
 def redact_text(text: str) -> str:
-    """`text` with URL passwords, secret-named `name=value` pairs and bearer tokens replaced by `***`."""
+    """`text` with URL credentials, secret-named pairs, bearer tokens and token-shaped strings replaced by `***`."""
     if not text:
         return text
-    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
+    text = _URL.sub(_redact_url_match, text)
     text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    text = _TOKEN_SHAPES.sub(REDACTED, text)
+    text = _QUOTED_PAIR.sub(_redact_quoted_pair, text)
     return _PAIR.sub(_redact_pair, text)
+
+
+@functools.lru_cache(maxsize=4096)
+def redact_url(url: str) -> str:
+    """`redact_text` of one URL, cached: shards of one input file share its URL."""
+    return redact_text(url)
+
+
+def redact_counts(kind_to_count: dict[str, int]) -> dict[str, int]:
+    """A count table (error kind -> rows) with its keys redacted; kinds that become equal are summed."""
+    out: dict[str, int] = {}
+    for kind, count in kind_to_count.items():
+        key = redact_text(str(kind))
+        out[key] = out.get(key, 0) + count
+    return out
+
+
+def _redact_url_match(m: re.Match) -> str:
+    rest = m["rest"]
+    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    if "@" in authority:
+        userinfo, host = authority.rsplit("@", 1)
+        user, has_password, password = userinfo.partition(":")
+        token_like = looks_random(user) or bool(_TOKEN_SHAPES.search(user))
+        # `user:***@` is already redacted (an ${env:NAME} password masked by find_secrets, or redacted before)
+        if token_like or (has_password and password != REDACTED):
+            authority = f"{REDACTED}@{host}"
+    if "?" in tail:
+        path, query = tail.split("?", 1)
+        query, hash_sep, fragment = query.partition("#")
+        tail = f"{path}?{re.sub(r'[^&;]+', _redact_query_param, query)}{hash_sep}{fragment}"
+    return f"{m['scheme']}{authority}{tail}"
+
+
+def _redact_query_param(m: re.Match) -> str:
+    name, eq, value = m.group(0).partition("=")
+    if eq and value and value != REDACTED and (is_secret_key(name) or looks_random(value)):
+        return f"{name}={REDACTED}"
+    return m.group(0)
+
+
+def _redact_quoted_pair(m: re.Match) -> str:
+    name, value = m["name"], m["value"]
+    head = f"{m['q1']}{name}{m['q1']}{m['eq']}{m['q2']}"
+    if not is_secret_key(name) or name.endswith(_NOT_NAMES):  # a pair may sit inside the value
+        return f"{head}{_QUOTED_PAIR.sub(_redact_quoted_pair, value)}{m['close']}"
+    return f"{head}{value if value == REDACTED else REDACTED}{m['close']}"
 
 
 def _redact_pair(m: re.Match) -> str:
     name, value = m["name"], m["value"]
-    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential.
-    if not is_secret_key(name) or value == REDACTED or value.isdigit() or name.endswith(_NOT_NAMES):
+    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential; a pair may sit in the value.
+    if not is_secret_key(name) or name.endswith(_NOT_NAMES):
+        return f"{name}{m['eq']}{_PAIR.sub(_redact_pair, value)}"
+    if value.startswith(REDACTED) or value.isdigit():
         return m.group(0)
-    return f"{m['name']}{m['eq']}{REDACTED}"
+    return f"{name}{m['eq']}{REDACTED}"
 
 
 def find_secrets(value: Any, path: str = "") -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jobrunner.redaction import ENV_REF, find_secrets, redact
+from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
 # Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
@@ -365,7 +365,7 @@ def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise SpecError(f"--set {pair!r}: {part!r} is set both as a value and a section")
+                raise SpecError(redact_text(f"--set {pair!r}: {part!r} is set both as a value and a section"))
         node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
     return out
 
@@ -388,7 +388,7 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(f"{source}: invalid job spec:\n{_format_errors(exc)}") from None
+        raise SpecError(redact_text(f"{source}: invalid job spec:\n{_format_errors(exc)}")) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), resolve_env: bool = True) -> JobSpec:
@@ -423,7 +423,7 @@ def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SpecError(f"{source}: not valid YAML: {exc}") from None
+        raise SpecError(redact_text(f"{source}: not valid YAML: {exc}")) from None  # quotes the line
     if overrides and isinstance(data, dict):
         data = merge(data, parse_overrides(overrides))
     return data

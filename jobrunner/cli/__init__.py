@@ -4,10 +4,29 @@ Each command lives in its own module (job.py: run/validate/submit, report.py, be
 commands stay small; heavy imports (torch, ray) happen inside the commands, not at import time.
 """
 
+import traceback
+
 import click
 
+from jobrunner.redaction import redact_text
 
-@click.group()
+
+class _Main(click.Group):
+    """The command group. An unexpected error's traceback is printed redacted (a Ray job's logs are readable by
+    whoever can list jobs; a traceback quotes URLs and options), then the command exits 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+                KeyboardInterrupt):
+            raise
+        except Exception:  # noqa: BLE001 - shown to the user, then exit 1
+            click.echo(redact_text(traceback.format_exc()), err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="jobrunner")
 def main() -> None:
     """jobrunner: batch LLM inference jobs on Ray with our own continuous-batching engine."""

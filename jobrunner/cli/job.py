@@ -14,11 +14,16 @@ _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PAT
                            help="Override a spec field, e.g. --set sampling.max_tokens=32 (repeatable).")
 
 
+def _error(exc: BaseException | str) -> click.ClickException:
+    """An error for the user, redacted (Ray job logs are readable by whoever can list jobs)."""
+    return click.ClickException(redact_text(str(exc)))
+
+
 def _load(path: str, overrides: tuple[str, ...]):
     try:
         return load_spec(path, overrides)
     except SpecError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _error(exc) from None
 
 
 @click.command()
@@ -44,7 +49,7 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
         dups = duplicate_input_ids(plan.files, spec.input.storage_options, spec.input.format, column) \
             if check_ids and column else []
     except (InputError, OutputError, ResumeError, StorageError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _error(exc) from None
     if dups:
         raise click.ClickException(f"input.id_column {column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
@@ -54,7 +59,7 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
                f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        click.echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
+        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
     keep = spec.output.keep_columns
     columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     click.echo(f"required columns present: {', '.join(columns)}")
@@ -81,12 +86,12 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
     try:
         result = run_job(spec, address=address, show_progress=not no_progress)
     except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _error(exc) from None
     if not no_report:
         _write_report(spec)
     click.echo(redact_text(result.summary()))  # Ray job logs are readable by whoever can list jobs
     if not result.ok:
-        raise click.ClickException(result.failure_message())
+        raise _error(result.failure_message())
 
 
 def _write_report(spec) -> None:
@@ -102,9 +107,9 @@ def _write_report(spec) -> None:
     except Exception as exc:  # noqa: BLE001 - the job's outputs are done; the report is a bonus
         report = {"error": str(exc)}
     if isinstance(report, dict) and report.get("error"):
-        click.echo(f"warning: report not written: {report['error']}", err=True)
+        click.echo(redact_text(f"warning: report not written: {report['error']}"), err=True)
     else:
-        click.echo(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}")
+        click.echo(redact_text(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}"))
 
 
 @click.command()
@@ -129,12 +134,12 @@ def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, 
         load_spec(job_file, overrides, resolve_env=False)  # validate here; ${env:NAME} stays unresolved
         data, _ = load_spec_data(job_file, overrides)
     except SpecError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _error(exc) from None
     try:
         client, job_id = submit_job(data, address, auth_token=auth_token, working_dir=working_dir,
                                     python=python)
     except SubmitError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _error(exc) from None
     click.echo(job_id)
     if wait:
         status = follow_job(client, job_id, sys.stdout)

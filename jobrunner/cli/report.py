@@ -7,6 +7,8 @@ import math
 
 import click
 
+from jobrunner.redaction import redact_text
+
 FORMATS = ("text", "json", "md", "html")
 
 
@@ -63,7 +65,8 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
         try:
             reports.append(load_report(url, storage_options, worker_hour_usd, slo))
         except (ValueError, OSError) as exc:  # ReportInputError, unreadable Parquet, storage errors
-            raise click.ClickException(str(exc) if url in str(exc) else f"{url}: {exc}") from None
+            message = str(exc) if url in str(exc) else f"{url}: {exc}"
+            raise click.ClickException(redact_text(message)) from None
     _emit(_render(reports, _format(fmt, out)), out, storage_options)
 
 
@@ -84,8 +87,8 @@ def _emit(text: str, out: str | None, storage_options: dict | None) -> None:
     try:
         write_text(out, text, storage_options)
     except OSError as exc:
-        raise click.ClickException(f"cannot write {out}: {exc}") from None
-    click.echo(f"wrote {out}", err=True)
+        raise click.ClickException(redact_text(f"cannot write {out}: {exc}")) from None
+    click.echo(redact_text(f"wrote {out}"), err=True)
 
 
 COMMANDS = [report]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from jobrunner.redaction import redact
 from jobrunner.spec import JobSpec
 
 
@@ -38,17 +39,18 @@ def build_engine(spec: JobSpec) -> Any:
 
 
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
-    """The manifest's model section, from what the loaded engine reports (falling back to the spec)."""
+    """The manifest's model section, from what the loaded engine reports (falling back to the spec); redacted,
+    as it is written down (a source URL may carry credentials)."""
     info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
     loaded = getattr(engine, "model_info", None)  # what the real engine says it loaded
     if isinstance(loaded, dict):
         info.update({k: v for k, v in loaded.items() if k != "device" and _is_plain(v)})
-        return info
+        return redact(info)
     for key in ("dtype", "quantization", "architecture"):
         value = getattr(engine, key, None)
         if value is not None:
             info[key] = str(value).replace("torch.", "")
-    return info
+    return redact(info)
 
 
 def _is_plain(value: Any) -> bool:

@@ -27,6 +27,7 @@ from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION, PARTS_DIR
 from jobrunner.io.manifest import write_manifest
 from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 COMPACT_MIN_RECORDS = 500  # never compact more often than this many commits
@@ -68,7 +69,7 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     """A fresh manifest header for a job whose shards are all pending (the shards live in `shards`)."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
-        "spec": spec.redacted(), "model": {"source": spec.model.source, "dtype": spec.model.dtype,
+        "spec": spec.redacted(), "model": {"source": redact_text(spec.model.source), "dtype": spec.model.dtype,
                                            "quantization": spec.model.quantization},
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
         "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [], "workers": {}, "totals": {},

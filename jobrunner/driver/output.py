@@ -17,8 +17,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
+from jobrunner.driver.output_guard import overwrite_refusal
 from jobrunner.driver.resume_check import check_resume, num_committed
-from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
+from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.lease import (
     FencedStorage,
     Lease,
@@ -55,7 +56,7 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    _check_mode(spec, storage, entries)  # before any wait for the lease
+    _check_mode(spec, storage, entries, plan)  # before any wait for the lease
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name,
                               on_wait=CountdownPrinter(storage.display()))
@@ -64,7 +65,7 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
     fenced = FencedStorage(storage, lease)
     try:
         entries = _entries(storage)  # again: the previous holder may have written more meanwhile
-        _check_mode(spec, storage, entries)
+        _check_mode(spec, storage, entries, plan)
         manifest = _prepare(spec, plan, fenced, entries, lease)
     except BaseException:
         lease.release()
@@ -72,11 +73,11 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
     return fenced, manifest, lease
 
 
-def _check_mode(spec: JobSpec, storage: Storage, entries: list[str]) -> None:
+def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan) -> None:
     if entries and spec.output.mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
     if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, entries)
+        check_overwrite(spec, storage, entries, plan)
 
 
 def _entries(storage: Storage) -> list[str]:
@@ -113,25 +114,11 @@ def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
     return manifest
 
 
-def is_jobrunner_entry(name: str) -> bool:
-    """A top-level name a jobrunner output may hold."""
-    return name == PARTS_DIR or name.startswith("_") or name in REPORT_FILES
-
-
-def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str]) -> None:
-    """OutputError unless deleting everything under the output is safe."""
-    url = spec.output.url
-    if storage.is_root():
-        raise OutputError(f"output.url {url!r} is a bucket or filesystem root: output.mode=overwrite would "
-                          "delete everything in it; use a prefix such as .../my-job")
-    if storage.contains_url(spec.input.url, spec.input.storage_options):
-        raise OutputError(f"output.url {url!r} is or contains input.url {spec.input.url!r}: "
-                          "output.mode=overwrite would delete the input; use another output.url")
-    foreign = [e for e in entries if not is_jobrunner_entry(e)]
-    if foreign or (PARTS_DIR in entries and MANIFEST not in entries):
-        shown = ", ".join(foreign[:5]) or f"{PARTS_DIR}/ without {MANIFEST}"
-        raise OutputError(f"output.url {url!r} holds files that are not a jobrunner output ({shown}); "
-                          "output.mode=overwrite only replaces an empty prefix or a jobrunner output")
+def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan | None = None) -> None:
+    """OutputError unless deleting everything under the output is safe (driver/output_guard.py)."""
+    refusal = overwrite_refusal(spec, storage, entries, [f.url for f in plan.files] if plan else ())
+    if refusal:
+        raise OutputError(refusal)
 
 
 def describe_output(spec: JobSpec, plan: JobPlan) -> str:
@@ -147,6 +134,8 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     if not is_free(holder) and not holder_is_dead_here(holder):
         held = (f"leased by {describe_holder(holder)}: run waits up to {holder.get('ttl_s')} s for the lease to "
                 "expire (and stops if it is renewed); ")
+    if spec.output.mode == "overwrite":
+        check_overwrite(spec, storage, entries, plan)  # also when empty: the input containment
     return held + _describe_state(spec, plan, storage, entries, old)
 
 
@@ -157,7 +146,6 @@ def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: lis
     if spec.output.mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
     if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, entries)
         return "output exists and will be deleted (output.mode=overwrite)"
     if old is None:
         raise _foreign_output(spec)

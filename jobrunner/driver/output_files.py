@@ -14,6 +14,7 @@ from jobrunner.io.parts import output_schema, rows_to_table
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
 from jobrunner.io.text_input import list_input, read_input_rows
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 
@@ -32,7 +33,7 @@ def finish_job_files(spec: JobSpec, storage: Storage, part_keys: list[str]) -> l
     for row in rows:
         row["_status"] = error_status(row)
     rows.sort(key=lambda r: (position.get(r["id"], len(position)), r["sample_index"] or 0))
-    outputs, errors = result_lines(rows, endpoint_of, spec.model.source, spec.name)
+    outputs, errors = result_lines(rows, endpoint_of, redact_text(spec.model.source), spec.name)
     return write_openai_results(storage, outputs, errors)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobrunner.redaction import redact_text
+
 MAX_LISTED_FAILURES = 20
 
 
@@ -35,7 +37,10 @@ class JobResult:
         return not self.failed and self.error is None and not self.over_error_budget
 
     def summary(self) -> str:
-        """A short human summary (names failed shards, the error share and the top error kinds)."""
+        """A short human summary (names failed shards, the error share and the top error kinds), redacted."""
+        return redact_text(self._summary())
+
+    def _summary(self) -> str:
         t = self.manifest["totals"]
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
                 f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
@@ -53,7 +58,10 @@ class JobResult:
         return text
 
     def failure_message(self) -> str:
-        """Why the job exits non-zero (empty when ok)."""
+        """Why the job exits non-zero (empty when ok), redacted."""
+        return redact_text(self._failure_reasons())
+
+    def _failure_reasons(self) -> str:
         reasons = []
         if self.error:
             reasons.append(self.error)

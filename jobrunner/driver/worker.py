@@ -451,10 +451,11 @@ def error_kind(error: str) -> str:
 
 
 def error_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """Error kind -> rows, the MAX_ERROR_KINDS most frequent."""
+    """Error kind -> rows, the MAX_ERROR_KINDS most frequent; redacted (they go into commit records, the
+    manifest and the run's summary)."""
     counts: dict[str, int] = {}
     for row in rows:
         if row.get("error") is not None:
-            kind = error_kind(str(row["error"]))
+            kind = error_kind(redact_text(str(row["error"])))
             counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:MAX_ERROR_KINDS])

@@ -11,10 +11,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from jobrunner.io.layout import OPENAI_DIR
 from jobrunner.io.parts import read_part
 from jobrunner.io.storage import Storage
 
-OPENAI_DIR = "_openai"
 OUTPUT_FILE = f"{OPENAI_DIR}/output.jsonl"
 ERRORS_FILE = f"{OPENAI_DIR}/errors.jsonl"
 # What a result line is built from (never kept input columns).

@@ -115,9 +115,16 @@ def _read_footer(fs: Any, path: str, size: int | None = None) -> InputFile:
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     schema = meta.schema.to_arrow_schema()
     types = {name: str(schema.field(name).type) for name in schema.names}
-    stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    return InputFile(url=url, stem=stem, num_rows=meta.num_rows, row_group_num_rows=groups,
+    return InputFile(url=url, stem=file_stem(path), num_rows=meta.num_rows, row_group_num_rows=groups,
                      column_types=types, num_bytes=num_bytes)
+
+
+def file_stem(path: str) -> str:
+    """A file's name without its folder and extension, nor a URL's query (row ids are built from it, and a
+    presigned URL's query is a credential)."""
+    if "://" in path:
+        path = path.split("?", 1)[0].split("#", 1)[0]
+    return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 
 
 def _open_exact(fs: Any, path: str) -> Any:

@@ -44,7 +44,7 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
         except Exception as exc:  # noqa: BLE001 - storage backends raise anything
             if attempt == attempts:
                 raise StorageError(f"{what}: failed after {attempts} attempts: {_describe(exc)}") from exc
-            log.warning("%s: attempt %d failed (%s); retrying", what, attempt, _describe(exc))
+            log.warning("%s", redact_text(f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying"))
             time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
 
@@ -187,19 +187,24 @@ class Storage:
         return "/" not in self.root.strip("/")  # "bucket" alone
 
     def contains_url(self, url: str, storage_options: dict[str, Any] | None = None) -> bool:
-        """Whether `url` (a file, folder or glob) is this root or lies under it, on the same filesystem."""
+        """Whether `url` (a file, folder or glob) is this root or lies under it, on the same filesystem
+        (local paths compared resolved: symlinks followed)."""
+        return is_within(resolved_location(url, storage_options), self.location())
+
+    def location(self) -> tuple[str, str]:
+        """(protocol, path) of the root; on local disk the real path (symlinks followed)."""
+        return _resolved(self.fs, self.root)
+
+    def listdir_kinds(self, rel: str = "") -> dict[str, bool]:
+        """Names (relative to root) under a prefix -> whether each is a folder; empty when it does not exist."""
+        self.fs.invalidate_cache()
         try:
-            fs, path = url_to_fs(url, **(storage_options or {}))
-        except (ValueError, ImportError, TypeError):
-            return False
-        if _protocol(fs) != _protocol(self.fs):
-            return False
-        for i, ch in enumerate(path):
-            if ch in "*?[":  # a glob: compare the folder before its first wildcard
-                path = path[:i].rsplit("/", 1)[0]
-                break
-        path = path.rstrip("/")
-        return path == self.root or path.startswith(self.root + "/")
+            entries = retry(f"list {self.display(rel)}", lambda: self.fs.ls(self.path(rel), detail=True))
+        except FileNotFoundError:
+            return {}
+        prefix = self.root + "/"
+        return {(e["name"][len(prefix):] if e["name"].startswith(prefix) else e["name"]).rstrip("/"):
+                e.get("type") == "directory" for e in entries}
 
     def read_many(self, rels: list[str]) -> dict[str, bytes]:
         """Read many small keys (concurrently on object stores); missing keys are left out."""
@@ -219,6 +224,35 @@ class Storage:
             except FileNotFoundError:
                 for rel in rels:
                     self.delete(rel)
+
+
+def resolved_location(url: str, storage_options: dict[str, Any] | None = None) -> tuple[str, str] | None:
+    """(protocol, path) of a URL, a glob cut back to the folder before its first wildcard; on local disk the
+    real path (symlinks followed, so two spellings of one folder compare equal). None if it cannot be parsed."""
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError, TypeError):
+        return None
+    for i, ch in enumerate(path):
+        if ch in "*?[":
+            path = path[:i].rsplit("/", 1)[0]
+            break
+    return _resolved(fs, path)
+
+
+def is_within(inner: tuple[str, str] | None, outer: tuple[str, str] | None) -> bool:
+    """Whether location `inner` is `outer` or lies under it (same protocol)."""
+    if inner is None or outer is None or inner[0] != outer[0]:
+        return False
+    path, root = inner[1].rstrip("/"), outer[1].rstrip("/")
+    return path == root or path.startswith(root + "/") or root == ""
+
+
+def _resolved(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, str]:
+    protocol = _protocol(fs)
+    if protocol == "file":
+        return protocol, os.path.realpath(path)
+    return protocol, path.rstrip("/")
 
 
 def _protocol(fs: fsspec.AbstractFileSystem) -> str:

@@ -26,6 +26,7 @@ from jobrunner.io.reader import (
     _expand,
     _read_footer,
     add_duplicates,
+    file_stem,
     map_files,
     read_rows,
 )
@@ -76,8 +77,7 @@ def _describe_file(fs: Any, path: str, fmt: str, size: int | None = None) -> Inp
         return _read_footer(fs, path, size)
     url = fs.unstrip_protocol(path)
     table = _parse(_read_bytes(fs, path, url), fmt, url)
-    stem = path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    return InputFile(url=url, stem=stem, num_rows=table.num_rows,
+    return InputFile(url=url, stem=file_stem(path), num_rows=table.num_rows,
                      row_group_num_rows=(table.num_rows,) if table.num_rows else (),
                      column_types={f.name: str(f.type) for f in table.schema})
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobrunner.models.gguf_convert import GGUFFixups, conversion_is_current, convert_gguf
+from jobrunner.redaction import redact_text
 
 # The patterns fetched from the Hub and from storage URLs; `*.bin` joins them only with allow_pickle.
 MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -36,7 +37,11 @@ _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
 class ModelSourceError(ValueError):
-    """A model source that cannot be resolved; the message names the source and the problem."""
+    """A model source that cannot be resolved; the message names the source (credentials cut out) and the
+    problem."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(str(message)))
 
 
 @dataclass(frozen=True)

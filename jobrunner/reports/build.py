@@ -5,6 +5,7 @@ from __future__ import annotations
 import posixpath
 
 from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
+from jobrunner.redaction import redact, redact_counts
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
 from jobrunner.reports.cost import cost_figures, goodput_cost, ratio, startup_cost
@@ -27,7 +28,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
     return {
         "report_version": REPORT_VERSION,
-        "run": _run(outputs),
+        "run": redact(_run(outputs)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
         "tokens": _tokens(folded),
         "time": time,
@@ -36,7 +37,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         "cost": cost,
         "goodput": _goodput(folded, slo, cost),
         "charts": _charts(folded, time["wall_s"]),
-        "warnings": _warnings(outputs, folded, time),
+        "warnings": redact(_warnings(outputs, folded, time)),
     }
 
 
@@ -76,7 +77,7 @@ def _top_kinds(kind_to_count: dict[str, int], limit: int = 20) -> dict[str, int]
 
 
 def _rows(folded: Folded) -> dict:
-    kinds = _top_kinds(folded.error_kind_to_count)
+    kinds = _top_kinds(redact_counts(folded.error_kind_to_count))
     return {"total": folded.rows, "ok": folded.rows - folded.errors, "errors": folded.errors,
             "error_rate": ratio(folded.errors, folded.rows), "errors_by_kind": kinds,
             "finish_reasons": dict(sorted(folded.finish_reason_to_count.items()))}

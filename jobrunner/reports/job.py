@@ -6,6 +6,7 @@ import logging
 
 from jobrunner.io.layout import REPORT_FILES
 from jobrunner.io.report_reader import open_outputs, write_report_files
+from jobrunner.redaction import redact_text
 from jobrunner.reports.build import build_report
 from jobrunner.reports.fold import Slo
 
@@ -34,7 +35,8 @@ def write_job_report(output_url: str, storage_options: dict | None = None,
         paths = write_report_files(output_url, {json_key: render_json([report]), html_key: render_html([report])},
                                    storage_options)
     except Exception as exc:  # noqa: BLE001 - a report must never fail the job
-        logger.warning("jobrunner report for %s not written: %s", output_url, exc)
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        message = redact_text(f"{type(exc).__name__}: {exc}")
+        logger.warning("%s", redact_text(f"jobrunner report for {output_url} not written: {message}"))
+        return {"error": message}
     report["files"] = paths
     return report

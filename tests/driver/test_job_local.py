@@ -205,7 +205,7 @@ def test_overwrite_refuses_foreign_prefixes_the_input_and_bucket_roots(tmp_path,
     write_prompts(tmp_path / "data" / "in.parquet", 4)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
-    cases = [(str(tmp_path / "other"), "not a jobrunner output \\(notes.txt\\)"),
+    cases = [(str(tmp_path / "other"), "holds 1 file \\(notes.txt\\) not written by jobrunner"),
              (str(tmp_path / "data"), "is or contains input.url"),
              (str(tmp_path), "is or contains input.url")]
     for url, match in cases:

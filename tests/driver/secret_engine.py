@@ -1,0 +1,41 @@
+"""An engine double whose error texts carry the credential it was built with (as a real client's errors may):
+for the secrets tests and scripts/guarantees/secrets_scan.py.
+
+`engine.factory: tests.driver.secret_engine:make_engine`, `engine.factory_options: {api_key: ...}`. A prompt
+containing ROWERR finishes as an error row whose text quotes the key in three forms (`{"api_key": "<key>-q1"}`,
+`'token': '<key>-q2'`, `"password":"<key>-q3"`); REJECT makes add_request raise with `'token': '<key>-rj'`;
+CRASH makes step() raise with `Authorization: Bearer <key>-cr` (the worker's engine fails, the row is isolated).
+"""
+
+from __future__ import annotations
+
+from tests.driver.fake_engine import FakeEngine
+
+
+class SecretEngine(FakeEngine):
+    """FakeEngine with credential-bearing error texts."""
+
+    def __init__(self, api_key: str, **kwargs) -> None:
+        super().__init__(fail_on="CRASH", **kwargs)
+        self.api_key = api_key
+
+    def add_request(self, request_id: str, prompt, params, **kwargs) -> None:
+        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        if "REJECT" in text:
+            raise ValueError(f"upstream refused the request: {{'token': '{self.api_key}-rj'}}")
+        super().add_request(request_id, prompt, params)
+        if "ROWERR" in text:
+            self._waiting[-1].error = (f'upstream error {{"api_key": "{self.api_key}-q1"}}, '
+                                       f"'token': '{self.api_key}-q2', \"password\":\"{self.api_key}-q3\"")
+
+    def step(self):
+        try:
+            return super().step()
+        except RuntimeError:
+            raise RuntimeError(f"backend down; sent Authorization: Bearer {self.api_key}-cr") from None
+
+
+def make_engine(spec, api_key: str, step_delay_s: float = 0.0) -> SecretEngine:
+    """Factory for `engine.factory: tests.driver.secret_engine:make_engine`."""
+    return SecretEngine(api_key, max_num_seqs=spec.engine.max_num_seqs,
+                        max_model_len=spec.engine.max_model_len or 512, step_delay_s=step_delay_s)

@@ -1,0 +1,95 @@
+"""jobrunner.redaction on the shapes secrets take in error texts and URLs: each case plants a secret and checks
+that it is gone and that the redaction marker took its place (so a no-op redactor fails)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobrunner.redaction import REDACTED, is_secret_key, redact, redact_counts, redact_text
+
+SECRET = "Zq8vK2mP9xL4"
+
+
+def _assert_redacted(text: str, *secrets: str) -> str:
+    out = redact_text(text)
+    for secret in secrets or (SECRET,):
+        assert secret not in out, out
+    assert REDACTED in out, out
+    return out
+
+
+@pytest.mark.parametrize("text", [
+    f'engine said {{"api_key": "{SECRET}"}}',
+    f"engine said {{'token': '{SECRET}'}}",
+    f'"password":"{SECRET}"',
+    f"{{'key': 'AKIA', 'secret': '{SECRET} with spaces'}}",
+    f'client_secret = "{SECRET}"',
+    f"X-Api-Key: '{SECRET}'",
+    f'{{\\"api_key\\": \\"{SECRET}\\"}}',  # JSON inside a JSON string
+    f"aws_session_token={SECRET}",
+    f"password:{SECRET}",
+])
+def test_quoted_and_plain_pairs(text):
+    _assert_redacted(text)
+
+
+def test_quoted_pair_keeps_the_name_and_quotes():
+    assert redact_text(f'{{"api_key": "{SECRET}", "model": "m"}}') == '{"api_key": "***", "model": "m"}'
+    assert redact_text(f"{{'token': '{SECRET}'}}") == "{'token': '***'}"
+
+
+@pytest.mark.parametrize("url,kept", [
+    (f"https://user:{SECRET}@models.example.com/llama/v1?token={SECRET}&rev=main",
+     "https://***@models.example.com/llama/v1?token=***&rev=main"),
+    ("http://127.0.0.1:9000/b/prompts.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+     f"&X-Amz-Credential=AKIA%2F20261201%2Fus-east-1%2Fs3&X-Amz-Date=20261201T000000Z&X-Amz-Expires=3600"
+     f"&X-Amz-Security-Token={SECRET}&X-Amz-Signature=0a1b2c3d4e5f60718293a4b5c6d7e8f9{SECRET}",
+     "http://127.0.0.1:9000/b/prompts.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***"
+     "&X-Amz-Date=20261201T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=***&X-Amz-Signature=***"),
+    (f"https://acc.blob.core.windows.net/c/in.parquet?sv=2022-11-02&sp=r&se=2026-12-02&sig={SECRET}%3D",
+     "https://acc.blob.core.windows.net/c/in.parquet?sv=2022-11-02&sp=r&se=2026-12-02&sig=***"),
+    (f"https://storage.googleapis.com/b/o.parquet?X-Goog-Date=20261201T000000Z&X-Goog-Signature={SECRET}",
+     "https://storage.googleapis.com/b/o.parquet?X-Goog-Date=20261201T000000Z&X-Goog-Signature=***"),
+    # a query value that looks generated is cut whatever its name
+    (f"https://cdn.example.com/f.jsonl?download=1&k9=aB3dE5gH7jK9mN1pQ3sT5vX7z{SECRET}",
+     "https://cdn.example.com/f.jsonl?download=1&k9=***"),
+    (f"https://ghp_{SECRET}abcdefghijkl@github.com/org/repo", "https://***@github.com/org/repo"),
+])
+def test_urls_keep_scheme_host_path_and_lose_credentials(url, kept):
+    assert redact_text(url) == kept
+    assert redact_text(f"cannot read {url}: 403") == f"cannot read {kept}: 403"
+
+
+def test_plain_urls_and_container_names_are_kept():
+    for text in ("abfs://container@acc.dfs.core.windows.net/out", "s3://bucket/prefix/in.parquet?versionId=3",
+                 "https://huggingface.co/org/model?revision=main"):
+        assert redact_text(text) == text
+
+
+@pytest.mark.parametrize("token", [
+    f"hf_{SECRET}abcdefghijklmnop", f"sk-proj-{SECRET}abcdefghijklm", f"ghp_{SECRET}abcdefghijklmn",
+    "AKIAIOSFODNN7EXAMPLE", f"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.{SECRET}",
+])
+def test_token_shapes_are_cut_anywhere(token):
+    _assert_redacted(f"upstream refused the request made with {token} (401)", token)
+
+
+def test_tokenizer_names_and_counts_are_not_secrets():
+    assert not any(is_secret_key(k) for k in ("eos_token", "pad_token", "stop_token_ids", "max_tokens",
+                                              "num_output_tokens", "token_ids"))
+    assert all(is_secret_key(k) for k in ("token", "auth_token", "X-Amz-Security-Token", "sig", "apiKey"))
+    text = "KeyError: 'prompt'; eos_token: '<|im_end|>'; max_tokens=5; key=3"
+    assert redact_text(text) == text
+
+
+def test_redact_counts_redacts_keys_and_merges():
+    counts = {f'engine crashed: {{"api_key": "{SECRET}"}}': 2, 'engine crashed: {"api_key": "other"}': 3,
+              "prompt too long": 1}
+    assert redact_counts(counts) == {'engine crashed: {"api_key": "***"}': 5, "prompt too long": 1}
+
+
+def test_redact_walks_structures():
+    data = {"storage_options": {"key": "AK", "secret": SECRET, "endpoint_url": "http://h"},
+            "errors": [f"password={SECRET}"], "stop_token_ids": [1, 2]}
+    assert redact(data) == {"storage_options": {"key": "***", "secret": "***", "endpoint_url": "http://h"},
+                            "errors": ["password=***"], "stop_token_ids": [1, 2]}
