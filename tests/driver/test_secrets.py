@@ -15,8 +15,9 @@ from jobrunner.cli import main
 from jobrunner.driver.engine_factory import describe_model
 from jobrunner.driver.manifest import JobBook, new_manifest
 from jobrunner.driver.result import JobResult
-from jobrunner.driver.shards import Shard
+from jobrunner.driver.shards import Shard, ShardTable
 from jobrunner.driver.worker import error_kinds
+from jobrunner.io.manifest import read_manifest_with_records
 from jobrunner.io.reader import file_stem
 from jobrunner.io.storage import Storage, retry
 from jobrunner.models.sources import ModelSourceError, resolve_model_dir
@@ -48,9 +49,10 @@ def _shard() -> Shard:
 
 
 def test_manifest_model_source_and_shard_file(tmp_path):
-    manifest = new_manifest(_spec(tmp_path), [_shard()])
+    shards = ShardTable.from_shards([_shard()])
+    manifest = new_manifest(_spec(tmp_path), shards)
     assert manifest["model"]["source"] == "https://***@models.example.com/llama?token=***&rev=main"
-    assert _clean(manifest["shards"]["00000-abc"]["file"]).startswith("https://b.s3.amazonaws.com/in/prompts")
+    assert _clean(shards.columns.entry(0)["file"]).startswith("https://b.s3.amazonaws.com/in/prompts")
     _clean(json.dumps(manifest))
 
 
@@ -67,11 +69,15 @@ def test_error_kinds_of_commit_records_manifest_and_summary(tmp_path):
     kinds = error_kinds(rows)
     assert kinds == {'upstream error {"api_key": "***"}, \'token\': \'***\', "password":"***"': 2}
     storage = Storage(str(tmp_path / "out"))
-    book = JobBook(storage, new_manifest(_spec(tmp_path), [_shard()]))
+    shards = ShardTable.from_shards([_shard()])
+    book = JobBook(storage, new_manifest(_spec(tmp_path), shards), shards, background=False)
     book.commit("00000-abc", {"rows": 3, "num_errors": 2, "part": "parts/part-00000-abc.parquet"}, kinds)
     _clean((tmp_path / "out" / "_commits" / "00000-abc.json").read_text())
     book.compact()
     _clean((tmp_path / "out" / "_manifest.json").read_text())
+    table_files = list((tmp_path / "out" / "_shards").glob("*.parquet"))  # the shard table, as bytes
+    assert table_files and all(SECRET.encode() not in f.read_bytes() for f in table_files)
+    _clean(json.dumps(read_manifest_with_records(storage)))
 
 
 def test_storage_retry_warning(caplog):
