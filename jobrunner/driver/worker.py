@@ -179,14 +179,23 @@ class ShardRunner:
 
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
-        "stalled_s": seconds since the engine last finished a step while it had work (0 when idle)}."""
+        "stalled_s": seconds since the engine last finished a step while it had work (0 when idle),
+        "engine_tokens": output tokens the engine has sampled since it loaded, finished rows or not (None
+        when the engine does not count them)} -- the driver's tokens/s counts tokens as they are produced."""
         with self._cond:
             states = {id(s): s for s, _ in self._by_request.values()}
             states.update({id(s): s for s in self._queue})
             busy = bool(states)
             return {"shards": {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
                                for s in states.values()},
-                    "stalled_s": time.monotonic() - self._last_step if busy else 0.0}
+                    "stalled_s": time.monotonic() - self._last_step if busy else 0.0,
+                    "engine_tokens": self._engine_tokens()}
+
+    def _engine_tokens(self) -> int | None:
+        """The engine's running count of sampled tokens (an int read without the engine thread's help)."""
+        stats = getattr(self.engine, "stats", None)
+        value = getattr(stats(), "num_sampled_tokens", None) if callable(stats) else None
+        return value if isinstance(value, int) else None
 
     def stats(self) -> dict[str, Any]:
         """Engine stats (engine.stats().to_dict()) plus alive_s, node and device."""
