@@ -37,7 +37,7 @@ class Progress:
         self.total, self.base_rows, self.enabled = total_rows, done_rows, enabled
         self.interval_s = interval_s
         self.start = time.monotonic()
-        self.rows, self.tokens, self.last_line = done_rows, 0, 0.0
+        self.rows, self.tokens, self.last_line = done_rows, 0, float("-inf")
         self.first_token_at: float | None = None
         self.samples: deque[tuple[float, int]] = deque()  # (time, tokens) over the last RATE_WINDOW_S
         self.is_tty = bool(getattr(self.file, "isatty", lambda: False)())
@@ -124,10 +124,10 @@ class Progress:
                 f"ETA {'?' if eta is None else _duration(eta)}")
 
     def final_line(self) -> str:
-        """The last line: where the run ended, with the average rate."""
+        """The last line: where the run ended ('done' when every row is, else 'ended'), with the average rate."""
         elapsed = time.monotonic() - self.start
         pct = 100.0 * self.rows / self.total if self.total else 100.0
-        return (f"{PREFIX} done: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
+        return (f"{PREFIX} {'done' if self.rows >= self.total else 'ended'}: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
                 f"run, {self.average_tokens_per_s():.1f} out tok/s since the first token | "
                 f"elapsed {_duration(elapsed)}")
 

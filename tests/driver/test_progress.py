@@ -39,7 +39,7 @@ def test_rows_and_tokens_never_go_back():
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("[jobrunner] rows 34/64 (53%) | 500 out tokens")
     assert lines[1].startswith("[jobrunner] rows 34/64 (53%) | 500 out tokens")
-    assert lines[2].startswith("[jobrunner] done: rows 34/64 (53%) | 500 out tokens")
+    assert lines[2].startswith("[jobrunner] ended: rows 34/64 (53%) | 500 out tokens")
 
 
 def test_lines_at_the_interval_and_the_final_line_once():
