@@ -127,7 +127,8 @@ class Progress:
         """The last line: where the run ended ('done' when every row is, else 'ended'), with the average rate."""
         elapsed = time.monotonic() - self.start
         pct = 100.0 * self.rows / self.total if self.total else 100.0
-        return (f"{PREFIX} {'done' if self.rows >= self.total else 'ended'}: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
+        state = "done" if self.rows >= self.total else "ended"
+        return (f"{PREFIX} {state}: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
                 f"run, {self.average_tokens_per_s():.1f} out tok/s since the first token | "
                 f"elapsed {_duration(elapsed)}")
 

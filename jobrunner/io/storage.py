@@ -74,19 +74,19 @@ def is_credential_error(exc: BaseException) -> bool:
 
 
 def credential_help(what: str) -> str:
-    """Which settings or environment variables would give credentials for the store `what` names."""
-    where = "the spec's storage_options (input.storage_options / output.storage_options)"
+    """Which settings or environment variables would give credentials for the store `what` names (worded so
+    that the message's redaction leaves it readable: no `name: value` pairs)."""
+    where = "the spec's storage_options (input.storage_options / output.storage_options) as ${env:NAME} references"
     if "gs://" in what or "gcs://" in what:
-        return (f"  GCS credentials: set GOOGLE_APPLICATION_CREDENTIALS (a service-account JSON file) where the "
-                f"job runs, or token in {where}, e.g. token: ${{env:GCS_TOKEN_FILE}}; token: anon for a public "
-                "bucket")
+        return ("  GCS needs credentials. Set GOOGLE_APPLICATION_CREDENTIALS (a service-account JSON file) where "
+                f"the job runs, or the option token in {where}; the token 'anon' reads a public bucket")
     if "az://" in what or "abfs://" in what or "abfss://" in what:
-        return (f"  Azure credentials: set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and "
-                f"AZURE_STORAGE_ACCOUNT_KEY), or account_name / account_key in {where}")
-    return ("  S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with "
-            "~/.aws/credentials) where the driver and workers run, or key / secret in "
-            f"{where}, e.g. key: ${{env:AWS_ACCESS_KEY_ID}}; for MinIO, R2 and other S3-compatible stores also "
-            "endpoint_url (storage_options: {endpoint_url: http://host:9000}); anon: true for a public bucket")
+        return ("  Azure needs credentials. Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME "
+                f"and AZURE_STORAGE_ACCOUNT_KEY) where the job runs, or account_name and account_key in {where}")
+    return ("  S3 needs credentials. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with "
+            "~/.aws/credentials) where the driver and workers run, or the options key and secret in "
+            f"{where}; for MinIO, R2 and other S3-compatible stores also endpoint_url; anon=true reads a "
+            "public bucket")
 
 
 def _named(exc: Exception, what: str) -> Exception:
