@@ -66,6 +66,8 @@ def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bo
     before = dict(engine.stats().to_dict())
     reset_peak_memory(engine.device)
     sync(engine.device)
+    if progress is not None and hasattr(progress, "begin"):
+        progress.begin()
     start = time.perf_counter()
     for i, ids in enumerate(token_ids):
         engine.add_request(f"bench-{i}", list(ids), params)

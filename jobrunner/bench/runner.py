@@ -79,6 +79,10 @@ class BenchProgress:
         self.name, self.total, self.log = name, total, log
         self.start = self.last = time.perf_counter()
 
+    def begin(self) -> None:
+        """The timed run starts now (after the warm-up): rates count from here."""
+        self.start = self.last = time.perf_counter()
+
     def __call__(self, finished: int, tokens: int, done: bool = False) -> None:
         now = time.perf_counter()
         if not done and now - self.last < self.PROGRESS_INTERVAL_S:
