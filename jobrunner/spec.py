@@ -35,7 +35,7 @@ class ModelSpec(_Spec):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight / activation dtype; auto = bfloat16 on GPU; on CPU bfloat16 where it "
-        "computes bf16 fast (avx512_bf16 / AMX, confirmed by a short calibration), else float32."
+        "has bf16 GEMM hardware (AMX / avx512_bf16), else float32 -- from the CPU capability, never a timing."
     )
     quantization: Literal["none", "int8", "int4", "fp8"] = Field(
         default="none", description="Quantization applied when loading: int8 / int4 weight-only; fp8 = e4m3 "
@@ -70,6 +70,11 @@ class InputSpec(_Spec):
     )
     rows_per_shard: int = Field(
         default=1000, ge=1, description="About this many rows per shard (and per output part file)."
+    )
+    limit: int | None = Field(
+        default=None, ge=1,
+        description="Use only the first N rows (files in sorted order, rows in file order): a smoke run. "
+        "Recorded in the manifest's spec, so a later run without it is a different run.",
     )
 
     chat_template_kwargs: dict[str, Any] = Field(
@@ -381,14 +386,15 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def spec_from_dict(data: Any, source: str = "<spec>") -> JobSpec:
-    """Validate a plain dict; SpecError names the source and every bad field."""
+def spec_from_dict(data: Any, source: str = "<spec>", overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Validate a plain dict; SpecError names the source (the file, or the `--set` that set a bad field) and
+    every bad field, with a "did you mean" for misspelt keys."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a job spec must be a YAML mapping, got {type(data).__name__}")
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(redact_text(f"{source}: invalid job spec:\n{_format_errors(exc)}")) from None
+        raise SpecError(redact_text(describe_spec_errors(exc, source, overrides))) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), resolve_env: bool = True) -> JobSpec:
@@ -400,7 +406,7 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), res
     data, source = load_spec_data(path, overrides)
     if resolve_env:
         data = resolve_env_refs(data, source)
-    return spec_from_dict(data, source)
+    return spec_from_dict(data, source, overrides)
 
 
 def load_spec_data(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, str]:
@@ -429,10 +435,5 @@ def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -
     return data
 
 
-def _format_errors(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown field (not allowed)" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  {where}: {msg}")
-    return "\n".join(lines)
+# Error messages (did you mean, which --set) live in spec_errors.py; importable from here.
+from jobrunner.spec_errors import describe_spec_errors  # noqa: E402

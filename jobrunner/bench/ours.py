@@ -57,21 +57,30 @@ def warm_up(engine) -> None:
     engine.generate(prompts, params)
 
 
-def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bool, name: str) -> RunResult:
-    """Time from the first ``add_request`` to the last output; engine stats are the run's own (deltas)."""
+def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bool, name: str,
+             progress=None) -> RunResult:
+    """Time from the first ``add_request`` to the last output; engine stats are the run's own (deltas).
+    ``progress(finished, tokens_sampled, done=False)`` is called after every step when given."""
     warm_up(engine)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     before = dict(engine.stats().to_dict())
     reset_peak_memory(engine.device)
     sync(engine.device)
+    if progress is not None and hasattr(progress, "begin"):
+        progress.begin()
     start = time.perf_counter()
     for i, ids in enumerate(token_ids):
         engine.add_request(f"bench-{i}", list(ids), params)
     outputs = []
+    sampled0 = getattr(engine.stats(), "num_sampled_tokens", 0)
     while engine.has_unfinished_requests():
         outputs += engine.step()
+        if progress is not None:
+            progress(len(outputs), getattr(engine.stats(), "num_sampled_tokens", 0) - sampled0)
     sync(engine.device)
     seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(len(outputs), sum(len(o.output_token_ids) for o in outputs), done=True)
     return RunResult(
         name=name, seconds=seconds, num_requests=len(outputs),
         num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),

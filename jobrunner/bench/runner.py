@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ class BenchOptions:
     ignore_eos: bool = False
     prefix_caching: bool = True
     compare_prefix_caching: bool = False
-    baseline: str = "hf"                  # "hf" or "none"
+    baseline: str = "none"                # "hf" or "none"
     baseline_batch_size: int | None = None  # None: pick from a pilot
     raw_prompts: bool = False
 
@@ -40,30 +41,56 @@ def run_bench(options: BenchOptions, rows: list[PromptRow], log=print) -> dict[s
     """Run every leg on the same token ids; return the result dict that ``report`` renders."""
     runs: dict[str, RunResult] = {}
     first = options.prefix_caching or options.compare_prefix_caching
-    log(f"ours: prefix caching {'on' if first else 'off'}")
-    prep, runs["ours"] = _ours_leg(options, first, rows, None, "ours")
+    prep, runs["ours"] = _ours_leg(options, first, rows, None, "ours", log)
     if options.compare_prefix_caching:
-        log("ours: prefix caching off")
-        _, runs["ours_no_prefix_caching"] = _ours_leg(options, False, rows, prep, "ours_no_prefix_caching")
+        _, runs["ours_no_prefix_caching"] = _ours_leg(options, False, rows, prep, "ours_no_prefix_caching", log)
     if options.baseline == "hf":
         runs["baseline"] = _run_hf(options, prep, log)
     return _assemble(options, prep, runs)
 
 
 def _ours_leg(options: BenchOptions, prefix_caching: bool, rows: list[PromptRow], prep: _Prepared | None,
-              name: str) -> tuple[_Prepared, RunResult]:
+              name: str, log=print) -> tuple[_Prepared, RunResult]:
     """Build an engine, tokenize with it if ``prep`` is None, run, and free it before the next leg loads."""
+    log(f"{name}: loading model {options.engine.model} (prefix caching {'on' if prefix_caching else 'off'})")
     engine = build_engine(options.engine, prefix_caching)
     try:
         prep = prep or _prepare(engine, rows, options)
         if not prep.token_ids:
             raise ValueError(f"no prompt fits the context ({engine.max_model_len} tokens) with "
                              f"--max-tokens {options.max_tokens}")
-        result = run_ours(engine, prep.token_ids, options.max_tokens, options.ignore_eos, name)
+        log(f"{name}: {engine.model_info.get('dtype_reason') or engine.model_info.get('dtype')}; warming up, "
+            f"then {len(prep.token_ids)} prompts x up to {options.max_tokens} tokens")
+        result = run_ours(engine, prep.token_ids, options.max_tokens, options.ignore_eos, name,
+                          progress=BenchProgress(name, len(prep.token_ids), log))
     finally:
         release(engine)
         del engine
     return prep, result
+
+
+class BenchProgress:
+    """Lines while a bench leg runs: requests finished, tokens produced, tokens/s, every PROGRESS_INTERVAL_S
+    and at the end (what `run_ours` calls after each engine step; a clock read per step costs nothing)."""
+
+    PROGRESS_INTERVAL_S = 5.0
+
+    def __init__(self, name: str, total: int, log=print) -> None:
+        self.name, self.total, self.log = name, total, log
+        self.start = self.last = time.perf_counter()
+
+    def begin(self) -> None:
+        """The timed run starts now (after the warm-up): rates count from here."""
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, finished: int, tokens: int, done: bool = False) -> None:
+        now = time.perf_counter()
+        if not done and now - self.last < self.PROGRESS_INTERVAL_S:
+            return
+        self.last = now
+        rate = tokens / max(now - self.start, 1e-9)
+        self.log(f"{self.name}: {finished}/{self.total} prompts done, {tokens} output tokens, {rate:.1f} out "
+                 f"tok/s, {now - self.start:.0f}s" + (" (finished)" if done else ""))
 
 
 def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:

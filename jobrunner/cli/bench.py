@@ -1,4 +1,5 @@
-"""`jobrunner bench`: our engine vs transformers' generate on the same prompts, in one process."""
+"""`jobrunner bench`: our engine's throughput on a prompt file (with --baseline hf: vs transformers' generate on
+the same prompts, in one process); --calibrate-dtype: the dtype check of a machine."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @click.command()
-@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False),
-              help="A .jsonl or .parquet file with a 'prompt' (text) or 'messages' (chat) column.")
+@click.option("--prompts", "prompts_path", default=None, type=click.Path(dir_okay=False),
+              help="A .jsonl or .parquet file with a 'prompt' (text) or 'messages' (chat) column (required "
+                   "unless --calibrate-dtype).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=128, show_default=True,
               help="Use the first N rows.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
@@ -20,7 +22,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--no-prefix-caching", is_flag=True, help="Run our engine with prefix caching off.")
 @click.option("--compare-prefix-caching", is_flag=True,
               help="Run our engine twice, prefix caching on and off, and report what caching saved.")
-@click.option("--baseline", type=click.Choice(["hf", "none"]), default="hf", show_default=True)
+@click.option("--baseline", type=click.Choice(["hf", "none"]), default="none", show_default=True,
+              help="hf: also run transformers' generate on the same token ids and report the ratio (minutes "
+                   "on CPU); none: our engine only.")
 @click.option("--baseline-batch-size", type=click.IntRange(min=1), default=None,
               help="Static batch size of the HF baseline (default: the best of 8/16/32 on a short pilot).")
 @click.option("--raw-prompts", is_flag=True, help="Send 'prompt' text as is instead of as a single-turn chat.")
@@ -42,12 +46,16 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--batch-sizes", default="1,8,64", show_default=True,
               help="Batch sizes for --compare-quantization throughput.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on the last line.")
-def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
+@click.option("--calibrate-dtype", is_flag=True,
+              help="Only time a GEMM in float32 and bfloat16 on this CPU and say what `dtype: auto` chooses "
+                   "(from the CPU capability, never from this timing) and whether the timing agrees.")
+def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, quant_schemes: str | None, quality_texts: str | None,
-          batch_sizes: str, as_json: bool) -> None:
-    """Throughput of our engine vs transformers' generate (static left-padded batches) on the same token ids.
+          batch_sizes: str, as_json: bool, calibrate_dtype: bool) -> None:
+    """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
+    left-padded batches) on the same token ids.
 
     With --compare-quantization: quantization schemes side by side instead (see jobrunner.bench.quality).
     """
@@ -56,6 +64,11 @@ def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool
     from jobrunner.bench.report import render_text
     from jobrunner.io.prompt_file import PromptFileError, read_prompts
 
+    if calibrate_dtype:
+        _calibrate_dtype(as_json)
+        return
+    if prompts_path is None:
+        raise click.UsageError("--prompts is required (unless --calibrate-dtype)")
     if no_prefix_caching and compare_prefix_caching:
         raise click.UsageError("--compare-prefix-caching runs both; drop --no-prefix-caching")
     try:
@@ -78,6 +91,21 @@ def bench(prompts_path: str, num_prompts: int, max_tokens: int, ignore_eos: bool
     click.echo(render_text(result), nl=False)
     if as_json:
         click.echo(json.dumps(result, default=str))
+
+
+def _calibrate_dtype(as_json: bool) -> None:
+    from jobrunner.quant.dispatch import CALIBRATION_SHAPE, calibrate_dtype
+
+    result = calibrate_dtype()
+    cal = result["calibration"]
+    m, k, n = CALIBRATION_SHAPE
+    click.echo(f"GEMM {m}x{k}x{n}, best of 20: float32 {cal['float32_gflops']} GFLOP/s, bfloat16 "
+               f"{cal['bfloat16_gflops']} GFLOP/s -> the timing suggests {result['measured_choice']}")
+    click.echo(f"dtype auto -> {result['auto']} ({result['reason']}{', forced' if result['forced'] else ''})"
+               + ("" if result["agrees"] else "; the timing disagrees: check with `jobrunner bench --dtype "
+                  "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
+    if as_json:
+        click.echo(json.dumps(result))
 
 
 def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,

@@ -19,19 +19,48 @@ def _error(exc: BaseException | str) -> click.ClickException:
     return click.ClickException(redact_text(str(exc)))
 
 
-def _load(path: str, overrides: tuple[str, ...]):
+_limit_option = click.option("--limit", type=click.IntRange(min=1), default=None, metavar="N",
+                             help="Only the first N input rows (a smoke run; same as --set input.limit=N).")
+
+
+def _load(path: str, overrides: tuple[str, ...], limit: int | None = None):
+    if limit is not None:
+        overrides = (*overrides, f"input.limit={limit}")
     try:
         return load_spec(path, overrides)
     except SpecError as exc:
         raise _error(exc) from None
 
 
+def _check_model(spec) -> str:
+    """What the model source is (alias, local dir, URL, Hub id), checked without loading weights; a typo fails
+    here, before any worker starts. A custom engine.factory may take any source: not checked then."""
+    if spec.engine.factory:
+        return f"{spec.model.source!r} (not checked: engine.factory {spec.engine.factory} builds the engine)"
+    from jobrunner.models.sources import ModelSourceError, check_model_source
+
+    try:
+        return check_model_source(spec.model.source)
+    except ModelSourceError as exc:
+        raise _error(f"model.source: {exc}") from None
+
+
+def _user_error(spec, exc: Exception) -> click.ClickException:
+    """A ClickException for an input / output / storage problem, saying what a relative local path is relative
+    to (the current directory, not the spec file's)."""
+    from jobrunner.cli.paths import relative_path_note
+
+    return _error(str(exc) + relative_path_note(spec, str(exc)))
+
+
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
+@_limit_option
 @click.option("--check-ids", is_flag=True, help="Also read the id column and fail on duplicate ids.")
-def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None:
-    """Check JOB_FILE, its input (files, rows, shards, columns) and output, without starting any worker."""
+def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check_ids: bool) -> None:
+    """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns) and
+    output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
     from jobrunner.driver.rows import id_column
@@ -39,7 +68,8 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
     from jobrunner.io.storage import StorageError
     from jobrunner.io.text_input import duplicate_input_ids
 
-    spec = _load(job_file, overrides)
+    spec = _load(job_file, overrides, limit)
+    model = _check_model(spec)
     started = time.perf_counter()
     try:
         plan = plan_job(spec)
@@ -49,13 +79,15 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
         dups = duplicate_input_ids(plan.files, spec.input.storage_options, spec.input.format, column) \
             if check_ids and column else []
     except (InputError, OutputError, ResumeError, StorageError) as exc:
-        raise _error(exc) from None
+        raise _user_error(spec, exc) from None
     if dups:
         raise click.ClickException(f"input.id_column {column!r} has duplicate ids: "
                                    f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
+    click.echo(f"model {model}")
     num_bytes = sum(f.num_bytes for f in plan.files)
-    click.echo(f"input {redact_text(spec.input.url)}: {len(plan.files)} file(s), {plan.num_rows} rows, "
+    limited = f" (the first {spec.input.limit}: input.limit)" if spec.input.limit is not None else ""
+    click.echo(f"input {redact_text(spec.input.url)}: {len(plan.files)} file(s), {plan.num_rows} rows{limited}, "
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
                f"planned in {plan_s:.2f}s)")
     for f in plan.files:
@@ -69,10 +101,11 @@ def validate(job_file: str, overrides: tuple[str, ...], check_ids: bool) -> None
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
+@_limit_option
 @click.option("--address", default=None, help="Ray address to join; default: the spec's, else a local Ray.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress bar / lines.")
 @click.option("--no-report", is_flag=True, help="Do not write _report/report.json and .html at the end.")
-def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progress: bool,
+def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: str | None, no_progress: bool,
         no_report: bool) -> None:
     """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
     from jobrunner.driver.job import run_job
@@ -82,14 +115,16 @@ def run(job_file: str, overrides: tuple[str, ...], address: str | None, no_progr
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
-    spec = _load(job_file, overrides)
+    spec = _load(job_file, overrides, limit)
+    _check_model(spec)
     try:
         result = run_job(spec, address=address, show_progress=not no_progress)
     except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:
-        raise _error(exc) from None
+        raise _user_error(spec, exc) from None
     if not no_report:
         _write_report(spec)
-    click.echo(redact_text(result.summary()))  # Ray job logs are readable by whoever can list jobs
+    # Ray job logs are readable by whoever can list jobs; the failure itself is printed once, by the exception
+    click.echo(redact_text(result.summary(failures=result.ok)))
     if not result.ok:
         raise _error(result.failure_message())
 

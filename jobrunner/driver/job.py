@@ -28,6 +28,7 @@ from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.progress import Progress
+from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.shards import ShardTable
@@ -57,6 +58,7 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
+        loop.progress.stage(describe_ray_start(spec, address))
         with ray_session(spec, address):
             return loop.run()
     finally:
@@ -92,17 +94,21 @@ class _JobLoop:
         self.book.compact(drop_all_records=True)  # the run's starting manifest holds every record
         try:
             if len(self.queue):
-                self.pool.start(min(self.spec.cluster.num_workers, len(self.queue)))
+                count = min(self.spec.cluster.num_workers, len(self.queue))
+                self.progress.stage(describe_placing(self.spec, count))
+                self.pool.start(count)
                 self._loop()
         except BaseException:
             # LeaseLost (or any abort): queued publishes never start; one in flight meets the fence
             self.publisher.shutdown(wait=True, cancel_futures=True)
+            self.progress.close()
             raise
         finally:
             self.publisher.shutdown(wait=True)
             self._stop_workers()
-            self.progress.close()
         self._collect_published()
+        rows, tokens = self._progress_counts()
+        self.progress.close(rows, tokens)
         return self._finish()
 
     def _loop(self) -> None:
@@ -150,8 +156,10 @@ class _JobLoop:
             return
         if ref == worker.ping_ref:
             self.pool.on_placed(worker)
+            self.progress.stage(f"worker {worker.worker_id} placed; loading model {self.spec.model.source}")
             return
         self.pool.on_ready(worker)
+        self.progress.stage(describe_ready(worker.worker_id, info))
         self.manifest["model"].update(info["model"])
         self.book.record_worker(worker.worker_id, info["stats"])
 
@@ -341,8 +349,16 @@ class _JobLoop:
         if time.monotonic() < self.next_show:
             return
         self.next_show = time.monotonic() + 0.2
-        rows, tokens = self.pool.live_rows_tokens()
-        self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
+        self.progress.update(*self._progress_counts())
+
+    def _progress_counts(self) -> tuple[int, int]:
+        """Rows done (committed, being published, finished pieces, finished inside running shards) and output
+        tokens of this run (the larger of what finished rows hold and what the engines report produced)."""
+        live_rows, live_tokens = self.pool.live_rows_tokens()
+        publishing = sum(int(record["rows"]) for _, record in self.publishing.values())
+        pieces = sum(r.rows for work in self.work.values() for r in work.results)
+        rows = self.book.committed_rows + publishing + pieces + live_rows
+        return rows, max(self.run_tokens + live_tokens, self.pool.tokens_produced())
 
     def _finish(self) -> JobResult:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
 def plan_job(spec: JobSpec) -> JobPlan:
     """List the input, check its columns and cut shards; InputError names the URL, file or column."""
     files = list_input(spec.input.url, spec.input.storage_options, spec.input.format)
+    if spec.input.limit is not None:
+        files = first_rows(files, spec.input.limit)
     keep = spec.output.keep_columns
     check_columns(files, required_columns(spec), [] if keep == "*" else keep)
     check_kept_columns(spec, files)
@@ -54,6 +57,30 @@ def plan_job(spec: JobSpec) -> JobPlan:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
                          f"({len(files)} file(s), all empty)")
     return plan
+
+
+def first_rows(files: list[InputFile], limit: int) -> list[InputFile]:
+    """The files cut to their first `limit` rows in all (files in listing order, which is sorted; rows in file
+    order): the same rows every time. Files past the limit are left out; the last kept one is cut inside its
+    row groups."""
+    out: list[InputFile] = []
+    left = limit
+    for f in files:
+        if left <= 0:
+            break
+        if f.num_rows <= left:
+            out.append(f)
+            left -= f.num_rows
+            continue
+        groups, need = [], left
+        for n in f.row_group_num_rows:
+            groups.append(min(n, need))
+            need -= groups[-1]
+            if need == 0:
+                break
+        out.append(dataclasses.replace(f, num_rows=left, row_group_num_rows=tuple(groups)))
+        left = 0
+    return out
 
 
 def check_kept_columns(spec: JobSpec, files: list[InputFile]) -> None:

@@ -45,6 +45,7 @@ class Worker:
     stalled_s: float = 0.0  # how long its current engine call has not returned (from the last poll)
     stall: str = ""  # what it was doing then, naming its shards
     live: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (shard, row_start) -> rows, tokens
+    engine_tokens: int = 0  # output tokens its engine sampled so far (last poll)
 
 
 class WorkerPool:
@@ -59,6 +60,7 @@ class WorkerPool:
         self.ever_ready = False
         self.last_error = ""
         self.next_poll = 0.0
+        self.removed_tokens = 0  # tokens sampled by workers of this run that are gone
 
     # ---- size ---------------------------------------------------------------------------------------
     def start(self, count: int) -> None:
@@ -88,6 +90,7 @@ class WorkerPool:
         self.last_error = f"worker {worker.worker_id}: {error}"
         if worker in self.workers:
             self.workers.remove(worker)
+            self.removed_tokens += worker.engine_tokens
         try:
             ray.kill(worker.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -160,6 +163,7 @@ class WorkerPool:
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
         worker.stall = str(reply.get("stall") or "")
         worker.live = dict(reply.get("shards") or {})
+        worker.engine_tokens = max(worker.engine_tokens, int(reply.get("engine_tokens") or 0))
 
     def stalled(self) -> list[tuple[Worker, str, bool]]:
         """Busy workers past the progress deadline, with why and whether the engine itself reported the
@@ -179,12 +183,24 @@ class WorkerPool:
         return out
 
     def live_rows_tokens(self) -> tuple[int, int]:
-        """Rows and output tokens finished inside running shards (from the last polls)."""
+        """Rows and output tokens finished inside shards still running (from the last polls; a poll answered
+        before a shard returned no longer counts it, so a returned shard is never counted twice)."""
         rows = tokens = 0
         for w in self.workers:
-            for r, t in w.live.values():
-                rows, tokens = rows + r, tokens + t
+            running = {(t.shard_id, t.row_start) for t in w.tasks.values()}
+            for key, (r, t) in w.live.items():
+                if tuple(key) in running:
+                    rows, tokens = rows + r, tokens + t
         return rows, tokens
+
+    def tokens_produced(self) -> int:
+        """Output tokens the engines of this run sampled so far, as they were produced (0 with engines that do
+        not count them)."""
+        return self.removed_tokens + sum(w.engine_tokens for w in self.workers)
+
+    def startup_counts(self) -> tuple[int, int, int]:
+        """(workers, placed, ready) now."""
+        return (len(self.workers), sum(w.is_placed for w in self.workers), sum(w.is_ready for w in self.workers))
 
 
 def _cluster_resources() -> str:

@@ -1,16 +1,35 @@
-"""One driver-side progress display: a tqdm bar on a terminal, periodic plain lines in logs."""
+"""One driver-side progress display: a tqdm bar on a terminal, plain lines in logs (Ray job logs, files).
+
+What a person sees, in order: start-up stages as their own lines (starting Ray, placing workers with the
+resources asked, loading the model, warming up), then rows done / total, output tokens/s and an ETA, and a
+final line when the run ends. Counts only go up: `update` takes absolute counts from several sources (shards
+committed, rows finished inside running shards, tokens the engines report as they produce them), and a late
+or stale report must never move the display backwards. Tokens/s is the rate over the last RATE_WINDOW_S
+seconds, so start-up does not dilute it; the final line gives the average since the first token.
+
+On a terminal, anything else written to stdout / stderr while the bar is shown (Ray's warnings, worker log
+lines, Python logging) is written on its own lines above the bar, never glued to it.
+"""
 
 from __future__ import annotations
 
+import io
+import logging
 import sys
 import time
-from typing import TextIO
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
+PREFIX = "[jobrunner]"
+RATE_WINDOW_S = 30.0
+
 
 class Progress:
-    """Rows done / total, output tokens/s and ETA; `update` takes absolute counts."""
+    """Rows done / total, output tokens/s and ETA; `update` takes absolute counts and never goes back."""
 
     def __init__(self, total_rows: int, done_rows: int = 0, file: TextIO | None = None,
                  interval_s: float = 10.0, enabled: bool = True) -> None:
@@ -18,38 +37,198 @@ class Progress:
         self.total, self.base_rows, self.enabled = total_rows, done_rows, enabled
         self.interval_s = interval_s
         self.start = time.monotonic()
-        self.rows, self.tokens, self.last_line = done_rows, 0, 0.0
-        is_tty = hasattr(self.file, "isatty") and self.file.isatty()
-        self.bar = tqdm(total=total_rows, initial=done_rows, unit="row", file=self.file, dynamic_ncols=True,
-                        disable=not enabled) if is_tty else None
+        self.rows, self.tokens, self.last_line = done_rows, 0, float("-inf")
+        self.first_token_at: float | None = None
+        self.samples: deque[tuple[float, int]] = deque()  # (time, tokens) over the last RATE_WINDOW_S
+        self.is_tty = bool(getattr(self.file, "isatty", lambda: False)())
+        self.bar: tqdm | None = None
+        self._redirect: Any = None
+        self.closed = False
+
+    # ---- what the driver calls --------------------------------------------------------------------------
+    def stage(self, text: str) -> None:
+        """A start-up stage (or any event worth a line): printed at once, on its own line."""
+        if self.enabled and not self.closed:
+            self._write_line(f"{PREFIX} {text}")
 
     def update(self, rows: int, output_tokens: int) -> None:
-        """Set the rows done (all runs) and output tokens generated in this run."""
-        self.rows, self.tokens = min(rows, self.total), output_tokens
-        if self.bar is not None:
-            self.bar.n = self.rows  # absolute: rows of a dead worker's shard may go back to the queue
-            self.bar.set_postfix_str(f"{self.tokens_per_s():.1f} out tok/s", refresh=False)
-            self.bar.refresh()
-        elif self.enabled and time.monotonic() - self.last_line >= self.interval_s:
+        """Set the rows done (all runs) and output tokens produced in this run; both only ever go up."""
+        if self.closed:
+            return
+        self._take(rows, output_tokens)
+        if not self.enabled:
+            return
+        if self.is_tty:
+            self._draw_bar()
+        elif time.monotonic() - self.last_line >= self.interval_s:
             self.last_line = time.monotonic()
             print(self.line(), file=self.file, flush=True)
 
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(time.monotonic() - self.start, 1e-6)
+    def close(self, rows: int | None = None, output_tokens: int | None = None) -> None:
+        """Take the final counts, finish the bar and print the final line (once)."""
+        if self.closed:
+            return
+        if rows is not None:
+            self._take(rows, self.tokens if output_tokens is None else output_tokens)
+        if self.bar is not None:
+            self._draw_bar()
+            self.bar.close()
+            self._stop_redirect()
+        self.closed = True
+        if self.enabled:
+            print(self.final_line(), file=self.file, flush=True)
 
+    # ---- numbers ----------------------------------------------------------------------------------------
+    def _take(self, rows: int, output_tokens: int) -> None:
+        now = time.monotonic()
+        self.rows = max(self.rows, rows)
+        self.total = max(self.total, self.rows)  # per-row n overrides can make the total an underestimate
+        self.tokens = max(self.tokens, output_tokens)
+        if self.tokens and self.first_token_at is None:
+            self.first_token_at = now
+        self.samples.append((now, self.tokens))
+        while len(self.samples) > 2 and now - self.samples[0][0] > RATE_WINDOW_S:
+            self.samples.popleft()
+
+    def tokens_per_s(self) -> float:
+        """Output tokens/s over the last RATE_WINDOW_S seconds (0 before two reports)."""
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def average_tokens_per_s(self) -> float:
+        """Output tokens/s since the first token was seen."""
+        if self.first_token_at is None:
+            return 0.0
+        return self.tokens / max(time.monotonic() - self.first_token_at, 1e-6)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the row rate since the first token (None before any row of this run)."""
+        left = self.total - self.rows
+        done_now = self.rows - self.base_rows
+        if left <= 0:
+            return 0.0
+        if done_now <= 0 or self.first_token_at is None:
+            return None
+        return left * (time.monotonic() - self.first_token_at) / done_now
+
+    # ---- text -------------------------------------------------------------------------------------------
     def line(self) -> str:
         """A plain progress line for logs."""
         elapsed = time.monotonic() - self.start
-        done_now = self.rows - self.base_rows
-        left = self.total - self.rows
-        eta = "0s" if left <= 0 else f"{left * elapsed / done_now:.0f}s" if done_now > 0 else "?"
+        eta = self.eta_s()
         pct = 100.0 * self.rows / self.total if self.total else 100.0
-        return (f"[jobrunner] rows {self.rows}/{self.total} ({pct:.0f}%) | "
-                f"{self.tokens_per_s():.1f} out tok/s | elapsed {elapsed:.0f}s | ETA {eta}")
+        return (f"{PREFIX} rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens, "
+                f"{self.tokens_per_s():.1f} out tok/s | elapsed {_duration(elapsed)} | "
+                f"ETA {'?' if eta is None else _duration(eta)}")
 
-    def close(self) -> None:
-        """Finish the bar (or print a last line)."""
+    def final_line(self) -> str:
+        """The last line: where the run ended ('done' when every row is, else 'ended'), with the average rate."""
+        elapsed = time.monotonic() - self.start
+        pct = 100.0 * self.rows / self.total if self.total else 100.0
+        state = "done" if self.rows >= self.total else "ended"
+        return (f"{PREFIX} {state}: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
+                f"run, {self.average_tokens_per_s():.1f} out tok/s since the first token | "
+                f"elapsed {_duration(elapsed)}")
+
+    # ---- terminal -----------------------------------------------------------------------------------------
+    def _draw_bar(self) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=self.rows, unit="row", file=self.file, dynamic_ncols=True,
+                            desc=PREFIX, mininterval=0.2)
+            self._start_redirect()
+        self.bar.total = self.total
+        self.bar.n = self.rows
+        eta = self.eta_s()
+        self.bar.set_postfix_str(f"{self.tokens_per_s():.1f} out tok/s, ETA "
+                                 f"{'?' if eta is None else _duration(eta)}", refresh=False)
+        self.bar.refresh()
+
+    def _write_line(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            print(self.line(), file=self.file, flush=True)
+            with tqdm.external_write_mode(file=self.file):
+                print(text, file=self.file, flush=True)
+        else:
+            print(text, file=self.file, flush=True)
+
+    def _start_redirect(self) -> None:
+        self._redirect = _above_bar(self.file)
+        self._redirect.__enter__()
+
+    def _stop_redirect(self) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+
+
+class _LinesAboveBar(io.TextIOBase):
+    """A stdout / stderr stand-in: whole lines go to the real stream with the bar cleared first."""
+
+    def __init__(self, real: TextIO, bar_file: TextIO) -> None:
+        super().__init__()
+        self.real, self.bar_file, self.pending = real, bar_file, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            lines, _, self.pending = self.pending.rpartition("\n")
+            with tqdm.external_write_mode(file=self.bar_file):
+                self.real.write(lines + "\n")
+                self.real.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+    def isatty(self) -> bool:
+        return self.real.isatty()
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.real, "encoding", "utf-8")
+
+    def finish(self) -> None:
+        """Write what is left of a last unfinished line."""
+        if self.pending:
+            text, self.pending = self.pending, ""
+            with tqdm.external_write_mode(file=self.bar_file):
+                self.real.write(text + "\n")
+
+
+@contextmanager
+def _above_bar(bar_file: TextIO) -> Iterator[None]:
+    """While the bar is shown: sys.stdout / sys.stderr and logging handlers on them write above the bar."""
+    saved = sys.stdout, sys.stderr
+    proxies = {id(s): _LinesAboveBar(s, bar_file) for s in saved}
+    sys.stdout, sys.stderr = proxies[id(saved[0])], proxies[id(saved[1])]
+    handlers = [h for h in _stream_handlers() if id(h.stream) in proxies]
+    old_streams = [h.setStream(proxies[id(h.stream)]) for h in handlers]
+    try:
+        yield
+    finally:
+        for handler, stream in zip(handlers, old_streams):
+            handler.setStream(stream)
+        sys.stdout, sys.stderr = saved
+        for proxy in proxies.values():
+            proxy.finish()
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    loggers = [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(v, logging.Logger)]
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+
+
+def _duration(seconds: float) -> str:
+    """'42s', '3m05s', '1h02m'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

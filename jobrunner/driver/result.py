@@ -36,11 +36,14 @@ class JobResult:
     def ok(self) -> bool:
         return not self.failed and self.error is None and not self.over_error_budget
 
-    def summary(self) -> str:
-        """A short human summary (names failed shards, the error share and the top error kinds), redacted."""
-        return redact_text(self._summary())
+    def summary(self, failures: bool = True) -> str:
+        """A short human summary (names failed shards, the error share and the top error kinds), redacted.
 
-    def _summary(self) -> str:
+        failures=False leaves out the job error and the failed shards, for a caller that prints
+        `failure_message()` right after (each error is printed once)."""
+        return redact_text(self._summary(failures))
+
+    def _summary(self, failures: bool) -> str:
         t = self.manifest["totals"]
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
                 f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
@@ -48,6 +51,8 @@ class JobResult:
                 f"{self.output_url}")
         for kind, count in self.top_errors:
             text += f"\n  {count} rows: {kind}"
+        if not failures:
+            return text
         if self.error:
             text += f"\n  JOB ERROR: {self.error}"
         failed = sorted(self.failed.items())
@@ -66,9 +71,10 @@ class JobResult:
         if self.error:
             reasons.append(self.error)
         if self.failed:
-            shown = ", ".join(sorted(self.failed)[:MAX_LISTED_FAILURES])
-            more = len(self.failed) - MAX_LISTED_FAILURES
-            reasons.append(f"{len(self.failed)} shard(s) failed: {shown}" + (f" (+{more} more)" if more > 0 else ""))
+            failed = sorted(self.failed.items())
+            more = len(failed) - MAX_LISTED_FAILURES
+            reasons.append(f"{len(failed)} shard(s) failed" + (f" ({more} more in _manifest.json)" if more > 0 else ""))
+            reasons += [f"  shard {shard_id}: {error}" for shard_id, error in failed[:MAX_LISTED_FAILURES]]
         if self.over_error_budget:
             kinds = "; ".join(f"{k} ({n})" for k, n in self.top_errors[:3])
             reasons.append(f"{100 * self.error_rate:.1f}% of rows are errors (output.max_error_rate="

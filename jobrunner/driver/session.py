@@ -36,7 +36,19 @@ def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[None]:
         # address="local": always a new instance for this job, never a cluster some other process started on
         # this machine (a bare ray.init() would join the one recorded in /tmp/ray and refuse num_cpus)
         ray.init(address="local", num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
+    _no_color_reset_at_exit()
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _no_color_reset_at_exit() -> None:
+    """Ray's bundled colorama (``colorama.init`` in Ray's CLI logger) writes ``\x1b[0m`` to a terminal at
+    exit; nothing of ours colours the terminal, so that stray code is dropped."""
+    import atexit
+    import sys
+
+    initialise = sys.modules.get("colorama.initialise")
+    if initialise is not None and hasattr(initialise, "reset_all"):
+        atexit.unregister(initialise.reset_all)

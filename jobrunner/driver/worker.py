@@ -221,14 +221,18 @@ class ShardRunner:
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
         "stalled_s": seconds the current engine call has not returned (0 when none runs), "stall": what the
-        worker was doing then, naming its shards}. Never waits for the engine."""
+        worker was doing then, naming its shards, "engine_tokens": output tokens the engines sampled since
+        this worker loaded, finished rows or not (None when the engine does not count them)}. Never waits for
+        the engine: the driver's tokens/s counts tokens as they are produced."""
         with self._cond:
             shards = {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
                       for s in self._active.values()}
             call = self._call
             stalled_s = time.monotonic() - call[1] if call is not None else 0.0
             stall = self._engine_doing(f"engine {call[0]} has not returned for {stalled_s:.0f} s") if call else ""
-            return {"shards": shards, "stalled_s": stalled_s, "stall": stall}
+            tokens = self._stats.get("num_sampled_tokens")
+            return {"shards": shards, "stalled_s": stalled_s, "stall": stall,
+                    "engine_tokens": tokens if isinstance(tokens, int) else None}
 
     def _engine_doing(self, what: str) -> str:
         """"shard A, B: no token produced and no row finished for N s while decoding K rows (<what>)"."""

@@ -247,6 +247,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> bool:
         """Record one new token; False if the request's grammar rejected it."""
         request.output_token_ids.append(token)
+        self._stats.num_sampled_tokens += 1
         if logprob_entry is not None:
             request.logprobs.append(self._token_texts.entry(logprob_entry))
         if request.metrics.first_token_time is None:

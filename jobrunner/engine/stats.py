@@ -25,6 +25,7 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_sampled_tokens: int = 0        # every token sampled so far, its request finished or not (live progress)
     num_preemptions: int = 0
     num_errors: int = 0
     num_forked_samples: int = 0        # samples 1..n-1 of n > 1 requests, started on sample 0's prompt blocks

@@ -44,6 +44,17 @@ def fetch_model_dir(
     return build_dir_once(target, lambda tmp: download_files(fs, name_to_info, tmp))
 
 
+def check_model_url(url: str, storage_options: dict | None, patterns: list[str]) -> int:
+    """How many model files `url` lists (nothing downloaded); FileNotFoundError / ValueError as fetch_model_dir."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    name_to_info = list_model_files(fs, root, patterns)
+    if not name_to_info:
+        raise FileNotFoundError(f"model URL {url!r}: no model files found there")
+    if "config.json" not in name_to_info:
+        raise ValueError(f"model URL {url!r}: no config.json in {sorted(name_to_info)}")
+    return len(name_to_info)
+
+
 def list_model_files(fs: fsspec.AbstractFileSystem, root: str, patterns: list[str]) -> dict[str, dict]:
     """Map file name -> listing info for the top-level files under `root` that match `patterns`."""
     fs.invalidate_cache(root)  # a cached listing would hide changes made since

@@ -35,18 +35,58 @@ class StorageError(RuntimeError):
 
 
 def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 0.2) -> T:
-    """Run fn, retrying transient errors with exponential backoff; StorageError names `what`."""
+    """Run fn, retrying transient errors with exponential backoff; StorageError names `what`. Missing or
+    refused credentials fail at once (retrying cannot help) with what to set (credential_help)."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except _PERMANENT as exc:
-            raise _named(exc, what) from exc
         except Exception as exc:  # noqa: BLE001 - storage backends raise anything
+            if is_credential_error(exc):
+                raise StorageError(f"{what}: {_describe(exc)}\n{credential_help(what)}") from exc
+            if isinstance(exc, _PERMANENT):
+                raise _named(exc, what) from exc
             if attempt == attempts:
                 raise StorageError(f"{what}: failed after {attempts} attempts: {_describe(exc)}") from exc
             log.warning("%s", redact_text(f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying"))
             time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
+
+
+# Exception class names (anywhere in the cause chain) and message fragments that mean missing or refused
+# credentials: botocore / aiobotocore (S3), google.auth (GCS), azure.identity, and the S3 error codes.
+_CREDENTIAL_CLASSES = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                       "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError",
+                       "CredentialUnavailableError")
+_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                     "Unable to locate credentials")
+
+
+def is_credential_error(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) says the credentials are missing, incomplete or refused."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ in _CREDENTIAL_CLASSES or any(c in str(current) for c in _CREDENTIAL_CODES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def credential_help(what: str) -> str:
+    """Which settings or environment variables would give credentials for the store `what` names (worded so
+    that the message's redaction leaves it readable: no `name: value` pairs)."""
+    where = "the spec's storage_options (input.storage_options / output.storage_options) as ${env:NAME} references"
+    if "gs://" in what or "gcs://" in what:
+        return ("  GCS needs credentials. Set GOOGLE_APPLICATION_CREDENTIALS (a service-account JSON file) where "
+                f"the job runs, or the option token in {where}; the token 'anon' reads a public bucket")
+    if "az://" in what or "abfs://" in what or "abfss://" in what:
+        return ("  Azure needs credentials. Set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME "
+                f"and AZURE_STORAGE_ACCOUNT_KEY) where the job runs, or account_name and account_key in {where}")
+    return ("  S3 needs credentials. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with "
+            "~/.aws/credentials) where the driver and workers run, or the options key and secret in "
+            f"{where}; for MinIO, R2 and other S3-compatible stores also endpoint_url; anon=true reads a "
+            "public bucket")
 
 
 def _named(exc: Exception, what: str) -> Exception:

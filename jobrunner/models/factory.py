@@ -20,15 +20,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" means bfloat16 on CUDA; on CPU bfloat16 where this CPU computes it fast, else float32."""
+    """"auto" means bfloat16 on CUDA; on CPU bfloat16 on AMX / avx512_bf16, else float32."""
     return choose_dtype(dtype, device)[0]
 
 
 def choose_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, dict[str, Any]]:
     """The model dtype for ``dtype`` on ``device``, and how it was chosen (recorded in the manifest).
 
-    CPU ``auto`` asks :func:`jobrunner.quant.dispatch.choose_cpu_dtype`: bf16 hardware (avx512_bf16 / AMX)
-    confirmed by a ~10 ms GEMM calibration, cached per process; ``JOBRUNNER_CPU_CAPABILITY`` forces it.
+    CPU ``auto`` asks :func:`jobrunner.quant.dispatch.choose_cpu_dtype`: bfloat16 on bf16 hardware (avx512_bf16
+    / AMX), else float32, from the CPU capability alone (no timing); ``JOBRUNNER_CPU_CAPABILITY`` forces it.
     """
     if dtype == "auto":
         if device.type == "cuda":
@@ -46,11 +46,7 @@ def describe_dtype_choice(choice: dict[str, Any]) -> str:
     """One line for the manifest (its ``model`` section keeps plain values only)."""
     text = f"{choice['requested']} -> {choice['chosen']}"
     if choice.get("reason"):
-        text += f": {choice['reason']}" + (" (forced)" if choice.get("forced") else "")
-    calibration = choice.get("calibration")
-    if calibration:
-        text += f"; calibration GFLOP/s float32 {calibration['float32_gflops']}, " \
-                f"bfloat16 {calibration['bfloat16_gflops']}"
+        text += f": {choice['reason']}" + (" (forced by JOBRUNNER_CPU_CAPABILITY)" if choice.get("forced") else "")
     return text
 
 

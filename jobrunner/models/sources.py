@@ -14,6 +14,7 @@ transformers and the standard library.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import importlib.util
 import os
@@ -95,10 +96,60 @@ def resolve_model_dir(
         return check_model_dir(local, source, allow_pickle)
     if _HUB_ID.match(source):
         return _resolve_hub(source, revision, cache_dir, allow_pickle)
-    raise ModelSourceError(
+    raise _unknown_source(source)
+
+
+def _unknown_source(source: str) -> ModelSourceError:
+    close = difflib.get_close_matches(source.lower(), list(ALIASES), n=1, cutoff=0.5)
+    hint = f"; did you mean the alias {close[0]!r}?" if close else ""
+    where = "" if os.path.isabs(os.path.expanduser(source)) else \
+        f" (a relative directory is looked up from the current directory, {os.getcwd()})"
+    return ModelSourceError(
         f"model source {source!r} is not a known alias ({', '.join(sorted(ALIASES))}), an existing "
-        "directory, a storage URL (s3://..., file://...) or a Hugging Face Hub id (org/name)"
+        f"directory{where}, a storage URL (s3://..., file://...) or a Hugging Face Hub id (org/name){hint}"
     )
+
+
+def check_model_source(source: str, *, storage_options: dict | None = None, allow_pickle: bool = False) -> str:
+    """Check what `resolve_model_dir` would load, without loading or downloading weights; one line saying what
+    the source is. Raises ModelSourceError (with a "did you mean" for a misspelt alias) when it cannot work.
+
+    Alias: its package ships the GGUF file. Local directory / file:// URL: config.json, weights and tokenizer
+    files present. Storage URL: the listing has config.json (jobrunner.io.model_fetch). Hub id: the `org/name`
+    form only, or the local Hugging Face cache when HF_HUB_OFFLINE is set (no network call here)."""
+    if not isinstance(source, str) or not source.strip():
+        raise ModelSourceError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source in ALIASES:
+        alias = ALIASES[source]
+        return f"alias {source!r}: weights in package {alias.pip_name} ({find_packaged_gguf(alias)})"
+    if source.startswith("file://"):
+        return f"local directory {check_model_dir(Path(source[len('file://'):]), source, allow_pickle)}"
+    if _URL.match(source):
+        from jobrunner.io.model_fetch import check_model_url
+
+        try:
+            count = check_model_url(source, storage_options, fetch_patterns(allow_pickle))
+        except Exception as exc:  # noqa: BLE001 - unknown protocol, missing bucket, credentials, no config.json
+            raise ModelSourceError(f"model source {source!r}: {type(exc).__name__}: {exc}") from exc
+        return f"storage URL {source} ({count} model files, config.json present; copied by each worker)"
+    local = Path(source).expanduser()
+    if local.exists():
+        return f"local directory {check_model_dir(local, source, allow_pickle)}"
+    if _HUB_ID.match(source):
+        return _check_hub_id(source)
+    raise _unknown_source(source)
+
+
+def _check_hub_id(repo_id: str) -> str:
+    if not _hub_offline():
+        return f"Hugging Face Hub id {repo_id!r} (form checked, not looked up: downloaded by each worker)"
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise ModelSourceError(f"model source {repo_id!r}: HF_HUB_OFFLINE is set and the local Hugging Face "
+                               "cache has no config.json for it; download it first (huggingface-cli download)")
+    return f"Hugging Face Hub id {repo_id!r} (in the local cache; HF_HUB_OFFLINE is set)"
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

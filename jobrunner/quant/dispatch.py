@@ -5,14 +5,16 @@ GEMM is memory-bound: few tokens. Its cost grows with the token count, so above 
 dequantizes its weight (tile by tile, into a reused buffer) to the *compute dtype* and runs one dense GEMM,
 which is at least as fast as the float model. The compute dtype is the one this machine multiplies fast:
 
-* CPU with bf16 hardware (``avx512_bf16`` or AMX) where a short calibration confirms it: ``bfloat16``;
+* CPU with bf16 hardware (``avx512_bf16`` or AMX): ``bfloat16``;
 * any other CPU (e.g. an AVX2-only AMD EPYC: float32 GEMM ~67 GFLOP/s, bf16 ~10): ``float32``;
 * CUDA: the activation dtype (bf16 / fp16; float32 activations use float32).
 
 The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
 forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_bf16`` | ``amx`` | ``default``) or a
-``capability=`` argument, so the AVX2 decisions are testable on any machine. A forced capability skips the
-calibration (it is a statement about the machine). Decisions are cached per process and recorded in the
+``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a pure function of
+the capability, never of a start-up timing: a timing on a loaded machine flapped between processes (one spec
+ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool (``jobrunner bench
+--calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process and recorded in the
 model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
 """
 
@@ -31,8 +33,8 @@ CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
 CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
 BF16_CAPABILITIES = ("avx512_bf16", "amx")
-# bf16 must beat float32 by this factor in the calibration GEMM to be chosen: a margin that a noisy machine
-# does not cross by chance (AMX / avx512_bf16 measure 2-10x; emulated bf16 is slower than float32).
+# `jobrunner bench --calibrate-dtype` calls bf16 "fast" here when it beats float32 by this factor in the GEMM
+# below (AMX / avx512_bf16 measure 2-10x on a quiet machine; emulated bf16 is slower than float32).
 BF16_MIN_SPEEDUP = 1.25
 CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a millisecond in float32
 
@@ -59,7 +61,10 @@ CUDA_TILE_WEIGHTS = 1 << 26
 
 @dataclass(frozen=True)
 class CpuProfile:
-    """What this CPU computes fast: its capability and whether bf16 GEMM beats float32 here."""
+    """What this CPU computes fast: its capability and whether it has bf16 GEMM hardware (AMX, avx512_bf16).
+
+    ``calibration`` is always None for the profile the engine uses (kept in the manifest's shape for old
+    readers); ``jobrunner bench --calibrate-dtype`` measures it on request."""
 
     capability: str
     forced: bool
@@ -123,13 +128,19 @@ def cpu_profile(capability: str | None = None) -> CpuProfile:
 
 @functools.cache
 def _cpu_profile(cap: str, forced: bool) -> CpuProfile:
-    if cap not in BF16_CAPABILITIES:
-        return CpuProfile(cap, forced, fast_bf16=False)
-    if forced:
-        return CpuProfile(cap, forced, fast_bf16=True)
-    calibration = calibrate_gemm()
-    fast = calibration["bfloat16_gflops"] >= BF16_MIN_SPEEDUP * calibration["float32_gflops"]
-    return CpuProfile(cap, forced, fast_bf16=fast, calibration=calibration)
+    return CpuProfile(cap, forced, fast_bf16=cap in BF16_CAPABILITIES)
+
+
+def calibrate_dtype(repeats: int = 20) -> dict[str, Any]:
+    """An explicit check of a machine (never run by ``dtype: auto``): the GEMM GFLOP/s in float32 and bfloat16,
+    what the measurement would suggest, and what ``auto`` chooses from the capability."""
+    calibration = calibrate_gemm(repeats=repeats)
+    dtype, why = choose_cpu_dtype()
+    measured = "bfloat16" if calibration["bfloat16_gflops"] >= BF16_MIN_SPEEDUP * calibration["float32_gflops"] \
+        else "float32"
+    return {"calibration": calibration, "measured_choice": measured, "auto": why["chosen"],
+            "reason": why["reason"], "capability": why["capability"], "forced": why["forced"],
+            "agrees": measured == why["chosen"]}
 
 
 def calibrate_gemm(shape: tuple[int, int, int] = CALIBRATION_SHAPE, repeats: int = 3) -> dict[str, float]:
@@ -180,15 +191,12 @@ def crossovers(defaults: dict[str, int]) -> dict[str, int]:
 
 
 def choose_cpu_dtype(capability: str | None = None) -> tuple[torch.dtype, dict[str, Any]]:
-    """``dtype: auto`` on CPU: bfloat16 where this CPU computes it fast, float32 elsewhere; and why."""
+    """``dtype: auto`` on CPU: bfloat16 on AMX / avx512_bf16, float32 elsewhere; and why (from the capability
+    alone, so the same spec on the same kind of machine always gets the same dtype)."""
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
-    if profile.fast_bf16:
-        reason = f"{profile.capability}: bf16 GEMM fast here"
-    elif profile.capability in BF16_CAPABILITIES:
-        reason = f"{profile.capability}: bf16 GEMM measured under {BF16_MIN_SPEEDUP}x float32"
-    else:
-        reason = f"{profile.capability}: no bf16 GEMM hardware"
+    has = "bf16 GEMM hardware" if profile.fast_bf16 else "no bf16 GEMM hardware (AMX / avx512_bf16)"
+    reason = f"{profile.capability}: {has}"
     return dtype, {"chosen": str(dtype).removeprefix("torch."), "reason": reason, **profile.to_dict()}
 
 

@@ -75,10 +75,10 @@ def price_and_source(manifest: dict | None, cli_price: float | None) -> tuple[fl
 
 
 def model_info(manifest: dict | None) -> dict:
-    """source, dtype, quantization, architecture of the model (None where unknown)."""
+    """source, dtype (and why: dtype_reason), quantization, architecture of the model (None where unknown)."""
     model = (manifest or {}).get("model")
     model = model if isinstance(model, dict) else {}
-    return {key: text(model, key) for key in ("source", "dtype", "quantization", "architecture")}
+    return {key: text(model, key) for key in ("source", "dtype", "dtype_reason", "quantization", "architecture")}
 
 
 def text(mapping: Any, key: str) -> str | None:

@@ -97,6 +97,7 @@ FIGURES: list[Figure] = [
     Figure("run", "model", ("run", "model", "source"), fmt_text, False),
     Figure("run", "quantization", ("run", "model", "quantization"), fmt_text, False),
     Figure("run", "dtype", ("run", "model", "dtype"), fmt_text, False),
+    Figure("run", "dtype chosen", ("run", "model", "dtype_reason"), fmt_text, False),
     Figure("rows", "rows", ("rows", "total"), fmt_int),
     Figure("rows", "errors", ("rows", "errors"), fmt_int),
     Figure("rows", "error rate", ("rows", "error_rate"), fmt_pct),

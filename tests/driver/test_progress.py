@@ -1,26 +1,117 @@
-"""The driver's progress display: plain periodic lines when not on a terminal."""
+"""The driver's progress display: stages, monotonic counts, a final line; plain lines in logs, a bar on a tty."""
 
 from __future__ import annotations
 
 import io
+import logging
+import sys
 
+from jobrunner.driver.pool import Worker
 from jobrunner.driver.progress import Progress
+from jobrunner.driver.tasks import Task
+
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_plain_lines_in_logs():
     out = io.StringIO()
     progress = Progress(total_rows=100, done_rows=20, file=out, interval_s=0.0)
+    progress.stage("placing 1 worker, each asking {\"CPU\": 2}")
     progress.update(rows=60, output_tokens=400)
+    progress.close(rows=100, output_tokens=900)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == '[jobrunner] placing 1 worker, each asking {"CPU": 2}'
+    assert lines[1].startswith("[jobrunner] rows 60/100 (60%) | 400 out tokens, ")
+    assert "out tok/s" in lines[1] and "ETA" in lines[1]
+    assert lines[2].startswith("[jobrunner] done: rows 100/100 (100%) | 900 out tokens in this run")
+    assert len(lines) == 3 and "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_rows_and_tokens_never_go_back():
+    out = io.StringIO()
+    progress = Progress(total_rows=64, file=out, interval_s=0.0)
+    progress.update(rows=34, output_tokens=500)
+    progress.update(rows=32, output_tokens=450)  # a stale report: the display keeps 34 / 500
     progress.close()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
-    assert lines[0].startswith("[jobrunner] rows 60/100 (60%) | ") and "out tok/s" in lines[0]
-    assert "ETA" in lines[0] and "\r" not in out.getvalue()
+    assert lines[0].startswith("[jobrunner] rows 34/64 (53%) | 500 out tokens")
+    assert lines[1].startswith("[jobrunner] rows 34/64 (53%) | 500 out tokens")
+    assert lines[2].startswith("[jobrunner] ended: rows 34/64 (53%) | 500 out tokens")
 
 
-def test_disabled_progress_prints_nothing():
+def test_lines_at_the_interval_and_the_final_line_once():
     out = io.StringIO()
-    progress = Progress(total_rows=10, file=out, enabled=False)
-    progress.update(rows=10, output_tokens=5)
-    progress.close()
-    assert out.getvalue() == ""
+    progress = Progress(total_rows=16, file=out, interval_s=3600.0)
+    for rows in range(0, 17, 4):
+        progress.update(rows=rows, output_tokens=rows * 10)
+    progress.close(rows=16, output_tokens=160)
+    progress.close(rows=16, output_tokens=160)
+    lines = out.getvalue().splitlines()
+    assert lines == [lines[0], lines[1]]  # the first report, then (interval not reached) only the final line
+    assert lines[0].startswith("[jobrunner] rows 0/16 (0%)")
+    assert lines[1].startswith("[jobrunner] done: rows 16/16 (100%) | 160 out tokens in this run")
+
+
+def test_tokens_per_s_counts_tokens_before_rows_finish():
+    progress = Progress(total_rows=8, file=io.StringIO(), interval_s=0.0)
+    progress._take(0, 0)
+    progress.samples[0] = (progress.samples[0][0] - 2.0, 0)  # the first report two seconds ago
+    progress.update(rows=0, output_tokens=100)  # no row finished, tokens produced
+    assert 45.0 < progress.tokens_per_s() <= 50.0
+    assert progress.eta_s() is None  # no row yet: no honest ETA
+
+
+def test_total_grows_when_rows_exceed_it():
+    progress = Progress(total_rows=4, file=io.StringIO(), interval_s=0.0)
+    progress.update(rows=6, output_tokens=10)
+    assert progress.total == 6 and progress.eta_s() == 0.0
+
+
+def test_terminal_bar_ends_at_the_final_count_and_other_output_gets_its_own_lines(monkeypatch):
+    tty = FakeTty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    logger = logging.getLogger("jobrunner-test-progress")
+    handler = logging.StreamHandler(tty)
+    logger.addHandler(handler)
+    try:
+        progress = Progress(total_rows=16, file=tty, interval_s=0.0)
+        progress.stage("starting a local Ray instance")
+        progress.update(rows=8, output_tokens=80)
+        sys.stderr.write("WARNING ray: something Ray wanted to say")
+        sys.stderr.write("\n")
+        logger.warning("a logged warning")
+        progress.stage("worker w1 placed; loading model m")
+        progress.close(rows=16, output_tokens=160)
+    finally:
+        logger.removeHandler(handler)
+    assert sys.stderr is tty  # restored
+    text = tty.getvalue()
+    for message in ("WARNING ray: something Ray wanted to say\n", "a logged warning\n",
+                    "[jobrunner] worker w1 placed; loading model m\n"):
+        before = text[:text.index(message)]
+        assert before.endswith("\r") or before.endswith("\n"), (message, before[-80:])  # starts its own line
+    bar_draws = [part for part in text.replace("\n", "\r").split("\r") if "/16" in part]
+    assert "16/16" in bar_draws[-1]  # the bar's last state is the final count
+    assert text.rstrip("\n").splitlines()[-1].startswith("[jobrunner] done: rows 16/16 (100%)")
+
+
+def _worker(live: dict, tasks: list[Task], tokens: int = 0) -> Worker:
+    worker = Worker("w0", actor=None, ping_ref=None, load_ref=None, is_placed=True, is_ready=True)
+    worker.live, worker.engine_tokens = live, tokens
+    worker.tasks = {object(): t for t in tasks}
+    return worker
+
+
+def test_live_rows_count_only_shards_still_running():
+    from jobrunner.driver.pool import WorkerPool
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.removed_tokens = 7
+    running = Task("s1", 0, 32)
+    # s0 returned already; a poll answered before it returned still lists it: it must not count twice
+    pool.workers = [_worker({("s0", 0): (32, 600), ("s1", 0): (5, 90)}, [running], tokens=700)]
+    assert pool.live_rows_tokens() == (5, 90)
+    assert pool.tokens_produced() == 707

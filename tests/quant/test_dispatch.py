@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from jobrunner.models.factory import choose_dtype
+from jobrunner.models.factory import choose_dtype, describe_dtype_choice
 from jobrunner.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, quantize_model
+from jobrunner.quant import dispatch as dispatch_module
 from jobrunner.quant.dispatch import (
     CAPABILITY_ENV,
+    calibrate_dtype,
     choose_cpu_dtype,
     cpu_profile,
     detect_cpu_capability,
@@ -42,9 +48,9 @@ def test_avx2_and_fast_bf16_decisions() -> None:
 def test_dtype_auto_follows_the_capability() -> None:
     dtype, why = choose_cpu_dtype("avx2")
     assert dtype == torch.float32 and why["chosen"] == "float32" and why["forced"] is True
-    assert why["reason"] == "avx2: no bf16 GEMM hardware"
+    assert why["reason"] == "avx2: no bf16 GEMM hardware (AMX / avx512_bf16)"
     dtype, why = choose_cpu_dtype("amx")
-    assert dtype == torch.bfloat16 and why["reason"] == "amx: bf16 GEMM fast here"
+    assert dtype == torch.bfloat16 and why["reason"] == "amx: bf16 GEMM hardware"
     assert choose_dtype("float16", torch.device("cpu")) == (torch.float16, {"requested": "float16",
                                                                            "chosen": "float16"})
 
@@ -60,23 +66,53 @@ def test_capability_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         dispatch_for("cpu")
 
 
-def test_unforced_profile_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("capability", "expected"), [("default", "float32"), ("avx2", "float32"),
+                                                      ("avx512", "float32"), ("avx512_bf16", "bfloat16"),
+                                                      ("amx", "bfloat16")])
+def test_dtype_auto_for_each_forced_capability(capability: str, expected: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CAPABILITY_ENV, capability)
+    chosen, why = choose_dtype("auto", torch.device("cpu"))
+    assert str(chosen) == f"torch.{expected}" and why["chosen"] == expected
+    assert why["capability"] == capability and why["forced"] is True and why["calibration"] is None
+    assert describe_dtype_choice(why).startswith(f"auto -> {expected}: {capability}: ")
+    assert describe_dtype_choice(why).endswith("(forced by JOBRUNNER_CPU_CAPABILITY)")
+
+
+def test_unforced_auto_never_times_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice is a function of the capability: no start-up GEMM timing that could flap between processes."""
     monkeypatch.delenv(CAPABILITY_ENV, raising=False)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("dtype auto must not time a GEMM")
+
+    monkeypatch.setattr(dispatch_module, "calibrate_gemm", no_timing)
+    dispatch_module._cpu_profile.cache_clear()
     profile = cpu_profile()
     assert profile.forced is False and profile is cpu_profile()  # cached per process
+    assert profile.calibration is None
+    assert profile.fast_bf16 == (profile.capability in ("avx512_bf16", "amx"))
+    chosen, why = choose_cpu_dtype()
+    assert (chosen == torch.bfloat16) == profile.fast_bf16 and why["forced"] is False
 
 
-@pytest.mark.parametrize("bf16_gflops, fast", [(100.0, False), (110.0, False), (300.0, True), (50.0, False)])
-def test_measured_bf16_speed_decides_the_compute_dtype(monkeypatch: pytest.MonkeyPatch, bf16_gflops: float,
-                                                       fast: bool) -> None:
-    """An unforced bf16-capable CPU uses bf16 only where the calibration GEMM measured it clearly faster."""
-    from jobrunner.quant import dispatch
+def test_same_dtype_in_fresh_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CAPABILITY_ENV, raising=False)
+    code = "from jobrunner.quant.dispatch import choose_cpu_dtype; print(choose_cpu_dtype()[1]['chosen'])"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop(CAPABILITY_ENV, None)
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=env).stdout.strip() for _ in range(3)}
+    assert seen == {choose_cpu_dtype()[1]["chosen"]}
 
-    monkeypatch.setattr(dispatch, "calibrate_gemm", lambda: {"float32_gflops": 100.0, "bfloat16_gflops": bf16_gflops})
-    for cap in ("avx512_bf16", "amx"):
-        profile = dispatch._cpu_profile.__wrapped__(cap, False)  # not the per-process cache
-        assert profile.fast_bf16 is fast and profile.calibration["bfloat16_gflops"] == bf16_gflops
-    assert dispatch._cpu_profile.__wrapped__("avx2", False).calibration is None  # nothing to measure there
+
+def test_calibration_is_an_explicit_tool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CAPABILITY_ENV, "avx2")
+    result = calibrate_dtype(repeats=1)
+    assert result["auto"] == "float32" and result["capability"] == "avx2" and result["forced"] is True
+    assert result["calibration"]["float32_gflops"] > 0 and result["calibration"]["bfloat16_gflops"] > 0
+    assert result["measured_choice"] in ("float32", "bfloat16")
+    assert result["agrees"] == (result["measured_choice"] == "float32")
 
 
 @pytest.mark.parametrize("cls", ["int8", "int4"])

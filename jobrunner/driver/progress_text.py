@@ -1,0 +1,38 @@
+"""The start-up stages a person reads before the first row: Ray, placing workers, loading, warming up."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jobrunner.driver.actor import worker_resources
+from jobrunner.redaction import redact_text
+from jobrunner.spec import JobSpec
+
+
+def describe_ray_start(spec: JobSpec, address: str | None) -> str:
+    """'starting a local Ray (N CPUs)' or 'joining the Ray cluster at ADDRESS'."""
+    import ray
+
+    if ray.is_initialized():
+        return "using the Ray instance already started in this process"
+    where = address or spec.cluster.address or os.environ.get("RAY_ADDRESS")
+    if where:
+        return f"joining the Ray cluster at {redact_text(where)}"
+    return "starting a local Ray instance"
+
+
+def describe_placing(spec: JobSpec, count: int) -> str:
+    """'placing 2 workers, each asking {"CPU": 1.0}' (the resources Ray must find for each)."""
+    return f"placing {count} worker{'s' if count != 1 else ''}, each asking {json.dumps(worker_resources(spec))}"
+
+
+def describe_ready(worker_id: str, info: dict[str, Any]) -> str:
+    """'worker w0 ready after 12.3s (bfloat16: auto -> bfloat16: amx: ...); warming up (first engine steps)'."""
+    stats, model = info.get("stats") or {}, info.get("model") or {}
+    startup = stats.get("startup_s")
+    after = f" after {startup:.1f}s" if isinstance(startup, (int, float)) else ""
+    dtype = model.get("dtype_reason") or model.get("dtype")
+    return f"worker {worker_id} ready{after}" + (f" (dtype {dtype})" if dtype else "") + \
+        "; warming up (first engine steps)"

@@ -1,0 +1,69 @@
+"""Job-spec error messages that help: which field, which `--set` set it, and "did you mean" for a misspelt key."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """'; did you mean 'x'?' for the closest choice, '' when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not close and len(word) >= 3:  # a prefix of a longer name ("max_tok") is worth suggesting too
+        close = [c for c in choices if c.startswith(word) or word.startswith(c)][:1]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def describe_spec_errors(exc: ValidationError, source: str, overrides: Sequence[str] = ()) -> str:
+    """The message of a SpecError: a header naming where the values came from, one line per bad field."""
+    set_paths = [(pair, tuple(pair.partition("=")[0].strip().split("."))) for pair in overrides]
+    lines, from_set = [], []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        pair = _override_for(loc, set_paths)
+        where = ".".join(loc) or "(top level)"
+        text = f"{where}: {_message(err, loc)}"
+        lines.append(f"  --set {pair}: {text}" if pair else f"  {text}")
+        from_set.append(pair is not None)
+    if all(from_set):
+        header = f"invalid --set for {source}:"
+    elif any(from_set):
+        header = f"{source} with --set: invalid job spec:"
+    else:
+        header = f"{source}: invalid job spec:"
+    return "\n".join([header, *lines])
+
+
+def _override_for(loc: tuple[str, ...], set_paths: list[tuple[str, tuple[str, ...]]]) -> str | None:
+    """The last `--set` whose key is the field or one of its sections (the last one wins in the merge)."""
+    found = None
+    for pair, path in set_paths:
+        if loc[:len(path)] == path:
+            found = pair
+    return found
+
+
+def _message(err: dict[str, Any], loc: tuple[str, ...]) -> str:
+    if err["type"] != "extra_forbidden":
+        return str(err["msg"])
+    known = _known_keys(loc[:-1])
+    if known is None:
+        return "unknown field (not allowed)"
+    hint = did_you_mean(loc[-1], known)
+    return "unknown field (not allowed)" + (hint or f"; known: {', '.join(known)}")
+
+
+def _known_keys(section: tuple[str, ...]) -> list[str] | None:
+    """The field names of the spec section at `section` (None when it is not a spec model)."""
+    from jobrunner.spec import JobSpec
+
+    model: Any = JobSpec
+    for part in section:
+        field = model.model_fields.get(part)
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return list(model.model_fields)
