@@ -53,7 +53,7 @@ def test_run_limit_is_deterministic_and_recorded(tmp_path):
     assert _output_ids(tmp_path / "out2") == _output_ids(tmp_path / "out")
     full = runner.invoke(main, ["run", str(job), "--no-progress", "--no-report"])  # same output, resume mode
     assert full.exit_code == 1
-    assert "written with different input.limit" in full.output and full.output.count("Error:") == 1
+    assert "input.limit: 5 -> None" in full.output and full.output.count("Error:") == 1
     assert len(_output_ids(tmp_path / "out")) == 5  # the smoke run's output is left as it was
 
 
