@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
+from jobrunner.driver.metrics import JobMetrics
 from jobrunner.driver.output import open_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
@@ -79,9 +80,11 @@ class _JobLoop:
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.book = mf.JobBook(storage, manifest)
+        mf.mark_run_start(manifest, self.started_at)  # for `jobrunner status` while this run goes
         self.run_tokens = 0
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
+        self.metrics = JobMetrics(spec.name, plan.num_rows * spec.sampling.n)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
         self.publishing: dict[Future, tuple[str, dict]] = {}  # publish in flight -> shard id, its record
@@ -308,6 +311,8 @@ class _JobLoop:
         self.next_show = time.monotonic() + 0.2
         rows, tokens = self.pool.live_rows_tokens()
         self.progress.update(self.book.committed_rows + rows, self.run_tokens + tokens)
+        self.metrics.update(self.book.committed_rows + rows, self.book.num_errors, self.run_tokens + tokens,
+                            len(self.pool.workers))
 
     def _finish(self) -> JobResult:
         self.lease.renew()  # LeaseLost (write nothing) if the output was taken over while workers stopped

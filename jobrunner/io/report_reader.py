@@ -20,7 +20,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import COMMITS_DIR, MANIFEST, PARTS_DIR, READABLE_MANIFEST_VERSIONS, SUCCESS, part_key
+from jobrunner.io.layout import (
+    COMMITS_DIR,
+    LEASE,
+    MANIFEST,
+    PARTS_DIR,
+    READABLE_MANIFEST_VERSIONS,
+    SUCCESS,
+    part_key,
+)
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
@@ -245,3 +253,45 @@ def write_text(url: str, text: str, storage_options: dict | None = None) -> None
     if parent:
         fs.makedirs(parent, exist_ok=True)
     fs.pipe_file(path, text.encode("utf-8"))
+
+
+@dataclass
+class OutputState:
+    """What `jobrunner status` reads from an output: the manifest (records folded), the lease, `_SUCCESS`."""
+
+    url: str
+    manifest: dict | None
+    lease: dict | None
+    is_complete: bool
+    num_commit_records: int = 0
+
+
+def read_output_state(url: str, storage_options: dict | None = None) -> OutputState:
+    """Manifest (with `_commits/` records folded in), `_lease.json` and `_SUCCESS` of one output.
+
+    Never reads a part. `ReportInputError` when the URL holds neither a manifest nor a lease."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ReportInputError(f"{url}: cannot open this URL ({exc})") from exc
+    root = root.rstrip("/") or "/"
+    manifest = _read_manifest(fs, root, url)
+    lease = _read_json_or_none(fs, posixpath.join(root, LEASE))
+    if manifest is None and lease is None:
+        raise ReportInputError(f"{url}: no {MANIFEST} and no {LEASE} here: no job has written to this output "
+                               "yet (is this the job's output.url?)")
+    try:
+        records = len(fs.glob(posixpath.join(root, COMMITS_DIR, "*.json")))
+    except (FileNotFoundError, OSError):
+        records = 0
+    return OutputState(url=url, manifest=manifest, lease=lease, num_commit_records=records,
+                       is_complete=fs.exists(posixpath.join(root, SUCCESS)))
+
+
+def _read_json_or_none(fs: fsspec.AbstractFileSystem, path: str) -> dict | None:
+    """A small JSON object, or None when absent, torn or not an object."""
+    try:
+        data = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
