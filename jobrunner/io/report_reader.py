@@ -295,3 +295,30 @@ def _read_json_or_none(fs: fsspec.AbstractFileSystem, path: str) -> dict | None:
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+GLOB_CHARS = "*?["
+
+
+def expand_output_urls(patterns: list[str], storage_options: dict | None = None) -> tuple[list[str], bool]:
+    """Each pattern as is, or (when it holds * ? [) the job outputs it matches, sorted: folders with a
+    `_manifest.json` or a `parts/` folder. Returns (urls, whether any pattern was a glob);
+    `ReportInputError` names a glob that matches no output."""
+    urls: list[str] = []
+    globbed = False
+    for pattern in patterns:
+        if not any(ch in pattern for ch in GLOB_CHARS):
+            urls.append(pattern)
+            continue
+        globbed = True
+        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
+        found = [p for p in sorted(fs.glob(path.rstrip("/"))) if _is_output(fs, p)]
+        if not found:
+            raise ReportInputError(f"{pattern}: matches no job output (no folder with {MANIFEST} or {PARTS_DIR}/)")
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        urls += [p if local else fs.unstrip_protocol(p) for p in found]
+    return urls, globbed
+
+
+def _is_output(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    return fs.exists(posixpath.join(path, MANIFEST)) or fs.isdir(posixpath.join(path, PARTS_DIR))
