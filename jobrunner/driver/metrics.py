@@ -3,13 +3,13 @@
 Ray exports every series on each node's metrics-export port (`ray start --metrics-export-port`, or
 `ray.init(_metrics_export_port=...)`), prefixed `ray_` (counters also get `_total`), where the Ray
 dashboard's Grafana and any Prometheus scrape them. Every series carries `JobName` (the spec's name); worker
-series also `WorkerId`, so a query can show one worker or sum a job:
+series also `Worker` (the jobrunner worker id), so a query can show one worker or sum a job:
 
-Worker series (tags JobName, WorkerId): counters jobrunner_rows_done, jobrunner_rows_failed,
+Worker series (tags JobName, Worker): counters jobrunner_rows_done, jobrunner_rows_failed,
 jobrunner_prompt_tokens, jobrunner_output_tokens; gauges jobrunner_output_tokens_per_s, jobrunner_queue_depth
 (requests in the engine not finished), jobrunner_kv_cache_usage (0..1), jobrunner_prefix_cache_hit_rate; a
 histogram jobrunner_shard_seconds. Job series (tag JobName), set by the driver: jobrunner_job_rows_done,
-_rows_total, _rows_failed, _output_tokens_per_s, _workers. The table with meanings is in docs/driver.md.
+_rows_planned, _rows_failed, _output_tokens_per_s, _workers. The table with meanings is in docs/driver.md.
 
 A worker samples its engine every `JOBRUNNER_METRICS_INTERVAL_S` seconds (default 2) on a daemon thread; the
 driver sets the job gauges when it refreshes progress. Metrics never fail a job: a metrics error is logged once.
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 log = logging.getLogger(__name__)
-WORKER_TAGS = ("JobName", "WorkerId")
+WORKER_TAGS = ("JobName", "Worker")  # not "WorkerId": Ray sets that tag itself (its own worker id)
 JOB_TAGS = ("JobName",)
 SHARD_SECONDS_BOUNDARIES = [1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600]
 _instruments: dict[str, Any] = {}
@@ -56,7 +56,7 @@ class WorkerMetrics:
     """A worker's series: engine gauges sampled on a thread, row counters from progress and shard results."""
 
     def __init__(self, job_name: str, worker_id: str, runner: Any) -> None:
-        self.tags = {"JobName": job_name, "WorkerId": worker_id}
+        self.tags = {"JobName": job_name, "Worker": worker_id}
         self.runner = runner
         self.rows_seen = 0  # rows done reported so far (running shards' rows + returned shards' rows)
         self.rows_returned = 0
@@ -150,7 +150,7 @@ class JobMetrics:
             elapsed = max(time.monotonic() - self.started, 1e-6)
             for name, description, value in (
                     ("jobrunner_job_rows_done", "Rows done (committed + in flight)", rows_done),
-                    ("jobrunner_job_rows_total", "Rows planned", self.rows_total),
+                    ("jobrunner_job_rows_planned", "Rows planned", self.rows_total),
                     ("jobrunner_job_rows_failed", "Error rows committed", rows_failed),
                     ("jobrunner_job_output_tokens_per_s", "Output tokens/s of this run", output_tokens / elapsed),
                     ("jobrunner_job_workers", "Workers held by the driver", num_workers)):

@@ -27,7 +27,7 @@ SLOW = {"factory_options": {"step_delay_s": 0.08}}
 WORKER_SERIES = ("jobrunner_rows_done", "jobrunner_prompt_tokens", "jobrunner_output_tokens",
                  "jobrunner_output_tokens_per_s", "jobrunner_queue_depth", "jobrunner_kv_cache_usage",
                  "jobrunner_prefix_cache_hit_rate")
-JOB_SERIES = ("jobrunner_job_rows_done", "jobrunner_job_rows_total", "jobrunner_job_workers",
+JOB_SERIES = ("jobrunner_job_rows_done", "jobrunner_job_rows_planned", "jobrunner_job_workers",
               "jobrunner_job_output_tokens_per_s")
 
 
@@ -53,7 +53,7 @@ def metrics_ray():
 
 
 def _scrape(url: str) -> dict[tuple[str, str], float]:
-    """(series name, WorkerId or '') -> value, for the jobrunner series of one Prometheus text page."""
+    """(series name, Worker tag or '') -> value, for the jobrunner series of one Prometheus text page."""
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
@@ -62,7 +62,7 @@ def _scrape(url: str) -> dict[tuple[str, str], float]:
     for line in text.splitlines():
         match = re.match(r"^ray_(jobrunner_\w+?)(?:_total)?\{([^}]*)\} ([0-9.eE+-]+)$", line)
         if match and 'JobName="watch-job"' in match.group(2):
-            worker = re.search(r'WorkerId="([^"]*)"', match.group(2))
+            worker = re.search(r'(?:^|,)Worker="([^"]*)"', match.group(2))
             found[(match.group(1), worker.group(1) if worker else "")] = float(match.group(3))
     return found
 
@@ -119,13 +119,13 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     assert names >= set(WORKER_SERIES + JOB_SERIES), sorted(names)
     workers = {k[1] for k in seen if k[0] == "jobrunner_rows_done"}
     assert workers and workers <= {"w0", "w1"}
-    assert seen[("jobrunner_job_rows_total", "")] == 64
+    assert seen[("jobrunner_job_rows_planned", "")] == 64
     assert 0 < seen[("jobrunner_job_rows_done", "")] <= 64
     assert all(seen[("jobrunner_prompt_tokens", w)] > 0 for w in workers)
     assert seen[("jobrunner_job_workers", "")] >= 1
     assert all(0 <= v <= 1 for k, v in seen.items() if k[0] in ("jobrunner_kv_cache_usage",
                                                                  "jobrunner_prefix_cache_hit_rate"))
-    _keep("metrics_scrape.txt", "\n".join(f"{n}{{WorkerId={w!r}}} {v}" for (n, w), v in sorted(seen.items())))
+    _keep("metrics_scrape.txt", "\n".join(f"{n}{{Worker={w!r}}} {v}" for (n, w), v in sorted(seen.items())))
 
     assert running_status is not None, "status never saw the job running with a committed row"
     status, text = running_status
