@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test lint bench clean browser
+.PHONY: venv run test lint bench clean browser wheel
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ lint: venv
 
 bench: venv
 	$(BIN)/jobrunner bench --prompts examples/data/prompts.parquet --num-prompts 32 --max-tokens 64 --ignore-eos
+
+# The jobrunner wheel that cluster.yaml copies to every node (file_mounts: ~/jobrunner-dist: ./dist).
+wheel: venv
+	rm -f dist/jobrunner-*.whl
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/jobrunner-*.whl
 
 clean:
 	rm -rf $(VENV) out

@@ -1,6 +1,6 @@
 """The `jobrunner` command line: thin click commands over the library.
 
-Each command lives in its own module (job.py: run/validate/submit, report.py, bench.py) so that the
+Each command lives in its own module (job.py: run/validate/submit, report.py, bench.py, status.py, jobs.py) so that the
 commands stay small; heavy imports (torch, ray) happen inside the commands, not at import time.
 """
 
@@ -35,7 +35,7 @@ def main() -> None:
 def _register() -> None:
     import importlib
 
-    for module in ("job", "report", "bench"):
+    for module in ("job", "report", "bench", "status", "jobs"):
         try:
             mod = importlib.import_module(f"jobrunner.cli.{module}")
         except ModuleNotFoundError as exc:  # a command module not written yet

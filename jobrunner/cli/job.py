@@ -151,7 +151,8 @@ def _write_report(spec) -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False, exists=True))
 @_set_option
 @click.option("--address", required=True, help="Ray dashboard address, e.g. http://HEAD:8265.")
-@click.option("--wait", is_flag=True, help="Follow the job's logs and exit with its status.")
+@click.option("--follow", "--wait", "wait", is_flag=True,
+              help="Stream the job's logs, then print its final status; exit 1 unless it SUCCEEDED.")
 @click.option("--auth-token", default=None, envvar="RAY_AUTH_TOKEN",
               help="Ray auth token (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).")
 @click.option("--working-dir", default=None, help="Directory uploaded as the job's working_dir.")
@@ -178,6 +179,7 @@ def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, 
     click.echo(job_id)
     if wait:
         status = follow_job(client, job_id, sys.stdout)
+        click.echo(f"Ray job {job_id} ended: {status}", err=True)
         if status != "SUCCEEDED":
             raise click.ClickException(f"Ray job {job_id} ended with status {status}")
 

@@ -9,7 +9,7 @@ import click
 
 from jobrunner.redaction import redact_text
 
-FORMATS = ("text", "json", "md", "html")
+FORMATS = ("text", "json", "md", "html", "csv")
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -35,7 +35,7 @@ def _format(fmt: str | None, out: str | None) -> str:
     if fmt:
         return fmt
     suffix = (out or "").rsplit(".", 1)[-1].lower()
-    return {"json": "json", "md": "md", "html": "html", "htm": "html"}.get(suffix, "text")
+    return {"json": "json", "md": "md", "html": "html", "htm": "html", "csv": "csv"}.get(suffix, "text")
 
 
 @click.command()
@@ -51,30 +51,58 @@ def _format(fmt: str | None, out: str | None) -> str:
 @click.option("--out", default=None, help="Write to this file or fsspec URL instead of stdout.")
 @click.option("--storage-options", callback=_storage_options, default=None,
               help="JSON object of fsspec storage options for the output URLs (e.g. an S3 endpoint_url).")
+@click.option("--label", "labels", multiple=True, metavar="TEXT",
+              help="Name of a run in the report, in OUTPUT_URL order (repeat: one per output).")
+@click.option("--trend/--compare", "trend", default=None,
+              help="A trend over run dates ($/M tokens, tokens/s, error rate, cache hit rate per run) or runs side "
+                   "by side. Default: a trend when an OUTPUT_URL is a glob ('out/nightly/*'), else side by side.")
 def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft_s: float | None,
-           slo_e2e_s: float | None, fmt: str | None, out: str | None, storage_options: dict | None) -> None:
+           slo_e2e_s: float | None, fmt: str | None, out: str | None, storage_options: dict | None,
+           labels: tuple[str, ...], trend: bool | None) -> None:
     """Report throughput, latency percentiles, prefix-cache hit rate and $ per million tokens.
 
-    Several OUTPUT_URLs are shown side by side, with ratios against the first.
+    Several OUTPUT_URLs (or a quoted glob of them) are shown side by side, with ratios against the first and
+    the job-spec fields that differ; a glob, or --trend, shows them as a trend over run dates instead.
     """
+    from jobrunner.io.report_reader import ReportInputError, expand_output_urls
     from jobrunner.reports import Slo, load_report
+    from jobrunner.reports.compare import apply_labels
 
+    try:
+        urls, globbed = expand_output_urls(list(output_urls), storage_options)
+        if len(labels) > len(urls):
+            raise click.BadParameter(f"{len(labels)} labels for {len(urls)} output(s)", param_hint="--label")
+    except ReportInputError as exc:
+        raise click.ClickException(str(exc)) from None
     slo = Slo(ttft_s=slo_ttft_s, e2e_s=slo_e2e_s)
     reports = []
-    for url in output_urls:
+    for url in urls:
         try:
             reports.append(load_report(url, storage_options, worker_hour_usd, slo))
         except (ValueError, OSError) as exc:  # ReportInputError, unreadable Parquet, storage errors
             message = str(exc) if url in str(exc) else f"{url}: {exc}"
             raise click.ClickException(redact_text(message)) from None
-    _emit(_render(reports, _format(fmt, out)), out, storage_options)
+    apply_labels(reports, list(labels))
+    as_trend = globbed if trend is None else trend
+    _emit(_render(reports, _format(fmt, out), as_trend), out, storage_options)
 
 
-def _render(reports: list[dict], fmt: str) -> str:
+def _render(reports: list[dict], fmt: str, as_trend: bool = False) -> str:
     from jobrunner.reports.html import render_html
     from jobrunner.reports.text import render_json, render_markdown, render_text
+    from jobrunner.reports.trend import render_csv
+    from jobrunner.reports.trend_render import (
+        render_trend_html,
+        render_trend_json,
+        render_trend_markdown,
+        render_trend_text,
+    )
 
-    renderers = {"text": render_text, "json": render_json, "md": render_markdown, "html": render_html}
+    renderers = {"text": render_text, "json": render_json, "md": render_markdown, "html": render_html,
+                 "csv": render_csv}
+    if as_trend:
+        renderers.update(text=render_trend_text, json=render_trend_json, md=render_trend_markdown,
+                         html=render_trend_html)
     return renderers[fmt](reports)
 
 

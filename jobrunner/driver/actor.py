@@ -14,6 +14,8 @@ from typing import Any
 import ray
 
 from jobrunner.driver.engine_factory import build_engine, describe_model
+from jobrunner.driver.hardware import describe_hardware
+from jobrunner.driver.metrics import WorkerMetrics
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
 from jobrunner.spec import JobSpec
@@ -40,6 +42,7 @@ class WorkerActor:
         self.started_s = _process_start_s()
         self.runner: ShardRunner | None = None
         self.model: dict[str, Any] = {}
+        self.metrics: WorkerMetrics | None = None
 
     def ping(self) -> bool:
         """Answers once the actor is placed and running (before the model loads)."""
@@ -53,9 +56,10 @@ class WorkerActor:
         device = str(getattr(engine, "device", "") or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
         info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device,
-                "startup_s": round(time.time() - self.started_s, 3)}
+                "startup_s": round(time.time() - self.started_s, 3), **describe_hardware()}
         self.model = describe_model(engine, spec)
         self.runner = ShardRunner(engine, spec, self.worker_id, self.job_start_s, info)
+        self.metrics = WorkerMetrics.start(spec.name, self.worker_id, self.runner)  # Ray dashboard / Prometheus
         return {"model": self.model, "stats": self.runner.stats()}
 
     def ready(self) -> dict[str, Any]:
@@ -64,7 +68,9 @@ class WorkerActor:
 
     def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None) -> ShardResult:
         """Generate one shard (or piece) and write it to the attempt's temporary key."""
-        return self.runner.run_shard(shard, attempt_id, error_text)
+        result = self.runner.run_shard(shard, attempt_id, error_text)
+        self.metrics.on_shard(result)
+        return result
 
     def progress(self) -> dict[str, Any]:
         """Rows and output tokens finished so far per running shard, and how long the engine has stalled."""
@@ -73,6 +79,7 @@ class WorkerActor:
     def finish(self) -> dict[str, Any]:
         """Stop the engine loop and return the final worker stats."""
         stats = self.runner.stats()
+        self.metrics.stop()
         self.runner.stop()
         return stats
 

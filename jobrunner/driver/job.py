@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.isolation import IsolationCost
+from jobrunner.driver.metrics import JobMetrics
 from jobrunner.driver.output import open_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
@@ -80,9 +81,11 @@ class _JobLoop:
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.book = mf.JobBook(storage, manifest, self.shards)
+        mf.mark_run_start(manifest, self.started_at)  # for `jobrunner status` while this run goes
         self.run_tokens = 0
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
+        self.metrics = JobMetrics(spec.name, plan.num_rows * spec.sampling.n)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
@@ -349,7 +352,9 @@ class _JobLoop:
         if time.monotonic() < self.next_show:
             return
         self.next_show = time.monotonic() + 0.2
-        self.progress.update(*self._progress_counts())
+        rows, tokens = self._progress_counts()
+        self.progress.update(rows, tokens)
+        self.metrics.update(rows, self.book.num_errors, tokens, len(self.pool.workers))
 
     def _progress_counts(self) -> tuple[int, int]:
         """Rows done (committed, being published, finished pieces, finished inside running shards) and output

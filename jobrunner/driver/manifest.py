@@ -247,3 +247,12 @@ class JobBook:
     def top_error_kinds(self, n: int = 5) -> list[tuple[str, int]]:
         """The most frequent error kinds among committed rows."""
         return self.error_kinds.most_common(n)
+
+
+def mark_run_start(manifest: dict[str, Any], started_at: str) -> None:
+    """Note where this run started (time, committed rows and output tokens so far), so that `jobrunner status`
+    can tell this run's rate and ETA from earlier runs' work while the run is going."""
+    totals = manifest.get("totals") or {}
+    manifest["current_run"] = {"run_index": int(manifest.get("run_count") or 1) - 1, "started_at": started_at,
+                               "rows_at_start": int(totals.get("rows") or 0),
+                               "output_tokens_at_start": int(totals.get("num_output_tokens") or 0)}

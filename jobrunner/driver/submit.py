@@ -125,10 +125,10 @@ def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | N
 
 
 def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> str:
-    """Print the job's logs as they grow until it ends; return its final status."""
+    """Print the job's logs as they grow until it ends; return its final status (SUCCEEDED, FAILED, STOPPED)."""
     printed = 0
     while True:
-        status = str(client.get_job_status(job_id)).rsplit(".", 1)[-1]
+        status = _status_name(client.get_job_status(job_id))
         logs = client.get_job_logs(job_id)
         out.write(logs[printed:])
         out.flush()
@@ -136,3 +136,47 @@ def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> st
         if status in TERMINAL:
             return status
         time.sleep(poll_s)
+
+
+def connect(address: str, auth_token: str | None = None) -> Any:
+    """A JobSubmissionClient for the dashboard at `address` (token auth as for submit); SubmitError names it."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = find_auth_token(auth_token)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
+        raise SubmitError(f"cannot reach the Ray dashboard at {address}: {redact_text(str(exc))}") from None
+
+
+def describe_job(info: Any) -> dict[str, Any]:
+    """A Ray JobDetails / JobInfo as a plain dict: id, status, jobrunner job name, times, message."""
+    metadata = getattr(info, "metadata", None) or {}
+    start, end = getattr(info, "start_time", None), getattr(info, "end_time", None)
+    return {"job_id": getattr(info, "submission_id", None) or getattr(info, "job_id", None),
+            "status": _status_name(getattr(info, "status", "")), "job_name": metadata.get("jobrunner_job"),
+            "start_time": _iso_ms(start), "end_time": _iso_ms(end),
+            "duration_s": None if not start else round(((end or time.time() * 1000) - start) / 1000, 1),
+            "message": redact_text(str(getattr(info, "message", "") or "")),
+            "entrypoint": str(getattr(info, "entrypoint", "") or "")}
+
+
+def job_call(client: Any, what: str, job_id: str, fn: str, *args: Any) -> Any:
+    """client.<fn>(job_id, ...) with Ray's errors turned into a SubmitError naming the job."""
+    try:
+        return getattr(client, fn)(job_id, *args)
+    except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError for an unknown id, HTTP errors, ...
+        raise SubmitError(f"{what} Ray job {job_id}: {redact_text(str(exc))}") from None
+
+
+def _status_name(status: Any) -> str:
+    return str(status).rsplit(".", 1)[-1]
+
+
+def _iso_ms(epoch_ms: Any) -> str | None:
+    if not isinstance(epoch_ms, (int, float)) or not epoch_ms:
+        return None
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(epoch_ms / 1000, timezone.utc).isoformat(timespec="seconds")

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from jobrunner.io.commits import is_stale
 from jobrunner.io.layout import (
     COMMITS_DIR,
+    LEASE,
     LEASE_GENERATION,
     MANIFEST,
     PARTS_DIR,
@@ -30,7 +31,7 @@ from jobrunner.io.layout import (
     SUCCESS,
     part_key,
 )
-from jobrunner.io.manifest import ManifestError, read_manifest_table
+from jobrunner.io.manifest import ManifestError, read_manifest_table, read_manifest_with_records
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
 
@@ -291,3 +292,83 @@ def write_text(url: str, text: str, storage_options: dict | None = None) -> None
     if parent:
         fs.makedirs(parent, exist_ok=True)
     fs.pipe_file(path, text.encode("utf-8"))
+
+
+@dataclass
+class OutputState:
+    """What `jobrunner status` reads from an output: the manifest (records folded), the lease, `_SUCCESS`."""
+
+    url: str
+    manifest: dict | None
+    lease: dict | None
+    is_complete: bool
+    num_commit_records: int = 0
+
+
+def read_output_state(url: str, storage_options: dict | None = None) -> OutputState:
+    """Manifest (with `_commits/` records folded in), `_lease.json` and `_SUCCESS` of one output.
+
+    Never reads a part. `ReportInputError` when the URL holds neither a manifest nor a lease."""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ReportInputError(f"{url}: cannot open this URL ({exc})") from exc
+    root = root.rstrip("/") or "/"
+    manifest = _read_manifest(fs, root, url)
+    if manifest is not None and "shards" not in manifest and "shard_table" in manifest:
+        manifest = _with_shard_entries(url, storage_options, manifest)
+    lease = _read_json_or_none(fs, posixpath.join(root, LEASE))
+    if manifest is None and lease is None:
+        raise ReportInputError(f"{url}: no {MANIFEST} and no {LEASE} here: no job has written to this output "
+                               "yet (is this the job's output.url?)")
+    try:
+        records = len(fs.glob(posixpath.join(root, COMMITS_DIR, "*.json")))
+    except (FileNotFoundError, OSError):
+        records = 0
+    return OutputState(url=url, manifest=manifest, lease=lease, num_commit_records=records,
+                       is_complete=fs.exists(posixpath.join(root, SUCCESS)))
+
+
+def _with_shard_entries(url: str, storage_options: dict | None, manifest: dict) -> dict:
+    """A format 3 manifest with its shard table as `"shards": {id: entry}` (records folded in), for status."""
+    try:
+        found = read_manifest_with_records(Storage(url, storage_options))
+    except (ManifestError, OSError, ValueError) as exc:
+        raise ReportInputError(f"{url}: cannot read the manifest's shard table ({exc})") from exc
+    return found if found is not None else manifest
+
+
+def _read_json_or_none(fs: fsspec.AbstractFileSystem, path: str) -> dict | None:
+    """A small JSON object, or None when absent, torn or not an object."""
+    try:
+        data = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+GLOB_CHARS = "*?["
+
+
+def expand_output_urls(patterns: list[str], storage_options: dict | None = None) -> tuple[list[str], bool]:
+    """Each pattern as is, or (when it holds * ? [) the job outputs it matches, sorted: folders with a
+    `_manifest.json` or a `parts/` folder. Returns (urls, whether any pattern was a glob);
+    `ReportInputError` names a glob that matches no output."""
+    urls: list[str] = []
+    globbed = False
+    for pattern in patterns:
+        if not any(ch in pattern for ch in GLOB_CHARS):
+            urls.append(pattern)
+            continue
+        globbed = True
+        fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
+        found = [p for p in sorted(fs.glob(path.rstrip("/"))) if _is_output(fs, p)]
+        if not found:
+            raise ReportInputError(f"{pattern}: matches no job output (no folder with {MANIFEST} or {PARTS_DIR}/)")
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        urls += [p if local else fs.unstrip_protocol(p) for p in found]
+    return urls, globbed
+
+
+def _is_output(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    return fs.exists(posixpath.join(path, MANIFEST)) or fs.isdir(posixpath.join(path, PARTS_DIR))

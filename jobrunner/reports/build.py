@@ -28,7 +28,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
     return {
         "report_version": REPORT_VERSION,
-        "run": redact(_run(outputs)),  # the report is shared: URLs and model sources lose credentials
+        "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
         "tokens": _tokens(folded),
         "time": time,
@@ -49,16 +49,21 @@ def _slo(manifest: dict | None, given: Slo) -> Slo:
     return Slo(ttft_s=ttft, e2e_s=e2e)
 
 
-def _run(outputs: JobOutputs) -> dict:
+def _run(outputs: JobOutputs, folded: Folded) -> dict:
     manifest = outputs.manifest or {}
     job_name = mv.text(manifest, "job_name")
+    started = mv.text(manifest, "started_at")
     return {
         "label": job_name or posixpath.basename(outputs.root.rstrip("/")) or outputs.url,
         "url": outputs.url,
         "job_name": job_name,
         "model": mv.model_info(manifest),
         "jobrunner_version": mv.text(manifest, "jobrunner_version"),
-        "started_at": mv.text(manifest, "started_at"),
+        "started_at": started,
+        "date": started[:10] if started else None,
+        "hardware": mv.hardware(manifest),
+        "startup_end_s": folded.first_arrival_s,
+        "spec": manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {},
         "finished_at": mv.text(manifest, "finished_at"),
         "complete": outputs.is_complete,
         "num_parts": len(outputs.part_paths),

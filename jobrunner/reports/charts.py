@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobrunner.reports.svg import PALETTE, Series, bar_chart, empty_chart, line_chart
+from jobrunner.reports.svg import PALETTE, Band, Series, bar_chart, empty_chart, line_chart
 from jobrunner.reports.table import fmt_float, fmt_seconds, fmt_usd, run_labels
 
 LATENCY_TITLES = {"ttft_s": "Time to first token", "itl_mean_s": "Inter-token latency (row mean)",
@@ -25,17 +25,28 @@ def latency_cdf_chart(reports: list[dict], name: str) -> str:
 
 
 def tokens_over_time_chart(reports: list[dict], which: str) -> str:
-    """`which`: "output" or "input" tokens per second over the job's wall time, one line per run."""
+    """`which`: "output" or "input" tokens per second over the job's wall time, one line per run, with the
+    run's headline average (over its whole wall time) dashed and its start-up (before the first row reached
+    an engine: placing workers, loading the model) shaded."""
     title = f"{which.capitalize()} tokens/s over job time"
-    series = []
+    series, bands = [], []
     for i, (label, report) in enumerate(zip(run_labels(reports), reports, strict=True)):
+        color = PALETTE[i % len(PALETTE)]
         data = report["charts"][f"{which}_tokens_per_s"]
-        series.append(Series(label, data["t"], data["tokens_per_s"], PALETTE[i % len(PALETTE)]))
+        series.append(Series(label, data["t"], data["tokens_per_s"], color))
+        average, wall = report["throughput"].get(f"{which}_tokens_per_s"), report["time"]["wall_s"]
+        if average and wall:
+            series.append(Series(f"{label}: average {fmt_float(average, 0)}", [0.0, wall], [average, average],
+                                 color, dashed=True))
+        startup = report["run"].get("startup_end_s")
+        if startup:
+            name = "start-up" if len(reports) == 1 else f"{label}: start-up"
+            bands.append(Band(0.0, startup, f"{name} {fmt_seconds(startup)}", color))
     if not any(any(v > 0 for v in s.ys) for s in series):
         return empty_chart(title, f"no {which} tokens")
     walls = [r["time"]["wall_s"] for r in reports if r["time"]["wall_s"]]
     return line_chart(title, series, "seconds since job start", "tokens/s", _axis_seconds,
-                      lambda v: fmt_float(v, 0), x_max=max(walls) if walls else None)
+                      lambda v: fmt_float(v, 0), x_max=max(walls) if walls else None, bands=bands)
 
 
 def cost_chart(reports: list[dict]) -> str:

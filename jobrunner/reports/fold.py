@@ -37,6 +37,7 @@ class Folded:
     good_input_tokens: int = 0
     good_output_tokens: int = 0
     max_finish_time_s: float = 0.0
+    first_arrival_s: float | None = None  # job time the first row reached an engine: start-up ends here
     error_kind_to_count: dict[str, int] = field(default_factory=dict)
     finish_reason_to_count: dict[str, int] = field(default_factory=dict)
     latencies: dict[str, LatencyValues] = field(
@@ -96,5 +97,9 @@ def _fold_timelines(folded: Folded, batch: MetricBatch) -> None:
     arrival = finish - np.nan_to_num(batch.e2e_s, nan=0.0)
     first_token = np.where(np.isfinite(batch.ttft_s), arrival + batch.ttft_s, finish)
     scheduled = np.where(np.isfinite(batch.queue_s), arrival + batch.queue_s, first_token)
+    arrived = arrival[np.isfinite(arrival) & np.isfinite(batch.e2e_s)]
+    if arrived.size:
+        first = float(arrived.min())
+        folded.first_arrival_s = first if folded.first_arrival_s is None else min(folded.first_arrival_s, first)
     folded.input_timeline.add(scheduled, first_token, batch.num_prompt_tokens)
     folded.output_timeline.add(first_token, finish, batch.num_output_tokens)

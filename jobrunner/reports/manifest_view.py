@@ -99,3 +99,30 @@ def shard_counts(manifest: dict | None) -> dict[str, int]:
         status = shard.get("status", "unknown") if isinstance(shard, dict) else "unknown"
         counts[str(status)] = counts.get(str(status), 0) + 1
     return counts
+
+
+def hardware(manifest: dict | None) -> dict:
+    """What the workers ran on (from their manifest entries): CPU model(s), GPU name -> count, totals.
+
+    GPUs are counted once per (node, device) a worker used; CPU-only workers count no GPU."""
+    records = workers(manifest).values()
+    cpus = sorted({w["cpu_model"] for w in records if text(w, "cpu_model")})
+    gpu_to_count: dict[str, int] = {}
+    seen = set()
+    for w in records:
+        name, device = text(w, "gpu_name"), str(w.get("device") or "")
+        key = (w.get("node_id") or w.get("node"), device)
+        if name and device.startswith("cuda") and key not in seen:
+            seen.add(key)
+            gpu_to_count[name] = gpu_to_count.get(name, 0) + 1
+    devices = sorted({str(w.get("device")) for w in records if w.get("device")})
+    return {"cpu_models": cpus, "gpus": gpu_to_count, "num_gpus": sum(gpu_to_count.values()),
+            "devices": devices, "summary": _hardware_summary(cpus, gpu_to_count, devices)}
+
+
+def _hardware_summary(cpus: list[str], gpus: dict[str, int], devices: list[str]) -> str | None:
+    if gpus:
+        return ", ".join(f"{n} x {name}" for name, n in sorted(gpus.items()))
+    if cpus:
+        return " + ".join(cpus) + " (CPU)"
+    return ", ".join(devices) or None

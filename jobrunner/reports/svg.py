@@ -51,17 +51,29 @@ def empty_chart(title: str, message: str) -> str:
                           f"{escape(message)}</text>"])
 
 
+@dataclass(frozen=True)
+class Band:
+    """A shaded stretch of the x axis (e.g. a run's start-up), labelled at its top."""
+
+    x0: float
+    x1: float
+    label: str
+    color: str
+
+
 def line_chart(title: str, series: list[Series], x_label: str, y_label: str,
                x_fmt: Callable[[float], str], y_fmt: Callable[[float], str],
-               x_max: float | None = None, y_max: float | None = None) -> str:
-    """Lines over shared linear axes from 0; values beyond x_max / y_max are clamped to the edge."""
+               x_max: float | None = None, y_max: float | None = None, bands: Sequence[Band] = ()) -> str:
+    """Lines over shared linear axes from 0; values beyond x_max / y_max are clamped to the edge; `bands`
+    are shaded behind the lines."""
     drawn = [s for s in series if len(s.xs) > 0]
     if not drawn:
         return empty_chart(title, "no data")
     x_ticks = nice_ticks(x_max or max(max(s.xs) for s in drawn))
     y_ticks = nice_ticks(y_max or max(max(s.ys) for s in drawn))
     plot = _Plot(x_ticks[-1], y_ticks[-1])
-    body = plot.axes(x_ticks, y_ticks, x_fmt, y_fmt, x_label, y_label)
+    body = [plot.band(b, i) for i, b in enumerate(bands)]
+    body += plot.axes(x_ticks, y_ticks, x_fmt, y_fmt, x_label, y_label)
     body += [plot.polyline(s) for s in drawn]
     body += legend([(s.label, s.color, s.dashed) for s in drawn])
     return _frame(title, body)
@@ -104,9 +116,18 @@ class _Plot:
         parts.append(f'<text class="axis-label" x="{(self.left + self.right) / 2}" y="{self.bottom + 34}" '
                      f'text-anchor="middle">{escape(x_label)}</text>')
         mid = (self.top + self.bottom) / 2
-        parts.append(f'<text class="axis-label" transform="translate(16 {mid}) rotate(-90)" '
-                     f'text-anchor="middle">{escape(y_label)}</text>')
+        if y_label:
+            parts.append(f'<text class="axis-label" transform="translate(16 {mid}) rotate(-90)" '
+                         f'text-anchor="middle">{escape(y_label)}</text>')
         return parts
+
+    def band(self, band: Band, index: int = 0) -> str:
+        """A translucent rectangle over [x0, x1] with its label inside the top edge."""
+        x0, x1 = self.x(band.x0), self.x(band.x1)
+        return (f'<g class="band"><rect x="{x0}" y="{self.top}" width="{max(x1 - x0, 1.0):.2f}" '
+                f'height="{self.bottom - self.top}" fill="{band.color}" fill-opacity="0.13"/>'
+                f'<text class="band-label" x="{x0 + 4}" y="{self.top + 14 + 13 * index}">{escape(band.label)}</text>'
+                f"<title>{escape(band.label)}</title></g>")
 
     def polyline(self, series: Series) -> str:
         """One series as a polyline with a tooltip."""
@@ -162,3 +183,21 @@ def _bar(y: float, width: float, color: str, what: str, value: str) -> str:
             f'fill="{color}"><title>{escape(f"{what} {value}")}</title></rect>'
             f'<text class="bar-value" x="{BAR_LABEL_W + width + 4:.2f}" y="{y + BAR_H - 4}">'
             f"{escape(value)}</text>")
+
+
+def point_chart(title: str, categories: list[str], series: list[Series], y_label: str,
+                y_fmt: Callable[[float], str]) -> str:
+    """Values over evenly spaced categories (run dates), a line with a dot per point; None values are skipped."""
+    known = [(s, [(x, y) for x, y in zip(s.xs, s.ys, strict=True) if y is not None]) for s in series]
+    if not any(points for _, points in known):
+        return empty_chart(title, "no values")
+    high = max(y for _, points in known for _, y in points)
+    plot = _Plot(len(categories), nice_ticks(high)[-1])  # category i sits at i + 0.5: labels stay inside
+    every = max(1, len(categories) // 8)  # at most ~8 date labels
+    body = plot.axes([i + 0.5 for i in range(0, len(categories), every)], nice_ticks(high),
+                     lambda x: categories[int(x)], y_fmt, "run date", y_label)
+    for s, points in known:
+        body.append(plot.polyline(Series(s.label, [x + 0.5 for x, _ in points], [y for _, y in points], s.color)))
+        body += [f'<circle class="point" cx="{plot.x(x + 0.5)}" cy="{plot.y(y)}" r="3.5" fill="{s.color}">'
+                 f"<title>{escape(f'{categories[int(x)]}: {y_fmt(y)}')}</title></circle>" for x, y in points]
+    return _frame(title, body)

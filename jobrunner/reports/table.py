@@ -41,7 +41,7 @@ def fmt_seconds(value: object) -> str:
         return "0 s"
     if abs(seconds) < 1e-3:
         return f"{seconds * 1e6:.3g} µs"
-    if abs(seconds) < 1.0:
+    if abs(seconds) < 0.9995:  # 999.6 ms would print as "1e+03 ms"
         return f"{seconds * 1000:.3g} ms"
     return f"{seconds:,.3g} s" if seconds < 1000 else f"{seconds:,.0f} s"
 
@@ -98,6 +98,9 @@ FIGURES: list[Figure] = [
     Figure("run", "quantization", ("run", "model", "quantization"), fmt_text, False),
     Figure("run", "dtype", ("run", "model", "dtype"), fmt_text, False),
     Figure("run", "dtype chosen", ("run", "model", "dtype_reason"), fmt_text, False),
+    Figure("run", "date", ("run", "date"), fmt_text, False),
+    Figure("run", "hardware", ("run", "hardware", "summary"), fmt_text, False),
+    Figure("run", "jobrunner version", ("run", "jobrunner_version"), fmt_text, False),
     Figure("rows", "rows", ("rows", "total"), fmt_int),
     Figure("rows", "errors", ("rows", "errors"), fmt_int),
     Figure("rows", "error rate", ("rows", "error_rate"), fmt_pct),
@@ -163,14 +166,26 @@ def _with_ratio(cell: str, value: object, baseline: object) -> str:
 
 
 def run_labels(reports: list[dict]) -> list[str]:
-    """A distinct column title per run: the job name (+ quantization when it tells runs apart)."""
+    """A distinct column title per run: its --label, else the job name plus what tells same-named runs apart
+    (quantization, else the output folder's name, else the run date), else "#2", "#3"."""
     labels = [str(r.get("run", {}).get("label") or f"run {i + 1}") for i, r in enumerate(reports)]
-    if len(set(labels)) < len(labels):
-        quant = [r.get("run", {}).get("model", {}).get("quantization") for r in reports]
-        labels = [f"{label} [{q}]" if q else label for label, q in zip(labels, quant, strict=True)]
+    if len(set(labels)) < len(labels) and not all(r.get("run", {}).get("label_source") for r in reports):
+        labels = _disambiguate(labels, reports)
     seen: dict[str, int] = {}
-    unique = []
+    unique: list[str] = []
     for label in labels:
         seen[label] = seen.get(label, 0) + 1
         unique.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
     return unique
+
+
+def _disambiguate(labels: list[str], reports: list[dict]) -> list[str]:
+    runs = [r.get("run", {}) for r in reports]
+    for detail in (lambda run: (run.get("model") or {}).get("quantization"),
+                   lambda run: str(run.get("url") or "").rstrip("/").rsplit("/", 1)[-1] or None,
+                   lambda run: run.get("date")):
+        values = [detail(run) for run in runs]
+        if all(values) and len(set(zip(labels, values, strict=True))) == len(labels):
+            return [label if run.get("label_source") else f"{label} [{value}]"
+                    for label, value, run in zip(labels, values, runs, strict=True)]
+    return labels

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 
+from jobrunner.reports.compare import fmt_value, spec_differences
 from jobrunner.reports.table import figure_rows, run_labels
 
 
 def render_json(reports: list[dict]) -> str:
     """One report as itself; several as {"runs": [...], "baseline": first label}. Never NaN."""
-    document = reports[0] if len(reports) == 1 else {"runs": reports, "baseline": run_labels(reports)[0]}
+    document = reports[0] if len(reports) == 1 else {"runs": reports, "baseline": run_labels(reports)[0],
+                                                     "spec_differences": spec_differences(reports)}
     return json.dumps(_finite(document), indent=2, allow_nan=False, default=str) + "\n"
 
 
@@ -38,7 +40,7 @@ def render_text(reports: list[dict]) -> str:
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                        enumerate(zip(row, widths, strict=True))).rstrip() for row in [header, *body]]
-    return "\n".join(lines + _notes(reports, bullet="  - ")) + "\n"
+    return "\n".join(lines + _differences(reports, "  - ") + _notes(reports, bullet="  - ")) + "\n"
 
 
 def render_markdown(reports: list[dict]) -> str:
@@ -48,7 +50,7 @@ def render_markdown(reports: list[dict]) -> str:
              "|---|" + "---:|" * len(labels)]
     for figure, cells in figure_rows(reports):
         lines.append(f"| {figure.section}: {figure.label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + _notes(reports, bullet="- ")) + "\n"
+    return "\n".join(lines + _differences(reports, "- ") + _notes(reports, bullet="- ")) + "\n"
 
 
 def _notes(reports: list[dict], bullet: str) -> list[str]:
@@ -60,3 +62,16 @@ def _notes(reports: list[dict], bullet: str) -> list[str]:
         if items:
             lines += ["", f"{label}:"] + [bullet + item for item in items]
     return lines
+
+
+def _differences(reports: list[dict], bullet: str) -> list[str]:
+    """"spec differences:" and a line per differing spec field (runs compared only)."""
+    differences = spec_differences(reports)
+    if len(reports) < 2:
+        return []
+    if not differences:
+        return ["", "spec differences: none (apart from output.url)"]
+    labels = run_labels(reports)
+    return ["", "spec differences:"] + [
+        bullet + f"{key}: " + ", ".join(f"{label}={fmt_value(v)}" for label, v in zip(labels, values, strict=True))
+        for key, values in differences.items()]

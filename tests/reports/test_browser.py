@@ -59,7 +59,7 @@ def test_page_loads_without_errors_and_has_charts(page: Path, tmp_path: Path, ar
     assert problems == []
     dom = result.stdout
     assert dom.count('<svg class="chart"') == 7  # cost, 2 x tokens/s, 4 latency CDFs
-    assert dom.count('<polyline class="series"') == 6 * 3  # 6 line charts x 3 runs
+    assert dom.count('<polyline class="series"') == 6 * 3 + 2 * 3  # 6 line charts x 3 runs + 2 average lines
     assert dom.count('<rect class="bar"') == 3 * 3  # input / output / blended per run
     assert "example [int4]" in dom and "n/a" not in dom.split("All figures")[0]
     assert re.findall(r"<script|<link|\b(?:src|href)=", page.read_text()) == []  # self-contained
@@ -83,3 +83,42 @@ def _pixels_near(image: object, hex_color: str, tolerance: int = 24) -> int:
     target = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
     return sum(count for count, rgb in image.getcolors(maxcolors=1 << 20)
                if max(abs(a - b) for a, b in zip(rgb, target, strict=True)) <= tolerance)
+
+
+@pytest.fixture
+def trend_page(job_factory: Callable[..., str], artifacts_dir: Path) -> Path:
+    """Five nightly runs of one job as a trend page (the report of `jobrunner report 'nightly/*'`)."""
+    import json
+
+    from jobrunner.reports.trend_render import render_trend_html
+
+    reports = []
+    for i in range(5):
+        url = job_factory(f"nightly-{i}", speed=1.0 + 0.3 * i, error_every=20 if i == 2 else 0)
+        manifest_path = Path(url) / "_manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest["started_at"] = f"2026-11-{25 + i}T03:00:00+00:00"
+        manifest_path.write_text(json.dumps(manifest))
+        reports.append(load_report(url, worker_hour_usd=2.0))
+    path = artifacts_dir / "trend.html"
+    path.write_text(render_trend_html(reports))
+    return path
+
+
+def test_trend_page_draws_a_dot_per_run_on_each_chart(trend_page: Path, tmp_path: Path,
+                                                      artifacts_dir: Path) -> None:
+    result = _chromium(trend_page, tmp_path, "--dump-dom")
+    assert result.returncode == 0 and [line for line in result.stderr.splitlines()
+                                       if PAGE_PROBLEM.search(line)] == []
+    dom = result.stdout
+    assert dom.count('<svg class="chart"') == 4 and dom.count('<circle class="point"') == 4 * 5
+    assert "2026-11-25" in dom and "2026-11-29" in dom and "n/a" not in dom
+    shot = artifacts_dir / "trend.png"
+    shot.unlink(missing_ok=True)
+    result = _chromium(trend_page, tmp_path, f"--screenshot={shot}", "--window-size=1280,1100")
+    assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    for color in PALETTE[:4]:  # each trend figure's line and dots are painted
+        assert _pixels_near(image, color) > 150, color

@@ -19,4 +19,9 @@ def test_run_labels_are_distinct() -> None:
 
     assert run_labels([run("a", "none"), run("b", "none")]) == ["a", "b"]
     assert run_labels([run("a", "none"), run("a", "int8")]) == ["a [none]", "a [int8]"]
-    assert run_labels([run("a", "int8"), run("a", "int8")]) == ["a [int8]", "a [int8] #2"]
+    # Same name and quantization: the output folder tells them apart, else the date, else a number.
+    assert run_labels([run("a", "int8"), run("a", "int8")]) == ["a", "a #2"]
+    night = [run("a", "int8"), run("a", "int8")]
+    night[0]["run"].update(url="s3://b/nightly/2026-11-29/", date="2026-11-29")
+    night[1]["run"].update(url="s3://b/nightly/2026-11-30", date="2026-11-30")
+    assert run_labels(night) == ["a [2026-11-29]", "a [2026-11-30]"]

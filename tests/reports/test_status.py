@@ -1,0 +1,77 @@
+"""`jobrunner status` figures from a manifest, commit records and a lease written to disk the way the driver
+writes them (a run in progress, a run whose driver died, old and new lease formats)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from jobrunner.cli import main
+from jobrunner.io.report_reader import read_output_state
+from jobrunner.reports.status import job_status
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, timezone.utc).isoformat(timespec="seconds")
+
+
+def _output(root: Path, now: float, lease: dict | None) -> str:
+    """8 shards of 10 rows (n=2 samples): 2 committed in the manifest, 1 more as a commit record."""
+    shards = {f"s{i}": {"status": "pending", "row_start": 10 * i, "row_end": 10 * i + 10, "rows": 0}
+              for i in range(8)}
+    for i in (0, 1):
+        shards[f"s{i}"] = {**shards[f"s{i}"], "status": "committed", "rows": 20, "num_errors": 2 * i,
+                           "num_prompt_tokens": 300, "num_cached_tokens": 60, "num_output_tokens": 400,
+                           "worker_id": "r1w0", "error_kinds": {"prompt too long": 2 * i}}
+    manifest = {"format_version": 2, "job_name": "nightly", "run_count": 2, "spec": {"sampling": {"n": 2}},
+                "model": {"source": "m", "dtype": "bfloat16"}, "started_at": _iso(now - 3600),
+                "current_run": {"run_index": 1, "started_at": _iso(now - 40), "rows_at_start": 20,
+                                "output_tokens_at_start": 400},
+                "shards": shards, "workers": {"w0": {"device": "cpu"}}, "totals": {}}
+    root.mkdir(parents=True)
+    (root / "_manifest.json").write_text(json.dumps(manifest))
+    (root / "_commits").mkdir()
+    record = {"shard_id": "s2", **shards["s2"], "status": "committed", "rows": 20, "num_errors": 1,
+              "num_output_tokens": 400, "worker_id": "r1w1", "error_kinds": {"engine rejected": 1}}
+    (root / "_commits" / "s2.json").write_text(json.dumps(record))
+    if lease is not None:
+        (root / "_lease.json").write_text(json.dumps(lease))
+    return str(root)
+
+
+def test_a_running_output(tmp_path: Path) -> None:
+    now = time.time()
+    lease = {"run_id": "abc123", "host": "head-1", "pid": 4242, "job_name": "nightly", "generation": 7,
+             "heartbeat_at": _iso(now - 5), "expires_at": _iso(now + 55), "expires_at_s": now + 55, "ttl_s": 60}
+    status = job_status(read_output_state(_output(tmp_path / "out", now, lease)), now_s=now)
+    assert status["state"] == "running" and status["rows"]["total"] == 160 and status["rows"]["done"] == 60
+    assert status["rows"]["errors"] == 3 and status["rows"]["error_share"] == 3 / 60
+    assert status["rows"]["top_error_kinds"] == {"prompt too long": 2, "engine rejected": 1}
+    assert status["speed"]["basis"] == "this run so far"
+    assert 39 <= status["speed"]["elapsed_s"] <= 42  # current_run.started_at is whole seconds
+    # this run: 40 rows and 800 output tokens in ~40 s; 100 rows left at 1 row/s
+    assert 95 <= status["speed"]["eta_s"] <= 106 and 19 <= status["speed"]["output_tokens_per_s"] <= 21
+    assert status["workers"]["ids"] == ["r1w0", "r1w1"] and status["commit_records_pending"] == 1
+    assert status["lease"]["generation"] == 7 and 4 <= status["lease"]["heartbeat_age_s"] <= 7
+    result = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "60/160 (37.5%), 3 errors (5.0%)" in result.output
+    assert "run abc123 on head-1 (pid 4242), generation 7, last heartbeat" in result.output
+    assert "error    2 x prompt too long" in result.output
+
+
+def test_a_dead_drivers_lease_is_stale_and_an_old_lease_format_still_reads(tmp_path: Path) -> None:
+    now = time.time()
+    old = {"run_id": "zzz", "host": "h", "pid": 1, "heartbeat_at": _iso(now - 600)}  # no expiry, no generation
+    status = job_status(read_output_state(_output(tmp_path / "out", now, old)), now_s=now)
+    assert status["state"] == "stale" and status["lease"]["expired"] and status["lease"]["generation"] is None
+    assert status["speed"]["eta_s"] is None
+    result = CliRunner().invoke(main, ["status", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["state"] == "stale"
+    text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "stale: the lease expired" in text and re.search(r"last heartbeat \S+ \((59\d|60\d) s ago\), n/a", text)
