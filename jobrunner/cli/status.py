@@ -84,6 +84,9 @@ def _workers_line(w: dict[str, Any]) -> str:
 def _lease_line(lease: dict[str, Any] | None) -> str:
     if lease is None:
         return "none (no run holds this output)"
+    if lease["state"] == "released":
+        return (f"none (no run holds this output; the last, run {lease['run_id']} (generation "
+                f"{lease['generation']}), released it at {lease['heartbeat_at']})")
     age = "n/a" if lease["heartbeat_age_s"] is None else f"{lease['heartbeat_age_s']:,.0f} s ago"
     left = lease["expires_in_s"]
     expiry = "n/a" if left is None else (

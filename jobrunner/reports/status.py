@@ -60,21 +60,27 @@ def lease_view(lease: dict | None, now_s: float) -> dict[str, Any] | None:
     if not lease:
         return None
     heartbeat_s = _epoch(lease.get("heartbeat_at"))
-    expires_s = mv.number(lease, "expires_at_s") or _epoch(lease.get("expires_at"))
+    ttl_s = mv.number(lease, "ttl_s")
+    # The fenced lease (io/lease.py) has no expiry of its own: a run takes it over after seeing it unchanged
+    # for ttl_s on its own clock. Here: the holder's last heartbeat plus ttl_s (its clock: an estimate).
+    expires_s = mv.number(lease, "expires_at_s") or _epoch(lease.get("expires_at")) or (
+        heartbeat_s + ttl_s if heartbeat_s is not None and ttl_s else None)
     generation = next((lease[k] for k in LEASE_GENERATION_KEYS if k in lease), None)
+    released = lease.get("state") == "released"
     return {"run_id": lease.get("run_id"), "host": lease.get("host"), "pid": lease.get("pid"),
             "job_name": lease.get("job_name"), "heartbeat_at": lease.get("heartbeat_at"),
             "heartbeat_age_s": None if heartbeat_s is None else round(now_s - heartbeat_s, 1),
             "expires_at": lease.get("expires_at"),
             "expires_in_s": None if expires_s is None else round(expires_s - now_s, 1),
-            "expired": expires_s is None or expires_s <= now_s, "generation": generation}
+            "expired": released or expires_s is None or expires_s <= now_s, "generation": generation,
+            "state": lease.get("state") or "held"}
 
 
 def _phase(state: OutputState, lease: dict | None) -> str:
     """complete | running | stale (a lease nobody renews: its driver died) | incomplete (no run going)."""
     if state.is_complete:
         return "complete"
-    if lease is not None:
+    if lease is not None and lease["state"] != "released":
         return "stale" if lease["expired"] else "running"
     return "incomplete"
 
