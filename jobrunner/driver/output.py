@@ -11,6 +11,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import check_resumable, new_manifest, orphan_parts, resume_manifest
+from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
 from jobrunner.io.layout import LEASE, MANIFEST, PARTS_DIR, REPORT_FILES, TEMP_DIR
 from jobrunner.io.lease import Lease, LeaseHeld, acquire_lease, describe_holder, is_expired, read_lease
 from jobrunner.io.manifest import clear_success, read_manifest_with_records
@@ -111,20 +112,28 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
         return "output exists and will be deleted (output.mode=overwrite)"
     if old is None:
         raise _foreign_output(spec)
+    check_pinned_inputs(old, plan.files)
     check_resumable(old, spec, plan.shards)
     done = sum(e.get("status") == "committed" for e in old["shards"].values())
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
 
 
 def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
+    manifest = _manifest_to_continue(spec, plan, storage, entries)
+    manifest[INPUTS_KEY] = input_pins(plan.files)  # this run's inputs: the next resume checks against them
+    return manifest
+
+
+def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str]) -> dict[str, Any]:
     if not entries:
         return new_manifest(spec, plan.shards)
     old = read_manifest_with_records(storage)
     if old is None:
         raise _foreign_output(spec)
+    check_pinned_inputs(old, plan.files)
     check_resumable(old, spec, plan.shards)
     present = list_parts(storage)
-    manifest = resume_manifest(old, spec, set(present))
+    manifest = resume_manifest(old, spec, trusted_parts(storage, old))  # parts checked, not just listed
     storage.delete_many(orphan_parts(manifest, present))
     return manifest
 
