@@ -32,7 +32,7 @@ BUCKET_RECORDS = 1 << 21  # records per bucket on disk (32 MiB): the most held i
 SPILL_RECORDS = 1 << 21  # records buffered before they are written out to their buckets
 BATCH_ROWS = 1 << 15  # ids hashed at once
 MAX_CANDIDATES = 1000  # equal-hash groups confirmed (the earliest repeats); far more than any report names
-_ROWS_PER_GROUP = 8  # rows of a group confirmed (a collision hides at most a few rows of a real duplicate)
+_ROWS_PER_GROUP = 64  # the first rows of a group confirmed: room for several strings sharing one hash
 _BASE = np.uint64(0x100000001B3)  # odd multiplier of the polynomial hash (FNV's prime)
 _powers = np.ones(1, dtype=np.uint64)
 
@@ -195,12 +195,13 @@ def _confirm(groups: list[np.ndarray], files: list[InputFile], starts: np.ndarra
     found: list[tuple[int, Duplicate]] = []
     for rows in groups:
         first_of: dict[str, int] = {}
+        reported: set[str] = set()
         for row in (int(r) for r in rows):
             value = text[row]
-            if value in first_of:
+            if value in first_of and value not in reported:
                 found.append((row, Duplicate(value, _where(first_of[value], starts), _where(row, starts))))
-                break
-            first_of[value] = row
+                reported.add(value)
+            first_of.setdefault(value, row)
     return [d for _, d in sorted(found, key=lambda x: x[0])][:limit]
 
 

@@ -97,7 +97,7 @@ def test_bad_csv_records_are_row_errors_naming_the_line(tmp_path):
     (tmp_path / "p.csv").write_bytes(b"id,prompt\n" + b"".join(b"%d,p\n" % i for i in range(3)) + b"x\xff,q\n")
     [f] = list_input(str(tmp_path / "p.csv"), {}, "auto")
     assert read_input_rows(f.url, {}, "csv", 2, 4, ["id"]).to_pylist() == [
-        {"id": "2", ROW_ERROR: None, ROW_INDEX: 2},
+        {"id": 2, ROW_ERROR: None, ROW_INDEX: 2},
         {"id": None, ROW_ERROR: "line 5: column 'id' is not valid UTF-8", ROW_INDEX: 3}]
 
 
