@@ -57,32 +57,24 @@ def _user_error(spec, exc: Exception) -> click.ClickException:
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @_limit_option
-@click.option("--check-ids", is_flag=True, help="Also read the id column and fail on duplicate ids.")
+@click.option("--check-ids", is_flag=True, help="Kept for old scripts: ids are always checked now.")
 def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check_ids: bool) -> None:
-    """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns) and
-    output, without starting any worker."""
+    """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns, unique
+    ids) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
-    from jobrunner.driver.rows import id_column
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
-    from jobrunner.io.text_input import duplicate_input_ids
 
     spec = _load(job_file, overrides, limit)
     model = _check_model(spec)
     started = time.perf_counter()
     try:
-        plan = plan_job(spec)
+        plan = plan_job(spec)  # duplicate ids included: every run checks them
         plan_s = time.perf_counter() - started
         output_state = describe_output(spec, plan)
-        column = id_column(spec)
-        dups = duplicate_input_ids(plan.files, spec.input.storage_options, spec.input.format, column) \
-            if check_ids and column else []
     except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise _user_error(spec, exc) from None
-    if dups:
-        raise click.ClickException(f"input.id_column {column!r} has duplicate ids: "
-                                   f"{', '.join(dups)}")
     click.echo(f"job {spec.name!r}: spec OK")
     click.echo(f"model {model}")
     num_bytes = sum(f.num_bytes for f in plan.files)

@@ -39,7 +39,7 @@ from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
 from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
-from jobrunner.io.parts import commit_part, list_parts
+from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -325,8 +325,8 @@ class _JobLoop:
 
     def _publish(self, shard_id: str, results: list[ShardResult], record: dict[str, Any]) -> int:
         """Move the attempts to their final keys, then write the commit record (a publisher thread)."""
-        for result, final in zip(results, record["parts"], strict=True):
-            commit_part(self.storage, result.part, final)
+        # each part's size goes into the record: a resume checks the parts against it before trusting them
+        record["part_bytes"] = commit_parts(self.storage, [r.part for r in results], record["parts"])
         return write_commit_record(self.storage, shard_id, record, epoch=self.lease.generation)
 
     def _collect_published(self) -> None:
@@ -386,8 +386,9 @@ class _JobLoop:
         result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds())
-        if finished and not result.over_error_budget:
+        if finished:  # the OpenAI result files whatever the error budget: they say which requests failed
             finish_job_files(self.spec, self.storage, self.shards.committed_parts())
+        if finished and not result.over_error_budget:
             self.storage.delete_many(mf.orphan_parts(self.shards, list_parts(self.storage)))  # stray parts
             mark_success(self.storage)
         self.storage.delete(TEMP_DIR, recursive=True)

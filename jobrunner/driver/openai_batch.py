@@ -153,8 +153,11 @@ def _completion_prompt(prompt: Any) -> str | list[int]:
 # ---- results ------------------------------------------------------------------------------------------
 
 def result_lines(rows: list[dict[str, Any]], endpoint_of: dict[str, str], model: str, job: str,
-                 created: int | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The output lines and error lines of a shard's rows (one line per custom_id, samples as choices)."""
+                 created: int | None = None, unnamed: set[str] | frozenset[str] = frozenset(),
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The output lines and error lines of the rows (one line per custom_id, samples as choices; custom_ids
+    are unique: planning refuses a batch that repeats one). `unnamed`: row ids of lines whose custom_id could
+    not be read; their error line has `custom_id: null` (its message names the line)."""
     created = int(time.time()) if created is None else created
     by_id: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -165,14 +168,15 @@ def result_lines(rows: list[dict[str, Any]], endpoint_of: dict[str, str], model:
         digest = hashlib.sha1(f"{job}\0{custom_id}".encode()).hexdigest()[:24]
         failed = next((r for r in samples if r.get("error") is not None), None)
         if failed is not None:
-            errors.append(_line(digest, custom_id, failed.get("_status") or 500, _error_body(failed)))
+            shown = None if custom_id in unnamed else custom_id
+            errors.append(_line(digest, shown, failed.get("_status") or 500, _error_body(failed)))
         else:
             body = _completion(samples, endpoint_of.get(custom_id, "chat"), model, digest, created)
             outputs.append(_line(digest, custom_id, 200, body))
     return outputs, errors
 
 
-def _line(digest: str, custom_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+def _line(digest: str, custom_id: str | None, status: int, body: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"batch_req_{digest}", "custom_id": custom_id,
             "response": {"status_code": status, "request_id": f"req_{digest}", "body": body}, "error": None}
 

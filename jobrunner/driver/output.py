@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
 from jobrunner.driver.output_guard import overwrite_refusal
 from jobrunner.driver.resume_check import check_resume, num_committed
+from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
 from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.lease import (
     FencedStorage,
@@ -152,6 +153,7 @@ def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: lis
     header, old_shards = old
     if not num_committed(old_shards):
         return "output holds runs that committed nothing: a new job replaces them"
+    check_pinned_inputs(header, old_shards, plan.files)
     check_resume(header, old_shards, spec, plan.shards)
     done = num_committed(old_shards)
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
@@ -159,6 +161,13 @@ def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: lis
 
 def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
                    lease: Lease) -> dict[str, Any]:
+    manifest = _manifest_to_continue(spec, plan, storage, entries, lease)
+    manifest[INPUTS_KEY] = input_pins(plan.files)  # this run's inputs: the next resume checks against them
+    return manifest
+
+
+def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+                          lease: Lease) -> dict[str, Any]:
     if not entries:
         return new_manifest(spec, plan.shards)
     old = read_manifest_table(storage)
@@ -170,9 +179,11 @@ def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list
         lease.advance_to(old_generation + 1)  # the lease object was deleted by hand: keep epochs increasing
     if not num_committed(old_shards):
         return _replace(spec, plan, storage, header)
+    check_pinned_inputs(header, old_shards, plan.files)
     check_resume(header, old_shards, spec, plan.shards)
     present = list_parts(storage)
-    manifest = resume_manifest(header, spec, old_shards, plan.shards, present)  # plan.shards takes the state
+    trusted = sorted(trusted_parts(storage, old_shards))  # parts checked (size, rows), not just listed
+    manifest = resume_manifest(header, spec, old_shards, plan.shards, trusted)  # plan.shards takes the state
     storage.delete_many(orphan_parts(plan.shards, present))
     return manifest
 

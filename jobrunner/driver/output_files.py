@@ -3,6 +3,7 @@ OpenAI-style result files (jobrunner.io.openai_files), built by the driver from 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -24,31 +25,43 @@ def rows_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None)
 
 
 def finish_job_files(spec: JobSpec, storage: Storage, part_keys: list[str]) -> list[str]:
-    """When every shard is committed (`part_keys`: their committed parts): an OpenAI batch job's output and
-    error files, in input order."""
+    """When every shard is committed (`part_keys`: their committed parts), whatever the error budget: an
+    OpenAI batch job's output and error files, in input order."""
     if not is_openai_batch(spec):
         return []
-    position, endpoint_of = _requests_in_order(spec)
+    requests = _requests_in_order(spec)
     rows = read_result_rows(storage, part_keys)
     for row in rows:
         row["_status"] = error_status(row)
-    rows.sort(key=lambda r: (position.get(r["id"], len(position)), r["sample_index"] or 0))
-    outputs, errors = result_lines(rows, endpoint_of, redact_text(spec.model.source), spec.name)
+    rows.sort(key=lambda r: (requests.position.get(r["id"], len(requests.position)), r["sample_index"] or 0))
+    outputs, errors = result_lines(rows, requests.endpoint_of, redact_text(spec.model.source), spec.name,
+                                   unnamed=requests.unnamed)
     return write_openai_results(storage, outputs, errors)
 
 
-def _requests_in_order(spec: JobSpec) -> tuple[dict[str, int], dict[str, str]]:
-    """custom_id -> position in the input, and -> endpoint ("chat" / "completions"), from the batch files."""
+@dataclass
+class _Requests:
+    """What the result files need of the batch files: custom_id -> position in the input and endpoint
+    ("chat" / "completions"); `unnamed`: the ids given to lines whose custom_id could not be read."""
+
+    position: dict[str, int] = field(default_factory=dict)
+    endpoint_of: dict[str, str] = field(default_factory=dict)
+    unnamed: set[str] = field(default_factory=set)
+
+
+def _requests_in_order(spec: JobSpec) -> _Requests:
     inp = spec.input
-    position: dict[str, int] = {}
-    endpoint_of: dict[str, str] = {}
+    out = _Requests()
     for f in list_input(inp.url, inp.storage_options, inp.format):
         table = read_input_rows(f.url, inp.storage_options, inp.format, 0, f.num_rows, [OPENAI_ID_COLUMN, "url"])
         for row in table.to_pylist():
-            rid = row[OPENAI_ID_COLUMN] if row[OPENAI_ID_COLUMN] is not None else f"{f.stem}:{row[ROW_INDEX]}"
-            position.setdefault(rid, len(position))
-            endpoint_of.setdefault(rid, ENDPOINTS.get(row["url"], "chat"))
-    return position, endpoint_of
+            rid = row[OPENAI_ID_COLUMN]
+            if rid is None:
+                rid = f"{f.stem}:{row[ROW_INDEX]}"
+                out.unnamed.add(rid)
+            out.position.setdefault(rid, len(out.position))
+            out.endpoint_of.setdefault(rid, ENDPOINTS.get(row["url"], "chat"))
+    return out
 
 
 def error_status(row: dict[str, Any]) -> int:

@@ -6,11 +6,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from jobrunner.driver.rows import kept_columns
+from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
 from jobrunner.driver.shards import ShardTable, plan_shards
+from jobrunner.io.ids import Duplicate
 from jobrunner.io.reader import InputError, InputFile, check_columns
-from jobrunner.io.text_input import list_input
+from jobrunner.io.text_input import find_input_duplicates, list_input, row_location
 from jobrunner.spec import JobSpec
+
+MAX_LISTED_DUPLICATES = 5
 
 
 @dataclass
@@ -56,6 +59,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
     if plan.num_rows == 0:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
                          f"({len(files)} file(s), all empty)")
+    check_unique_ids(spec, plan.files)
     return plan
 
 
@@ -81,6 +85,34 @@ def first_rows(files: list[InputFile], limit: int) -> list[InputFile]:
         out.append(dataclasses.replace(f, num_rows=left, row_group_num_rows=tuple(groups)))
         left = 0
     return out
+
+
+def check_unique_ids(spec: JobSpec, files: list[InputFile]) -> None:
+    """InputError naming the first repeated ids (file and row or line of both rows) when an id appears
+    twice: every input id must come out exactly once. Derived ids (no id column) are unique by
+    construction. Reads the id column once (io/ids.py: memory bounded at any row count)."""
+    column = id_column(spec)
+    if column is None:
+        return
+    inp = spec.input
+    dups = find_input_duplicates(files, inp.storage_options, inp.format, column, MAX_LISTED_DUPLICATES + 1)
+    if not dups:
+        return
+    shown = "; ".join(_describe_duplicate(d, files, spec) for d in dups[:MAX_LISTED_DUPLICATES])
+    more = " (and more)" if len(dups) > MAX_LISTED_DUPLICATES else ""
+    if is_openai_batch(spec):
+        raise InputError(f"the batch repeats a custom_id: {shown}{more}. Every custom_id must be unique in a "
+                         "batch (OpenAI refuses such a file too); fix the input")
+    raise InputError(f"input.id_column {column!r} has duplicate ids: {shown}{more}. Every id must be unique "
+                     "(each comes out exactly once); fix the input, or leave input.id_column unset to use "
+                     "'<file-stem>:<row>' ids")
+
+
+def _describe_duplicate(dup: Duplicate, files: list[InputFile], spec: JobSpec) -> str:
+    def where(at: tuple[int, int]) -> str:
+        return row_location(files[at[0]], at[1], spec.input.storage_options, spec.input.format)
+
+    return f"{dup.row_id!r} at {where(dup.first)} and again at {where(dup.again)}"
 
 
 def check_kept_columns(spec: JobSpec, files: list[InputFile]) -> None:

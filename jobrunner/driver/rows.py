@@ -16,8 +16,9 @@ import pyarrow as pa
 from jobrunner.driver.openai_batch import parse_request
 from jobrunner.engine import SamplingParams
 from jobrunner.io.parts import output_schema
-from jobrunner.io.reader import ROW_INDEX, parse_messages, parse_overrides
-from jobrunner.io.text_input import OPENAI_COLUMNS, OPENAI_ERROR_COLUMN, read_input_rows
+from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
+from jobrunner.io.text_input import read_input_rows
+from jobrunner.io.text_lines import OPENAI_COLUMNS
 from jobrunner.spec import JobSpec
 
 OPENAI_ID_COLUMN = "custom_id"
@@ -52,7 +53,7 @@ def request_columns(spec: JobSpec) -> list[str]:
     if is_openai_batch(spec):
         return list(OPENAI_COLUMNS)
     inp = spec.input
-    cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column]
+    cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -100,10 +101,10 @@ def row_id(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> tuple[str, str
 def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> RowRequest:
     """Build the request of one input row, or an error row."""
     rid, id_error = row_id(spec, file_stem, row)
-    req = RowRequest(row_id=rid, row_index=row[ROW_INDEX], error=id_error)
+    # A text line that could not be read (ROW_ERROR names the line) is that row's error, whatever else.
+    req = RowRequest(row_id=rid, row_index=row[ROW_INDEX], error=row.get(ROW_ERROR) or id_error)
     if is_openai_batch(spec):
         req.endpoint = "chat"
-        req.error = row.get(OPENAI_ERROR_COLUMN) or req.error
     if req.error:
         return req
     req.chat_template_kwargs = dict(spec.input.chat_template_kwargs) or None

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import io
+import struct
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobrunner.io.layout import PARTS_DIR, attempt_part_key, part_key
-from jobrunner.io.reader import ROW_INDEX
-from jobrunner.io.storage import Storage, retry
+from jobrunner.io.reader import ROW_INDEX, map_files
+from jobrunner.io.storage import Storage, StorageError, retry
 from jobrunner.redaction import redact_text
 
 # One token's log-probability and its top alternatives (the `logprobs` / `prompt_logprobs` list elements).
@@ -104,15 +105,47 @@ def write_attempt_part(storage: Storage, attempt_id: str, shard_id: str, row_sta
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     key = attempt_part_key(attempt_id, shard_id, row_start)
-    retry(f"write {storage.display(key)}", lambda: storage.put(key, buf.getvalue()))
+    storage.put_retried(key, buf.getvalue())
     return key
 
 
 def commit_part(storage: Storage, temp_key: str, final_key: str) -> str:
     """Publish an attempt's temporary part at its final key (rename on disk, server-side copy on object
-    stores); only the driver calls this, for the attempt it assigned. Returns the final key."""
+    stores); only the driver calls this, for the attempt it assigned. Returns the final key. A move whose
+    reply was lost is resolved at the destination (`Storage.commit`)."""
     storage.commit(temp_key, final_key)
     return final_key
+
+
+def commit_parts(storage: Storage, temp_keys: list[str], final_keys: list[str]) -> list[int]:
+    """`commit_part` for each of a shard's parts; returns their sizes in bytes (kept in its commit record,
+    so a resume can check each part before trusting it)."""
+    return [storage.commit(t, f) for t, f in zip(temp_keys, final_keys, strict=True)]
+
+
+FOOTER_GUESS = 64 * 1024  # one ranged read of a part's tail holds its footer (a part has few row groups)
+
+
+def part_row_counts(storage: Storage, sizes: dict[str, int]) -> dict[str, int | None]:
+    """Part key -> its row count from its Parquet footer (None when the part is not readable Parquet).
+    sizes: key -> size in bytes (from a listing). Footers are read concurrently, one ranged read each."""
+    keys = list(sizes)
+    return dict(zip(keys, map_files(lambda k: _footer_rows(storage, k, sizes[k]), keys), strict=True))
+
+
+def _footer_rows(storage: Storage, key: str, size: int) -> int | None:
+    try:
+        tail = retry(f"read {storage.display(key)}",
+                     lambda: storage.fs.cat_file(storage.path(key), start=max(0, size - FOOTER_GUESS), end=size))
+        length = struct.unpack("<i", tail[-8:-4])[0] if len(tail) >= 12 and tail[-4:] == b"PAR1" else -1
+        if not 0 < length <= size - 12:
+            return None
+        if length + 8 > len(tail):
+            tail = retry(f"read {storage.display(key)}",
+                         lambda: storage.fs.cat_file(storage.path(key), start=size - length - 8, end=size))
+        return pq.read_metadata(pa.BufferReader(b"PAR1" + tail[-length - 8:])).num_rows
+    except (OSError, pa.ArrowInvalid, StorageError):
+        return None
 
 
 def list_parts(storage: Storage) -> list[str]:

@@ -26,30 +26,34 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[PromptRow]:
     if suffix == ".jsonl":
         rows = _read_jsonl(path, limit)
     elif suffix in (".parquet", ".parq"):
-        rows = _read_parquet(path, limit)
+        rows = [(f"row {i}", row) for i, row in enumerate(_read_parquet(path, limit))]
     else:
         raise PromptFileError(f"prompt file {str(path)!r}: expected a .jsonl or .parquet file")
-    prompts = [_prompt_of(row, path, i) for i, row in enumerate(rows)]
+    prompts = [_prompt_of(row, path, where) for where, row in rows]
     if not prompts:
         raise PromptFileError(f"prompt file {str(path)!r} has no rows")
     return prompts
 
 
-def _read_jsonl(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+def _read_jsonl(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+    """(\"line N\", object) of the first `limit` non-blank lines; bad bytes or JSON name their line."""
+    rows: list[tuple[str, dict[str, Any]]] = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
                 break
-            if not line.strip():
+            if not raw.strip():
                 continue
+            where = f"prompt file {str(path)!r} line {lineno}"
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise PromptFileError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
             except ValueError as exc:
-                raise PromptFileError(f"prompt file {str(path)!r} line {lineno}: not JSON: {exc}") from None
+                raise PromptFileError(f"{where}: not JSON: {exc}") from None
             if not isinstance(row, dict):
-                raise PromptFileError(f"prompt file {str(path)!r} line {lineno}: expected a JSON object")
-            rows.append(row)
+                raise PromptFileError(f"{where}: expected a JSON object")
+            rows.append((f"line {lineno}", row))
     return rows
 
 
@@ -72,9 +76,9 @@ def _read_parquet(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return rows
 
 
-def _prompt_of(row: dict[str, Any], path: Path, index: int) -> PromptRow:
+def _prompt_of(row: dict[str, Any], path: Path, at: str) -> PromptRow:
     messages, prompt = row.get("messages"), row.get("prompt")
-    where = f"prompt file {str(path)!r} row {index}"
+    where = f"prompt file {str(path)!r} {at}"
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise PromptFileError(f"{where}: 'messages' must be a list of {{role, content}} objects")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -9,15 +10,22 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from jobrunner.io.row_groups import ReadStats, RowGroupCache, read_footer, read_range
+from jobrunner.io.row_groups import (
+    ReadStats,
+    RowGroupCache,
+    file_stamps,
+    parse_footer,
+    read_footer_bytes,
+    read_range,
+)
 from jobrunner.io.storage import StorageError, retry
 from jobrunner.redaction import redact_text
 
 ROW_INDEX = "__row"  # absolute row number within its file, carried by every row read
 ROW_ID = "__id"  # the row id (from id_column or derived)
+ROW_ERROR = "__error"  # why a row of a text file could not be read (naming its line), else null
 T = TypeVar("T")
 R = TypeVar("R")
 PROCESS_CACHE = RowGroupCache()  # footers and split row groups this process has read (one per worker)
@@ -41,6 +49,9 @@ class InputFile:
     row_group_num_rows: tuple[int, ...]
     column_types: dict[str, str] = field(default_factory=dict)  # name -> Arrow type as text
     num_bytes: int = 0  # file size (for the read-amplification figure)
+    # What pins this version of the file (recorded at planning; a resume over a changed file refuses):
+    stamps: dict[str, str] = field(default_factory=dict)  # etag / version_id / mtime, as the store gives them
+    digest: str = ""  # sha1 of the Parquet footer (row groups, offsets, statistics) or of a text file's bytes
 
 
 FOOTER_THREADS = 32  # footers are small reads dominated by latency: read many files at once
@@ -102,21 +113,23 @@ def _hidden(path: str, root: str) -> bool:
 
 
 def _read_footer(fs: Any, path: str, size: int | None = None) -> InputFile:
-    def read() -> tuple[pq.FileMetaData, int]:
+    def read() -> tuple[bytes, int, dict[str, str]]:
         with _open_exact(fs, path) as f:
             num_bytes = size if size is not None else f.seek(0, 2)
-            return read_footer(f, num_bytes), num_bytes
+            return read_footer_bytes(f, num_bytes), num_bytes, file_stamps(f)
 
     url = fs.unstrip_protocol(path)
     try:
-        meta, num_bytes = retry(f"read {url}", read)
+        raw, num_bytes, stamps = retry(f"read {url}", read)
+        meta = parse_footer(raw)
     except (pa.ArrowInvalid, OSError, StorageError) as exc:
         raise InputError(f"input file {url}: not a readable Parquet file ({exc})") from None
     groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
     schema = meta.schema.to_arrow_schema()
     types = {name: str(schema.field(name).type) for name in schema.names}
     return InputFile(url=url, stem=file_stem(path), num_rows=meta.num_rows, row_group_num_rows=groups,
-                     column_types=types, num_bytes=num_bytes)
+                     column_types=types, num_bytes=num_bytes, stamps=stamps,
+                     digest=hashlib.sha1(raw).hexdigest()[:20])
 
 
 def file_stem(path: str) -> str:
@@ -207,38 +220,17 @@ def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, ro
 
     try:
         table = retry(f"read {file_url}", read)
+    except FileNotFoundError:
+        raise InputError(gone_message(file_url)) from None
     except (pa.ArrowInvalid, OSError, StorageError) as exc:
         raise InputError(f"input file {file_url}: cannot read rows {row_start}..{row_end}: {exc}") from None
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
 
 
-def duplicate_ids(files: list[InputFile], storage_options: dict[str, Any], column: str,
-                  limit: int = 10) -> list[str]:
-    """Up to `limit` ids of `column` that appear more than once across the files (reads only that column)."""
-    seen: set[str] = set()
-    dups: list[str] = []
-    for f in files:
-        fs, path = url_to_fs(f.url, **storage_options)
-
-        def read(fs: Any = fs, path: str = path) -> pa.Table:
-            with fs.open(path, "rb") as fh:
-                return pq.read_table(fh, columns=[column])
-
-        if add_duplicates(retry(f"read {f.url}", read).column(column).to_pylist(), seen, dups, limit):
-            return dups
-    return dups
-
-
-def add_duplicates(values: list[Any], seen: set[str], dups: list[str], limit: int) -> bool:
-    """Record ids in ``values`` already in ``seen`` (as strings) into ``dups``; True once ``limit`` are found."""
-    for value in values:
-        key = str(value)
-        if key in seen and key not in dups:
-            dups.append(key)
-            if len(dups) >= limit:
-                return True
-        seen.add(key)
-    return False
+def gone_message(url: str) -> str:
+    """What a worker says when an input file planned into the job is no longer there."""
+    return (f"input file {url} is gone (deleted or moved after the job was planned); put it back (the same "
+            "file) and run the job again: it resumes")
 
 
 def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:

@@ -72,6 +72,17 @@ class CountingFile:
 
 def read_footer(f: Any, size: int, stats: ReadStats | None = None) -> pq.FileMetaData:
     """The footer of an open Parquet file of `size` bytes, read with two exact range reads."""
+    return parse_footer(read_footer_bytes(f, size, stats))
+
+
+def parse_footer(raw: bytes) -> pq.FileMetaData:
+    """Footer bytes (as `read_footer_bytes` gives them) as Parquet metadata."""
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + raw))
+
+
+def read_footer_bytes(f: Any, size: int, stats: ReadStats | None = None) -> bytes:
+    """The footer of an open Parquet file of `size` bytes and its 8-byte trailer, read with two exact range
+    reads (the bytes also fingerprint the file: row group sizes, offsets and statistics)."""
     if size < 12:
         raise pa.ArrowInvalid(f"file of {size} bytes is too small to be Parquet")
     f.seek(size - FOOTER_TRAILER)
@@ -84,7 +95,7 @@ def read_footer(f: Any, size: int, stats: ReadStats | None = None) -> pq.FileMet
     if stats is not None:
         stats.footer_bytes += length + FOOTER_TRAILER
         stats.num_reads += 2
-    return pq.read_metadata(pa.BufferReader(b"PAR1" + footer + trailer))
+    return footer + trailer
 
 
 def groups_for(meta: pq.FileMetaData, row_start: int, row_end: int) -> tuple[list[int], int]:
@@ -155,6 +166,30 @@ def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: 
         else:
             table = parquet.schema_arrow.empty_table().select(columns)
     return table.slice(row_start - first, row_end - row_start)
+
+
+def file_stamps(f: Any) -> dict[str, str]:
+    """What an open file's store says identifies this version of it, without an extra request: `etag`,
+    `version_id` (versioned buckets), `mtime` (whichever the store gives)."""
+    details = getattr(f, "details", None)
+    out = stamps_of(details) if isinstance(details, dict) else {}
+    if "mtime" not in out:
+        try:
+            out["mtime"] = str(os.fstat(f.fileno()).st_mtime_ns)
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            pass
+    return out
+
+
+def stamps_of(info: dict[str, Any]) -> dict[str, str]:
+    """`etag`, `version_id`, `mtime` from a listing / info dict (the names differ between stores)."""
+    out: dict[str, str] = {}
+    for ours, names in (("etag", ("ETag", "etag", "md5Hash")), ("version_id", ("VersionId", "generation")),
+                        ("mtime", ("LastModified", "mtime", "last_modified", "updated"))):
+        value = next((info[n] for n in names if info.get(n) is not None), None)
+        if value is not None:
+            out[ours] = str(value).strip('"')
+    return out
 
 
 def file_version(f: Any) -> Any:

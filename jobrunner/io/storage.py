@@ -6,6 +6,7 @@ us because readers only look at final keys and a key is either absent or complet
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -130,7 +131,7 @@ class Storage:
         """Write to a temporary key, then commit to `rel` (overwriting any previous value)."""
         # `.tmp`: a glob reader (`OUT/**/*.parquet`) never picks up a write in flight or one left by a crash.
         tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-{rel.replace('/', '_')}.tmp"
-        retry(f"write {self.display(tmp)}", lambda: self.put(tmp, data))
+        self.put_retried(tmp, data)
         self.commit(tmp, rel)
 
     def put(self, rel: str, data: bytes) -> None:
@@ -139,15 +140,74 @@ class Storage:
             self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(self.path(rel), data)
 
-    def commit(self, tmp: str, rel: str) -> None:
-        """Move a finished temporary key to its final key."""
+    def put_retried(self, rel: str, data: bytes) -> None:
+        """`put` with retries; after a failed attempt (its reply lost, say) a key already holding exactly
+        `data` (size, and MD5 ETag on object stores) counts as written instead of being uploaded again."""
+        failed = [False]
+
+        def attempt() -> None:
+            if failed[0] and _matches(self._info(rel), len(data), hashlib.md5(data).hexdigest()):
+                log.info("write %s: an earlier attempt had written it (its reply was lost)", self.display(rel))
+                return
+            failed[0] = True  # until put returns: a failure below may still have written the key
+            self.put(rel, data)
+            failed[0] = False
+
+        retry(f"write {self.display(rel)}", attempt)
+
+    def commit(self, tmp: str, rel: str) -> int:
+        """Move a finished temporary key to its final key; returns its size in bytes.
+
+        Idempotent: a move whose reply was lost (the key moved, the retry then finds no source) is checked
+        at the destination; the source's size and identity (ETag on object stores, inode on disk) there
+        means it moved, and the retry succeeds instead of failing with FileNotFoundError."""
+        source = retry(f"inspect {self.display(tmp)}", lambda: self._info(tmp))
+        if source is None:
+            raise _named(FileNotFoundError(self.display(tmp)), f"commit {self.display(rel)}: no temporary key")
+        tried = [False]
 
         def move() -> None:
+            if tried[0] and self._moved(tmp, rel, source):
+                return
+            tried[0] = True
             if not _is_object_store(self.fs):
                 self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-            self.fs.mv(self.path(tmp), self.path(rel))
+            try:
+                self.fs.mv(self.path(tmp), self.path(rel))
+            except FileNotFoundError:
+                if not self._moved(tmp, rel, source):
+                    raise
 
         retry(f"commit {self.display(rel)}", move)
+        return int(source.get("size") or 0)
+
+    def _info(self, rel: str) -> dict[str, Any] | None:
+        """A key's listing info (size, ETag / inode), None when it does not exist."""
+        self.fs.invalidate_cache(self.path(rel))
+        try:
+            return self.fs.info(self.path(rel))
+        except FileNotFoundError:
+            return None
+
+    def _moved(self, tmp: str, rel: str, source: dict[str, Any]) -> bool:
+        """Whether an earlier move of `tmp` (described by `source`) has landed at `rel`."""
+        if self._info(tmp) is not None:
+            return False
+        landed = _matches(self._info(rel), source.get("size"), _etag(source), source.get("ino"))
+        if landed:
+            log.info("commit %s: an earlier attempt had moved it (its reply was lost)", self.display(rel))
+        return landed
+
+    def list_sizes(self, rel: str) -> dict[str, int]:
+        """Keys under a prefix (relative to root) -> size in bytes, from one listing; empty when none."""
+        self.fs.invalidate_cache()
+        try:
+            entries = retry(f"list {self.display(rel)}", lambda: self.fs.ls(self.path(rel), detail=True))
+        except FileNotFoundError:
+            return {}
+        prefix = self.root + "/"
+        return {e["name"][len(prefix):] if e["name"].startswith(prefix) else e["name"]: int(e.get("size") or 0)
+                for e in entries if e.get("type") != "directory"}
 
     def delete(self, rel: str, recursive: bool = False) -> None:
         """Delete a key (or a prefix); missing is fine."""
@@ -293,6 +353,23 @@ def _resolved(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, str]:
     if protocol == "file":
         return protocol, os.path.realpath(path)
     return protocol, path.rstrip("/")
+
+
+def _etag(info: dict[str, Any]) -> str | None:
+    """An object's ETag when it is the MD5 of its bytes (not a multipart ETag `<md5>-<parts>`)."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    return etag.lower() if etag and "-" not in etag else None
+
+
+def _matches(info: dict[str, Any] | None, size: Any, md5: str | None = None, ino: Any = None) -> bool:
+    """Whether a key's info shows the expected bytes: its size, and where both sides know them its MD5
+    ETag and its inode."""
+    if info is None or size is None or int(info.get("size") or 0) != int(size):
+        return False
+    etag = _etag(info)
+    if md5 is not None and etag is not None and etag != md5:
+        return False
+    return ino is None or info.get("ino") is None or info.get("ino") == ino
 
 
 def _protocol(fs: fsspec.AbstractFileSystem) -> str:

@@ -1,42 +1,51 @@
 """JSONL, CSV and OpenAI-batch input files, next to Parquet: listing, row counts, column types, row ranges.
 
 `input.format` picks the reader; `auto` goes by each file's extension. A text file has no row groups, so the
-planner sees it as one group of all its rows and a shard reads the file and keeps its row range. Lines are
-parsed when the file is listed, so a JSONL line that is not a JSON object fails the job before any worker
-starts, naming file and line. OpenAI batch lines are the exception: each line is one request, so a bad line
-becomes that row's error (column `_error`), never the file's.
+planner sees it as one group of all its rows and a shard reads the file and keeps its row range. A JSONL or
+CSV file is read by pyarrow's columnar reader when it reads cleanly; a file that does not (one value of the
+wrong type, bytes that are not UTF-8, a line that is not a JSON object) is read line by line instead
+(io/text_lines.py), where each bad line becomes that row's error (column ROW_ERROR, naming the line) and the
+rest runs. OpenAI batch files are always read line by line: each line is one request.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
+import hashlib
 import io
 import json
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.json as pajson
 from fsspec.core import url_to_fs
 
+from jobrunner.io.ids import BATCH_ROWS, Duplicate, ParquetIds, find_duplicate_ids
 from jobrunner.io.reader import (
     PARQUET_SUFFIXES,
+    ROW_ERROR,
     ROW_INDEX,
     InputError,
     InputFile,
     _expand,
     _read_footer,
-    add_duplicates,
     file_stem,
+    gone_message,
     map_files,
     read_rows,
 )
+from jobrunner.io.row_groups import stamps_of
 from jobrunner.io.storage import StorageError, retry
+from jobrunner.io.text_lines import csv_by_line, jsonl_by_line, openai_by_line, row_line_numbers
+from jobrunner.redaction import redact_text
 
+log = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv",)
-# The columns an OpenAI batch file becomes; `_error` says why a line is not a request (else null).
-OPENAI_COLUMNS = ("custom_id", "method", "url", "body", "_error")
-OPENAI_ERROR_COLUMN = "_error"
 
 
 def file_format(path: str, fmt: str) -> str:
@@ -76,23 +85,43 @@ def _describe_file(fs: Any, path: str, fmt: str, size: int | None = None) -> Inp
     if fmt == "parquet":
         return _read_footer(fs, path, size)
     url = fs.unstrip_protocol(path)
-    table = _parse(_read_bytes(fs, path, url), fmt, url)
+    stamps = _stamps(fs, path, url)
+    data = _read_bytes(fs, path, url)
+    table = _parse(data, fmt, url)
     return InputFile(url=url, stem=file_stem(path), num_rows=table.num_rows,
                      row_group_num_rows=(table.num_rows,) if table.num_rows else (),
-                     column_types={f.name: str(f.type) for f in table.schema})
+                     column_types={f.name: str(f.type) for f in table.schema if f.name != ROW_ERROR},
+                     num_bytes=len(data), stamps=stamps, digest=hashlib.sha1(data).hexdigest()[:20])
+
+
+def _stamps(fs: Any, path: str, url: str) -> dict[str, str]:
+    """A text file's ETag / version id / mtime, from its info (io/row_groups.py: file_stamps)."""
+    try:
+        info = retry(f"inspect {url}", lambda: fs.info(path))
+    except FileNotFoundError:
+        raise InputError(gone_message(url)) from None
+    except (OSError, StorageError) as exc:
+        raise InputError(f"input file {url}: cannot read: {exc}") from None
+    return stamps_of(info)
 
 
 def read_input_rows(file_url: str, storage_options: dict[str, Any], fmt: str, row_start: int, row_end: int,
                     columns: list[str] | None) -> pa.Table:
-    """Rows [row_start, row_end) of one input file of any format, `columns` (None: all) plus ROW_INDEX."""
+    """Rows [row_start, row_end) of one input file of any format: `columns` (None: all) plus ROW_ERROR (why
+    a text line could not be read; null for every Parquet row) and ROW_INDEX."""
     fmt = file_format(file_url, fmt)
     if fmt == "parquet":
-        return read_rows(file_url, storage_options, row_start, row_end, columns)
+        wanted = None if columns is None else [c for c in columns if c != ROW_ERROR]
+        table = read_rows(file_url, storage_options, row_start, row_end, wanted)
+        errors = pa.nulls(table.num_rows, pa.string())
+        return table.add_column(table.num_columns - 1, ROW_ERROR, errors)
     options = json.dumps(storage_options, sort_keys=True, default=str)
     table = _parsed_file(file_url, options, fmt, _version(file_url, storage_options))
     table = table.slice(row_start, row_end - row_start)
+    if ROW_ERROR not in table.column_names:
+        table = table.append_column(ROW_ERROR, pa.nulls(table.num_rows, pa.string()))
     if columns is not None:
-        table = table.select([c for c in columns if c in table.column_names])
+        table = table.select([c for c in columns if c in table.column_names and c != ROW_ERROR] + [ROW_ERROR])
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
 
 
@@ -102,6 +131,8 @@ def _version(file_url: str, storage_options: dict[str, Any]) -> str:
     fs.invalidate_cache()
     try:
         info = retry(f"inspect {file_url}", lambda: fs.info(path))
+    except FileNotFoundError:
+        raise InputError(gone_message(file_url)) from None
     except (OSError, StorageError) as exc:
         raise InputError(f"input file {file_url}: cannot read: {exc}") from None
     stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("updated")
@@ -120,87 +151,101 @@ def _parsed_file(file_url: str, options_json: str, fmt: str, version: str) -> pa
 def _read_bytes(fs: Any, path: str, url: str) -> bytes:
     try:
         return retry(f"read {url}", lambda: fs.cat_file(path))
+    except FileNotFoundError:
+        raise InputError(gone_message(url)) from None
     except (OSError, StorageError) as exc:
         raise InputError(f"input file {url}: cannot read: {exc}") from None
 
 
 def _parse(data: bytes, fmt: str, url: str) -> pa.Table:
-    if fmt == "csv":
-        return _parse_csv(data, url)
+    """A text file as a table: the columnar fast path when the whole file reads cleanly, else line by line
+    (io/text_lines.py: a bad line is that row's error, in column ROW_ERROR)."""
     if fmt == "openai_batch":
-        return _parse_openai_batch(data, url)
-    return _parse_jsonl(data, url)
-
-
-def _parse_csv(data: bytes, url: str) -> pa.Table:
+        return openai_by_line(data)
+    fast = _csv_fast(data) if fmt == "csv" else _jsonl_fast(data)
+    if fast is not None:
+        return fast
+    log.info("input file %s: not clean for the columnar reader; reading it line by line", redact_text(url))
     try:
-        return pacsv.read_csv(io.BytesIO(data))
-    except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
-        raise InputError(f"input file {url}: not a readable CSV file ({exc})") from None
+        return csv_by_line(data) if fmt == "csv" else jsonl_by_line(data)
+    except (ValueError, csv.Error) as exc:
+        raise InputError(f"input file {url}: not a readable {fmt.upper()} file ({exc})") from None
 
 
-def _lines(data: bytes, url: str) -> list[tuple[int, str]]:
-    """(line number from 1, text) of every non-blank line."""
+def _jsonl_fast(data: bytes) -> pa.Table | None:
+    """pyarrow's JSON reader, or None when the file needs the per-line path (or its types would differ
+    from JSON's: pyarrow reads date-like strings as timestamps)."""
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"input file {url}: not UTF-8 text ({exc})") from None
-    return [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+        table = pajson.read_json(io.BytesIO(data))
+        table.validate(full=True)  # the reader does not check UTF-8
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeDecodeError):
+        return None
+    return None if any(_is_temporal(f.type) for f in table.schema) else table
 
 
-def _parse_jsonl(data: bytes, url: str) -> pa.Table:
-    records = []
-    for number, line in _lines(data, url):
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise InputError(f"input file {url}: line {number} is not valid JSON ({exc})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"input file {url}: line {number} is not a JSON object")
-        records.append(record)
-    names = list(dict.fromkeys(k for r in records for k in r))
-    columns = {}
-    for name in names:
-        try:
-            columns[name] = pa.array([r.get(name) for r in records])
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise InputError(f"input file {url}: field {name!r} has values of mixed types ({exc})") from None
-    return pa.table(columns) if columns else pa.table({})
+def _is_temporal(t: pa.DataType) -> bool:
+    """Whether a type is or holds a date / time type (nested in lists and structs too)."""
+    if pa.types.is_temporal(t):
+        return True
+    return any(_is_temporal(t.field(i).type) for i in range(t.num_fields))
 
 
-def _parse_openai_batch(data: bytes, url: str) -> pa.Table:
-    """One row per line; a line that is not a request object keeps its text in `body` and an `_error`."""
-    rows: dict[str, list[Any]] = {name: [] for name in OPENAI_COLUMNS}
-    for number, line in _lines(data, url):
-        record, error = _openai_record(line, number)
-        rows["custom_id"].append(None if record.get("custom_id") is None else str(record["custom_id"]))
-        for key in ("method", "url"):
-            value = record.get(key)
-            rows[key].append(None if value is None else str(value))
-        body = record.get("body", line if error else None)
-        rows["body"].append(body if isinstance(body, str) or body is None else json.dumps(body))
-        rows["_error"].append(error)
-    return pa.table({name: pa.array(values, pa.string()) for name, values in rows.items()})
-
-
-def _openai_record(line: str, number: int) -> tuple[dict[str, Any], str | None]:
+def _csv_fast(data: bytes) -> pa.Table | None:
+    """pyarrow's CSV reader, or None when a record is malformed or holds bytes that are not UTF-8 (the
+    reader would make that column binary)."""
     try:
-        record = json.loads(line)
-    except ValueError as exc:
-        return {}, f"line {number} is not valid JSON ({exc})"
-    if not isinstance(record, dict):
-        return {}, f"line {number} is not a JSON object"
-    return record, None
+        table = pacsv.read_csv(io.BytesIO(data))
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    return None if any(pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) for f in table.schema) \
+        else table
 
 
 def duplicate_input_ids(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
                         limit: int = 10) -> list[str]:
     """Up to `limit` values of `column` that appear more than once across the files, for any input format."""
-    seen: set[str] = set()
-    dups: list[str] = []
-    for f in files:
-        table = read_input_rows(f.url, storage_options, fmt, 0, f.num_rows, [column])
-        values = table.column(column).to_pylist() if column in table.column_names else []
-        if add_duplicates(values, seen, dups, limit):
-            return dups
-    return dups
+    return [d.row_id for d in find_input_duplicates(files, storage_options, fmt, column, limit)]
+
+
+def find_input_duplicates(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
+                          limit: int = 10) -> list[Duplicate]:
+    """The first `limit` ids of `column` seen twice across the files (io/ids.py: bounded memory, hashes
+    confirmed as text), the earliest repeat first."""
+    parquet, text = ParquetIds(storage_options, column), _TextIds(storage_options, fmt, column)
+    try:
+        return find_duplicate_ids(files, lambda f: parquet if file_format(f.url, fmt) == "parquet" else text, limit)
+    except (OSError, StorageError, pa.ArrowInvalid) as exc:
+        raise InputError(f"input: cannot read the id column {column!r} to check that ids are unique: {exc}") from None
+
+
+class _TextIds:
+    """The id column of a text file (parsed once per process, io/text_input.py's cache)."""
+
+    def __init__(self, storage_options: dict[str, Any], fmt: str, column: str) -> None:
+        self.storage_options, self.fmt, self.column = storage_options, fmt, column
+
+    def _ids(self, f: InputFile) -> pa.ChunkedArray:
+        table = read_input_rows(f.url, self.storage_options, self.fmt, 0, f.num_rows, [self.column])
+        if self.column in table.column_names:
+            return table.column(self.column)
+        return pa.chunked_array([pa.nulls(table.num_rows, pa.string())])
+
+    def scan(self, f: InputFile) -> Iterator[tuple[int, pa.Array]]:
+        ids = self._ids(f)
+        for start in range(0, len(ids), BATCH_ROWS):
+            yield start, ids.slice(start, BATCH_ROWS)
+
+    def values(self, f: InputFile, rows: list[int]) -> dict[int, Any]:
+        ids = self._ids(f)
+        return {row: ids[row].as_py() for row in rows}
+
+
+def row_location(f: InputFile, row: int, storage_options: dict[str, Any], fmt: str) -> str:
+    """Where a row is, for messages: `<url> row N` for Parquet (from 0, as in derived ids), `<url> line N`
+    for a text file (from 1, blank lines counted, as an editor shows it)."""
+    fmt = file_format(f.url, fmt)
+    if fmt == "parquet":
+        return f"{f.url} row {row}"
+    fs, path = url_to_fs(f.url, **storage_options)
+    lines = row_line_numbers(_read_bytes(fs, path, f.url), fmt)
+    return f"{f.url} line {lines[row]}" if row < len(lines) else f"{f.url} row {row}"

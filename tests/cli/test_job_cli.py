@@ -47,8 +47,9 @@ def test_validate_reports_plan_and_errors(tmp_path):
     pq.write_table(pq.read_table(tmp_path / "dup.parquet"), tmp_path / "dup2.parquet")
     data["input"]["url"] = str(tmp_path / "dup*.parquet")
     (tmp_path / "dup.yaml").write_text(yaml.safe_dump(data))
-    dup = runner.invoke(main, ["validate", str(tmp_path / "dup.yaml"), "--check-ids"])
-    assert dup.exit_code == 1 and "input.id_column 'id' has duplicate ids: p000, p001" in dup.output
+    dup = runner.invoke(main, ["validate", str(tmp_path / "dup.yaml")])  # ids are always checked now
+    assert dup.exit_code == 1 and "input.id_column 'id' has duplicate ids: 'p000' at " in dup.output, dup.output
+    assert "dup.parquet row 0 and again at " in dup.output and "dup2.parquet row 0; 'p001' at " in dup.output
 
 
 def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):

@@ -177,7 +177,8 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     outputs = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/output.jsonl").decode().splitlines()]
     errors = [json.loads(x) for x in fs.cat_file(f"{bucket}/out/_openai/errors.jsonl").decode().splitlines()]
     assert [o["custom_id"] for o in outputs] == ["chat-n", "json", "text"]
-    assert sorted(e["custom_id"] for e in errors) == ["bad-n", "bad-url", "batch:3", "too-long", "unknown-field"]
+    # in input order; the line that is not JSON shows no custom_id: null, its message names the line
+    assert [e["custom_id"] for e in errors] == [None, "unknown-field", "bad-url", "bad-n", "too-long"]
     chat = ChatCompletion.model_validate(outputs[0]["response"]["body"])
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == sum(
         len(c.logprobs.content) for c in chat.choices)
@@ -195,7 +196,7 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     assert by_id["unknown-field"]["status_code"] == 400
     assert "tools not supported" in by_id["unknown-field"]["body"]["error"]["message"]
     assert "url '/v1/embeddings'" in by_id["bad-url"]["body"]["error"]["message"]
-    assert "line 4 is not valid JSON" in by_id["batch:3"]["body"]["error"]["message"]
+    assert "line 4 is not valid JSON" in by_id[None]["body"]["error"]["message"]
     assert "'n'" in by_id["bad-n"]["body"]["error"]["message"]
     assert by_id["too-long"]["status_code"] == 400 and "prompt has" in by_id["too-long"]["body"]["error"]["message"]
     # A resumed run (everything committed: no worker starts) writes the same result lines again.
@@ -233,11 +234,13 @@ def test_csv_input_and_kept_column_clash(local_ray, tmp_path, tiny_llama_hf_dir)
 def test_validate_openai_batch_file_and_duplicate_custom_ids(tmp_path):
     lines = [json.dumps(r) for r in BATCH[:3]] + [json.dumps({**BATCH[2], "body": {"prompt": "again"}})]
     (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "c.jsonl").write_text("\n".join(lines[:3]) + "\n")
     job = {"name": "v", "input": {"url": str(tmp_path / "b.jsonl"), "format": "openai_batch"},
            "output": {"url": str(tmp_path / "out")}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     runner = CliRunner()
-    ok = runner.invoke(main, ["validate", str(tmp_path / "job.yaml")])
-    assert ok.exit_code == 0 and "1 file(s), 4 rows, 1 shard(s)" in ok.output, ok.output
-    dup = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--check-ids"])
-    assert dup.exit_code == 1 and "input.id_column 'custom_id' has duplicate ids: text" in dup.output
+    ok = runner.invoke(main, ["validate", str(tmp_path / "job.yaml"), "--set", f"input.url={tmp_path / 'c.jsonl'}"])
+    assert ok.exit_code == 0 and "1 file(s), 3 rows, 1 shard(s)" in ok.output, ok.output
+    dup = runner.invoke(main, ["validate", str(tmp_path / "job.yaml")])  # every run and validate look
+    assert dup.exit_code == 1 and "the batch repeats a custom_id: 'text' at " in dup.output, dup.output
+    assert "b.jsonl line 3 and again at " in dup.output and "b.jsonl line 4" in dup.output

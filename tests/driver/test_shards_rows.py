@@ -6,7 +6,7 @@ import pytest
 
 from jobrunner.driver.rows import to_request
 from jobrunner.driver.shards import plan_shards
-from jobrunner.io.reader import ROW_INDEX, InputFile
+from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, InputFile
 from jobrunner.spec import spec_from_dict
 
 
@@ -82,16 +82,16 @@ def test_openai_batch_rows_become_requests_or_error_rows():
                            "sampling": {"max_tokens": 5}, "output": {"url": "o"}})
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     ok = to_request(spec, "b", {ROW_INDEX: 0, "custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
-                                "body": json.dumps(body), "_error": None})
+                                "body": json.dumps(body), ROW_ERROR: None})
     assert ok.error is None and ok.row_id == "r0" and ok.endpoint == "chat"
     assert ok.prompt == body["messages"]
     bad_line = to_request(spec, "b", {ROW_INDEX: 1, "custom_id": None, "method": None, "url": None,
-                                      "body": "{x", "_error": "line 2 is not valid JSON"})
+                                      "body": "{x", ROW_ERROR: "line 2 is not valid JSON"})
     assert bad_line.row_id == "b:1" and bad_line.error == "line 2 is not valid JSON"
     no_id = to_request(spec, "b", {ROW_INDEX: 2, "custom_id": None, "method": "POST",
-                                   "url": "/v1/chat/completions", "body": json.dumps(body), "_error": None})
+                                   "url": "/v1/chat/completions", "body": json.dumps(body), ROW_ERROR: None})
     assert no_id.error == "id column 'custom_id' is null (row b:2)"
     unknown = to_request(spec, "b", {ROW_INDEX: 3, "custom_id": "r3", "method": "POST",
                                      "url": "/v1/chat/completions", "body": json.dumps({**body, "tools": []}),
-                                     "_error": None})
+                                     ROW_ERROR: None})
     assert unknown.error == "body field(s) tools not supported for /v1/chat/completions"
