@@ -2,8 +2,9 @@
 
 Does what the job loop does with its books, in one process per size (so peak RSS is that size's): plan N
 shards of one synthetic file (no I/O), open the manifest and the task queue, commit every shard through
-`JobBook.mark_committed` (no part, no record: the loop's own work, compactions included, on local disk), write
-the last compaction, then read the manifest back as a resume does. Prints one JSON line per size:
+`JobBook.mark_committed` (no part, no record: the loop's own work, compactions included, on local disk; as no
+record is written, compactions skip deleting them), write the last compaction, then read the manifest back as
+a resume does. Prints one JSON line per size:
 
 - `peak_rss_mb`: the process's peak RSS; `rss_per_shard_b` fits it against N over the sizes given;
 - `max_commit_stall_ms`: the longest single `mark_committed` call, i.e. how long a compaction held the loop;
@@ -34,6 +35,10 @@ def measure(num_shards: int, out: str) -> dict:
     """One size, in this process."""
     from jobrunner.driver import manifest as mf
     from jobrunner.driver.output import open_output
+
+    # No record is written here, and deleting keys that do not exist costs one failed call each (~0.1 ms):
+    # a cost of this bench, not of a job (whose records exist and go in one batched delete).
+    mf.delete_commit_records = lambda storage, shard_ids: None
     from jobrunner.driver.plan import JobPlan
     from jobrunner.driver.shards import plan_shards
     from jobrunner.io.reader import InputFile

@@ -100,12 +100,16 @@ def _kill_group(pid: int) -> None:
 def run_job(work: Path, url: str, gcs: str, env: dict, temp_dir: str) -> int:
     from ray.job_submission import JobSubmissionClient
 
+    from jobrunner.driver.submit import find_auth_token
     from tests.driver.helpers import fake_spec, write_prompts
+
+    token = find_auth_token()  # RAY_AUTH_MODE=token heads need it (submit finds it the same way)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
 
     deadline = time.monotonic() + 180
     while True:
         try:
-            JobSubmissionClient(url).list_jobs()
+            JobSubmissionClient(url, headers=headers).list_jobs()
             break
         except Exception:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline:
