@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -200,10 +201,11 @@ def test_restart_cap_makes_the_remaining_suspects_error_rows(cluster, tmp_path):
     result = run_job(spec_from_dict(data), show_progress=False)
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
     assert sorted(rows) == ids and all(r["finish_reason"] == "error" for r in rows.values())
-    assert rows["p000"]["error"].startswith("engine crashed on one of rows 0-8, not isolated further "
-                                            "(cluster.max_isolation_restarts_per_shard=1 reached): worker w0: ")
+    # the hang is seen as a hung step, or (on a loaded machine) as a worker not answering: a death either way
+    assert re.match(r"engine crashed on one of rows 0-8, not isolated further "
+                    r"\(cluster.max_isolation_restarts_per_shard=1 reached\): worker w\d+: ", rows["p000"]["error"])
     cost = read_manifest_file(tmp_path / "out")["runs"][-1]["isolation"]
-    assert cost["model_loads"] == 1 and cost["rows_isolated"] == 8
+    assert 1 <= cost["model_loads"] <= 2 and cost["rows_isolated"] == 8
     assert result.manifest["totals"]["shards_failed"] == 0
 
 
