@@ -33,16 +33,16 @@ class OutputError(ValueError):
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
     """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
     storage = Storage(spec.output.url, spec.output.storage_options)
+    mode = spec.output.mode
     try:
         entries = _entries(storage)
+        if mode == "overwrite":  # before the probe write: nothing is written into a folder overwrite refuses
+            check_overwrite(spec, storage, entries, plan)
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    mode = spec.output.mode
     if entries and mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
-    if mode == "overwrite":
-        check_overwrite(spec, storage, entries, plan)
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name)
     except LeaseHeld as exc:
