@@ -45,7 +45,8 @@ _URL = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<rest>(?:[^\s'\"
 _QUOTED_PAIR = re.compile(
     r"(?P<q1>\\?[\"']|)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q1)(?P<eq>\s*[:=]\s*)"
     r"(?P<q2>\\?[\"'])(?P<value>(?:\\.|[^\\\n])*?)(?P<close>(?P=q2)|(?=\n)|\Z)")
-_PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s*)(?P<value>[^\s&;,'\"]+)")
+# `name: value` needs the space: `module:function` (engine.factory) and `scheme:path` are no pairs.
+_PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s+)(?P<value>[^\s&;,'\"]+)")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]+", re.I)
 _TOKEN_SHAPES = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"

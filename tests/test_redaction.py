@@ -27,7 +27,7 @@ def _assert_redacted(text: str, *secrets: str) -> str:
     f"X-Api-Key: '{SECRET}'",
     f'{{\\"api_key\\": \\"{SECRET}\\"}}',  # JSON inside a JSON string
     f"aws_session_token={SECRET}",
-    f"password:{SECRET}",
+    f"password: {SECRET}",
 ])
 def test_quoted_and_plain_pairs(text):
     _assert_redacted(text)
@@ -72,6 +72,11 @@ def test_plain_urls_and_container_names_are_kept():
 ])
 def test_token_shapes_are_cut_anywhere(token):
     _assert_redacted(f"upstream refused the request made with {token} (401)", token)
+
+
+def test_module_paths_are_not_pairs():
+    text = "engine.factory 'tests.driver.secret_engine:make_engine' and my_secrets.loader:build"
+    assert redact_text(text) == text
 
 
 def test_tokenizer_names_and_counts_are_not_secrets():

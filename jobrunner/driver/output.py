@@ -52,8 +52,11 @@ class OutputError(ValueError):
 def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
     """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
     storage = Storage(spec.output.url, spec.output.storage_options)
+    mode = spec.output.mode
     try:
         entries = _entries(storage)
+        if mode == "overwrite":  # before the probe write: nothing is written into a folder overwrite refuses
+            check_overwrite(spec, storage, entries, plan)
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None

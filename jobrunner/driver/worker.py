@@ -52,8 +52,9 @@ class EngineFailed(RuntimeError):
     engine's exception."""
 
     def __init__(self, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason or message
+        # redacted: Ray logs a failed task's exception (driver and worker logs) before jobrunner sees it
+        super().__init__(redact_text(message))
+        self.reason = redact_text(reason or message)
 
     def __reduce__(self):  # keep `reason` across Ray's pickling
         return (EngineFailed, (str(self), self.reason))

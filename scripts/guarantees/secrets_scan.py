@@ -57,7 +57,11 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (outputs, logs)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jrs-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log is noise here
 
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
@@ -336,7 +340,7 @@ def _overwrite_refusals(work: Path, gcs: int) -> None:
         after = sorted(str(p) for p in output.rglob("*")) if output.exists() else []
         said = (done.stderr.strip().splitlines() or [""])[-1] if done.returncode else \
             (done.stdout.strip().splitlines() or [""])[-1]
-        kept = "folder untouched" if before == after else "folder changed"
+        kept = "folder untouched" if before == after else f"folder changed: {sorted(set(after) ^ set(before))}"
         print(f"- {label}: exit {done.returncode}; {kept if done.returncode else 'ran'}\n    {said}")
 
     (root / "empty").mkdir()

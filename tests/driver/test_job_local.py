@@ -190,7 +190,7 @@ def test_messages_json_overrides_struct_and_overwrite_mode(local_ray, tmp_path):
                      output={"keep_columns": [], "mode": "overwrite"})
     (tmp_path / "out" / "parts").mkdir(parents=True)
     (tmp_path / "out" / "parts" / "part-stale.parquet").write_text("old")
-    (tmp_path / "out" / "_manifest.json").write_text("{}")
+    (tmp_path / "out" / "_manifest.json").write_text('{"job_name": "fake-job"}')  # an earlier run of this job
     data["output"]["max_error_rate"] = 0.5
     assert run_job(spec_from_dict(data), show_progress=False).ok
     assert not (tmp_path / "out" / "parts" / "part-stale.parquet").exists()
