@@ -87,12 +87,14 @@ def _part_problem(entry: dict[str, Any], sizes: dict[str, int], rows: dict[str, 
     missing = [p for p in parts if p not in sizes]
     if not parts or missing:
         return f"part {', '.join(missing) or '(none recorded)'} is missing"
-    recorded = entry.get("part_bytes")
+    recorded = entry.get("part_bytes")  # summed over the parts in the shard table (0: not recorded)
     if isinstance(recorded, list) and len(recorded) == len(parts):
         wrong = [f"{p} has {sizes[p]} bytes, its record says {n}" for p, n in zip(parts, recorded, strict=True)
                  if sizes[p] != n]
         if wrong:
             return "; ".join(wrong)
+    elif isinstance(recorded, int) and recorded and sum(sizes[p] for p in parts) != recorded:
+        return f"its parts hold {sum(sizes[p] for p in parts)} bytes, its record says {recorded}"
     unreadable = [p for p in parts if rows.get(p) is None]
     if unreadable:
         return f"part {', '.join(unreadable)} is not readable Parquet"

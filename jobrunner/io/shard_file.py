@@ -28,7 +28,8 @@ from jobrunner.redaction import redact_text
 STATUS_VALUES = ("pending", "committed", "failed")  # status codes 0, 1, 2
 PENDING, COMMITTED, FAILED = 0, 1, 2
 COUNT_COLUMNS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
-                 "attempts", "failures", "infra_failures")
+                 "attempts", "failures", "infra_failures",
+                 "part_bytes")  # the bytes of a committed shard's parts, summed (a resume checks them; 0: unknown)
 CODED_COLUMNS = ("file", "worker_id", "error")
 # Entry keys with a column of their own (everything else an entry carries is kept in `extra`).
 COLUMN_KEYS = frozenset(("shard_id", "status", "file", "row_start", "row_end", "seconds", "part", "parts",
@@ -187,7 +188,7 @@ class ShardColumns:
         """Take a manifest entry or commit record into row `index` (the row's id and file stay)."""
         status = entry.get("status", "pending")
         self.status[index] = STATUS_VALUES.index(status) if status in STATUS_VALUES else PENDING
-        self.counts[index] = [int(entry.get(k) or 0) for k in COUNT_COLUMNS]
+        self.counts[index] = [_count(entry.get(k)) for k in COUNT_COLUMNS]
         seconds = entry.get("seconds")
         self.seconds[index] = float(seconds) if isinstance(seconds, (int, float)) else np.nan
         self.worker_id.codes[index] = self.worker_id.code_of(_text(entry.get("worker_id")))
@@ -322,7 +323,8 @@ def from_parquet(data: bytes) -> ShardColumns:
     columns = ShardColumns(shard_id=shard_ids, file=_codes(table["file"]),
                            row_start=_numbers(table["row_start"], np.int64),
                            row_end=_numbers(table["row_end"], np.int64), status=status_map[status_codes.codes],
-                           counts=np.stack([_numbers(table[k], np.int64) for k in COUNT_COLUMNS], axis=1),
+                           counts=np.stack([_numbers(table[k], np.int64) if k in table.column_names
+                                            else np.zeros(table.num_rows, np.int64) for k in COUNT_COLUMNS], axis=1),
                            seconds=_numbers(table["seconds"], np.float64), worker_id=_codes(table["worker_id"]),
                            error=_codes(table["error"]))
     _read_kinds(columns, table["error_kinds"].combine_chunks())
@@ -337,6 +339,13 @@ def _codes(column: pa.ChunkedArray) -> Codes:
         array_ = pc.dictionary_encode(array_)
     codes = pc.fill_null(array_.indices.cast(pa.int32()), -1).to_numpy(zero_copy_only=False)
     return Codes(np.array(codes, np.int32), array_.dictionary.to_pylist())
+
+
+def _count(value: Any) -> int:
+    """A count column's value from an entry (a list, e.g. `part_bytes` per part in a commit record, is summed)."""
+    if isinstance(value, (list, tuple)):
+        return sum(int(v or 0) for v in value)
+    return int(value or 0)
 
 
 def _numbers(column: pa.ChunkedArray, dtype: type) -> np.ndarray:

@@ -11,8 +11,11 @@ import pytest
 from jobrunner.driver.manifest import JobBook, ResumeError
 from jobrunner.driver.output import describe_output, open_output
 from jobrunner.driver.plan import plan_job
+from jobrunner.io.manifest import read_manifest_with_records
 from jobrunner.io.parts import rows_to_table, write_part
 from jobrunner.io.reader import ROW_INDEX, InputError, read_rows
+from jobrunner.io.shard_file import STATUS_VALUES
+from jobrunner.io.storage import Storage
 from jobrunner.io.text_input import read_input_rows
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, new_bucket, write_prompts
@@ -29,8 +32,8 @@ def _first_run(spec, committed: int = 1) -> dict:
     """Open the output as `run` does and commit the first `committed` shards with their real rows."""
     plan = plan_job(spec)
     storage, manifest, lease = open_output(spec, plan)
-    book = JobBook(storage, manifest)
-    for shard in plan.shards[:committed]:
+    book = JobBook(storage, manifest, plan.shards, background=False)
+    for shard in list(plan.shards)[:committed]:
         rows = [{"id": f"p{i:03d}", ROW_INDEX: i, "generated_text": "x", "finish_reason": "length", "error": None,
                  "num_prompt_tokens": 1, "num_cached_tokens": 0, "num_output_tokens": 1,
                  "shard_id": shard.shard_id, "worker_id": "w0", "finish_time_s": 1.0}
@@ -43,13 +46,15 @@ def _first_run(spec, committed: int = 1) -> dict:
                                      "part_bytes": [size]}, {})
     book.compact()
     lease.release()
-    return manifest
+    # what the run left, in the one-dict-per-shard form (records folded in), `inputs` included
+    return read_manifest_with_records(Storage(spec.output.url, spec.output.storage_options))
 
 
 def _statuses(spec) -> dict:
-    storage, manifest, lease = open_output(spec, plan_job(spec))
+    plan = plan_job(spec)  # open_output puts the resumed state into plan.shards
+    storage, manifest, lease = open_output(spec, plan)
     lease.release()
-    return {sid: e["status"] for sid, e in manifest["shards"].items()}
+    return {plan.shards.id_of(i): STATUS_VALUES[int(c)] for i, c in enumerate(plan.shards.columns.status)}
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])

@@ -103,9 +103,10 @@ def _job(tmp_path):
 def _publish(book: JobBook, row: int, errors: int = 0) -> str:
     """What the driver does for a committed shard: its part, then its record."""
     shard_id = book.shards.id_of(row)
-    table = rows_to_table([{"id": f"{shard_id}:0", ROW_INDEX: 0, "generated_text": "x", "finish_reason": "length",
+    # 8 rows, as its record says: a resume checks a part's row count against the record before trusting it
+    table = rows_to_table([{"id": f"{shard_id}:{i}", ROW_INDEX: i, "generated_text": "x", "finish_reason": "length",
                             "error": None, "num_prompt_tokens": 2, "num_cached_tokens": 0, "num_output_tokens": 3,
-                            "shard_id": shard_id, "worker_id": "w0", "finish_time_s": 1.0}])
+                            "shard_id": shard_id, "worker_id": "w0", "finish_time_s": 1.0} for i in range(8)])
     write_part(book.storage, shard_id, table)
     book.commit(shard_id, _entry(shard_id, 8, errors), {"bad": errors} if errors else {})
     return shard_id
