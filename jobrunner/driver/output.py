@@ -156,8 +156,7 @@ def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: lis
     header, old_shards = old
     if not num_committed(old_shards):
         return "output holds runs that committed nothing: a new job replaces them"
-    check_pinned_inputs(header, old_shards, plan.files)
-    check_resume(header, old_shards, spec, plan.shards)
+    _check_resumable(header, old_shards, spec, plan)
     done = num_committed(old_shards)
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
 
@@ -182,13 +181,23 @@ def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, entrie
         lease.advance_to(old_generation + 1)  # the lease object was deleted by hand: keep epochs increasing
     if not num_committed(old_shards):
         return _replace(spec, plan, storage, header)
-    check_pinned_inputs(header, old_shards, plan.files)
-    check_resume(header, old_shards, spec, plan.shards)
+    _check_resumable(header, old_shards, spec, plan)
     present = list_parts(storage)
     trusted = sorted(trusted_parts(storage, old_shards))  # parts checked (size, rows), not just listed
     manifest = resume_manifest(header, spec, old_shards, plan.shards, trusted)  # plan.shards takes the state
     storage.delete_many(orphan_parts(plan.shards, present))
     return manifest
+
+
+def _check_resumable(header: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, plan: JobPlan) -> None:
+    """ResumeError when the committed shards were made from other input files or with other settings. A changed
+    file is named first (it also changes the shard plan); a changed input.limit is named as a setting (the
+    files then look changed too, cut to another number of rows)."""
+    old_limit = ((header.get("spec") or {}).get("input") or {}).get("limit")
+    if old_limit == spec.input.limit:
+        check_pinned_inputs(header, old_shards, plan.files)
+    check_resume(header, old_shards, spec, plan.shards)
+    check_pinned_inputs(header, old_shards, plan.files)
 
 
 def _foreign_output(spec: JobSpec) -> OutputError:

@@ -15,7 +15,8 @@ from jobrunner.driver.output import describe_output, open_output
 from jobrunner.driver.plan import plan_job
 from jobrunner.io.layout import LEASE, LEASE_GENERATION, part_key
 from jobrunner.io.lease import LeaseLost, host_identity, read_lease
-from jobrunner.io.parts import list_parts
+from jobrunner.io.parts import list_parts, rows_to_table, write_part
+from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.shard_file import COMMITTED
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
@@ -35,7 +36,8 @@ def _open(spec):
 def _commit_first_shard(storage, manifest, shards) -> str:
     book = JobBook(storage, manifest, shards)
     shard_id = shards.columns.id_of(0)
-    storage.write_small(part_key(shard_id), b"part")
+    rows = [{"id": f"p{i:03d}", ROW_INDEX: i, "finish_reason": "length"} for i in range(8)]
+    write_part(storage, shard_id, rows_to_table(rows))  # a real part of 8 rows: resume checks it
     book.commit(shard_id, {"rows": 8, "num_errors": 0, "num_prompt_tokens": 8, "num_cached_tokens": 0,
                            "num_output_tokens": 32, "worker_id": "w0", "attempts": 1, "seconds": 0.1,
                            "part": part_key(shard_id), "parts": [part_key(shard_id)]}, {})

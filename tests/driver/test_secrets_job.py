@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from jobrunner.driver.job import run_job
+from jobrunner.io.manifest import read_manifest_with_records
+from jobrunner.io.storage import Storage
 from jobrunner.redaction import REDACTED
 from jobrunner.reports import write_job_report
 from jobrunner.spec import spec_from_dict
@@ -92,7 +94,8 @@ def test_no_planted_secret_leaves_the_job(local_ray, s3_server, capfd, caplog):
     # the marker shows where each secret was, so the search above looked at the right texts
     manifest = json.loads(places[f"{bucket}/out/_manifest.json"])
     assert manifest["model"]["source"] == "https://***@models.example.com/m?token=***"
-    assert REDACTED in manifest["shards"][next(iter(manifest["shards"]))]["file"]
+    shards = read_manifest_with_records(Storage(f"s3://{bucket}/out", out_opts))["shards"]  # the shard table
+    assert REDACTED in next(iter(shards.values()))["file"]
     kinds = " ".join(manifest["totals"]["error_kinds"])
     assert '{"api_key": "***"}' in kinds and "'token': '***'" in kinds
     openai_out = places[f"{bucket}/out/_openai/output.jsonl"]

@@ -17,9 +17,10 @@ from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
 pytestmark = pytest.mark.timeout(180)
 
 
-def _corrupt_row_group(path, index: int) -> None:
-    """Overwrite the first page header of row group `index` (the footer stays valid: planning still works)."""
-    column = pq.ParquetFile(path).metadata.row_group(index).column(0)
+def _corrupt_row_group(path, index: int, column_index: int = 1) -> None:
+    """Overwrite the first page header of row group `index` in one column (the prompts: the footer and the id
+    column stay valid, so planning and its duplicate-id check still work; the worker's read fails)."""
+    column = pq.ParquetFile(path).metadata.row_group(index).column(column_index)
     offset = column.dictionary_page_offset or column.data_page_offset
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -49,14 +50,14 @@ def test_failed_publish_fails_the_shard_and_a_resume_commits_it(local_ray, tmp_p
     out = tmp_path / "out"
     data = fake_spec(str(tmp_path / "in.parquet"), str(out), cluster={"num_workers": 1})
     refused = plan_job(spec_from_dict(data)).shards[1].shard_id
-    real_commit = job_module.commit_part
+    real_commit = job_module.commit_parts
 
-    def refusing_commit(storage, temp_key, final_key):
-        if refused in final_key:
-            raise StorageError(f"commit {final_key}: failed after 4 attempts: injected outage")
-        return real_commit(storage, temp_key, final_key)
+    def refusing_commit(storage, temp_keys, final_keys):
+        if any(refused in k for k in final_keys):
+            raise StorageError(f"commit {final_keys[0]}: failed after 4 attempts: injected outage")
+        return real_commit(storage, temp_keys, final_keys)
 
-    monkeypatch.setattr(job_module, "commit_part", refusing_commit)
+    monkeypatch.setattr(job_module, "commit_parts", refusing_commit)
     result = run_job(spec_from_dict(data), show_progress=False)
     assert not result.ok and set(result.failed) == {refused}
     assert result.failed[refused].startswith("publishing failed: commit ") and "injected outage" in result.failed[
@@ -66,7 +67,7 @@ def test_failed_publish_fails_the_shard_and_a_resume_commits_it(local_ray, tmp_p
     assert sorted(read_output(str(out)).column("id").to_pylist()) == ids[:8]  # only the other shard is visible
     assert not (out / "_SUCCESS").exists()
 
-    monkeypatch.setattr(job_module, "commit_part", real_commit)  # the storage is back: resume
+    monkeypatch.setattr(job_module, "commit_parts", real_commit)  # the storage is back: resume
     again = run_job(spec_from_dict(data), show_progress=False)
     assert again.ok and sorted(read_output(str(out)).column("id").to_pylist()) == ids
     assert (out / "_SUCCESS").exists()

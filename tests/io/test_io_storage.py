@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.io.layout import TEMP_DIR, part_key
-from jobrunner.io.manifest import read_manifest, write_manifest
+from jobrunner.io.manifest import read_manifest, read_manifest_table, write_manifest
 from jobrunner.io.parts import OUTPUT_SCHEMA, read_output, rows_to_table, write_part
 from jobrunner.io.reader import (
     ROW_INDEX,
@@ -20,6 +20,7 @@ from jobrunner.io.reader import (
     parse_overrides,
     read_rows,
 )
+from jobrunner.io.shard_file import from_entries
 from jobrunner.io.storage import Storage
 
 
@@ -111,9 +112,9 @@ def test_parts_commit_and_overwrite(kind, tmp_path):
 def test_manifest_roundtrip_memory():
     storage = Storage(f"memory://manifest-{uuid.uuid4().hex[:6]}")
     assert read_manifest(storage) is None
-    write_manifest(storage, {"a": 1})
-    write_manifest(storage, {"a": 2})
-    assert read_manifest(storage) == {"a": 2}
+    write_manifest(storage, {"a": 1}, from_entries({}))
+    write_manifest(storage, {"a": 2}, from_entries({}))
+    assert read_manifest(storage)["a"] == 2 and read_manifest_table(storage)[1].shard_id.size == 0
 
 
 def make_bucket(s3_server) -> str:
@@ -135,9 +136,9 @@ def test_s3_input_and_output(s3_server):
     assert read_rows(files[0].url, opts, 1, 3, ["prompt"]).num_rows == 2
     storage = Storage(f"s3://{bucket}/out", opts)
     write_part(storage, "s0", rows_to_table([_out_row(0)]))
-    write_manifest(storage, {"ok": True})
+    write_manifest(storage, {"ok": True}, from_entries({}))
     assert read_output(f"s3://{bucket}/out", opts).column("id").to_pylist() == ["r0"]
-    assert read_manifest(storage) == {"ok": True}
+    assert read_manifest(storage)["ok"] is True
     assert storage.listdir("parts") == ["parts/part-s0.parquet"]
 
 
