@@ -28,6 +28,11 @@ class SecretEngine(FakeEngine):
             self._waiting[-1].error = (f'upstream error {{"api_key": "{self.api_key}-q1"}}, '
                                        f"'token': '{self.api_key}-q2', \"password\":\"{self.api_key}-q3\"")
 
+    def rebuild(self) -> SecretEngine:
+        """The same engine anew (the worker rebuilds it after a crash, to isolate the crashing row)."""
+        return SecretEngine(self.api_key, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                            step_delay_s=self.step_delay_s)
+
     def step(self):
         try:
             return super().step()
