@@ -27,7 +27,7 @@ SPEC_ENV = "JOBRUNNER_JOB_SPEC"
 PYTHON_ENV = "JOBRUNNER_PYTHON"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 NO_AGENT = "No available agent to submit job"
-AGENT_WAIT_S = 60.0
+AGENT_WAIT_S = 180.0  # a new head's job agent can take minutes to come up on a busy small machine
 
 
 class SubmitError(RuntimeError):
@@ -117,11 +117,12 @@ def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | N
             client = JobSubmissionClient(address, headers=headers)
             return client, client.submit_job(**submission)
         except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
-            # A head that has just started answers this until its job agent is up: wait for it, briefly.
+            # A head that has just started answers this until its job agent is up: wait for it.
             if NO_AGENT in str(exc) and time.monotonic() < deadline:
                 time.sleep(1.0)
                 continue
-            raise SubmitError(f"cannot submit to {address}: {redact_text(str(exc))}") from None
+            waited = f" (its job agent was not up after {AGENT_WAIT_S:.0f} s)" if NO_AGENT in str(exc) else ""
+            raise SubmitError(f"cannot submit to {address}{waited}: {redact_text(str(exc))}") from None
 
 
 def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> str:
