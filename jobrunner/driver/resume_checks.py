@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from jobrunner.driver.manifest import ResumeError, parts_of
+from jobrunner.driver.manifest import ResumeError
 from jobrunner.io.layout import PARTS_DIR
 from jobrunner.io.parts import part_row_counts
 from jobrunner.io.reader import InputFile
-from jobrunner.io.shard_file import COMMITTED, ShardColumns
+from jobrunner.io.shard_file import COMMITTED, COUNT_COLUMNS, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 
@@ -67,33 +67,31 @@ def trusted_parts(storage: Storage, old_shards: ShardColumns) -> set[str]:
     """The parts of committed shards that check out: every part present, with the size its commit record
     gives (when it gives one) and, together, the shard's row count in their Parquet footers. A shard with a
     missing, truncated or wrong part is left out (it runs again, and its parts are deleted as orphans)."""
-    sizes = {k: v for k, v in storage.list_sizes(PARTS_DIR).items()}
-    committed = {old_shards.id_of(i): old_shards.entry(i)
-                 for i in np.flatnonzero(old_shards.status == COMMITTED).tolist()}
-    wanted = {p: sizes[p] for e in committed.values() for p in parts_of(e) if p in sizes}
+    sizes = storage.list_sizes(PARTS_DIR)
+    committed = np.flatnonzero(old_shards.status == COMMITTED).tolist()
+    wanted = {p: sizes[p] for i in committed for p in old_shards.parts_of(i) if p in sizes}
     rows = part_row_counts(storage, wanted)
+    rows_col, bytes_col = COUNT_COLUMNS.index("rows"), COUNT_COLUMNS.index("part_bytes")
     trusted: set[str] = set()
-    for shard_id, entry in committed.items():
+    for i in committed:  # no entry dict kept per shard: a resume of 10^6 shards stays columnar
+        parts = old_shards.parts_of(i)
+        entry = {"parts": parts, "rows": int(old_shards.counts[i, rows_col]),
+                 "part_bytes": int(old_shards.counts[i, bytes_col])}
         problem = _part_problem(entry, sizes, rows)
         if problem:
-            log.warning("shard %s runs again: %s", shard_id, problem)
+            log.warning("shard %s runs again: %s", old_shards.id_of(i), problem)
         else:
-            trusted.update(parts_of(entry))
+            trusted.update(parts)
     return trusted
 
 
 def _part_problem(entry: dict[str, Any], sizes: dict[str, int], rows: dict[str, int | None]) -> str | None:
-    parts = parts_of(entry)
+    parts = entry["parts"]
     missing = [p for p in parts if p not in sizes]
     if not parts or missing:
         return f"part {', '.join(missing) or '(none recorded)'} is missing"
-    recorded = entry.get("part_bytes")  # summed over the parts in the shard table (0: not recorded)
-    if isinstance(recorded, list) and len(recorded) == len(parts):
-        wrong = [f"{p} has {sizes[p]} bytes, its record says {n}" for p, n in zip(parts, recorded, strict=True)
-                 if sizes[p] != n]
-        if wrong:
-            return "; ".join(wrong)
-    elif isinstance(recorded, int) and recorded and sum(sizes[p] for p in parts) != recorded:
+    recorded = entry["part_bytes"]  # summed over the parts in the shard table (0: not recorded)
+    if recorded and sum(sizes[p] for p in parts) != recorded:
         return f"its parts hold {sum(sizes[p] for p in parts)} bytes, its record says {recorded}"
     unreadable = [p for p in parts if rows.get(p) is None]
     if unreadable:

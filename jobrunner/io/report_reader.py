@@ -170,12 +170,7 @@ def _part_paths(outputs: JobOutputs) -> list[str]:
         if not isinstance(shard, dict) or shard.get("status") != "committed":
             continue
         parts = shard.get("parts") if isinstance(shard.get("parts"), list) else None
-        for part in parts or [shard.get("part") or part_key(shard_id)]:
-            path = posixpath.join(outputs.root, part)
-            if outputs.fs.exists(path):
-                paths.append(path)
-            else:
-                outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
+        paths += _present_parts(outputs, shard_id, parts or [shard.get("part") or part_key(shard_id)])
     return paths
 
 
@@ -183,12 +178,19 @@ def _table_part_paths(outputs: JobOutputs, columns: ShardColumns) -> list[str]:
     committed = np.flatnonzero(columns.status == COMMITTED)
     paths = []
     for index in committed[np.argsort(columns.shard_id[committed], kind="stable")].tolist():
-        for part in columns.parts_of(index):
-            path = posixpath.join(outputs.root, part)
-            if outputs.fs.exists(path):
-                paths.append(path)
-            else:
-                outputs.warnings.append(f"shard {columns.id_of(index)}: committed part {part} is missing; skipped")
+        paths += _present_parts(outputs, columns.id_of(index), columns.parts_of(index))
+    return paths
+
+
+def _present_parts(outputs: JobOutputs, shard_id: str, parts: list[str]) -> list[str]:
+    """The paths of a committed shard's parts that exist (a missing one is a warning in the report)."""
+    paths = []
+    for part in parts:
+        path = posixpath.join(outputs.root, part)
+        if outputs.fs.exists(path):
+            paths.append(path)
+        else:
+            outputs.warnings.append(f"shard {shard_id}: committed part {part} is missing; skipped")
     return paths
 
 

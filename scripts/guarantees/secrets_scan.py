@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,9 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from tests.driver.helpers import free_ports  # noqa: E402 - the repo on the path first
+
 PY = sys.executable
 FACTORY = "tests.driver.secret_engine:make_engine"
 # Letters only (error kinds fold digits to N, which would hide a leak from a plain search); all distinct.
@@ -139,18 +141,8 @@ def _head_env(work: Path, endpoint: str, url_b: str) -> dict[str, str]:
     return env
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _start_head(work: Path, env: dict[str, str]) -> tuple[subprocess.Popen, int, int]:
-    gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = _free_ports(7)
+    gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = free_ports(7)
     command = [str(Path(PY).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",

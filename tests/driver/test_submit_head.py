@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,21 +20,11 @@ import yaml
 from click.testing import CliRunner
 
 from jobrunner.cli import main
-from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
+from tests.driver.helpers import fake_spec, free_ports, read_manifest_file, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _wait_for_dashboard(url: str, token: str, head: subprocess.Popen, deadline_s: float, log: Path) -> None:
@@ -56,7 +45,7 @@ def _wait_for_dashboard(url: str, token: str, head: subprocess.Popen, deadline_s
 @pytest.fixture
 def token_head(tmp_path):
     """`<venv>/bin/ray start --head --block` with RAY_AUTH_MODE=token on free ports; PATH without the venv."""
-    gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = _free_ports(7)
+    gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = free_ports(7)
     token = uuid.uuid4().hex + uuid.uuid4().hex
     home = tmp_path / "home"
     home.mkdir()
