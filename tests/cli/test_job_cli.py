@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 from pathlib import Path
@@ -16,7 +15,7 @@ from jobrunner.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts  # noqa: E402
+from tests.driver.helpers import fake_spec, free_ports, read_manifest_file, write_prompts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,12 +71,6 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     assert (tmp_path / "out" / "_report" / "report.html").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _refresh_ray_auth_state() -> None:
     """Make this process's Ray re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN (both are cached on first use)."""
     from ray._raylet import AuthenticationTokenLoader, Config
@@ -105,10 +98,14 @@ def ray_head(monkeypatch):
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex)
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     _refresh_ray_auth_state()
-    port = _free_port()
+    port, agent_http, agent_grpc, metrics, runtime_env = free_ports(5)
     try:
+        # Every agent port chosen free: Ray's defaults (e.g. the job agent on 52365) are taken by any other Ray
+        # on the machine, and then the head never gets a job agent ("No available agent to submit job").
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
+            "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
+            "dashboard_agent_listen_port": agent_http, "metrics_agent_port": agent_grpc,
+            "metrics_export_port": metrics, "runtime_env_agent_port": runtime_env})
         try:
             yield f"http://127.0.0.1:{port}"
         finally:
