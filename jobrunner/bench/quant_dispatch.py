@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
     results = {}
     for capability in args.capabilities.split(","):
-        print(f"[bench_dispatch {time.strftime('%H:%M:%S')}] {capability} ...", file=sys.stderr, flush=True)
+        print(f"[quant_dispatch {time.strftime('%H:%M:%S')}] {capability} ...", file=sys.stderr, flush=True)
         results[capability] = run_child(capability, forwarded)
         print(render(capability, results[capability]), flush=True)
     if args.out:
