@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
+from jobrunner.spec_sections import section_fields
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
 # Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
@@ -101,47 +104,16 @@ class InputSpec(_Spec):
 _OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column")
 
 
-class SamplingSpec(_Spec):
-    """Sampling defaults for every row (per-row overrides come from input.sampling_column)."""
+# The sampling and engine keys, their types, bounds and descriptions are the engine's own fields (declared once,
+# in engine/sampling_params.py and engine/config.py with `setting(...)`); a job's sampling defaults differ here.
+JOB_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+_SamplingFields = create_model("_SamplingFields", __base__=_Spec, __module__=__name__,
+                               **section_fields(SamplingParams, JOB_SAMPLING_DEFAULTS))
+_EngineFields = create_model("_EngineFields", __base__=_Spec, __module__=__name__, **section_fields(EngineConfig))
 
-    max_tokens: int = Field(default=128, ge=1, description="Maximum number of generated tokens per row.")
-    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling probability mass.")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 = off.")
-    seed: int | None = Field(default=None, description="Per-request seed for reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (removed from the output).")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that stop generation.")
-    ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
-    n: int = Field(default=1, ge=1, le=128, description="Samples per row (one output row each, sample_index).")
-    logprobs: int | None = Field(
-        default=None, ge=0, le=20,
-        description="Per output token: the sampled token's logprob and the top K alternatives (0..20).",
-    )
-    prompt_logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="Per prompt token: its logprob and the top K alternatives."
-    )
-    json_schema: dict[str, Any] | str | None = Field(
-        default=None, description="Constrain the output to JSON valid against this schema (mapping or JSON text)."
-    )
-    regex: str | None = Field(default=None, description="Constrain the output to match this regular expression.")
-    choice: list[str] | None = Field(default=None, description="Constrain the output to one of these strings.")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
-    presence_penalty: float = Field(
-        default=0.0, ge=-2.0, le=2.0, description="Subtract this from logits of tokens already generated."
-    )
-    frequency_penalty: float = Field(
-        default=0.0, ge=-2.0, le=2.0, description="Subtract this x count from logits of generated tokens."
-    )
-    repetition_penalty: float = Field(
-        default=1.0, gt=0.0, description="Divide (multiply if negative) logits of prompt/output tokens; 1 = off."
-    )
-    min_tokens: int = Field(default=0, ge=0, description="Generate at least this many tokens before EOS / stops.")
-    logit_bias: dict[int, float] = Field(
-        default_factory=dict, description="Token id -> bias added to its logit every step."
-    )
-    include_stop_str_in_output: bool = Field(
-        default=False, description="Keep the matched stop string at the end of the output."
-    )
+
+class SamplingSpec(_SamplingFields):
+    """Sampling defaults for every row (per-row overrides come from input.sampling_column)."""
 
     @field_validator("json_schema")
     @classmethod
@@ -165,30 +137,9 @@ class SamplingSpec(_Spec):
         return self
 
 
-class EngineSpec(_Spec):
-    """Batching and KV-cache settings of each worker's engine."""
+class EngineSpec(_EngineFields):
+    """Batching and KV-cache settings of each worker's engine (and a custom engine factory)."""
 
-    max_num_seqs: int = Field(default=64, ge=1, description="Most requests decoding at once.")
-    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Token budget of one engine step.")
-    block_size: int = Field(default=16, ge=1, description="Tokens per KV-cache block.")
-    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
-    max_model_len: int | None = Field(default=None, ge=1, description="Cap on prompt + output tokens.")
-    kv_cache_memory_bytes: int | None = Field(default=None, ge=1, description="KV-cache size on CPU.")
-    gpu_memory_utilization: float = Field(
-        default=0.85, gt=0.0, le=1.0, description="Fraction of free GPU memory for the KV cache."
-    )
-    num_kv_blocks: int | None = Field(default=None, ge=1, description="Exact number of KV blocks.")
-    device: str = Field(default="auto", description="auto, cpu or cuda.")
-    use_cuda_graphs: bool = Field(
-        default=False,
-        description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a GPU "
-        "check has passed (docs/engine.md).",
-    )
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        default="auto",
-        description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) or "
-        "auto (= torch until a GPU check has passed; docs/engine.md).",
-    )
     factory: str | None = Field(
         default=None,
         description="Advanced: 'module:function' called as function(spec) to build the engine "

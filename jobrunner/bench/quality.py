@@ -3,7 +3,7 @@
 For each scheme (the first is the reference, normally ``none``): weight bytes, perplexity on held-out text,
 greedy agreement of the first 32 tokens on the bench prompts (free-running, and as decisions on the
 reference's own tokens), and output tokens/s at a few batch sizes. The measuring itself lives in
-:mod:`jobrunner.quant.measure`; this module feeds it the bench's prompt rows and options.
+:mod:`jobrunner.bench.quant_measure`; this module feeds it the bench's prompt rows and options.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from jobrunner.bench.ours import EngineOptions
 from jobrunner.bench.prompts import PromptRow, as_chat
-from jobrunner.quant.measure import GREEDY_TOKENS, engine_factory, measure_quantization
+from jobrunner.bench.quant_measure import GREEDY_TOKENS, engine_factory, measure_quantization
 
 QUALITY_SCHEMES = ("none", "int8", "int4")
 QUALITY_BATCHES = (1, 8, 64)

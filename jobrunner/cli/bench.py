@@ -112,8 +112,8 @@ def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, ba
                           raw_prompts: bool, as_json: bool) -> None:
     from jobrunner.bench.prompts import held_out_texts
     from jobrunner.bench.quality import run_quality
+    from jobrunner.bench.quant_measure import to_markdown
     from jobrunner.io.prompt_file import PromptFileError, read_prompts
-    from jobrunner.quant.measure import to_markdown
 
     names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
     unknown = [s for s in names if s not in ("none", "int8", "int4", "fp8", "bf16")]

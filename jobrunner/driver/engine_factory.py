@@ -10,15 +10,12 @@ from jobrunner.spec import JobSpec
 
 
 def engine_config_kwargs(spec: JobSpec) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the spec's engine section."""
-    e = spec.engine
-    kwargs = dict(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                  block_size=e.block_size, enable_prefix_caching=e.enable_prefix_caching,
-                  max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
-                  gpu_memory_utilization=e.gpu_memory_utilization, num_kv_blocks=e.num_kv_blocks,
-                  device=e.device, dtype=spec.model.dtype, use_cuda_graphs=e.use_cuda_graphs,
-                  attention_backend=e.attention_backend)
-    return kwargs
+    """EngineConfig keyword arguments: every engine setting of the spec (the keys are EngineConfig's own
+    fields, jobrunner.spec_sections) and the model's dtype."""
+    from jobrunner.engine.config import EngineConfig
+    from jobrunner.engine.settings import settings_of
+
+    return {**{s.name: getattr(spec.engine, s.name) for s in settings_of(EngineConfig)}, "dtype": spec.model.dtype}
 
 
 def build_engine(spec: JobSpec) -> Any:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
+
+from jobrunner.engine.settings import check_settings, setting
 
 
 @dataclass(frozen=True)
@@ -21,36 +24,33 @@ class EngineConfig:
     CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.engine.decode_graphs`; triton backend:
     every step, :mod:`jobrunner.engine.step_graphs`); ignored on CPU. ``static_decode``: run the same
     fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
+
+    Fields made with ``setting(...)`` are the job spec's ``engine:`` keys (:mod:`jobrunner.engine.settings`):
+    a new user setting is one such field here; plain fields are internal.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    use_cuda_graphs: bool = False
+    max_num_seqs: int = setting(64, description="Most requests decoding at once.", ge=1)
+    max_num_batched_tokens: int = setting(2048, description="Token budget of one engine step.", ge=1)
+    block_size: int = setting(16, description="Tokens per KV-cache block.", ge=1)
+    kv_cache_memory_bytes: int | None = setting(None, description="KV-cache size on CPU.", ge=1)
+    gpu_memory_utilization: float = setting(0.85, description="Fraction of free GPU memory for the KV cache.",
+                                            gt=0.0, le=1.0)
+    num_kv_blocks: int | None = setting(None, description="Exact number of KV blocks.", ge=1)
+    enable_prefix_caching: bool = setting(True, description="Reuse KV blocks of shared prefixes.")
+    max_model_len: int | None = setting(None, description="Cap on prompt + output tokens.", ge=1)
+    device: str = setting("auto", description="auto, cpu or cuda.")
+    dtype: str = "auto"  # internal: the job spec sets it from model.dtype
+    attention_backend: Literal["auto", "torch", "triton"] = setting(
+        "auto", description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) "
+        "or auto (= torch until a GPU check has passed; docs/engine.md).")
+    use_cuda_graphs: bool = setting(
+        False, description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a "
+        "GPU check has passed (docs/engine.md).")
     static_decode: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError("EngineConfig.kv_cache_memory_bytes must be positive")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("EngineConfig.attention_backend must be auto|torch|triton, "
-                             f"got {self.attention_backend!r}")
+        check_settings(self)  # bounds and choices as declared above (the job spec checks the same)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from jobrunner.engine.settings import setting
+
 MAX_N = 128            # samples per request
 MAX_LOGPROBS = 20      # top alternatives per token (OpenAI's limit)
 MAX_PENALTY = 2.0      # presence / frequency penalty range is [-2, 2] (OpenAI)
@@ -28,29 +30,42 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI semantics, on output tokens), ``repetition_penalty`` (CTRL/transformers
     semantics, on prompt + output tokens), ``min_tokens`` (EOS and stop tokens masked until reached),
     ``logit_bias`` (token id -> bias added to the logits; keys may be strings of ints).
+
+    Fields made with ``setting(...)`` are the job spec's ``sampling:`` keys and per-row overrides
+    (:mod:`jobrunner.engine.settings`; the bounds declared there are the ones checked below).
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    json_schema: dict[str, Any] | str | None = field(default=None, hash=False)
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
+    max_tokens: int = setting(16, description="Maximum number of generated tokens per row.", ge=1)
+    temperature: float = setting(1.0, description="Sampling temperature; 0 = greedy.", ge=0.0)
+    top_p: float = setting(1.0, description="Nucleus sampling probability mass.", gt=0.0, le=1.0)
+    top_k: int = setting(0, description="Top-k sampling; 0 = off.", ge=0)
+    min_p: float = setting(0.0, description="Drop tokens below min_p x the top probability.", ge=0.0, le=1.0)
+    seed: int | None = setting(None, description="Per-request seed for reproducible sampling.")
+    n: int = setting(1, description="Samples per row (one output row each, sample_index).", ge=1, le=MAX_N)
+    stop: tuple[str, ...] = setting((), description="Stop strings (removed from the output).")
+    stop_token_ids: tuple[int, ...] = setting((), description="Token ids that stop generation.")
+    include_stop_str_in_output: bool = setting(
+        False, description="Keep the matched stop string at the end of the output.")
+    ignore_eos: bool = setting(False, description="Keep generating past the end-of-sequence token.")
+    min_tokens: int = setting(0, description="Generate at least this many tokens before EOS / stops.", ge=0)
+    presence_penalty: float = setting(0.0, description="Subtract this from logits of tokens already generated.",
+                                      ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = setting(0.0, description="Subtract this x count from logits of generated tokens.",
+                                       ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = setting(
+        1.0, description="Divide (multiply if negative) logits of prompt/output tokens; 1 = off.", gt=0.0)
+    logit_bias: dict[int, float] = setting(description="Token id -> bias added to its logit every step.",
+                                           default_factory=dict, hash=False)
+    logprobs: int | None = setting(
+        None, description="Per output token: the sampled token's logprob and the top K alternatives (0..20).",
+        ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = setting(
+        None, description="Per prompt token: its logprob and the top K alternatives.", ge=0, le=MAX_LOGPROBS)
+    json_schema: dict[str, Any] | str | None = setting(
+        None, description="Constrain the output to JSON valid against this schema (mapping or JSON text).",
+        hash=False)
+    regex: str | None = setting(None, description="Constrain the output to match this regular expression.")
+    choice: tuple[str, ...] | None = setting(None, description="Constrain the output to one of these strings.")
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from jobrunner.models.sources import build_dir_once, fetch_patterns
+from jobrunner.io.local_cache import build_dir_once
 
 # Listing fields that change when an object changes, most specific first (S3, GCS, local, memory).
 _VERSION_FIELDS = ("ETag", "etag", "md5Hash", "crc32c", "LastModified", "last_modified", "mtime", "created")
@@ -27,15 +27,15 @@ def fetch_model_dir(
     storage_options: dict | None,
     cache_root: str | Path,
     *,
-    patterns: list[str] | None = None,
+    patterns: list[str],
 ) -> Path:
     """Return a local copy of the model directory at `url`, downloading it only when it changed.
 
-    `patterns` (fnmatch, on file names) default to the safetensors/json/tokenizer set. Raises
+    `patterns` (fnmatch, on file names): which top-level files make the model (`models.sources.fetch_patterns`). Raises
     FileNotFoundError if `url` lists no files, ValueError if it has no `config.json`.
     """
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    name_to_info = list_model_files(fs, root, patterns or fetch_patterns(allow_pickle=False))
+    name_to_info = list_model_files(fs, root, patterns)
     if not name_to_info:
         raise FileNotFoundError(f"model URL {url!r}: no model files found there")
     if "config.json" not in name_to_info:

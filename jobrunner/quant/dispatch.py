@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
-CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
-# "int8=8,int4=64": override the crossovers below (for tuning with bench_dispatch; recorded when set)
+# the capability lives below both this module and quant.native (which compiles for it); named here too
+from jobrunner.quant.capability import CAPABILITY_ENV, CPU_CAPABILITIES, detect_cpu_capability  # noqa: F401
+from jobrunner.quant.native import int4_unpack_fn
+
+# "int8=8,int4=64": override the crossovers below (for tuning with bench.quant_dispatch; recorded when set)
 CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
-CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
 BF16_CAPABILITIES = ("avx512_bf16", "amx")
 # `jobrunner bench --calibrate-dtype` calls bf16 "fast" here when it beats float32 by this factor in the GEMM
 # below (AMX / avx512_bf16 measure 2-10x on a quiet machine; emulated bf16 is slower than float32).
@@ -105,22 +107,6 @@ class QuantDispatch:
                 "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack}
 
 
-def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
-    """``(capability, forced)``: the argument, else ``$JOBRUNNER_CPU_CAPABILITY``, else what torch reports."""
-    forced = capability or os.environ.get(CAPABILITY_ENV, "").strip()
-    if forced:
-        value = forced.strip().lower()
-        if value not in CPU_CAPABILITIES:
-            raise ValueError(f"{CAPABILITY_ENV}={forced!r}: expected one of {'|'.join(CPU_CAPABILITIES)}")
-        return value, True
-    base = torch.backends.cpu.get_cpu_capability().lower()
-    if base.startswith("avx512"):
-        if torch.cpu._is_amx_tile_supported():
-            return "amx", False
-        return ("avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"), False
-    return (base if base in CPU_CAPABILITIES else "default"), False
-
-
 def cpu_profile(capability: str | None = None) -> CpuProfile:
     """This CPU's profile (cached per process and per forced capability, argument or environment)."""
     return _cpu_profile(*detect_cpu_capability(capability))
@@ -170,8 +156,6 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
             device = torch.device("cuda", torch.cuda.current_device())
         return QuantDispatch("cuda", _cuda_capability(device), None, crossovers(CUDA_CROSSOVERS),
                              CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(device))
-    from jobrunner.quant.native import int4_unpack_fn
-
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"

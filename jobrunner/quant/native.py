@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from jobrunner.quant.capability import detect_cpu_capability
+
 NATIVE_ENV = "JOBRUNNER_QUANT_NATIVE"
 
 _SOURCE = r"""
@@ -152,9 +154,7 @@ FORCED_MARCH = {"default": "-march=x86-64", "avx2": "-march=haswell", "avx512": 
 
 
 def march_flag() -> str:
-    """``-march=native``, or the ISA of a forced capability (see :mod:`jobrunner.quant.dispatch`)."""
-    from jobrunner.quant.dispatch import detect_cpu_capability
-
+    """``-march=native``, or the ISA of a forced capability (see :mod:`jobrunner.quant.capability`)."""
     capability, forced = detect_cpu_capability()
     return FORCED_MARCH[capability] if forced else "-march=native"
 

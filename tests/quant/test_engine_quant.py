@@ -97,7 +97,7 @@ def test_int4_engine_computes_the_dequantized_model(arch: str) -> None:
 
 
 def test_measure_quantization_side_by_side() -> None:
-    from jobrunner.quant.measure import measure_quantization, to_markdown
+    from jobrunner.bench.quant_measure import measure_quantization, to_markdown
 
     tokenizer = make_tokenizer()
     hf_model = make_hf_model("llama_tied")
@@ -123,7 +123,7 @@ def test_measure_quantization_side_by_side() -> None:
 
 
 def test_decision_agreement_counts_and_gaps() -> None:
-    from jobrunner.quant.measure import decision_agreement
+    from jobrunner.bench.quant_measure import decision_agreement
 
     reference = [[1, 2, 3], [4, 5]]
     choices = [[1, 9, 3], [4, 5]]
@@ -144,7 +144,7 @@ def test_quantized_smollm2_perplexity_on_held_out_text() -> None:
     questions with their worked answers, which no prompt set of the suite uses) rises by at most 2% / 5%."""
     import json
 
-    from jobrunner.quant.measure import perplexity
+    from jobrunner.bench.quant_measure import perplexity
     from tests.components import missing_component
 
     if not HELD_OUT.exists():

@@ -1,6 +1,6 @@
 """Engine output tokens/s per quantization scheme at batch 1, 8 and 64: this CPU's dispatch, then AVX2 forced.
 
-``python -m jobrunner.quant.bench_dispatch`` loads one engine per scheme side by side (float32 model, greedy,
+``python -m jobrunner.bench.quant_dispatch`` loads one engine per scheme side by side (float32 model, greedy,
 EOS ignored) and, for each batch size, runs the schemes in turn ``--rounds`` times, keeping the best. It does
 that twice, each in a fresh process: with this machine's own capability (``native``), and with
 ``JOBRUNNER_CPU_CAPABILITY=avx2`` plus torch's and oneDNN's/MKL's own ISA caps (``ATEN_CPU_CAPABILITY=avx2``,
@@ -35,9 +35,9 @@ def measure_here(source: str, schemes: Sequence[str], batches: Sequence[int], ma
     """Best output tok/s per (scheme, batch size) in this process, schemes interleaved per round."""
     import torch
 
+    from jobrunner.bench.quant_measure import output_tokens_per_s
     from jobrunner.engine import EngineConfig, LLMEngine
     from jobrunner.quant.dispatch import cpu_profile
-    from jobrunner.quant.measure import output_tokens_per_s
 
     engines: dict[str, Any] = {}
     token_ids: list[list[int]] = []
@@ -73,7 +73,7 @@ def run_child(capability: str, argv: Sequence[str]) -> dict[str, Any]:
         env.pop(name, None)
     if capability == "avx2":
         env.update(AVX2_ENV)
-    cmd = [sys.executable, "-m", "jobrunner.quant.bench_dispatch", *argv, "--child"]
+    cmd = [sys.executable, "-m", "jobrunner.bench.quant_dispatch", *argv, "--child"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{capability} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
     results = {}
     for capability in args.capabilities.split(","):
-        print(f"[bench_dispatch {time.strftime('%H:%M:%S')}] {capability} ...", file=sys.stderr, flush=True)
+        print(f"[quant_dispatch {time.strftime('%H:%M:%S')}] {capability} ...", file=sys.stderr, flush=True)
         results[capability] = run_child(capability, forwarded)
         print(render(capability, results[capability]), flush=True)
     if args.out:

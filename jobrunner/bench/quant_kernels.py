@@ -1,9 +1,9 @@
 """Micro-benchmark: one linear layer in float vs each int8/int4 path, at several token counts.
 
-``python -m jobrunner.quant.bench_kernels`` prints microseconds (best of ``repeats``) for the SmolLM2 shapes:
+``python -m jobrunner.bench.quant_kernels`` prints microseconds (best of ``repeats``) for the SmolLM2 shapes:
 ``float`` (F.linear in float32), ``float_bf16``, ``packed`` (the torch weight-only kernel, bfloat16 activations),
 ``dequant`` (tiled dequantize into the machine's compute dtype + GEMM) and ``layer`` (our module, which picks
-one). Prefix it with the variables of ``bench_dispatch.AVX2_ENV`` to see the AVX2 kernels and decisions.
+one). Prefix it with the variables of ``jobrunner.bench.quant_dispatch.AVX2_ENV`` to see the AVX2 kernels and decisions.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 model once per text as a single prefill (``jobrunner.engine.scoring``), so it measures the very layers the
 engine decodes with.
 
-Run it on SmolLM2 (the embedded default) with ``python -m jobrunner.quant.measure --help``.
+Run it on SmolLM2 (the embedded default) with ``python -m jobrunner.bench.quant_measure --help``.
 """
 
 from __future__ import annotations

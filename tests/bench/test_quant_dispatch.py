@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobrunner.quant.bench_dispatch import measure_here, render
+from jobrunner.bench.quant_dispatch import measure_here, render
 from jobrunner.quant.dispatch import CAPABILITY_ENV
 
 

@@ -1,0 +1,33 @@
+"""This CPU's instruction-set capability, detected or forced: the one fact both the dispatch and the native
+build depend on (:mod:`jobrunner.quant.dispatch` picks kernels by it, :mod:`jobrunner.quant.native` compiles
+for it), so it sits below both.
+
+The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
+forced with ``JOBRUNNER_CPU_CAPABILITY`` or a ``capability=`` argument, so every decision is testable on any
+machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+
+
+def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
+    """``(capability, forced)``: the argument, else ``$JOBRUNNER_CPU_CAPABILITY``, else what torch reports."""
+    forced = capability or os.environ.get(CAPABILITY_ENV, "").strip()
+    if forced:
+        value = forced.strip().lower()
+        if value not in CPU_CAPABILITIES:
+            raise ValueError(f"{CAPABILITY_ENV}={forced!r}: expected one of {'|'.join(CPU_CAPABILITIES)}")
+        return value, True
+    base = torch.backends.cpu.get_cpu_capability().lower()
+    if base.startswith("avx512"):
+        if torch.cpu._is_amx_tile_supported():
+            return "amx", False
+        return ("avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"), False
+    return (base if base in CPU_CAPABILITIES else "default"), False
