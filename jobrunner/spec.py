@@ -189,6 +189,11 @@ class EngineSpec(_Spec):
         description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) or "
         "auto (= torch until a GPU check has passed; docs/engine.md).",
     )
+    deterministic: bool = Field(
+        default=False,
+        description="Batch-invariant execution: the same spec and seed give byte-identical rows whatever "
+        "max_num_seqs, max_num_batched_tokens, workers, retries, preemption or resume (slower; docs/engine.md).",
+    )
     factory: str | None = Field(
         default=None,
         description="Advanced: 'module:function' called as function(spec) to build the engine "

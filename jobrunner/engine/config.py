@@ -21,6 +21,11 @@ class EngineConfig:
     CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.engine.decode_graphs`; triton backend:
     every step, :mod:`jobrunner.engine.step_graphs`); ignored on CPU. ``static_decode``: run the same
     fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
+
+    ``deterministic``: batch-invariant execution (:mod:`jobrunner.engine.invariant`): a row's tokens depend
+    only on its prompt, settings and seed, never on ``max_num_seqs``, ``max_num_batched_tokens``, chunked
+    prefill, prefix-cache hits, preemption or what else is batched with it (docs/engine.md, *Deterministic
+    mode*). Costs throughput; off by default.
     """
 
     max_num_seqs: int = 64
@@ -37,6 +42,7 @@ class EngineConfig:
     use_cuda_graphs: bool = False
     static_decode: bool = False
     seed: int = 0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
