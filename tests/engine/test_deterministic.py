@@ -104,7 +104,7 @@ def test_spec_passes_deterministic_to_the_engine_config():
     from jobrunner.driver.engine_factory import engine_config_kwargs
     from jobrunner.spec import JobSpec
 
-    spec = JobSpec.model_validate({"name": "d", "model": {"source": "m"}, "input": {"path": "in.jsonl"},
-                                   "output": {"path": "out"}, "engine": {"deterministic": True}})
+    spec = JobSpec.model_validate({"name": "d", "input": {"url": "in.parquet", "prompt_column": "prompt"},
+                                   "output": {"url": "out"}, "engine": {"deterministic": True}})
     assert EngineConfig(**engine_config_kwargs(spec)).deterministic is True
     assert spec.redacted()["engine"]["deterministic"] is True  # the manifest's copy of the spec records it
