@@ -108,3 +108,19 @@ def test_spec_passes_deterministic_to_the_engine_config():
                                    "output": {"url": "out"}, "engine": {"deterministic": True}})
     assert EngineConfig(**engine_config_kwargs(spec)).deterministic is True
     assert spec.redacted()["engine"]["deterministic"] is True  # the manifest's copy of the spec records it
+
+
+def test_deterministic_int8_rows_identical(hf_llama, tokenizer):
+    # quantized linears pick their kernel by row count; fixed row tiles make them invariant too
+    from jobrunner.quant import quantize_model
+
+    def rows(**config):
+        model = build_model(hf_llama.config, torch.float32, torch.device("cpu"))
+        load_weights(model, hf_llama.state_dict().items())
+        quantize_model(model, "int8")
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, deterministic=True, **config),
+                           eos_token_ids=[tokenizer.eos_token_id])
+        outs = run_checked(engine, PROMPTS[:4], PARAMS[:4])
+        return [(o.output_token_ids, [lp.logprob for lp in o.logprobs]) for _, o in sorted(outs.items())]
+
+    assert rows(max_num_seqs=64) == rows(max_num_seqs=1, max_num_batched_tokens=24)
