@@ -62,12 +62,13 @@ class TritonBackend(AttentionBackend):
         self.n_rep = num_heads // num_kv_heads
         self.block_size = block_size
         self.block_n = block_n
+        self.fixed_tiles = False  # deterministic mode: one tile height for every step (one compiled kernel)
         # twice the running batch: rows of requests that pause a step or two keep their synced tables
         self.tables = DeviceBlockTables(max(2 * max_rows, 64), -(-max_model_len // block_size) + 1, device)
 
     def block_m(self, max_query_len: int) -> int:
         """Query rows per tile: small when the step only decodes, larger when it holds prompt chunks."""
-        rows = DECODE_BLOCK_M if max_query_len <= 1 else CHUNK_BLOCK_M
+        rows = DECODE_BLOCK_M if max_query_len <= 1 and not self.fixed_tiles else CHUNK_BLOCK_M
         return max(rows, _next_pow2(self.n_rep))
 
     def tokens_per_tile(self, block_m: int) -> int:

@@ -27,6 +27,11 @@ class EngineConfig:
 
     Fields made with ``setting(...)`` are the job spec's ``engine:`` keys (:mod:`jobrunner.engine.settings`):
     a new user setting is one such field here; plain fields are internal.
+
+    ``deterministic``: batch-invariant execution (:mod:`jobrunner.engine.invariant`): a row's tokens depend
+    only on its prompt, settings and seed, never on ``max_num_seqs``, ``max_num_batched_tokens``, chunked
+    prefill, prefix-cache hits, preemption or what else is batched with it (docs/engine.md, *Deterministic
+    mode*). Costs throughput; off by default.
     """
 
     max_num_seqs: int = setting(64, description="Most requests decoding at once.", ge=1)
@@ -48,6 +53,9 @@ class EngineConfig:
         "GPU check has passed (docs/engine.md).")
     static_decode: bool = False
     seed: int = 0
+    deterministic: bool = setting(
+        False, description="Batch-invariant execution: the same spec and seed give byte-identical rows whatever "
+        "max_num_seqs, max_num_batched_tokens, workers, retries, preemption or resume (slower; docs/engine.md).")
 
     def __post_init__(self) -> None:
         check_settings(self)  # bounds and choices as declared above (the job spec checks the same)

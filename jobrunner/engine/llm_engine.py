@@ -58,6 +58,10 @@ class LLMEngine:
         self.chat_template = chat_template
         self._grammars = None  # GrammarCompiler, built on the first structured request
         self._token_texts = TokenTexts(tokenizer)
+        if self.config.deterministic:
+            from jobrunner.engine.invariant import make_deterministic
+
+            make_deterministic(self)
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",

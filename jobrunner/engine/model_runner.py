@@ -149,6 +149,10 @@ class ModelRunner:
                     self.backend.name, type(exc).__name__, exc)
         self.num_attention_fallbacks += 1
         self.backend = make_backend("torch", 1, 1, self.block_size, self.device)
+        if getattr(self, "deterministic", False):  # engine.deterministic: the fixed-order torch twin
+            from jobrunner.attention.invariant_ops import INVARIANT_BACKEND
+
+            self.backend = INVARIANT_BACKEND
         if self.graphs is not None and not isinstance(self.graphs, DecodeGraphs):
             self.graphs = None  # step graphs need the triton metadata
 

@@ -30,6 +30,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.seed = seed
+        self.invariant = False  # deterministic mode: rows grouped by their own settings (see _groups)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
@@ -70,7 +71,12 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         with_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k > 0]
         without_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k == 0]
-        for rows, top_k in ((with_k, True), (without_k, False)):
+        groups = ((with_k, True), (without_k, False))
+        if self.invariant:
+            from jobrunner.engine.invariant import sampler_groups
+
+            groups = sampler_groups(requests, with_k, without_k)
+        for rows, top_k in groups:
             if not rows:
                 continue
             sub = [requests[i] for i in rows]
