@@ -112,6 +112,11 @@ def inspect_after() -> dict:
     before = rss_bytes()
     out["malloc_trim_released"] = malloc_trim()
     out["rss_before_trim_mb"], out["rss_after_trim_mb"] = round(before / 2**20, 1), round(rss_bytes() / 2**20, 1)
+    import pyarrow as pa
+
+    pool = pa.default_memory_pool()
+    out["arrow_pool"] = {"backend": pool.backend_name, "allocated_mb": round(pool.bytes_allocated() / 2**20, 1),
+                         "max_mb": round(pool.max_memory() / 2**20, 1)}
     if tracemalloc.is_tracing():
         current, peak = tracemalloc.get_traced_memory()
         out["tracemalloc_current_mb"], out["tracemalloc_peak_mb"] = round(current / 2**20, 1), round(peak / 2**20, 1)

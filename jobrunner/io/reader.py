@@ -52,6 +52,8 @@ class InputFile:
     # What pins this version of the file (recorded at planning; a resume over a changed file refuses):
     stamps: dict[str, str] = field(default_factory=dict)  # etag / version_id / mtime, as the store gives them
     digest: str = ""  # sha1 of the Parquet footer (row groups, offsets, statistics) or of a text file's bytes
+    num_bad_lines: int = 0  # text files: lines that become error rows (not JSON, bad bytes, wrong types)
+    first_bad_lines: tuple[str, ...] = ()  # their first few errors, each naming its line
 
 
 FOOTER_THREADS = 32  # footers are small reads dominated by latency: read many files at once

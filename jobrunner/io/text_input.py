@@ -47,6 +47,7 @@ from jobrunner.redaction import redact_text
 log = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv",)
+SHOWN_BAD_LINES = 3  # bad lines a file's description (validate) quotes
 
 
 def file_format(path: str, fmt: str) -> str:
@@ -89,10 +90,12 @@ def _describe_file(fs: Any, path: str, fmt: str, size: int | None = None) -> Inp
     stamps = _stamps(fs, path, url)
     data = _read_bytes(fs, path, url)
     table = _parse(data, fmt, url)
+    errors = table.column(ROW_ERROR).drop_null() if ROW_ERROR in table.column_names else pa.array([], pa.string())
     return InputFile(url=url, stem=file_stem(path), num_rows=table.num_rows,
                      row_group_num_rows=(table.num_rows,) if table.num_rows else (),
                      column_types={f.name: str(f.type) for f in table.schema if f.name != ROW_ERROR},
-                     num_bytes=len(data), stamps=stamps, digest=hashlib.sha1(data).hexdigest()[:20])
+                     num_bytes=len(data), stamps=stamps, digest=hashlib.sha1(data).hexdigest()[:20],
+                     num_bad_lines=len(errors), first_bad_lines=tuple(errors[:SHOWN_BAD_LINES].to_pylist()))
 
 
 def _stamps(fs: Any, path: str, url: str) -> dict[str, str]:
