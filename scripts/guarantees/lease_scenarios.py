@@ -356,13 +356,15 @@ def rewritten_file(work: Path, address: str) -> tuple[bool, str]:
                    if "changed after the job was planned" in line), "")
     b = start_driver(job, address, work / "b.log")
     b_rc = b.wait(timeout=300)
-    b_says = last_line(work / "b.log")
+    b_log = (work / "b.log").read_text(errors="replace")
+    b_says = next((line for line in b_log.splitlines() if "the input changed since the earlier run" in line), "")
     (work / "in.parquet").write_bytes(original)  # put back
     c = start_driver(job, address, work / "c.log")
     c_rc = c.wait(timeout=300)
     once = ids_once(out, ids)
-    ok = a_rc != 0 and bool(a_says) and b_rc != 0 and "changed (" in b_says and c_rc == 0 and once
-    return ok, (f"running job: rc={a_rc}, {a_says.strip()[:150]!r}; rerun: rc={b_rc}, {b_says[:150]!r}; "
+    ok = a_rc != 0 and bool(a_says) and b_rc != 0 and "in.parquet changed (" in b_says and c_rc == 0 and once
+    b_says = b_says[b_says.index("input file"):] if "input file" in b_says else b_says
+    return ok, (f"running job: rc={a_rc}, {a_says.strip()[:230]!r}; rerun: rc={b_rc}, {b_says[:200]!r}; "
                 f"original back: rc={c_rc}, ids once: {once}")
 
 
