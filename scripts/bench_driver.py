@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,11 +63,29 @@ def start_driver(job: Path, address: str) -> subprocess.Popen:
 
 
 def wait_driver(proc: subprocess.Popen) -> dict:
-    """Exit status, driver CPU seconds and peak RSS of one driver process."""
+    """Exit status, driver CPU seconds and peak RSS of one driver process, and its RSS (MB) at each tenth of
+    its run (sampled every 0.5 s): where the growth is, start-up or per shard, and whether it flattens."""
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    samples.extend(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            except OSError:
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     _, status, usage = os.wait4(proc.pid, 0)
+    stop.set()
+    sampler.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
+    deciles = [round(samples[min(len(samples) - 1, len(samples) * k // 10)] / 1024, 1) for k in range(1, 11)] \
+        if samples else []
     return {"exit": proc.returncode, "driver_cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "driver_peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+            "driver_peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "driver_rss_mb_by_tenth": deciles}
 
 
 def committed_shards(out: Path) -> set[str]:

@@ -53,6 +53,15 @@ def _user_error(spec, exc: Exception) -> click.ClickException:
     return _error(str(exc) + relative_path_note(spec, str(exc)))
 
 
+def _bad_lines(f) -> str:  # noqa: ANN001 - an io.reader.InputFile
+    """', 2 bad line(s) (each becomes an error row): line 3 ...; line 9 ...' for a text file with bad lines."""
+    if not f.num_bad_lines:
+        return ""
+    more = f"; ... {f.num_bad_lines - len(f.first_bad_lines)} more" if f.num_bad_lines > len(f.first_bad_lines) else ""
+    return (f", {f.num_bad_lines} bad line(s) (each becomes an error row): "
+            f"{redact_text('; '.join(f.first_bad_lines))}{more}")
+
+
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
@@ -83,7 +92,8 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
                f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
                f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)")
+        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)"
+                   + _bad_lines(f))
     keep = spec.output.keep_columns
     columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     click.echo(f"required columns present: {', '.join(columns)}")

@@ -30,6 +30,7 @@ from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
+from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.shards import ShardTable
@@ -60,7 +61,8 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
         loop.progress.stage(describe_ray_start(spec, address))
-        with ray_session(spec, address):
+        with ray_session(spec, address) as joined:
+            note_ray_driver(lease, local=not joined)  # a rerun can then ask the cluster whether this job ended
             return loop.run()
     finally:
         lease.release()

@@ -1,7 +1,8 @@
 """The output location: checked, leased to this run, then prepared per `output.mode`.
 
 One run per output: the lease (`io/lease.py`) is taken before anything under the output changes; a lease
-held by a run that is provably dead is taken over at once, any other is watched (with a countdown on stderr)
+held by a run that is provably dead (its pid gone on this host, or its Ray job ended: driver/ray_holder.py)
+is taken over at once, any other is watched (with a countdown on stderr)
 until it expires or shows its holder alive. Everything the run writes afterwards goes through a
 `FencedStorage`. `overwrite` deletes only a prefix that is empty or holds a jobrunner output (entries
 `parts/`, `_*`, report files), never a bucket or filesystem root, never a prefix that is or contains the
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
 from jobrunner.driver.output_guard import overwrite_refusal
+from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
 from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
@@ -27,7 +29,6 @@ from jobrunner.io.lease import (
     LeaseHeld,
     acquire_lease,
     describe_holder,
-    holder_is_dead_here,
     is_free,
     read_lease,
 )
@@ -63,7 +64,8 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
     _check_mode(spec, storage, entries, plan)  # before any wait for the lease
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name,
-                              on_wait=CountdownPrinter(storage.display()))
+                              is_dead=holder_is_dead, on_wait=CountdownPrinter(storage.display()),
+                              extra=lease_extra())
     except LeaseHeld as exc:
         raise OutputError(str(exc)) from None
     fenced = FencedStorage(storage, lease)
@@ -135,7 +137,7 @@ def describe_output(spec: JobSpec, plan: JobPlan) -> str:
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
     held = ""
-    if not is_free(holder) and not holder_is_dead_here(holder):
+    if not is_free(holder) and not holder_is_dead(holder):
         held = (f"leased by {describe_holder(holder)}: run waits up to {holder.get('ttl_s')} s for the lease to "
                 "expire (and stops if it is renewed); ")
     if spec.output.mode == "overwrite":

@@ -79,12 +79,21 @@ def plan_differences(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpe
     return lines
 
 
+def name_difference(old: dict[str, Any], spec: JobSpec) -> list[str]:
+    """The job name, when the output was written by a job of another name (overwrite refuses that output)."""
+    before = (old.get("spec") or {}).get("name")
+    if before is None or before == spec.name:
+        return []
+    return [f"name: {before!r} -> {spec.name!r} (another job's output: overwrite refuses it, so use another "
+            "output.url, or the old name to resume)"]
+
+
 def check_resume(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, shards: ShardTable) -> None:
     """ResumeError when an output with committed shards was written with other settings or another shard
     plan: the message lists each differing field (old -> new) and the two choices."""
     lines = [f"{field}: {_show(a)} -> {_show(b)}" for field, a, b in spec_differences(old.get("spec") or {},
                                                                                       spec.redacted())]
-    lines = plan_differences(old, old_shards, spec, shards) + lines
+    lines = name_difference(old, spec) + plan_differences(old, old_shards, spec, shards) + lines
     if not lines:
         return
     shown = lines[:MAX_SHOWN] + ([f"... and {len(lines) - MAX_SHOWN} more"] if len(lines) > MAX_SHOWN else [])

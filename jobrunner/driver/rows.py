@@ -77,12 +77,14 @@ def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:
     return list(keep)
 
 
-def read_shard_input(spec: JobSpec, file_url: str, row_start: int, row_end: int) -> tuple[pa.Table, list[str]]:
+def read_shard_input(spec: JobSpec, file_url: str, row_start: int, row_end: int,
+                     pin: dict[str, Any] | None = None) -> tuple[pa.Table, list[str]]:
     """A shard's input rows (any input format; the request columns, the kept columns, ROW_INDEX) and the
-    names of the kept columns ('*' resolved against the file's columns)."""
+    names of the kept columns ('*' resolved against the file's columns). `pin`: the file's version at
+    planning; a file rewritten since fails the read (io/reader.py: InputChanged) instead of mixing rows."""
     inp, keep = spec.input, spec.output.keep_columns
     wanted = None if keep == "*" else list(dict.fromkeys(request_columns(spec) + keep))
-    table = read_input_rows(file_url, inp.storage_options, inp.format, row_start, row_end, wanted)
+    table = read_input_rows(file_url, inp.storage_options, inp.format, row_start, row_end, wanted, pin)
     return table, kept_columns(spec, table.column_names)
 
 

@@ -19,14 +19,15 @@ def _local_num_cpus(spec: JobSpec) -> int:
 
 
 @contextmanager
-def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[None]:
-    """Ray for the length of a job.
+def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[bool]:
+    """Ray for the length of a job; yields whether it is a cluster that outlives this process (joined at an
+    address, or already initialised) rather than a local Ray started for this job.
 
     Already initialised (tests, notebooks): use it as is. An address (argument, spec, or RAY_ADDRESS as set
     inside a submitted Ray job): join that cluster. Otherwise start a local Ray sized for the spec.
     """
     if ray.is_initialized():
-        yield
+        yield True
         return
     address = address or spec.cluster.address or os.environ.get("RAY_ADDRESS")
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
@@ -38,7 +39,7 @@ def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[None]:
         ray.init(address="local", num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
     _no_color_reset_at_exit()
     try:
-        yield
+        yield bool(address)
     finally:
         ray.shutdown()
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jobrunner.io.reader import InputFile
+from jobrunner.io.reader import InputFile, file_pin
 from jobrunner.io.shard_file import COMMITTED, COUNT_COLUMNS, FAILED, PENDING, ShardColumns
 from jobrunner.redaction import redact_text
 
@@ -36,6 +36,7 @@ class Shard:
     file_stem: str
     row_start: int
     row_end: int
+    pin: dict[str, Any] | None = None  # the file's version at planning (io/reader.py: file_pin), checked on read
 
     @property
     def num_rows(self) -> int:
@@ -59,7 +60,7 @@ def plan_shards(files: list[InputFile], rows_per_shard: int) -> ShardTable:
             ends.append(end)
     columns = ShardColumns.pending(np.array(ids, dtype=bytes), np.array(file_codes, np.int32),
                                    [f.url for f in files], np.array(starts, np.int64), np.array(ends, np.int64))
-    return ShardTable(columns, [f.stem for f in files])
+    return ShardTable(columns, [f.stem for f in files], [file_pin(f) for f in files])
 
 
 def _ranges(group_rows: tuple[int, ...], target: int) -> list[tuple[int, int]]:
@@ -101,9 +102,11 @@ TOTAL_COLUMNS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens",
 class ShardTable:
     """Every shard of a job, in plan order; shard i is row i of `columns`."""
 
-    def __init__(self, columns: ShardColumns, file_stems: list[str]) -> None:
+    def __init__(self, columns: ShardColumns, file_stems: list[str],
+                 file_pins: list[dict[str, Any]] | None = None) -> None:
         self.columns = columns
         self.file_stems = file_stems  # per file code: the stem derived row ids use
+        self.file_pins = file_pins  # per file code: its version at planning, which workers check on read
         self._index_of: dict[str, int] | None = None  # only for ids not of the form "<index>-<digest>"
 
     @classmethod
@@ -145,8 +148,9 @@ class ShardTable:
         """Shard `index` as a worker gets it (or the piece [row_start, row_end) of it)."""
         start, end = self.rows_of(index)
         url, stem = self.file_of(index)
+        pin = self.file_pins[int(self.columns.file.codes[index])] if self.file_pins else None
         return Shard(self.id_of(index), url, stem, start if row_start is None else row_start,
-                     end if row_end is None else row_end)
+                     end if row_end is None else row_end, pin)
 
     def __getitem__(self, index: int) -> Shard:
         if not -len(self) <= index < len(self):

@@ -151,7 +151,8 @@ class ShardRunner:
         where = f"shard {shard.shard_id}: reading input rows {shard.row_start}-{shard.row_end} of " \
                 f"{redact_text(shard.file_url)}"
         table, keep = call_with_deadline(
-            lambda: read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end), limit, where)
+            lambda: read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end, shard.pin), limit,
+            where)
         requests = self._requests(shard, table)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text

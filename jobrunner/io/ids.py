@@ -234,11 +234,15 @@ class ParquetIds:
     def scan(self, f: InputFile) -> Iterator[tuple[int, pa.Array]]:
         fs, path = url_to_fs(f.url, **self.storage_options)
         fh = retry(f"open {f.url}", lambda: fs.open(path, "rb"))
-        with fh:
-            offset = 0
-            for batch in pq.ParquetFile(fh).iter_batches(batch_size=BATCH_ROWS, columns=[self.column]):
-                yield offset, batch.column(0)
-                offset += batch.num_rows
+        with fh:  # only the file's planned rows: an input.limit cut it (row groups and rows)
+            offset, groups = 0, range(len(f.row_group_num_rows))
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=BATCH_ROWS, columns=[self.column],
+                                                         row_groups=groups):
+                ids = batch.column(0).slice(0, max(0, f.num_rows - offset))
+                if not len(ids):
+                    return
+                yield offset, ids
+                offset += len(ids)
 
     def values(self, f: InputFile, rows: list[int]) -> dict[int, Any]:
         fs, path = url_to_fs(f.url, **self.storage_options)

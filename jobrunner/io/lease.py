@@ -8,8 +8,8 @@ takeover, stamped into every commit record and the manifest) and a `beat` counte
 Expiry never compares clocks across hosts. A run that finds the lease held watches it: if the object does
 not change for the holder's `ttl_s` on the watcher's own monotonic clock, the holder is gone and the watcher
 takes over; if it changes (a heartbeat), the holder is alive and the watcher refuses. A released lease, or
-one whose holder is provably dead (same host, boot and pid namespace, and its pid gone or reused), is taken
-over at once.
+one whose holder is provably dead (same host, boot and pid namespace, and its pid gone or reused; or, with
+the `is_dead` the driver passes, its Ray job ended: driver/ray_holder.py), is taken over at once.
 
 The holder renews from its own thread every ttl/6 through every phase of the run. It counts itself valid
 until VALID_SHARE of the ttl after the start of its last successful renewal (a watcher can only take over a
@@ -103,9 +103,11 @@ def holder_is_dead_here(holder: dict[str, Any]) -> bool:
 
 
 def describe_holder(holder: dict[str, Any]) -> str:
-    """'run <id> on <host> (pid N), last heartbeat <t> (its clock)' for messages."""
-    return (f"run {holder.get('run_id')} on {holder.get('host')} (pid {holder.get('pid')}), last heartbeat "
-            f"{holder.get('heartbeat_at')} (its clock)")
+    """'run <id> on <host> (pid N[, Ray job J]), last heartbeat <t> (its clock)' for messages."""
+    ray_job = holder.get("ray") if isinstance(holder.get("ray"), dict) else {}
+    job = ray_job.get("submission_id") or ray_job.get("job_id")
+    return (f"run {holder.get('run_id')} on {holder.get('host')} (pid {holder.get('pid')}"
+            f"{f', Ray job {job}' if job else ''}), last heartbeat {holder.get('heartbeat_at')} (its clock)")
 
 
 # ---- this run's lease ---------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class InputFile:
     # What pins this version of the file (recorded at planning; a resume over a changed file refuses):
     stamps: dict[str, str] = field(default_factory=dict)  # etag / version_id / mtime, as the store gives them
     digest: str = ""  # sha1 of the Parquet footer (row groups, offsets, statistics) or of a text file's bytes
+    num_bad_lines: int = 0  # text files: lines that become error rows (not JSON, bad bytes, wrong types)
+    first_bad_lines: tuple[str, ...] = ()  # their first few errors, each naming its line
 
 
 FOOTER_THREADS = 32  # footers are small reads dominated by latency: read many files at once
@@ -206,17 +208,19 @@ def _check_kept_types(files: list[InputFile], keep: list[str]) -> None:
 
 def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, row_end: int,
               columns: list[str], stats: ReadStats | None = None,
-              cache: RowGroupCache | None = None) -> pa.Table:
+              cache: RowGroupCache | None = None, pin: dict[str, Any] | None = None) -> pa.Table:
     """Rows [row_start, row_end) of one file, only `columns`, plus ROW_INDEX (the row number in the file).
 
     Whole row groups are fetched, each column chunk once; footers and split row groups are remembered in
     `cache` (default: one per process, i.e. per worker) so a worker fetches them once (io/row_groups.py).
+    `pin` (the file's pin from planning, `file_pin`): InputChanged when the file read is not that version.
     """
     fs, path = url_to_fs(file_url, **storage_options)
+    seen: dict[str, Any] = {}
 
     def read() -> pa.Table:
         return read_range(lambda: _open_exact(fs, path), file_url, row_start, row_end, columns,
-                          cache or PROCESS_CACHE, PROCESS_STATS if stats is None else stats)
+                          cache or PROCESS_CACHE, PROCESS_STATS if stats is None else stats, seen)
 
     try:
         table = retry(f"read {file_url}", read)
@@ -224,7 +228,57 @@ def read_rows(file_url: str, storage_options: dict[str, Any], row_start: int, ro
         raise InputError(gone_message(file_url)) from None
     except (pa.ArrowInvalid, OSError, StorageError) as exc:
         raise InputError(f"input file {file_url}: cannot read rows {row_start}..{row_end}: {exc}") from None
+    if pin:
+        check_pin(file_url, pin, seen.get("size"), seen.get("stamps") or {}, lambda: _footer_digest(fs, path))
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
+
+
+# ---- pins: the version of each input file that planning saw -----------------------------------------
+class InputChanged(InputError):
+    """An input file is not the version planning pinned (rewritten after the job was planned)."""
+
+
+def file_pin(f: InputFile) -> dict[str, Any]:
+    """What a worker checks a file against before using its rows: size, ETag / version id / mtime, digest."""
+    return {"bytes": f.num_bytes, **f.stamps, "digest": f.digest}
+
+
+def pin_changes(pin: dict[str, Any], size: int | None, stamps: dict[str, str],
+                digest: Callable[[], str] | None = None) -> list[str]:
+    """What differs between a pin and the file as read now ([] = the same version). Size and ETag (or, with
+    no ETag, the version id) decide; a changed mtime alone (a file copied back in place) is a change only when
+    the digest differs too (`digest` is called only then)."""
+    differ = []
+    if pin.get("bytes") is not None and size is not None and pin["bytes"] != size:
+        differ.append(f"size {pin['bytes']} -> {size} bytes")
+    key = "etag" if pin.get("etag") and stamps.get("etag") else "version_id"
+    if pin.get(key) and stamps.get(key) and pin[key] != stamps[key]:
+        differ.append(f"{'ETag' if key == 'etag' else 'version id'} {pin[key]} -> {stamps[key]}")
+    old_t, new_t = pin.get("mtime"), stamps.get("mtime")
+    if not differ and old_t and new_t and old_t != new_t and not pin.get("etag") and pin.get("digest") and digest:
+        if digest() != pin["digest"]:
+            differ.append(f"content differs, modified {old_t} -> {new_t}")
+    return differ
+
+
+def check_pin(url: str, pin: dict[str, Any], size: int | None, stamps: dict[str, str],
+              digest: Callable[[], str] | None = None) -> None:
+    """InputChanged naming the file and what changed, unless it is the pinned version."""
+    differ = pin_changes(pin, size, stamps, digest)
+    if differ:
+        raise InputChanged(changed_message(url, differ))
+
+
+def changed_message(url: str, differ: list[str]) -> str:
+    """What a worker says when a file was rewritten between planning and its read."""
+    return (f"input file {url} changed after the job was planned ({', '.join(differ)}): its rows are not the "
+            "planned ones, so this shard is not run on them. Put the original file back and run the job "
+            "again (it resumes), or start over with output.mode=overwrite")
+
+
+def _footer_digest(fs: Any, path: str) -> str:
+    with _open_exact(fs, path) as f:
+        return hashlib.sha1(read_footer_bytes(f, f.seek(0, 2))).hexdigest()[:20]
 
 
 def gone_message(url: str) -> str:

@@ -146,11 +146,14 @@ class RowGroupCache:
 
 
 def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: int, columns: list[str],
-               cache: RowGroupCache, stats: ReadStats | None = None) -> pa.Table:
-    """Rows [row_start, row_end) of one Parquet file, only `columns` (see the module docstring)."""
+               cache: RowGroupCache, stats: ReadStats | None = None, seen: dict[str, Any] | None = None) -> pa.Table:
+    """Rows [row_start, row_end) of one Parquet file, only `columns` (see the module docstring). `seen` gets
+    the size and stamps (etag / version id / mtime) of the version read, for the pin check."""
     with open_file() as raw:
         f = CountingFile(raw, stats)
         size = raw.seek(0, 2)
+        if seen is not None:
+            seen.update(size=size, stamps=file_stamps(raw))
         stamp = file_version(raw)
         if stamp is None:  # cannot tell a rewritten file from the one cached: do not cache this one
             cache = RowGroupCache(max_groups=0, max_footers=0)

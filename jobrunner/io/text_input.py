@@ -33,6 +33,7 @@ from jobrunner.io.reader import (
     InputFile,
     _expand,
     _read_footer,
+    check_pin,
     file_stem,
     gone_message,
     map_files,
@@ -46,6 +47,7 @@ from jobrunner.redaction import redact_text
 log = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv",)
+SHOWN_BAD_LINES = 3  # bad lines a file's description (validate) quotes
 
 
 def file_format(path: str, fmt: str) -> str:
@@ -88,10 +90,12 @@ def _describe_file(fs: Any, path: str, fmt: str, size: int | None = None) -> Inp
     stamps = _stamps(fs, path, url)
     data = _read_bytes(fs, path, url)
     table = _parse(data, fmt, url)
+    errors = table.column(ROW_ERROR).drop_null() if ROW_ERROR in table.column_names else pa.array([], pa.string())
     return InputFile(url=url, stem=file_stem(path), num_rows=table.num_rows,
                      row_group_num_rows=(table.num_rows,) if table.num_rows else (),
                      column_types={f.name: str(f.type) for f in table.schema if f.name != ROW_ERROR},
-                     num_bytes=len(data), stamps=stamps, digest=hashlib.sha1(data).hexdigest()[:20])
+                     num_bytes=len(data), stamps=stamps, digest=hashlib.sha1(data).hexdigest()[:20],
+                     num_bad_lines=len(errors), first_bad_lines=tuple(errors[:SHOWN_BAD_LINES].to_pylist()))
 
 
 def _stamps(fs: Any, path: str, url: str) -> dict[str, str]:
@@ -106,17 +110,22 @@ def _stamps(fs: Any, path: str, url: str) -> dict[str, str]:
 
 
 def read_input_rows(file_url: str, storage_options: dict[str, Any], fmt: str, row_start: int, row_end: int,
-                    columns: list[str] | None) -> pa.Table:
+                    columns: list[str] | None, pin: dict[str, Any] | None = None) -> pa.Table:
     """Rows [row_start, row_end) of one input file of any format: `columns` (None: all) plus ROW_ERROR (why
-    a text line could not be read; null for every Parquet row) and ROW_INDEX."""
+    a text line could not be read; null for every Parquet row) and ROW_INDEX. `pin` (io/reader.py: file_pin):
+    InputChanged when the file is no longer the version planning saw."""
     fmt = file_format(file_url, fmt)
     if fmt == "parquet":
         wanted = None if columns is None else [c for c in columns if c != ROW_ERROR]
-        table = read_rows(file_url, storage_options, row_start, row_end, wanted)
+        table = read_rows(file_url, storage_options, row_start, row_end, wanted, pin=pin)
         errors = pa.nulls(table.num_rows, pa.string())
         return table.add_column(table.num_columns - 1, ROW_ERROR, errors)
     options = json.dumps(storage_options, sort_keys=True, default=str)
-    table = _parsed_file(file_url, options, fmt, _version(file_url, storage_options))
+    info = _info(file_url, storage_options)
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("updated")
+    table, digest = _parsed_file(file_url, options, fmt, f"{info.get('size')}|{stamp}")
+    if pin:
+        check_pin(file_url, pin, info.get("size"), stamps_of(info), lambda: digest)
     table = table.slice(row_start, row_end - row_start)
     if ROW_ERROR not in table.column_names:
         table = table.append_column(ROW_ERROR, pa.nulls(table.num_rows, pa.string()))
@@ -125,27 +134,26 @@ def read_input_rows(file_url: str, storage_options: dict[str, Any], fmt: str, ro
     return table.append_column(ROW_INDEX, pa.array(range(row_start, row_start + table.num_rows), pa.int64()))
 
 
-def _version(file_url: str, storage_options: dict[str, Any]) -> str:
-    """Size and modification stamp of a file, so a changed file is parsed again."""
+def _info(file_url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """A file's info now (size, modification stamps), so a changed file is parsed again."""
     fs, path = url_to_fs(file_url, **storage_options)
     fs.invalidate_cache()
     try:
-        info = retry(f"inspect {file_url}", lambda: fs.info(path))
+        return retry(f"inspect {file_url}", lambda: fs.info(path))
     except FileNotFoundError:
         raise InputError(gone_message(file_url)) from None
     except (OSError, StorageError) as exc:
         raise InputError(f"input file {file_url}: cannot read: {exc}") from None
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("updated")
-    return f"{info.get('size')}|{stamp}"
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_file(file_url: str, options_json: str, fmt: str, version: str) -> pa.Table:
-    """A whole text file as a table, kept while a worker takes its shards one after another (a shard is a row
-    range of it: parsing once per worker, not once per shard; one parse also keeps column types equal
-    across the file's parts)."""
+def _parsed_file(file_url: str, options_json: str, fmt: str, version: str) -> tuple[pa.Table, str]:
+    """A whole text file as a table and its digest (the pin's), kept while a worker takes its shards one
+    after another (a shard is a row range of it: parsing once per worker, not once per shard; one parse also
+    keeps column types equal across the file's parts)."""
     fs, path = url_to_fs(file_url, **json.loads(options_json))
-    return _parse(_read_bytes(fs, path, file_url), fmt, file_url)
+    data = _read_bytes(fs, path, file_url)
+    return _parse(data, fmt, file_url), hashlib.sha1(data).hexdigest()[:20]
 
 
 def _read_bytes(fs: Any, path: str, url: str) -> bytes:

@@ -26,7 +26,8 @@ from jobrunner.io.reader import ROW_ERROR
 
 # The columns an OpenAI batch file becomes (ROW_ERROR: why a line is not a request, else null).
 OPENAI_COLUMNS = ("custom_id", "method", "url", "body", ROW_ERROR)
-_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
+_FIELD = r'{}\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?)'  # a field's string or number value in a line's text
+_CUSTOM_ID = re.compile(_FIELD.format('"custom_id"'))
 
 
 def numbered_lines(data: bytes) -> list[tuple[int, bytes]]:
@@ -80,13 +81,18 @@ def row_line_numbers(data: bytes, fmt: str) -> list[int]:
 
 # ---- JSONL -------------------------------------------------------------------------------------------------
 def jsonl_by_line(data: bytes) -> pa.Table:
-    """A JSONL file line by line: one row per non-blank line, bad lines and bad values as row errors."""
-    numbers, records, errors = [], [], []
+    """A JSONL file line by line: one row per non-blank line, bad lines and bad values as row errors. A line
+    that is not a JSON object keeps the values its text shows for the other lines' fields holding a string
+    or a number (its id, say), each when it appears exactly once."""
+    numbers, records, errors, unread = [], [], [], {}
     for number, raw in numbered_lines(data):
-        record, error, _ = json_object(raw, number)
+        record, error, text = json_object(raw, number)
+        if not record and error:
+            unread[len(records)] = text
         numbers.append(number)
         records.append(record)
         errors.append(error)
+    _salvage(records, unread)
     columns: dict[str, pa.Array] = {}
     for name in dict.fromkeys(k for r in records for k in r):
         array, bad = typed_column([r.get(name) for r in records])
@@ -95,6 +101,17 @@ def jsonl_by_line(data: bytes) -> pa.Table:
         columns[name] = array
     columns[ROW_ERROR] = pa.array(errors, pa.string())
     return pa.table(columns)
+
+
+def _salvage(records: list[dict[str, Any]], unread: dict[int, str]) -> None:
+    """Fill the unreadable lines' records with the scalar fields their text shows (see jsonl_by_line)."""
+    names = [name for name in dict.fromkeys(k for r in records for k in r)
+             if any(isinstance(r.get(name), (str, int, float)) for r in records)]
+    for position, text in unread.items():
+        for name in names:
+            value = _readable_field(text, name)
+            if value is not None:
+                records[position][name] = value
 
 
 def typed_column(values: list[Any]) -> tuple[pa.Array, dict[int, str]]:
@@ -227,7 +244,7 @@ def openai_by_line(data: bytes) -> pa.Table:
     rows: dict[str, list[Any]] = {name: [] for name in OPENAI_COLUMNS}
     for number, raw in numbered_lines(data):
         record, error, text = json_object(raw, number)
-        custom_id = record.get("custom_id") if record else _readable_custom_id(text)
+        custom_id = record.get("custom_id") if record else _readable_field(text, "custom_id")
         rows["custom_id"].append(None if custom_id is None else str(custom_id))
         for key in ("method", "url"):
             value = record.get(key)
@@ -238,13 +255,16 @@ def openai_by_line(data: bytes) -> pa.Table:
     return pa.table({name: pa.array(values, pa.string()) for name, values in rows.items()})
 
 
-def _readable_custom_id(text: str) -> str | None:
-    """The `custom_id` a malformed line shows, when it shows exactly one."""
-    found = _CUSTOM_ID.findall(text)
+def _readable_field(text: str, name: str) -> str | int | float | None:
+    """The string or number value of field `name` a malformed line shows, when it shows exactly one."""
+    pattern = _CUSTOM_ID if name == "custom_id" else re.compile(_FIELD.format(re.escape(json.dumps(name))))
+    found = pattern.findall(text)
     if len(found) != 1:
         return None
     try:
         value = json.loads(found[0])
     except ValueError:
         return None
-    return None if value is None or "\ufffd" in str(value) else str(value)
+    if value is None or "\ufffd" in str(value):
+        return None
+    return str(value) if name == "custom_id" else value

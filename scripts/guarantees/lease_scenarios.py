@@ -18,6 +18,12 @@ Scenarios:
   kill9_rerun       kill -9 of the driver, then the same command at once: the lease is taken over at once
                     (same host, pid gone) and the resume starts; every id once.
   failed_then_fixed a run with a typo'd model source fails (nothing committed); the corrected run replaces it.
+  ray_job_ended     a job submitted to a Ray head (its own, with a dashboard) is stopped mid-job; `run` of the
+                    same job, told it runs on another host (so the pid check cannot prove anything), asks the
+                    cluster, sees the Ray job STOPPED and takes the lease over at once (ttl 600 s); every id once.
+  rewritten_file    the input file is rewritten while the job runs: the next shards fail naming the file and
+                    what changed, the run exits 1; a rerun refuses (the input changed under committed shards);
+                    with the original file back the rerun resumes and finishes, every id once.
 
 Not a test: it prints what happened; durations depend on the machine.
 """
@@ -290,8 +296,81 @@ def failed_then_fixed(work: Path, address: str) -> tuple[bool, str]:
                 f"corrected source, same output: rc={good_rc}, ids once: {once}")
 
 
+def _dashboard_head():
+    """A Ray head with the Job Submission API on 127.0.0.1 (every port free) and its dashboard URL."""
+    from ray.cluster_utils import Cluster
+
+    sys.path.insert(0, str(REPO))
+    from tests.driver.helpers import free_ports
+
+    port, agent_http, agent_grpc, metrics, runtime_env = free_ports(5)
+    head = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
+        "dashboard_agent_listen_port": agent_http, "metrics_agent_port": agent_grpc, "metrics_export_port": metrics,
+        "runtime_env_agent_port": runtime_env})
+    return head, f"http://127.0.0.1:{port}"
+
+
+def ray_job_ended(work: Path, address: str) -> tuple[bool, str]:
+    from ray.job_submission import JobSubmissionClient
+
+    job, ids = fake_job(work, step_delay_s=0.2)
+    spec = yaml.safe_load(job.read_text())
+    spec["output"]["lease_ttl_s"] = 600.0  # waiting it out would take 10 minutes
+    job.write_text(yaml.safe_dump(spec))
+    out = work / "out"
+    head, dashboard = _dashboard_head()
+    try:
+        submit = subprocess.run([sys.executable, "-m", "jobrunner.cli", "submit", str(job), "--address", dashboard],
+                                cwd=REPO, capture_output=True, text=True, timeout=300)
+        ray_job = next(w for w in submit.stdout.split() if w.startswith("raysubmit_"))
+        wait_for(lambda: len(committed(out)) >= 2, timeout_s=300)
+        holder = lease(out)
+        client = JobSubmissionClient(dashboard)
+        client.stop_job(ray_job)
+        wait_for(lambda: str(client.get_job_status(ray_job)).endswith("STOPPED"), timeout_s=60)
+        before = committed(out)
+        started = time.monotonic()
+        other_host = "import jobrunner.driver.ray_holder as h; h.holder_is_dead_here = lambda holder: False"
+        b = start_driver(job, address, work / "b.log", prelude=other_host)
+        took_over_s = wait_for(lambda: lease(out).get("generation") != holder.get("generation"), timeout_s=120)
+        rc = b.wait(timeout=300)
+    finally:
+        head.shutdown()
+    once = ids_once(out, ids)
+    recorded = holder.get("ray", {})
+    ok = rc == 0 and once and took_over_s < 60 and recorded.get("submission_id") == ray_job
+    return ok, (f"Ray job {ray_job} (lease records {sorted(recorded)}) stopped after {len(before)} commits; `run` "
+                f"as from another host took the lease over after {took_over_s:.1f} s (ttl 600 s, started "
+                f"{time.monotonic() - started:.0f} s ago at the end); rc={rc}; ids once: {once}")
+
+
+def rewritten_file(work: Path, address: str) -> tuple[bool, str]:
+    job, ids = fake_job(work, step_delay_s=0.2)
+    out, original = work / "out", (work / "in.parquet").read_bytes()
+    a = start_driver(job, address, work / "a.log")
+    wait_for(lambda: len(committed(out)) >= 1)
+    write_input(work / "in.parquet", 168)  # rewritten: 8 more rows
+    a_rc = a.wait(timeout=300)
+    a_says = next((line for line in (work / "a.log").read_text(errors="replace").splitlines()
+                   if "changed after the job was planned" in line), "")
+    b = start_driver(job, address, work / "b.log")
+    b_rc = b.wait(timeout=300)
+    b_log = (work / "b.log").read_text(errors="replace")
+    b_says = next((line for line in b_log.splitlines() if "the input changed since the earlier run" in line), "")
+    (work / "in.parquet").write_bytes(original)  # put back
+    c = start_driver(job, address, work / "c.log")
+    c_rc = c.wait(timeout=300)
+    once = ids_once(out, ids)
+    ok = a_rc != 0 and bool(a_says) and b_rc != 0 and "in.parquet changed (" in b_says and c_rc == 0 and once
+    b_says = b_says[b_says.index("input file"):] if "input file" in b_says else b_says
+    return ok, (f"running job: rc={a_rc}, {a_says.strip()[:230]!r}; rerun: rc={b_rc}, {b_says[:200]!r}; "
+                f"original back: rc={c_rc}, ids once: {once}")
+
+
 SCENARIOS = {"sigstop_takeover": sigstop_takeover, "race_local": race_local, "race_s3": race_s3,
-             "skewed_clock": skewed_clock, "kill9_rerun": kill9_rerun, "failed_then_fixed": failed_then_fixed}
+             "skewed_clock": skewed_clock, "kill9_rerun": kill9_rerun, "failed_then_fixed": failed_then_fixed,
+             "ray_job_ended": ray_job_ended, "rewritten_file": rewritten_file}
 
 
 def main() -> None:

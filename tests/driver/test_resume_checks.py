@@ -140,3 +140,13 @@ def test_pins_record_text_files_too(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "z"}\n{"id": "b", "prompt": "y"}\n')
     with pytest.raises(ResumeError, match=r"in\.jsonl changed \(content differs"):
         open_output(spec, plan_job(spec))
+
+
+def test_another_jobs_committed_output_is_a_conflict_naming_both_names(tmp_path):
+    write_prompts(tmp_path / "in.parquet", 16)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out")))
+    _first_run(spec)
+    other = spec_from_dict({**fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out")), "name": "nightly"})
+    with pytest.raises(ResumeError, match=r"committed shard\(s\) written with other settings:\n  name: 'fake-job' "
+                                          r"-> 'nightly' \(another job's output"):
+        open_output(other, plan_job(other))

@@ -143,6 +143,7 @@ def test_isolated_rows_and_undecodable_bytes_become_error_rows(tmp_path):
     bad = pa.array([b"ok", b"\xff\xfe bad", b"fine", b"x y"], pa.binary()).view(pa.string())
     pq.write_table(pa.table({"id": ["u0", "u1", "u2", "u3"], "prompt": bad, "src": ["s"] * 4}),
                    tmp_path / "in.parquet")
+    shards = plan_shards(list_input_files(spec.input.url, {}), spec.rows_per_shard)  # a new file: planned anew
     result = runner.run_shard(shards[0], "utf8")
     runner.stop()
     commit_part(Storage(spec.output.url), isolated.part, part_key("iso"))
