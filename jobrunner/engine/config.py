@@ -21,6 +21,10 @@ class EngineConfig:
     CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.engine.decode_graphs`; triton backend:
     every step, :mod:`jobrunner.engine.step_graphs`); ignored on CPU. ``static_decode``: run the same
     fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
+
+    ``speculative``: ``off`` (default), ``ngram`` (prompt-lookup drafts verified every decode step), ``auto``
+    (n-gram drafts only where the measured acceptance and the batch size say a step gains;
+    :mod:`jobrunner.engine.speculative`). ``num_speculative_tokens``: most drafted tokens per request per step.
     """
 
     max_num_seqs: int = 64
@@ -37,6 +41,8 @@ class EngineConfig:
     use_cuda_graphs: bool = False
     static_decode: bool = False
     seed: int = 0
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -51,6 +57,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("EngineConfig.attention_backend must be auto|torch|triton, "
                              f"got {self.attention_backend!r}")
+        _check_speculative(self.speculative, self.num_speculative_tokens)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 
@@ -62,3 +69,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+SPECULATIVE_MODES = ("off", "auto", "ngram")
+
+
+def _check_speculative(mode: str, num_tokens: int) -> None:
+    if not isinstance(mode, str) or mode not in SPECULATIVE_MODES:
+        raise ValueError(f"EngineConfig.speculative must be one of {'|'.join(SPECULATIVE_MODES)}, got {mode!r} "
+                         "(draft-model speculation is not implemented yet)")
+    if not 1 <= num_tokens <= 16:
+        raise ValueError(f"EngineConfig.num_speculative_tokens must be in 1..16, got {num_tokens}")
