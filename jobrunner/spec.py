@@ -189,6 +189,12 @@ class EngineSpec(_Spec):
         description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) or "
         "auto (= torch until a GPU check has passed; docs/engine.md).",
     )
+    speculative: Literal["off", "auto", "ngram"] = Field(
+        default="off",
+        description="Speculative decoding: ngram (prompt-lookup drafts every decode step), auto (only where the "
+        "measured acceptance and batch size say a step gains: the drain tail) or off (docs/engine.md).",
+    )
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="Most draft tokens per row per step.")
     factory: str | None = Field(
         default=None,
         description="Advanced: 'module:function' called as function(spec) to build the engine "

@@ -26,10 +26,11 @@ class EngineOptions:
     device: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    speculative: str = "off"
 
     def config(self, prefix_caching: bool) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=prefix_caching, device=self.device)
+                            enable_prefix_caching=prefix_caching, device=self.device, speculative=self.speculative)
 
 
 def build_engine(options: EngineOptions, prefix_caching: bool):

@@ -17,7 +17,8 @@ def engine_config_kwargs(spec: JobSpec) -> dict[str, Any]:
                   max_model_len=e.max_model_len, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
                   gpu_memory_utilization=e.gpu_memory_utilization, num_kv_blocks=e.num_kv_blocks,
                   device=e.device, dtype=spec.model.dtype, use_cuda_graphs=e.use_cuda_graphs,
-                  attention_backend=e.attention_backend)
+                  attention_backend=e.attention_backend, speculative=e.speculative,
+                  num_speculative_tokens=e.num_speculative_tokens)
     return kwargs
 
 
