@@ -105,6 +105,9 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
             out[key] = value - before[key]
     prompt, cached = out.get("num_prompt_tokens", 0), out.get("num_cached_tokens", 0)
     out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+    drafted, accepted = out.get("num_draft_tokens", 0), out.get("num_accepted_tokens", 0)
+    if "draft_acceptance_rate" in out:
+        out["draft_acceptance_rate"] = accepted / drafted if drafted else 0.0
     for key in ("prefill_s", "decode_s", "schedule_s"):
         if isinstance(out.get(key), float):
             out[key] = round(out[key], 4)
