@@ -24,3 +24,11 @@ def test_attention_backend_reaches_the_engine_config():
 def test_unknown_attention_backend_is_named():
     with pytest.raises(SpecError, match=r"engine\.attention_backend"):
         _spec(attention_backend="flash")
+
+
+def test_speculative_setting_reaches_the_engine_config():
+    assert engine_config_kwargs(_spec())["speculative"] == "off"
+    config = EngineConfig(**engine_config_kwargs(_spec(speculative="auto", num_speculative_tokens=3)))
+    assert config.speculative == "auto" and config.num_speculative_tokens == 3
+    with pytest.raises(SpecError, match=r"engine\.speculative"):
+        _spec(speculative="eagle")

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.torch_short_rows import is_short_row, short_row_index, short_row_mask
 from jobrunner.attention.upload import StepUpload
 
 MAX_DECODE_GROUP = 32     # decodes of similar context length attended together in one padded call
@@ -35,6 +36,7 @@ class AttentionGroup:
     out_index: torch.Tensor           # [G * Q] flat token index to write each output row to
     causal: bool = False              # a chunk starting at position 0: plain causal attention, no mask
     repeat_mask: bool = False         # mask is [Q, L]-shaped: repeat it n_rep times along the query axis
+    tile_mask: bool = False           # mask is [G, 1, Q, L]: tile it n_rep times along the query axis
 
 
 class TorchMetadata(AttentionMetadata):
@@ -57,11 +59,13 @@ class TorchBackend(AttentionBackend):
     def build(self, layout: StepLayout, upload: StepUpload) -> TorchMetadata:
         # Queue every group's small integer arrays in the step's single upload, then build the groups from
         # the device views (masks and ranges are computed on the device, never on the host).
-        chunks, decodes = [], []
+        chunks, decodes, short = [], [], {}
         for start, q_len, seq_len, table in zip(layout.query_starts, layout.query_lens, layout.seq_lens,
                                                 layout.block_tables):
             if q_len == 1:
                 decodes.append((seq_len, start, table))
+            elif is_short_row(q_len, seq_len, layout.sliding_window):
+                short.setdefault(q_len, []).append((seq_len, start, table))
             else:
                 chunks.append((start, q_len, seq_len))
                 num_blocks = -(-seq_len // layout.block_size)
@@ -72,6 +76,13 @@ class TorchBackend(AttentionBackend):
             upload.add(f"dec{i}_len", [d[0] for d in group])
             upload.add(f"dec{i}_index", [d[1] for d in group])
             upload.add(f"dec{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
+        packed_short = [(q_len, group) for q_len, rows in short.items()
+                        for group in _pack_by_length(rows, layout.block_size)]
+        for i, (_, group) in enumerate(packed_short):
+            num_blocks = -(-group[-1][0] // layout.block_size)
+            upload.add(f"short{i}_len", [d[0] for d in group])
+            upload.add(f"short{i}_offset", [d[1] for d in group])
+            upload.add(f"short{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
         t = upload.flush()
         device, bs = upload.device, layout.block_size
         window = layout.sliding_window
@@ -80,6 +91,11 @@ class TorchBackend(AttentionBackend):
         for i, group in enumerate(packed):
             groups.append(_decode_group(len(group), -(-group[-1][0] // bs) * bs, t[f"dec{i}_len"],
                                         t[f"dec{i}_index"], t[f"dec{i}_blocks"], device, window))
+        for i, (q_len, group) in enumerate(packed_short):
+            kv_len = -(-group[-1][0] // bs) * bs
+            index = short_row_index(t[f"short{i}_offset"], q_len)
+            groups.append(AttentionGroup(len(group), q_len, kv_len, index, t[f"short{i}_blocks"],
+                                         short_row_mask(t[f"short{i}_len"], q_len, kv_len), index, tile_mask=True))
         return TorchMetadata(t["slot_mapping"], groups, layout.num_tokens, bs)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
@@ -163,6 +179,8 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
     vg = v_blocks.index_select(0, g.block_ids).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
     if g.repeat_mask:  # once per step, not per layer: the group is shared by every layer
         g.mask, g.repeat_mask = g.mask.repeat(n_rep, 1)[None, None], False
+    if g.tile_mask:
+        g.mask, g.tile_mask = g.mask.repeat(1, 1, n_rep, 1), False
     og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
     # [G, Hkv, n_rep*Q, D] -> [G*Q, H*D]
     og = og.view(G, num_kv_heads, n_rep, Q, head_dim).permute(0, 3, 1, 2, 4)

@@ -26,10 +26,11 @@ class EngineOptions:
     device: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    speculative: str = "off"
 
     def config(self, prefix_caching: bool) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=prefix_caching, device=self.device)
+                            enable_prefix_caching=prefix_caching, device=self.device, speculative=self.speculative)
 
 
 def build_engine(options: EngineOptions, prefix_caching: bool):
@@ -104,6 +105,9 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
             out[key] = value - before[key]
     prompt, cached = out.get("num_prompt_tokens", 0), out.get("num_cached_tokens", 0)
     out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+    drafted, accepted = out.get("num_draft_tokens", 0), out.get("num_accepted_tokens", 0)
+    if "draft_acceptance_rate" in out:
+        out["draft_acceptance_rate"] = accepted / drafted if drafted else 0.0
     for key in ("prefill_s", "decode_s", "schedule_s"):
         if isinstance(out.get(key), float):
             out[key] = round(out[key], 4)

@@ -50,7 +50,15 @@ def _engine_line(label: str, run: dict[str, Any]) -> str:
             f"({s.get('num_prefill_tokens', 0)} tok), decode {s.get('decode_s', 0):.2f} s "
             f"({s.get('num_decode_tokens', 0)} tok), schedule {s.get('schedule_s', 0):.2f} s, "
             f"preemptions {s.get('num_preemptions', 0)}, KV peak {s.get('kv_peak_blocks_used', 0)}/"
-            f"{s.get('kv_num_blocks', 0)} blocks{errors}")
+            f"{s.get('kv_num_blocks', 0)} blocks{_draft_part(s)}{errors}")
+
+
+def _draft_part(s: dict[str, Any]) -> str:
+    """Speculative decoding's counters, when the run drafted anything."""
+    if not s.get("num_draft_tokens"):
+        return ""
+    return (f", drafted {s['num_draft_tokens']} tok, accepted {s.get('num_accepted_tokens', 0)} "
+            f"({s.get('draft_acceptance_rate', 0):.0%})")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -156,7 +156,7 @@ def _workload(options: BenchOptions, prep: _Prepared) -> dict[str, Any]:
         "prefix_caching": options.prefix_caching or options.compare_prefix_caching,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "model": e.model, "dtype": prep.model_info.get("dtype"), "device": str(prep.device),
-        "quantization": e.quantization, "baseline": options.baseline,
+        "quantization": e.quantization, "baseline": options.baseline, "speculative": e.speculative,
     }
 
 

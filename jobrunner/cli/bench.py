@@ -37,6 +37,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--speculative", type=click.Choice(["off", "auto", "ngram"]), default="off", show_default=True,
+              help="Our engine's speculative decoding (n-gram drafts; auto: only where it measures a gain).")
 @click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
               help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
                    "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "
@@ -52,7 +54,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
-          max_num_batched_tokens: int, quant_schemes: str | None, quality_texts: str | None,
+          max_num_batched_tokens: int, speculative: str, quant_schemes: str | None, quality_texts: str | None,
           batch_sizes: str, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
@@ -76,7 +78,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     except PromptFileError as exc:
         raise click.ClickException(str(exc)) from None
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           speculative=speculative)
     if quant_schemes is not None:
         _compare_quantization(engine, rows, quant_schemes, quality_texts, batch_sizes, raw_prompts, as_json)
         return

@@ -32,6 +32,10 @@ class EngineConfig:
     only on its prompt, settings and seed, never on ``max_num_seqs``, ``max_num_batched_tokens``, chunked
     prefill, prefix-cache hits, preemption or what else is batched with it (docs/engine.md, *Deterministic
     mode*). Costs throughput; off by default.
+
+    ``speculative``: ``off`` (default), ``ngram`` (prompt-lookup drafts verified every decode step), ``auto``
+    (n-gram drafts only where the measured acceptance and the batch size say a step gains;
+    :mod:`jobrunner.engine.speculative`). ``num_speculative_tokens``: most drafted tokens per request per step.
     """
 
     max_num_seqs: int = setting(64, description="Most requests decoding at once.", ge=1)
@@ -56,8 +60,13 @@ class EngineConfig:
     deterministic: bool = setting(
         False, description="Batch-invariant execution: the same spec and seed give byte-identical rows whatever "
         "max_num_seqs, max_num_batched_tokens, workers, retries, preemption or resume (slower; docs/engine.md).")
+    speculative: Literal["off", "auto", "ngram"] = setting(
+        "off", description="Speculative decoding: ngram (prompt-lookup drafts every decode step), auto (only where "
+        "the measured acceptance and batch size say a step gains: the drain tail) or off (docs/engine.md).")
+    num_speculative_tokens: int = setting(4, description="Most draft tokens per row per step.", ge=1, le=16)
 
     def __post_init__(self) -> None:
+        _check_speculative(self.speculative, self.num_speculative_tokens)  # names the missing draft-model mode
         check_settings(self)  # bounds and choices as declared above (the job spec checks the same)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
@@ -70,3 +79,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+SPECULATIVE_MODES = ("off", "auto", "ngram")
+
+
+def _check_speculative(mode: str, num_tokens: int) -> None:
+    if not isinstance(mode, str) or mode not in SPECULATIVE_MODES:
+        raise ValueError(f"EngineConfig.speculative must be one of {'|'.join(SPECULATIVE_MODES)}, got {mode!r} "
+                         "(draft-model speculation is not implemented yet)")
+    if not 1 <= num_tokens <= 16:
+        raise ValueError(f"EngineConfig.num_speculative_tokens must be in 1..16, got {num_tokens}")

@@ -17,6 +17,7 @@ from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entrie
 from jobrunner.engine.sampling.noise import derive_seed
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.engine.scheduler import Scheduler, SchedulerOutput
+from jobrunner.engine.speculative import make_speculator
 from jobrunner.engine.stats import EngineStats
 from jobrunner.engine.stopping import check_stop, final_text
 
@@ -62,6 +63,8 @@ class LLMEngine:
             from jobrunner.engine.invariant import make_deterministic
 
             make_deterministic(self)
+        self.speculator = make_speculator(self.config.speculative, self.config.num_speculative_tokens,
+                                          self.config.max_num_seqs, self.max_model_len, self.device.type)
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",
@@ -214,6 +217,8 @@ class LLMEngine:
         finished = [self._finish_output(r) for r in self._rejected]
         self._rejected = []
         t0 = time.perf_counter()
+        if self.speculator is not None:  # drafts for decoding requests (speculative/); the scheduler reads them
+            self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return finished
@@ -223,6 +228,8 @@ class LLMEngine:
         self._stats.schedule_s += t1 - t0
         self._stats.record_step(t2 - t1, result.num_prefill_tokens, result.num_decode_tokens)
         self._stats.num_fixed_shape_steps += result.fixed_shape
+        if self.speculator is not None:
+            self.speculator.observe_step(result.num_prefill_tokens, result.num_decode_tokens, t2 - t1)
         finished += self._update_from_output(sched, result, t2)
         used = self.kv_manager.pool.num_used_blocks
         self._stats.kv_blocks_used = used
@@ -237,16 +244,39 @@ class LLMEngine:
             token = result.sampled.get(request.key)
             if token is None:
                 continue
-            accepted = self._append_token(request, token, result.logprobs.get(request.key), now)
-            if request.siblings:  # the prompt is computed: start the other samples on its KV blocks
-                self._fork_siblings(request)
-            status = check_stop(request, token, self.max_model_len, self.tokenizer) if accepted else None
-            if not accepted:  # never hand back output that breaks its grammar
-                status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
-            if status is not None:
-                self.scheduler.finish(request, status)
-                finished.append(self._finish_output(request, now))
+            verified = result.speculative.get(request.key) if result.speculative else None
+            if verified is not None:  # accepted drafts keep their KV; the rest is trimmed below
+                request.num_computed_tokens += verified.num_accepted
+                self._record_draft(request, verified)
+                tokens, entries = verified.tokens, verified.logprobs
+            else:
+                tokens, entries = [token], [result.logprobs.get(request.key)]
+            for token, entry in zip(tokens, entries):
+                status = self._take_token(request, token, entry, now)
+                if status is not None:
+                    self.scheduler.finish(request, status)
+                    finished.append(self._finish_output(request, now))
+                    break
+            else:
+                if s.draft:
+                    self.kv_manager.trim(request, request.num_tokens)
         return finished
+
+    def _take_token(self, request: Request, token: int, entry, now: float) -> RequestStatus | None:
+        """Append one sampled token; the request's finished status, or None to keep going."""
+        accepted = self._append_token(request, token, entry, now)
+        if request.siblings:  # the prompt is computed: start the other samples on its KV blocks
+            self._fork_siblings(request)
+        status = check_stop(request, token, self.max_model_len, self.tokenizer) if accepted else None
+        if not accepted:  # never hand back output that breaks its grammar
+            status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
+        return status
+
+    def _record_draft(self, request: Request, verified) -> None:
+        self.speculator.record(request, verified)
+        self._stats.num_draft_tokens += verified.num_drafted
+        self._stats.num_accepted_tokens += verified.num_accepted
+        self._stats.num_speculative_rows += 1
 
     def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> bool:
         """Record one new token; False if the request's grammar rejected it."""

@@ -20,6 +20,7 @@ from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jobrunner.engine.speculative.verify import verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class StepResult:
     num_prefill_tokens: int
     num_decode_tokens: int
     fixed_shape: bool = False          # ran through a fixed-shape path (a CUDA graph replay, or its eager twin)
+    speculative: dict | None = None    # Request.key -> VerifiedDraft, rows that verified drafts (speculative/)
 
 
 @dataclass
@@ -120,9 +122,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         hidden, sample_rows, sampling, fixed = self._forward(sched.scheduled)
-        sampled, logprobs = self._sample(hidden, sample_rows, sampling)
-        num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
-        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed)
+        verified = None
+        if any(s.draft for s in sampling):  # speculative rows: score every draft position, keep what matches
+            sampled, logprobs, verified = verify_drafts(self.model, self.sampler, hidden, sample_rows, sampling)
+        else:
+            sampled, logprobs = self._sample(hidden, sample_rows, sampling)
+        num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
+        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed, verified)
 
     # -- the forward pass (attention metadata and fixed-shape paths; sampling stays in execute) ---------------
 
@@ -186,7 +192,7 @@ class ModelRunner:
 
     def _run_decode_graphs(self, scheduled: list[ScheduledRequest]):
         """A step of single-token rows through DecodeGraphs; None when it has a chunk or doesn't fit a shape."""
-        if any(s.num_new_tokens != 1 for s in scheduled):
+        if any(s.num_new_tokens != 1 or s.draft for s in scheduled):
             return None
         bs = self.block_size
         rows = []
@@ -219,6 +225,9 @@ class ModelRunner:
                 input_ids.append(req.output_token_ids[start - req.num_prompt_tokens])
             else:
                 input_ids.extend(req.all_token_ids[start:start + n])
+            if s.draft:  # speculative tokens: scored in this step after the real one (causal within the row)
+                input_ids.extend(s.draft)
+                n += len(s.draft)
             positions.extend(range(start, start + n))
             table = req.block_ids
             slots.extend(_slots(table, start, start + n, bs))
@@ -228,7 +237,7 @@ class ModelRunner:
             layout.block_tables.append(table)
             layout.row_keys.append(req.request_id)
             if s.samples:
-                sample_rows.append(offset + n - 1)
+                sample_rows.extend(range(offset + n - 1 - len(s.draft), offset + n))
         layout.num_tokens = len(input_ids)
         return layout, (input_ids, positions, slots, sample_rows)
 

@@ -49,6 +49,8 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     prompt_shared: bool = False  # this sample's prompt KV was forked from sample 0 (count prompt tokens once)
+    num_draft_tokens: int = 0      # speculative decoding: tokens drafted for this sample and verified
+    num_accepted_tokens: int = 0   # of those, accepted (each saved one decode step)
 
     @property
     def queue_s(self) -> float | None:
@@ -84,6 +86,8 @@ class RequestMetrics:
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,
             "prompt_shared": self.prompt_shared,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
         }
 
 
@@ -174,6 +178,8 @@ class Request:
         self.siblings: list[Request] = []  # samples 1..n-1, started once this one's prompt is computed
         self.grammar = None                # a structured-output matcher (engine/sampling/structured.py)
         self.detok = None                  # incremental detokenizer state (stop strings)
+        self.draft_token_ids: list[int] = []  # speculative tokens to verify in the next step (engine/speculative)
+        self.spec = None                   # the n-gram drafter's per-request state
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
 
     @property

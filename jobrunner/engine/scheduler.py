@@ -29,6 +29,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens before this step
+    draft: list[int] = field(default_factory=list)  # speculative tokens verified after the new ones
 
     @property
     def samples(self) -> bool:
@@ -43,7 +44,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.draft) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -83,14 +84,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            draft = request.draft_token_ids[:budget - num_new] if num_new == 1 else []
+            if draft and not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(draft)):
+                draft = []  # no room for the drafts: a plain decode (which may still preempt)
+            while not draft and not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-                budget -= num_new
+                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens, draft))
+                budget -= num_new + len(draft)
                 i += 1
         return budget
 

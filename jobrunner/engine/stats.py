@@ -30,6 +30,9 @@ class EngineStats:
     num_errors: int = 0
     num_forked_samples: int = 0        # samples 1..n-1 of n > 1 requests, started on sample 0's prompt blocks
     num_shared_prompt_tokens: int = 0  # prompt tokens those samples did not compute (shared KV)
+    num_draft_tokens: int = 0          # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0       # of those, accepted
+    num_speculative_rows: int = 0      # (request, step) pairs that verified drafts
     kv_num_blocks: int = 0
     kv_block_size: int = 0
     kv_blocks_used: int = 0
@@ -38,6 +41,10 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def record_step(self, seconds: float, num_prefill: int, num_decode: int) -> None:
         total = num_prefill + num_decode
@@ -51,4 +58,5 @@ class EngineStats:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        out["draft_acceptance_rate"] = self.draft_acceptance_rate
         return out

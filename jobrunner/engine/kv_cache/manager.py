@@ -40,15 +40,18 @@ class KVCacheManager:
             block_ids.append(block_id)
         return block_ids
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = (),
+                       num_lookahead_tokens: int = 0) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens (after any cached prefix).
 
-        Returns False, changing nothing, when there is no room.
+        ``num_lookahead_tokens``: slots for speculative (draft) tokens after them; blocks holding drafts are
+        never registered in the prefix cache (only blocks full of known tokens are). Returns False, changing
+        nothing, when there is no room.
         """
         cached_block_ids = list(cached_block_ids)
         num_reused_free = sum(1 for b in cached_block_ids if self.pool.blocks[b].ref_cnt == 0)
         num_computed = request.num_computed_tokens + len(cached_block_ids) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = num_needed - len(request.block_ids) - len(cached_block_ids)
         if num_new_blocks + num_reused_free > self.pool.num_free_blocks:
             return False
@@ -76,6 +79,14 @@ class KVCacheManager:
         request.block_ids = list(shared_block_ids)
         request.num_cached_blocks = len(shared_block_ids) if self.enable_prefix_caching else 0
         request.num_computed_tokens = len(shared_block_ids) * self.block_size
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those ``num_tokens`` tokens need (slots of rejected draft tokens)."""
+        keep = self.num_blocks_for(num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(list(reversed(request.block_ids[keep:])))
+            del request.block_ids[keep:]
+            request.num_cached_blocks = min(request.num_cached_blocks, keep)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (tail first, so the prefix head is evicted last)."""
