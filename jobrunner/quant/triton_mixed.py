@@ -11,9 +11,9 @@ read the stored weight once per M tile instead and multiply it with the activati
   (int32 [N/8, K/W, 32, H], ``W = 32 H`` = ``16 * inner_k_tiles``; see ``kernels._tinygemm_order``), with
   ``scales_and_zeros`` [K/group, N, 2] (``w = (q - 8) * scale + zero``). One K step is one super-tile: row
   ``r`` of it is ``4 H`` consecutive int32 words (index ``c * H + h``) whose nibble ``j`` is column
-  ``32 h + 8 (j % 4) + 2 c + j // 4``. The kernel keeps the weight in that order (no shuffle of the unpacked
-  tile) and loads the activation columns in the same order instead; a group (>= 32 columns, a multiple of
-  32) never splits a run of 32 columns, so one scale and zero per (row, h) suffices.
+  ``32 h + 8 (j % 4) + 2 c + j // 4``. The unpacked tile is scaled in that order (a group, >= 32 columns and a
+  multiple of 32, never splits the 32 columns of one ``h``, so one scale and zero per (row, h) suffices) and
+  then put in column order by a permutation of index bits, so the activations load as plain rows.
 
 Tile sizes come from a small fixed table per M bucket (:func:`config_for`), written for H100 / H200-class
 GPUs; nothing is chosen by timing, so one process and the next run the same kernels. Under
@@ -104,6 +104,14 @@ def int8_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_wn, 
     _store(c_ptr, acc * scale[None, :], rows, cols, M, N, stride_cm)
 
 
+@triton.jit
+def _columns_in_order(w, BLOCK_N: tl.constexpr, H: tl.constexpr):
+    """[BN, 4 (c), H (h), 8 (j)] in storage order -> [BN, 32 H] in column order ``32 h + 8 (j % 4) + 2 c + j // 4``
+    (a permutation of index bits, so the compiler can do it in the layout rather than with a gather)."""
+    w = tl.reshape(w, (BLOCK_N, 4, H, 2, 4))                    # j = 4 * (j // 4) + j % 4
+    return tl.reshape(tl.permute(w, (0, 2, 4, 1, 3)), (BLOCK_N, 32 * H))   # (h, j % 4, c, j // 4)
+
+
 @triton.jit(do_not_specialize=["M"])
 def int4_gemm_kernel(a_ptr, p_ptr, sz_ptr, c_ptr, M, N, K, stride_am, stride_cm, GROUP_SIZE,
                      H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -119,10 +127,7 @@ def int4_gemm_kernel(a_ptr, p_ptr, sz_ptr, c_ptr, M, N, K, stride_am, stride_cm,
     # word (c, h) of row n in super-tile 0: n-tile stride K words, row stride 4 H words
     words0 = (n // 8).to(tl.int64)[:, None, None] * K + ((n % 8) * 4 * H)[:, None, None] + c4 * H + h
     j = tl.arange(0, 8)
-    col_of = 32 * h[:, :, :, None] + 8 * (j % 4)[None, None, None, :] + 2 * c4[:, :, :, None] \
-        + (j // 4)[None, None, None, :]           # [1, 4, H, 8]: column of nibble j of word (c, h)
-    a_cols = tl.reshape(col_of, (WIDTH,))
-    a_ptrs = a_ptr + (rows % M)[:, None].to(tl.int64) * stride_am + a_cols[None, :]
+    a_ptrs = a_ptr + (rows % M)[:, None].to(tl.int64) * stride_am + tl.arange(0, WIDTH)[None, :]
     sz_ptrs = sz_ptr + (n[:, None, None] + (32 * h // GROUP_SIZE) * N) * 2   # [BN, 1, H]
     shifts = 4 * j[None, None, None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -131,13 +136,13 @@ def int4_gemm_kernel(a_ptr, p_ptr, sz_ptr, c_ptr, M, N, K, stride_am, stride_cm,
         group = (k0 // GROUP_SIZE) * N * 2
         scale = tl.load(sz_ptrs + group).to(tl.float32)
         offset = tl.load(sz_ptrs + group + 1).to(tl.float32) - 8.0 * scale
-        q = ((words[:, :, :, None] >> shifts) & 15).to(tl.float32)      # [BN, 4, H, 8]
-        w = tl.reshape(q * scale[:, :, :, None] + offset[:, :, :, None], (BLOCK_N, WIDTH))
+        q = ((words[:, :, :, None] >> shifts) & 15).to(tl.float32)      # [BN, 4 (c), H (h), 8 (j)]
+        w = q * scale[:, :, :, None] + offset[:, :, :, None]
         a = tl.load(a_ptrs + k0)
         if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+            acc += tl.dot(a.to(tl.float32), tl.trans(_columns_in_order(w, BLOCK_N, H)), input_precision="ieee")
         else:
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+            acc += tl.dot(a, tl.trans(_columns_in_order(w.to(a.dtype), BLOCK_N, H)))
     _store(c_ptr, acc, rows, cols, M, N, stride_cm)
 
 
