@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobrunner.models.factory import describe_dispatch
 from jobrunner.quant import Int8WeightOnlyLinear, dispatch_for
 from jobrunner.quant.dispatch import CROSSOVER_ENV
 from jobrunner.quant.fp8 import fp8_w8a8_reference, quantize_fp8_per_channel, quantize_fp8_per_token
@@ -178,6 +179,10 @@ def test_without_cuda_the_torch_path_runs_and_the_reason_is_recorded(monkeypatch
     assert dispatch.triton_quant["enabled"] == [] and dispatch.triton_quant["requested"] == ["fp8", "int8", "int4"]
     assert set(dispatch.triton_quant["reasons"].values()) == {"needs CUDA (or TRITON_INTERPRET=1), not cpu"}
     assert dispatch.to_dict()["triton_quant"] == dispatch.triton_quant
+    line = describe_dispatch(dispatch.to_dict())
+    assert line.endswith("; triton at batch: none (fp8 off: needs CUDA (or TRITON_INTERPRET=1), not cpu) "
+                         "(int8 off: needs CUDA (or TRITON_INTERPRET=1), not cpu) (int4 off: needs CUDA "
+                         "(or TRITON_INTERPRET=1), not cpu)"), line
     torch.manual_seed(4)
     lin = torch.nn.Linear(64, 24)
     layer = Int8WeightOnlyLinear.from_linear(lin, dispatch)
