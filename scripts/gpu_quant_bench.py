@@ -96,6 +96,12 @@ def make_layer(path: str, weight: torch.Tensor) -> torch.nn.Module:
         return Int4WeightOnlyLinear.from_linear(linear, 32, dispatch)
 
 
+def random_weight(n: int, k: int, device: torch.device, seed: int, std: float = 0.02) -> torch.Tensor:
+    """[n, k] bf16 ~ N(0, std) drawn on ``device`` (a CPU draw of lm_head's 525 M values takes seconds)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16).mul_(std)
+
+
 def time_us(fn: Callable[[], Any], device: torch.device, calls: int, replays: int) -> float:
     """Median microseconds per call of ``fn``: a CUDA graph of ``calls`` calls (CPU: plain loop)."""
     with torch.no_grad():
@@ -136,12 +142,11 @@ def bench_layers(shapes: dict[str, tuple[int, int]], path: str, device: torch.de
     """``({shape: {batch: us}}, {batch: code path})`` for one path."""
     out: dict[str, dict[str, float]] = {}
     taken: dict[str, str] = {}
-    gen = torch.Generator(device="cpu").manual_seed(0)
     for name, (n, k) in shapes.items():
-        layer = make_layer(path, (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.bfloat16))
+        layer = make_layer(path, random_weight(n, k, device, seed=n + k))
         out[name] = {}
         for batch in BATCHES:
-            x = torch.randn(batch, k, generator=gen).to(device, torch.bfloat16)
+            x = random_weight(batch, k, device, seed=batch, std=1.0)
             out[name][str(batch)] = round(time_us(partial(layer, x), device, args.calls, args.replays), 2)
             taken[str(batch)] = layer.path(batch) if hasattr(layer, "path") else "dense"
         layer = None  # noqa: F841 - free this shape's weights before the next is built
@@ -158,17 +163,14 @@ def _step(layers: list[torch.nn.Module], x: torch.Tensor, xi: torch.Tensor) -> N
 
 def bench_model_step(path: str, device: torch.device, args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds of the linears of one model step per batch: one decoder layer x 32, plus lm_head."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
     shapes = TINY_LAYER if args.tiny else DECODER_LAYER
-    layers = [make_layer(path, (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.bfloat16))
-              for n, k in shapes.values()]
-    head = make_layer(path, (torch.randn(*(TINY_HEAD if args.tiny else LM_HEAD), generator=gen) * 0.02)
-                      .to(device, torch.bfloat16))
+    layers = [make_layer(path, random_weight(n, k, device, seed=i)) for i, (n, k) in enumerate(shapes.values())]
+    head = make_layer(path, random_weight(*(TINY_HEAD if args.tiny else LM_HEAD), device, seed=9))
     hidden, inter = shapes["o"][1], shapes["down"][1]
     out = {}
     for batch in BATCHES:
-        x = torch.randn(batch, hidden, generator=gen).to(device, torch.bfloat16)
-        xi = torch.randn(batch, inter, generator=gen).to(device, torch.bfloat16)
+        x = random_weight(batch, hidden, device, seed=batch, std=1.0)
+        xi = random_weight(batch, inter, device, seed=batch + 1, std=1.0)
         layer_us = time_us(partial(_step, layers, x, xi), device, max(1, args.calls // 4), args.replays)
         head_us = time_us(partial(head, x), device, max(1, args.calls // 4), args.replays)
         out[str(batch)] = round((NUM_LAYERS * layer_us + head_us) / 1e3, 3)
