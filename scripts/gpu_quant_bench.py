@@ -27,7 +27,8 @@ JSON written to ``--out`` (default ``$OUT/gpu_quant_bench.json``), all numbers p
 * ``paths[path][batch]``: which code path the layer took (``scaled_mm``, ``triton_scaled_mm``, ``packed``,
   ``dequant``, ``triton``, ...), so a "Triton" column that silently ran torch is visible;
 * ``fp8_fused_vs_bf16_b256``: ``model_step_speedup_vs_bf16["256"]["fp8_fused"]`` (the issue's threshold is
-  >= 1.3), null when fp8 could not run; likewise ``int8_triton_vs_bf16_b256``, ``int4_triton_vs_bf16_b256``;
+  >= 1.3), null unless that layer really took the Triton path at 256 tokens (``paths``); likewise
+  ``int8_triton_vs_bf16_b256``, ``int4_triton_vs_bf16_b256``;
 * ``triton_quant``: the dispatch's choice (requested / enabled / reasons); ``errors[path]``: why a path did
   not run; ``environment``: device, torch, triton, seconds.
 
@@ -222,8 +223,9 @@ def _derive(report: dict[str, Any]) -> None:
     report["speedup_vs_bf16"] = {s: {b: ratios(t) for b, t in by_b.items()} for s, by_b in report["layers"].items()}
     report["model_step_speedup_vs_bf16"] = {b: ratios(t) for b, t in report["model_step_ms"].items()}
     at_256 = report["model_step_speedup_vs_bf16"].get("256", {})
-    for path in ("fp8_fused", "int8_triton", "int4_triton"):
-        report[f"{path}_vs_bf16_b256"] = at_256.get(path)
+    for path in ("fp8_fused", "int8_triton", "int4_triton"):   # null unless the Triton path really ran
+        ran = report["paths"].get(path, {}).get("256") in ("triton", "triton_scaled_mm")
+        report[f"{path}_vs_bf16_b256"] = at_256.get(path) if ran else None
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
