@@ -6,7 +6,9 @@ drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through `
 make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
 ``fp8:triton+graphs`` — or ``hf`` (the same workload through transformers' continuous-batching
 ``generate_batch`` on an HF model with random weights) or ``parity`` (bf16 greedy tokens at head_dim 128
-against transformers for torch/triton attention with and without CUDA graphs). Every run gets a fresh
+against transformers for torch/triton attention with and without CUDA graphs) or ``quant-kernels``
+(scripts/gpu_quant_bench.py: quantized linears per layer shape and batch; opt-in Triton paths included;
+engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the environment). Every run gets a fresh
 model and a share of the wall-clock budget; a run past its deadline stops early and is marked
 ``timed_out``; a run's failure (a kernel error, an fp8 GEMM the device refuses) is recorded and the next
 run still goes. Results go to stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after
@@ -208,6 +210,22 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
     return result
 
 
+def run_quant_kernels(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """scripts/gpu_quant_bench.py (quantized linears: bf16 vs fp8 / int8 / int4, torch vs Triton paths),
+    also written to its own ``$OUT/gpu_quant_bench.json``; see that script's docstring for the keys."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_quant_bench.py")
+    spec = importlib.util.spec_from_file_location("gpu_quant_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "gpu_quant_bench.json")
+    argv = ["--device", args.device, "--out", out] + (["--tiny"] if args.tiny else [])
+    module.main(argv)
+    with open(out) as f:
+        return {"run": "quant-kernels", **json.load(f)}
+
+
 def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """Greedy tokens at head_dim 128: each (attention backend, CUDA graphs) combination vs transformers.
 
@@ -359,8 +377,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--runs", default="parity,torch,triton,triton+graphs,fp8:triton+graphs,hf",
-                   help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers) or parity "
-                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off)")
+                   help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers), parity "
+                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off) or "
+                   "quant-kernels (scripts/gpu_quant_bench.py)")
     p.add_argument("--hbm-tb-s", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
@@ -380,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs):
         deadline = time.perf_counter() + (end - time.perf_counter()) / (len(runs) - i)
         try:
-            special = {"hf": run_hf, "parity": run_parity}
+            special = {"hf": run_hf, "parity": run_parity, "quant-kernels": run_quant_kernels}
             result = special[run](args, deadline) if run in special else run_engine(run, args, deadline)
         except Exception as exc:  # record and go on with the next run
             result = {"run": run, "error": f"{type(exc).__name__}: {exc}",

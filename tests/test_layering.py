@@ -49,12 +49,13 @@ def test_the_rules_read_real_imports():
 
 
 def test_quant_is_a_torch_only_leaf():
-    """quant/ is the state-dict transform and the module swap: torch, the standard library and itself."""
-    allowed = {"torch", "jobrunner"}
+    """quant/ is the state-dict transform and the module swap: torch (and triton, torch's own GPU kernel
+    compiler, for the opt-in kernels), the standard library and itself."""
+    allowed = {"torch", "triton", "jobrunner"}
     bad = {f"{f}: {n}" for f, names in imports_by_file().items() if f.startswith("quant/") for n in names
            if n.split(".")[0] not in allowed | STDLIB or (n.startswith("jobrunner") and
                                                           not n.startswith("jobrunner.quant"))}
-    assert sorted(bad) == [], "quant/ may import only torch, the standard library and jobrunner.quant"
+    assert sorted(bad) == [], "quant/ may import only torch, triton, the standard library and jobrunner.quant"
 
 
 @pytest.mark.parametrize("module", ["ray", "fsspec", "pyarrow", "click", "pydantic", "yaml", "jobrunner.driver",

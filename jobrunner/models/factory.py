@@ -57,6 +57,10 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
         return None
     kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
     fp8 = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    triton = dispatch.get("triton_quant")  # opt-in, JOBRUNNER_TRITON_QUANT
+    if triton:
+        fp8 += f"; triton at batch: {','.join(triton['enabled']) or 'none'}" + "".join(
+            f" ({scheme} off: {why})" for scheme, why in triton["reasons"].items())
     return f"{dispatch['device']} {dispatch['capability']}: {kernels}, else dequantized " \
            f"{dispatch['dequant_dtype']} tiles{fp8}"
 

@@ -90,6 +90,13 @@ class QuantDispatch:
     tile_weights: int
     fp8_native: bool = False
     int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU tiles), see quant.native
+    # opt-in Triton kernels at batch ($JOBRUNNER_TRITON_QUANT): {"requested", "enabled", "reasons"}, see
+    # quant.triton_quant; None when not asked for
+    triton_quant: dict[str, Any] | None = None
+
+    def uses_triton(self, scheme: str) -> bool:
+        """Whether ``scheme``'s layers run the Triton kernel at batch (opt-in, probed at load)."""
+        return self.triton_quant is not None and scheme in self.triton_quant["enabled"]
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -104,7 +111,8 @@ class QuantDispatch:
         dtype = None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch.")
         return {"device": self.device_type, "capability": self.capability,
                 "dequant_dtype": dtype or "activation dtype", "max_kernel_tokens": dict(self.max_kernel_tokens),
-                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack}
+                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack,
+                "triton_quant": self.triton_quant}
 
 
 def cpu_profile(capability: str | None = None) -> CpuProfile:
@@ -154,13 +162,21 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        fp8_native = cuda_fp8_supported(device)
         return QuantDispatch("cuda", _cuda_capability(device), None, crossovers(CUDA_CROSSOVERS),
-                             CUDA_TILE_WEIGHTS, fp8_native=cuda_fp8_supported(device))
+                             CUDA_TILE_WEIGHTS, fp8_native=fp8_native, triton_quant=_triton(device, fp8_native))
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
-                         CPU_TILE_WEIGHTS, int4_unpack=unpack)
+                         CPU_TILE_WEIGHTS, int4_unpack=unpack, triton_quant=_triton(torch.device("cpu"), False))
+
+
+def _triton(device: torch.device, fp8_native: bool) -> dict[str, Any] | None:
+    """The opt-in Triton kernels' choice (``$JOBRUNNER_TRITON_QUANT``), None when not asked for."""
+    from jobrunner.quant.triton_quant import requested_schemes, triton_quant_choice
+
+    return triton_quant_choice(device, fp8_native) if requested_schemes() else None
 
 
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:

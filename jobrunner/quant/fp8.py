@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
+from jobrunner.quant.triton_quant import fused_fp8_fn, record_failure
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -105,6 +106,8 @@ class Fp8Linear(torch.nn.Module):
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.native = weight_fp8.is_cuda and self.dispatch.fp8_native
         self.rowwise = self.native and rowwise_scaled_mm(weight_fp8.device)
+        # opt-in: the per-token quantization in one Triton kernel (quant.triton_fp8), None = torch ops
+        self.fused = fused_fp8_fn() if self.rowwise and self.dispatch.uses_triton("fp8") else None
         dtype = self.dispatch.compute_dtype or act_dtype
         if not self.native and dtype is not None:  # sized at load time, not inside a CUDA graph capture
             self.scratch.reserve(self.tile_rows * self.in_features, dtype, weight_fp8.device)
@@ -117,8 +120,9 @@ class Fp8Linear(torch.nn.Module):
         return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     def path(self, num_tokens: int) -> str:
-        """``scaled_mm`` (CUDA sm89+) or ``dequant`` (elsewhere), whatever the token count."""
-        return "scaled_mm" if self.native else "dequant"
+        """``triton_scaled_mm`` (fused quantization, opt-in), ``scaled_mm`` (CUDA sm89+) or ``dequant``
+        (elsewhere), whatever the token count."""
+        return ("triton_scaled_mm" if self.fused else "scaled_mm") if self.native else "dequant"
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense ``dtype`` tensor [out, in]."""
@@ -134,6 +138,12 @@ class Fp8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            try:
+                return self.fused(x2, self.weight_fp8, self.scales)
+            except Exception as exc:  # noqa: BLE001 - never a crash: the torch path below is the tested one
+                record_failure("fp8", exc)
+                self.fused = None
         m = x2.shape[0]
         xq, x_scales = quantize_fp8_per_token(x2)
         rows = -(-m // 16) * 16  # keep every GEMM dimension a multiple of 16

@@ -21,6 +21,7 @@ from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
 from jobrunner.quant.native import int4_unpack_fn
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
+from jobrunner.quant.triton_quant import int4_triton_fn, record_failure
 
 # Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
@@ -124,6 +125,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.cpu_layout = None if q.is_cuda else find_cpu_layout(self.weight_int4pack, q)
         # CUDA: our reading of tinygemm's layout must reproduce the codes, else the kernel runs for all sizes.
         self.cuda_readable = q.is_cuda and torch.equal(unpack_int4_cuda(self.weight_int4pack), q.to(torch.uint8))
+        # opt-in: above the crossover a Triton GEMM reads the packed weight (quant.triton_mixed), None = dequant
+        self.triton_mm = int4_triton_fn(self.dispatch) if self.cuda_readable else None
         block = self.cpu_layout.block_n if self.cpu_layout is not None else 8
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights, block)
         dtype = self.dispatch.compute_dtype or act_dtype
@@ -147,10 +150,10 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         return self.cpu_layout is not None or self.cuda_readable
 
     def path(self, num_tokens: int) -> str:
-        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``dequant``."""
+        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``triton`` | ``dequant``."""
         if num_tokens <= self.small_batch_max_tokens or not self.dequant_available:
             return "packed"
-        return "dequant"
+        return "dequant" if self.triton_mm is None else "triton"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
@@ -158,16 +161,27 @@ class Int4WeightOnlyLinear(torch.nn.Module):
             raise RuntimeError(
                 f"int4 weight was packed for {self._packed_on}; quantize after moving the model")
         x2 = x.reshape(-1, self.in_features)
-        if self.path(x2.shape[0]) == "packed":
+        path = self.path(x2.shape[0])
+        y = self._triton_forward(x2) if path == "triton" else None
+        if path == "packed":
             y = int4_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int4pack, self.group_size,
                         self.scales_and_zeros)
-        else:
+        elif y is None:
             dtype = self.dispatch.compute_dtype_for(x2.dtype)
             y = tiled_linear(x2.to(dtype), self.out_features, self._fill, self.scratch, self.tile_rows)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _triton_forward(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The Triton GEMM's result, or None after a failure (this layer then dequantizes for good)."""
+        try:
+            return self.triton_mm(x2, self.weight_int4pack, self.scales_and_zeros, self.group_size)
+        except Exception as exc:  # noqa: BLE001 - never a crash: the tested torch path takes over
+            record_failure("int4", exc)
+            self.triton_mm = None
+            return None
 
     def _fill(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
         """Write rows ``[n0, n1)`` of the dequantized weight into ``out``'s memory; return them as [rows, K]."""

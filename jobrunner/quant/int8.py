@@ -21,6 +21,7 @@ import torch
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.kernels import has_cuda_int8pack, int8_int_mm, int_mm_shape_ok
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
+from jobrunner.quant.triton_quant import int8_triton_fn, record_failure
 
 INT8_MAX = 127
 
@@ -78,6 +79,8 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights)
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.use_cuda_kernel = weight_int8.is_cuda and has_cuda_int8pack()
+        # opt-in: above the crossover a Triton GEMM reads the int8 weight (quant.triton_mixed), None = dequant
+        self.triton_mm = int8_triton_fn(self.dispatch, self.out_features, self.in_features)
         self._reserve(act_dtype, weight_int8.device)
 
     @classmethod
@@ -98,9 +101,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         return dequantize_int8(self.weight_int8, self.scales, dtype)
 
     def path(self, num_tokens: int) -> str:
-        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``int_mm`` | ``dequant``."""
+        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``int_mm`` | ``triton`` | ``dequant``."""
         if num_tokens > self.small_batch_max_tokens:
-            return "dequant"
+            return "dequant" if self.triton_mm is None else "triton"
         if self.weight_int8.is_cuda and not self.use_cuda_kernel:
             return "int_mm" if int_mm_shape_ok(self.out_features, self.in_features) else "dequant"
         return "packed"
@@ -114,12 +117,22 @@ class Int8WeightOnlyLinear(torch.nn.Module):
                                                    self.scales_bf16)
         elif path == "int_mm":
             y = int8_int_mm(x2, self.weight_int8, self.scales)
+        elif path == "triton":
+            y = self._triton_forward(x2)
         else:
             y = self._dequant_forward(x2)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _triton_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.triton_mm(x2, self.weight_int8, self.scales)
+        except Exception as exc:  # noqa: BLE001 - never a crash: fall back to the tested torch path for good
+            record_failure("int8", exc)
+            self.triton_mm = None
+            return self._dequant_forward(x2)
 
     def _dequant_forward(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = self.dispatch.compute_dtype_for(x2.dtype)

@@ -109,3 +109,56 @@ def test_cuda_fp8_scaled_mm_matches_reference() -> None:
         assert y.shape == (num_tokens, 1024) and y.dtype == torch.bfloat16
         assert _rel_err(y, ref) < 0.01  # the same fp8 products; bf16 output rounding only
         assert _rel_err(y, lin(x)) < 0.06
+
+
+def test_cuda_triton_quant_kernels_opt_in(monkeypatch) -> None:
+    """JOBRUNNER_TRITON_QUANT=1: each scheme's Triton path is probed, chosen at batch and matches torch's."""
+    from jobrunner.quant import Fp8Linear, dispatch_for
+    from jobrunner.quant.fp8 import fp8_w8a8_reference
+
+    monkeypatch.setenv("JOBRUNNER_TRITON_QUANT", "1")
+    dispatch = dispatch_for("cuda")
+    choice = dispatch.triton_quant
+    assert set(choice["enabled"]) | set(choice["reasons"]) == {"fp8", "int8", "int4"}
+    assert {"int8", "int4"} <= set(choice["enabled"]), choice["reasons"]
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 768, bias=True, device="cuda", dtype=torch.bfloat16)
+    q8 = Int8WeightOnlyLinear.from_linear(lin, dispatch)
+    q4 = Int4WeightOnlyLinear.from_linear(lin, 32, dispatch)
+    for num_tokens in (33, 100, 257):      # three M buckets, none a multiple of its block
+        x = torch.randn(num_tokens, 1024, device="cuda", dtype=torch.bfloat16)
+        assert q8.path(num_tokens) == "triton" and q4.path(num_tokens) == "triton"
+        with torch.no_grad():
+            y8, y4 = q8(x), q4(x)
+        exact8 = x.float() @ q8.dequantized_weight().float().t() + lin.bias.float()
+        exact4 = x.float() @ q4.dequantized_weight().float().t() + lin.bias.float()
+        assert _rel_err(y8, exact8) < 0.01 and _rel_err(y4, exact4) < 0.01
+    if "fp8" in choice["enabled"]:
+        f8 = Fp8Linear.from_linear(lin, dispatch)
+        assert f8.path(5) == "triton_scaled_mm"
+        x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref = fp8_w8a8_reference(x, f8.weight_fp8, f8.scales) + lin.bias.float()
+            assert _rel_err(f8(x), ref) < 0.01
+    from jobrunner.quant.triton_quant import failures
+    assert failures() == {}
+
+
+def test_cuda_triton_quant_under_graph_capture(monkeypatch) -> None:
+    """The Triton paths capture into a CUDA graph (the engine replays decode steps) and replay the same."""
+    from jobrunner.quant import dispatch_for
+
+    monkeypatch.setenv("JOBRUNNER_TRITON_QUANT", "int8,int4")
+    dispatch = dispatch_for("cuda")
+    lin = torch.nn.Linear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    layers = [Int8WeightOnlyLinear.from_linear(lin, dispatch), Int4WeightOnlyLinear.from_linear(lin, 32, dispatch)]
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = [layer(x) for layer in layers]      # compiles before capture, as the load-time probe does
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [layer(x) for layer in layers]
+        graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got, want)
