@@ -57,8 +57,9 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
         return None
     kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
     fp8 = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    w8a8 = f"; w8a8 via {dispatch['w8a8_kernel']}" if dispatch.get("w8a8_kernel") else ""
     return f"{dispatch['device']} {dispatch['capability']}: {kernels}, else dequantized " \
-           f"{dispatch['dequant_dtype']} tiles{fp8}"
+           f"{dispatch['dequant_dtype']} tiles{fp8}{w8a8}"
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:

@@ -10,10 +10,10 @@ which is at least as fast as the float model. The compute dtype is the one this 
 * CUDA: the activation dtype (bf16 / fp16; float32 activations use float32).
 
 The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
-forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_bf16`` | ``amx`` | ``default``) or a
-``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a pure function of
-the capability, never of a start-up timing: a timing on a loaded machine flapped between processes (one spec
-ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool (``jobrunner bench
+forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_vnni`` | ``avx512_bf16`` | ``amx`` |
+``default``) or a ``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a
+pure function of the capability, never of a start-up timing: a timing on a loaded machine flapped between
+processes (one spec ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool (``jobrunner bench
 --calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process and recorded in the
 model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
 """
@@ -31,8 +31,13 @@ import torch
 CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
 # "int8=8,int4=64": override the crossovers below (for tuning with bench_dispatch; recorded when set)
 CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
-CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 BF16_CAPABILITIES = ("avx512_bf16", "amx")
+# int8 dot-product hardware (AVX512-VNNI ``vpdpbusd``; AMX-INT8): oneDNN's u8 x s8 GEMM accumulates exactly in
+# int32 there. Without it oneDNN goes through ``vpmaddubsw``, whose int16 pair sums can saturate, and runs ~at
+# the speed of the weight-only kernels: W8A8 then falls back to int8 weight-only (see jobrunner.quant.w8a8).
+# Every CPU with avx512_bf16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI.
+INT8_DOT_CAPABILITIES = ("avx512_vnni", "avx512_bf16", "amx")
 # `jobrunner bench --calibrate-dtype` calls bf16 "fast" here when it beats float32 by this factor in the GEMM
 # below (AMX / avx512_bf16 measure 2-10x on a quiet machine; emulated bf16 is slower than float32).
 BF16_MIN_SPEEDUP = 1.25
@@ -88,6 +93,7 @@ class QuantDispatch:
     tile_weights: int
     fp8_native: bool = False
     int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU tiles), see quant.native
+    w8a8_kernel: str | None = None  # CPU W8A8 GEMM ("onednn"), None: scheme w8a8 runs int8 weight-only
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -102,7 +108,8 @@ class QuantDispatch:
         dtype = None if self.compute_dtype is None else str(self.compute_dtype).removeprefix("torch.")
         return {"device": self.device_type, "capability": self.capability,
                 "dequant_dtype": dtype or "activation dtype", "max_kernel_tokens": dict(self.max_kernel_tokens),
-                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack}
+                "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack,
+                "w8a8_kernel": self.w8a8_kernel}
 
 
 def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
@@ -117,7 +124,9 @@ def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
     if base.startswith("avx512"):
         if torch.cpu._is_amx_tile_supported():
             return "amx", False
-        return ("avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"), False
+        if torch.cpu._is_avx512_bf16_supported():
+            return "avx512_bf16", False
+        return ("avx512_vnni" if torch.cpu._is_vnni_supported() else "avx512"), False
     return (base if base in CPU_CAPABILITIES else "default"), False
 
 
@@ -176,7 +185,12 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
-                         CPU_TILE_WEIGHTS, int4_unpack=unpack)
+                         CPU_TILE_WEIGHTS, int4_unpack=unpack, w8a8_kernel=w8a8_kernel_for(profile.capability))
+
+
+def w8a8_kernel_for(capability: str) -> str | None:
+    """The CPU W8A8 GEMM for ``capability``: ``"onednn"`` with int8 dot-product hardware, else None."""
+    return "onednn" if capability in INT8_DOT_CAPABILITIES else None
 
 
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:
