@@ -13,9 +13,9 @@ The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch
 forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_vnni`` | ``avx512_bf16`` | ``amx`` |
 ``default``) or a ``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a
 pure function of the capability, never of a start-up timing: a timing on a loaded machine flapped between
-processes (one spec ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool (``jobrunner bench
---calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process and recorded in the
-model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
+processes (one spec ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool
+(``jobrunner bench --calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process
+and recorded in the model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
 """
 
 from __future__ import annotations
