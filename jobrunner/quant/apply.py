@@ -142,7 +142,7 @@ def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entr
             problem = "w8a8 keeps this layer's activations in float (outlier channels, see W8A8_WEIGHT_ONLY)"
         if problem is None:
             entry.scheme = "w8a8"
-            return W8A8Linear.from_linear(linear, kernel)
+            return W8A8Linear.from_linear(linear, kernel, kernels[0].kernel_tokens("w8a8"))
         entry.fallback_reason = f"{problem}; used int8 weight-only"
     if scheme == "fp8":
         problem = fp8_shape_problem(linear.out_features, linear.in_features, linear.weight.device)

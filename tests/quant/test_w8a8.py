@@ -47,6 +47,11 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
     assert torch.equal(layer(x[-1:]), y[-1:])
     # bf16 activations in, bf16 out (the engine's dtype on fast-bf16 CPUs)
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+    # decode at batch 1 may take the int8 weight-only kernel: the same weights, float (bf16) activations
+    layer.weight_only_tokens = 1
+    single = x[-1:]
+    weight_only = single.double() @ layer.dequantized_weight(torch.float64).t() + linear.bias.double()
+    assert ((layer(single).double() - weight_only).abs().max() / weight_only.abs().max()).item() < 2e-2
 
 
 def test_quantize_rows_is_symmetric_per_token() -> None:
@@ -67,8 +72,8 @@ def test_w8a8_dispatch_for_each_forced_capability(capability: str, tiny_llama) -
     assert len(layers) == 9  # 4 per block x 2 + lm_head
     if expected:  # down_proj stays weight-only (outlier activations), with the reason
         down = {f"layers.{i}.down_proj" for i in range(2)}
-        assert all(isinstance(m, W8A8Linear) and m.kernel == "onednn" for n, m in tiny_llama.named_modules()
-                   if n in {x.name for x in report.layers} - down)
+        assert all(isinstance(m, W8A8Linear) and m.kernel == "onednn" and m.weight_only_tokens == 1
+                   for n, m in tiny_llama.named_modules() if n in {x.name for x in report.layers} - down)
         assert report.scheme_counts() == {"w8a8": 7, "int8": 2}
         assert {f.name for f in report.fallbacks} == down
         assert describe_dispatch(report.dispatch).endswith("; w8a8 via onednn")
