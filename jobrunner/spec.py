@@ -40,9 +40,10 @@ class ModelSpec(_Spec):
         default="auto", description="Weight / activation dtype; auto = bfloat16 on GPU; on CPU bfloat16 where it "
         "has bf16 GEMM hardware (AMX / avx512_bf16), else float32 -- from the CPU capability, never a timing."
     )
-    quantization: Literal["none", "int8", "int4", "fp8"] = Field(
+    quantization: Literal["none", "int8", "int4", "fp8", "w8a8"] = Field(
         default="none", description="Quantization applied when loading: int8 / int4 weight-only; fp8 = e4m3 "
-        "weights with per-channel scales (W8A8 on CUDA sm89+, dequantized elsewhere). See docs/quantization.md."
+        "weights with per-channel scales (W8A8 on CUDA sm89+, dequantized elsewhere); w8a8 = int8 weights and "
+        "per-token int8 activations (CPUs with VNNI / AMX; int8 weight-only elsewhere). See docs/quantization.md."
     )
 
 

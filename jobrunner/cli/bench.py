@@ -32,7 +32,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
               help="Model source: alias, local dir, Hub id or storage URL.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
-@click.option("--quantization", type=click.Choice(["none", "int8", "int4", "fp8"]), default="none", show_default=True,
+@click.option("--quantization", type=click.Choice(["none", "int8", "int4", "fp8", "w8a8"]), default="none",
+              show_default=True,
               help="Our engine only (the baseline stays unquantized).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
@@ -119,9 +120,10 @@ def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, ba
     from jobrunner.io.prompt_file import PromptFileError, read_prompts
 
     names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in ("none", "int8", "int4", "fp8", "bf16")]
+    unknown = [s for s in names if s not in ("none", "int8", "int4", "fp8", "w8a8", "bf16")]
     if unknown or not names or names[0] != "none":
-        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of none|int8|int4|fp8|bf16",
+        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of "
+                                 "none|int8|int4|fp8|w8a8|bf16",
                                  param_hint="--compare-quantization")
     if texts_path is None:
         raise click.UsageError("--compare-quantization needs --quality-texts (held-out text for perplexity)")

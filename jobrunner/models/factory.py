@@ -56,13 +56,15 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
     if not dispatch:
         return None
     kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
-    fp8 = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    extra = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    if dispatch.get("w8a8_kernel"):
+        extra += f"; w8a8 via {dispatch['w8a8_kernel']}"
     triton = dispatch.get("triton_quant")  # opt-in, JOBRUNNER_TRITON_QUANT
     if triton:
-        fp8 += f"; triton at batch: {','.join(triton['enabled']) or 'none'}" + "".join(
+        extra += f"; triton at batch: {','.join(triton['enabled']) or 'none'}" + "".join(
             f" ({scheme} off: {why})" for scheme, why in triton["reasons"].items())
     return f"{dispatch['device']} {dispatch['capability']}: {kernels}, else dequantized " \
-           f"{dispatch['dequant_dtype']} tiles{fp8}"
+           f"{dispatch['dequant_dtype']} tiles{extra}"
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:

@@ -2,7 +2,7 @@
 build depend on (:mod:`jobrunner.quant.dispatch` picks kernels by it, :mod:`jobrunner.quant.native` compiles
 for it), so it sits below both.
 
-The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
+The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX/VNNI probes, or is
 forced with ``JOBRUNNER_CPU_CAPABILITY`` or a ``capability=`` argument, so every decision is testable on any
 machine.
 """
@@ -14,7 +14,7 @@ import os
 import torch
 
 CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
-CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 
 
 def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
@@ -29,5 +29,7 @@ def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
     if base.startswith("avx512"):
         if torch.cpu._is_amx_tile_supported():
             return "amx", False
-        return ("avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"), False
+        if torch.cpu._is_avx512_bf16_supported():
+            return "avx512_bf16", False
+        return ("avx512_vnni" if torch.cpu._is_vnni_supported() else "avx512"), False
     return (base if base in CPU_CAPABILITIES else "default"), False

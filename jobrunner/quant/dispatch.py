@@ -10,12 +10,12 @@ which is at least as fast as the float model. The compute dtype is the one this 
 * CUDA: the activation dtype (bf16 / fp16; float32 activations use float32).
 
 The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX probes, or is
-forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_bf16`` | ``amx`` | ``default``) or a
-``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a pure function of
-the capability, never of a start-up timing: a timing on a loaded machine flapped between processes (one spec
-ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool (``jobrunner bench
---calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process and recorded in the
-model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
+forced with ``JOBRUNNER_CPU_CAPABILITY`` (``avx2`` | ``avx512`` | ``avx512_vnni`` | ``avx512_bf16`` | ``amx`` |
+``default``) or a ``capability=`` argument, so the AVX2 decisions are testable on any machine. The decision is a
+pure function of the capability, never of a start-up timing: a timing on a loaded machine flapped between
+processes (one spec ran at two speeds, with different rows). ``calibrate_gemm`` stays as an explicit tool
+(``jobrunner bench --calibrate-dtype``) for checking a new kind of machine. Decisions are cached per process
+and recorded in the model info the engine reports (manifest ``model.quant_dispatch`` / ``model.dtype_choice``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ from jobrunner.quant.native import int4_unpack_fn
 # "int8=8,int4=64": override the crossovers below (for tuning with bench.quant_dispatch; recorded when set)
 CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 BF16_CAPABILITIES = ("avx512_bf16", "amx")
+# int8 dot-product hardware (AVX512-VNNI ``vpdpbusd``; AMX-INT8): oneDNN's u8 x s8 GEMM accumulates exactly in
+# int32 there. Without it oneDNN goes through ``vpmaddubsw``, whose int16 pair sums can saturate, and runs ~at
+# the speed of the weight-only kernels: W8A8 then falls back to int8 weight-only (see jobrunner.quant.w8a8).
+# Every CPU with avx512_bf16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI.
+INT8_DOT_CAPABILITIES = ("avx512_vnni", "avx512_bf16", "amx")
 # `jobrunner bench --calibrate-dtype` calls bf16 "fast" here when it beats float32 by this factor in the GEMM
 # below (AMX / avx512_bf16 measure 2-10x on a quiet machine; emulated bf16 is slower than float32).
 BF16_MIN_SPEEDUP = 1.25
@@ -50,6 +55,9 @@ CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a mil
 #   12.7 s). Dequantizing wins for prefill in 2048-token chunks: int8 9.1 s vs 12.4 s all-packed, int4 9.6 s
 #   vs 13.6 s (float32 9.9 s).
 CPU_CROSSOVERS = {True: {"int8": 8, "int4": 64}, False: {"int8": 256, "int4": 256}}  # key: fast bf16
+# w8a8 (where it has a kernel): the int8 weight-only kernel up to 1 token (SmolLM2 decode at batch 1 on Zen 4:
+# 40.9 tok/s vs 32.3 with oneDNN's int8 GEMM for every size), the W8A8 GEMM above (batch 8: 156.8 vs 124.9).
+W8A8_CROSSOVER = {"w8a8": 1}
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}
@@ -97,6 +105,7 @@ class QuantDispatch:
     def uses_triton(self, scheme: str) -> bool:
         """Whether ``scheme``'s layers run the Triton kernel at batch (opt-in, probed at load)."""
         return self.triton_quant is not None and scheme in self.triton_quant["enabled"]
+    w8a8_kernel: str | None = None  # CPU W8A8 GEMM ("onednn"), None: scheme w8a8 runs int8 weight-only
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -112,7 +121,7 @@ class QuantDispatch:
         return {"device": self.device_type, "capability": self.capability,
                 "dequant_dtype": dtype or "activation dtype", "max_kernel_tokens": dict(self.max_kernel_tokens),
                 "tile_weights": self.tile_weights, "fp8_native": self.fp8_native, "int4_unpack": self.int4_unpack,
-                "triton_quant": self.triton_quant}
+                "triton_quant": self.triton_quant, "w8a8_kernel": self.w8a8_kernel}
 
 
 def cpu_profile(capability: str | None = None) -> CpuProfile:
@@ -168,8 +177,10 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     profile = cpu_profile(capability)
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
-    return QuantDispatch("cpu", profile.capability, dtype, crossovers(CPU_CROSSOVERS[profile.fast_bf16]),
-                         CPU_TILE_WEIGHTS, int4_unpack=unpack, triton_quant=_triton(torch.device("cpu"), False))
+    w8a8 = w8a8_kernel_for(profile.capability)
+    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(W8A8_CROSSOVER if w8a8 else {})}
+    return QuantDispatch("cpu", profile.capability, dtype, crossovers(limits), CPU_TILE_WEIGHTS,
+                         int4_unpack=unpack, w8a8_kernel=w8a8, triton_quant=_triton(torch.device("cpu"), False))
 
 
 def _triton(device: torch.device, fp8_native: bool) -> dict[str, Any] | None:
@@ -177,6 +188,11 @@ def _triton(device: torch.device, fp8_native: bool) -> dict[str, Any] | None:
     from jobrunner.quant.triton_quant import requested_schemes, triton_quant_choice
 
     return triton_quant_choice(device, fp8_native) if requested_schemes() else None
+
+
+def w8a8_kernel_for(capability: str) -> str | None:
+    """The CPU W8A8 GEMM for ``capability``: ``"onednn"`` with int8 dot-product hardware, else None."""
+    return "onednn" if capability in INT8_DOT_CAPABILITIES else None
 
 
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:

@@ -150,6 +150,7 @@ def _build() -> Path:
 
 # -march for a forced capability (what that CPU class has; the tuning stays generic)
 FORCED_MARCH = {"default": "-march=x86-64", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
+                "avx512_vnni": "-march=cascadelake",
                 "avx512_bf16": "-march=cooperlake", "amx": "-march=sapphirerapids"}
 
 

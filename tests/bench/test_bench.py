@@ -146,7 +146,7 @@ def test_bench_compare_quantization(tiny_llama_hf_dir: Path, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("extra, message", [
     (("--compare-quantization", "int8,none"), "starting with none"),
-    (("--compare-quantization", "none,int3"), "none|int8|int4|fp8|bf16"),
+    (("--compare-quantization", "none,int3"), "none|int8|int4|fp8|w8a8|bf16"),
     (("--compare-quantization", "none,int8"), "--quality-texts"),
 ])
 def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: Path, extra, message) -> None:

@@ -67,7 +67,8 @@ def test_capability_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("capability", "expected"), [("default", "float32"), ("avx2", "float32"),
-                                                      ("avx512", "float32"), ("avx512_bf16", "bfloat16"),
+                                                      ("avx512", "float32"), ("avx512_vnni", "float32"),
+                                                      ("avx512_bf16", "bfloat16"),
                                                       ("amx", "bfloat16")])
 def test_dtype_auto_for_each_forced_capability(capability: str, expected: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:

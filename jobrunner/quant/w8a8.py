@@ -1,0 +1,120 @@
+"""W8A8 on CPU: int8 per-channel weights, int8 per-token activations, one integer GEMM.
+
+Weights are quantized as for ``int8`` (:func:`jobrunner.quant.int8.quantize_int8_per_channel`: symmetric,
+one bfloat16-exact scale per output channel). Each call quantizes every row of the input on its own
+(``s_m = max|x_m| / 127``, ``q = round(x / s_m)``), so a row's result never depends on the other rows of the
+batch, and computes ``y[m, n] = s_m * w_n * sum_k q[m, k] * W[n, k]`` with an exact int32 accumulation.
+
+Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_for`, never by a timing):
+
+* ``onednn``: ``onednn::qlinear_pointwise`` on a weight prepacked once (``onednn::qlinear_prepack``), the
+  kernel PyTorch's inductor uses for x86 int8 (AVX512-VNNI ``vpdpbusd``; AMX-INT8 tiles where present). The
+  op takes one activation scale per call, so it runs with scale 1 and zero point 128 on the row codes
+  (``u8 = q + 128``, exact) and applies the per-channel weight scales; its float32 output is then multiplied
+  by the row scales. Used on capabilities with int8 dot-product hardware only: without VNNI oneDNN goes
+  through ``vpmaddubsw``, whose int16 pair sums can saturate.
+* ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
+  without VNNI); the reference the tests compare the fast kernel with.
+
+Measured candidates (``scripts/cpu_int8_gemm_bench.py``, docs/quantization.md): oneDNN with u8 activations was
+the fastest int8 GEMM on a Zen 4 (avx512_vnni); with s8 activations it runs a reference loop (~100x slower);
+``quantized::linear_dynamic`` (fbgemm / x86) is as fast at few rows but quantizes the whole batch with one
+scale (a row's result would depend on its neighbours); fbgemm's ``linear_with_input_q_dq_qweight_dq_output_fp32``
+with the same row trick was slower than oneDNN at 64+ rows and not exact at 256.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jobrunner.quant.int8 import dequantize_int8, quantize_int8_per_channel
+
+W8A8_KERNELS = ("onednn", "int_mm")
+ZERO_POINT = 128  # u8 codes = int8 codes + 128 (oneDNN's fast int8 path takes u8 activations)
+
+
+@torch.no_grad()
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8 codes [M, K] and float32 scales [M, 1] of ``x`` [M, K] (a zero row: scale 1)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def w8a8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What a W8A8 layer computes, in float64: the dequantized weight times the per-token quantized input."""
+    q, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    w = weight_int8.double() * scales.double()[:, None]
+    return (q.double() * sx.double()) @ w.t()
+
+
+class W8A8Linear(torch.nn.Module):
+    """Drop-in ``nn.Linear`` with int8 weights and dynamic per-token int8 activations (CPU)."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: str = "onednn", weight_only_tokens: int = 0) -> None:
+        super().__init__()
+        if kernel not in W8A8_KERNELS:
+            raise ValueError(f"unknown W8A8 kernel {kernel!r}: expected one of {'|'.join(W8A8_KERNELS)}")
+        if weight_int8.device.type != "cpu":
+            raise ValueError(f"W8A8Linear runs on CPU; the weight is on {weight_int8.device}")
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.kernel = kernel
+        # up to this many rows: int8 weight-only (``_weight_int8pack_mm``, bf16 activations), faster for decode
+        # at batch 1 (SmolLM2, Zen 4: 40.9 vs 32.3 tok/s); above, the int8 GEMM
+        self.weight_only_tokens = weight_only_tokens
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # exact: scales are bf16 values
+        self._packed = torch.ops.onednn.qlinear_prepack(weight_int8, None) if kernel == "onednn" else None
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        self._weight_t = weight_int8.t().contiguous() if kernel == "int_mm" else None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, kernel: str = "onednn", weight_only_tokens: int = 0) -> W8A8Linear:
+        """Quantize ``linear`` (any float dtype, on CPU) into a new module."""
+        q, scales = quantize_int8_per_channel(linear.weight)
+        return cls(q, scales, linear.bias, kernel, weight_only_tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features]; the engine passes [num_tokens, in_features].
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.weight_only_tokens:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int8,
+                                                   self.scales_bf16)
+        else:
+            y = self._onednn(x2) if self.kernel == "onednn" else self._int_mm(x2)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
+        q, sx = quantize_rows(x2)
+        u8 = q.view(torch.uint8).add_(ZERO_POINT)  # two's complement + 128 (mod 256) == q + 128
+        y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, ZERO_POINT, self._packed, self.scales, self._zero_points,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        return y.mul_(sx)
+
+    def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        q, sx = quantize_rows(x2)
+        return torch._int_mm(q, self._weight_t).float().mul_(sx).mul_(self.scales)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
+        return dequantize_int8(self.weight_int8, self.scales, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the int8 weight and its scales (bias not included; the kernel's prepacked copy is
+        :meth:`kernel_bytes`)."""
+        return self.weight_int8.numel() + self.scales.numel() * 4
+
+    def kernel_bytes(self) -> int:
+        """Bytes of the kernel's own copy of the weight (oneDNN's blocked layout; ``_int_mm``'s transpose)."""
+        return self.weight_int8.numel()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
+                f"bias={self.bias is not None}")
