@@ -241,6 +241,7 @@ class LLMEngine:
                 status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
             if status is not None:
                 self.scheduler.finish(request, status)
+                self.runner.release(request.key)
                 finished.append(self._finish_output(request, now))
         return finished
 

@@ -111,6 +111,10 @@ class ModelRunner:
             out.update(self.graphs.stats())
         return out
 
+    def release(self, request_key) -> None:
+        """A sequence finished: the backend forgets its per-row state (the triton backend's table row)."""
+        self.backend.release(request_key)
+
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         s = model.shape
@@ -222,7 +226,7 @@ class ModelRunner:
             layout.query_lens.append(n)
             layout.seq_lens.append(start + n)
             layout.block_tables.append(table)
-            layout.row_keys.append(req.request_id)
+            layout.row_keys.append(req.key)   # per sample: siblings have their own block tables
             if s.samples:
                 sample_rows.append(offset + n - 1)
         layout.num_tokens = len(input_ids)
