@@ -112,8 +112,9 @@ class ModelRunner:
         return out
 
     def release(self, request_key) -> None:
-        """A sequence finished: the backend forgets its per-row state (the triton backend's table row)."""
+        """A sequence finished: the backend and the sampler forget its per-row state (table row, penalty counts)."""
         self.backend.release(request_key)
+        self.sampler.release(request_key)
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
