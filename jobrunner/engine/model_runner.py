@@ -83,6 +83,8 @@ class ModelRunner:
         self.graphs = None
         if decode_graphs != "off":
             self.graphs = self._make_graphs(decode_graphs, num_blocks, max_batch, max_model_len, max_num_tokens)
+            if decode_graphs == "cuda" and device.type == "cuda":
+                self.graphs.warm_up()   # every bucket captured now, before any (timed) step
 
     def _make_backend(self, name: str):
         s = self.model.shape
