@@ -18,7 +18,7 @@ from jobrunner.engine.request import Request
 from jobrunner.engine.sampling import filters, penalties, to_device
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
-from jobrunner.engine.sampling.token_counts import DeviceTokenCounts
+from jobrunner.engine.sampling.token_counts import DevicePenaltyState
 
 
 @dataclass
@@ -31,11 +31,11 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.seed = seed
-        self.token_counts = DeviceTokenCounts(device)   # penalties' counts, kept on the device per sequence
+        self.penalty_state = DevicePenaltyState(device)   # penalties' token ids/counts, on the device per sequence
 
     def release(self, key) -> None:
         """A sequence finished: drop its penalty counts."""
-        self.token_counts.release(key)
+        self.penalty_state.release(key)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
@@ -63,11 +63,9 @@ class Sampler:
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if penalized:
             ps = [requests[i].params for i in penalized]
-            repetition = [p.repetition_penalty for p in ps]
-            out_counts, seen = self.token_counts.counts([requests[i] for i in penalized], logits.shape[-1],
-                                                        any(p != 1.0 for p in repetition))
-            penalties.apply_counted_penalties(logits, penalized, out_counts, seen, repetition,
-                                              [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps])
+            self.penalty_state.apply(logits, penalized, [requests[i] for i in penalized],
+                                     [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                                     [p.frequency_penalty for p in ps])
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
         if constrained:
             grammars = [requests[i].grammar for i in constrained]

@@ -1,10 +1,10 @@
 """Logits processors applied before sampling: logit bias, min_tokens, repetition / presence / frequency penalties.
 
 Each works on a batch of rows at once, so a step costs a few vectorised ops however many rows ask for it. The
-engine's sampler keeps the penalties' token counts on the device and adds each step's new tokens
-(:mod:`jobrunner.engine.sampling.token_counts`) and calls :func:`apply_counted_penalties`;
-:func:`apply_penalties` rebuilds the counts from whole token lists (padded into one ``[rows, L]`` tensor, pad
-index ``vocab``), the reference the incremental counts are tested against.
+engine's sampler keeps the penalties' token ids and counts on the device, adds each step's new tokens and
+penalizes only the ids a row holds (:mod:`jobrunner.engine.sampling.token_counts`); :func:`apply_penalties`
+rebuilds ``[rows, vocab]`` counts from whole token lists (padded into one ``[rows, L]`` tensor, pad index
+``vocab``): the reference the device state is tested against, with the same float32 formulas.
 Semantics follow transformers / vLLM / OpenAI:
 - repetition_penalty (CTRL, transformers' RepetitionPenaltyLogitsProcessor): over prompt + output tokens, a
   seen token's logit is divided by the penalty when positive and multiplied by it when negative;
