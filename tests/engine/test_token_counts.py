@@ -37,14 +37,14 @@ def test_incremental_counts_equal_counting_afresh_every_step():
     for step in range(40):
         for r in live:                            # one new token each (a repeat now and then)
             r.output_token_ids.append(rng.choice(r.all_token_ids) if rng.random() < 0.4 else rng.randrange(VOCAB))
-        # repetition penalty only from step 5 on; "b" outgrows the first id-table width (256) at step 16
+        # repetition penalty only from step 5 on; the second "b" outgrows the id table's first width (256)
         repetition = [1.0] * len(live) if step < 5 else [1.3, 1.0, 0.8, 1.6][:len(live)]
         got, want = _both_ways(counts, live, repetition, step)
         assert torch.equal(got, want), step
         if step == 12:                            # "b" finishes; a new request takes its key and a fresh row
             live[2].status = RequestStatus.FINISHED_STOPPED
             counts.release(live[2].key)
-            live[2] = _request("b", rng)
+            live[2] = _request("b", rng, length=240)
         if step == 20:                            # a different request under a key still held: counted afresh
             live[1] = _request("a", rng, sample_index=1)
         if step == 30:                            # an output rolled back (e.g. rejected draft tokens)
