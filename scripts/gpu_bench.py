@@ -4,11 +4,13 @@ Builds OUR model directly on the device (``jobrunner.models.loader.build_model``
 weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (greedy). Output lengths are
 drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through ``max_tokens`` (random weights
 make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
-``fp8:triton+graphs`` — or ``hf`` (the same workload through transformers' continuous-batching
-``generate_batch`` on an HF model with random weights) or ``parity`` (bf16 greedy tokens at head_dim 128
-against transformers for torch/triton attention with and without CUDA graphs) or ``quant-kernels``
-(scripts/gpu_quant_bench.py: quantized linears per layer shape and batch; opt-in Triton paths included;
-engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the environment). Every run gets a fresh
+``fp8:triton+graphs``, ``int8:triton+graphs``, ``int4:triton+graphs`` (the engine's quantization names) —
+or ``hf`` (the same workload through transformers' continuous-batching ``generate_batch`` on an HF model
+with random weights) or ``parity`` (32 greedy tokens at head_dim 128 against transformers, float32 and bf16,
+for torch/triton attention with and without CUDA graphs; ``rows_full_match`` is the share of rows equal to
+transformers' on every token) or ``quant-kernels`` (scripts/gpu_quant_bench.py: quantized linears per layer
+shape and batch; opt-in Triton paths included; engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the
+environment). ``scripts/gpu_check_verdict.py`` judges these numbers. Every run gets a fresh
 model and a share of the wall-clock budget; a run past its deadline stops early and is marked
 ``timed_out``; a run's failure (a kernel error, an fp8 GEMM the device refuses) is recorded and the next
 run still goes. Results go to stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after
@@ -43,6 +45,9 @@ LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
 PARITY = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,  # head_dim 128
               intermediate_size=1024, vocab_size=1024, max_position_embeddings=1024)
 PARITY_COMBOS = (("torch", False), ("torch", True), ("triton", False), ("triton", True))
+PARITY_TOKENS = 32
+# verdict-critical runs first (parity, the bf16 baseline, eager, transformers), then the quantized ones
+DEFAULT_RUNS = "parity,triton+graphs,torch,hf,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
 
@@ -188,11 +193,13 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
                           enable_prefix_caching=False, device=str(device), use_cuda_graphs=graphs,
                           attention_backend=backend,
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
-    engine = LLMEngine(model, IdsOnlyTokenizer(), config, eos_token_ids=[])
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, IdsOnlyTokenizer(), config, eos_token_ids=[])   # on CUDA: every graph captured here
+    result["engine_build_s"] = round(time.perf_counter() - t0, 2)
     vocab = model.shape.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     lengths = output_lengths(args.num_prompts, args.output_len)
-    # warm-up on the run's own shapes (kernels compiled, graphs of the prefill and decode buckets captured)
+    # warm-up on the run's own shapes (kernels compiled and autotuned; the graphs were captured at build)
     t0 = time.perf_counter()
     warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.generate(random_prompts(args.num_prompts, args.input_len, vocab, seed=7), warm)
@@ -246,7 +253,8 @@ def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
     prompts = random_prompts(8, 64, config.vocab_size, seed=3)
-    result: dict[str, Any] = {"run": "parity", "head_dim": 128}
+    result: dict[str, Any] = {"run": "parity", "head_dim": 128, "max_new_tokens": PARITY_TOKENS,
+                              "num_combinations": len(PARITY_COMBOS)}
     for dtype in (torch.float32, torch.bfloat16):
         hf = hf.to(device, dtype)
         result[str(dtype).replace("torch.", "")] = _parity_one(hf, config, prompts, dtype, device, deadline)
@@ -261,7 +269,7 @@ def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device
     from jobrunner.engine.llm_engine import LLMEngine
     from jobrunner.models.loader import build_model, load_weights
 
-    max_new = 32
+    max_new = PARITY_TOKENS
     reference = []
     for ids in prompts:
         x = torch.tensor([ids], device=device)
@@ -300,6 +308,7 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
         prefix.append(n)
     positions = sum(len(b) for b in want)
     return {"first_token_agreement": sum(a[:1] == b[:1] for a, b in zip(got, want)) / len(want),
+            "rows_full_match": sum(p == len(b) for p, b in zip(prefix, want)) / len(want),
             "mean_matching_prefix": sum(prefix) / len(prefix),
             "position_agreement": sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / positions}
 
@@ -376,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 8)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--runs", default="parity,torch,triton,triton+graphs,fp8:triton+graphs,hf",
+    p.add_argument("--runs", default=DEFAULT_RUNS,
                    help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers), parity "
                    "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off) or "
                    "quant-kernels (scripts/gpu_quant_bench.py)")

@@ -11,6 +11,7 @@ calls :func:`paged_attention` with it. Backends own no state between steps.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,9 @@ class StepLayout:
     block_tables: list[list[int]]  # each row's block ids (at least ceil(seq_len / block_size) of them)
     num_tokens: int
     block_size: int
-    row_keys: list[str] | None = None  # a stable key per row (request id): lets backends keep per-row state
+    # a stable key per row, unique per sequence (``Request.key``: request id + sample index; the n samples of
+    # one request are n sequences with their own block tables): lets backends keep per-row state
+    row_keys: list[Hashable] | None = None
     sliding_window: int | None = None  # a query at position p sees keys p - sliding_window + 1 .. p only
 
     @property
@@ -68,6 +71,9 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Store k, v at ``meta.slot_mapping`` and attend. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
+
+    def release(self, key: Hashable) -> None:  # noqa: B027 - optional hook: stateless backends keep nothing
+        """Forget the per-row state kept for ``key`` (a finished sequence); stateless backends keep none."""
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,16 +1,20 @@
 """Block tables kept on the device and updated incrementally (for the triton backend and its CUDA graphs).
 
-Each running request owns one row of a persistent ``[capacity, max_blocks]`` table on the device. A step
-uploads only the block ids that are new since the row was last synced (a request's block list only grows
-while it runs, one block every ``block_size`` tokens), as (row, column, block id) triples that travel in the
-step's single host->device copy and are scattered into the table there. A request whose block list was
-replaced (freed and reallocated after preemption: the KV manager assigns a new list) or whose last synced
-block changed is synced again from scratch. Rows of requests not seen for a while are reused, least
-recently used first, when the table is full; a request that comes back is simply synced again.
+Each running sequence (a request's sample: keyed by ``Request.key``, never by the request id alone, or the
+``n`` samples of one request would share, and overwrite, one row) owns one row of a persistent
+``[capacity, max_blocks]`` table on the device. A step uploads only the block ids that are new since the row
+was last synced (a request's block list only grows while it runs, one block every ``block_size`` tokens),
+as (row, column, block id) triples that travel in the step's single host->device copy and are scattered
+into the table there. A request whose block list was replaced (freed and reallocated after preemption: the
+KV manager assigns a new list) or whose last synced block changed is synced again from scratch. Rows of
+requests not seen for a while are reused, least recently used first, when the table is full; a request
+that comes back is simply synced again. A finished sequence's row is handed back at once
+(:meth:`DeviceBlockTables.release`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +38,11 @@ class DeviceBlockTables:
         self.capacity = capacity
         self.max_blocks = max_blocks
         self.table = torch.zeros(capacity, max_blocks, dtype=torch.long, device=device)
-        self.rows: dict[str, _Row] = {}
+        self.rows: dict[Hashable, _Row] = {}
         self.free = list(range(capacity - 1, -1, -1))
         self.step = 0
 
-    def updates(self, keys: list[str], block_tables: list[list[int]]
+    def updates(self, keys: list[Hashable], block_tables: list[list[int]]
                 ) -> tuple[list[int], tuple[list[int], list[int], list[int]]]:
         """Each row's table row, and the (rows, columns, block ids) of the entries new since the last sync."""
         self.step += 1
@@ -48,6 +52,8 @@ class DeviceBlockTables:
         rows: list[int] = []
         cols: list[int] = []
         vals: list[int] = []
+        if len(set(keys)) != len(keys):
+            raise ValueError("two rows of a step share a block-table key: each sequence needs its own row")
         for key, ids in zip(keys, block_tables):
             entry = self.rows.get(key)
             if entry is None:
@@ -77,6 +83,12 @@ class DeviceBlockTables:
         """Scatter the uploaded triples into the device table (one kernel; nothing when no block is new)."""
         if tensors["bt_rows"].numel():
             self.table.index_put_((tensors["bt_rows"], tensors["bt_cols"]), tensors["bt_vals"])
+
+    def release(self, key: Hashable) -> None:
+        """Hand a finished sequence's row back (its stale entries are overwritten by the next owner's sync)."""
+        entry = self.rows.pop(key, None)
+        if entry is not None:
+            self.free.append(entry.row)
 
     def _take_row(self) -> int:
         if self.free:

@@ -108,6 +108,9 @@ class TritonBackend(AttentionBackend):
         upload.add("table_rows", table_rows + [0] * pad_rows)
         self.tables.add_to(upload, triples)
 
+    def release(self, key) -> None:
+        self.tables.release(key)
+
     def build(self, layout: StepLayout, upload: StepUpload) -> TritonMetadata:
         block_m = self.block_m(layout.max_query_len)
         self.add_arrays(layout, upload, block_m)

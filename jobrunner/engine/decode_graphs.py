@@ -15,22 +15,28 @@ into persistent buffers that every graph reads:
 Padding rows read token 0 at position 0, write their K/V into a scratch block that no request owns (the
 cache holds one block more than the pool hands out) and attend only to it; their outputs are dropped.
 
-One graph is captured lazily for each (``B``, ``N``) that a step needs, sharing one memory pool, up to
-:data:`MAX_GRAPHS`. Steps that don't fit (a prefill chunk in the batch, too many rows, too much padding)
-run eagerly through the grouped path of :mod:`jobrunner.engine.model_runner`. With ``capture=False`` the same
-fixed-shape forward runs eagerly; the tests use that on CPU to check padding, masking and the scratch block
-against the grouped path, token for token.
+The graphs share one memory pool, up to :data:`MAX_GRAPHS` of them. :meth:`DecodeGraphs.warm_up` (called when
+the runner is built on CUDA, before any timed step) captures the shapes steps are most likely to need; any
+other (``B``, ``N``) a step needs is captured on first use. Steps that don't fit (a prefill chunk in the
+batch, too many rows, too much padding) run eagerly through the grouped path of
+:mod:`jobrunner.engine.model_runner`. With ``capture=False`` the same fixed-shape forward runs eagerly; the
+tests use that on CPU to check padding, masking and the scratch block against the grouped path, token for
+token.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 from jobrunner.engine.graph_capture import capture_graph
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BLOCKS = 16    # the smallest context bucket, in blocks (256 tokens at block size 16)
@@ -77,6 +83,34 @@ class DecodeGraphs:
         self.pool = None
         self.num_replays = 0
         self.num_eager_static = 0
+        self.warmup_s: float | None = None
+
+    def warm_up_keys(self) -> list[tuple[int, int]]:
+        """The (batch bucket, context bucket) of every graph :meth:`warm_up` captures: every shape within
+        ``MAX_PADDED_KEYS``, fewest padded keys first, at most ``MAX_GRAPHS``."""
+        shapes = [(b, n) for b in self.batch_buckets for n in self.context_buckets
+                  if b * n * self.block_size <= MAX_PADDED_KEYS]
+        return sorted(shapes, key=lambda s: (s[0] * s[1], s))[:MAX_GRAPHS]
+
+    def warm_up(self) -> int:
+        """Capture every graph of :meth:`warm_up_keys` now (once; later calls do nothing); how many exist after.
+
+        Each capture runs an all-padding step (every row reads and writes the scratch block only).
+        """
+        if not self.capture or self.warmup_s is not None:
+            return len(self.graphs)
+        start = time.perf_counter()
+        for shape in self.warm_up_keys():
+            if shape in self.graphs:
+                continue
+            self._fill([], *shape)
+            try:
+                self.graphs[shape] = self._capture(*shape)
+            except Exception as exc:  # never a crash at start-up: the rest is captured on first use
+                log.warning("CUDA graph warm-up stopped at %s (%s: %s)", shape, type(exc).__name__, exc)
+                break
+        self.warmup_s = time.perf_counter() - start
+        return len(self.graphs)
 
     def shape_for(self, rows: list[DecodeRow]) -> tuple[int, int] | None:
         """The (batch bucket, context bucket in blocks) for ``rows``, or None when the step should run eagerly."""
@@ -146,7 +180,7 @@ class DecodeGraphs:
     def stats(self) -> dict[str, int]:
         """Counters for tests and the engine's stats."""
         return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
-                "static_eager_steps": self.num_eager_static}
+                "static_eager_steps": self.num_eager_static, "graph_warmup_s": self.warmup_s}
 
 
 def _batch_buckets(max_batch: int) -> tuple[int, ...]:

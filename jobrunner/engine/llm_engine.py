@@ -255,6 +255,7 @@ class LLMEngine:
                 status = self._take_token(request, token, entry, now)
                 if status is not None:
                     self.scheduler.finish(request, status)
+                    self.runner.release(request.key)
                     finished.append(self._finish_output(request, now))
                     break
             else:

@@ -85,6 +85,8 @@ class ModelRunner:
         self.graphs = None
         if decode_graphs != "off":
             self.graphs = self._make_graphs(decode_graphs, num_blocks, max_batch, max_model_len, max_num_tokens)
+            if decode_graphs == "cuda" and device.type == "cuda":
+                self.graphs.warm_up()   # every bucket captured now, before any (timed) step
 
     def _make_backend(self, name: str):
         s = self.model.shape
@@ -112,6 +114,11 @@ class ModelRunner:
         if self.graphs is not None:
             out.update(self.graphs.stats())
         return out
+
+    def release(self, request_key) -> None:
+        """A sequence finished: the backend and the sampler forget its per-row state (table row, penalty counts)."""
+        self.backend.release(request_key)
+        self.sampler.release(request_key)
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -235,7 +242,7 @@ class ModelRunner:
             layout.query_lens.append(n)
             layout.seq_lens.append(start + n)
             layout.block_tables.append(table)
-            layout.row_keys.append(req.request_id)
+            layout.row_keys.append(req.key)   # per sample: siblings have their own block tables
             if s.samples:
                 sample_rows.extend(range(offset + n - 1 - len(s.draft), offset + n))
         layout.num_tokens = len(input_ids)

@@ -18,6 +18,7 @@ from jobrunner.engine.request import Request
 from jobrunner.engine.sampling import filters, penalties, to_device
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
+from jobrunner.engine.sampling.token_counts import DevicePenaltyState
 
 
 @dataclass
@@ -31,6 +32,11 @@ class Sampler:
         self.device = device
         self.seed = seed
         self.invariant = False  # deterministic mode: rows grouped by their own settings (see _groups)
+        self.penalty_state = DevicePenaltyState(device)   # penalties' token ids/counts, on the device per sequence
+
+    def release(self, key) -> None:
+        """A sequence finished: drop its penalty counts."""
+        self.penalty_state.release(key)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
@@ -57,15 +63,29 @@ class Sampler:
             penalties.apply_banned_tokens(logits, early, [_stop_ids(requests[i]) for i in early])
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if penalized:
-            ps = [requests[i].params for i in penalized]
-            penalties.apply_penalties(logits, penalized, [requests[i].prompt_token_ids for i in penalized],
-                                      [requests[i].output_token_ids for i in penalized],
-                                      [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                                      [p.frequency_penalty for p in ps])
+            self._penalize(logits, penalized, requests)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
         if constrained:
             grammars = [requests[i].grammar for i in constrained]
             grammars[0].compiler.apply(logits, constrained, grammars)
+
+    def _penalize(self, logits: torch.Tensor, penalized: list[int], requests: list[Request]) -> None:
+        """Penalties from the device state, one row per sequence; a key met again in the same call (a
+        speculative step's draft positions: views of the request with drafts appended) is counted afresh, so
+        the device state only ever holds a sequence's real tokens."""
+        seen: set = set()
+        tracked, afresh = [], []
+        for i in penalized:
+            (afresh if requests[i].key in seen else tracked).append(i)
+            seen.add(requests[i].key)
+        for rows, fn in ((tracked, self._penalize_tracked), (afresh, _penalize_afresh)):
+            if rows:
+                ps = [requests[i].params for i in rows]
+                fn(logits, rows, [requests[i] for i in rows], [p.repetition_penalty for p in ps],
+                   [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps])
+
+    def _penalize_tracked(self, logits, rows, reqs, repetition, presence, frequency) -> None:
+        self.penalty_state.apply(logits, rows, reqs, repetition, presence, frequency)
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
@@ -99,3 +119,8 @@ class Sampler:
 def _stop_ids(request: Request) -> list[int]:
     ids = list(request.params.stop_token_ids)
     return ids if request.params.ignore_eos else ids + list(request.eos_token_ids)
+
+
+def _penalize_afresh(logits, rows, reqs, repetition, presence, frequency) -> None:
+    penalties.apply_penalties(logits, rows, [list(r.prompt_token_ids) for r in reqs],
+                              [list(r.output_token_ids) for r in reqs], repetition, presence, frequency)

@@ -14,6 +14,12 @@ are scattered, outside the graph, into the backend's persistent device block tab
 token 0 at position 0 and write their K/V into a scratch block the pool never hands out; no tile covers them,
 so their attention output is zero and nothing reads them.
 
+Every graph is captured up front by :meth:`StepGraphs.warm_up` (called when the runner is built on CUDA, so
+before any timed step): each token bucket with the prompt-chunk tile height, and the buckets a decode-only
+step can reach (up to ``max_rows`` tokens) with the decode tile height. A warm-up capture runs an all-padding
+step (no tile, K/V to the scratch block): nothing a request owns is touched. A step needing a graph the
+warm-up did not make (more than ``MAX_GRAPHS``) still captures it on first use.
+
 A failed capture warns once, counts, and that bucket runs eagerly from then on; tokens never change. With
 ``capture=False`` the same fixed-shape forward runs eagerly (tests run it on CPU under Triton's interpreter).
 """
@@ -22,9 +28,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 
 import torch
 
+from jobrunner.attention.base import StepLayout
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
 from jobrunner.engine.graph_capture import capture_graph
@@ -64,6 +72,35 @@ class StepGraphs:
         self.num_replays = 0
         self.num_eager_static = 0
         self.num_capture_failures = 0
+        self.warmup_s: float | None = None
+
+    def warm_up_keys(self) -> list[tuple[int, int]]:
+        """The (token bucket, tile height) of every graph :meth:`warm_up` captures, smallest first."""
+        chunk_m, decode_m = self.backend.block_m(2), self.backend.block_m(1)
+        keys = [(b, decode_m) for b in self.token_buckets if b <= self.max_rows]
+        if chunk_m != decode_m:
+            keys += [(b, chunk_m) for b in self.token_buckets if b >= 2]
+        return sorted(keys)[:MAX_GRAPHS]
+
+    def warm_up(self) -> int:
+        """Capture every graph of :meth:`warm_up_keys` now (once; later calls do nothing); how many exist after.
+
+        Each capture runs an all-padding step of its bucket: no tile, so no attention; K/V to the scratch block.
+        Stops at the first failed capture (that bucket and the rest run eagerly / capture lazily, as before).
+        """
+        if not self.capture or self.warmup_s is not None:
+            return len(self.graphs)
+        start = time.perf_counter()
+        empty = StepLayout([], [], [], [], 0, self.block_size, row_keys=[])
+        for bucket, block_m in self.warm_up_keys():
+            if (bucket, block_m) in self.graphs:
+                continue
+            rows = min(self.max_rows, bucket)
+            meta, t = self._fill(empty, ([], [], [], []), bucket, rows, block_m)
+            if self._try_capture((bucket, block_m), t, meta) is None:
+                break
+        self.warmup_s = time.perf_counter() - start
+        return len(self.graphs)
 
     def run(self, layout, input_ids: list[int], positions: list[int], slots: list[int], sample_rows: list[int]):
         """(hidden ``[T, hidden]``, sample_rows on the device), or None when the step should run eagerly."""
@@ -127,7 +164,8 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         """Counters for tests and the bench."""
         return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
-                "static_eager_steps": self.num_eager_static, "graph_capture_failures": self.num_capture_failures}
+                "static_eager_steps": self.num_eager_static, "graph_capture_failures": self.num_capture_failures,
+                "graph_warmup_s": self.warmup_s}
 
 
 def _token_buckets(max_num_tokens: int) -> tuple[int, ...]:

@@ -137,6 +137,30 @@ def test_triton_engine_with_step_graph_twin_matches_torch(interpreted, hf_llama,
     assert engine.stats().num_cached_tokens > 0   # some rows started past position 0
 
 
+def test_triton_sibling_samples_read_their_own_kv(interpreted, tokenizer):
+    """n > 1: each sample has its own block table (its own device table row), so the triton backend gives
+    the torch backend's tokens for every sample. head_dim 128, block size 4: contexts span several blocks.
+    Through the fixed-shape step path (what CUDA graphs replay; the eager path shares its block tables)."""
+    from tiny import CORPUS, make_hf_model
+
+    hf = make_hf_model("llama", hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                       intermediate_size=128, num_hidden_layers=1)
+    prompts = [CORPUS[1][:40], CORPUS[2][:30]]
+    params = [SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True),
+              SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True)]
+    settings = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96)
+
+    def tokens(engine):
+        return [o.output_token_ids for o in engine.generate(prompts, params)]   # r0 samples 0-2, r1 samples 0-1
+
+    want = tokens(engine_from_hf(hf, tokenizer, **settings))
+    engine = engine_from_hf(hf, tokenizer, attention_backend="triton", static_decode=True, **settings)
+    got = tokens(engine)
+    assert len(want) == 5 and len({tuple(t) for t in want[:3]}) == 3   # the seeded samples differ
+    assert got == want
+    assert engine.runner.stats()["attention_fallbacks"] == 0
+
+
 def test_triton_failed_graph_capture_runs_eagerly(interpreted, hf_llama, tokenizer, monkeypatch, caplog):
     """Graph capture on a machine without CUDA fails: one warning, a counter, the same tokens as torch."""
     from jobrunner.engine.llm_engine import LLMEngine
@@ -209,6 +233,10 @@ def test_device_block_tables_send_only_new_blocks():
     assert step(["b"], [b]) == ([1], ([1], [0], [6]))
     assert step(["c"], [[4]]) == ([0], ([0], [0], [4]))            # full: c takes a's row (least recent)
     assert step(["a"], [[1, 2]])[1] == ([1, 1], [0, 1], [1, 2])    # a comes back: synced again, b's row
+    tables.release("a")                                            # a finished: its row is free at once
+    assert step([("r", 0), ("r", 1)], [[8], [9]]) == ([1, 0], ([1, 0], [0, 0], [8, 9]))  # two samples, two rows
+    with pytest.raises(ValueError, match="share a block-table key"):
+        step(["x", "x"], [[1], [2]])
     with pytest.raises(ValueError, match="4 columns"):
         step(["d"], [[1, 2, 3, 4, 5]])
 

@@ -113,19 +113,39 @@ def _max_logprob_difference(outputs, eager) -> float:
 # bf16 logits of two different kernels (decode graph vs eager prefill) differ by about 1e-2 nats; a wrong key,
 # position or block in one step moves that token's logprob by far more.
 BF16_LOGPROB_TOLERANCE = 0.15
+BF16_TOKENS = 32          # greedy tokens compared with transformers in bf16
+BF16_NEAR_TIE = 0.25      # a row may leave transformers' path only where its top two logits are this close
+
+
+def _hf_greedy_with_logits(hf, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), [s[0].float() for s in out.scores]
+
+
+def _bf16_divergence(got: list[int], want: list[int], logits: list[torch.Tensor]) -> str | None:
+    """None if ``got`` equals transformers' tokens, or leaves them only at a bf16 near-tie; else why not."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            gap = float(logits[i][b] - logits[i][a])
+            return None if gap < BF16_NEAR_TIE else f"token {i}: {a} instead of {b} (logit gap {gap:.3f})"
+    return None
 
 
 def test_bf16_head_dim_128_backends_and_graphs_agree() -> None:
-    """bf16 at head_dim 128: every backend/graph combination starts like transformers (the first token comes
-    from the prefill; one bf16 near-tie allowed), and every later token's logprob, as the run computed it
-    (graph replays included), equals the eager torch path's re-reading of the same sequence."""
+    """bf16 at head_dim 128, 32 greedy tokens: every backend/graph combination gives transformers' tokens on most
+    rows, and a row that leaves them does so only at a bf16 near-tie of transformers' own logits (after that
+    the sequences differ, so they are not compared further); and every token's logprob, as the run computed
+    it (graph replays included), equals the eager torch path's re-reading of the same sequence."""
     from jobrunner.engine import SamplingParams
 
     tokenizer, hf, prompts = _tiny(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                                    intermediate_size=512)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=BF16_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     hf = hf.to("cuda", torch.bfloat16)
-    first = [_hf_greedy(hf, ids)[0] for ids in prompts]
+    reference = [_hf_greedy_with_logits(hf, ids, BF16_TOKENS) for ids in prompts]
     eager = _engine(hf, tokenizer, torch.bfloat16, attention_backend="torch", use_cuda_graphs=False)
     for backend, graphs in BACKENDS:
         engine = _engine(hf, tokenizer, torch.bfloat16, attention_backend=backend, use_cuda_graphs=graphs)
@@ -133,8 +153,12 @@ def test_bf16_head_dim_128_backends_and_graphs_agree() -> None:
         outputs = engine.generate(prompts, params)
         assert engine.runner.stats()["attention_fallbacks"] == 0
         assert (engine.stats().num_fixed_shape_steps > 0) == graphs
-        same_first = sum(o.output_token_ids[0] == f for o, f in zip(outputs, first))
-        assert same_first >= len(prompts) - 1, (backend, graphs, same_first)  # one bf16 near-tie allowed
+        got = [o.output_token_ids for o in outputs]
+        assert all(len(g) == BF16_TOKENS for g in got)
+        problems = [p for g, (want, logits) in zip(got, reference) if (p := _bf16_divergence(g, want, logits))]
+        assert not problems, (backend, graphs, problems)
+        full = sum(g == want for g, (want, _) in zip(got, reference))
+        assert full > len(prompts) / 2, (backend, graphs, f"{full}/{len(prompts)} rows equal transformers'")
         assert _max_logprob_difference(outputs, eager) < BF16_LOGPROB_TOLERANCE, (backend, graphs)
 
 

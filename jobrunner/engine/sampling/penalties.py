@@ -1,7 +1,10 @@
 """Logits processors applied before sampling: logit bias, min_tokens, repetition / presence / frequency penalties.
 
-Each works on a batch of rows at once: token lists are padded into one ``[rows, L]`` tensor (the pad index is
-``vocab``, a column dropped afterwards), so a step costs a few vectorised ops however many rows ask for it.
+Each works on a batch of rows at once, so a step costs a few vectorised ops however many rows ask for it. The
+engine's sampler keeps the penalties' token ids and counts on the device, adds each step's new tokens and
+penalizes only the ids a row holds (:mod:`jobrunner.engine.sampling.token_counts`); :func:`apply_penalties`
+rebuilds ``[rows, vocab]`` counts from whole token lists (padded into one ``[rows, L]`` tensor, pad index
+``vocab``): the reference the device state is tested against, with the same float32 formulas.
 Semantics follow transformers / vLLM / OpenAI:
 - repetition_penalty (CTRL, transformers' RepetitionPenaltyLogitsProcessor): over prompt + output tokens, a
   seen token's logit is divided by the penalty when positive and multiplied by it when negative;
@@ -64,13 +67,24 @@ def apply_banned_tokens(logits: torch.Tensor, rows: list[int], banned: list[list
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], prompts: list[list[int]], outputs: list[list[int]],
                     repetition: list[float], presence: list[float], frequency: list[float]) -> None:
-    """All three penalties for the given rows of ``logits`` (in place)."""
+    """All three penalties for the given rows of ``logits`` (in place), counting the token lists afresh."""
     dev, vocab = logits.device, logits.shape[-1]
+    out_counts = token_counts(outputs, vocab, dev)
+    seen = out_counts + token_counts(prompts, vocab, dev) if any(p != 1.0 for p in repetition) else None
+    apply_counted_penalties(logits, rows, out_counts, seen, repetition, presence, frequency)
+
+
+def apply_counted_penalties(logits: torch.Tensor, rows: list[int], out_counts: torch.Tensor,
+                            seen: torch.Tensor | None, repetition: list[float], presence: list[float],
+                            frequency: list[float]) -> None:
+    """All three penalties for the given rows of ``logits`` (in place), from counts ``[len(rows), vocab]``.
+
+    ``out_counts``: output tokens; ``seen``: prompt + output tokens (needed when a repetition penalty is not 1).
+    """
+    dev = logits.device
     index = to_device(rows, dev, torch.int64)
     sub = logits.index_select(0, index)
-    out_counts = token_counts(outputs, vocab, dev)
     if any(p != 1.0 for p in repetition):
-        seen = out_counts + token_counts(prompts, vocab, dev)
         apply_repetition_penalty(sub, seen, to_device(repetition, dev, torch.float32))
     if any(presence) or any(frequency):
         apply_presence_frequency(sub, out_counts, to_device(presence, dev, torch.float32),

@@ -1,0 +1,109 @@
+"""scripts/gpu_check.sh's merge and verdict on canned stage outputs, and its per-test results plugin."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+spec = importlib.util.spec_from_file_location("gpu_check_verdict", SCRIPTS / "gpu_check_verdict.py")
+verdict_mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(verdict_mod)
+
+
+def _run(tok: float, **extra) -> dict:
+    return {"output_tokens_per_s": tok, "timed_out": False, **extra}
+
+
+def _parity(share: float, combos: int = 4) -> dict:
+    names = ["torch", "torch+graphs", "triton", "triton+graphs"][:combos]
+    return {"run": "parity", "max_new_tokens": 32, "num_combinations": 4,
+            "bfloat16": {n: {"vs_transformers": {"rows_full_match": share}} for n in names}}
+
+
+def _stage_dir(tmp_path: Path, runs: dict, tests: list[dict], status: str = "env rc=0 seconds=3\ntests rc=0 "
+               "seconds=90\nbench rc=0 seconds=250\n") -> str:
+    (tmp_path / "gpu_check_status.txt").write_text(status)
+    (tmp_path / "env.log").write_text("torch 2.11 cuda 12.8 available True\n")
+    (tmp_path / "tests.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tests) + '{"test": "torn')
+    (tmp_path / "gpu_bench.json").write_text(json.dumps({"runs": runs}))
+    return str(tmp_path)
+
+
+GOOD_TESTS = [{"test": "tests/gpu/a.py::t1", "outcome": "passed", "seconds": 1.0, "message": None},
+              {"test": "tests/gpu/a.py::t2", "outcome": "skipped", "seconds": 0.0,
+               "message": "Skipped: xgrammar is not installed"}]
+GOOD_RUNS = {"parity": _parity(0.75),
+             "triton+graphs": _run(9000.0, roofline_share=0.41,
+                                   roofline={"step_bytes": 2.1e10, "weight_bytes": 1.6e10, "rows": 256,
+                                             "mean_context": 576.0, "roofline_decode_tokens_per_s": 58000.0,
+                                             "hbm_bytes_per_s": 4.8e12}),
+             "torch": _run(4000.0), "hf": _run(2500.0), "fp8:triton+graphs": _run(12600.0),
+             "int8:triton+graphs": {"error": "RuntimeError: no kernel"}, "int4:triton+graphs": _run(8000.0)}
+
+
+def test_all_thresholds_met_is_a_pass(tmp_path):
+    report = verdict_mod.build_report(_stage_dir(tmp_path, GOOD_RUNS, GOOD_TESTS))
+    checks = report["checks"]
+    assert report["verdict"] == "pass", checks
+    assert checks["vs_transformers_continuous_batching"]["value"] == 3.6
+    assert checks["fp8_vs_bf16_batch_256"]["value"] == 1.4
+    assert checks["quantized_runs"]["value"]["int8:triton+graphs"] == {"error": "RuntimeError: no kernel"}
+    assert checks["quantized_runs"]["value"]["int4:triton+graphs"]["vs_bf16"] == 0.889
+    assert checks["roofline_share_llama3_8b"]["value"] == {"triton+graphs": 0.41}
+    assert report["tests"]["counts"] == {"passed": 1, "skipped": 1}    # the torn last line is ignored
+
+
+def test_a_missed_threshold_or_failed_test_is_a_fail(tmp_path):
+    slow_fp8 = dict(GOOD_RUNS, **{"fp8:triton+graphs": _run(10000.0)})
+    (tmp_path / "a").mkdir()
+    report = verdict_mod.build_report(_stage_dir(tmp_path / "a", slow_fp8, GOOD_TESTS))
+    assert report["verdict"] == "fail" and report["checks"]["fp8_vs_bf16_batch_256"]["status"] == "fail"
+    (tmp_path / "b").mkdir()
+    failed = GOOD_TESTS + [{"test": "tests/gpu/b.py::t3", "outcome": "failed", "seconds": 2.0, "message": "boom"}]
+    report = verdict_mod.build_report(_stage_dir(tmp_path / "b", GOOD_RUNS, failed))
+    assert report["verdict"] == "fail" and "boom" in report["checks"]["gpu_tests"]["detail"]
+    (tmp_path / "c").mkdir()
+    drifting = dict(GOOD_RUNS, parity=_parity(0.5))
+    assert verdict_mod.build_report(_stage_dir(tmp_path / "c", drifting, GOOD_TESTS))["verdict"] == "fail"
+
+
+def test_a_timed_out_stage_keeps_what_finished_and_is_incomplete(tmp_path):
+    partial = {k: GOOD_RUNS[k] for k in ("parity", "triton+graphs", "torch")}   # bench killed after 3 runs
+    status = "env rc=0 seconds=3\ntests rc=124 seconds=150\nbench rc=124 seconds=270\n"
+    report = verdict_mod.build_report(_stage_dir(tmp_path, partial, GOOD_TESTS, status))
+    checks = report["checks"]
+    assert report["verdict"] == "incomplete"
+    assert checks["graphs_faster_than_eager"]["status"] == "pass"
+    assert checks["vs_transformers_continuous_batching"]["status"] == "missing"
+    assert checks["gpu_tests"]["status"] == "missing" and checks["gpu_tests"]["value"] == {"passed": 1, "skipped": 1}
+
+
+def test_cpu_only_mode_judges_nothing(tmp_path):
+    report = verdict_mod.build_report(_stage_dir(tmp_path, {"torch": _run(50.0)}, GOOD_TESTS), cpu_only=True)
+    assert report["verdict"] == "incomplete"
+    assert {c["status"] for c in report["checks"].values() if c["judged"]} == {"skipped"}
+
+
+def test_results_plugin_writes_one_line_per_test_as_it_goes(tmp_path):
+    (tmp_path / "test_canned.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2\n"
+        "def test_skip():\n    pytest.importorskip('no_such_module_here', reason='not on this image')\n")
+    (tmp_path / "test_broken.py").write_text("import no_such_module_either\n")
+    results = tmp_path / "tests.jsonl"
+    env = dict(os.environ, GPU_CHECK_RESULTS=str(results), PYTHONPATH=f"{SCRIPTS}{os.pathsep}"
+               f"{os.environ.get('PYTHONPATH', '')}")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check_results",
+                    "--continue-on-collection-errors",
+                    str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, timeout=120)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    outcomes = {line["test"].split("::")[-1]: line["outcome"] for line in lines}
+    assert outcomes == {"test_broken.py": "error", "test_ok": "passed", "test_bad": "failed",
+                        "test_skip": "skipped"}
+    assert "not on this image" in next(line["message"] for line in lines if line["outcome"] == "skipped")

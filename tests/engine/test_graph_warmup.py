@@ -1,0 +1,57 @@
+"""CUDA-graph warm-up: which buckets are captured up front, once, before any step (the capture itself needs
+CUDA, so here a recording stand-in replaces ``_capture``; the buckets, the padding step and the once-only
+logic are the real code)."""
+
+import torch
+
+from jobrunner.attention.triton_backend import TritonBackend
+from jobrunner.engine.decode_graphs import MAX_GRAPHS, MAX_PADDED_KEYS, DecodeGraphs
+from jobrunner.engine.step_graphs import StepGraphs
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _recording(cls):
+    class Recording(cls):
+        captured: list
+
+        def _capture(self, *args):
+            self.captured = getattr(self, "captured", [])
+            self.captured.append(args)
+            return _Graph(), torch.zeros(4096, 8)
+    return Recording
+
+
+def test_step_graphs_warm_up_captures_every_bucket_once():
+    backend = TritonBackend(4, 2, 16, torch.device("cpu"), max_rows=8, max_model_len=256)
+    kv = torch.zeros(1, 2, 17 * 16, 2, 8)
+    graphs = _recording(StepGraphs)(torch.nn.Identity(), kv, backend, max_rows=8, max_num_tokens=64,
+                                    max_model_len=256, scratch_block=16, capture=True)
+    keys = graphs.warm_up_keys()
+    decode = [(b, 16) for b in (1, 2, 4, 8)]                          # decode-only steps: tokens = rows <= 8
+    chunk = [(b, 64) for b in (2, 4, 8, 16, 24, 32, 48, 64)]           # steps with a prompt chunk: every bucket
+    assert keys == sorted(decode + chunk)
+    assert graphs.warm_up() == len(keys) and sorted(graphs.graphs) == keys and len(graphs.captured) == len(keys)
+    t, meta = graphs.captured[-1]                                      # an all-padding step: no tile, scratch slots
+    assert (meta.tile_row == -1).all() and (t["slot_mapping"] // 16 == 16).all()
+    assert graphs.warm_up() == len(keys) and len(graphs.captured) == len(keys)   # once only
+    assert graphs.stats()["graph_warmup_s"] is not None
+
+
+def test_decode_graphs_warm_up_captures_the_smallest_shapes_once():
+    kv = torch.zeros(1, 2, 8 * 16, 1, 4)
+    graphs = _recording(DecodeGraphs)(torch.nn.Identity(), kv, 16, 256, 8192, scratch_block=7, capture=True)
+    keys = graphs.warm_up_keys()
+    assert len(keys) == MAX_GRAPHS and all(b * n * 16 <= MAX_PADDED_KEYS for b, n in keys)
+    assert keys[0] == (1, graphs.context_buckets[0]) and len(set(keys)) == len(keys)
+    assert [b * n for b, n in keys] == sorted(b * n for b, n in keys)
+    assert graphs.warm_up() == MAX_GRAPHS and graphs.warm_up() == MAX_GRAPHS
+    assert [c for c in graphs.captured] == keys                       # each once, in order
+    batch = keys[-1][0]
+    assert (graphs.slots[:batch] == 7 * 16).all()                      # padding rows write the scratch block
