@@ -36,6 +36,10 @@ class Shard:
     file_stem: str
     row_start: int
     row_end: int
+    # A prefix-grouped file (driver/prefix_plan.py): row_start/row_end are positions in the file's row order,
+    # stored under the output at `order_key`, the file's order starting at position `order_offset`.
+    order_key: str | None = None
+    order_offset: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -104,6 +108,8 @@ class ShardTable:
     def __init__(self, columns: ShardColumns, file_stems: list[str]) -> None:
         self.columns = columns
         self.file_stems = file_stems  # per file code: the stem derived row ids use
+        self.order_key: str | None = None  # the planned row order under the output (prefix-grouped files)
+        self.order_offsets: list[int | None] = []  # per file code: where its order starts; None = row ranges
         self._index_of: dict[str, int] | None = None  # only for ids not of the form "<index>-<digest>"
 
     @classmethod
@@ -145,8 +151,11 @@ class ShardTable:
         """Shard `index` as a worker gets it (or the piece [row_start, row_end) of it)."""
         start, end = self.rows_of(index)
         url, stem = self.file_of(index)
+        code = int(self.columns.file.codes[index])
+        offset = self.order_offsets[code] if code < len(self.order_offsets) else None
         return Shard(self.id_of(index), url, stem, start if row_start is None else row_start,
-                     end if row_end is None else row_end)
+                     end if row_end is None else row_end, None if offset is None else self.order_key,
+                     offset or 0)
 
     def __getitem__(self, index: int) -> Shard:
         if not -len(self) <= index < len(self):
