@@ -30,7 +30,7 @@ from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.prefix_dealing import fresh_tasks
 from jobrunner.driver.prefix_rows import shard_chain_counts
-from jobrunner.driver.prefix_stats import add_chains, publish_prefix_plan
+from jobrunner.driver.prefix_stats import add_chains, publish_prefix_plan, record_summary
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
 from jobrunner.driver.result import JobResult
@@ -391,6 +391,7 @@ class _JobLoop:
             commit_records=self.book.num_records, compactions=self.book.num_compactions + 1,
             bookkeeping_bytes=self.book.bytes_written,  # before this last compaction
             isolation=self.isolation.to_dict())
+        record_summary(self.manifest, self.shards.totals())  # prefix-cache hits achieved vs the ideal
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,

@@ -46,6 +46,13 @@ def add_chains(manifest: dict[str, Any], chains: dict[int, int], block_size: int
     section["ideal_cached_tokens"] += ideal * int(section["block_size"])
 
 
+def record_summary(manifest: dict[str, Any], totals: dict[str, Any]) -> None:
+    """Put achieved vs ideal hits (from the job's totals) into the manifest's `prefix_cache`."""
+    summary = prefix_summary({**manifest, "totals": totals})
+    if summary is not None:
+        manifest[CACHE_KEY].update({k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()})
+
+
 def prefix_summary(manifest: dict[str, Any]) -> dict[str, Any] | None:
     """Achieved vs ideal prefix-cache hits from a manifest's totals and `prefix_cache` (None without them)."""
     section = manifest.get(CACHE_KEY)
