@@ -27,7 +27,7 @@ def _spec(tmp_path, out: str, **input_fields):
     return spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / out), input=input_fields))
 
 
-def test_grouped_job_writes_the_rows_of_plain_sharding_and_resumes(local_ray, tmp_path):
+def test_grouped_job_writes_the_rows_of_plain_sharding_and_resumes_old_and_new_manifests(local_ray, tmp_path):
     rows = write_prefix_prompts(tmp_path / "in.parquet", 48, 3)
     grouped, plain = _spec(tmp_path, "grouped"), _spec(tmp_path, "plain", prefix_grouping="off")
     assert run_job(grouped, show_progress=False).ok and run_job(plain, show_progress=False).ok
@@ -55,20 +55,16 @@ def test_grouped_job_writes_the_rows_of_plain_sharding_and_resumes(local_ray, tm
     assert {s for s, e in after["shards"].items() if e["worker_id"].startswith("r1")} == set(shard_ids[:2])
     assert _rows(str(out)) == _rows(str(tmp_path / "plain"))
 
-
-def test_output_planned_before_prefix_grouping_resumes_with_plain_shards(local_ray, tmp_path):
-    write_prefix_prompts(tmp_path / "in.parquet", 32, 2)
-    old = _spec(tmp_path, "out", prefix_grouping="off")
-    assert run_job(old, show_progress=False).ok
-    out = tmp_path / "out"
-    manifest = read_manifest_file(out)
-    del manifest["prefix_plan"]  # as the code before prefix grouping wrote it
+    # An output planned before prefix grouping existed (no `prefix_plan` in its manifest) resumes with its
+    # plain shards, although the spec's default is now `auto`.
+    old = tmp_path / "plain"
+    manifest = read_manifest_file(old)
+    del manifest["prefix_plan"]
     shard_ids = sorted(manifest["shards"])
     manifest["shards"][shard_ids[-1]]["status"] = "pending"
-    (out / "_manifest.json").write_text(json.dumps(manifest))
-    resumed = _spec(tmp_path, "out")  # the default, prefix_grouping: auto
-    assert run_job(resumed, show_progress=False).ok
-    after = read_manifest_file(out)
+    (old / "_manifest.json").write_text(json.dumps(manifest))
+    assert run_job(_spec(tmp_path, "plain"), show_progress=False).ok
+    after = read_manifest_file(old)
     assert sorted(after["shards"]) == shard_ids and after["prefix_plan"]["grouping"] == "off"
     assert {s for s, e in after["shards"].items() if e["worker_id"].startswith("r1")} == {shard_ids[-1]}
-    assert len(_rows(str(out))) == 32
+    assert _rows(str(old)) == _rows(str(out))
