@@ -161,6 +161,8 @@ def _plan_file(spec: JobSpec, f: InputFile, writer: RowOrderWriter, plan: Prefix
     plan.spilled_runs += sorter.num_runs
     cutter, digest, sorted_score, previous = _Cutter(target), hashlib.sha1(), 0, None
     for block in sorter.sorted_blocks():
+        if not len(block):
+            continue
         writer.append(block["row"])
         digest.update(block["row"].tobytes())
         sorted_score += _score(previous, block["key"], chars)
