@@ -25,6 +25,7 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -54,17 +55,17 @@ def exact_ideal(prompts: list[str], block_size: int) -> tuple[int, int]:
     """(prompt tokens, ideal cached tokens) over the whole job, tokenized as the engine does a raw prompt."""
     from transformers import AutoTokenizer
 
-    from jobrunner.driver.prefix_rows import PrefixChains
     from jobrunner.models.sources import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")))
-    chains = PrefixChains()
+    holders: Counter = Counter()  # chain (all tokens up to the end of a full block) -> prompts holding it
     total = 0
     for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"]
         total += len(ids)
-        chains.add(ids, block_size)
-    return total, block_size * sum(n - 1 for n in chains.counts.values() if n >= 2)
+        for i in range((len(ids) - 1) // block_size):  # the last token is always computed
+            holders[tuple(ids[:(i + 1) * block_size])] += 1
+    return total, block_size * sum(n - 1 for n in holders.values())
 
 
 def run_one(input_path: Path, out: Path, workers: int, grouping: str, args: argparse.Namespace) -> dict:

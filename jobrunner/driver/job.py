@@ -29,7 +29,7 @@ from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.prefix_dealing import fresh_tasks
-from jobrunner.driver.prefix_rows import shard_chain_counts
+from jobrunner.driver.prefix_rows import merge_pieces
 from jobrunner.driver.prefix_stats import add_chains, publish_prefix_plan, record_summary
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
@@ -77,7 +77,7 @@ class _JobLoop:
         self.shards: ShardTable = plan.shards
         self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self._fresh_task, spec.cluster.num_workers,
                                                  plan.prefix is not None and plan.prefix.shares_prefixes))
-        self.chains: dict[str, dict[int, int]] = {}  # shard id -> its shared prefix chains, until committed
+        self.chains: dict[str, tuple] = {}  # shard id -> its prompts' KV block chains, until committed
         self.work: dict[str, ShardWork] = {}  # shards handed out and not yet committed
         self.failed: dict[str, str] = {}
         self.error: str | None = None
@@ -326,7 +326,7 @@ class _JobLoop:
         results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
         entry, kinds = _shard_entry(results, work)
         record = self.book.record_for(shard_id, entry, kinds)
-        self.chains[shard_id] = shard_chain_counts([r.prefix_chains for r in results])
+        self.chains[shard_id] = merge_pieces([r.prefix_chains for r in results if r.prefix_chains[1] is not None])
         self.publishing[self.publisher.submit(self._publish, shard_id, results, record)] = (shard_id, record)
         del self.work[shard_id]
 
@@ -350,7 +350,7 @@ class _JobLoop:
 
     def _committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
         self.book.mark_committed(shard_id, record, record_bytes)
-        add_chains(self.manifest, self.chains.pop(shard_id, {}), self.spec.engine.block_size)
+        add_chains(self.manifest, self.chains.pop(shard_id, (0, None)), self.spec.engine.block_size)
         self.run_tokens += record["num_output_tokens"]
         self.stats["commits"] += 1
         if self.stats["first_commit_s"] is None:

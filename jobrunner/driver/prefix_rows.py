@@ -5,17 +5,16 @@ The ideal (docs/driver.md, "Prefix-aware sharding"): the engine caches full KV b
 chained (a block's identity is its tokens and every token before it), and always computes a prompt's last
 token, so a prompt of n tokens can reuse at most (n - 1) // block_size blocks. If every distinct block chain
 of the job were computed exactly once, a chain that M prompts hold would be computed once and hit M - 1
-times: ideal cached tokens = block_size x sum over chains of (M - 1). A shard reports the chains two or
-more of its prompts hold, with their counts; the driver adds them up over the job by chain hash. A chain
-whose prompts all sit in different shards, one per shard, is not seen, so the ideal is exact when every
-shared prefix has two or more rows in each shard that holds it, and a lower bound otherwise.
+times: ideal cached tokens = block_size x sum over chains of (M - 1) = block_size x (cacheable blocks -
+distinct chains). A shard reports its cacheable blocks and its distinct chains; the driver sums the blocks
+and counts the distinct chains of the whole job (driver/prefix_stats.py), whatever shards they came in.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from jobrunner.driver.prefix_plan import key_text
@@ -58,10 +57,11 @@ def _prompt_text(prompt: Any) -> str:
 
 
 class PrefixChains:
-    """Full-block chains of a shard's prompts and how many prompts hold each."""
+    """Full-block chains of a shard's prompts: how many there are, and the distinct ones."""
 
     def __init__(self) -> None:
-        self.counts: Counter = Counter()
+        self.num_blocks = 0  # cacheable blocks over the prompts, (n - 1) // block_size each
+        self.chains: set[int] = set()
 
     def add(self, prompt_token_ids: Any, block_size: int) -> None:
         """Count one prompt's cacheable block chains ((n - 1) // block_size of them)."""
@@ -71,11 +71,12 @@ class PrefixChains:
         chain = 0
         for i in range((len(tokens) - 1) // block_size):
             chain = hash((chain, *tokens[i * block_size:(i + 1) * block_size])) & CHAIN_MASK
-            self.counts[chain] += 1
+            self.chains.add(chain)
+            self.num_blocks += 1
 
-    def shared(self) -> dict[int, int]:
-        """Chain -> prompts holding it, for the chains two or more prompts hold."""
-        return {chain: n for chain, n in self.counts.items() if n >= 2}
+    def summary(self) -> tuple[int, np.ndarray]:
+        """(cacheable blocks, the distinct chains as uint64): what the shard reports."""
+        return self.num_blocks, np.fromiter(self.chains, np.uint64, len(self.chains))
 
 
 def block_size_of(engine: Any, spec: JobSpec) -> int:
@@ -84,10 +85,8 @@ def block_size_of(engine: Any, spec: JobSpec) -> int:
     return int(getattr(config, "block_size", None) or getattr(spec.engine, "block_size", None) or 16)
 
 
-def shard_chain_counts(counts: list[dict[int, int]]) -> dict[int, int]:
-    """The chains of a shard's pieces, added up."""
-    total: Counter = Counter()
-    for c in counts:
-        total.update(c)
-    return dict(total)
-
+def merge_pieces(summaries: list[tuple[int, np.ndarray]]) -> tuple[int, np.ndarray]:
+    """The chain summaries of a shard's pieces as one."""
+    blocks = sum(n for n, _ in summaries)
+    chains = [c for _, c in summaries if len(c)]
+    return blocks, np.unique(np.concatenate(chains)) if chains else np.zeros(0, np.uint64)

@@ -77,7 +77,7 @@ class _ShardState:
     error: BaseException | None = None
     phase: str = "reading"
     cost: IsolationCost = field(default_factory=IsolationCost)
-    chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' shared KV block chains
+    chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' KV block chains
 
     @property
     def is_complete(self) -> bool:
@@ -103,7 +103,7 @@ class ShardResult:
     row_end: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)  # error kind -> rows
     isolation: dict[str, Any] = field(default_factory=dict)  # IsolationCost.to_dict() of this attempt
-    prefix_chains: dict[int, int] = field(default_factory=dict)  # block chain -> prompts (driver/prefix_rows.py)
+    prefix_chains: tuple = (0, None)  # (cacheable KV blocks, distinct block chains): driver/prefix_rows.py
 
 
 class ShardRunner:
@@ -218,7 +218,7 @@ class ShardRunner:
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
             row_end=state.shard.row_end, error_kinds=error_kinds(rows),
-            isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.shared())
+            isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.summary())
 
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,

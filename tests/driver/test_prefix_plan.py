@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobrunner.driver import prefix_plan
+from jobrunner.driver import prefix_plan, prefix_stats
 from jobrunner.driver.plan import plan_job
 from jobrunner.driver.prefix_dealing import LaneTasks
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order
@@ -148,17 +148,31 @@ def test_ideal_counts_every_shared_chain_once_per_job():
     first, second = PrefixChains(), PrefixChains()
     for tail in (100, 101, 102):
         first.add(prefix + [tail, tail + 1], block)  # 10 tokens: (10 - 1) // 4 = 2 cacheable blocks
-    for tail in (200, 201):
-        second.add(prefix + [tail], block)
+    second.add(prefix + [200], block)  # one prompt of the prefix in this shard: still counted
     second.add([9, 9, 9, 9, 9], block)  # alone: nothing shared
-    manifest = {"totals": {"num_prompt_tokens": 100, "num_cached_tokens": 24}}
-    add_chains(manifest, first.shared(), block)
+    manifest = {"totals": {"num_prompt_tokens": 100, "num_cached_tokens": 12}}
+    add_chains(manifest, first.summary(), block)
     assert manifest["prefix_cache"]["ideal_cached_tokens"] == 2 * 2 * block  # 2 of 3 prompts hit 2 blocks
-    add_chains(manifest, second.shared(), block)
-    # the job: 5 prompts share the 2 blocks, computed once: 4 hits of 2 blocks
-    assert manifest["prefix_cache"]["ideal_cached_tokens"] == 4 * 2 * block
+    add_chains(manifest, second.summary(), block)
+    add_chains(manifest, second.summary(), block)  # a shard counted again: its chains are not new
+    # the job: 4 prompts share the 2 blocks, computed once: 3 hits of 2 blocks (+ the retried shard's 3 blocks)
+    assert manifest["prefix_cache"]["ideal_cached_tokens"] == (3 * 2 + 3) * block
     summary = prefix_summary(manifest)
-    assert summary["ideal_hit_rate"] == pytest.approx(0.32) and summary["of_ideal"] == pytest.approx(24 / 32)
+    assert summary["ideal_hit_rate"] == pytest.approx(0.36) and summary["of_ideal"] == pytest.approx(12 / 36)
+    assert not summary["ideal_is_estimate"]
+
+
+def test_distinct_chains_past_the_exact_limit_are_estimated(monkeypatch):
+    monkeypatch.setattr(prefix_stats, "EXACT_CHAINS", 100)
+    rng = np.random.default_rng(1)
+    hashes = rng.integers(0, 2**63, 20_000, dtype=np.uint64)
+    manifest: dict = {}
+    for piece in np.array_split(hashes, 10):
+        add_chains(manifest, (len(piece) * 2, piece), 16)  # each chain held by 2 prompts
+    section = manifest["prefix_cache"]
+    assert section["complete"] is False and section["exact_chains"] is None
+    assert section["distinct_chains"] == pytest.approx(20_000, rel=0.03)
+    assert section["ideal_cached_tokens"] == pytest.approx(20_000 * 16, rel=0.03)
 
 
 def test_an_old_manifest_is_resumed_with_plain_shards(tmp_path):
