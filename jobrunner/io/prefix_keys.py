@@ -1,11 +1,12 @@
 """Prefix keys of input rows and their sort, in memory bounded whatever the rows (prefix-aware planning).
 
-A row's key packs four 16-bit hashes of its text's first L/64, L/16, L/4 and L characters (L =
-`input.prefix_chars`) into one uint64, the shortest prefix in the top bits. Sorting rows by key is then a
-trie order at four depths: rows whose first L/4 characters agree are contiguous, and within them the rows
-whose first L agree. Two adjacent keys share `depth` leading fields (0-4): the planner cuts shards where the
-depth is lowest. A 16-bit collision at one depth only orders two unrelated prefixes side by side; it never
-changes a row (grouping decides where a row runs, not what it computes).
+A row's key packs four 16-bit hashes of its text's first L/64, L/16, L/4 and L characters
+(L = `input.prefix_chars`; a shorter text: all of it) into one uint64, the shortest prefix in the top
+bits. Sorting rows by key is then a trie order at four depths: rows whose first L/4 characters agree are
+contiguous, and within them the rows whose first L agree. Two adjacent keys share `depth` leading fields
+(0-4): the planner cuts shards where the depth is lowest. Each depth hashes with its own salt, so a 16-bit
+collision stays one depth deep: it only orders two unrelated prefixes side by side, and never changes a
+row (grouping decides where a row runs, not what it computes).
 
 (key, row) records stay in memory up to `spill_records` in all; above that each full buffer is sorted and
 written to local disk as a run, and the runs are merged block by block (memory-mapped), so memory holds one
@@ -35,14 +36,15 @@ def level_chars(prefix_chars: int) -> tuple[int, ...]:
 
 
 def prefix_key(text: str, chars: tuple[int, ...]) -> int:
-    """The packed key of one text (the shortest prefix's hash in the top 16 bits)."""
-    key, last, last_hash = 0, -1, 0
-    for n in chars:
-        cut = min(n, len(text))
-        if cut != last:  # a text shorter than this level: the same hash as the level before
-            digest = hashlib.blake2b(text[:cut].encode("utf-8", "surrogatepass"), digest_size=2).digest()
-            last, last_hash = cut, int.from_bytes(digest, "big")
-        key = (key << LEVEL_BITS) | last_hash
+    """The packed key of one text (the shortest prefix's hash in the top 16 bits). Each depth hashes with
+    its own salt, so two different texts whose 16-bit hashes collide at one depth (1 in 65,536) do not
+    also agree at the next: a collision looks like a short shared prefix, never a long one."""
+    key = 0
+    data = text.encode("utf-8", "surrogatepass")
+    for depth, n in enumerate(chars):
+        piece = data if n >= len(text) else text[:n].encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(piece, digest_size=2, person=b"jr-prefix-%d" % depth).digest()
+        key = (key << LEVEL_BITS) | int.from_bytes(digest, "big")
     return key
 
 
