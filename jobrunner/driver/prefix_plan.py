@@ -158,7 +158,6 @@ def _plan_file(spec: JobSpec, f: InputFile, writer: RowOrderWriter, plan: Prefix
         previous = keys[-1]
         here = (natural_starts >= first) & (natural_starts < first + len(keys))
         natural_keys[here] = keys[natural_starts[here] - first]
-    plan.spilled_runs += sorter.num_runs
     cutter, digest, sorted_score, previous = _Cutter(target), hashlib.sha1(), 0, None
     for block in sorter.sorted_blocks():
         if not len(block):
@@ -168,6 +167,7 @@ def _plan_file(spec: JobSpec, f: InputFile, writer: RowOrderWriter, plan: Prefix
         sorted_score += _score(previous, block["key"], chars)
         cutter.feed(_depths(previous, block["key"]), block["key"])
         previous = block["key"][-1]
+    plan.spilled_runs += sorter.num_runs
     # an explicit input.prefix_column groups whenever rows share a value; a text prefix when it is long enough
     least = 1 if spec.input.prefix_column else MIN_SHARED_CHARS * max(f.num_rows, 1)
     enough = sorted_score >= least

@@ -76,11 +76,7 @@ class KeySorter:
         self._buffered = 0
         self._runs: list[str] = []
         self._tmp: str | None = None
-
-    @property
-    def num_runs(self) -> int:
-        """Sorted runs written to disk so far (0: everything in memory)."""
-        return len(self._runs)
+        self.num_runs = 0  # sorted runs written to disk so far (0: everything in memory)
 
     def add(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Add records; rows must come in increasing order across calls (ties then keep row order)."""
@@ -123,6 +119,7 @@ class KeySorter:
         path = os.path.join(self._tmp, f"run-{len(self._runs)}.npy")
         np.save(path, _sorted(self._take()))
         self._runs.append(path)
+        self.num_runs += 1
 
 
 def _sorted(records: np.ndarray) -> np.ndarray:
