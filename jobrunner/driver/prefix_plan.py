@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -136,8 +137,6 @@ def plan_prefix_shards(spec: JobSpec, files: list[InputFile], spill_records: int
 
 
 def _remove_dir(path: str) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 
