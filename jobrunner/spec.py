@@ -75,6 +75,19 @@ class InputSpec(_Spec):
     rows_per_shard: int = Field(
         default=1000, ge=1, description="About this many rows per shard (and per output part file)."
     )
+    prefix_grouping: Literal["auto", "off"] = Field(
+        default="auto",
+        description="auto: rows sharing a prompt prefix are grouped into the same shards, shards of one prefix "
+        "go to one worker, and a worker admits them together (prefix-cache hits); files whose own order already "
+        "keeps shared prefixes together keep their plain row-range shards. off: plain row-range shards.",
+    )
+    prefix_chars: int = Field(
+        default=4096, ge=64,
+        description="Characters of a prompt's text (chat messages as role and content, no template) the "
+        "planner groups rows by (hashed at 1/64, 1/16, 1/4 and all of it, so shorter shared prefixes group too).",
+    )
+    prefix_column: str | None = Field(
+        default=None, description="Group rows by this column's value instead of the prompt's prefix.")
     limit: int | None = Field(
         default=None, ge=1,
         description="Use only the first N rows (files in sorted order, rows in file order): a smoke run. "

@@ -28,13 +28,16 @@ from jobrunner.driver.output import open_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
+from jobrunner.driver.prefix_dealing import fresh_tasks
+from jobrunner.driver.prefix_rows import merge_pieces
+from jobrunner.driver.prefix_stats import add_chains, publish_prefix_plan, record_summary
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
 from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.shards import ShardTable
-from jobrunner.driver.tasks import FreshTasks, ShardWork, Task, TaskQueue
+from jobrunner.driver.tasks import ShardWork, Task, TaskQueue
 from jobrunner.driver.worker import EngineFailed, ShardResult
 from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
@@ -57,6 +60,7 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
     plan = plan_job(spec)
     storage, manifest, lease = open_output(spec, plan)
     try:
+        publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
@@ -73,7 +77,9 @@ class _JobLoop:
                  show_progress: bool) -> None:
         self.spec, self.storage, self.manifest, self.lease = spec, storage, manifest, lease
         self.shards: ShardTable = plan.shards
-        self.queue = TaskQueue(fresh=FreshTasks(self.shards.todo(), self._fresh_task))
+        self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self._fresh_task, spec.cluster.num_workers,
+                                                 plan.prefix is not None and plan.prefix.shares_prefixes))
+        self.chains: dict[str, tuple] = {}  # shard id -> its prompts' KV block chains, until committed
         self.work: dict[str, ShardWork] = {}  # shards handed out and not yet committed
         self.failed: dict[str, str] = {}
         self.error: str | None = None
@@ -243,7 +249,7 @@ class _JobLoop:
     def _assign(self) -> None:
         for worker in self.pool.workers:
             while worker.is_ready and len(worker.tasks) < SHARDS_PER_WORKER and not _has_alone(worker):
-                task = self.queue.take(worker_is_empty=not worker.tasks)
+                task = self.queue.take(worker_is_empty=not worker.tasks, owner=worker.worker_id)
                 if task is None:
                     break
                 if task.shard_id not in self.failed:  # a piece of a shard that failed meanwhile is dropped
@@ -322,6 +328,7 @@ class _JobLoop:
         results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
         entry, kinds = _shard_entry(results, work)
         record = self.book.record_for(shard_id, entry, kinds)
+        self.chains[shard_id] = merge_pieces([r.prefix_chains for r in results if r.prefix_chains[1] is not None])
         self.publishing[self.publisher.submit(self._publish, shard_id, results, record)] = (shard_id, record)
         del self.work[shard_id]
 
@@ -338,12 +345,14 @@ class _JobLoop:
                 record_bytes = future.result()
             except Exception as exc:  # noqa: BLE001 - storage failed after its retries: the shard fails
                 self.failed[shard_id] = f"publishing failed: {exc}"
+                self.chains.pop(shard_id, None)
                 self.book.fail(shard_id, self.failed[shard_id], record["attempts"], failed=True)
                 continue
             self._committed(shard_id, record, record_bytes)
 
     def _committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
         self.book.mark_committed(shard_id, record, record_bytes)
+        add_chains(self.manifest, self.chains.pop(shard_id, (0, None)), self.spec.engine.block_size)
         self.run_tokens += record["num_output_tokens"]
         self.stats["commits"] += 1
         if self.stats["first_commit_s"] is None:
@@ -384,6 +393,7 @@ class _JobLoop:
             commit_records=self.book.num_records, compactions=self.book.num_compactions + 1,
             bookkeeping_bytes=self.book.bytes_written,  # before this last compaction
             isolation=self.isolation.to_dict())
+        record_summary(self.manifest, self.shards.totals())  # prefix-cache hits achieved vs the ideal
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,

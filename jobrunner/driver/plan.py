@@ -6,8 +6,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from jobrunner.driver.prefix_plan import PrefixPlan, check_prefix_column, plan_prefix_shards
 from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
-from jobrunner.driver.shards import ShardTable, plan_shards
+from jobrunner.driver.shards import ShardTable
 from jobrunner.io.ids import Duplicate
 from jobrunner.io.reader import InputError, InputFile, check_columns
 from jobrunner.io.text_input import find_input_duplicates, list_input, row_location
@@ -22,6 +23,7 @@ class JobPlan:
 
     files: list[InputFile]
     shards: ShardTable
+    prefix: PrefixPlan | None = None  # how rows were grouped by prompt prefix (driver/prefix_plan.py)
 
     @property
     def num_rows(self) -> int:
@@ -53,9 +55,11 @@ def plan_job(spec: JobSpec) -> JobPlan:
     keep = spec.output.keep_columns
     check_columns(files, required_columns(spec), [] if keep == "*" else keep)
     check_kept_columns(spec, files)
+    check_prefix_column(spec, files)
     if spec.input.id_column is None:
         _check_unique_stems(files)
-    plan = JobPlan(files=files, shards=plan_shards([f for f in files if f.num_rows], spec.rows_per_shard))
+    shards, prefix = plan_prefix_shards(spec, [f for f in files if f.num_rows])
+    plan = JobPlan(files=files, shards=shards, prefix=prefix)
     if plan.num_rows == 0:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
                          f"({len(files)} file(s), all empty)")

@@ -70,9 +70,10 @@ def plan_differences(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpe
     gone = int((~np.isin(old_ids, new_ids)).sum())
     new = int((~np.isin(new_ids, old_ids)).sum())
     lines = [f"shards: {len(old_ids)} before, {len(new_ids)} now ({gone} no longer planned, "
-             f"{new} new): the input files or the rows per shard changed"]
+             f"{new} new): the input files, the rows per shard or the prefix grouping changed"]
     old_spec, new_spec = old.get("spec") or {}, spec.redacted()
-    for section, key in (("input", "rows_per_shard"), ("output", "rows_per_file")):
+    for section, key in (("input", "rows_per_shard"), ("output", "rows_per_file"), ("input", "prefix_grouping"),
+                         ("input", "prefix_chars"), ("input", "prefix_column")):
         before, now = (old_spec.get(section) or {}).get(key), new_spec[section].get(key)
         if before != now:
             lines.append(f"{section}.{key}: {before!r} -> {now!r}")

@@ -37,6 +37,10 @@ class Shard:
     row_start: int
     row_end: int
     pin: dict[str, Any] | None = None  # the file's version at planning (io/reader.py: file_pin), checked on read
+    # A prefix-grouped file (driver/prefix_plan.py): row_start/row_end are positions in the file's row order,
+    # stored under the output at `order_key`, the file's order starting at position `order_offset`.
+    order_key: str | None = None
+    order_offset: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -107,6 +111,8 @@ class ShardTable:
         self.columns = columns
         self.file_stems = file_stems  # per file code: the stem derived row ids use
         self.file_pins = file_pins  # per file code: its version at planning, which workers check on read
+        self.order_key: str | None = None  # the planned row order under the output (prefix-grouped files)
+        self.order_offsets: list[int | None] = []  # per file code: where its order starts; None = row ranges
         self._index_of: dict[str, int] | None = None  # only for ids not of the form "<index>-<digest>"
 
     @classmethod
@@ -148,9 +154,12 @@ class ShardTable:
         """Shard `index` as a worker gets it (or the piece [row_start, row_end) of it)."""
         start, end = self.rows_of(index)
         url, stem = self.file_of(index)
-        pin = self.file_pins[int(self.columns.file.codes[index])] if self.file_pins else None
+        code = int(self.columns.file.codes[index])
+        pin = self.file_pins[code] if self.file_pins else None
+        offset = self.order_offsets[code] if code < len(self.order_offsets) else None
         return Shard(self.id_of(index), url, stem, start if row_start is None else row_start,
-                     end if row_end is None else row_end, pin)
+                     end if row_end is None else row_end, pin, None if offset is None else self.order_key,
+                     offset or 0)
 
     def __getitem__(self, index: int) -> Shard:
         if not -len(self) <= index < len(self):

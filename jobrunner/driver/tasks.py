@@ -85,8 +85,8 @@ class FreshTasks:
     def __len__(self) -> int:
         return len(self.rows) - self.next
 
-    def pop(self) -> Task:
-        """The next shard's Task."""
+    def pop(self, owner: str | None = None) -> Task:
+        """The next shard's Task (`owner`, the worker asking, matters to LaneTasks: driver/prefix_dealing.py)."""
         task = self.make(int(self.rows[self.next]))
         self.next += 1
         return task
@@ -118,14 +118,14 @@ class TaskQueue:
         else:
             (self.alone if task.alone else self.ready).append(task)
 
-    def take(self, worker_is_empty: bool) -> Task | None:
+    def take(self, worker_is_empty: bool, owner: str | None = None) -> Task | None:
         """The next runnable task for a worker (alone-only tasks only go to an empty worker)."""
         self._release_due()
         if worker_is_empty and self.alone:
             return self.alone.popleft()
         if self.ready:
             return self.ready.popleft()
-        return self.fresh.pop() if len(self.fresh) else None
+        return self.fresh.pop(owner) if len(self.fresh) else None
 
     def next_due_in(self) -> float | None:
         """Seconds until the next backed-off task may run (None when none waits)."""

@@ -28,13 +28,13 @@ from jobrunner.driver.deadlines import call_with_deadline
 from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
+from jobrunner.driver.prefix_rows import PrefixChains, admission_order, block_size_of, read_shard_rows
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
     id_column,
     output_row,
     prompt_tokens_once,
-    read_shard_input,
     request_columns,
     to_request,
 )
@@ -77,6 +77,7 @@ class _ShardState:
     error: BaseException | None = None
     phase: str = "reading"
     cost: IsolationCost = field(default_factory=IsolationCost)
+    chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' KV block chains
 
     @property
     def is_complete(self) -> bool:
@@ -102,6 +103,7 @@ class ShardResult:
     row_end: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)  # error kind -> rows
     isolation: dict[str, Any] = field(default_factory=dict)  # IsolationCost.to_dict() of this attempt
+    prefix_chains: tuple = (0, None)  # (cacheable KV blocks, distinct block chains): driver/prefix_rows.py
 
 
 class ShardRunner:
@@ -150,13 +152,11 @@ class ShardRunner:
         started, shard, limit = time.monotonic(), state.shard, self.spec.cluster.io_timeout_s
         where = f"shard {shard.shard_id}: reading input rows {shard.row_start}-{shard.row_end} of " \
                 f"{redact_text(shard.file_url)}"
-        table, keep = call_with_deadline(
-            lambda: read_shard_input(self.spec, shard.file_url, shard.row_start, shard.row_end, shard.pin), limit,
-            where)
+        table, keep = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output), limit, where)
         requests = self._requests(shard, table)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
-        state.to_add = deque(r for r in requests if r.error is None)
+        state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None]))
         state.rows = [error_row(r) for r in requests if r.error is not None]
         state.phase = "generating"
         self._enqueue(state)
@@ -218,7 +218,7 @@ class ShardRunner:
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
             row_end=state.shard.row_end, error_kinds=error_kinds(rows),
-            isolation={} if state.cost.is_empty else state.cost.to_dict())
+            isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.summary())
 
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
@@ -368,6 +368,8 @@ class ShardRunner:
             row = unbuildable_row(sample, exc)
             state.cost.rows_isolated += 1
         row["finish_time_s"] = time.time() - self.job_start_s
+        if not getattr(out, "sample_index", 0) and row.get("error") is None:
+            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec))
         samples = self._samples.setdefault(out.request_id, [])
         samples.append(row)
         req.num_finished += 1

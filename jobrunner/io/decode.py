@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from jobrunner.io.reader import ROW_INDEX
@@ -42,9 +43,21 @@ def row_id_or_none(table: pa.Table, id_column: str | None, row_index: int) -> st
     """The id of one row as text when it decodes, else None (the caller derives one)."""
     if id_column is None:
         return None
-    position = row_index - table.column(ROW_INDEX)[0].as_py()
+    position = positions_of(table, [row_index])[0]
     try:
         value = table.column(id_column)[position].as_py()
     except UnicodeDecodeError:
         return None
     return None if value is None else str(value)
+
+
+def positions_of(table: pa.Table, row_indexes: list[int]) -> list[int]:
+    """Where rows (by ROW_INDEX) are in a table read for a shard: its ROW_INDEX increases, by one for a row
+    range, with gaps for the rows of a prefix-grouped shard (io/row_order.py)."""
+    column = table.column(ROW_INDEX)
+    if not table.num_rows:
+        return list(row_indexes)
+    first, last = column[0].as_py(), column[-1].as_py()
+    if last - first + 1 == table.num_rows:  # a plain row range
+        return [r - first for r in row_indexes]
+    return np.searchsorted(column.to_numpy(), np.asarray(row_indexes, np.int64)).tolist()

@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobrunner.io.decode import positions_of
 from jobrunner.io.layout import PARTS_DIR, attempt_part_key, part_key
 from jobrunner.io.reader import ROW_INDEX, map_files
 from jobrunner.io.storage import Storage, StorageError, retry
@@ -63,8 +64,7 @@ def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None,
     table = pa.table(columns, schema=schema)
     if kept is None or kept.num_columns <= 1:
         return table
-    first = kept.column(ROW_INDEX)[0].as_py() if kept.num_rows else 0
-    indices = pa.array([r[ROW_INDEX] - first for r in rows], pa.int64())
+    indices = pa.array(positions_of(kept, [r[ROW_INDEX] for r in rows]), pa.int64())
     for name in kept.column_names:
         if name in schema.names:
             raise ValueError(f"output.keep_columns: input column {name!r} has the name of an output column")

@@ -30,7 +30,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         "report_version": REPORT_VERSION,
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
-        "tokens": _tokens(folded),
+        "tokens": _tokens(folded, manifest),
         "time": time,
         "throughput": _throughput(folded, time),
         "latency_s": {name: values.summary() for name, values in folded.latencies.items()},
@@ -88,10 +88,21 @@ def _rows(folded: Folded) -> dict:
             "finish_reasons": dict(sorted(folded.finish_reason_to_count.items()))}
 
 
-def _tokens(folded: Folded) -> dict:
+def _tokens(folded: Folded, manifest: dict | None) -> dict:
+    ideal = _ideal_cached_tokens(manifest)
     return {"input": folded.input_tokens, "cached": folded.cached_tokens, "output": folded.output_tokens,
             "total": folded.input_tokens + folded.output_tokens,
-            "prefix_cache_hit_rate": ratio(folded.cached_tokens, folded.input_tokens)}
+            "prefix_cache_hit_rate": ratio(folded.cached_tokens, folded.input_tokens),
+            "ideal_cached": ideal, "ideal_prefix_cache_hit_rate": ratio(ideal, folded.input_tokens),
+            "prefix_cache_of_ideal": ratio(folded.cached_tokens, ideal)}
+
+
+def _ideal_cached_tokens(manifest: dict | None) -> int | None:
+    """Cached tokens if every distinct shared prefix (KV block chain) of the job were computed once: the
+    manifest's `prefix_cache` (driver/prefix_rows.py defines it); None for outputs written before it."""
+    section = (manifest or {}).get("prefix_cache")
+    value = section.get("ideal_cached_tokens") if isinstance(section, dict) else None
+    return int(value) if isinstance(value, (int, float)) else None
 
 
 def _time(manifest: dict | None, folded: Folded) -> dict:

@@ -41,10 +41,26 @@ def test_counts_tokens_and_errors(small_job: str) -> None:
                               "errors_by_kind": {"prompt too long": 1},
                               "finish_reasons": {"error": 1, "stop": 3}}
     assert report["tokens"] == {"input": 5400, "cached": 150, "output": 60, "total": 5460,
-                                "prefix_cache_hit_rate": pytest.approx(150 / 5400)}
+                                "prefix_cache_hit_rate": pytest.approx(150 / 5400), "ideal_cached": None,
+                                "ideal_prefix_cache_hit_rate": None, "prefix_cache_of_ideal": None}
     assert report["run"]["model"]["quantization"] == "int8"
     assert report["run"]["label"] == "small" and report["run"]["complete"] is True
     assert report["warnings"] == []
+
+
+def test_prefix_cache_hits_against_the_ideal(tmp_path: Path) -> None:
+    from jobrunner.reports.text import render_text
+
+    shards = {"a": _rows("a", "w0", [(100, 50, 10, 0.1, 0.01, 0.2, 0.05, 1.0, None),
+                                     (100, 0, 20, 0.3, 0.02, 0.7, 0.10, 2.0, None)])}
+    manifest = make_manifest(shards, wall_s=1.0)
+    manifest["prefix_cache"] = {"block_size": 16, "ideal_cached_tokens": 80, "chains": {}, "complete": True}
+    report = load_report(write_outputs(str(tmp_path / "j"), shards, manifest))
+    assert report["tokens"]["ideal_cached"] == 80
+    assert report["tokens"]["ideal_prefix_cache_hit_rate"] == pytest.approx(80 / 200)
+    assert report["tokens"]["prefix_cache_of_ideal"] == pytest.approx(50 / 80)
+    text = render_text([report])
+    assert "ideal prefix-cache hit rate" in text and "62.5%" in text
 
 
 def test_time_throughput_and_cost(small_job: str) -> None:
