@@ -34,7 +34,10 @@ def _runner(tmp_path, prompts, engine=None, rows_per_shard=8, **cluster):
                    tmp_path / "in.parquet", row_group_size=8)
     spec = spec_from_dict({"name": "t", "sampling": {"max_tokens": 3}, "engine": {"max_num_seqs": 2},
                            "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt",
-                                     "id_column": "id", "rows_per_shard": rows_per_shard},
+                                     "id_column": "id", "rows_per_shard": rows_per_shard,
+                                     # rows enter the engine in input order: the isolation tests below name
+                                     # which rows run together
+                                     "prefix_grouping": "off"},
                            "cluster": cluster, "output": {"url": str(tmp_path / "out")}})
     engine = engine or FakeEngine(max_num_seqs=2, max_model_len=20)
     shards = plan_shards(list_input_files(spec.input.url, {}), spec.rows_per_shard)
