@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,29 +18,17 @@ from jobrunner.attention import StepLayout, StepUpload, make_backend
 from jobrunner.attention.torch_backend import TORCH_BACKEND
 from jobrunner.engine import EngineConfig, SamplingParams
 from tests.components import require_import
+from tests.triton_child import in_child, interpreted_fixture, run_in_interpreter_child
 
 CHILD_FLAG = "JOBRUNNER_TRITON_CHILD"
-IN_CHILD = os.environ.get(CHILD_FLAG) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@pytest.fixture
-def interpreted():
-    """Only in the child process, where every Triton kernel is interpreted on the CPU."""
-    if not IN_CHILD:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_under_the_triton_interpreter")
-    pytest.importorskip("triton")
+IN_CHILD = in_child(CHILD_FLAG)
+interpreted = interpreted_fixture(CHILD_FLAG)
 
 
 @pytest.mark.skipif(IN_CHILD, reason="this is the parent test")
 def test_kernels_under_the_triton_interpreter():
-    require_import("triton", "a [test] dependency on Linux: its CPU interpreter runs our attention kernels")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
-    select = "triton and not fallback and not under_the"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(__file__))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parents[2])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    run_in_interpreter_child(__file__, CHILD_FLAG, "triton and not fallback and not under_the",
+                             "a [test] dependency on Linux: its CPU interpreter runs our attention kernels")
 
 
 def _layout(rows, block_size, num_blocks, rng):

@@ -9,9 +9,7 @@ GPU needed) to catch what only the compiler rejects. Speed is measured by script
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,29 +23,18 @@ from jobrunner.quant.int8 import quantize_int8_per_channel
 from jobrunner.quant.kernels import cuda_inner_k_tiles, pack_int4_cuda_reference
 from jobrunner.quant.triton_quant import TRITON_QUANT_ENV, requested_schemes
 from tests.components import require_import
+from tests.triton_child import in_child, interpreted_fixture, run_in_interpreter_child
 
 CHILD_FLAG = "JOBRUNNER_TRITON_QUANT_CHILD"
-IN_CHILD = os.environ.get(CHILD_FLAG) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@pytest.fixture
-def interpreted():
-    """Only in the child process, where every Triton kernel is interpreted on the CPU."""
-    if not IN_CHILD:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_under_the_triton_interpreter")
-    pytest.importorskip("triton")
+IN_CHILD = in_child(CHILD_FLAG)
+interpreted = interpreted_fixture(CHILD_FLAG)
 
 
 @pytest.mark.skipif(IN_CHILD, reason="this is the parent test")
 def test_kernels_under_the_triton_interpreter():
-    require_import("triton", "a [test] dependency on Linux: its CPU interpreter runs our quant kernels")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
-    env.pop(TRITON_QUANT_ENV, None)
-    select = "interp and not under_the"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select, str(Path(__file__))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    run_in_interpreter_child(__file__, CHILD_FLAG, "interp and not under_the",
+                             "a [test] dependency on Linux: its CPU interpreter runs our quant kernels",
+                             drop_env=(TRITON_QUANT_ENV,))
 
 
 def _f64_int4(q: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
