@@ -34,7 +34,7 @@ from jobrunner.io.lease import (
 )
 from jobrunner.io.manifest import clear_success, read_manifest_table
 from jobrunner.io.parts import list_parts
-from jobrunner.io.shard_file import ShardColumns
+from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage, StorageError
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -76,7 +76,22 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
     except BaseException:
         lease.release()
         raise
+    _say_resuming(storage.display(), plan, lease)
     return fenced, manifest, lease
+
+
+def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
+    """One stderr line when this run continues earlier work or took the lease from a run that is gone."""
+    total = len(plan.shards)
+    done = int((plan.shards.columns.status == COMMITTED).sum())
+    if not done and lease.taken_over is None:
+        return
+    line = f"resuming output {url}: {done} of {total} shards already committed, running the rest"
+    if not done:
+        line = f"output {url}: no shard committed yet, running all {total}"
+    if lease.taken_over:
+        line += f"; took over the lease: {lease.taken_over}"
+    print(redact_text(line), file=sys.stderr, flush=True)
 
 
 def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan) -> None:

@@ -79,4 +79,7 @@ class JobResult:
             kinds = "; ".join(f"{k} ({n})" for k, n in self.top_errors[:3])
             reasons.append(f"{100 * self.error_rate:.1f}% of rows are errors (output.max_error_rate="
                            f"{self.max_error_rate:g}); top errors: {kinds}")
+            reasons.append("  every row is written (error rows keep their id and full error, line numbers "
+                           "included); to go on, either accept them: rerun with a higher output.max_error_rate "
+                           "(nothing is recomputed), or fix the input and rerun with output.mode=overwrite")
         return "\n".join(reasons)

@@ -123,6 +123,7 @@ class Lease:
         self.version: str | None = None  # storage version of our last write
         self.valid_until = 0.0  # monotonic: no write after this without a newer renewal
         self.lost: str | None = None
+        self.taken_over: str | None = None  # how the previous holder was found gone, when this run took over
         self.num_renewals = 0
         self.num_renewal_errors = 0
         self._lock = threading.Lock()  # one lease write at a time (heartbeat, release, verify)
@@ -309,6 +310,8 @@ def acquire_lease(storage: Storage, run_id: str, ttl_s: float, job_name: str = "
         generation = holder.get("generation") if isinstance(holder.get("generation"), int) else 0
         if is_free(holder) or is_dead(holder):
             if _claim(lease, version, generation + 1):
+                if not is_free(holder):
+                    lease.taken_over = f"{describe_holder(holder)} is gone"
                 return lease
             continue
         unchanged_s = watch.seen(version)
@@ -319,6 +322,8 @@ def acquire_lease(storage: Storage, run_id: str, ttl_s: float, job_name: str = "
         left = float(holder_ttl) - unchanged_s
         if left <= 0:
             if _claim(lease, version, generation + 1):
+                lease.taken_over = (f"{describe_holder(holder)} renewed nothing for {float(holder_ttl):.0f} s "
+                                    "(its lease's ttl)")
                 return lease
             continue
         if on_wait is not None:

@@ -61,7 +61,11 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     assert "1 row errors (4.2% of rows)" in first.output
     assert ("4.2% of rows are errors (output.max_error_rate=0.02); top errors: engine crashed on this row: "
             "RuntimeError: fake engine failure (1)") in first.output
+    assert "higher output.max_error_rate (nothing is recomputed)" in first.output
     assert not (tmp_path / "out" / "_SUCCESS").exists()
+    accept = runner.invoke(main, ["run", str(job), "--no-progress", "--set", "output.max_error_rate=0.5"])
+    assert accept.exit_code == 0, accept.output  # the way on the message names first: nothing is recomputed
+    assert "3 of 3 shards already committed" in accept.output and (tmp_path / "out" / "_SUCCESS").exists()
     clear = "engine.factory_options.fail_on=null"
     second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear, "--set", "output.mode=overwrite"])
     assert second.exit_code == 0, second.output

@@ -58,7 +58,7 @@ def test_a_run_that_committed_nothing_is_replaced_whatever_changed(tmp_path):
     lease.release()
 
 
-def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp_path):
+def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp_path, capsys):
     write_prompts(tmp_path / "in.parquet", 32)
     storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llama"))
     JobBook(storage, manifest, shards).compact(drop_all_records=True)
@@ -77,12 +77,15 @@ def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp
     with pytest.raises(ResumeError, match="model.source"):
         describe_output(changed, plan_job(changed))
     assert read_lease(storage)["state"] == "released"  # the refused run released the lease it took
+    capsys.readouterr()
     storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llama"))  # the same settings resume
     assert int((shards.columns.status == COMMITTED).sum()) == 1
+    said = capsys.readouterr().err
+    assert "1 of 4 shards already committed, running the rest" in said and "took over" not in said
     lease.release()
 
 
-def test_a_crashed_drivers_lease_on_this_host_is_taken_over_at_once(tmp_path):
+def test_a_crashed_drivers_lease_on_this_host_is_taken_over_at_once(tmp_path, capsys):
     write_prompts(tmp_path / "in.parquet", 16)
     out = tmp_path / "out"
     out.mkdir()
@@ -92,6 +95,9 @@ def test_a_crashed_drivers_lease_on_this_host_is_taken_over_at_once(tmp_path):
                                          "pid": gone, "ttl_s": 3600}))
     storage, manifest, lease, _ = _open(_spec(tmp_path))  # no wait for the hour-long ttl
     assert lease.generation == 4 and read_lease(storage)["run_id"] == lease.run_id
+    said = capsys.readouterr().err  # the operator is told, not left to guess why no countdown ran
+    assert "no shard committed yet, running all" in said
+    assert f"took over the lease: run crashed on {host_identity()['host']} (pid {gone})" in said and "is gone" in said
     lease.release()
 
 

@@ -67,6 +67,7 @@ def test_live_holder_refuses_stalled_holder_is_taken_over_and_fenced(storage):
     second = acquire_lease(storage, "run-b", ttl_s=1.2, **NEVER_DEAD)
     held = read_lease(storage)
     assert (held["run_id"], held["generation"], second.generation) == ("run-b", 2, 2)
+    assert first.taken_over is None and "run run-a on" in second.taken_over and "renewed nothing" in second.taken_over
     with pytest.raises(LeaseLost, match="taken over by run run-b"):
         first.renew()
     fenced = FencedStorage(storage, first)
@@ -81,6 +82,7 @@ def test_live_holder_refuses_stalled_holder_is_taken_over_and_fenced(storage):
     assert read_lease(storage)["state"] == "released"
     third = acquire_lease(storage, "run-c", ttl_s=1.2, on_wait=lambda h, left: waits.append(-1.0), **NEVER_DEAD)
     assert third.generation == 3 and -1.0 not in waits  # a released lease is taken at once
+    assert third.taken_over is None  # released, not taken over
     third.release()
 
 
