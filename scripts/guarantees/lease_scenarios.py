@@ -81,11 +81,19 @@ def start_driver(job: Path, address: str, log: Path, prelude: str = "") -> subpr
 
 
 def committed(out: Path) -> set[str]:
+    """Committed shard ids, read the way a run reads them (any manifest format, commit records folded in)."""
+    from jobrunner.io.manifest import read_manifest_table
+    from jobrunner.io.shard_file import COMMITTED
+    from jobrunner.io.storage import Storage
+
     try:
-        manifest = json.loads((out / "_manifest.json").read_text())
+        table = read_manifest_table(Storage(str(out)))
     except (OSError, ValueError):
-        manifest = {}
-    done = {s for s, e in manifest.get("shards", {}).items() if e.get("status") == "committed"}
+        table = None
+    done: set[str] = set()
+    if table is not None:
+        columns = table[1]
+        done = {columns.id_of(i) for i in range(len(columns.status)) if columns.status[i] == COMMITTED}
     records = out / "_commits"
     return done | ({p.stem for p in records.iterdir() if p.suffix == ".json"} if records.exists() else set())
 
