@@ -65,20 +65,22 @@ class DeviceGrammarMasks:
             self._reset(words)
         slots, stale = self._rows_of(requests)
         k, n = len(stale), logits.shape[0]
-        host = self.staging.take(k * words + k + n)
+        # one int32 buffer, one copy: [k, words] refilled masks | their k rows | N mask rows | the masked rows
+        host = self.staging.take(k * words + k + n + len(rows))
         fresh = host[:k * words].view(k, words)
         for i, entry in enumerate(stale):
             entry.grammar.fill(fresh, i)
             entry.version = entry.grammar.num_accepted
-        row_slots = [0] * n                     # rows without a grammar read row 0: ``indices`` skips them
+        row_slots = [0] * n                     # rows without a grammar read row 0: only ``rows`` are masked
         for row, slot in zip(rows, slots):
             row_slots[row] = slot
-        host[k * words:].numpy()[:] = [e.row for e in stale] + row_slots
+        host[k * words:].numpy()[:] = [e.row for e in stale] + row_slots + list(rows)
         dev = self.staging.to_device(host)
+        ints = dev[k * words:]
         if k:
-            self.masks.index_copy_(0, dev[k * words:k * words + k].long(), dev[:k * words].view(k, words))
-        step = self.masks.index_select(0, dev[k * words + k:].long())   # [N, words], row i masks logits row i
-        compiler.apply_bitmask(logits, step, rows)
+            self.masks.index_copy_(0, ints[:k].long(), dev[:k * words].view(k, words))
+        step = self.masks.index_select(0, ints[k:k + n].long())   # [N, words]: row i masks logits row i
+        compiler.apply_bitmask(logits, step, ints[k + n:])
         self.num_fills += k
 
     def release(self, key: Hashable) -> None:

@@ -128,7 +128,7 @@ class GrammarCompiler:
         grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Set ``logits[r, j]`` to ``-inf`` in place where bit j of ``bitmask[r]`` is 0, for each r in ``rows``
-        (``bitmask``: ``[len(logits), ceil(vocab / 32)]`` int32 on the logits' device)."""
+        (``bitmask``: ``[len(logits), ceil(vocab / 32)]`` int32, ``rows`` int32, both on the logits' device)."""
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
