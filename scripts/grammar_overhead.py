@@ -4,6 +4,12 @@ Walks one JSON-schema-constrained generation per library: every step fills the n
 a random allowed token. Reports compile time and the mean fill time per step (what a constrained row adds to
 every decode step). Usage: python scripts/grammar_overhead.py [TOKENIZER_DIR] [--steps N]
 (default tokenizer: the SmolLM2 alias in the jobrunner cache).
+
+``--rows N`` instead measures the engine's own structured-output step at N constrained rows: the sampler's
+logits processing (``Sampler._process``: fill the grammar masks, move them to the logits' device, mask) per
+step, over ``--steps`` steps where every row samples a random allowed token (rows whose grammar ends restart
+with a fresh request). It also times the bare xgrammar fills of the same rows (the inherent floor) and, where
+the sampler has them, counts the mask rows filled. ``--device cuda`` runs the logits on the GPU.
 """
 
 from __future__ import annotations
@@ -93,14 +99,65 @@ def run_outlines(tok, vocab: int, steps: int) -> dict:
     return {"compile_s": compile_s, "fill_us": per * 1e6, "steps": n}
 
 
+def run_engine_rows(tok, vocab: int, steps: int, num_rows: int, device: str) -> dict:
+    """Per-step cost of the engine's grammar masking at ``num_rows`` constrained rows (see the module doc)."""
+    from jobrunner.engine import SamplingParams
+    from jobrunner.engine.request import Request
+    from jobrunner.engine.sampler import Sampler
+    from jobrunner.engine.sampling.structured import GrammarCompiler
+
+    dev = torch.device(device)
+    compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+    params = SamplingParams(json_schema=SCHEMA, temperature=1.0)
+    factory = compiler.factory(params)
+    made = iter(range(10 ** 9))
+
+    def fresh() -> Request:
+        r = Request(f"r{next(made)}", [1, 2, 3], params, 0.0)
+        r.grammar = factory()
+        return r
+
+    sampler, rng = Sampler(dev), random.Random(0)
+    requests = [fresh() for _ in range(num_rows)]
+    floor_mask = compiler._xgr.allocate_token_bitmask(num_rows, vocab)
+    spent = floor = 0.0
+    for step in range(steps + 5):                       # the first 5 steps warm up (allocations, kernels)
+        logits = torch.randn(num_rows, vocab, device=dev)
+        t0 = time.perf_counter()
+        for i, r in enumerate(requests):
+            r.grammar.fill(floor_mask, i)
+        t1 = time.perf_counter()
+        sampler._process(logits, requests)
+        host = logits.cpu()                            # the sampler's one device->host transfer happens later
+        t2 = time.perf_counter()
+        if step >= 5:
+            floor, spent = floor + (t1 - t0), spent + (t2 - t1)
+        for i, r in enumerate(requests):
+            allowed = torch.isfinite(host[i]).nonzero().flatten().tolist()
+            r.grammar.accept(rng.choice(allowed))
+            r.output_token_ids.append(0)
+            if r.grammar.is_terminated:
+                sampler.release(r.key)
+                requests[i] = fresh()
+    masks = getattr(sampler, "grammar_masks", None)
+    return {"rows": num_rows, "device": device, "steps": steps, "mask_step_us": spent / steps * 1e6,
+            "bare_fill_us": floor / steps * 1e6,
+            "rows_filled_per_step": None if masks is None else masks.num_fills / (steps + 5)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("tokenizer", nargs="?", default=str(Path("~/.cache/jobrunner/models/smollm2-135m-instruct")
                                                          .expanduser()))
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rows", type=int, default=0, help="measure the engine's masking step at this many rows")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = len(tok)
+    if args.rows:
+        print(json.dumps(run_engine_rows(tok, vocab, args.steps, args.rows, args.device), indent=1))
+        return
     out = {"tokenizer": args.tokenizer, "vocab": vocab}
     for name, fn in (("xgrammar", run_xgrammar), ("llguidance", run_llguidance), ("outlines_core", run_outlines)):
         try:

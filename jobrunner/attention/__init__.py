@@ -3,18 +3,21 @@
 ``torch`` (:mod:`.torch_backend`): gather + ``scaled_dot_product_attention``; runs everywhere and is the
 default. ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer reading the cache in place;
 CUDA only (or Triton's interpreter), opt-in until a GPU check has passed. The model calls
-:func:`paged_attention` with whatever metadata the runner built; it never names a backend.
+:func:`paged_attention` with whatever metadata the runner built; it never names a backend. Each backend's
+fixed-shape (CUDA-graph) path sits behind :class:`StepRunner` too (:mod:`.step_runner`): the engine's model
+runner hands every step to one ``run`` and never asks which backend or path runs it.
 """
 
 from __future__ import annotations
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, paged_attention
+from jobrunner.attention.step_runner import FixedShapeLimits, StepForward, StepLists, StepRunner, make_step_runner
 from jobrunner.attention.upload import StepUpload
 
 BACKENDS = ("auto", "torch", "triton")
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "StepLayout", "StepUpload", "paged_attention",
-           "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimits", "StepForward", "StepLayout",
+           "StepLists", "StepRunner", "StepUpload", "make_backend", "make_step_runner", "paged_attention"]
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_rows: int = 256,

@@ -21,8 +21,8 @@ class EngineConfig:
     until ``scripts/gpu_check.sh`` has passed on a GPU; see docs/engine.md).
 
     ``use_cuda_graphs`` (opt-in, off by default until a GPU run has passed): on CUDA, fixed-shape steps replay
-    CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.engine.decode_graphs`; triton backend:
-    every step, :mod:`jobrunner.engine.step_graphs`); ignored on CPU. ``static_decode``: run the same
+    CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.attention.decode_graphs`; triton backend:
+    every step, :mod:`jobrunner.attention.step_graphs`); ignored on CPU. ``static_decode``: run the same
     fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
 
     Fields made with ``setting(...)`` are the job spec's ``engine:`` keys (:mod:`jobrunner.engine.settings`):

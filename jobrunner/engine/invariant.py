@@ -88,7 +88,6 @@ def tile_rows(model: nn.Module, tile: int) -> int:
 def make_deterministic(engine) -> None:
     """Switch a freshly built :class:`~jobrunner.engine.llm_engine.LLMEngine` to batch-invariant execution."""
     from jobrunner.attention.invariant_ops import INVARIANT_BACKEND
-    from jobrunner.engine.decode_graphs import DecodeGraphs
 
     runner = engine.runner
     tile = ROW_TILE.get(engine.device.type, ROW_TILE["cuda"])
@@ -99,9 +98,7 @@ def make_deterministic(engine) -> None:
         if engine.device.type == "cuda":
             raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "
                              "GEMMs take cuBLAS kernels that change with the number of rows")
-        runner.backend = INVARIANT_BACKEND
-        if isinstance(runner.graphs, DecodeGraphs):
-            runner.graphs = None  # its SDPA call is not invariant; the fixed-order path runs eagerly
+        runner.use_backend(INVARIANT_BACKEND)  # eager: the decode graphs' SDPA call is not invariant
     runner.deterministic = True
     runner.sampler.invariant = True
     engine.model_info["deterministic"] = True

@@ -1,10 +1,12 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, and samples.
 
-Per step the runner describes the scheduled rows once (:class:`~jobrunner.attention.StepLayout`), lets the
-attention backend add its arrays, and sends every integer input of the step to the device in one copy
-(:class:`~jobrunner.attention.StepUpload`, pinned and reused on CUDA). Fixed-shape paths (CUDA graphs and
-their eager twins) live in :mod:`jobrunner.engine.decode_graphs` (torch backend: decode-only steps) and
-:mod:`jobrunner.engine.step_graphs` (triton backend: every step).
+Per step the runner describes the scheduled rows once (:class:`~jobrunner.attention.StepLayout` and the flat
+:class:`~jobrunner.attention.StepLists`) and hands them to the attention backend's step runner
+(:class:`~jobrunner.attention.StepRunner`), which takes the backend's fixed-shape path (CUDA graphs, or their
+eager twin) when the step fits it and runs eagerly otherwise, with every integer input of the step sent to
+the device in one copy. The runner has one path; its one fall-back rule: a backend other than the torch
+backend that cannot start, or fails on a step, is replaced by the torch backend (its deterministic twin in
+deterministic mode) and the step is recomputed eagerly; never a crashed job.
 """
 
 from __future__ import annotations
@@ -14,9 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from jobrunner.attention import AttentionMetadata, StepLayout, StepUpload, make_backend
-from jobrunner.attention.upload import PinnedStaging
-from jobrunner.engine.decode_graphs import DecodeGraphs, DecodeRow
+from jobrunner.attention import (
+    AttentionBackend,
+    FixedShapeLimits,
+    StepForward,
+    StepLayout,
+    StepLists,
+    make_backend,
+    make_step_runner,
+)
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -35,15 +43,6 @@ class StepResult:
     speculative: dict | None = None    # Request.key -> VerifiedDraft, rows that verified drafts (speculative/)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor            # [T]
-    positions: torch.Tensor            # [T]
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor          # [num sampling rows] flat index of the token each samples from
-    sampling: list[ScheduledRequest]
-
-
 class ModelRunner:
     """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``.
 
@@ -51,9 +50,8 @@ class ModelRunner:
     backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
     ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
     fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
-    scratch block past ``num_blocks``. With the torch backend only decode-only steps take the fixed-shape
-    path (:mod:`~jobrunner.engine.decode_graphs`); with triton every step up to ``max_num_tokens`` does
-    (:mod:`~jobrunner.engine.step_graphs`).
+    scratch block past ``num_blocks``, and the backend's fixed-shape runner takes the steps it fits (torch:
+    decode-only steps; triton: every step up to ``max_num_tokens``; see :mod:`jobrunner.attention.step_runner`).
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
@@ -71,24 +69,38 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         s = model.shape
-        dtype = model.dtype
         total_blocks = num_blocks + (decode_graphs != "off")
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, s.head_dim,
-                                    dtype=dtype, device=device)
+                                    dtype=model.dtype, device=device)
         self.sampler = Sampler(device, seed)
-        self.staging = PinnedStaging() if device.type == "cuda" else None
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.backend = self._make_backend(attention_backend)
-        self.graphs = None
+        self.deterministic = False  # set by engine.invariant.make_deterministic: fall back to the invariant twin
+        limits = None
         if decode_graphs != "off":
-            self.graphs = self._make_graphs(decode_graphs, num_blocks, max_batch, max_model_len, max_num_tokens)
-            if decode_graphs == "cuda" and device.type == "cuda":
-                self.graphs.warm_up()   # every bucket captured now, before any (timed) step
+            limits = FixedShapeLimits(block_size, max_batch, max_num_tokens, max_model_len,
+                                      scratch_block=num_blocks, capture=decode_graphs == "cuda")
+        self.steps = make_step_runner(self._make_backend(attention_backend), model, self.kv_cache, limits)
+        if decode_graphs == "cuda" and device.type == "cuda":
+            self.steps.warm_up()   # every bucket captured now, before any (timed) step
 
-    def _make_backend(self, name: str):
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend every step runs through."""
+        return self.steps.backend
+
+    @property
+    def graphs(self):
+        """The backend's fixed-shape runner (None when off, or after a fall-back)."""
+        return self.steps.fixed
+
+    def use_backend(self, backend: AttentionBackend) -> None:
+        """Run every later step eagerly through ``backend`` (deterministic mode's twin, a fall-back)."""
+        self.steps = make_step_runner(backend, self.model, self.kv_cache)
+
+    def _make_backend(self, name: str) -> AttentionBackend:
         s = self.model.shape
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
@@ -98,21 +110,11 @@ class ModelRunner:
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
             return make_backend("torch", s.num_heads, s.num_kv_heads, self.block_size, self.device)
 
-    def _make_graphs(self, mode: str, num_blocks: int, max_batch: int, max_model_len: int, max_num_tokens: int):
-        if self.backend.name == "triton":
-            from jobrunner.engine.step_graphs import StepGraphs
-
-            return StepGraphs(self.model, self.kv_cache, self.backend, max_batch, max_num_tokens, max_model_len,
-                              scratch_block=num_blocks, capture=mode == "cuda", staging=self.staging)
-        return DecodeGraphs(self.model, self.kv_cache, self.block_size, max_batch, max_model_len,
-                            scratch_block=num_blocks, capture=mode == "cuda")
-
     def stats(self) -> dict:
         """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
         out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
                "attention_backend_requested": self.requested_backend}
-        if self.graphs is not None:
-            out.update(self.graphs.stats())
+        out.update(self.steps.stats())
         return out
 
     def release(self, request_key) -> None:
@@ -128,46 +130,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        hidden, sample_rows, sampling, fixed = self._forward(sched.scheduled)
+        layout, lists = self._layout(sched.scheduled)
+        step = self._forward(layout, lists)
+        sampling = [s for s in sched.scheduled if s.samples]
         verified = None
         if any(s.draft for s in sampling):  # speculative rows: score every draft position, keep what matches
-            sampled, logprobs, verified = verify_drafts(self.model, self.sampler, hidden, sample_rows, sampling)
+            sampled, logprobs, verified = verify_drafts(self.model, self.sampler, step.hidden, step.sample_rows,
+                                                        sampling)
         else:
-            sampled, logprobs = self._sample(hidden, sample_rows, sampling)
+            sampled, logprobs = self._sample(step.hidden, step.sample_rows, sampling)
         num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
-        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, fixed, verified)
+        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, step.fixed_shape, verified)
 
-    # -- the forward pass (attention metadata and fixed-shape paths; sampling stays in execute) ---------------
-
-    def _forward(self, scheduled: list[ScheduledRequest]):
-        """(hidden [T, hidden], sample_rows, sampling requests, whether a fixed-shape path ran)."""
-        if self.graphs is not None:
-            fixed = self._run_fixed_shape(scheduled)
-            if fixed is not None:
-                return (*fixed, True)
-        inputs = self._prepare(scheduled)
+    def _forward(self, layout: StepLayout, lists: StepLists) -> StepForward:
+        """The step through the backend's step runner; a failing backend gives way to the fall-back one."""
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+            return self.steps.run(layout, lists)
         except Exception as exc:
-            if self.backend.name == "torch":
+            fallback = self._fallback_backend()
+            if self.backend is fallback:
                 raise
-            # e.g. a Triton compile error: never a crashed job. Rewriting this step's K/V is harmless.
-            self._fall_back_to_torch(exc)
-            inputs = self._prepare(scheduled)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
-        return hidden, inputs.sample_rows, inputs.sampling, False
+            # e.g. a Triton compile error, or a failed graph launch: never a crashed job. Rewriting this step's
+            # K/V is harmless.
+            log.warning("attention backend %r failed (%s: %s); falling back to %s for the rest of the run",
+                        self.backend.name, type(exc).__name__, exc, fallback.name)
+            self.num_attention_fallbacks += 1
+            self.use_backend(fallback)
+            return self.steps.run(layout, lists)
 
-    def _fall_back_to_torch(self, exc: Exception) -> None:
-        log.warning("attention backend %r failed (%s: %s); falling back to torch for the rest of the run",
-                    self.backend.name, type(exc).__name__, exc)
-        self.num_attention_fallbacks += 1
-        self.backend = make_backend("torch", 1, 1, self.block_size, self.device)
-        if getattr(self, "deterministic", False):  # engine.deterministic: the fixed-order torch twin
+    def _fallback_backend(self) -> AttentionBackend:
+        """The torch backend; in deterministic mode its fixed-order twin."""
+        if self.deterministic:
             from jobrunner.attention.invariant_ops import INVARIANT_BACKEND
 
-            self.backend = INVARIANT_BACKEND
-        if self.graphs is not None and not isinstance(self.graphs, DecodeGraphs):
-            self.graphs = None  # step graphs need the triton metadata
+            return INVARIANT_BACKEND
+        return make_backend("torch", 1, 1, self.block_size, self.device)
 
     # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
 
@@ -182,40 +179,6 @@ class ModelRunner:
         sampled = {r.key: t for r, t in zip(requests, out.token_ids)}
         logprobs = {r.key: e for r, e in zip(requests, out.logprobs) if e is not None}
         return sampled, logprobs
-
-    def _run_fixed_shape(self, scheduled: list[ScheduledRequest]):
-        if isinstance(self.graphs, DecodeGraphs):
-            return self._run_decode_graphs(scheduled)
-        layout, lists = self._layout(scheduled)
-        try:
-            out = self.graphs.run(layout, *lists)
-        except Exception as exc:  # a failed replay/launch of the triton path: eager torch from now on
-            self._fall_back_to_torch(exc)
-            return None
-        if out is None:
-            return None
-        hidden, sample_rows = out
-        return hidden, sample_rows, [s for s in scheduled if s.samples]
-
-    def _run_decode_graphs(self, scheduled: list[ScheduledRequest]):
-        """A step of single-token rows through DecodeGraphs; None when it has a chunk or doesn't fit a shape."""
-        if any(s.num_new_tokens != 1 or s.draft for s in scheduled):
-            return None
-        bs = self.block_size
-        rows = []
-        for s in scheduled:
-            req, p = s.request, s.start
-            past_prompt = p - req.num_prompt_tokens
-            token = req.output_token_ids[past_prompt] if past_prompt >= 0 else req.prompt_token_ids[p]
-            table = req.block_ids
-            rows.append(DecodeRow(token, p, table[p // bs] * bs + p % bs, table[:p // bs + 1]))
-        shape = self.graphs.shape_for(rows)
-        if shape is None:
-            return None
-        hidden = self.graphs.run(rows, shape)
-        sampling = [s for s in scheduled if s.samples]
-        sample_rows = torch.tensor([i for i, s in enumerate(scheduled) if s.samples], device=self.device)
-        return hidden, sample_rows, sampling
 
     def _layout(self, scheduled: list[ScheduledRequest]):
         """The step's StepLayout and its flat lists (input ids, positions, cache slots, sampling rows)."""
@@ -246,19 +209,7 @@ class ModelRunner:
             if s.samples:
                 sample_rows.extend(range(offset + n - 1 - len(s.draft), offset + n))
         layout.num_tokens = len(input_ids)
-        return layout, (input_ids, positions, slots, sample_rows)
-
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        layout, (input_ids, positions, slots, sample_rows) = self._layout(scheduled)
-        upload = StepUpload(self.device, self.staging)
-        upload.add("input_ids", input_ids)
-        upload.add("positions", positions)
-        upload.add("slot_mapping", slots)
-        upload.add("sample_rows", sample_rows)
-        meta = self.backend.build(layout, upload)  # adds the backend's arrays, then one copy for all
-        t = upload.flush()
-        return StepInputs(t["input_ids"], t["positions"], meta, t["sample_rows"],
-                          [s for s in scheduled if s.samples])
+        return layout, StepLists(input_ids, positions, slots, sample_rows)
 
 
 def _effective_window(window: int | None, max_model_len: int) -> int | None:

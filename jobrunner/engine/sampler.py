@@ -16,6 +16,7 @@ import torch
 
 from jobrunner.engine.request import Request
 from jobrunner.engine.sampling import filters, penalties, to_device
+from jobrunner.engine.sampling.grammar_masks import DeviceGrammarMasks
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
 from jobrunner.engine.sampling.token_counts import DevicePenaltyState
@@ -33,10 +34,12 @@ class Sampler:
         self.seed = seed
         self.invariant = False  # deterministic mode: rows grouped by their own settings (see _groups)
         self.penalty_state = DevicePenaltyState(device)   # penalties' token ids/counts, on the device per sequence
+        self.grammar_masks = DeviceGrammarMasks(device)    # structured output's token masks, per sequence
 
     def release(self, key) -> None:
-        """A sequence finished: drop its penalty counts."""
+        """A sequence finished: drop its penalty counts and its grammar mask row."""
         self.penalty_state.release(key)
+        self.grammar_masks.release(key)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
@@ -66,8 +69,7 @@ class Sampler:
             self._penalize(logits, penalized, requests)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
         if constrained:
-            grammars = [requests[i].grammar for i in constrained]
-            grammars[0].compiler.apply(logits, constrained, grammars)
+            self.grammar_masks.apply(logits, constrained, [requests[i] for i in constrained])
 
     def _penalize(self, logits: torch.Tensor, penalized: list[int], requests: list[Request]) -> None:
         """Penalties from the device state, one row per sequence; a key met again in the same call (a

@@ -3,8 +3,8 @@
 import torch
 from tiny import engine_from_hf
 
+from jobrunner.attention.decode_graphs import MAX_PADDED_KEYS, DecodeGraphs, DecodeRow, _batch_buckets, _context_buckets
 from jobrunner.engine import SamplingParams
-from jobrunner.engine.decode_graphs import MAX_PADDED_KEYS, DecodeGraphs, DecodeRow, _batch_buckets, _context_buckets
 
 
 def _graphs(max_batch=64, max_model_len=4096, block_size=16) -> DecodeGraphs:
@@ -52,7 +52,7 @@ def test_static_decode_counts_fixed_shape_steps(hf_llama, tokenizer):
 
 
 def test_step_graph_token_buckets_end_at_the_step_budget():
-    from jobrunner.engine.step_graphs import _token_buckets
+    from jobrunner.attention.step_graphs import _token_buckets
 
     assert _token_buckets(2048)[-1] == 2048 and _token_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
     assert _token_buckets(1) == (1,)

@@ -4,9 +4,9 @@ logic are the real code)."""
 
 import torch
 
+from jobrunner.attention.decode_graphs import MAX_GRAPHS, MAX_PADDED_KEYS, DecodeGraphs
+from jobrunner.attention.step_graphs import StepGraphs
 from jobrunner.attention.triton_backend import TritonBackend
-from jobrunner.engine.decode_graphs import MAX_GRAPHS, MAX_PADDED_KEYS, DecodeGraphs
-from jobrunner.engine.step_graphs import StepGraphs
 
 
 class _Graph:

@@ -1,8 +1,9 @@
 """Structured output: a grammar (JSON schema, regex or a fixed choice) masks the logits every step.
 
 Backed by xgrammar (chosen by measured per-step mask cost, see docs/engine.md): the schema is compiled once per
-distinct spec (the compiler caches), each sample gets its own matcher, and every step the sampler fills one
-token bitmask row per constrained sample and applies the batch's mask in one call. The matcher only allows
+distinct spec (the compiler caches), each sample gets its own matcher, and every step the sampler refreshes
+the device mask rows of the constrained samples whose grammar moved and masks the batch's logits in one call
+(:mod:`jobrunner.engine.sampling.grammar_masks`). The matcher only allows
 EOS once the grammar is complete, so the output always ends where the grammar does.
 """
 
@@ -14,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from jobrunner.engine.sampling import to_device
 from jobrunner.engine.sampling_params import SamplingParams
 
 # Schema keywords the grammar cannot enforce (xgrammar accepts some of them silently): refused, so that every
@@ -60,12 +60,15 @@ class Grammar:
     def __init__(self, matcher, compiler: GrammarCompiler) -> None:
         self.matcher = matcher
         self.compiler = compiler  # applies the batch's masks
+        self.num_accepted = 0     # tokens accepted so far: the mask changes only when this does
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar rejects it (the mask should make that impossible)."""
         if self.matcher.is_terminated():
             return True
-        return bool(self.matcher.accept_token(token_id))
+        accepted = bool(self.matcher.accept_token(token_id))
+        self.num_accepted += accepted
+        return accepted
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -125,16 +128,7 @@ class GrammarCompiler:
         grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
-    def bitmask(self, num_rows: int) -> torch.Tensor:
-        return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-
-    def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
-        """Mask ``logits`` ``[N, vocab]`` in place: row ``rows[i]`` may only take tokens ``grammars[i]`` allows."""
-        bitmask = self.bitmask(len(rows))
-        for i, grammar in enumerate(grammars):
-            grammar.fill(bitmask, i)
-        index = to_device(rows, logits.device, torch.int64)
-        sub = logits.index_select(0, index)
-        device_mask = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(sub, device_mask, vocab_size=self.vocab_size)
-        logits.index_copy_(0, index, sub)
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Set ``logits[r, j]`` to ``-inf`` in place where bit j of ``bitmask[r]`` is 0, for each r in ``rows``
+        (``bitmask``: ``[len(logits), ceil(vocab / 32)]`` int32, ``rows`` int32, both on the logits' device)."""
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)

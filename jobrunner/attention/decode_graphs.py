@@ -18,10 +18,10 @@ cache holds one block more than the pool hands out) and attend only to it; their
 The graphs share one memory pool, up to :data:`MAX_GRAPHS` of them. :meth:`DecodeGraphs.warm_up` (called when
 the runner is built on CUDA, before any timed step) captures the shapes steps are most likely to need; any
 other (``B``, ``N``) a step needs is captured on first use. Steps that don't fit (a prefill chunk in the
-batch, too many rows, too much padding) run eagerly through the grouped path of
-:mod:`jobrunner.engine.model_runner`. With ``capture=False`` the same fixed-shape forward runs eagerly; the
-tests use that on CPU to check padding, masking and the scratch block against the grouped path, token for
-token.
+batch, too many rows, too much padding) run eagerly through the torch backend's grouped path (the
+backend's :class:`~jobrunner.attention.step_runner.StepRunner` decides). With ``capture=False`` the same
+fixed-shape forward runs eagerly; the tests use that on CPU to check padding, masking and the scratch block
+against the grouped path, token for token.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from jobrunner.attention.base import StepLayout
+from jobrunner.attention.graph_capture import capture_graph
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
-from jobrunner.engine.graph_capture import capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,23 @@ class DecodeGraphs:
         if self.capture and (batch, blocks) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
         return batch, blocks
+
+    def run_step(self, layout: StepLayout, lists) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden ``[rows, hidden]``, sample_rows on the device) of a decode-only step that fits a shape, or None
+        (a prompt chunk or draft tokens in the step, or no shape: see :meth:`shape_for`) to run it eagerly.
+
+        ``lists``: the step's :class:`~jobrunner.attention.step_runner.StepLists`.
+        """
+        if layout.max_query_len != 1:
+            return None
+        bs = self.block_size
+        rows = [DecodeRow(token, p, slot, table[:p // bs + 1]) for token, p, slot, table
+                in zip(lists.input_ids, lists.positions, lists.slots, layout.block_tables)]
+        shape = self.shape_for(rows)
+        if shape is None:
+            return None
+        hidden = self.run(rows, shape)
+        return hidden, torch.tensor(lists.sample_rows, dtype=torch.long, device=self.device)
 
     def run(self, rows: list[DecodeRow], shape: tuple[int, int]) -> torch.Tensor:
         """Hidden states ``[len(rows), hidden]`` of one decode step padded to ``shape`` (see :meth:`shape_for`)."""

@@ -33,9 +33,9 @@ import time
 import torch
 
 from jobrunner.attention.base import StepLayout
+from jobrunner.attention.graph_capture import capture_graph
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
-from jobrunner.engine.graph_capture import capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,11 @@ class StepGraphs:
         self.warmup_s = time.perf_counter() - start
         return len(self.graphs)
 
-    def run(self, layout, input_ids: list[int], positions: list[int], slots: list[int], sample_rows: list[int]):
-        """(hidden ``[T, hidden]``, sample_rows on the device), or None when the step should run eagerly."""
+    def run_step(self, layout: StepLayout, lists) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden ``[T, hidden]``, sample_rows on the device), or None when the step should run eagerly.
+
+        ``lists``: the step's :class:`~jobrunner.attention.step_runner.StepLists`.
+        """
         num_tokens, num_rows = layout.num_tokens, layout.num_rows
         i = bisect.bisect_left(self.token_buckets, num_tokens)
         if i == len(self.token_buckets) or num_rows > self.max_rows or num_tokens == 0:
@@ -114,7 +117,8 @@ class StepGraphs:
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
         rows = min(self.max_rows, bucket)
-        meta, t = self._fill(layout, (input_ids, positions, slots, sample_rows), bucket, rows, block_m)
+        meta, t = self._fill(layout, (lists.input_ids, lists.positions, lists.slots, lists.sample_rows), bucket,
+                             rows, block_m)
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(t, meta)[:num_tokens], t["sample_rows"]
