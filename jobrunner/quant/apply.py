@@ -32,10 +32,9 @@ QUANTIZED_LINEARS = (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear, W8A8
 # kernels run both at the same speed); int4 bytes stay at 0.31x of bf16. 128 does not divide K = 576.
 DEFAULT_GROUP_SIZE = 32
 # w8a8 keeps these layers int8 weight-only: the input of down_proj (SiLU(gate) * up) has outlier channels that a
-# per-token int8 scale flattens. SmolLM2-135M, 4 held-out texts, bf16: perplexity +8.8% with every layer W8A8,
-# -0.5% with down_proj weight-only (qkv / o / gate_up / lm_head each cost 1-7% less when left out).
+# per-token int8 scale flattens ... unless its input smoothing was folded into gate_up_proj (quant/smooth.py),
+# which marks the layer SMOOTHED (every MLP whose gate_up_proj is W8A8 too; docs/quantization.md)
 W8A8_WEIGHT_ONLY = ("*.down_proj",)
-# ... unless its input smoothing is folded into gate_up_proj (quant/smooth.py), which marks the layer so
 SMOOTH_DOWN_PROJ = True
 SMOOTHED = "w8a8_smoothed"
 
@@ -87,7 +86,9 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         report.linear_bytes_after += report.layers[-1].bytes_after
     if scheme != "none" and quantize_embeddings:
         _quantize_embeddings(model, tied, tuple(p for p, s in rules.items() if s == "none"), report)
-    report.model_bytes_after = _model_bytes(model)[1]
+    # plus the kernels' own weight copies that are not buffers (oneDNN's prepacked W8A8 weights)
+    report.model_bytes_after = _model_bytes(model)[1] + sum(
+        m.kernel_bytes() for m in model.modules() if isinstance(m, W8A8Linear))
     report.scratch_bytes = scratch.nbytes()
     return report
 

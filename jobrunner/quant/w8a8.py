@@ -13,6 +13,9 @@ Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_fo
   (``u8 = q + 128``, exact) and applies the per-channel weight scales; its float32 output is then multiplied
   by the row scales. Used on capabilities with int8 dot-product hardware only: without VNNI oneDNN goes
   through ``vpmaddubsw``, whose int16 pair sums can saturate.
+  The row quantization before it and the row scaling after it (float32 -> the activation dtype) are one C
+  pass each (:mod:`jobrunner.quant.w8a8_native`, the same numbers as the torch ops, which run where no C
+  compiler is found): with ~10 torch ops they cost more than the GEMM for the small layers at 64 tokens.
 * ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
   without VNNI); the reference the tests compare the fast kernel with.
 
