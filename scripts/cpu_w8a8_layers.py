@@ -43,7 +43,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from jobrunner.quant.dispatch import dispatch_for
     from jobrunner.quant.int8 import Int8WeightOnlyLinear
-    from jobrunner.quant.w8a8 import ZERO_POINT, W8A8Linear, quantize_rows_u8
+    from jobrunner.quant.w8a8 import W8A8Linear
     from jobrunner.quant.w8a8_native import w8a8_native
 
     torch.manual_seed(0)
@@ -51,21 +51,27 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         lins = [torch.nn.Linear(k, n, bias=False) for _ in range(2 if name == "lm_head" else args.layers)]
         x = (torch.randn(args.rows, k) * 0.5).bfloat16()
-        bf16 = [lin.weight.detach().bfloat16() for lin in lins]
-        w8a8 = [W8A8Linear.from_linear(lin, "onednn") for lin in lins]
-        int8 = [Int8WeightOnlyLinear.from_linear(lin.bfloat16(), dispatch) for lin in lins]
-        u8, _ = quantize_rows_u8(x)
-        row = {
-            "bf16": best_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]),
-            "w8a8": best_us([lambda m=m: m(x) for m in w8a8]),
-            "gemm_only": best_us([lambda m=m: torch.ops.onednn.qlinear_pointwise(
-                u8, 1.0, ZERO_POINT, m._packed, m.scales, m._zero_points, None, 1.0, 0, torch.float32, "none", [],
-                "") for m in w8a8]),
-            "quant_torch": best_us([lambda: quantize_rows_u8(x)]),
-            "quant_c": best_us([lambda: native.quantize(x)]) if native is not None else float("nan"),
-            "int8_weight_only": best_us([lambda m=m: m(x) for m in int8]),
-        }
+        row = _row(lins, x, native, Int8WeightOnlyLinear, W8A8Linear, dispatch)
         print(f"M={args.rows} {name:8s} " + " ".join(f"{key} {value:.0f}" for key, value in row.items()), flush=True)
+
+
+def _row(lins: list[torch.nn.Linear], x: torch.Tensor, native, int8_cls, w8a8_cls, dispatch) -> dict[str, float]:
+    from jobrunner.quant.w8a8 import ZERO_POINT, quantize_rows_u8
+
+    bf16 = [lin.weight.detach().bfloat16() for lin in lins]
+    w8a8 = [w8a8_cls.from_linear(lin, "onednn") for lin in lins]
+    int8 = [int8_cls.from_linear(lin.bfloat16(), dispatch) for lin in lins]
+    u8, _ = quantize_rows_u8(x)
+    return {
+        "bf16": best_us([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]),
+        "w8a8": best_us([lambda m=m: m(x) for m in w8a8]),
+        "gemm_only": best_us([lambda m=m: torch.ops.onednn.qlinear_pointwise(
+            u8, 1.0, ZERO_POINT, m._packed, m.scales, m._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+            for m in w8a8]),
+        "quant_torch": best_us([lambda: quantize_rows_u8(x)]),
+        "quant_c": best_us([lambda: native.quantize(x)]) if native is not None else float("nan"),
+        "int8_weight_only": best_us([lambda m=m: m(x) for m in int8]),
+    }
 
 
 if __name__ == "__main__":
