@@ -13,12 +13,10 @@ channel's activation range; ``s`` is normalised to geometric mean 1. ``a_j`` is 
 for an RMS-normalised input scaled by the norm's weight ``gamma``, so ``a_j ~`` their product. Measured on
 SmolLM2-135M, 20 held-out texts (docs/quantization.md): w8a8 perplexity +1.94% vs float32 with ``alpha = 0.75``
 (+3.33% with ``down_proj`` W8A8 unsmoothed, +2.32% with it weight-only; alpha 0.5 / 0.9: +3.18% / +3.79%);
-calibrated ranges (:func:`down_input_ranges`, the max over 10 other texts) did not help.
+calibrated ranges (the max of each channel over 10 other texts) did not help.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -55,24 +53,6 @@ def estimated_ranges(mlp: torch.nn.Module, gamma: torch.Tensor | None) -> torch.
         w = w * gamma.float()[None, :]
     norms = w.norm(dim=1)
     return norms[:inter] * norms[inter:]
-
-
-@torch.no_grad()
-def down_input_ranges(model: torch.nn.Module, run: Callable[[torch.nn.Module], None]) -> dict[str, torch.Tensor]:
-    """max |input| per channel of every ``down_proj`` while ``run(model)`` runs (float32 [in_features])."""
-    ranges: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, mlp in mlp_pairs(model):
-        def hook(_m: torch.nn.Module, args: tuple, key: str = name) -> None:
-            amax = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
-            ranges[key] = torch.maximum(ranges[key], amax) if key in ranges else amax
-        handles.append(mlp.down_proj.register_forward_pre_hook(hook))
-    try:
-        run(model)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return ranges
 
 
 def smoothing_factors(act_range: torch.Tensor, down_weight: torch.Tensor, alpha: float = DEFAULT_ALPHA
