@@ -22,6 +22,7 @@ from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int8 import Int8WeightOnlyLinear
 from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_shape_problem
 from jobrunner.quant.report import LayerQuant, QuantReport
+from jobrunner.quant.smooth import mlp_pairs, smooth_mlps
 from jobrunner.quant.tiled import DequantBuffer
 from jobrunner.quant.w8a8 import W8A8Linear
 
@@ -31,9 +32,11 @@ QUANTIZED_LINEARS = (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear, W8A8
 # kernels run both at the same speed); int4 bytes stay at 0.31x of bf16. 128 does not divide K = 576.
 DEFAULT_GROUP_SIZE = 32
 # w8a8 keeps these layers int8 weight-only: the input of down_proj (SiLU(gate) * up) has outlier channels that a
-# per-token int8 scale flattens. SmolLM2-135M, 4 held-out texts, bf16: perplexity +8.8% with every layer W8A8,
-# -0.5% with down_proj weight-only (qkv / o / gate_up / lm_head each cost 1-7% less when left out).
+# per-token int8 scale flattens ... unless its input smoothing was folded into gate_up_proj (quant/smooth.py),
+# which marks the layer SMOOTHED (every MLP whose gate_up_proj is W8A8 too; docs/quantization.md)
 W8A8_WEIGHT_ONLY = ("*.down_proj",)
+SMOOTH_DOWN_PROJ = True
+SMOOTHED = "w8a8_smoothed"
 
 
 def check_scheme(scheme: str) -> str:
@@ -73,6 +76,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         report.dispatch = dispatch.to_dict()
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     tied = _tied_embeddings(model)
+    _smooth_for_w8a8(model, scheme, dispatch, rules, report)
     for name, linear in _linears(model):
         layer_scheme = next((s for p, s in rules.items() if _matches(name, p)), scheme)
         layer_scheme = "none" if scheme == "none" else layer_scheme
@@ -82,7 +86,9 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         report.linear_bytes_after += report.layers[-1].bytes_after
     if scheme != "none" and quantize_embeddings:
         _quantize_embeddings(model, tied, tuple(p for p, s in rules.items() if s == "none"), report)
-    report.model_bytes_after = _model_bytes(model)[1]
+    # plus the kernels' own weight copies that are not buffers (oneDNN's prepacked W8A8 weights)
+    report.model_bytes_after = _model_bytes(model)[1] + sum(
+        m.kernel_bytes() for m in model.modules() if isinstance(m, W8A8Linear))
     report.scratch_bytes = scratch.nbytes()
     return report
 
@@ -138,7 +144,7 @@ def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entr
                      kernels: tuple[QuantDispatch | None, DequantBuffer]) -> torch.nn.Module:
     if scheme == "w8a8":
         kernel, problem = _w8a8_kernel(linear, kernels[0])
-        if problem is None and _is_skipped(entry.name, W8A8_WEIGHT_ONLY):
+        if problem is None and _is_skipped(entry.name, W8A8_WEIGHT_ONLY) and not getattr(linear, SMOOTHED, False):
             problem = "w8a8 keeps this layer's activations in float (outlier channels, see W8A8_WEIGHT_ONLY)"
         if problem is None:
             entry.scheme = "w8a8"
@@ -161,6 +167,23 @@ def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entr
         entry.fallback_reason = f"int4 kernel cannot take this shape ({problem}); used int8"
     entry.scheme = "int8"
     return Int8WeightOnlyLinear.from_linear(linear, *kernels)
+
+
+def _smooth_for_w8a8(model: torch.nn.Module, scheme: str, dispatch: QuantDispatch | None,
+                     rules: Mapping[str, str], report: QuantReport) -> None:
+    """Fold input smoothing into every MLP whose gate_up and down both become W8A8 (quant/smooth.py); their
+    ``down_proj`` is then W8A8 too (marked ``SMOOTHED``) instead of int8 weight-only."""
+    if scheme != "w8a8" or dispatch is None or dispatch.w8a8_kernel is None or not SMOOTH_DOWN_PROJ:
+        return
+    names = {n for n, _ in mlp_pairs(model) if all(
+        next((s for p, s in rules.items() if _matches(f"{n}.{c}", p)), scheme) == "w8a8"
+        for c in ("gate_up_proj", "down_proj"))}
+    done = smooth_mlps(model, names)
+    for name in done:
+        setattr(model.get_submodule(f"{name}.down_proj"), SMOOTHED, True)
+    if done:
+        report.notes.append(f"{len(done)} MLPs: down_proj input smoothing folded into gate_up_proj "
+                            "(data-free, see quant/smooth.py); their down_proj runs W8A8")
 
 
 def _w8a8_kernel(linear: torch.nn.Linear, dispatch: QuantDispatch | None) -> tuple[str, str | None]:

@@ -13,6 +13,9 @@ Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_fo
   (``u8 = q + 128``, exact) and applies the per-channel weight scales; its float32 output is then multiplied
   by the row scales. Used on capabilities with int8 dot-product hardware only: without VNNI oneDNN goes
   through ``vpmaddubsw``, whose int16 pair sums can saturate.
+  The row quantization before it and the row scaling after it (float32 -> the activation dtype) are one C
+  pass each (:mod:`jobrunner.quant.w8a8_native`, the same numbers as the torch ops, which run where no C
+  compiler is found): with ~10 torch ops they cost more than the GEMM for the small layers at 64 tokens.
 * ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
   without VNNI); the reference the tests compare the fast kernel with.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from jobrunner.quant.int8 import dequantize_int8, quantize_int8_per_channel
+from jobrunner.quant.w8a8_native import w8a8_native
 
 W8A8_KERNELS = ("onednn", "int_mm")
 ZERO_POINT = 128  # u8 codes = int8 codes + 128 (oneDNN's fast int8 path takes u8 activations)
@@ -40,6 +44,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = xf.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+@torch.no_grad()
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows`'s codes plus 128 as uint8 [M, K] (oneDNN's fast input) and its scales [M, 1]."""
+    q, scale = quantize_rows(x)
+    return q.view(torch.uint8).add_(ZERO_POINT), scale  # two's complement + 128 (mod 256) == q + 128
 
 
 def w8a8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -69,6 +80,8 @@ class W8A8Linear(torch.nn.Module):
         self.weight_only_tokens = weight_only_tokens
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # exact: scales are bf16 values
         self._packed = torch.ops.onednn.qlinear_prepack(weight_int8, None) if kernel == "onednn" else None
+        # one C pass each for the row quantization and the output scaling (None: torch ops)
+        self._native = w8a8_native() if kernel == "onednn" else None
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self._weight_t = weight_int8.t().contiguous() if kernel == "int_mm" else None
 
@@ -92,11 +105,11 @@ class W8A8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _onednn(self, x2: torch.Tensor) -> torch.Tensor:
-        q, sx = quantize_rows(x2)
-        u8 = q.view(torch.uint8).add_(ZERO_POINT)  # two's complement + 128 (mod 256) == q + 128
+        native = self._native if self._native is not None and self._native.takes(x2) else None
+        u8, sx = native.quantize(x2) if native is not None else quantize_rows_u8(x2)
         y = torch.ops.onednn.qlinear_pointwise(u8, 1.0, ZERO_POINT, self._packed, self.scales, self._zero_points,
                                                None, 1.0, 0, torch.float32, "none", [], "")
-        return y.mul_(sx)
+        return native.rowscale(y, sx, x2.dtype) if native is not None else y.mul_(sx)
 
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         q, sx = quantize_rows(x2)
@@ -107,13 +120,14 @@ class W8A8Linear(torch.nn.Module):
         return dequantize_int8(self.weight_int8, self.scales, dtype)
 
     def weight_bytes(self) -> int:
-        """Bytes of the int8 weight and its scales (bias not included; the kernel's prepacked copy is
-        :meth:`kernel_bytes`)."""
-        return self.weight_int8.numel() + self.scales.numel() * 4
+        """Bytes this layer holds for its weight: the int8 weight (read by the 1-token kernel, the report and a
+        tied embedding), the kernel's own copy (:meth:`kernel_bytes`) and the scales (bias not included)."""
+        return self.weight_int8.numel() + self.kernel_bytes() + self.scales.numel() * 4
 
     def kernel_bytes(self) -> int:
         """Bytes of the kernel's own copy of the weight (oneDNN's blocked layout; ``_int_mm``'s transpose)."""
-        return self.weight_int8.numel()
+        copy = self._packed if self._packed is not None else self._weight_t
+        return copy.numel() * copy.element_size()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "

@@ -1,0 +1,142 @@
+"""W8A8's per-call activation work in one C loop each (built like :mod:`jobrunner.quant.native`).
+
+Around oneDNN's int8 GEMM a W8A8 call quantizes its input rows and scales its output rows. With torch ops
+that is ~10 small ops per call (cast, abs, amax, divide, round, add, cast; multiply, cast), each with its own
+pass and OpenMP start; at 64 tokens on a 2-core Zen 4 they cost more than the GEMM itself for ``qkv_proj`` and
+``o_proj`` (GEMM 111 / 86 µs, whole layer 316 / 297 µs). Here each is one pass:
+
+* ``quantize``: per row, ``s = max|x| / 127`` (1 for a zero row; the max is taken on the bits, which vectorizes)
+  and ``u8 = rint(x / s) + 128`` — the same float32 division and round-half-even as
+  :func:`jobrunner.quant.w8a8.quantize_rows`, so the codes are identical (tested);
+* ``rowscale``: ``out = y * s_m`` from the kernel's float32 output, written as bfloat16 (round to nearest
+  even, as torch's cast) or in place as float32 — the same numbers as ``y.mul_(s).to(dtype)``.
+
+No compiler or ``JOBRUNNER_QUANT_NATIVE=0``: :func:`w8a8_native` returns ``None`` and the torch ops run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from jobrunner.quant.native import NATIVE_ENV, _cpu_id, march_flag
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+static inline float bf16_f32(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+static inline uint16_t f32_bf16(float x) {
+  union { float f; uint32_t u; } v = {x};
+  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float bits_f32(uint32_t u) { union { uint32_t u; float f; } v = {u}; return v.f; }
+/* |x| of a finite float orders like its bits with the sign cleared: an integer max, which vectorizes */
+void jr_w8a8_quant_bf16(const uint16_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * K >= 262144)")
+  for (int64_t m = 0; m < M; m++) {
+    const uint16_t* r = x + m * K;
+    uint16_t top = 0;
+    for (int64_t k = 0; k < K; k++) { uint16_t a = r[k] & 0x7fffu; top = a > top ? a : top; }
+    float amax = bf16_f32(top), s = amax > 0.f ? amax / 127.f : 1.f;
+    scale[m] = s;
+    uint8_t* o = q + m * K;
+    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bf16_f32(r[k]) / s) + 128);
+  }
+}
+void jr_w8a8_quant_f32(const uint32_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * K >= 262144)")
+  for (int64_t m = 0; m < M; m++) {
+    const uint32_t* r = x + m * K;
+    uint32_t top = 0;
+    for (int64_t k = 0; k < K; k++) { uint32_t a = r[k] & 0x7fffffffu; top = a > top ? a : top; }
+    float amax = bits_f32(top), s = amax > 0.f ? amax / 127.f : 1.f;
+    scale[m] = s;
+    uint8_t* o = q + m * K;
+    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bits_f32(r[k]) / s) + 128);
+  }
+}
+void jr_w8a8_rowscale_bf16(const float* y, const float* s, uint16_t* out, int64_t M, int64_t N, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) out[m * N + n] = f32_bf16(y[m * N + n] * s[m]);
+}
+void jr_w8a8_rowscale_f32(float* y, const float* s, int64_t M, int64_t N, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) y[m * N + n] *= s[m];
+}
+"""
+
+
+class W8A8Native:
+    """The compiled ``quantize`` / ``rowscale`` pair (see the module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._quant = {torch.bfloat16: lib.jr_w8a8_quant_bf16, torch.float32: lib.jr_w8a8_quant_f32}
+        self._scale_bf16, self._scale_f32 = lib.jr_w8a8_rowscale_bf16, lib.jr_w8a8_rowscale_f32
+        for fn in (*self._quant.values(), self._scale_bf16):
+            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self._scale_f32.restype, self._scale_f32.argtypes = None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``quantize`` takes ``x`` (a contiguous 2-D CPU float32 / bfloat16 tensor)."""
+        return x.dtype in self._quant and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u8 codes [M, K] (int8 code + 128) and float32 row scales [M, 1] of ``x`` [M, K]."""
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.uint8)
+        scale = torch.empty(m, 1, dtype=torch.float32)
+        self._quant[x.dtype](x.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, torch.get_num_threads())
+        return q, scale
+
+    def rowscale(self, y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(y * scale).to(dtype)`` for a contiguous float32 ``y`` [M, N] (in place when ``dtype`` is float32)."""
+        m, n = y.shape
+        if dtype == torch.float32:
+            self._scale_f32(y.data_ptr(), scale.data_ptr(), m, n, torch.get_num_threads())
+            return y
+        if dtype != torch.bfloat16:
+            return y.mul_(scale).to(dtype)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        self._scale_bf16(y.data_ptr(), scale.data_ptr(), out.data_ptr(), m, n, torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def w8a8_native() -> W8A8Native | None:
+    """The compiled W8A8 activation loops, or ``None`` (native code off, or no compiler here)."""
+    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+        return None
+    try:
+        return W8A8Native(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        warnings.warn(f"jobrunner.quant: native W8A8 loops unavailable ({exc}); using torch ops", stacklevel=2)
+        return None
+
+
+def _build() -> Path:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler on PATH")
+    flags = ["-O3", march_flag(), "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"w8a8_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "w8a8.c", Path(tmp) / "w8a8.so"
+        src.write_text(_SOURCE, encoding="utf-8")
+        subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+        os.replace(lib, target)  # atomic: concurrent workers build the same file
+    return target
