@@ -1,21 +1,27 @@
-"""Prefix-aware vs plain sharding on a few-shot workload, over 1, 2 and 4 workers (issue 18, item 1).
+"""Prefix-aware vs plain sharding on few-shot workloads, over 1, 2 and 4 workers (issue 18, item 1).
 
-The workload: GSM8K test questions behind the 8 chain-of-thought exemplars of lm-evaluation-harness
-(`../shared/data/gsm8k_test_8shot_cot.prompts.jsonl`), the exemplars rotated to make `--prefixes` distinct
-few-shot prefixes (rotation k starts with exemplar k), row i behind prefix i % prefixes, the rows shuffled so
-rows sharing a prefix are not contiguous. Each configuration is one `run_job` on a fresh local Ray with the
-real SmolLM2-135M engine (`--max-tokens` output tokens, EOS ignored), `input.prefix_grouping` auto (prefix-aware)
-or off (plain row-range shards, rows admitted in input order).
+Two workloads. `rotated` (few prefixes): GSM8K test questions behind the 8 chain-of-thought exemplars of
+lm-evaluation-harness (`../shared/data/gsm8k_test_8shot_cot.prompts.jsonl`), the exemplars rotated to make
+`--prefixes` distinct few-shot prefixes (rotation k starts with exemplar k), row i behind prefix
+i % prefixes. `sampled` (many prefixes): `--prefixes` distinct sets of `--shots` worked GSM8K test problems
+(`../shared/data/gsm8k_test.jsonl`, held-out items 1000..), `--rows-per-prefix LO HI` questions behind each.
+The rows are shuffled so rows sharing a prefix are not contiguous. Each configuration is one `run_job` on a
+fresh local Ray with the real SmolLM2-135M engine (`--max-tokens` output tokens, EOS ignored, the engine's
+default KV cache unless `--kv-mib`), `input.prefix_grouping` auto (prefix-aware) or off (plain row-range
+shards, rows admitted in input order).
 
 Printed per run: the prefix-cache hit rate, the job's own ideal (manifest `prefix_cache`) and the exact ideal
 computed here over the whole job (every prompt tokenized, every distinct full-block chain counted once:
 block_size x sum over chains of (prompts holding it - 1)), hits as a share of the exact ideal, computed prompt
-tokens (prompt - cached), and total tokens/s (prompt + output tokens) over the processing span (first row
-admitted to last row finished, from the rows' own timestamps: worker start-up and model load left out) and
-over the job's wall time. Not a test: numbers mean something only on a quiet machine (wrap in
-`/work/wt/cpu-run --exclusive` on the shared one).
+tokens (prompt - cached), each worker's busy time (its first row admitted to its last row finished), and
+total tokens/s (prompt + output tokens) over the processing span (first row admitted to last row finished
+on any worker, from the rows' own timestamps: worker start-up and model load left out) and over the job's
+wall time. Not a test: numbers mean something only on a quiet machine (wrap in
+`/work/wt/cpu-run --exclusive` on the shared one). scripts/prefix_replay.py gives the computed tokens
+without a model, in seconds.
 
-    PYTHONPATH=. .venv/bin/python scripts/prefix_bench.py --rows 128 --prefixes 8 --workers 1 2 4
+    PYTHONPATH=. .venv/bin/python scripts/prefix_bench.py --rows 128 --prefixes 16 --workers 1 2 4
+    PYTHONPATH=. .venv/bin/python scripts/prefix_bench.py --workload sampled --prefixes 96 --workers 2
 """
 
 from __future__ import annotations
