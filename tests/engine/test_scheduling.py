@@ -48,6 +48,30 @@ def test_prefix_cache_hits_are_counted(hf_llama, tokenizer):
     assert engine.stats().num_cached_tokens > 0
 
 
+def test_rows_of_a_new_prefix_admitted_in_one_step_compute_it_once(reference, hf_llama, tokenizer):
+    # the 5 rows sharing SHARED (uncached) enter in the same first step: the first row computes the prefix, the
+    # others find its blocks (registered when allocated; the step writes KV before attending) and compute only
+    # their own tails, and the greedy outputs are still those of one row at a time without caching
+    engine = engine_from_hf(hf_llama, tokenizer, block_size=4, max_num_seqs=8, max_num_batched_tokens=4096)
+    first_step = []
+    real_schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = real_schedule()
+        if not first_step:
+            first_step.append([s.request.request_id for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    outputs = run_checked(engine, _prompts(), GREEDY)
+    assert {k: v.output_token_ids for k, v in outputs.items()} == reference
+    assert first_step[0] == [f"r{i}" for i in range(8)]  # all admitted together
+    shared = (len(tokenizer(SHARED)["input_ids"]) // 4 - 1) * 4  # whole blocks of the shared prefix
+    assert outputs["r0"].metrics.num_cached_tokens == 0
+    assert all(outputs[f"r{i}"].metrics.num_cached_tokens >= shared for i in range(1, 5))
+    assert engine.stats().num_cached_tokens >= 4 * shared
+
+
 def test_forced_preemption_gives_same_outputs(reference, hf_llama, tokenizer):
     # 40 blocks of 4 = 160 slots: the longest request fits alone, the batch does not, so requests are
     # preempted and recomputed
