@@ -191,10 +191,16 @@ def test_acceptance_splits_first_and_later_draft_tokens():
 
 def test_step_cost_is_fitted_near_the_step_size():
     # weight-bound up to 8 tokens (10 ms a step), then 1 ms per token: nearly free drafts at batch 1, none at 64
+    def seconds(x: int) -> float:
+        return 0.010 + 0.00001 * x if x <= 8 else 0.001 * x + 0.002
+
     cost = StepCost(16.0)
-    for x in (1, 2, 3, 4, 5) * 4 + (32, 40, 48, 56, 64) * 4:
-        cost.observe(x, 0.010 + 0.00001 * x if x <= 8 else 0.001 * x + 0.002)
-    assert cost.fixed_tokens(1) > 100 and cost.fixed_tokens(64) < 4
+    for x in (1, 2, 3, 4, 5) * 4:
+        cost.observe(x, seconds(x))
+    assert cost.fixed_tokens(1) > 100  # a batch-1 engine: drafts nearly free
+    for x in (32, 40, 48, 56, 64) * 4:
+        cost.observe(x, seconds(x))
+    assert cost.fixed_tokens(64) < 4 < cost.fixed_tokens(1) == cost.fixed_tokens()  # capped by the overall fit
     assert StepCost(16.0).fixed_tokens(8) == 16.0  # the prior until steps of several sizes are seen
 
 

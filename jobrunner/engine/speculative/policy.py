@@ -69,7 +69,8 @@ class StepCost:
 
     A CPU or GPU step is weight-bound at a few rows (extra tokens are nearly free) and compute-bound at many
     (each costs about as much as a row), so one line over all sizes is wrong at both ends: ``fixed_tokens(x)``
-    fits ``c0 + c1 * tokens`` over the latest steps of ``x / 2 .. 2 x`` tokens only.
+    fits ``c0 + c1 * tokens`` over the latest steps of ``x / 2 .. 2 x`` tokens only, capped by the fit over all
+    sizes (the two must agree that drafts are cheap: a step time is noisy on a shared machine).
     """
 
     def __init__(self, prior_fixed_tokens: float, window: int = 512) -> None:
@@ -80,10 +81,14 @@ class StepCost:
         self.points.append((num_tokens, seconds))
 
     def fixed_tokens(self, num_tokens: int | None = None) -> float:
-        """``c0 / c1`` near ``num_tokens`` (all sizes when None): the prior until those steps span enough sizes."""
-        pts = list(self.points)
-        if num_tokens is not None:
-            pts = [p for p in pts if num_tokens / 2 <= p[0] <= 2 * num_tokens + 1]
+        """``c0 / c1`` near ``num_tokens``, at most the fit over all sizes (a few noisy steps near one size must
+        not make drafts look free at full batch); the prior until the steps span enough sizes."""
+        overall = self._fit(list(self.points))
+        if num_tokens is None:
+            return overall
+        return min(overall, self._fit([p for p in self.points if num_tokens / 2 <= p[0] <= 2 * num_tokens + 1]))
+
+    def _fit(self, pts: list[tuple[int, float]]) -> float:
         if len(pts) < 8:
             return self.prior
         xs = [p[0] for p in pts]
