@@ -163,6 +163,12 @@ class EngineSpec(_EngineFields):
         default_factory=dict, description="Keyword arguments passed to the custom factory."
     )
 
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: ``engine.speculative: off`` means the mode ``off``."""
+        return "off" if value is False else value
+
     @field_validator("factory")
     @classmethod
     def _factory_form(cls, value: str | None) -> str | None:

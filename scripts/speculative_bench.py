@@ -7,18 +7,21 @@ in a drain tail):
 - `chat`: open MT-Bench and ShareGPT questions (little to copy).
 
 For each workload and batch size B (B rows, max_num_seqs = B) the same prompts run with `speculative` off, ngram
-and auto, on one loaded model (one engine per setting over the same weights). Printed: one JSON line per run and
-a table: output tok/s, speed-up vs off, drafted / accepted tokens, acceptance rate, steps, greedy rows identical
-to off.
+and auto, on one loaded model (one engine per setting over the same weights). With `--repeats R` the modes run
+R times interleaved (off, ngram, auto, off, ngram, auto, ...), each run's speed-up taken against the `off` run
+just before it, and the table shows the median over the repeats (a shared machine drifts by 10-30% over a
+minute: back-to-back pairs and a median are what stand up). Printed: one JSON line per run and a table: output
+tok/s, speed-up vs off, drafted / accepted tokens, acceptance rate, steps, greedy rows identical to off.
 
 Usage: python scripts/speculative_bench.py [--model smollm2-135m-instruct] [--batches 1,8,64] [--max-tokens 128]
-       [--modes off,ngram,auto] [--workloads copy,chat] [--dtype auto]
+       [--modes off,ngram,auto] [--workloads copy,chat] [--dtype auto] [--repeats 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -68,21 +71,30 @@ def run_one(base: LLMEngine, mode: str, batch: int, prompts: list[str], max_toke
     engine.generate(messages[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, untimed
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     before = engine.stats().to_dict()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(messages, params)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = engine.stats().to_dict()
     drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     out_tokens = sum(len(o.output_token_ids) for o in outs)
     result = {"mode": mode, "batch": batch, "rows": len(prompts), "output_tokens": out_tokens,
-              "wall_s": round(wall, 3), "output_tok_s": round(out_tokens / wall, 2),
+              "wall_s": round(wall, 3), "output_tok_s": round(out_tokens / wall, 2), "cpu_s": round(cpu, 3),
               "steps": after["steps"] - before["steps"], "drafted": drafted, "accepted": accepted,
               "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
               "speculative_rows": after["num_speculative_rows"] - before["num_speculative_rows"]}
     if engine.speculator is not None:
         result["policy"] = engine.speculator.stats()
     return result, [o.output_token_ids for o in outs]
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One table row for a mode's repeats: medians of the rates, the first run's counts."""
+    row = dict(runs[0])
+    for key in ("output_tok_s", "speedup"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["speedups"] = [r["speedup"] for r in runs]
+    return row
 
 
 def main() -> None:
@@ -94,29 +106,35 @@ def main() -> None:
     ap.add_argument("--workloads", default="copy,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rows-at-batch-1", type=int, default=2, help="rows run at batch 1 (one after the other)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions; the table shows medians")
     args = ap.parse_args()
     base = LLMEngine.from_source(args.model, dtype=args.dtype, config=EngineConfig(device="cpu"))
     print(json.dumps({"model": args.model, "dtype": str(base.model.dtype)}), flush=True)
+    run_one(base, "off", 8, chat_prompts(8), 16)  # untimed: the first run of a process pays page faults
     table = []
     for workload in args.workloads.split(","):
         make = copy_prompts if workload == "copy" else chat_prompts
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = make(max(batch, args.rows_at_batch_1 if batch == 1 else batch))
-            reference = None
-            for mode in args.modes.split(","):
-                result, tokens = run_one(base, mode, batch, prompts, args.max_tokens)
-                if reference is None:
-                    reference, off_tok_s = tokens, result["output_tok_s"]
-                result.update(workload=workload, identical_rows=sum(a == b for a, b in zip(tokens, reference)),
-                              speedup=round(result["output_tok_s"] / off_tok_s, 3))
-                print(json.dumps(result), flush=True)
-                table.append(result)
+            runs: dict[str, list[dict]] = {}
+            for _ in range(args.repeats):
+                reference = None
+                for mode in args.modes.split(","):
+                    result, tokens = run_one(base, mode, batch, prompts, args.max_tokens)
+                    if reference is None:
+                        reference, off_tok_s = tokens, result["output_tok_s"]
+                    result.update(workload=workload, identical_rows=sum(a == b for a, b in zip(tokens, reference)),
+                                  speedup=round(result["output_tok_s"] / off_tok_s, 3))
+                    print(json.dumps(result), flush=True)
+                    runs.setdefault(mode, []).append(result)
+            table.extend(median_row(rs) for rs in runs.values())
     print("\n| workload | batch | mode | output tok/s | vs off | drafted | accepted | acceptance | steps | "
           "greedy rows identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         rate = "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        print(f"| {r['workload']} | {r['batch']} | {r['mode']} | {r['output_tok_s']:.1f} | {r['speedup']:.2f}x | "
+        each = "" if len(r["speedups"]) < 2 else " (" + " ".join(f"{x:.2f}" for x in r["speedups"]) + ")"
+        print(f"| {r['workload']} | {r['batch']} | {r['mode']} | {r['output_tok_s']:.1f} | {r['speedup']:.2f}x{each} | "
               f"{r['drafted']} | {r['accepted']} | {rate} | {r['steps']} | {r['identical_rows']}/{r['rows']} |")
 
 

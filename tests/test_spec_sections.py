@@ -10,7 +10,7 @@ from pydantic import ValidationError, create_model
 from jobrunner.driver.engine_factory import engine_config_kwargs
 from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.settings import check_settings, setting, settings_of
-from jobrunner.spec import JOB_SAMPLING_DEFAULTS, EngineSpec, SamplingSpec, SpecError, spec_from_dict
+from jobrunner.spec import JOB_SAMPLING_DEFAULTS, EngineSpec, SamplingSpec, SpecError, load_spec, spec_from_dict
 from jobrunner.spec_sections import section_fields
 
 SPEC_ONLY = {EngineSpec: {"factory", "factory_options"}, SamplingSpec: set()}
@@ -95,3 +95,14 @@ def test_one_field_is_a_whole_setting():
     with pytest.raises(ValueError, match="job defaults for _Knobs name no setting: levl"):
         section_fields(_Knobs, {"levl": 3})
     assert [f.name for f in fields(_Knobs)][-1] == "internal"
+
+
+def test_speculative_off_unquoted_in_yaml_is_the_off_mode(tmp_path):
+    # YAML 1.1 reads a bare `off` as false; the default is auto, so `off` is what a user writes to turn it off
+    job = tmp_path / "job.yaml"
+    head = "name: j\ninput: {url: in.parquet, prompt_column: p}\noutput: {url: out}\n"
+    job.write_text(head + "engine: {speculative: off}\n")
+    assert load_spec(job).engine.speculative == "off"
+    job.write_text(head)
+    assert load_spec(job).engine.speculative == "auto"
+    assert load_spec(job, overrides=["engine.speculative=off"]).engine.speculative == "off"  # --set

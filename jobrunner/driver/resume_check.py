@@ -1,10 +1,10 @@
 """Whether an existing output can be resumed with a spec, and if not, exactly what differs.
 
 Only an output with committed shards is protected: its rows were made with the old settings, so a resume
-with other model/sampling settings or another shard plan would mix two jobs in one output. The refusal
-lists every differing field with its old and new value (from the redacted specs: no secret is shown) and
-the two ways on. An output whose runs committed nothing has nothing to protect and is simply replaced
-(driver/output.py).
+with other model/sampling settings, another execution mode (``engine.deterministic``) or another shard plan
+would mix two jobs in one output. The refusal lists every differing field with its old and new value (from
+the redacted specs: no secret is shown) and the two ways on. An output whose runs committed nothing has
+nothing to protect and is simply replaced (driver/output.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.spec import JobSpec
 
 MAX_SHOWN = 20  # differing fields listed in a message
+# engine settings that change which tokens a row gets: batch-invariant (deterministic) rows differ in bits from
+# default-mode rows, so one output must not mix the two (its promise is byte-identical datasets on rerun)
+RESUME_ENGINE_DEFAULTS = {"deterministic": False}
 
 
 def num_committed(old_shards: ShardColumns) -> int:
@@ -46,6 +49,9 @@ def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list
     for key in RESUME_INPUT_KEYS:
         old_flat[f"input.{key}"] = (old_spec.get("input") or {}).get(key)
         new_flat[f"input.{key}"] = (new_spec.get("input") or {}).get(key)
+    for key, default in RESUME_ENGINE_DEFAULTS.items():  # absent: a spec written before the setting existed
+        old_flat[f"engine.{key}"] = (old_spec.get("engine") or {}).get(key, default)
+        new_flat[f"engine.{key}"] = (new_spec.get("engine") or {}).get(key, default)
     missing = object()
     fields = sorted(set(old_flat) | set(new_flat))
     return [(f, old_flat.get(f, missing), new_flat.get(f, missing)) for f in fields
@@ -56,6 +62,14 @@ def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list
 def _both_default(old: Any, new: Any, missing: object) -> bool:
     """A field absent on one side (a spec written by an older version) and None on the other is no change."""
     return (old is missing and new is None) or (new is missing and old is None)
+
+
+def _why(field: str) -> str:
+    """What a differing field means, where a bare old -> new would not say it."""
+    if field == "engine.deterministic":
+        return (" (the committed rows were made in the other execution mode: a rerun of this output must use "
+                "the mode that wrote it to reproduce its bytes)")
+    return ""
 
 
 def _show(value: Any) -> str:
@@ -92,8 +106,8 @@ def name_difference(old: dict[str, Any], spec: JobSpec) -> list[str]:
 def check_resume(old: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, shards: ShardTable) -> None:
     """ResumeError when an output with committed shards was written with other settings or another shard
     plan: the message lists each differing field (old -> new) and the two choices."""
-    lines = [f"{field}: {_show(a)} -> {_show(b)}" for field, a, b in spec_differences(old.get("spec") or {},
-                                                                                      spec.redacted())]
+    lines = [f"{field}: {_show(a)} -> {_show(b)}{_why(field)}"
+             for field, a, b in spec_differences(old.get("spec") or {}, spec.redacted())]
     lines = name_difference(old, spec) + plan_differences(old, old_shards, spec, shards) + lines
     if not lines:
         return

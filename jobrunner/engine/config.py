@@ -33,9 +33,10 @@ class EngineConfig:
     prefill, prefix-cache hits, preemption or what else is batched with it (docs/engine.md, *Deterministic
     mode*). Costs throughput; off by default.
 
-    ``speculative``: ``off`` (default), ``ngram`` (prompt-lookup drafts verified every decode step), ``auto``
-    (n-gram drafts only where the measured acceptance and the batch size say a step gains;
-    :mod:`jobrunner.engine.speculative`). ``num_speculative_tokens``: most drafted tokens per request per step.
+    ``speculative``: ``auto`` (default: n-gram drafts only where the measured acceptance and the batch size say a
+    step gains;
+    :mod:`jobrunner.engine.speculative`), ``ngram`` (prompt-lookup drafts verified every decode step) or ``off``.
+    ``num_speculative_tokens``: most drafted tokens per request per step.
     """
 
     max_num_seqs: int = setting(64, description="Most requests decoding at once.", ge=1)
@@ -61,7 +62,7 @@ class EngineConfig:
         False, description="Batch-invariant execution: the same spec and seed give byte-identical rows whatever "
         "max_num_seqs, max_num_batched_tokens, workers, retries, preemption or resume (slower; docs/engine.md).")
     speculative: Literal["off", "auto", "ngram"] = setting(
-        "off", description="Speculative decoding: ngram (prompt-lookup drafts every decode step), auto (only where "
+        "auto", description="Speculative decoding: ngram (prompt-lookup drafts every decode step), auto (only where "
         "the measured acceptance and batch size say a step gains: the drain tail) or off (docs/engine.md).")
     num_speculative_tokens: int = setting(4, description="Most draft tokens per row per step.", ge=1, le=16)
 

@@ -63,8 +63,15 @@ class LLMEngine:
             from jobrunner.engine.invariant import make_deterministic
 
             make_deterministic(self)
-        self.speculator = make_speculator(self.config.speculative, self.config.num_speculative_tokens,
+        self.speculator = make_speculator(self._speculative_mode(), self.config.num_speculative_tokens,
                                           self.config.max_num_seqs, self.max_model_len, self.device.type)
+
+    def _speculative_mode(self) -> str:
+        """``auto`` stays off on the fixed-shape (graph) decode path: a draft step leaves it for an eager step,
+        a cost the step-cost fit has not been measured on yet (``ngram`` is still honoured)."""
+        if self.config.speculative == "auto" and self.runner.graphs is not None:
+            return "off"
+        return self.config.speculative
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",

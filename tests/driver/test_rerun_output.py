@@ -13,6 +13,7 @@ import pytest
 from jobrunner.driver.manifest import JobBook, ResumeError
 from jobrunner.driver.output import describe_output, open_output
 from jobrunner.driver.plan import plan_job
+from jobrunner.driver.resume_check import spec_differences
 from jobrunner.io.layout import LEASE, LEASE_GENERATION, part_key
 from jobrunner.io.lease import LeaseLost, host_identity, read_lease
 from jobrunner.io.parts import list_parts, rows_to_table, write_part
@@ -116,4 +117,23 @@ def test_a_book_whose_lease_was_lost_writes_nothing(tmp_path):
     assert (tmp_path / "out" / "_manifest.json").read_bytes() == before
     assert list_parts(storage) == [] and not (tmp_path / "out" / "_commits").exists()
     assert read_manifest_file(tmp_path / "out")[LEASE_GENERATION] == 1
+    lease.release()
+
+
+def test_a_resume_in_the_other_deterministic_mode_is_refused(tmp_path):
+    write_prompts(tmp_path / "in.parquet", 32)
+    storage, manifest, lease, shards = _open(_spec(tmp_path, engine={"deterministic": True}))
+    JobBook(storage, manifest, shards).compact(drop_all_records=True)
+    _commit_first_shard(storage, manifest, shards)
+    lease.release()
+    with pytest.raises(ResumeError) as info:
+        _open(_spec(tmp_path))  # the default mode
+    message = str(info.value)
+    assert "engine.deterministic: True -> False (the committed rows were made in the other execution mode" in message
+    assert "output.mode=overwrite" in message
+    # a manifest written before the setting existed was made in the default mode
+    assert spec_differences({"engine": {}}, {"engine": {"deterministic": False}}) == []
+    assert spec_differences({}, {"engine": {"deterministic": True}}) == [("engine.deterministic", False, True)]
+    storage, manifest, lease, shards = _open(_spec(tmp_path, engine={"deterministic": True}))  # same mode resumes
+    assert int((shards.columns.status == COMMITTED).sum()) == 1
     lease.release()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_checked
-from tiny import CORPUS
+from tiny import CORPUS, make_hf_model
 
 from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.invariant import RowTiled
@@ -124,3 +124,26 @@ def test_deterministic_int8_rows_identical(hf_llama, tokenizer):
         return [(o.output_token_ids, [lp.logprob for lp in o.logprobs]) for _, o in sorted(outs.items())]
 
     assert rows(max_num_seqs=64) == rows(max_num_seqs=1, max_num_batched_tokens=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_speculation_in_deterministic_mode_changes_no_bit(tokenizer, dtype):
+    # a verification step scores a row's 1 + k positions like a prompt chunk, which the fixed tiles and the
+    # fixed-order attention already make invariant: with or without drafts, at any batch, the same bits
+    hf = make_hf_model(vocab_size=12)  # a random model over 12 tokens loops: n-gram drafts get accepted
+    prompts = [[(i * 7 + j) % 9 + 3 for i in range(12)] * 2 for j in range(4)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0, temperature=0.0 if j % 2 else 0.9,
+                             seed=7 + j, top_k=6 if j == 2 else 0) for j in range(4)]
+
+    def rows(speculative: str, **config):
+        engine = _engine(hf, tokenizer, dtype, deterministic=True, speculative=speculative, **config)
+        outs = run_checked(engine, prompts, params)
+        return [(o.output_token_ids, [lp.logprob for lp in o.logprobs]) for _, o in sorted(outs.items())], engine
+
+    base, _ = rows("off")
+    for speculative, config in (("ngram", {}), ("ngram", dict(max_num_seqs=1)),
+                                ("ngram", dict(max_num_seqs=2, max_num_batched_tokens=24)), ("auto", {})):
+        got, engine = rows(speculative, **config)
+        assert got == base, f"{speculative} {config}: rows differ from speculation off"
+        if speculative == "ngram":
+            assert engine.stats().num_accepted_tokens > 0

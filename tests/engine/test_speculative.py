@@ -12,7 +12,7 @@ from jobrunner.engine.request import Request
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.scheduler import ScheduledRequest
 from jobrunner.engine.speculative.ngram import NgramIndex
-from jobrunner.engine.speculative.policy import plan_drafts
+from jobrunner.engine.speculative.policy import PRIOR_ACCEPTANCE, Acceptance, StepCost, plan_drafts
 from jobrunner.engine.speculative.verify import verify_drafts
 
 VOCAB = 12  # a random model over a tiny vocabulary falls into loops: n-gram drafts get accepted
@@ -166,11 +166,42 @@ class LlamaTiny:
 
 def test_plan_speculates_in_the_tail_not_at_full_batch():
     # acceptance 0.7, a step's fixed cost worth 16 tokens: one row takes its whole draft, 64 rows none
-    assert plan_drafts([0.7], [4], 1, 1, 16.0) == [4]
-    assert plan_drafts([0.7] * 64, [4] * 64, 64, 64, 16.0) == [0] * 64
-    assert plan_drafts([0.05], [4], 1, 1, 16.0) == [0]  # a poor acceptance never pays
-    mixed = plan_drafts([0.95, 0.3], [4, 4], 8, 8, 16.0)
+    assert plan_drafts([(0.7, 0.7)], [4], 1, 1, 16.0) == [4]
+    assert plan_drafts([(0.7, 0.7)] * 64, [4] * 64, 64, 64, 16.0) == [0] * 64
+    assert plan_drafts([(0.05, 0.05)], [4], 1, 1, 16.0) == [0]  # a poor acceptance never pays
+    mixed = plan_drafts([(0.95, 0.95), (0.3, 0.3)], [4, 4], 8, 8, 16.0)
     assert mixed[0] > 0 and mixed[1] == 0
+    # a draft that rarely starts right is not verified at batch 8, however sure its continuation
+    assert plan_drafts([(0.2, 0.95)], [4], 8, 8, 16.0) == [0]
+    assert plan_drafts([(0.2, 0.95)], [4], 1, 1, 16.0) == [4]
+
+
+def test_acceptance_splits_first_and_later_draft_tokens():
+    acceptance = Acceptance()
+    for _ in range(100):  # drafts of 4: 1 in 5 starts right and then runs to the end
+        acceptance.record_draft(3, 4, 0)
+        acceptance.record_draft(3, 4, 0)
+        acceptance.record_draft(3, 4, 0)
+        acceptance.record_draft(3, 4, 0)
+        acceptance.record_draft(3, 4, 4)
+    first, later = acceptance.alpha(3)
+    assert abs(first - 0.2) < 0.02 and later > 0.97
+    assert acceptance.alpha(1) == (PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE)  # nothing seen for n = 1
+
+
+def test_step_cost_is_fitted_near_the_step_size():
+    # weight-bound up to 8 tokens (10 ms a step), then 1 ms per token: nearly free drafts at batch 1, none at 64
+    def seconds(x: int) -> float:
+        return 0.010 + 0.00001 * x if x <= 8 else 0.001 * x + 0.002
+
+    cost = StepCost(16.0)
+    for x in (1, 2, 3, 4, 5) * 4:
+        cost.observe(x, seconds(x))
+    assert cost.fixed_tokens(1) > 100  # a batch-1 engine: drafts nearly free
+    for x in (32, 40, 48, 56, 64) * 4:
+        cost.observe(x, seconds(x))
+    assert cost.fixed_tokens(64) < 4 < cost.fixed_tokens(1) == cost.fixed_tokens()  # capped by the overall fit
+    assert StepCost(16.0).fixed_tokens(8) == 16.0  # the prior until steps of several sizes are seen
 
 
 def test_speculative_setting_is_checked():

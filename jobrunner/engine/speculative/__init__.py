@@ -31,6 +31,7 @@ class DraftState:
     shadow: list[int] = field(default_factory=list)
     shadow_n: int = 0
     shadow_at: int = 0  # output position the shadow's first token predicts
+    shadow_first: bool = True  # the shadow's next token to check is its first
 
 
 class Speculator:
@@ -73,6 +74,7 @@ class Speculator:
                 state.shadow = []
             elif not state.shadow:  # measure this proposal against what the request generates next
                 state.shadow, state.shadow_n, state.shadow_at = draft, n, request.num_output_tokens
+                state.shadow_first = True
 
     def _plan(self, rows: list, drafts: list, num_running: int, num_waiting: int) -> list[int]:
         if self.mode == "ngram":
@@ -81,7 +83,7 @@ class Speculator:
             return [0] * len(rows)  # the batch is about to grow: leave the step to the new prompts
         alphas = [self.acceptance.alpha(n) for _, n in drafts]
         return plan_drafts(alphas, [len(d) for d, _ in drafts], num_running, num_running,
-                           self.cost.fixed_tokens())
+                           self.cost.fixed_tokens(num_running))
 
     def _decoding(self, request) -> bool:
         """Past its prompt with exactly one token to compute, and no grammar (drafts would bypass its mask)."""
@@ -93,17 +95,17 @@ class Speculator:
         out = request.output_token_ids
         while state.shadow and state.shadow_at < len(out):
             hit = out[state.shadow_at] == state.shadow[0]
-            self.acceptance.record(state.shadow_n, 1, int(hit))
+            self.acceptance.record(state.shadow_n, state.shadow_first, 1, int(hit))
             if not hit:
                 state.shadow = []
                 break
-            state.shadow, state.shadow_at = state.shadow[1:], state.shadow_at + 1
+            state.shadow, state.shadow_at, state.shadow_first = state.shadow[1:], state.shadow_at + 1, False
 
     def record(self, request, verified: VerifiedDraft) -> None:
         """Account one verified draft (acceptance per n-gram length, the request's metrics)."""
         m, k = verified.num_accepted, verified.num_drafted
         if request.spec is not None:
-            self.acceptance.record(request.spec.draft_n, m + (m < k), m)
+            self.acceptance.record_draft(request.spec.draft_n, k, m)
         request.metrics.num_draft_tokens += k
         request.metrics.num_accepted_tokens += m
 
@@ -113,9 +115,11 @@ class Speculator:
             self.cost.observe(num_decode_tokens, seconds)
 
     def stats(self) -> dict:
-        """The policy's current view: acceptance per n-gram length and the fitted fixed cost in tokens."""
-        return {"mode": self.mode, "fixed_tokens": round(self.cost.fixed_tokens(), 2),
-                "alpha": {n: round(self.acceptance.alpha(n), 3) for n in sorted(self.acceptance.evaluated)}}
+        """The policy's current view: acceptance (first, later draft token) per n-gram length and the fitted
+        fixed cost in tokens at a few step sizes."""
+        sizes = sorted({1, 8, self.max_num_seqs})
+        return {"mode": self.mode, "fixed_tokens": {x: round(self.cost.fixed_tokens(x), 2) for x in sizes},
+                "alpha": {n: [round(a, 3) for a in self.acceptance.alpha(n)] for n in self.acceptance.lengths()}}
 
 
 def make_speculator(mode: str, num_tokens: int, max_num_seqs: int, max_model_len: int,

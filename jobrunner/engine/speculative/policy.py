@@ -27,25 +27,51 @@ MARGIN = 0.1              # a draft token must beat the break-even probability b
 
 @dataclass
 class Acceptance:
-    """Per match length n: draft tokens evaluated (their predecessors all accepted) and accepted."""
+    """Per match length n, draft tokens evaluated and accepted, apart for a draft's first token and its later ones.
 
-    evaluated: dict[int, float] = field(default_factory=dict)
-    accepted: dict[int, float] = field(default_factory=dict)
+    A later token is evaluated only when the ones before it were accepted; splitting the two matters because
+    acceptance is bursty: on chat most first tokens miss while a draft that starts right (a repetition, a
+    quote) usually goes on right, so one pooled rate overstates the first token and understates the rest.
+    """
 
-    def record(self, n: int, evaluated: int, accepted: int) -> None:
-        e = self.evaluated.get(n, 0.0) + evaluated
-        a = self.accepted.get(n, 0.0) + accepted
+    evaluated: dict[tuple[int, bool], float] = field(default_factory=dict)
+    accepted: dict[tuple[int, bool], float] = field(default_factory=dict)
+
+    def record(self, n: int, first: bool, evaluated: int, accepted: int) -> None:
+        key = (n, first)
+        e = self.evaluated.get(key, 0.0) + evaluated
+        a = self.accepted.get(key, 0.0) + accepted
         if e > ACCEPTANCE_WINDOW:  # forget slowly: a workload's later rows may copy more or less
             e, a = e / 2, a / 2
-        self.evaluated[n], self.accepted[n] = e, a
+        self.evaluated[key], self.accepted[key] = e, a
 
-    def alpha(self, n: int) -> float:
-        return ((self.accepted.get(n, 0.0) + PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
-                / (self.evaluated.get(n, 0.0) + PRIOR_WEIGHT))
+    def record_draft(self, n: int, num_drafted: int, num_accepted: int) -> None:
+        """One verified draft of ``num_drafted`` tokens whose first ``num_accepted`` were accepted."""
+        self.record(n, True, 1, int(num_accepted > 0))
+        if num_drafted > 1 and num_accepted > 0:
+            self.record(n, False, min(num_accepted, num_drafted - 1), num_accepted - 1)
+
+    def rate(self, n: int, first: bool) -> float:
+        key = (n, first)
+        return ((self.accepted.get(key, 0.0) + PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
+                / (self.evaluated.get(key, 0.0) + PRIOR_WEIGHT))
+
+    def alpha(self, n: int) -> tuple[float, float]:
+        """(chance the first draft token is accepted, chance a later one is given the ones before were)."""
+        return self.rate(n, True), self.rate(n, False)
+
+    def lengths(self) -> list[int]:
+        return sorted({n for n, _ in self.evaluated})
 
 
 class StepCost:
-    """A least-squares line ``seconds = c0 + c1 * tokens`` over the latest decode-only steps."""
+    """Seconds per decode-only step against its query tokens, fitted as a line near the step size asked about.
+
+    A CPU or GPU step is weight-bound at a few rows (extra tokens are nearly free) and compute-bound at many
+    (each costs about as much as a row), so one line over all sizes is wrong at both ends: ``fixed_tokens(x)``
+    fits ``c0 + c1 * tokens`` over the latest steps of ``x / 2 .. 2 x`` tokens only, capped by the fit over all
+    sizes (the two must agree that drafts are cheap: a step time is noisy on a shared machine).
+    """
 
     def __init__(self, prior_fixed_tokens: float, window: int = 512) -> None:
         self.prior = prior_fixed_tokens
@@ -54,9 +80,15 @@ class StepCost:
     def observe(self, num_tokens: int, seconds: float) -> None:
         self.points.append((num_tokens, seconds))
 
-    def fixed_tokens(self) -> float:
-        """``c0 / c1``: the prior until the steps seen span enough sizes for a fit."""
-        pts = self.points
+    def fixed_tokens(self, num_tokens: int | None = None) -> float:
+        """``c0 / c1`` near ``num_tokens``, at most the fit over all sizes (a few noisy steps near one size must
+        not make drafts look free at full batch); the prior until the steps span enough sizes."""
+        overall = self._fit(list(self.points))
+        if num_tokens is None:
+            return overall
+        return min(overall, self._fit([p for p in self.points if num_tokens / 2 <= p[0] <= 2 * num_tokens + 1]))
+
+    def _fit(self, pts: list[tuple[int, float]]) -> float:
         if len(pts) < 8:
             return self.prior
         xs = [p[0] for p in pts]
@@ -67,20 +99,21 @@ class StepCost:
         sxx = sum((x - mx) ** 2 for x in xs)
         c1 = sum((x - mx) * (y - my) for x, y in pts) / sxx
         c0 = my - c1 * mx
-        if c1 <= 0 or c0 <= 0:
+        if c1 <= 0:
             return self.prior
         return min(max(c0 / c1, 0.5), 4096.0)
 
 
-def plan_drafts(alphas: list[float], lengths: list[int], num_decoding: int, num_tokens: int,
+def plan_drafts(alphas: list[tuple[float, float]], lengths: list[int], num_decoding: int, num_tokens: int,
                 fixed_tokens: float) -> list[int]:
     """Draft tokens to verify per candidate row (0 = none) so that expected tokens per second grows.
 
-    ``alphas[i]`` / ``lengths[i]``: acceptance and available draft length of candidate row i;
-    ``num_decoding``: rows that sample this step; ``num_tokens``: query tokens of the step without drafts.
+    ``alphas[i]``: (first-token, later-token) acceptance of candidate row i; ``lengths[i]``: its available draft
+    length; ``num_decoding``: rows that sample this step; ``num_tokens``: query tokens of the step without drafts.
+    The token at depth ``d`` is accepted with probability ``first * later ** (d - 1)``.
     """
-    candidates = sorted(((alphas[r] ** i, i, r) for r in range(len(alphas)) for i in range(1, lengths[r] + 1)),
-                        key=lambda c: (-c[0], c[1]))
+    candidates = sorted(((a1 * a2 ** (i - 1), i, r) for r, (a1, a2) in enumerate(alphas)
+                         for i in range(1, lengths[r] + 1)), key=lambda c: (-c[0], c[1]))
     ks = [0] * len(alphas)
     expected, cost = float(num_decoding), fixed_tokens + num_tokens
     for p, depth, r in candidates:
