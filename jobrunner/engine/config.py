@@ -76,7 +76,7 @@ class EngineConfig:
     draft_every_step: bool = False  # internal (tests, benchmarks): verify draft-model drafts every decode step
 
     def __post_init__(self) -> None:
-        _check_speculative(self.speculative, self.num_speculative_tokens)
+        check_speculative(self.speculative, self.num_speculative_tokens)
         check_settings(self)  # bounds and choices as declared above (the job spec checks the same)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
@@ -99,9 +99,10 @@ def is_draft_source(mode: str) -> bool:
     return mode not in SPECULATIVE_MODES
 
 
-def _check_speculative(mode: str, num_tokens: int) -> None:
+def check_speculative(mode: str, num_tokens: int) -> None:
+    """ValueError naming the field: ``speculative`` must be a mode or a (non-blank) draft model source."""
     if not isinstance(mode, str) or not mode.strip() or mode != mode.strip():
-        raise ValueError(f"EngineConfig.speculative must be one of {'|'.join(SPECULATIVE_MODES)} or a draft "
-                         f"model source (alias, local dir, Hub id, storage URL), got {mode!r}")
+        raise ValueError(f"speculative must be one of {'|'.join(SPECULATIVE_MODES)} or a draft model source "
+                         f"(alias, local dir, Hub id, storage URL) without surrounding blanks, got {mode!r}")
     if not 1 <= num_tokens <= 16:
         raise ValueError(f"EngineConfig.num_speculative_tokens must be in 1..16, got {num_tokens}")

@@ -68,9 +68,12 @@ def load_draft(source: str, target: torch.nn.Module, config: EngineConfig) -> Dr
     from jobrunner.models.factory import load_for_engine
 
     device = next(target.parameters()).device
-    model, tokenizer, _, info = load_for_engine(
-        source, dtype=str(target.dtype).removeprefix("torch."), device=str(device),
-        quantization=config.draft_quantization, max_model_len=config.max_model_len)
+    try:
+        model, tokenizer, _, info = load_for_engine(
+            source, dtype=str(target.dtype).removeprefix("torch."), device=str(device),
+            quantization=config.draft_quantization, max_model_len=config.max_model_len)
+    except ValueError as exc:  # ModelSourceError and the loader's own checks: name the setting
+        raise ValueError(f"engine.speculative: the draft model could not be loaded: {exc}") from exc
     return DraftModel(model, tokenizer, source, info)
 
 
