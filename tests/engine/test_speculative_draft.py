@@ -84,9 +84,8 @@ def test_planned_drafts_give_the_same_tokens(target_hf, other_hf, tokenizer):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     off = [o.output_token_ids for o in _run(_engine(target_hf, tokenizer), _prompts(2), params)]
     engine = _engine(target_hf, tokenizer, other_hf, num_speculative_tokens=3)
-    engine.speculator.weight_ratio = 0.01  # a draft this cheap (until its steps are timed) drafts at batch 2
     assert [o.output_token_ids for o in _run(engine, _prompts(2), params)] == off
-    assert engine.stats().num_draft_tokens > 0
+    assert engine.stats().num_draft_tokens > 0  # probed (optimistic acceptance until measured), then measured
     assert set(engine.speculator.stats()["alpha"]) == {0}  # the draft's acceptance, measured in its own bucket
 
 

@@ -88,7 +88,7 @@ class DraftProposer:
                                   max_model_len, attention_backend=attention_backend, max_num_tokens=max_num_tokens)
         self.max_num_tokens = max_num_tokens
         self.seqs: dict[tuple[str, int], DraftSeq] = {}
-        self.step_times: list[tuple[int, float]] = []  # (tokens, seconds) of every draft step, for the cost model
+        self.step_times: list[tuple[int, float]] = []  # (tokens, seconds) of decode-like steps: the cost model
         self.num_steps = 0
         self.seconds = 0.0
 
@@ -180,7 +180,9 @@ class DraftProposer:
         t0 = time.perf_counter()
         result = self.runner.execute(SchedulerOutput(scheduled))  # its tokens come back to the host: synced
         seconds = time.perf_counter() - t0
-        self.step_times.append((sum(s.num_new_tokens for s in scheduled), seconds))
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        if num_tokens <= 2 * len(scheduled):  # decode-like steps only: a prompt's catch-up is a prefill
+            self.step_times.append((num_tokens, seconds))
         self.num_steps += 1
         self.seconds += seconds
         return result

@@ -7,7 +7,8 @@ fixed cost of :class:`~jobrunner.engine.speculative.policy.StepCost`) plus ``K``
 ``K * e0 / c1 + (e1 / c1) * sum k_r`` (the draft's own step line ``e0 + e1 * tokens``, fitted on its own
 steps; before it has run, ``e1 / c1`` = the draft's share of the weight bytes and ``e0 / e1`` = the target's
 ``r_t``). It yields ``D + sum_r sum_{i <= k_r} alpha ** i`` tokens (``alpha``: the measured acceptance of
-this draft model, :class:`~jobrunner.engine.speculative.policy.Acceptance` under match length 0). For each
+this draft model, :class:`~jobrunner.engine.speculative.policy.Acceptance` under match length 0; optimistic,
+0.9, until 32 of its drafts were verified: a draft is measured only when it runs). For each
 depth cap ``K`` :func:`~jobrunner.engine.speculative.policy.plan_drafts` picks the draft tokens (costs scaled
 so one draft token costs ``1 + e1 / c1``); the best plan is kept if its tokens per cost beat not speculating
 by the policy's margin. So drafts run at batch 1 when the draft is cheap and accepted, and stop at full batch.
@@ -24,6 +25,9 @@ from jobrunner.engine.speculative.policy import MARGIN, StepCost, plan_drafts
 from jobrunner.engine.speculative.verify import VerifiedDraft
 
 DRAFT_BUCKET = 0  # the Acceptance key of draft-model drafts (n-gram drafts use their match length, >= 1)
+# Until this many of its draft tokens have been verified, a draft model is assumed to be accepted this often: a
+# draft is only measured when it runs, and the policy's neutral prior (0.5) would never let a draft run.
+PROBE_TOKENS, PROBE_ACCEPTANCE = 32, 0.9
 
 
 class DraftSpeculator(Speculator):
@@ -80,8 +84,14 @@ class DraftSpeculator(Speculator):
     def _plan_rows(self, limits: list[int], num_running: int, num_waiting: int) -> list[int]:
         if not limits or (num_waiting and num_running < self.max_num_seqs):
             return [0] * len(limits)
-        return plan_with_draft(self.acceptance.alpha(DRAFT_BUCKET), limits, num_running, num_running,
-                               *self.relative_costs())
+        return plan_with_draft(self.alpha(), limits, num_running, num_running, *self.relative_costs())
+
+    def alpha(self) -> float:
+        """The measured acceptance, optimistic until :data:`PROBE_TOKENS` drafts were verified."""
+        alpha = self.acceptance.alpha(DRAFT_BUCKET)
+        if self.acceptance.evaluated.get(DRAFT_BUCKET, 0.0) < PROBE_TOKENS:
+            return max(alpha, PROBE_ACCEPTANCE)
+        return alpha
 
     def relative_costs(self) -> tuple[float, float, float]:
         """``(r_t, e0 / c1, e1 / c1)``: the target's fixed cost and the draft step's, in target query tokens."""
