@@ -8,7 +8,8 @@ fixed cost of :class:`~jobrunner.engine.speculative.policy.StepCost`) plus ``K``
 steps; before it has run, ``e1 / c1`` = the draft's share of the weight bytes and ``e0 / e1`` = the target's
 ``r_t``). It yields ``D + sum_r sum_{i <= k_r} alpha ** i`` tokens (``alpha``: the measured acceptance of
 this draft model, :class:`~jobrunner.engine.speculative.policy.Acceptance` under match length 0; optimistic,
-0.9, until 32 of its drafts were verified: a draft is measured only when it runs). For each
+0.9, until 32 of its drafts were verified, on one row per step: a draft is measured only when it runs, and
+its first run on a row prefills that row's whole prompt). For each
 depth cap ``K`` :func:`~jobrunner.engine.speculative.policy.plan_drafts` picks the draft tokens (costs scaled
 so one draft token costs ``1 + e1 / c1``); the best plan is kept if its tokens per cost beat not speculating
 by the policy's margin. So drafts run at batch 1 when the draft is cheap and accepted, and stop at full batch.
@@ -84,14 +85,20 @@ class DraftSpeculator(Speculator):
     def _plan_rows(self, limits: list[int], num_running: int, num_waiting: int) -> list[int]:
         if not limits or (num_waiting and num_running < self.max_num_seqs):
             return [0] * len(limits)
-        return plan_with_draft(self.alpha(), limits, num_running, num_running, *self.relative_costs())
+        ks = plan_with_draft(self.alpha(), limits, num_running, num_running, *self.relative_costs())
+        if self.is_probing and any(ks):  # one row measures the draft: its first run prefills only that row
+            first = next(i for i, k in enumerate(ks) if k)
+            ks = [k if i == first else 0 for i, k in enumerate(ks)]
+        return ks
+
+    @property
+    def is_probing(self) -> bool:
+        return self.acceptance.evaluated.get(DRAFT_BUCKET, 0.0) < PROBE_TOKENS
 
     def alpha(self) -> float:
         """The measured acceptance, optimistic until :data:`PROBE_TOKENS` drafts were verified."""
         alpha = self.acceptance.alpha(DRAFT_BUCKET)
-        if self.acceptance.evaluated.get(DRAFT_BUCKET, 0.0) < PROBE_TOKENS:
-            return max(alpha, PROBE_ACCEPTANCE)
-        return alpha
+        return max(alpha, PROBE_ACCEPTANCE) if self.is_probing else alpha
 
     def relative_costs(self) -> tuple[float, float, float]:
         """``(r_t, e0 / c1, e1 / c1)``: the target's fixed cost and the draft step's, in target query tokens."""
