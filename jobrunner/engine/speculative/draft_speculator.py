@@ -7,9 +7,9 @@ fixed cost of :class:`~jobrunner.engine.speculative.policy.StepCost`) plus ``K``
 ``K * e0 / c1 + (e1 / c1) * sum k_r`` (the draft's own step line ``e0 + e1 * tokens``, fitted on its own
 steps; before it has run, ``e1 / c1`` = the draft's share of the weight bytes and ``e0 / e1`` = the target's
 ``r_t``). It yields ``D + sum_r sum_{i <= k_r} alpha ** i`` tokens (``alpha``: the measured acceptance of
-this draft model, :class:`~jobrunner.engine.speculative.policy.Acceptance` under match length 0; optimistic,
-0.9, until 32 of its drafts were verified, on one row per step: a draft is measured only when it runs, and
-its first run on a row prefills that row's whole prompt). For each
+this draft model, :class:`~jobrunner.engine.speculative.policy.Acceptance` under match length 0, with an
+optimistic prior, 0.9 worth 8 verified tokens, and one row per step drafting until 8 were verified: a draft is
+measured only when it runs, and its first run on a row prefills that row's whole prompt). For each
 depth cap ``K`` :func:`~jobrunner.engine.speculative.policy.plan_drafts` picks the draft tokens (costs scaled
 so one draft token costs ``1 + e1 / c1``); the best plan is kept if its tokens per cost beat not speculating
 by the policy's margin. So drafts run at batch 1 when the draft is cheap and accepted, and stop at full batch.
@@ -26,9 +26,10 @@ from jobrunner.engine.speculative.policy import MARGIN, StepCost, plan_drafts
 from jobrunner.engine.speculative.verify import VerifiedDraft
 
 DRAFT_BUCKET = 0  # the Acceptance key of draft-model drafts (n-gram drafts use their match length, >= 1)
-# Until this many of its draft tokens have been verified, a draft model is assumed to be accepted this often: a
-# draft is only measured when it runs, and the policy's neutral prior (0.5) would never let a draft run.
-PROBE_TOKENS, PROBE_ACCEPTANCE = 32, 0.9
+# A draft model's acceptance starts optimistic (this prior, worth PROBE_TOKENS verified draft tokens): a draft
+# is only measured when it runs, and the policy's neutral prior (0.5) would never let a draft run. While fewer
+# than PROBE_TOKENS were verified, only one row per step drafts (its first run prefills that row's prompt).
+PROBE_TOKENS, PROBE_ACCEPTANCE = 8, 0.9
 
 
 class DraftSpeculator(Speculator):
@@ -96,9 +97,10 @@ class DraftSpeculator(Speculator):
         return self.acceptance.evaluated.get(DRAFT_BUCKET, 0.0) < PROBE_TOKENS
 
     def alpha(self) -> float:
-        """The measured acceptance, optimistic until :data:`PROBE_TOKENS` drafts were verified."""
-        alpha = self.acceptance.alpha(DRAFT_BUCKET)
-        return max(alpha, PROBE_ACCEPTANCE) if self.is_probing else alpha
+        """The measured acceptance under an optimistic prior worth :data:`PROBE_TOKENS` verified tokens."""
+        a = self.acceptance
+        return ((a.accepted.get(DRAFT_BUCKET, 0.0) + PROBE_TOKENS * PROBE_ACCEPTANCE)
+                / (a.evaluated.get(DRAFT_BUCKET, 0.0) + PROBE_TOKENS))
 
     def relative_costs(self) -> tuple[float, float, float]:
         """``(r_t, e0 / c1, e1 / c1)``: the target's fixed cost and the draft step's, in target query tokens."""
