@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.config import EngineConfig, check_speculative
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
 from jobrunner.spec_sections import section_fields
@@ -168,6 +168,13 @@ class EngineSpec(_EngineFields):
     def _yaml_off(cls, value: Any) -> Any:
         """YAML reads a bare ``off`` as false: ``engine.speculative: off`` means the mode ``off``."""
         return "off" if value is False else value
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_form(cls, value: str) -> str:
+        """off | auto | ngram, or a draft model source (checked like model.source by validate / run)."""
+        check_speculative(value, 1)
+        return value
 
     @field_validator("factory")
     @classmethod

@@ -7,14 +7,18 @@ in a drain tail):
 - `chat`: open MT-Bench and ShareGPT questions (little to copy).
 
 For each workload and batch size B (B rows, max_num_seqs = B) the same prompts run with `speculative` off, ngram
-and auto, on one loaded model (one engine per setting over the same weights). With `--repeats R` the modes run
-R times interleaved (off, ngram, auto, off, ngram, auto, ...), each run's speed-up taken against the `off` run
-just before it, and the table shows the median over the repeats (a shared machine drifts by 10-30% over a
-minute: back-to-back pairs and a median are what stand up). Printed: one JSON line per run and a table: output
-tok/s, speed-up vs off, drafted / accepted tokens, acceptance rate, steps, greedy rows identical to off.
+and auto, on one loaded model (one engine per setting over the same weights). With `--draft SOURCE` (a draft
+model on the same tokenizer, e.g. one written by scripts/make_truncated_draft.py; `--draft-quantization int4`
+quantizes it) two more modes exist: `draft` (the draft model, planned like auto) and `draft-always` (its drafts
+verified every decode step). With `--repeats R` the modes run R times interleaved (off, ngram, auto, off, ngram,
+auto, ...), each run's speed-up taken against the `off` run just before it, and the table shows the median over
+the repeats (a shared machine drifts by 10-30% over a minute: back-to-back pairs and a median are what stand
+up). Printed: one JSON line per run and a table: output tok/s, speed-up vs off, drafted / accepted tokens,
+acceptance rate, steps, greedy rows identical to off.
 
 Usage: python scripts/speculative_bench.py [--model smollm2-135m-instruct] [--batches 1,8,64] [--max-tokens 128]
        [--modes off,ngram,auto] [--workloads copy,chat] [--dtype auto] [--repeats 1]
+       [--draft DIR --draft-quantization none --modes off,draft-always,draft]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
+from jobrunner.engine.speculative.draft_model import DraftModel, load_draft
 
 COPY_TEMPLATES = (
     "Repeat the following text exactly, word for word:\n\n{text}",
@@ -63,10 +68,16 @@ def chat_prompts(count: int) -> list[str]:
     return questions[:count]
 
 
-def run_one(base: LLMEngine, mode: str, batch: int, prompts: list[str], max_tokens: int) -> tuple[dict, list]:
-    config = EngineConfig(max_num_seqs=batch, speculative=mode, device=base.config.device,
-                          enable_prefix_caching=False)
-    engine = LLMEngine(base.model, base.tokenizer, config, base.eos_token_ids, base.model_info)
+def run_one(base: LLMEngine, mode: str, batch: int, prompts: list[str], max_tokens: int,
+            draft: DraftModel | None = None) -> tuple[dict, list]:
+    uses_draft = mode.startswith("draft")
+    if uses_draft and draft is None:
+        raise SystemExit(f"mode {mode} needs --draft")
+    config = EngineConfig(max_num_seqs=batch, speculative=draft.source if uses_draft else mode,
+                          device=base.config.device, enable_prefix_caching=False,
+                          draft_every_step=mode == "draft-always")
+    engine = LLMEngine(base.model, base.tokenizer, config, base.eos_token_ids, base.model_info,
+                       draft=draft if uses_draft else None)
     messages = [[{"role": "user", "content": p}] for p in prompts]
     engine.generate(messages[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, untimed
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -107,9 +118,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rows-at-batch-1", type=int, default=2, help="rows run at batch 1 (one after the other)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions; the table shows medians")
+    ap.add_argument("--draft", default=None, help="a draft model source (modes draft, draft-always)")
+    ap.add_argument("--draft-quantization", default="none")
     args = ap.parse_args()
     base = LLMEngine.from_source(args.model, dtype=args.dtype, config=EngineConfig(device="cpu"))
-    print(json.dumps({"model": args.model, "dtype": str(base.model.dtype)}), flush=True)
+    draft = None
+    if args.draft:
+        draft = load_draft(args.draft, base.model, EngineConfig(draft_quantization=args.draft_quantization))
+    print(json.dumps({"model": args.model, "dtype": str(base.model.dtype), "draft": args.draft,
+                      "draft_quantization": args.draft_quantization}), flush=True)
     run_one(base, "off", 8, chat_prompts(8), 16)  # untimed: the first run of a process pays page faults
     table = []
     for workload in args.workloads.split(","):
@@ -120,7 +137,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 reference = None
                 for mode in args.modes.split(","):
-                    result, tokens = run_one(base, mode, batch, prompts, args.max_tokens)
+                    result, tokens = run_one(base, mode, batch, prompts, args.max_tokens, draft)
                     if reference is None:
                         reference, off_tok_s = tokens, result["output_tok_s"]
                     result.update(workload=workload, identical_rows=sum(a == b for a, b in zip(tokens, reference)),

@@ -31,4 +31,6 @@ def test_speculative_setting_reaches_the_engine_config():
     config = EngineConfig(**engine_config_kwargs(_spec(speculative="auto", num_speculative_tokens=3)))
     assert config.speculative == "auto" and config.num_speculative_tokens == 3
     with pytest.raises(SpecError, match=r"engine\.speculative"):
-        _spec(speculative="eagle")
+        _spec(speculative=" ")
+    # any other value names a draft model: validate / run check it as model.source (tests/cli)
+    assert EngineConfig(**engine_config_kwargs(_spec(speculative="org/draft"))).speculative == "org/draft"

@@ -38,8 +38,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--speculative", type=click.Choice(["off", "auto", "ngram"]), default="off", show_default=True,
-              help="Our engine's speculative decoding (n-gram drafts; auto: only where it measures a gain).")
+@click.option("--speculative", default="off", show_default=True,
+              help="Our engine's speculative decoding: off, ngram, auto (n-gram drafts only where it measures a "
+                   "gain) or a draft model source (same tokenizer as --model).")
 @click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
               help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
                    "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "

@@ -40,9 +40,24 @@ def _check_model(spec) -> str:
     from jobrunner.models.sources import ModelSourceError, check_model_source
 
     try:
-        return check_model_source(spec.model.source)
+        described = check_model_source(spec.model.source)
     except ModelSourceError as exc:
         raise _error(f"model.source: {exc}") from None
+    return described + _check_draft_source(spec.engine.speculative)
+
+
+def _check_draft_source(speculative: str) -> str:
+    """'; draft model <what it is>' when engine.speculative names a draft model (checked as model.source is)."""
+    from jobrunner.engine.config import SPECULATIVE_MODES, is_draft_source
+    from jobrunner.models.sources import ModelSourceError, check_model_source
+
+    if not is_draft_source(speculative):
+        return ""
+    try:
+        return f"; draft model {check_model_source(speculative)}"
+    except ModelSourceError as exc:
+        raise _error(f"engine.speculative: {exc} (engine.speculative is {'|'.join(SPECULATIVE_MODES)} or a "
+                     "draft model source)") from None
 
 
 def _user_error(spec, exc: Exception) -> click.ClickException:

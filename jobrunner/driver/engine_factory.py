@@ -66,9 +66,10 @@ def rebuild_engine(engine: Any, spec: JobSpec) -> tuple[Any, bool]:
         _free_device_memory()
         return build_engine(spec), True
     args = (engine.model, engine.tokenizer, engine.config, engine.eos_token_ids, engine.model_info)
-    engine.runner = engine.kv_manager = engine.scheduler = None  # the old KV cache goes before the new one
+    draft = engine.draft  # a draft model's weights are reused too
+    engine.runner = engine.kv_manager = engine.scheduler = engine.speculator = None  # old KV caches go first
     _free_device_memory()
-    return LLMEngine(*args, chat_template=engine.chat_template), False
+    return LLMEngine(*args, chat_template=engine.chat_template, draft=draft), False
 
 
 def _free_device_memory() -> None:

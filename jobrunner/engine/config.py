@@ -34,9 +34,12 @@ class EngineConfig:
     mode*). Costs throughput; off by default.
 
     ``speculative``: ``auto`` (default: n-gram drafts only where the measured acceptance and the batch size say a
-    step gains;
-    :mod:`jobrunner.engine.speculative`), ``ngram`` (prompt-lookup drafts verified every decode step) or ``off``.
-    ``num_speculative_tokens``: most drafted tokens per request per step.
+    step gains; :mod:`jobrunner.engine.speculative`), ``ngram`` (prompt-lookup drafts verified every decode step),
+    ``off``, or a model source (alias, local dir, Hub id, storage URL): a small *draft model* on the same tokenizer
+    proposes the drafts, planned like ``auto`` (:mod:`jobrunner.engine.speculative.draft_model`;
+    ``draft_quantization`` quantizes it when loaded). ``num_speculative_tokens``: most drafted tokens per request
+    per step. ``draft_every_step`` (internal: tests and benchmarks): a draft model's drafts are verified on every
+    decode step, as ``ngram`` does.
     """
 
     max_num_seqs: int = setting(64, description="Most requests decoding at once.", ge=1)
@@ -61,13 +64,19 @@ class EngineConfig:
     deterministic: bool = setting(
         False, description="Batch-invariant execution: the same spec and seed give byte-identical rows whatever "
         "max_num_seqs, max_num_batched_tokens, workers, retries, preemption or resume (slower; docs/engine.md).")
-    speculative: Literal["off", "auto", "ngram"] = setting(
-        "auto", description="Speculative decoding: ngram (prompt-lookup drafts every decode step), auto (only where "
-        "the measured acceptance and batch size say a step gains: the drain tail) or off (docs/engine.md).")
+    speculative: str = setting(
+        "auto", description="Speculative decoding: auto (n-gram drafts only where the measured acceptance and batch "
+        "size say a step gains: the drain tail), ngram (prompt-lookup drafts every decode step), off, or a draft "
+        "model's source (alias, local dir, Hub id, storage URL; same tokenizer as model.source), planned like auto "
+        "(docs/engine.md).")
     num_speculative_tokens: int = setting(4, description="Most draft tokens per row per step.", ge=1, le=16)
+    draft_quantization: Literal["none", "int8", "int4", "fp8", "w8a8"] = setting(
+        "none", description="Quantization applied when loading the draft model (engine.speculative = a model "
+        "source); as model.quantization.")
+    draft_every_step: bool = False  # internal (tests, benchmarks): verify draft-model drafts every decode step
 
     def __post_init__(self) -> None:
-        _check_speculative(self.speculative, self.num_speculative_tokens)  # names the missing draft-model mode
+        check_speculative(self.speculative, self.num_speculative_tokens)
         check_settings(self)  # bounds and choices as declared above (the job spec checks the same)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
@@ -85,9 +94,15 @@ class EngineConfig:
 SPECULATIVE_MODES = ("off", "auto", "ngram")
 
 
-def _check_speculative(mode: str, num_tokens: int) -> None:
-    if not isinstance(mode, str) or mode not in SPECULATIVE_MODES:
-        raise ValueError(f"EngineConfig.speculative must be one of {'|'.join(SPECULATIVE_MODES)}, got {mode!r} "
-                         "(draft-model speculation is not implemented yet)")
+def is_draft_source(mode: str) -> bool:
+    """Whether ``EngineConfig.speculative`` names a draft model (anything but off / auto / ngram)."""
+    return mode not in SPECULATIVE_MODES
+
+
+def check_speculative(mode: str, num_tokens: int) -> None:
+    """ValueError naming the field: ``speculative`` must be a mode or a (non-blank) draft model source."""
+    if not isinstance(mode, str) or not mode.strip() or mode != mode.strip():
+        raise ValueError(f"speculative must be one of {'|'.join(SPECULATIVE_MODES)} or a draft model source "
+                         f"(alias, local dir, Hub id, storage URL) without surrounding blanks, got {mode!r}")
     if not 1 <= num_tokens <= 16:
         raise ValueError(f"EngineConfig.num_speculative_tokens must be in 1..16, got {num_tokens}")

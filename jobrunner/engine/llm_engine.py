@@ -18,6 +18,7 @@ from jobrunner.engine.sampling.noise import derive_seed
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.engine.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.speculative import make_speculator
+from jobrunner.engine.speculative.draft_model import DraftModel, prepare_draft
 from jobrunner.engine.stats import EngineStats
 from jobrunner.engine.stopping import check_stop, final_text
 
@@ -35,13 +36,15 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
                  eos_token_ids: Sequence[int] = (), model_info: dict[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, draft: DraftModel | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_info = dict(model_info or {})
+        # speculative = a model source: the draft model (loaded here unless given), its KV beside ours
+        self.draft = prepare_draft(self.config, model, tokenizer, self.model_info, draft)
         num_blocks = self._num_kv_blocks()
         bs = self.config.block_size
         model_len = self.config.max_model_len or model.shape.max_position_embeddings
@@ -64,7 +67,8 @@ class LLMEngine:
 
             make_deterministic(self)
         self.speculator = make_speculator(self._speculative_mode(), self.config.num_speculative_tokens,
-                                          self.config.max_num_seqs, self.max_model_len, self.device.type)
+                                          self.config.max_num_seqs, self.max_model_len, self.device.type,
+                                          self, num_blocks)
 
     def _speculative_mode(self) -> str:
         """``auto`` stays off on the fixed-shape (graph) decode path: a draft step leaves it for an eager step,
@@ -238,6 +242,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_step(result.num_prefill_tokens, result.num_decode_tokens, t2 - t1)
         finished += self._update_from_output(sched, result, t2)
+        if self.speculator is not None:  # finished / preempted requests give back their draft-model KV
+            self.speculator.settle(self.scheduler.running)
         used = self.kv_manager.pool.num_used_blocks
         self._stats.kv_blocks_used = used
         self._stats.kv_peak_blocks_used = max(self._stats.kv_peak_blocks_used, used)
@@ -381,6 +387,8 @@ class LLMEngine:
             return cfg.num_kv_blocks
         dtype = self.model.dtype
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
+        if self.draft is not None:  # every block has a draft-model block beside it: the budget holds both
+            per_block += self.draft.kv_bytes_per_block(cfg.block_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization)

@@ -205,7 +205,8 @@ def test_step_cost_is_fitted_near_the_step_size():
 
 
 def test_speculative_setting_is_checked():
-    with pytest.raises(ValueError, match="speculative"):
-        EngineConfig(speculative="medusa")
+    for bad in ("", " ngram"):  # anything else names a draft model, loaded (and checked) by the engine
+        with pytest.raises(ValueError, match="speculative"):
+            EngineConfig(speculative=bad)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative="ngram", num_speculative_tokens=0)

@@ -7,6 +7,10 @@ tokens (its KV slots allocated as lookahead, never registered in the prefix cach
 them causally like a small prompt chunk, and :mod:`.verify` keeps the drafts the target model agrees with.
 The engine then appends the accepted tokens, and trims the blocks that only held rejected drafts.
 
+``speculative`` set to a model source runs a small draft model on the same tokenizer as the proposer instead
+(:mod:`.draft_model` loads and checks it, :mod:`.draft_proposer` runs it over its own paged KV cache,
+:mod:`.draft_speculator` plans its draft lengths); verification is the same.
+
 In ``auto`` mode acceptance is measured on every decode step, speculating or not: a proposal that was not
 verified is compared with the tokens the request goes on to generate (a *shadow* draft).
 """
@@ -109,6 +113,9 @@ class Speculator:
         request.metrics.num_draft_tokens += k
         request.metrics.num_accepted_tokens += m
 
+    def settle(self, running: list) -> None:
+        """After a step: forget the state of requests no longer running (a draft model's KV; n-gram: none)."""
+
     def observe_step(self, num_prefill_tokens: int, num_decode_tokens: int, seconds: float) -> None:
         """Time a decode-only step (the cost model's data)."""
         if num_prefill_tokens == 0 and num_decode_tokens:
@@ -123,8 +130,13 @@ class Speculator:
 
 
 def make_speculator(mode: str, num_tokens: int, max_num_seqs: int, max_model_len: int,
-                    device_type: str) -> Speculator | None:
-    """The engine's speculator for ``EngineConfig.speculative`` (None when ``off``)."""
+                    device_type: str, engine=None, num_kv_blocks: int = 0) -> Speculator | None:
+    """The engine's speculator for ``EngineConfig.speculative`` (None when ``off``); a draft-model one when
+    ``engine.draft`` is loaded (its KV: ``num_kv_blocks`` blocks)."""
     if mode == "off":
         return None
+    if getattr(engine, "draft", None) is not None:
+        from jobrunner.engine.speculative.draft_speculator import DraftSpeculator
+
+        return DraftSpeculator.for_engine(engine, num_kv_blocks)
     return Speculator(mode, num_tokens, max_num_seqs, max_model_len, device_type)
