@@ -27,9 +27,9 @@ def test_unknown_attention_backend_is_named():
 
 
 def test_speculative_setting_reaches_the_engine_config():
-    assert engine_config_kwargs(_spec())["speculative"] == "off"
-    config = EngineConfig(**engine_config_kwargs(_spec(speculative="auto", num_speculative_tokens=3)))
-    assert config.speculative == "auto" and config.num_speculative_tokens == 3
+    assert engine_config_kwargs(_spec())["speculative"] == "auto"
+    config = EngineConfig(**engine_config_kwargs(_spec(speculative="ngram", num_speculative_tokens=3)))
+    assert config.speculative == "ngram" and config.num_speculative_tokens == 3
     with pytest.raises(SpecError, match=r"engine\.speculative"):
         _spec(speculative=" ")
     # any other value names a draft model: validate / run check it as model.source (tests/cli)

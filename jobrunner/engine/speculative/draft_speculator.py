@@ -25,7 +25,8 @@ from jobrunner.engine.speculative.draft_proposer import DraftProposer
 from jobrunner.engine.speculative.policy import MARGIN, StepCost, plan_drafts
 from jobrunner.engine.speculative.verify import VerifiedDraft
 
-DRAFT_BUCKET = 0  # the Acceptance key of draft-model drafts (n-gram drafts use their match length, >= 1)
+DRAFT_BUCKET = 0  # the Acceptance length of draft-model drafts (n-gram drafts use their match length, >= 1)
+DRAFT_KEY = (DRAFT_BUCKET, True)  # one pooled per-token rate: every draft token is counted under this key
 # A draft model's acceptance starts optimistic (this prior, worth PROBE_TOKENS verified draft tokens): a draft
 # is only measured when it runs, and the policy's neutral prior (0.5) would never let a draft run. While fewer
 # than PROBE_TOKENS were verified, only one row per step drafts (its first run prefills that row's prompt).
@@ -94,13 +95,13 @@ class DraftSpeculator(Speculator):
 
     @property
     def is_probing(self) -> bool:
-        return self.acceptance.evaluated.get(DRAFT_BUCKET, 0.0) < PROBE_TOKENS
+        return self.acceptance.evaluated.get(DRAFT_KEY, 0.0) < PROBE_TOKENS
 
     def alpha(self) -> float:
         """The measured acceptance under an optimistic prior worth :data:`PROBE_TOKENS` verified tokens."""
         a = self.acceptance
-        return ((a.accepted.get(DRAFT_BUCKET, 0.0) + PROBE_TOKENS * PROBE_ACCEPTANCE)
-                / (a.evaluated.get(DRAFT_BUCKET, 0.0) + PROBE_TOKENS))
+        return ((a.accepted.get(DRAFT_KEY, 0.0) + PROBE_TOKENS * PROBE_ACCEPTANCE)
+                / (a.evaluated.get(DRAFT_KEY, 0.0) + PROBE_TOKENS))
 
     def relative_costs(self) -> tuple[float, float, float]:
         """``(r_t, e0 / c1, e1 / c1)``: the target's fixed cost and the draft step's, in target query tokens."""
@@ -115,7 +116,7 @@ class DraftSpeculator(Speculator):
         """Account one verified draft and keep the draft's K/V of the accepted tokens."""
         super().record(request, verified)  # the request's counters
         m, k = verified.num_accepted, verified.num_drafted
-        self.acceptance.record(DRAFT_BUCKET, m + (m < k), m)
+        self.acceptance.record(DRAFT_BUCKET, True, m + (m < k), m)
         self.proposer.accept(request, m)
 
     def settle(self, running: list) -> None:
@@ -145,7 +146,7 @@ def plan_with_draft(alpha: float, lengths: list[int], num_decoding: int, num_tok
     best, best_rate = [0] * len(lengths), base * (1.0 + MARGIN)
     for cap in range(1, max(lengths, default=0) + 1):
         fixed = fixed_tokens + cap * draft_step_tokens
-        ks = plan_drafts([alpha] * len(lengths), [min(n, cap) for n in lengths], num_decoding,
+        ks = plan_drafts([(alpha, alpha)] * len(lengths), [min(n, cap) for n in lengths], num_decoding,
                          num_tokens / unit, fixed / unit)
         if not any(ks):
             continue
