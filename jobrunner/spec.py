@@ -102,6 +102,12 @@ class InputSpec(_Spec):
         default=None, description="A Jinja chat template used instead of the tokenizer's own."
     )
 
+    @field_validator("prefix_grouping", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: ``input.prefix_grouping: off`` means the mode ``off``."""
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _one_text_column(self) -> InputSpec:
         if self.format == "openai_batch":

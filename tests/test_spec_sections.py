@@ -106,3 +106,10 @@ def test_speculative_off_unquoted_in_yaml_is_the_off_mode(tmp_path):
     job.write_text(head)
     assert load_spec(job).engine.speculative == "auto"
     assert load_spec(job, overrides=["engine.speculative=off"]).engine.speculative == "off"  # --set
+
+
+def test_prefix_grouping_off_unquoted_in_yaml_is_the_off_mode(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\ninput: {url: in.parquet, prompt_column: p, prefix_grouping: off}\noutput: {url: out}\n")
+    assert load_spec(job).input.prefix_grouping == "off"
+    assert load_spec(job, overrides=["input.prefix_grouping=off"]).input.prefix_grouping == "off"  # --set
