@@ -58,6 +58,11 @@ CPU_CROSSOVERS = {True: {"int8": 8, "int4": 64}, False: {"int8": 256, "int4": 25
 # w8a8 (where it has a kernel): the int8 weight-only kernel up to 1 token (SmolLM2 decode at batch 1 on Zen 4:
 # 40.9 tok/s vs 32.3 with oneDNN's int8 GEMM for every size), the W8A8 GEMM above (batch 8: 156.8 vs 124.9).
 W8A8_CROSSOVER = {"w8a8": 1}
+# int4 on CPUs with int8 dot-product hardware: above the packed kernel's crossover and up to this many tokens,
+# int4 tiles expanded to int8 and an int8 GEMM with per-token int8 activations (jobrunner.quant.int4_int8).
+# Off (0) by default: not yet measured faster than bf16 end to end (docs/quantization.md); opt in with
+# JOBRUNNER_QUANT_KERNEL_TOKENS="int4_int8=4096".
+INT4_INT8_CROSSOVER = {"int4_int8": 0}
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}
@@ -178,7 +183,8 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     w8a8 = w8a8_kernel_for(profile.capability)
-    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(W8A8_CROSSOVER if w8a8 else {})}
+    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(W8A8_CROSSOVER if w8a8 else {}),
+              **(INT4_INT8_CROSSOVER if w8a8 else {})}
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(limits), CPU_TILE_WEIGHTS,
                          int4_unpack=unpack, w8a8_kernel=w8a8, triton_quant=_triton(torch.device("cpu"), False))
 

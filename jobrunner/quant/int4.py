@@ -9,6 +9,8 @@ The packed kernel wins at few tokens but its cost grows linearly with the token 
 into a reused buffer in the machine's fast compute dtype and multiplied with one dense GEMM per tile. Both
 packed layouts are read back exactly (CPU: ``int4_unpack``; CUDA: ``kernels.unpack_int4_cuda``), checked
 against the codes at load time; a layer whose layout does not check out keeps the packed kernel for all sizes.
+On CPUs with int8 dot-product hardware an opt-in third path (``max_kernel_tokens["int4_int8"]``, off by
+default) expands tiles to int8 and runs an int8 GEMM with per-token int8 activations (:mod:`.int4_int8`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
+from jobrunner.quant.int4_int8 import Int4AsInt8
 from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
@@ -129,6 +132,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         self.triton_mm = int4_triton_fn(self.dispatch) if self.cuda_readable else None
         block = self.cpu_layout.block_n if self.cpu_layout is not None else 8
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights, block)
+        # CPU with int8 dot-product hardware: an int8 GEMM (weights expanded per tile) up to this many tokens
+        self.int8 = Int4AsInt8.build(self) if self.cpu_layout is not None else None
         dtype = self.dispatch.compute_dtype or act_dtype
         if dtype is not None and self.dequant_available:  # sized at load time, not inside a CUDA graph capture
             self.scratch.reserve(self.tile_rows * self.in_features, dtype, q.device)
@@ -150,9 +155,11 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         return self.cpu_layout is not None or self.cuda_readable
 
     def path(self, num_tokens: int) -> str:
-        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``triton`` | ``dequant``."""
+        """Which path a call with ``num_tokens`` rows takes: ``packed`` | ``int8`` | ``triton`` | ``dequant``."""
         if num_tokens <= self.small_batch_max_tokens or not self.dequant_available:
             return "packed"
+        if self.int8 is not None and num_tokens <= self.int8.max_tokens:
+            return "int8"
         return "dequant" if self.triton_mm is None else "triton"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +173,8 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         if path == "packed":
             y = int4_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int4pack, self.group_size,
                         self.scales_and_zeros)
+        elif path == "int8":
+            y = self.int8.forward(x2)
         elif y is None:
             dtype = self.dispatch.compute_dtype_for(x2.dtype)
             y = tiled_linear(x2.to(dtype), self.out_features, self._fill, self.scratch, self.tile_rows)

@@ -84,6 +84,59 @@ static inline uint16_t as_bf16(float x) {
   }
 UNPACK(jr_int4_unpack_t, float, as_f32)
 UNPACK(jr_int4_unpack_t_bf16, uint16_t, as_bf16)
+
+/* int4 -> int8 per output row (the int4 path's int8 GEMM): W8^T[k, c] = rint(((code - 8) * s + z) * inv[c]),
+   clamped to [-127, 127], for whole blocks. s, z: the bfloat16 pairs [groups][pair_stride][2] of these rows;
+   inv: 1 / row scale. The rounding adds and subtracts 1.5 * 2^23 (round half to even, vectorizes). */
+#include <stdlib.h>
+static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+static inline int8_t to_i8(float v) {
+  v = (v + 12582912.0f) - 12582912.0f;
+  v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+  return (int8_t)v;
+}
+int jr_int4_to_int8_t(const uint8_t* packed, const uint16_t* pairs, const float* inv, int8_t* out, int64_t K,
+                      int64_t nb, int64_t block_n, int64_t split, int64_t group, int64_t ld, int64_t pair_stride,
+                      float* work, int64_t threads) {
+  /* work: 2 * (K / group) * nb * block_n floats (the per-group factors), or NULL to allocate them here */
+  const int64_t half = block_n / 2, cols = nb * block_n, groups = K / group;
+  float* a = work ? work : (float*)malloc(sizeof(float) * 2 * groups * cols);
+  if (!a) return 1;
+  float* b = a + groups * cols;
+  _Pragma("omp parallel num_threads(threads)")
+  {
+    _Pragma("omp for schedule(static)")
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t c = 0; c < cols; c++) {
+        const uint16_t* sz = pairs + 2 * (g * pair_stride + c);
+        const float s = from_bf16(sz[0]), z = from_bf16(sz[1]);
+        a[g * cols + c] = s * inv[c];
+        b[g * cols + c] = (z - 8.0f * s) * inv[c];
+      }
+    _Pragma("omp for schedule(static)")
+    for (int64_t k = 0; k < K; k++) {
+      const float* ag = a + (k / group) * cols;
+      const float* bg = b + (k / group) * cols;
+      int8_t* o = out + k * ld;
+      for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t* p = packed + (blk * K + k) * half;
+        const int64_t c = blk * block_n;
+        if (split) {
+          for (int64_t j = 0; j < half; j++) o[c + j] = to_i8((float)(p[j] & 15) * ag[c + j] + bg[c + j]);
+          for (int64_t j = 0; j < half; j++)
+            o[c + half + j] = to_i8((float)(p[j] >> 4) * ag[c + half + j] + bg[c + half + j]);
+        } else {
+          for (int64_t j = 0; j < half; j++) {
+            o[c + 2 * j] = to_i8((float)(p[j] & 15) * ag[c + 2 * j] + bg[c + 2 * j]);
+            o[c + 2 * j + 1] = to_i8((float)(p[j] >> 4) * ag[c + 2 * j + 1] + bg[c + 2 * j + 1]);
+          }
+        }
+      }
+    }
+  }
+  if (!work) free(a);
+  return 0;
+}
 """
 
 Unpack = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, int], None]
@@ -128,6 +181,47 @@ def int4_unpack_fn(dtype: torch.dtype = torch.float32) -> Unpack | None:
            group, out.shape[1], torch.get_num_threads())
 
     return unpack
+
+
+# fn(packed_blocks uint8 [nb, K, block_n / 2], pairs bf16 [groups, >= nb * block_n, 2] (a column slice of the
+# layer's scales_and_zeros), inv_row_scale float32 [nb * block_n], out int8 [K, ld], block_n, split, group,
+# work (float32 scratch for 2 * groups * rows factors; None: allocated per call)
+ToInt8 = Callable[..., None]
+
+
+@functools.cache
+def int4_to_int8_fn() -> ToInt8 | None:
+    """The compiled int4 -> int8 expansion (the int4 layer's int8-GEMM path), or ``None`` without native code.
+
+    Row ``c`` of the packed blocks becomes ``rint(((code - 8) * scale + zero) / row_scale[c])`` in [-127, 127],
+    written transposed (``out[k, c]``), the ``B`` operand of ``torch._int_mm``."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.jr_int4_to_int8_t
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64]
+
+    def expand(packed: torch.Tensor, pairs: torch.Tensor, inv_row_scale: torch.Tensor, out: torch.Tensor,
+               block_n: int, split: bool, group: int, work: torch.Tensor | None = None) -> None:
+        nb, k, _ = packed.shape
+        cols = nb * block_n
+        if out.shape[0] != k or out.shape[1] < cols or inv_row_scale.numel() < cols or pairs.shape[1] < cols:
+            raise ValueError("native int4 -> int8: out / pairs / row scale widths do not match")
+        checks = ((packed, torch.uint8), (inv_row_scale, torch.float32), (out, torch.int8), (pairs, torch.bfloat16))
+        for t, want in checks:
+            if t.dtype != want or t.device.type != "cpu" or (t is not pairs and not t.is_contiguous()):
+                raise ValueError(f"native int4 -> int8: expected a contiguous CPU {want} tensor, got {t.dtype}")
+        if pairs.stride(2) != 1 or pairs.stride(1) != 2:
+            raise ValueError("native int4 -> int8: pairs must be [groups, rows, 2] with contiguous rows")
+        if work is not None and (work.dtype != torch.float32 or work.numel() < 2 * (k // group) * cols):
+            raise ValueError("native int4 -> int8: work must hold 2 * K / group * rows float32 values")
+        if fn(packed.data_ptr(), pairs.data_ptr(), inv_row_scale.data_ptr(), out.data_ptr(), k, nb, block_n,
+              int(split), group, out.stride(0), pairs.stride(0) // 2, None if work is None else work.data_ptr(),
+              torch.get_num_threads()):
+            raise MemoryError("native int4 -> int8: out of memory for the per-tile scales")
+
+    return expand
 
 
 def _build() -> Path:

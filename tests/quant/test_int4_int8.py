@@ -1,0 +1,68 @@
+"""int4's int8-GEMM batch path (quant.int4_int8): dispatch per forced capability, the native int4 -> int8
+expansion against its torch reference, and the layer's numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from jobrunner.quant.dispatch import CROSSOVER_ENV, dispatch_for
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
+from jobrunner.quant.int4_int8 import expand_int8_reference
+from jobrunner.quant.native import int4_to_int8_fn
+
+needs_native = pytest.mark.skipif(int4_to_int8_fn() is None, reason="no C compiler: the int8 path is off")
+
+
+def _layer(out_features: int, in_features: int, group_size: int, capability: str = "avx512_bf16",
+           int4_int8: int = 4096) -> Int4WeightOnlyLinear:
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    base = dispatch_for("cpu", capability)
+    limits = {**base.max_kernel_tokens, "int4": 8, "int4_int8": int4_int8}
+    return Int4WeightOnlyLinear.from_linear(linear, group_size, dataclasses.replace(base, max_kernel_tokens=limits))
+
+
+def test_int8_path_is_chosen_per_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "int4_int8" not in dispatch_for("cpu", "avx2").max_kernel_tokens  # no int8 dot-product hardware
+    for cap in ("avx512_vnni", "avx512_bf16", "amx"):
+        assert dispatch_for("cpu", cap).kernel_tokens("int4_int8") == 0  # off unless asked for
+    monkeypatch.setenv(CROSSOVER_ENV, "int4_int8=4096")
+    assert dispatch_for("cpu", "avx512_bf16").kernel_tokens("int4_int8") == 4096
+    with pytest.raises(ValueError, match="int4_int8"):
+        dispatch_for("cpu", "avx2")
+    monkeypatch.delenv(CROSSOVER_ENV)
+    off = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch_for("cpu", "avx512_bf16"))
+    assert off.int8 is None and off.path(65) == "dequant"
+
+
+@needs_native
+@pytest.mark.parametrize(("shape", "group_size"), [((96, 64), 32), ((128, 128), 64)])
+def test_native_expansion_matches_reference(shape: tuple[int, int], group_size: int) -> None:
+    layer = _layer(*shape, group_size)
+    n, k = shape
+    codes = layer.cpu_layout.unpack(layer.weight_int4pack)
+    ref = expand_int8_reference(codes, layer.scales_and_zeros, group_size, layer.int8.row_scale)
+    out = layer.int8.fill(0, n, torch.empty(k, n, dtype=torch.int8))  # 96 rows: a partial block too
+    diff = (out.t().int() - ref.int()).abs()
+    # the C loop may fuse the multiply-add (one rounding): an exact .5 tie can land one code apart
+    assert diff.max().item() <= 1 and diff.float().mean().item() < 0.01
+    assert ref.abs().max().item() == 127  # each row's largest weight takes the full int8 range
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_path_close_to_dequantized_weight(dtype: torch.dtype) -> None:
+    layer = _layer(96, 64, 32)
+    torch.manual_seed(6)
+    x = torch.randn(20, 64).to(dtype)
+    assert layer.path(20) == "int8"
+    y = layer(x)
+    ref = x.double() @ layer.dequantized_weight().double().t() + layer.bias.double()
+    assert y.dtype == dtype and y.shape == (20, 96)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 0.03
+    # per-token activation scales: a row's result does not depend on the rest of the batch
+    other = torch.cat([x[:1], 10 * torch.randn(19, 64).to(dtype)])
+    assert torch.equal(layer(other)[0], y[0])
