@@ -311,7 +311,7 @@ def acquire_lease(storage: Storage, run_id: str, ttl_s: float, job_name: str = "
         if is_free(holder) or is_dead(holder):
             if _claim(lease, version, generation + 1):
                 if not is_free(holder):
-                    lease.taken_over = f"{describe_holder(holder)} is gone"
+                    lease.taken_over = f"{describe_holder(holder)}: no longer running"
                 return lease
             continue
         unchanged_s = watch.seen(version)
