@@ -225,18 +225,24 @@ def int4_to_int8_fn() -> ToInt8 | None:
 
 
 def _build() -> Path:
+    return build_library(_SOURCE, "int4_unpack")
+
+
+def build_library(source: str, name: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile ``source`` for this CPU into a cached shared library ``<cache>/jobrunner/<name>_<key>.so`` (the key
+    covers the source, compiler, flags and CPU); OSError without a compiler, CalledProcessError on a failed build."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler on PATH")
-    flags = ["-O3", march_flag(), "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
-    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"int4_unpack_{key}.so"
+    flags = ["-O3", march_flag(), "-fopenmp", *extra_flags, "-shared", "-fPIC"]
+    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"{name}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "unpack.c", Path(tmp) / "unpack.so"
-        src.write_text(_SOURCE, encoding="utf-8")
+        src, lib = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source, encoding="utf-8")
         subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
         os.replace(lib, target)  # atomic: concurrent workers build the same file
     return target

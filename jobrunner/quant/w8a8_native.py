@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from jobrunner.quant.native import NATIVE_ENV, _cpu_id, march_flag
+from jobrunner.quant.native import NATIVE_ENV, build_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -125,18 +122,4 @@ def w8a8_native() -> W8A8Native | None:
 
 
 def _build() -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler on PATH")
-    flags = ["-O3", march_flag(), "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
-    target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"w8a8_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "w8a8.c", Path(tmp) / "w8a8.so"
-        src.write_text(_SOURCE, encoding="utf-8")
-        subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
-        os.replace(lib, target)  # atomic: concurrent workers build the same file
-    return target
+    return build_library(_SOURCE, "w8a8", ("-fno-math-errno",))
