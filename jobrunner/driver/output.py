@@ -86,7 +86,8 @@ def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
     done = int((plan.shards.columns.status == COMMITTED).sum())
     if not done and lease.taken_over is None:
         return
-    line = f"resuming output {url}: {done} of {total} shards already committed, running the rest"
+    rest = "running the rest" if done < total else "nothing left to run"
+    line = f"resuming output {url}: {done} of {total} shards already committed, {rest}"
     if not done:
         line = f"output {url}: no shard committed yet, running all {total}"
     if lease.taken_over:

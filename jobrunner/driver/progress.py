@@ -85,7 +85,9 @@ class Progress:
         self.total = max(self.total, self.rows)  # per-row n overrides can make the total an underestimate
         self.tokens = max(self.tokens, output_tokens)
         if self.tokens and self.first_token_at is None:
-            self.first_token_at = now
+            # these tokens were made after the previous report (which had none), not at this instant: a job whose
+            # tokens all arrive in one report would otherwise show a rate over a span of microseconds
+            self.first_token_at = self.samples[-1][0] if self.samples else self.start
         self.samples.append((now, self.tokens))
         while len(self.samples) > 2 and now - self.samples[0][0] > RATE_WINDOW_S:
             self.samples.popleft()
@@ -98,7 +100,7 @@ class Progress:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
     def average_tokens_per_s(self) -> float:
-        """Output tokens/s since the first token was seen."""
+        """Output tokens/s since the last report before the first token (when this run's tokens started)."""
         if self.first_token_at is None:
             return 0.0
         return self.tokens / max(time.monotonic() - self.first_token_at, 1e-6)

@@ -65,7 +65,8 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     assert not (tmp_path / "out" / "_SUCCESS").exists()
     accept = runner.invoke(main, ["run", str(job), "--no-progress", "--set", "output.max_error_rate=0.5"])
     assert accept.exit_code == 0, accept.output  # the way on the message names first: nothing is recomputed
-    assert "3 of 3 shards already committed" in accept.output and (tmp_path / "out" / "_SUCCESS").exists()
+    assert "3 of 3 shards already committed, nothing left to run" in accept.output
+    assert (tmp_path / "out" / "_SUCCESS").exists()
     clear = "engine.factory_options.fail_on=null"
     second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear, "--set", "output.mode=overwrite"])
     assert second.exit_code == 0, second.output

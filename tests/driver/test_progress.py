@@ -64,6 +64,14 @@ def test_tokens_per_s_counts_tokens_before_rows_finish():
     assert progress.eta_s() is None  # no row yet: no honest ETA
 
 
+def test_average_rate_of_tokens_that_all_arrive_in_one_report_spans_from_the_report_before():
+    progress = Progress(total_rows=4, file=io.StringIO(), interval_s=0.0)
+    progress._take(0, 0)
+    progress.samples[0] = (progress.samples[0][0] - 4.0, 0)  # the last report without tokens: four seconds ago
+    progress._take(4, 24)  # a tiny job: every token in one report
+    assert 5.0 <= progress.average_tokens_per_s() <= 6.0  # 24 tokens over ~4 s, not over microseconds
+
+
 def test_total_grows_when_rows_exceed_it():
     progress = Progress(total_rows=4, file=io.StringIO(), interval_s=0.0)
     progress.update(rows=6, output_tokens=10)
