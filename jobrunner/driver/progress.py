@@ -39,6 +39,7 @@ class Progress:
         self.start = time.monotonic()
         self.rows, self.tokens, self.last_line = done_rows, 0, float("-inf")
         self.first_token_at: float | None = None
+        self.token_reports = 0  # reports whose token count went up: one alone dates no rate
         self.samples: deque[tuple[float, int]] = deque()  # (time, tokens) over the last RATE_WINDOW_S
         self.is_tty = bool(getattr(self.file, "isatty", lambda: False)())
         self.bar: tqdm | None = None
@@ -83,6 +84,7 @@ class Progress:
         now = time.monotonic()
         self.rows = max(self.rows, rows)
         self.total = max(self.total, self.rows)  # per-row n overrides can make the total an underestimate
+        self.token_reports += output_tokens > self.tokens
         self.tokens = max(self.tokens, output_tokens)
         if self.tokens and self.first_token_at is None:
             # these tokens were made after the previous report (which had none), not at this instant: a job whose
@@ -130,9 +132,12 @@ class Progress:
         elapsed = time.monotonic() - self.start
         pct = 100.0 * self.rows / self.total if self.total else 100.0
         state = "done" if self.rows >= self.total else "ended"
+        if self.token_reports >= 2:
+            rate = f"{self.average_tokens_per_s():.1f} out tok/s since the first token"
+        else:  # every token came in one report (a tiny job): only the whole run's time is known
+            rate = f"{self.tokens / max(elapsed, 1e-6):.1f} out tok/s over the whole run (start-up included)"
         return (f"{PREFIX} {state}: rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens in this "
-                f"run, {self.average_tokens_per_s():.1f} out tok/s since the first token | "
-                f"elapsed {_duration(elapsed)}")
+                f"run, {rate} | elapsed {_duration(elapsed)}")
 
     # ---- terminal -----------------------------------------------------------------------------------------
     def _draw_bar(self) -> None:

@@ -70,6 +70,8 @@ def test_average_rate_of_tokens_that_all_arrive_in_one_report_spans_from_the_rep
     progress.samples[0] = (progress.samples[0][0] - 4.0, 0)  # the last report without tokens: four seconds ago
     progress._take(4, 24)  # a tiny job: every token in one report
     assert 5.0 <= progress.average_tokens_per_s() <= 6.0  # 24 tokens over ~4 s, not over microseconds
+    progress.start -= 10.0  # the run began ten seconds ago; one report carried every token
+    assert "2.4 out tok/s over the whole run (start-up included)" in progress.final_line()
 
 
 def test_total_grows_when_rows_exceed_it():
