@@ -10,6 +10,9 @@ engines are loaded side by side and, per batch size, run in turn ``--rounds`` ti
         --quality-texts ../shared/data/mt_bench_turn2_ref.prompts.jsonl --out cpu_quant.json
     python scripts/cpu_quant_bench.py --threads 2 --capabilities avx2 \\
         --configs float32:none,bfloat16:none,float32:int8,float32:w8a8,float32:int4
+
+A config may carry its own crossovers (``JOBRUNNER_QUANT_KERNEL_TOKENS`` while that engine loads, ``+`` for
+``,``): ``bfloat16:int4@int4=8+int4_int8=4096``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ AVX2_ENV = {"JOBRUNNER_CPU_CAPABILITY": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 ROOT = Path(__file__).resolve().parents[1]
 MAX_PROMPT_TOKENS = 256
+CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 MAX_PPL_TOKENS = 512
 
 
@@ -39,7 +43,14 @@ def _engines(source: str, configs: list[str], max_batch: int, token_ids: list[li
     out = {}
     for name in configs:
         dtype, scheme = name.split(":")
-        out[name] = LLMEngine.from_source(source, dtype=dtype, quantization=scheme, config=config)
+        scheme, _, crossover = scheme.partition("@")  # "int4@int4=8+int4_int8=4096": this engine's crossovers
+        saved = os.environ.get(CROSSOVER_ENV)
+        if crossover:
+            os.environ[CROSSOVER_ENV] = crossover.replace("+", ",")
+        try:
+            out[name] = LLMEngine.from_source(source, dtype=dtype, quantization=scheme, config=config)
+        finally:
+            os.environ.pop(CROSSOVER_ENV, None) if saved is None else os.environ.update({CROSSOVER_ENV: saved})
     return out
 
 
@@ -169,7 +180,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
         capability, _, crossover = capability.partition(":")  # "native:int4=16" also moves a crossover
         if crossover:
-            env["JOBRUNNER_QUANT_KERNEL_TOKENS"] = crossover
+            env[CROSSOVER_ENV] = crossover
         if capability == "avx2":
             env.update(AVX2_ENV)
         elif capability != "native":

@@ -55,8 +55,15 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
     ``cpu avx2: int8 kernel <= 256 tokens, int4 kernel <= 256 tokens, else dequantized float32 tiles``."""
     if not dispatch:
         return None
-    kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in dispatch["max_kernel_tokens"].items())
+    from jobrunner.quant.dispatch import NO_LIMIT
+
+    limits = dict(dispatch["max_kernel_tokens"])
+    int4_int8 = limits.pop("int4_int8", 0)
+    kernels = ", ".join(f"{s} kernel <= {n} tokens" for s, n in limits.items())
     extra = "; fp8 via _scaled_mm" if dispatch.get("fp8_native") else ""
+    if int4_int8 > limits.get("int4", 0):  # int4's W4A8 batch path (quant.int4_int8) instead of its float tiles
+        extra += f"; int4 above {limits.get('int4', 0)} tokens: int8 GEMM, int8 activations (W4A8)" + (
+            f" up to {int4_int8} tokens" if int4_int8 < NO_LIMIT else "")
     if dispatch.get("w8a8_kernel"):
         extra += f"; w8a8 via {dispatch['w8a8_kernel']}"
     triton = dispatch.get("triton_quant")  # opt-in, JOBRUNNER_TRITON_QUANT

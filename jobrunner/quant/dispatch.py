@@ -58,11 +58,14 @@ CPU_CROSSOVERS = {True: {"int8": 8, "int4": 64}, False: {"int8": 256, "int4": 25
 # w8a8 (where it has a kernel): the int8 weight-only kernel up to 1 token (SmolLM2 decode at batch 1 on Zen 4:
 # 40.9 tok/s vs 32.3 with oneDNN's int8 GEMM for every size), the W8A8 GEMM above (batch 8: 156.8 vs 124.9).
 W8A8_CROSSOVER = {"w8a8": 1}
-# int4 on CPUs with int8 dot-product hardware: above the packed kernel's crossover and up to this many tokens,
-# int4 tiles expanded to int8 and an int8 GEMM with per-token int8 activations (jobrunner.quant.int4_int8).
-# Off (0) by default: not yet measured faster than bf16 end to end (docs/quantization.md); opt in with
-# JOBRUNNER_QUANT_KERNEL_TOKENS="int4_int8=4096".
-INT4_INT8_CROSSOVER = {"int4_int8": 0}
+# int4 on CPUs with int8 dot-product hardware: up to 16 tokens the packed kernel, above it (no upper limit) int4
+# tiles expanded to int8 and an int8 GEMM with per-token int8 activations (W4A8, jobrunner.quant.int4_int8).
+# SmolLM2-135M on a 2-core Zen 4, µs per call at 16 / 64 / 2048 rows (docs/quantization.md): gate_up packed 452
+# / 1545 / 44083, W4A8 387 / 521 / 10368, bf16 236 / 664 / 18594; engine at batch 64: 1.20x bf16 (the packed
+# kernel up to 64 tokens and bf16 tiles above: 0.86x). JOBRUNNER_QUANT_KERNEL_TOKENS="int4_int8=0" turns it
+# off (int4 then stays weight-only: bf16 tiles above the packed kernel's crossover).
+NO_LIMIT = 1 << 30
+INT4_INT8_CROSSOVER = {"int4": 16, "int4_int8": NO_LIMIT}
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}

@@ -27,11 +27,17 @@ import torch
 
 from jobrunner.quant.native import int4_to_int8_fn
 from jobrunner.quant.tiled import tile_rows_for
+from jobrunner.quant.w8a8_native import w8a8_native
 
 if TYPE_CHECKING:
     from jobrunner.quant.int4 import Int4WeightOnlyLinear
 
 INT8_MAX = 127.0
+# Weights expanded per tile (int8 bytes). Each tile costs one C call, one int8 GEMM and one output pass, so
+# fewer, larger tiles win here, unlike the float tiles (CPU_TILE_WEIGHTS, 2^18): SmolLM2 gate_up (1.77 M
+# weights) at 64 rows, 2 threads, Zen 4: 1230 / 698 / 595 / 600 µs with tiles of 2^18 / 2^20 / 2^21 / 2^22
+# weights (bf16 GEMM 707). The GEMM then reads a 2 MB tile just written, from L2 / L3.
+INT8_TILE_WEIGHTS = 1 << 21
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +79,8 @@ class Int4AsInt8:
         layout = layer.cpu_layout
         self.tile_rows = tile_rows_for(layer.out_features, layer.in_features, tile_weights, layout.block_n)
         self.expand = int4_to_int8_fn()
-        self.work_numel = 2 * (layer.in_features // layer.group_size) * self.tile_rows
+        self.native = w8a8_native()  # the row quantization and output scaling in C (None: torch ops)
         layer.scratch.reserve(self.tile_rows * layer.in_features, torch.int8, layer.weight_int4pack.device)
-        layer.scratch.reserve(self.work_numel, torch.float32, layer.weight_int4pack.device)
 
     @classmethod
     def build(cls, layer: Int4WeightOnlyLinear) -> Int4AsInt8 | None:
@@ -83,20 +88,25 @@ class Int4AsInt8:
         max_tokens = layer.dispatch.kernel_tokens("int4_int8")
         if max_tokens <= layer.small_batch_max_tokens or int4_to_int8_fn() is None:
             return None
-        return cls(layer, max_tokens, layer.dispatch.tile_weights)
+        return cls(layer, max_tokens, INT8_TILE_WEIGHTS)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2 [M, K] @ W.T`` as float32 [M, N]."""
+        """``x2 [M, K] @ W.T`` in ``x2``'s dtype (float32 for other dtypes than float32 / bfloat16)."""
         layer = self.layer
         k, n = layer.in_features, layer.out_features
-        xq, x_scale = quantize_rows_int8(x2)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        native = self.native if self.native is not None and self.native.takes(x2) else None
+        xq, x_scale = native.quantize(x2, signed=True) if native is not None else quantize_rows_int8(x2)
+        y = torch.empty(x2.shape[0], n, dtype=x2.dtype if x2.dtype in (torch.float32, torch.bfloat16)
+                        else torch.float32)
         scratch = layer.scratch.get(self.tile_rows * k, torch.int8, x2.device)
         for n0 in range(0, n, self.tile_rows):
             n1 = min(n, n0 + self.tile_rows)
-            w8t = self.fill(n0, n1, scratch[: (n1 - n0) * k].view(k, n1 - n0))
-            torch.mul(torch._int_mm(xq, w8t), self.row_scale[n0:n1], out=y[:, n0:n1])
-        return y.mul_(x_scale)
+            acc = torch._int_mm(xq, self.fill(n0, n1, scratch[: (n1 - n0) * k].view(k, n1 - n0)))
+            if native is not None:
+                native.scale_int32(acc, x_scale, self.row_scale[n0:n1], y[:, n0:n1])
+            else:
+                y[:, n0:n1] = acc.mul(self.row_scale[n0:n1]).mul_(x_scale)
+        return y
 
     def fill(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
         """Write the int8 codes of rows ``[n0, n1)`` transposed into ``out`` [K, n1 - n0]; return it."""
@@ -106,9 +116,8 @@ class Int4AsInt8:
         if full:
             b0, nb = n0 // layout.block_n, full // layout.block_n
             blocks = layer.weight_int4pack.reshape(-1)[b0 * k * half:(b0 + nb) * k * half].view(nb, k, half)
-            work = layer.scratch.get(2 * (k // layer.group_size) * full, torch.float32, out.device)
             self.expand(blocks, layer.scales_and_zeros[:, n0:n0 + full], self.inv_row_scale[n0:n0 + full], out,
-                        layout.block_n, layout.is_split, layer.group_size, work)
+                        layout.block_n, layout.is_split, layer.group_size)
         if n0 + full < n1:  # a partial last block (stored interleaved): gathered with torch ops
             rows = torch.arange(n0 + full, n1, device=out.device)
             codes = layout.gather_rows(layer.weight_int4pack, rows)

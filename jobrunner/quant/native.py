@@ -86,55 +86,71 @@ UNPACK(jr_int4_unpack_t, float, as_f32)
 UNPACK(jr_int4_unpack_t_bf16, uint16_t, as_bf16)
 
 /* int4 -> int8 per output row (the int4 path's int8 GEMM): W8^T[k, c] = rint(((code - 8) * s + z) * inv[c]),
-   clamped to [-127, 127], for whole blocks. s, z: the bfloat16 pairs [groups][pair_stride][2] of these rows;
-   inv: 1 / row scale. The rounding adds and subtracts 1.5 * 2^23 (round half to even, vectorizes). */
+   clamped to [-127, 127], for whole blocks of block_n <= 64 rows. s, z: the bfloat16 pairs
+   [groups][pair_stride][2] of these rows; inv: 1 / row scale. OpenMP over blocks: a block's factors for one
+   group (a = s * inv, b = (z - 8 s) * inv) are computed once on the stack and used for the group's rows of K;
+   each (k, block) writes one run of block_n bytes. The scalar rounding adds and subtracts 1.5 * 2^23 (round
+   half to even, as the vector conversion and rint do). */
 #include <stdlib.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* 16 codes (bytes 0..15) -> 16 int8: rint(code * a + b) clamped to [-127, 127] (the MXCSR default rounds half
+   to even, like rint); written out explicitly because char stores alias the factor arrays for the compiler */
+static inline void expand16(__m128i codes, const float* a, const float* b, int8_t* o) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  __m512i i = _mm512_cvtps_epi32(_mm512_fmadd_ps(f, _mm512_loadu_ps(a), _mm512_loadu_ps(b)));
+  i = _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(i));
+}
+#endif
 static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
 static inline int8_t to_i8(float v) {
   v = (v + 12582912.0f) - 12582912.0f;
   v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
   return (int8_t)v;
 }
-int jr_int4_to_int8_t(const uint8_t* packed, const uint16_t* pairs, const float* inv, int8_t* out, int64_t K,
-                      int64_t nb, int64_t block_n, int64_t split, int64_t group, int64_t ld, int64_t pair_stride,
-                      float* work, int64_t threads) {
-  /* work: 2 * (K / group) * nb * block_n floats (the per-group factors), or NULL to allocate them here */
-  const int64_t half = block_n / 2, cols = nb * block_n, groups = K / group;
-  float* a = work ? work : (float*)malloc(sizeof(float) * 2 * groups * cols);
-  if (!a) return 1;
-  float* b = a + groups * cols;
-  _Pragma("omp parallel num_threads(threads)")
-  {
-    _Pragma("omp for schedule(static)")
-    for (int64_t g = 0; g < groups; g++)
-      for (int64_t c = 0; c < cols; c++) {
-        const uint16_t* sz = pairs + 2 * (g * pair_stride + c);
-        const float s = from_bf16(sz[0]), z = from_bf16(sz[1]);
-        a[g * cols + c] = s * inv[c];
-        b[g * cols + c] = (z - 8.0f * s) * inv[c];
-      }
-    _Pragma("omp for schedule(static)")
-    for (int64_t k = 0; k < K; k++) {
-      const float* ag = a + (k / group) * cols;
-      const float* bg = b + (k / group) * cols;
-      int8_t* o = out + k * ld;
-      for (int64_t blk = 0; blk < nb; blk++) {
-        const uint8_t* p = packed + (blk * K + k) * half;
-        const int64_t c = blk * block_n;
-        if (split) {
-          for (int64_t j = 0; j < half; j++) o[c + j] = to_i8((float)(p[j] & 15) * ag[c + j] + bg[c + j]);
-          for (int64_t j = 0; j < half; j++)
-            o[c + half + j] = to_i8((float)(p[j] >> 4) * ag[c + half + j] + bg[c + half + j]);
-        } else {
-          for (int64_t j = 0; j < half; j++) {
-            o[c + 2 * j] = to_i8((float)(p[j] & 15) * ag[c + 2 * j] + bg[c + 2 * j]);
-            o[c + 2 * j + 1] = to_i8((float)(p[j] >> 4) * ag[c + 2 * j + 1] + bg[c + 2 * j + 1]);
-          }
-        }
-      }
+static void expand_row(const uint8_t* restrict p, const float* restrict a, const float* restrict b,
+                       int8_t* restrict o, int64_t half, int64_t split) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (split && half % 16 == 0) {  /* 16 bytes: 16 low-nibble rows and the 16 rows half further on */
+    for (int64_t j = 0; j < half; j += 16) {
+      const __m128i bytes = _mm_loadu_si128((const __m128i*)(p + j));
+      expand16(_mm_and_si128(bytes, _mm_set1_epi8(15)), a + j, b + j, o + j);
+      expand16(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15)), a + half + j, b + half + j, o + half + j);
+    }
+    return;
+  }
+#endif
+  if (split) {
+    for (int64_t j = 0; j < half; j++) o[j] = to_i8((float)(p[j] & 15) * a[j] + b[j]);
+    for (int64_t j = 0; j < half; j++) o[half + j] = to_i8((float)(p[j] >> 4) * a[half + j] + b[half + j]);
+  } else {
+    for (int64_t j = 0; j < half; j++) {
+      o[2 * j] = to_i8((float)(p[j] & 15) * a[2 * j] + b[2 * j]);
+      o[2 * j + 1] = to_i8((float)(p[j] >> 4) * a[2 * j + 1] + b[2 * j + 1]);
     }
   }
-  if (!work) free(a);
+}
+int jr_int4_to_int8_t(const uint8_t* packed, const uint16_t* pairs, const float* inv, int8_t* out, int64_t K,
+                      int64_t nb, int64_t block_n, int64_t split, int64_t group, int64_t ld, int64_t pair_stride,
+                      int64_t threads) {
+  const int64_t half = block_n / 2, groups = K / group;
+  if (block_n > 64 || block_n % 2) return 1;
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")
+  for (int64_t blk = 0; blk < nb; blk++) {
+    float a[64], b[64];
+    const int64_t c0 = blk * block_n;
+    for (int64_t g = 0; g < groups; g++) {
+      for (int64_t j = 0; j < block_n; j++) {
+        const uint16_t* sz = pairs + 2 * (g * pair_stride + c0 + j);
+        const float s = from_bf16(sz[0]), z = from_bf16(sz[1]);
+        a[j] = s * inv[c0 + j];
+        b[j] = (z - 8.0f * s) * inv[c0 + j];
+      }
+      for (int64_t k = g * group; k < (g + 1) * group; k++)
+        expand_row(packed + (blk * K + k) * half, a, b, out + k * ld + c0, half, split);
+    }
+  }
   return 0;
 }
 """
@@ -184,8 +200,7 @@ def int4_unpack_fn(dtype: torch.dtype = torch.float32) -> Unpack | None:
 
 
 # fn(packed_blocks uint8 [nb, K, block_n / 2], pairs bf16 [groups, >= nb * block_n, 2] (a column slice of the
-# layer's scales_and_zeros), inv_row_scale float32 [nb * block_n], out int8 [K, ld], block_n, split, group,
-# work (float32 scratch for 2 * groups * rows factors; None: allocated per call)
+# layer's scales_and_zeros), inv_row_scale float32 [nb * block_n], out int8 [K, ld], block_n, split, group)
 ToInt8 = Callable[..., None]
 
 
@@ -200,10 +215,10 @@ def int4_to_int8_fn() -> ToInt8 | None:
         return None
     fn = lib.jr_int4_to_int8_t
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8
 
     def expand(packed: torch.Tensor, pairs: torch.Tensor, inv_row_scale: torch.Tensor, out: torch.Tensor,
-               block_n: int, split: bool, group: int, work: torch.Tensor | None = None) -> None:
+               block_n: int, split: bool, group: int) -> None:
         nb, k, _ = packed.shape
         cols = nb * block_n
         if out.shape[0] != k or out.shape[1] < cols or inv_row_scale.numel() < cols or pairs.shape[1] < cols:
@@ -214,12 +229,10 @@ def int4_to_int8_fn() -> ToInt8 | None:
                 raise ValueError(f"native int4 -> int8: expected a contiguous CPU {want} tensor, got {t.dtype}")
         if pairs.stride(2) != 1 or pairs.stride(1) != 2:
             raise ValueError("native int4 -> int8: pairs must be [groups, rows, 2] with contiguous rows")
-        if work is not None and (work.dtype != torch.float32 or work.numel() < 2 * (k // group) * cols):
-            raise ValueError("native int4 -> int8: work must hold 2 * K / group * rows float32 values")
-        if fn(packed.data_ptr(), pairs.data_ptr(), inv_row_scale.data_ptr(), out.data_ptr(), k, nb, block_n,
-              int(split), group, out.stride(0), pairs.stride(0) // 2, None if work is None else work.data_ptr(),
-              torch.get_num_threads()):
-            raise MemoryError("native int4 -> int8: out of memory for the per-tile scales")
+        if block_n > 64 or block_n % 2:
+            raise ValueError(f"native int4 -> int8: blocks of {block_n} rows (at most 64, even)")
+        fn(packed.data_ptr(), pairs.data_ptr(), inv_row_scale.data_ptr(), out.data_ptr(), k, nb, block_n,
+           int(split), group, out.stride(0), pairs.stride(0) // 2, torch.get_num_threads())
 
     return expand
 

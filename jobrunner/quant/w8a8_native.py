@@ -9,7 +9,9 @@ pass and OpenMP start; at 64 tokens on a 2-core Zen 4 they cost more than the GE
   and ``u8 = rint(x / s) + 128`` — the same float32 division and round-half-even as
   :func:`jobrunner.quant.w8a8.quantize_rows`, so the codes are identical (tested);
 * ``rowscale``: ``out = y * s_m`` from the kernel's float32 output, written as bfloat16 (round to nearest
-  even, as torch's cast) or in place as float32 — the same numbers as ``y.mul_(s).to(dtype)``.
+  even, as torch's cast) or in place as float32 — the same numbers as ``y.mul_(s).to(dtype)``;
+* ``scale_int32``: the same for an int32 GEMM result with per-column scales too (int4's int8 path,
+  :mod:`jobrunner.quant.int4_int8`): ``out = acc * s_n * s_m``.
 
 No compiler or ``JOBRUNNER_QUANT_NATIVE=0``: :func:`w8a8_native` returns ``None`` and the torch ops run.
 """
@@ -37,7 +39,9 @@ static inline uint16_t f32_bf16(float x) {
 }
 static inline float bits_f32(uint32_t u) { union { uint32_t u; float f; } v = {u}; return v.f; }
 /* |x| of a finite float orders like its bits with the sign cleared: an integer max, which vectorizes */
-void jr_w8a8_quant_bf16(const uint16_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t threads) {
+/* codes + zp as bytes: zp 128 gives oneDNN's u8 input, zp 0 the int8 codes themselves (two's complement) */
+void jr_w8a8_quant_bf16(const uint16_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t zp,
+                        int64_t threads) {
   _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * K >= 262144)")
   for (int64_t m = 0; m < M; m++) {
     const uint16_t* r = x + m * K;
@@ -46,10 +50,11 @@ void jr_w8a8_quant_bf16(const uint16_t* x, uint8_t* q, float* scale, int64_t M, 
     float amax = bf16_f32(top), s = amax > 0.f ? amax / 127.f : 1.f;
     scale[m] = s;
     uint8_t* o = q + m * K;
-    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bf16_f32(r[k]) / s) + 128);
+    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bf16_f32(r[k]) / s) + (int32_t)zp);
   }
 }
-void jr_w8a8_quant_f32(const uint32_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t threads) {
+void jr_w8a8_quant_f32(const uint32_t* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t zp,
+                       int64_t threads) {
   _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * K >= 262144)")
   for (int64_t m = 0; m < M; m++) {
     const uint32_t* r = x + m * K;
@@ -58,7 +63,7 @@ void jr_w8a8_quant_f32(const uint32_t* x, uint8_t* q, float* scale, int64_t M, i
     float amax = bits_f32(top), s = amax > 0.f ? amax / 127.f : 1.f;
     scale[m] = s;
     uint8_t* o = q + m * K;
-    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bits_f32(r[k]) / s) + 128);
+    for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(bits_f32(r[k]) / s) + (int32_t)zp);
   }
 }
 void jr_w8a8_rowscale_bf16(const float* y, const float* s, uint16_t* out, int64_t M, int64_t N, int64_t threads) {
@@ -71,6 +76,20 @@ void jr_w8a8_rowscale_f32(float* y, const float* s, int64_t M, int64_t N, int64_
   for (int64_t m = 0; m < M; m++)
     for (int64_t n = 0; n < N; n++) y[m * N + n] *= s[m];
 }
+/* an int32 GEMM result to its value: out[m, n] = acc[m, n] * sn[n] * sm[m] (float32 products in this order);
+   out has rows of ldo elements (a column slice of a wider output) */
+void jr_i32_scale_bf16(const int32_t* acc, const float* sm, const float* sn, uint16_t* out, int64_t M, int64_t N,
+                       int64_t ldo, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) out[m * ldo + n] = f32_bf16((float)acc[m * N + n] * sn[n] * sm[m]);
+}
+void jr_i32_scale_f32(const int32_t* acc, const float* sm, const float* sn, float* out, int64_t M, int64_t N,
+                      int64_t ldo, int64_t threads) {
+  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) out[m * ldo + n] = (float)acc[m * N + n] * sn[n] * sm[m];
+}
 """
 
 
@@ -80,21 +99,44 @@ class W8A8Native:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._quant = {torch.bfloat16: lib.jr_w8a8_quant_bf16, torch.float32: lib.jr_w8a8_quant_f32}
         self._scale_bf16, self._scale_f32 = lib.jr_w8a8_rowscale_bf16, lib.jr_w8a8_rowscale_f32
-        for fn in (*self._quant.values(), self._scale_bf16):
-            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self._i32_scale = {torch.bfloat16: lib.jr_i32_scale_bf16, torch.float32: lib.jr_i32_scale_f32}
+        for fn in self._quant.values():
+            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        self._scale_bf16.restype, self._scale_bf16.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         self._scale_f32.restype, self._scale_f32.argtypes = None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
+        for fn in self._i32_scale.values():
+            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``quantize`` takes ``x`` (a contiguous 2-D CPU float32 / bfloat16 tensor)."""
         return x.dtype in self._quant and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u8 codes [M, K] (int8 code + 128) and float32 row scales [M, 1] of ``x`` [M, K]."""
+    def quantize(self, x: torch.Tensor, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """u8 codes [M, K] (int8 code + 128) and float32 row scales [M, 1] of ``x`` [M, K]; ``signed``: the
+        int8 codes themselves (``torch._int_mm``'s input), the same as :func:`jobrunner.quant.w8a8.quantize_rows`."""
         m, k = x.shape
-        q = torch.empty(m, k, dtype=torch.uint8)
+        q = torch.empty(m, k, dtype=torch.int8 if signed else torch.uint8)
         scale = torch.empty(m, 1, dtype=torch.float32)
-        self._quant[x.dtype](x.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, torch.get_num_threads())
+        zero_point = 0 if signed else 128
+        self._quant[x.dtype](x.data_ptr(), q.data_ptr(), scale.data_ptr(), m, k, zero_point, torch.get_num_threads())
         return q, scale
+
+    def takes_scale(self, out: torch.Tensor) -> bool:
+        """Whether :meth:`scale_int32` can write ``out`` (float32 / bfloat16, CPU, rows of unit stride)."""
+        return out.dtype in self._i32_scale and out.dim() == 2 and out.stride(1) == 1 and out.device.type == "cpu"
+
+    def scale_int32(self, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """``out = acc * col_scale * row_scale`` for a contiguous int32 ``acc`` [M, N], float32 ``row_scale`` [M, 1]
+        and contiguous ``col_scale`` [N]: the same numbers as those two torch multiplies in that order, then the
+        cast to ``out``'s dtype. ``out`` [M, N] may be a column slice of a wider tensor (see :meth:`takes_scale`)."""
+        m, n = acc.shape
+        if not (acc.dtype == torch.int32 and acc.is_contiguous() and out.shape == acc.shape and self.takes_scale(out)
+                and col_scale.is_contiguous() and col_scale.numel() == n and row_scale.numel() == m
+                and row_scale.is_contiguous() and row_scale.dtype == col_scale.dtype == torch.float32):
+            raise ValueError("scale_int32: expected int32 acc [M, N], row scales [M], column scales [N], out [M, N]")
+        self._i32_scale[out.dtype](acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), out.data_ptr(), m, n,
+                                   out.stride(0), torch.get_num_threads())
 
     def rowscale(self, y: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(y * scale).to(dtype)`` for a contiguous float32 ``y`` [M, N] (in place when ``dtype`` is float32)."""

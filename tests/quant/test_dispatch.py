@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -123,6 +124,8 @@ def test_paths_by_token_count_and_compute_dtype(cls: str) -> None:
     results = {}
     for cap, dtype, tol in (("avx2", torch.float32, 1e-6), ("avx512_bf16", torch.bfloat16, 1e-2)):
         d = dispatch_for("cpu", cap)
+        # without int4's W4A8 batch path (on by default with VNNI; tests/quant/test_int4_int8.py): the float tiles
+        d = dataclasses.replace(d, max_kernel_tokens={k: v for k, v in d.max_kernel_tokens.items() if k != "int4_int8"})
         q = Int8WeightOnlyLinear.from_linear(lin, d) if cls == "int8" else Int4WeightOnlyLinear.from_linear(lin, 32, d)
         limit = d.kernel_tokens(cls)
         assert q.path(limit) == "packed" and q.path(limit + 1) == "dequant"

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from jobrunner.quant.dispatch import CROSSOVER_ENV, dispatch_for
+from jobrunner.models.factory import describe_dispatch
+from jobrunner.quant.dispatch import CROSSOVER_ENV, NO_LIMIT, dispatch_for
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.int4_int8 import expand_int8_reference
 from jobrunner.quant.native import int4_to_int8_fn
@@ -26,16 +27,21 @@ def _layer(out_features: int, in_features: int, group_size: int, capability: str
 
 
 def test_int8_path_is_chosen_per_capability(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert "int4_int8" not in dispatch_for("cpu", "avx2").max_kernel_tokens  # no int8 dot-product hardware
-    for cap in ("avx512_vnni", "avx512_bf16", "amx"):
-        assert dispatch_for("cpu", cap).kernel_tokens("int4_int8") == 0  # off unless asked for
-    monkeypatch.setenv(CROSSOVER_ENV, "int4_int8=4096")
-    assert dispatch_for("cpu", "avx512_bf16").kernel_tokens("int4_int8") == 4096
-    with pytest.raises(ValueError, match="int4_int8"):
-        dispatch_for("cpu", "avx2")
-    monkeypatch.delenv(CROSSOVER_ENV)
+    avx2 = dispatch_for("cpu", "avx2")
+    assert "int4_int8" not in avx2.max_kernel_tokens  # no int8 dot-product hardware
+    assert "W4A8" not in describe_dispatch(avx2.to_dict())
+    for cap in ("avx512_vnni", "avx512_bf16", "amx"):  # on: the packed kernel up to 16 tokens, W4A8 above
+        dispatch = dispatch_for("cpu", cap)
+        assert dispatch.kernel_tokens("int4") == 16 and dispatch.kernel_tokens("int4_int8") == NO_LIMIT
+        assert "int4 above 16 tokens: int8 GEMM, int8 activations (W4A8);" in describe_dispatch(dispatch.to_dict())
+        if int4_to_int8_fn() is not None:
+            layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch)
+            assert [layer.path(t) for t in (1, 16, 17, 5000)] == ["packed", "packed", "int8", "int8"]
+    monkeypatch.setenv(CROSSOVER_ENV, "int4_int8=0")  # off: int4 stays weight-only (float tiles at batch)
     off = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch_for("cpu", "avx512_bf16"))
     assert off.int8 is None and off.path(65) == "dequant"
+    with pytest.raises(ValueError, match="int4_int8"):
+        dispatch_for("cpu", "avx2")
 
 
 @needs_native

@@ -20,7 +20,8 @@ def test_swaps_every_linear_and_stays_close(tiny_llama, scheme, cls, max_err) ->
     ref = _logits(tiny_llama)
     ids = torch.arange(96)
     embedded_before = tiny_llama.embed_tokens(ids).detach()
-    report = quantize_model(tiny_llama, scheme)
+    # int4 keeps the head in int8 by default (test below); the override puts it in int4 to test that path
+    report = quantize_model(tiny_llama, scheme, overrides={"lm_head": "int4"} if scheme == "int4" else None)
     assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in tiny_llama.modules())
     assert isinstance(tiny_llama.layers[0].qkv_proj, cls) and isinstance(tiny_llama.lm_head, cls)
     assert tiny_llama.layers[0].qkv_proj.bias is not None  # Qwen2-style qkv bias kept
@@ -102,11 +103,19 @@ def test_untied_embedding_gets_own_int8_rows_and_model_bytes_shrink() -> None:
     assert type(no_embed.embed_tokens) is torch.nn.Embedding
 
 
-def test_overrides_put_the_tied_head_in_int8_under_int4(tiny_llama) -> None:
-    report = quantize_model(tiny_llama, "int4", overrides={"lm_head": "int8"})
+def test_int4_keeps_the_tied_head_in_int8_unless_overridden(tiny_llama) -> None:
+    report = quantize_model(tiny_llama, "int4")
     assert isinstance(tiny_llama.lm_head, Int8WeightOnlyLinear)
     assert isinstance(tiny_llama.layers[0].down_proj, Int4WeightOnlyLinear)
     assert tiny_llama.embed_tokens.weight_int8 is tiny_llama.lm_head.weight_int8
-    assert report.scheme_counts() == {"int4": 8, "int8": 1}
+    assert report.scheme_counts() == {"int4": 8, "int8": 1} and not report.fallbacks
+    assert any("lm_head stored in int8 under int4" in note for note in report.notes)
+    from tests.quant.conftest import TinyLlama
+
+    skipped = TinyLlama().eval()
+    report = quantize_model(skipped, "int4", skip=("lm_head",))  # skip beats the int8 default
+    assert type(skipped.lm_head) is torch.nn.Linear and report.scheme_counts() == {"int4": 8, "none": 1}
+    report = quantize_model(TinyLlama().eval(), "int4", overrides={"*head": "int4"})  # so does an override
+    assert report.scheme_counts() == {"int4": 9}
     with pytest.raises(ValueError, match="unknown quantization scheme"):
         quantize_model(tiny_llama, "int4", overrides={"lm_head": "int2"})

@@ -151,6 +151,15 @@ def test_native_loops_give_the_torch_numbers(dtype: torch.dtype) -> None:
     assert torch.equal(u8, u8_ref) and torch.equal(scale, scale_ref)
     y = torch.randn(37, 48, generator=gen) * 1e3
     assert torch.equal(native.rowscale(y.clone(), scale, dtype), (y * scale).to(dtype))
+    q, scale_s = native.quantize(x, signed=True)  # the int8 codes for torch._int_mm (int4's int8 path)
+    q_ref, _ = quantize_rows(x)
+    assert q.dtype == torch.int8 and torch.equal(q, q_ref) and torch.equal(scale_s, scale_ref)
+    acc = torch.randint(-2**20, 2**20, (37, 48), generator=gen, dtype=torch.int32)
+    col = torch.rand(60, generator=gen) * 1e-2
+    out = torch.zeros(37, 60, dtype=dtype)
+    native.scale_int32(acc, scale, col[5:53].contiguous(), out[:, 5:53])  # a column slice of a wider output
+    assert torch.equal(out[:, 5:53], acc.mul(col[5:53]).mul_(scale).to(dtype))
+    assert not out[:, :5].any() and not out[:, 53:].any()
 
 
 def test_smoothing_keeps_the_float_function_and_down_proj_unsmoothed_stays_weight_only(tiny_llama) -> None:
