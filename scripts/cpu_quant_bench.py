@@ -35,11 +35,15 @@ CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 MAX_PPL_TOKENS = 512
 
 
-def _engines(source: str, configs: list[str], max_batch: int, token_ids: list[list[int]], max_tokens: int):
+def _engines(source: str, configs: list[str], max_batch: int, token_ids: list[list[int]], max_tokens: int,
+             speculative: str = "off"):
     from jobrunner.engine import EngineConfig, LLMEngine
 
     blocks = sum(-(-(len(ids) + max_tokens) // 16) + 1 for ids in _batch(token_ids, max_batch))
-    config = EngineConfig(device="cpu", max_num_seqs=max_batch, num_kv_blocks=blocks, enable_prefix_caching=False)
+    # speculation off by default: with it, tokens per step depend on the text each scheme generates (a scheme
+    # that repeats itself gets more n-gram drafts accepted), not only on its kernels
+    config = EngineConfig(device="cpu", max_num_seqs=max_batch, num_kv_blocks=blocks, enable_prefix_caching=False,
+                          speculative=speculative)
     out = {}
     for name in configs:
         dtype, scheme = name.split(":")
@@ -112,7 +116,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     probe = LLMEngine.from_source(args.source, dtype="float32", config=EngineConfig(device="cpu", num_kv_blocks=4))
     token_ids = [probe.tokenize(p)[:MAX_PROMPT_TOKENS] for p in prompts]
     del probe
-    engines = _engines(args.source, configs, max(batches), token_ids, args.max_tokens)
+    engines = _engines(args.source, configs, max(batches), token_ids, args.max_tokens, args.speculative)
     for engine in engines.values():
         _tok_s(engine, token_ids[:2], 2)  # warm-up
     best: dict[str, dict[str, float]] = {c: {} for c in configs}
@@ -164,6 +168,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--speculative", default="off", help="engine.speculative for every config (default off: "
+                        "the same work per step for every scheme)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--capabilities", default="native", help="native | avx2 | a forced capability, comma list; "
                         "'native:int4=16' also sets JOBRUNNER_QUANT_KERNEL_TOKENS")
