@@ -55,6 +55,11 @@ CALIBRATION_SHAPE = (64, 512, 1024)  # (tokens, in, out): ~67 MFLOP, about a mil
 #   12.7 s). Dequantizing wins for prefill in 2048-token chunks: int8 9.1 s vs 12.4 s all-packed, int4 9.6 s
 #   vs 13.6 s (float32 9.9 s).
 CPU_CROSSOVERS = {True: {"int8": 8, "int4": 64}, False: {"int8": 256, "int4": 256}}  # key: fast bf16
+# The packed int8 kernel re-reads its weight for every few rows; a weight beyond the caches then streams from
+# memory each time. SmolLM2's lm_head (49152 x 576 = 28 M int8 weights), forced AVX2, 2 threads, ms, packed /
+# dequantized float32 tiles: 15.7 / 16.3 at 16 rows, 31.4 / 22.0 at 32, 59.3 / 33.5 at 64 (float32 GEMM 33.9).
+CPU_LARGE_INT8_WEIGHTS = 1 << 23
+CPU_LARGE_INT8_TOKENS = 16
 # w8a8 (where it has a kernel): the int8 weight-only kernel up to 1 token (SmolLM2 decode at batch 1 on Zen 4:
 # 40.9 tok/s vs 32.3 with oneDNN's int8 GEMM for every size), the W8A8 GEMM above (batch 8: 156.8 vs 124.9).
 W8A8_CROSSOVER = {"w8a8": 1}
@@ -122,6 +127,14 @@ class QuantDispatch:
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
         return self.max_kernel_tokens.get(scheme, 0)
+
+    def kernel_tokens_for(self, scheme: str, weights: int) -> int:
+        """:meth:`kernel_tokens` for a layer of ``weights`` weights: on CPU an int8 layer too large for the caches
+        (:data:`CPU_LARGE_INT8_WEIGHTS`) leaves its packed kernel sooner."""
+        limit = self.kernel_tokens(scheme)
+        if scheme == "int8" and self.device_type == "cpu" and weights > CPU_LARGE_INT8_WEIGHTS:
+            return min(limit, CPU_LARGE_INT8_TOKENS)
+        return limit
 
     def compute_dtype_for(self, x_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the dequantized weight for activations of ``x_dtype``."""

@@ -75,7 +75,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.dispatch = dispatch or dispatch_for(weight_int8.device)
         self.scratch = scratch or DequantBuffer()
-        self.small_batch_max_tokens = self.dispatch.kernel_tokens("int8")
+        self.small_batch_max_tokens = self.dispatch.kernel_tokens_for("int8", weight_int8.numel())
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights)
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.use_cuda_kernel = weight_int8.is_cuda and has_cuda_int8pack()

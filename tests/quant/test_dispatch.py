@@ -265,3 +265,14 @@ def test_native_int4_unpack_matches_torch(split: bool) -> None:
     int4_unpack_fn(torch.bfloat16)(packed, scale, offset, out_bf16, block_n, split, 32)
     assert torch.equal(out_bf16, out.to(torch.bfloat16))
     assert int4_unpack_fn(torch.float16) is None  # no such variant: the torch path
+
+
+def test_large_int8_weights_leave_the_packed_kernel_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
+    avx2, fast = dispatch_for("cpu", "avx2"), dispatch_for("cpu", "avx512_bf16")
+    head = 49152 * 576  # SmolLM2's lm_head: 28 M int8 weights, beyond the caches
+    assert avx2.kernel_tokens_for("int8", head) == 16 and avx2.kernel_tokens_for("int8", 3072 * 576) == 256
+    assert fast.kernel_tokens_for("int8", head) == fast.kernel_tokens("int8") == 8  # already below
+    assert avx2.kernel_tokens_for("int4", head) == avx2.kernel_tokens("int4")  # int8 only
+    monkeypatch.setattr(dispatch_module, "CPU_LARGE_INT8_WEIGHTS", 1000)
+    layer = Int8WeightOnlyLinear.from_linear(_linear(64, 32), avx2)  # 2048 weights: "large" now
+    assert layer.path(16) == "packed" and layer.path(17) == "dequant"
