@@ -72,3 +72,17 @@ def test_int8_path_close_to_dequantized_weight(dtype: torch.dtype) -> None:
     # per-token activation scales: a row's result does not depend on the rest of the batch
     other = torch.cat([x[:1], 10 * torch.randn(19, 64).to(dtype)])
     assert torch.equal(layer(other)[0], y[0])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_activation_loops_give_the_torch_numbers(dtype: torch.dtype) -> None:
+    """The row quantization and output scaling in C (quant.w8a8_native) match the torch ops bit for bit."""
+    layer = _layer(208, 128, 32)  # 208 rows: whole 64-row blocks and a partial one
+    layer.int8.tile_rows = 64  # several tiles, each scaled into its column slice
+    x = (torch.randn(33, 128) * 3).to(dtype)
+    with torch.no_grad():
+        fast = layer(x)
+        native, layer.int8.native = layer.int8.native, None
+        slow = layer(x)
+    assert native is not None and torch.equal(fast, slow)
