@@ -41,9 +41,11 @@ class ModelSpec(_Spec):
         "has bf16 GEMM hardware (AMX / avx512_bf16), else float32 -- from the CPU capability, never a timing."
     )
     quantization: Literal["none", "int8", "int4", "fp8", "w8a8"] = Field(
-        default="none", description="Quantization applied when loading: int8 / int4 weight-only; fp8 = e4m3 "
-        "weights with per-channel scales (W8A8 on CUDA sm89+, dequantized elsewhere); w8a8 = int8 weights and "
-        "per-token int8 activations (CPUs with VNNI / AMX; int8 weight-only elsewhere). See docs/quantization.md."
+        default="none", description="Quantization applied when loading: int8 = int8 weights only; int4 = 4-bit "
+        "group-wise weights with lm_head in int8, and above 16 tokens per-token int8 activations through an int8 "
+        "GEMM on CPUs with VNNI / AMX (weight-only elsewhere); fp8 = e4m3 weights with per-channel scales (W8A8 "
+        "on CUDA sm89+, dequantized elsewhere); w8a8 = int8 weights and per-token int8 activations (CPUs with "
+        "VNNI / AMX; int8 weight-only elsewhere). See docs/quantization.md."
     )
 
 
