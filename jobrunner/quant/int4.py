@@ -9,8 +9,9 @@ The packed kernel wins at few tokens but its cost grows linearly with the token 
 into a reused buffer in the machine's fast compute dtype and multiplied with one dense GEMM per tile. Both
 packed layouts are read back exactly (CPU: ``int4_unpack``; CUDA: ``kernels.unpack_int4_cuda``), checked
 against the codes at load time; a layer whose layout does not check out keeps the packed kernel for all sizes.
-On CPUs with int8 dot-product hardware an opt-in third path (``max_kernel_tokens["int4_int8"]``, off by
-default) expands tiles to int8 and runs an int8 GEMM with per-token int8 activations (:mod:`.int4_int8`).
+On CPUs with int8 dot-product hardware (VNNI / AMX) a third path takes every call above the packed kernel's
+crossover (``max_kernel_tokens["int4_int8"]``; ``0`` turns it off): tiles expanded to int8 and an int8 GEMM
+with per-token int8 activations (W4A8, :mod:`.int4_int8`), faster than bf16 at batch.
 """
 
 from __future__ import annotations
