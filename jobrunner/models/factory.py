@@ -74,6 +74,19 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
            f"{dispatch['dequant_dtype']} tiles{extra}"
 
 
+def describe_quant_layers(summary: dict[str, Any]) -> str:
+    """Layers per scheme, size and why a layer is not in the job's scheme, as one line for the manifest, e.g.
+    ``int4 120, int8 1 (lm_head: int4 keeps the head in int8); 99.2 MB, 0.366x of bf16``."""
+    scheme = summary.get("scheme")
+    why = [f"{f['name']}: {f['reason']}" for f in summary.get("fallbacks", [])]
+    why += [f"{n.split(' ')[0]}: int4 keeps the head in int8" for n in summary.get("notes", [])
+            if "stored in int8 under int4" in n]
+    counts = ", ".join(f"{s} {n}" for s, n in sorted(summary.get("layers", {}).items(), key=lambda i: i[0] != scheme))
+    detail = f" ({'; '.join(why[:3])}{'; …' if len(why) > 3 else ''})" if why else ""
+    size = f"; {summary.get('model_bytes_after', 0) / 1e6:.1f} MB, {summary.get('model_ratio_vs_bf16', 0):.3f}x of bf16"
+    return counts + detail + size
+
+
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
     """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
     ids: list[int] = []
@@ -116,6 +129,7 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
         info["quantization_report"] = report.summary()
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
+        info["quant_layers"] = describe_quant_layers(info["quantization_report"])
     tokenizer = load_tokenizer(model_dir)
     return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
 

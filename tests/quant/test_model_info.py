@@ -17,6 +17,9 @@ def test_model_info_records_dtype_and_dispatch(tiny_llama_hf_dir, monkeypatch: p
     assert info["quant_kernels"] == ("cpu avx2: int8 kernel <= 256 tokens, int4 kernel <= 256 tokens, "
                                      "else dequantized float32 tiles")
     assert info["quant_dispatch"]["dequant_dtype"] == "float32"
+    # the tiny model's 2 x 4 linears are int4; its head int8 by int4's policy, said in the manifest's line
+    assert info["quant_layers"].startswith("int4 8, int8 1 (lm_head: int4 keeps the head in int8); ")
+    assert info["quant_layers"].endswith("x of bf16")
     monkeypatch.setenv(CAPABILITY_ENV, "amx")
     _, _, _, info = load_for_engine(str(tiny_llama_hf_dir), device="cpu", dtype="auto")
     assert info["dtype"] == "bfloat16" and info["dtype_choice"]["fast_bf16"] is True
