@@ -22,10 +22,12 @@ requests are reclaimed whenever the table is full, before it grows.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from jobrunner.engine.sampling.row_table import SequenceRows
 
 MIN_CAPACITY = 8
 
@@ -38,15 +40,14 @@ class _Row:
     version: int = -1      # grammar.num_accepted when the row was filled; -1: never filled
 
 
-class DeviceGrammarMasks:
+class DeviceGrammarMasks(SequenceRows):
     """Persistent per-sequence token masks on ``device`` (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
         self.words = 0
         self.masks = torch.zeros(0, 0, dtype=torch.int32, device=device)
-        self.rows: dict[Hashable, _Row] = {}
-        self.free: list[int] = []
         self.staging = _HostInts(device)
         self.num_fills = 0     # mask rows filled by the grammar matchers (tests and scripts/grammar_overhead.py)
 
@@ -83,12 +84,6 @@ class DeviceGrammarMasks:
         compiler.apply_bitmask(logits, step, ints[k + n:])
         self.num_fills += k
 
-    def release(self, key: Hashable) -> None:
-        """Forget a finished sequence (its row is refilled when it is next handed out)."""
-        entry = self.rows.pop(key, None)
-        if entry is not None:
-            self.free.append(entry.row)
-
     def _rows_of(self, requests: Sequence) -> tuple[list[int], list[_Row]]:
         """Each request's row, and the rows (each once) whose grammar moved since they were filled."""
         slots: list[int] = []
@@ -102,14 +97,6 @@ class DeviceGrammarMasks:
                 stale[entry.row] = entry
             slots.append(entry.row)
         return slots, list(stale.values())
-
-    def _take_row(self) -> int:
-        if not self.free:
-            for key in [k for k, e in self.rows.items() if getattr(e.request, "is_finished", False)]:
-                self.release(key)
-        if not self.free:
-            self._grow()
-        return self.free.pop()
 
     def _grow(self) -> None:
         old = self.capacity

@@ -24,12 +24,13 @@ before it grows.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from jobrunner.engine.sampling import to_device
+from jobrunner.engine.sampling.row_table import SequenceRows
 
 MIN_CAPACITY = 8
 MIN_WIDTH = 256
@@ -42,16 +43,15 @@ class _Row:
     length: int = 0          # prompt + output tokens written to ``ids``
 
 
-class DevicePenaltyState:
+class DevicePenaltyState(SequenceRows):
     """Persistent per-sequence token ids and output counts on ``device`` (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
         self.vocab = 0
         self.ids = torch.zeros(0, MIN_WIDTH, dtype=torch.int64, device=device)
         self.counts = torch.zeros(0, 0, device=device)
-        self.rows: dict[Hashable, _Row] = {}
-        self.free: list[int] = []
 
     @property
     def capacity(self) -> int:
@@ -115,12 +115,6 @@ class DevicePenaltyState:
                                    accumulate=True)
         return slots, longest
 
-    def release(self, key: Hashable) -> None:
-        """Forget a finished sequence (its row is cleared when it is next handed out)."""
-        entry = self.rows.pop(key, None)
-        if entry is not None:
-            self.free.append(entry.row)
-
     def _entry(self, request) -> _Row:
         entry = self.rows.get(request.key)
         if entry is not None and (entry.request is not request or entry.length > request.num_tokens):
@@ -131,13 +125,8 @@ class DevicePenaltyState:
         return entry
 
     def _take_row(self) -> int:
-        if not self.free:
-            for key in [k for k, e in self.rows.items() if getattr(e.request, "is_finished", False)]:
-                self.release(key)
-        if not self.free:
-            self._grow()
-        row = self.free.pop()
-        self.counts[row].zero_()
+        row = super()._take_row()
+        self.counts[row].zero_()  # its output counts start from zero
         return row
 
     def _grow(self) -> None:
