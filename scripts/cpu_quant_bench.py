@@ -54,7 +54,10 @@ def _engines(source: str, configs: list[str], max_batch: int, token_ids: list[li
         try:
             out[name] = LLMEngine.from_source(source, dtype=dtype, quantization=scheme, config=config)
         finally:
-            os.environ.pop(CROSSOVER_ENV, None) if saved is None else os.environ.update({CROSSOVER_ENV: saved})
+            if saved is None:
+                os.environ.pop(CROSSOVER_ENV, None)
+            else:
+                os.environ[CROSSOVER_ENV] = saved
     return out
 
 

@@ -77,10 +77,11 @@ def describe_dispatch(dispatch: dict[str, Any] | None) -> str | None:
 def describe_quant_layers(summary: dict[str, Any]) -> str:
     """Layers per scheme, size and why a layer is not in the job's scheme, as one line for the manifest, e.g.
     ``int4 120, int8 1 (lm_head: int4 keeps the head in int8); 99.2 MB, 0.366x of bf16``."""
+    from jobrunner.quant.apply import INT4_INT8_NOTE
+
     scheme = summary.get("scheme")
     why = [f"{f['name']}: {f['reason']}" for f in summary.get("fallbacks", [])]
-    why += [f"{n.split(' ')[0]}: int4 keeps the head in int8" for n in summary.get("notes", [])
-            if "stored in int8 under int4" in n]
+    why += [f"{n.split(' ')[0]}: int4 keeps the head in int8" for n in summary.get("notes", []) if INT4_INT8_NOTE in n]
     counts = ", ".join(f"{s} {n}" for s, n in sorted(summary.get("layers", {}).items(), key=lambda i: i[0] != scheme))
     detail = f" ({'; '.join(why[:3])}{'; …' if len(why) > 3 else ''})" if why else ""
     size = f"; {summary.get('model_bytes_after', 0) / 1e6:.1f} MB, {summary.get('model_ratio_vs_bf16', 0):.3f}x of bf16"

@@ -91,7 +91,6 @@ UNPACK(jr_int4_unpack_t_bf16, uint16_t, as_bf16)
    group (a = s * inv, b = (z - 8 s) * inv) are computed once on the stack and used for the group's rows of K;
    each (k, block) writes one run of block_n bytes. The scalar rounding adds and subtracts 1.5 * 2^23 (round
    half to even, as the vector conversion and rint do). */
-#include <stdlib.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 /* 16 codes (bytes 0..15) -> 16 int8: rint(code * a + b) clamped to [-127, 127] (the MXCSR default rounds half
