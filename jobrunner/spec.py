@@ -23,6 +23,8 @@ ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` sh
 # Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
 # a stop string `token:` must stay as written (and must not stop `submit`).
 USER_DATA_SECTIONS = ("sampling",)
+PROGRESS_POLL_S = 1.0  # how often the driver polls a worker's progress (driver/pool.py)
+MIN_PROGRESS_POLLS = 3  # progress_timeout_s must span this many polls: one late reply is not a dead worker
 
 
 class _Spec(BaseModel):
@@ -221,6 +223,12 @@ class ClusterSpec(_Spec):
         "its engine and isolates the rows in-process (an engine call that never returns: the worker is "
         "replaced and its shards retried).",
     )
+    job_stall_timeout_s: float = Field(
+        default=1800.0, gt=0.0,
+        description="Most time the whole job may go without an event (a shard result, a worker placed or "
+        "ready, a commit, progress reported by a worker); then it ends with an error naming what it waited "
+        "for. At least progress_timeout_s.",
+    )
     io_timeout_s: float = Field(
         default=600.0, gt=0.0,
         description="Most time a worker waits for reading a shard's input or writing its part; then the "
@@ -239,6 +247,25 @@ class ClusterSpec(_Spec):
     max_isolation_restarts: int = Field(
         default=32, ge=0, description="The same over the whole job (all shards together).",
     )
+
+    @field_validator("progress_timeout_s")
+    @classmethod
+    def _progress_timeout_floor(cls, value: float) -> float:
+        """A worker is polled every PROGRESS_POLL_S: a deadline of fewer polls calls healthy workers dead."""
+        floor = MIN_PROGRESS_POLLS * PROGRESS_POLL_S
+        if value < floor:
+            raise ValueError(f"cluster.progress_timeout_s={value:g} is below {floor:g} s ({MIN_PROGRESS_POLLS} "
+                             f"progress polls, one every {PROGRESS_POLL_S:g} s): healthy workers would be "
+                             "replaced as silent")
+        return value
+
+    @model_validator(mode="after")
+    def _stall_after_progress(self) -> ClusterSpec:
+        if self.job_stall_timeout_s < self.progress_timeout_s:
+            raise ValueError(f"cluster.job_stall_timeout_s={self.job_stall_timeout_s:g} is below "
+                             f"cluster.progress_timeout_s={self.progress_timeout_s:g}: a hung worker would end the "
+                             "job before it is replaced")
+        return self
 
 
 class OutputSpec(_Spec):

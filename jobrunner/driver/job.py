@@ -7,7 +7,12 @@ decoding and the next, whose rows join the engine before the first drains). Blam
 bisection of crashing shards are described in driver/tasks.py; the pool's deadlines in driver/pool.py.
 Every event costs O(1) in the number of shards: tasks wait in a heap-backed queue, counts are running
 totals, and a commit writes one small record (driver/manifest.py). Shard state lives in one compact table
-(driver/shards.py: columns, ~120 bytes a shard); a Task exists only for a shard handed out.
+(driver/shards.py: columns, ~120 bytes a shard) until a shard is handed out; from then until it is
+committed or failed, in its one `ShardRun` (driver/shard_run.py: states queued, running, publishing),
+keyed by its table row. The pool alone changes workers, the book alone changes the manifest. Every round
+checks that the job can go on (driver/watchdog.py): a round where nothing is in flight, starting or due
+while shards remain, an empty pool that may not be refilled, or no event for `cluster.job_stall_timeout_s`
+ends the job with an error naming the shards' states; it never idles.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -30,14 +35,16 @@ from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
 from jobrunner.driver.prefix_dealing import fresh_tasks
 from jobrunner.driver.prefix_rows import merge_pieces
-from jobrunner.driver.prefix_stats import add_chains, publish_prefix_plan, record_summary
+from jobrunner.driver.prefix_stats import publish_prefix_plan
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
 from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
+from jobrunner.driver.shard_run import INFRA_LOSSES_PER_SHARD, ShardRun, ShardRuns, ShardState, judge_loss, worker_cap
 from jobrunner.driver.shards import ShardTable
-from jobrunner.driver.tasks import ShardWork, Task, TaskQueue
+from jobrunner.driver.tasks import Task, TaskQueue, retry_delay
+from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
 from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
@@ -75,21 +82,16 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
 class _JobLoop:
     def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any], lease: Lease,
                  show_progress: bool) -> None:
-        self.spec, self.storage, self.manifest, self.lease = spec, storage, manifest, lease
+        self.spec, self.storage, self.lease = spec, storage, lease
         self.shards: ShardTable = plan.shards
-        self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self._fresh_task, spec.cluster.num_workers,
+        self.runs = ShardRuns(self.shards)  # the shards handed out, until committed or failed
+        self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self.runs.hand_out, spec.cluster.num_workers,
                                                  plan.prefix is not None and plan.prefix.shares_prefixes))
-        self.chains: dict[str, tuple] = {}  # shard id -> its prompts' KV block chains, until committed
-        self.work: dict[str, ShardWork] = {}  # shards handed out and not yet committed
-        self.failed: dict[str, str] = {}
         self.error: str | None = None
-        self.in_flight: dict[Any, tuple[Worker, Task]] = {}
-        self.run_index = int(manifest.get("run_count") or 0)
-        manifest["run_count"] = self.run_index + 1
-        self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
-        self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.book = mf.JobBook(storage, manifest, self.shards)
-        mf.mark_run_start(manifest, self.started_at)  # for `jobrunner status` while this run goes
+        self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
+        run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
+        self.pool = WorkerPool(spec, run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.run_tokens = 0
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
@@ -97,7 +99,7 @@ class _JobLoop:
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
-        self.publishing: dict[Future, tuple[str, dict]] = {}  # publish in flight -> shard id, its record
+        self.watch = Watchdog(spec.cluster.job_stall_timeout_s)
         self.next_show = 0.0
 
     # ---- top level ----------------------------------------------------------------------------------
@@ -108,6 +110,7 @@ class _JobLoop:
                 count = min(self.spec.cluster.num_workers, len(self.queue))
                 self.progress.stage(describe_placing(self.spec, count))
                 self.pool.start(count)
+                self.watch.event("the workers were started")
                 self._loop()
         except BaseException:
             # LeaseLost (or any abort): queued publishes never start; one in flight meets the fence
@@ -123,23 +126,36 @@ class _JobLoop:
         return self._finish()
 
     def _loop(self) -> None:
-        while (len(self.queue) or self.in_flight or self.publishing) and self.error is None:
+        while (len(self.queue) or len(self.runs) or self.pool.busy) and self.error is None:
             self._keep_lease()
-            self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.in_flight)))
+            self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.pool.task_refs())))
             self._assign()
+            self.error = self._why_stuck()
+            if self.error is not None:
+                log.error("%s", redact_text(self.error))
+                break
             self._wait_and_handle()
             self._collect_published()
-            self.pool.poll()
+            if self.pool.poll():
+                self.watch.event("a worker reported progress")
             for worker, why, engine_stalled in self.pool.stalled():
                 self._worker_lost(worker, why, stalled=engine_stalled)
-            self.error = self.error or self.pool.start_problem()
             self._show_progress()
+
+    def _why_stuck(self) -> str | None:
+        """Why the job cannot go on, checked every round (None while it can): no worker may ever start, an
+        empty pool that may not be refilled, nothing that could happen, or no event for too long."""
+        return (self.pool.start_problem() or (self.pool.refill_problem() if len(self.queue) else None)
+                or idle_problem(self.pool, self.queue, self.runs)
+                or self.watch.problem(self.pool, self.queue, self.runs))
 
     def _wait_and_handle(self) -> None:
         start_refs = self.pool.start_refs()
-        waiting = list(self.in_flight) + list(start_refs)
-        wait_s = 0.02 if self.publishing else 1.0
-        if not waiting:
+        task_refs = self.pool.task_refs()
+        # poll replies wake the wait too: pool.poll() collects them right after, on every pass
+        waiting = task_refs + list(start_refs) + self.pool.poll_refs()
+        wait_s = 0.02 if self.runs.publishing() else 1.0
+        if not waiting:  # only a publish or a backed-off task can be next (_why_stuck made sure)
             due = self.queue.next_due_in()
             time.sleep(max(0.02, min(wait_s, due if due is not None else wait_s)))
             return
@@ -147,8 +163,9 @@ class _JobLoop:
         if done and rest:  # take everything else that is ready too: one pass per batch, not per result
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             done += more
+        tasks = set(task_refs)
         for ref in done:
-            if ref in self.in_flight:
+            if ref in tasks:
                 self._on_task_done(ref)
             elif ref in start_refs:
                 self._on_start_ref(ref, start_refs[ref])
@@ -167,54 +184,55 @@ class _JobLoop:
             return
         if ref == worker.ping_ref:
             self.pool.on_placed(worker)
+            self.watch.event(f"worker {worker.worker_id} placed")
             self.progress.stage(f"worker {worker.worker_id} placed; loading model {self.spec.model.source}")
             return
         self.pool.on_ready(worker)
+        self.watch.event(f"worker {worker.worker_id} ready")
         self.progress.stage(describe_ready(worker.worker_id, info))
-        self.manifest["model"].update(info["model"])
+        self.book.note_model(info["model"])
         self.book.record_worker(worker.worker_id, info["stats"])
 
     def _worker_lost(self, worker: Worker, error: str, stalled: bool = False, crash: str | None = None) -> None:
-        """Requeue a lost worker's tasks without charging them (see driver/tasks.py) and drop the worker."""
+        """Requeue a lost worker's tasks, blamed or not (driver/tasks.py, shard_run.judge_loss), and drop it."""
         log.warning("worker %s lost: %s", worker.worker_id, redact_text(error))
-        ran_alone = len(worker.tasks) == 1
-        self.pool.remove(worker, error)
-        for ref, task in list(worker.tasks.items()):
-            self.in_flight.pop(ref, None)
-            if task.shard_id in self.failed:
+        held = self.pool.remove(worker, error)
+        for run in {id(t.run): t.run for _, t in held}.values():
+            run.workers_lost += 1
+        cap = worker_cap(self.spec.cluster.max_isolation_restarts_per_shard)
+        for ref, task in held:
+            self.runs.returned(task, ref)
+            run = task.run
+            if run.state is ShardState.FAILED:
                 continue
-            work = self.work[task.shard_id]
-            if crash is None:
+            if crash is None or task.error_text is not None:
                 task.infra_failures += 1
-                work.infra_failures += 1
-            if not ran_alone:
-                task.alone = True
+                run.infra_failures += 1
+            verdict = judge_loss(task, len(held) == 1, crash, stalled, cap, ALONE_DEATHS_TO_BISECT)
+            if verdict.action == "fail":
+                self._fail(run, f"lost {run.workers_lost} workers running its rows (more than {cap}: "
+                                f"cluster.max_isolation_restarts_per_shard="
+                                f"{self.spec.cluster.max_isolation_restarts_per_shard} + {INFRA_LOSSES_PER_SHARD} "
+                                f"infrastructure losses); last: worker {worker.worker_id}: {error}")
+            elif verdict.action == "requeue":  # error rows: they never touched the engine
                 self.queue.put(task)
-                continue
-            task.alone_crashes += 1
-            self._count_restart(work)
-            # An engine crash or a stall alone is surely the task's rows; a death may be the node's (unless the
-            # rows are already suspects: a piece).
-            limit = 1 if crash is not None or stalled or task.is_piece else ALONE_DEATHS_TO_BISECT
-            if task.alone_crashes < limit:
+            elif not verdict.blamed:
                 task.alone = True
                 self.queue.put(task)
             else:
-                self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
-        worker.tasks.clear()
-
-    def _count_restart(self, work: ShardWork) -> None:
-        """A worker died (or hung) running a shard's rows alone: one more model load spent isolating them."""
-        work.isolation.model_loads += 1
-        self.isolation.model_loads += 1
-        if work.isolating_since is None:
-            work.isolating_since = time.monotonic()
+                task.alone_crashes += 1
+                self.runs.count_restart(run, self.isolation)
+                if verdict.action == "alone":
+                    task.alone = True
+                    self.queue.put(task)
+                else:
+                    self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
 
     def _isolate(self, task: Task, reason: str) -> None:
         """A task that fails alone: split it, or (one row, or past the restart caps) make its rows error rows."""
-        c, work = self.spec.cluster, self.work[task.shard_id]
+        c, run = self.spec.cluster, task.run
         capped = (f"cluster.max_isolation_restarts_per_shard={c.max_isolation_restarts_per_shard}"
-                  if work.isolation.model_loads >= c.max_isolation_restarts_per_shard else
+                  if run.isolation.model_loads >= c.max_isolation_restarts_per_shard else
                   f"cluster.max_isolation_restarts={c.max_isolation_restarts}"
                   if self.isolation.model_loads >= c.max_isolation_restarts else None)
         if task.num_rows <= 1 or capped:
@@ -226,7 +244,7 @@ class _JobLoop:
             task.alone = False
             self.queue.put(task)
             return
-        self.work[task.shard_id].num_pieces += 1
+        run.num_pieces += 1
         for half in task.halves():
             self.queue.put(half)
 
@@ -243,32 +261,29 @@ class _JobLoop:
             self.pool.remove(w, "job finished")
 
     # ---- tasks --------------------------------------------------------------------------------------
-    def _fresh_task(self, row: int) -> Task:
-        return Task(self.shards.id_of(row), *self.shards.rows_of(row))
-
     def _assign(self) -> None:
         for worker in self.pool.workers:
             while worker.is_ready and len(worker.tasks) < SHARDS_PER_WORKER and not _has_alone(worker):
                 task = self.queue.take(worker_is_empty=not worker.tasks, owner=worker.worker_id)
                 if task is None:
                     break
-                if task.shard_id not in self.failed:  # a piece of a shard that failed meanwhile is dropped
+                if task.run.state is not ShardState.FAILED:  # a piece of a shard failed meanwhile is dropped
                     self._start_task(worker, task)
 
     def _start_task(self, worker: Worker, task: Task) -> None:
         self.lease.check()  # a driver that lost the output starts no attempt (not even a temporary part)
-        task.attempts += 1
-        self.work.setdefault(task.shard_id, ShardWork()).attempts += 1
-        piece = self.shards.shard(self.shards.index_of(task.shard_id), task.row_start, task.row_end)
+        piece = self.shards.shard(task.run.row, task.row_start, task.row_end)
         attempt_id = f"{task.shard_id}-r{task.row_start}-{uuid.uuid4().hex[:8]}"
         ref = worker.actor.run_shard.remote(piece, attempt_id, task.error_text)
-        if not worker.tasks:
-            worker.last_heard = time.monotonic()  # idle time is not silence
-        worker.tasks[ref] = task
-        self.in_flight[ref] = (worker, task)
+        self.pool.assign(worker, ref, task)
+        self.runs.started(task, ref)
 
     def _on_task_done(self, ref: Any) -> None:
-        worker, task = self.in_flight[ref]
+        worker = self.pool.owner(ref)
+        if worker is None:  # its worker was removed this pass: the task was requeued then
+            return
+        task = worker.tasks[ref]
+        self.watch.event(f"a result of shard {task.shard_id}")
         try:
             result = ray.get(ref)
         except RayActorError as exc:
@@ -278,59 +293,63 @@ class _JobLoop:
             if isinstance(exc.cause, EngineFailed):
                 self._worker_lost(worker, _short(exc), crash=exc.cause.reason)
             else:
-                self._drop(ref, worker)
+                self._returned(ref)
                 self._charge(task, _short(exc))
             return
-        self._drop(ref, worker)
-        worker.last_heard = time.monotonic()
-        worker.live.pop((task.shard_id, task.row_start), None)
+        self._returned(ref)
         self.book.record_worker(worker.worker_id, result.worker_stats)
-        if task.shard_id in self.failed:
+        run = task.run
+        if run.state is ShardState.FAILED:
             return
-        work = self.work[task.shard_id]
-        work.results.append(result)
-        self._count_isolation(task, work, result)
-        if work.is_done:
-            self._commit(task.shard_id, work)
+        run.results.append(result)
+        self._count_isolation(task, run, result)
+        if run.is_done:
+            self._commit(run)
 
-    def _count_isolation(self, task: Task, work: ShardWork, result: ShardResult) -> None:
+    def _returned(self, ref: Any) -> None:
+        found = self.pool.task_done(ref)
+        if found is not None:
+            self.runs.returned(found[1], ref)
+
+    def _count_isolation(self, task: Task, run: ShardRun, result: ShardResult) -> None:
         """Add a finished attempt's isolation cost (in-process rebuilds, rows made error rows) to its shard's
         and the run's; a shard's restart-isolation wall time ends with its last piece."""
         cost = IsolationCost()
         cost.add(result.isolation)
         cost.rows_isolated += task.num_rows if task.error_text else 0
-        if work.is_done and work.isolating_since is not None:
-            cost.seconds += time.monotonic() - work.isolating_since
-        work.isolation.add(cost)
+        if run.is_done and run.isolating_since is not None:
+            cost.seconds += time.monotonic() - run.isolating_since
+        run.isolation.add(cost)
         self.isolation.add(cost)
-
-    def _drop(self, ref: Any, worker: Worker) -> None:
-        del self.in_flight[ref]
-        worker.tasks.pop(ref, None)
 
     def _charge(self, task: Task, error: str) -> None:
         """A failure that is the task's own (not infrastructure, not an engine crash): an attempt."""
         task.failures += 1
-        work = self.work[task.shard_id]
-        work.failures += 1
-        give_up = task.failures >= self.spec.cluster.max_shard_attempts
-        self.book.fail(task.shard_id, error, work.attempts, failed=give_up)
-        if give_up:
-            self.failed[task.shard_id] = error
-            log.error("shard %s failed after %d attempt(s): %s", task.shard_id, task.failures, redact_text(error))
+        run = task.run
+        run.failures += 1
+        if task.failures >= self.spec.cluster.max_shard_attempts:
+            self._fail(run, error)
             return
+        self.book.fail(run.row, error, run.attempts, failed=False)
         task.alone = True
-        self.queue.put(task, self.spec.cluster.retry_backoff_s * 2 ** (task.failures - 1))
+        self.queue.put(task, retry_delay(self.spec.cluster.retry_backoff_s, task.failures))
 
-    def _commit(self, shard_id: str, work: ShardWork) -> None:
+    def _fail(self, run: ShardRun, error: str) -> None:
+        """The shard fails for good: the table says so, its queued pieces go, pieces still out are dropped."""
+        log.error("shard %s failed after %d attempt(s): %s", run.shard_id, run.attempts, redact_text(error))
+        self.book.fail(run.row, error, run.attempts, failed=True)
+        self.runs.failed(run, error)
+        self.queue.discard(lambda t: t.run is run)
+
+    def _commit(self, run: ShardRun) -> None:
         """Publish the shard's attempt parts (fenced: only attempts this driver assigned), in the background."""
         self.lease.check()  # LeaseLost if another run took the output over: never publish then
-        results: list[ShardResult] = sorted(work.results, key=lambda r: r.row_start)
-        entry, kinds = _shard_entry(results, work)
-        record = self.book.record_for(shard_id, entry, kinds)
-        self.chains[shard_id] = merge_pieces([r.prefix_chains for r in results if r.prefix_chains[1] is not None])
-        self.publishing[self.publisher.submit(self._publish, shard_id, results, record)] = (shard_id, record)
-        del self.work[shard_id]
+        results: list[ShardResult] = sorted(run.results, key=lambda r: r.row_start)
+        entry, kinds = _shard_entry(results, run)
+        record = self.book.record_for(run.row, entry, kinds)
+        chains = merge_pieces([r.prefix_chains for r in results if r.prefix_chains[1] is not None])
+        future = self.publisher.submit(self._publish, run.shard_id, results, record)
+        self.runs.publishing_started(run, record, chains, future)
 
     def _publish(self, shard_id: str, results: list[ShardResult], record: dict[str, Any]) -> int:
         """Move the attempts to their final keys, then write the commit record (a publisher thread)."""
@@ -339,21 +358,22 @@ class _JobLoop:
         return write_commit_record(self.storage, shard_id, record, epoch=self.lease.generation)
 
     def _collect_published(self) -> None:
-        for future in [f for f in self.publishing if f.done()]:
-            shard_id, record = self.publishing.pop(future)
-            try:
-                record_bytes = future.result()
-            except Exception as exc:  # noqa: BLE001 - storage failed after its retries: the shard fails
-                self.failed[shard_id] = f"publishing failed: {exc}"
-                self.chains.pop(shard_id, None)
-                self.book.fail(shard_id, self.failed[shard_id], record["attempts"], failed=True)
+        for run in self.runs.publishing():
+            if not run.publish.done():
                 continue
-            self._committed(shard_id, record, record_bytes)
+            try:
+                record_bytes = run.publish.result()
+            except Exception as exc:  # noqa: BLE001 - storage failed after its retries: the shard fails
+                self._fail(run, f"publishing failed: {exc}")
+                continue
+            self._committed(run, record_bytes)
 
-    def _committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
-        self.book.mark_committed(shard_id, record, record_bytes)
-        add_chains(self.manifest, self.chains.pop(shard_id, (0, None)), self.spec.engine.block_size)
-        self.run_tokens += record["num_output_tokens"]
+    def _committed(self, run: ShardRun, record_bytes: int) -> None:
+        self.book.mark_committed(run.row, run.record, record_bytes)
+        self.book.add_chains(run.chains, self.spec.engine.block_size)
+        self.runs.committed(run)
+        self.watch.event(f"shard {run.shard_id} committed")
+        self.run_tokens += run.record["num_output_tokens"]
         self.stats["commits"] += 1
         if self.stats["first_commit_s"] is None:
             self.stats["first_commit_s"] = time.monotonic() - self.t0
@@ -371,31 +391,28 @@ class _JobLoop:
         """Rows done (committed, being published, finished pieces, finished inside running shards) and output
         tokens of this run (the larger of what finished rows hold and what the engines report produced)."""
         live_rows, live_tokens = self.pool.live_rows_tokens()
-        publishing = sum(int(record["rows"]) for _, record in self.publishing.values())
-        pieces = sum(r.rows for work in self.work.values() for r in work.results)
+        publishing = sum(int(run.record["rows"]) for run in self.runs.publishing())
+        pieces = sum(r.rows for run in self.runs.open() if run.state is not ShardState.PUBLISHING
+                     for r in run.results)
         rows = self.book.committed_rows + publishing + pieces + live_rows
         return rows, max(self.run_tokens + live_tokens, self.pool.tokens_produced())
 
     def _finish(self) -> JobResult:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
-        finished = not self.failed and not len(self.queue) and not self.in_flight and self.error is None
+        failed = self.book.failed_shards()
+        finished = not failed and not len(self.queue) and not len(self.runs) and self.error is None
         never_started = self.queue.drain_fresh()
-        if self.error is not None:
+        if self.error is not None:  # left pending, with the reason, for a resume
             self.shards.mark_not_run(never_started, f"not run: {self.error}")
-        for task in self.queue.drain():
-            if self.error is not None and task.shard_id not in self.failed:
-                self.book.fail(task.shard_id, f"not run: {self.error}", task.attempts, failed=False)
-        mf.finalize(self.manifest, self.started_at, time.monotonic() - self.t0, finished)
-        self.book.wait()  # a compaction in flight counts in this run's figures
+            for run in self.runs.open():
+                self.book.fail(run.row, f"not run: {self.error}", run.attempts, failed=False)
+        self.queue.drain()
         first = self.stats["first_commit_s"]
-        self.manifest["runs"][-1].update(
-            shards_committed=self.stats["commits"], first_commit_s=None if first is None else round(first, 3),
-            commit_records=self.book.num_records, compactions=self.book.num_compactions + 1,
-            bookkeeping_bytes=self.book.bytes_written,  # before this last compaction
-            isolation=self.isolation.to_dict())
-        record_summary(self.manifest, self.shards.totals())  # prefix-cache hits achieved vs the ideal
+        self.book.finish_run(self.started_at, time.monotonic() - self.t0, finished, {
+            "shards_committed": self.stats["commits"], "first_commit_s": None if first is None else round(first, 3),
+            "isolation": self.isolation.to_dict()})
         self.book.compact()
-        result = JobResult(output_url=self.spec.output.url, manifest=self.manifest, failed=dict(self.failed),
+        result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds())
         if finished:  # the OpenAI result files whatever the error budget: they say which requests failed
@@ -407,7 +424,7 @@ class _JobLoop:
         return result
 
 
-def _shard_entry(results: list[ShardResult], work: ShardWork) -> tuple[dict[str, Any], dict[str, int]]:
+def _shard_entry(results: list[ShardResult], run: ShardRun) -> tuple[dict[str, Any], dict[str, int]]:
     """A committed shard's manifest entry from its pieces' results, and its error kinds."""
     shard_id = results[0].shard_id
     single = len(results) == 1
@@ -418,11 +435,11 @@ def _shard_entry(results: list[ShardResult], work: ShardWork) -> tuple[dict[str,
             kinds[kind] = kinds.get(kind, 0) + n
     entry: dict[str, Any] = {key: sum(getattr(r, key) for r in results) for key in
                              ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")}
-    entry.update(worker_id=results[-1].worker_id, attempts=work.attempts, failures=work.failures,
-                 infra_failures=work.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
+    entry.update(worker_id=results[-1].worker_id, attempts=run.attempts, failures=run.failures,
+                 infra_failures=run.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
                  part=parts[0], parts=parts)
-    if not work.isolation.is_empty:
-        entry["isolation"] = work.isolation.to_dict()
+    if not run.isolation.is_empty:
+        entry["isolation"] = run.isolation.to_dict()
     return entry, kinds
 
 

@@ -1,7 +1,8 @@
 """The job manifest as the driver keeps it: a header dict (spec, model, versions, runs, workers, totals) and
 the shard table (driver/shards.py: columns, not an object per shard); docs/contracts.md.
 
-`JobBook` is the bookkeeping of one run, O(1) per event: a committed shard updates its row of the table and
+`JobBook` is the bookkeeping of one run and the only code of a run that changes the manifest (run count,
+model, workers, prefix chains, the run's figures), O(1) per event: a committed shard updates its row of the table and
 the running totals and writes one small commit record; the whole manifest (header + shard table) is written
 only by a compaction, when the records not yet folded reach an eighth of the shards (so the bytes written
 over a job stay linear in its shards) and at the end. Compactions during the run work on a thread, from a
@@ -21,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from jobrunner import __version__
+from jobrunner.driver.prefix_stats import add_chains, record_summary
 from jobrunner.driver.shards import ShardTable
 from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION, PARTS_DIR
 from jobrunner.io.manifest import write_manifest
-from jobrunner.io.shard_file import COMMITTED, ShardColumns
+from jobrunner.io.shard_file import COMMITTED, FAILED, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -165,19 +167,47 @@ class JobBook:
         self._compactor: ThreadPoolExecutor | None = None
         self._compacting: Future | None = None
 
+    # ---- the run ------------------------------------------------------------------------------------
+    def begin_run(self, started_at: str) -> int:
+        """Count this run and note where it starts (for `jobrunner status`); its index (0 = the first run)."""
+        run_index = int(self.manifest.get("run_count") or 0)
+        self.manifest["run_count"] = run_index + 1
+        mark_run_start(self.manifest, started_at)
+        return run_index
+
+    def note_model(self, model: dict[str, Any]) -> None:
+        """What a worker reports of the model it loaded."""
+        self.manifest["model"].update(model)
+
+    def add_chains(self, chains: tuple[int, Any], block_size: int) -> None:
+        """A committed shard's prompt KV chains, into the job's ideal prefix-cache hits."""
+        add_chains(self.manifest, chains, block_size)
+
+    def finish_run(self, started_at: str, wall_s: float, finished: bool, figures: dict[str, Any]) -> None:
+        """The run's timing and figures (`figures`: commits, isolation cost...), then the prefix summary."""
+        finalize(self.manifest, started_at, wall_s, finished)
+        self.wait()  # a compaction in flight counts in this run's figures
+        self.manifest["runs"][-1].update(
+            **figures, commit_records=self.num_records, compactions=self.num_compactions + 1,
+            bookkeeping_bytes=self.bytes_written)  # before this last compaction
+        record_summary(self.manifest, self.shards.totals())  # prefix-cache hits achieved vs the ideal
+
+    # ---- shards ---------------------------------------------------------------------------------------
     def commit(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> None:
-        """Mark a shard committed (its parts are published): write its record, then `mark_committed`."""
-        record = self.record_for(shard_id, entry, error_kinds)
-        self.mark_committed(shard_id, record, write_commit_record(self.storage, shard_id, record))
+        """Mark a shard committed (its parts are published): write its record, then `mark_committed` (tools
+        and tests; the job loop publishes on threads and calls the steps itself)."""
+        row = self.shards.index_of(shard_id)
+        record = self.record_for(row, entry, error_kinds)
+        self.mark_committed(row, record, write_commit_record(self.storage, shard_id, record))
 
-    def record_for(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
-        """A shard's commit record (its manifest entry, committed)."""
-        return {**self.shards.columns.entry(self.shards.index_of(shard_id)), **entry, "status": "committed",
-                "error": None, "error_kinds": error_kinds}
+    def record_for(self, row: int, entry: dict[str, Any], error_kinds: dict[str, int]) -> dict[str, Any]:
+        """The commit record of the shard in table row `row` (its manifest entry, committed)."""
+        return {**self.shards.columns.entry(row), **entry, "status": "committed", "error": None,
+                "error_kinds": error_kinds}
 
-    def mark_committed(self, shard_id: str, record: dict[str, Any], record_bytes: int) -> None:
+    def mark_committed(self, row: int, record: dict[str, Any], record_bytes: int) -> None:
         """Take a written record into the table and the running totals (the driver's thread only)."""
-        index = self.shards.index_of(shard_id)
+        index = row
         self.bytes_written += record_bytes
         self.shards.commit(index, record)
         self.num_records += 1
@@ -189,9 +219,14 @@ class JobBook:
         if len(self.unfolded) >= self.compact_every and self._compacting is None:
             self._compact_in_background() if self.background else self.compact()
 
-    def fail(self, shard_id: str, error: str, attempts: int, failed: bool) -> None:
-        """Record a failed attempt in memory; `failed` marks the shard failed for good."""
-        self.shards.fail(self.shards.index_of(shard_id), error, attempts, failed)
+    def fail(self, row: int, error: str, attempts: int, failed: bool) -> None:
+        """Record a failed attempt of the shard in table row `row`; `failed` marks it failed for good."""
+        self.shards.fail(row, error, attempts, failed)
+
+    def failed_shards(self) -> dict[str, str]:
+        """Shard id -> error of the shards failed for good in this run (a resume makes failed ones pending)."""
+        columns = self.shards.columns
+        return {self.shards.id_of(i): str(columns.error.get(i)) for i in np.flatnonzero(columns.status == FAILED)}
 
     def record_worker(self, worker_id: str, stats: dict[str, Any]) -> None:
         """A worker's latest stats."""

@@ -3,10 +3,17 @@
 A worker is an actor that is first placed (its `ping` answers), then loads its engine (`load` returns).
 The pool keeps `num_workers` workers whenever the cluster can host them: a lost worker is replaced at once
 while fewer than `max_worker_restarts` replacements were started in the last `worker_restart_window_s`, and
-later otherwise, so a few node preemptions never shrink the pool for good. Deadlines: no worker ready within
-`worker_start_timeout_s` ends the job with the resources the cluster could not give; a busy worker silent, or
-inside an engine call that has not returned, for `progress_timeout_s` is reported by `stalled()` (the job loop
-replaces it; an engine that steps without progress is handled inside the worker: driver/isolation.py).
+later otherwise, so a few node preemptions never shrink the pool for good; an empty pool that may start no
+replacement is reported by `refill_problem()` (the job then ends: nothing else could run its shards).
+Deadlines: no worker ready within `worker_start_timeout_s` ends the job with the resources the cluster could
+not give; a busy worker silent, or inside an engine call that has not returned, for `progress_timeout_s` is
+reported by `stalled()` (the job loop replaces it; an engine that steps without progress is handled inside
+the worker: driver/isolation.py). Silence is the age of the worker's oldest unanswered progress poll, and
+replies are collected on every pass of the job loop (whose wait also wakes on them), so a worker is never
+called silent because the driver had not looked yet; a poll goes out every POLL_INTERVAL_S.
+
+The pool alone changes `Worker` fields: the job loop hands it a started task (`assign`), takes a returned
+one back (`task_done`) and gets a lost worker's tasks from `remove`.
 """
 
 from __future__ import annotations
@@ -22,10 +29,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver.actor import start_worker, worker_resources
 from jobrunner.driver.tasks import Task
-from jobrunner.spec import JobSpec
+from jobrunner.spec import PROGRESS_POLL_S, JobSpec
 
 MAX_START_FAILURES = 3  # workers in a row that fail to load with none ready: the job cannot run
-POLL_INTERVAL_S = 1.0
+POLL_INTERVAL_S = PROGRESS_POLL_S  # progress_timeout_s must be several of these (spec.py refuses less)
 
 
 @dataclass(eq=False)
@@ -40,8 +47,8 @@ class Worker:
     is_placed: bool = False
     is_ready: bool = False
     tasks: dict[Any, Task] = field(default_factory=dict)  # task ref -> task in flight
-    last_heard: float = field(default_factory=time.monotonic)
-    poll_ref: Any = None
+    poll_ref: Any = None  # the progress poll not answered yet
+    poll_sent: float = 0.0  # when poll_ref was sent (monotonic): its age is the worker's silence
     stalled_s: float = 0.0  # how long its current engine call has not returned (from the last poll)
     stall: str = ""  # what it was doing then, naming its shards
     live: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (shard, row_start) -> rows, tokens
@@ -59,7 +66,6 @@ class WorkerPool:
         self.start_failures = 0
         self.ever_ready = False
         self.last_error = ""
-        self.next_poll = 0.0
         self.removed_tokens = 0  # tokens sampled by workers of this run that are gone
 
     # ---- size ---------------------------------------------------------------------------------------
@@ -70,13 +76,15 @@ class WorkerPool:
 
     def top_up(self, wanted: int) -> None:
         """Start replacements until `wanted` workers exist, within the restart rate."""
-        window = self.spec.cluster.worker_restart_window_s
-        now = time.monotonic()
+        self._forget_old_restarts()
+        while len(self.workers) < wanted and len(self.restart_times) < self.spec.cluster.max_worker_restarts:
+            self.restart_times.append(time.monotonic())
+            self._start_one()
+
+    def _forget_old_restarts(self) -> None:
+        window, now = self.spec.cluster.worker_restart_window_s, time.monotonic()
         while self.restart_times and now - self.restart_times[0] > window:
             self.restart_times.popleft()
-        while len(self.workers) < wanted and len(self.restart_times) < self.spec.cluster.max_worker_restarts:
-            self.restart_times.append(now)
-            self._start_one()
 
     def _start_one(self) -> None:
         prefix = f"r{self.run_index}" if self.run_index else ""
@@ -85,8 +93,9 @@ class WorkerPool:
         actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
         self.workers.append(Worker(worker_id, actor, actor.ping.remote(), actor.load.remote()))
 
-    def remove(self, worker: Worker, error: str) -> None:
-        """Forget a worker and kill its actor (a stopped or unreachable process included)."""
+    def remove(self, worker: Worker, error: str) -> list[tuple[Any, Task]]:
+        """Forget a worker and kill its actor (a stopped or unreachable process included); the (ref, task)
+        pairs it held."""
         self.last_error = f"worker {worker.worker_id}: {error}"
         if worker in self.workers:
             self.workers.remove(worker)
@@ -95,6 +104,46 @@ class WorkerPool:
             ray.kill(worker.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        tasks = list(worker.tasks.items())
+        worker.tasks.clear()
+        worker.live.clear()
+        return tasks
+
+    def refill_problem(self) -> str | None:
+        """Why an empty pool stays empty (None while it has workers or may start one): the restart rate."""
+        if self.workers:
+            return None
+        c = self.spec.cluster
+        self._forget_old_restarts()
+        if len(self.restart_times) < c.max_worker_restarts:
+            return None
+        return (f"no worker left and none may be started: cluster.max_worker_restarts={c.max_worker_restarts} "
+                f"replacement(s) already started in the last cluster.worker_restart_window_s="
+                f"{c.worker_restart_window_s:g}s; last loss: {self.last_error}")
+
+    # ---- tasks --------------------------------------------------------------------------------------
+    def assign(self, worker: Worker, ref: Any, task: Task) -> None:
+        """A task started on the worker (`ref`: its result)."""
+        worker.tasks[ref] = task
+
+    def task_done(self, ref: Any) -> tuple[Worker, Task] | None:
+        """The worker and task of a returned task ref, forgotten by the worker (None: a removed worker's)."""
+        for w in self.workers:
+            task = w.tasks.pop(ref, None)
+            if task is not None:
+                w.live.pop((task.shard_id, task.row_start), None)
+                return w, task
+        return None
+
+    def owner(self, ref: Any) -> Worker | None:
+        return next((w for w in self.workers if ref in w.tasks), None)
+
+    def task_refs(self) -> list[Any]:
+        return [ref for w in self.workers for ref in w.tasks]
+
+    @property
+    def busy(self) -> bool:
+        return any(w.tasks for w in self.workers)
 
     # ---- start-up -----------------------------------------------------------------------------------
     def start_refs(self) -> dict[Any, Worker]:
@@ -112,7 +161,6 @@ class WorkerPool:
 
     def on_ready(self, worker: Worker) -> None:
         worker.is_ready = worker.is_placed = True
-        worker.last_heard = time.monotonic()
         self.ever_ready = True
         self.start_failures = 0
 
@@ -139,42 +187,48 @@ class WorkerPool:
                 f"({len(waiting)} placed, still loading)")
 
     # ---- progress -----------------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Collect finished progress polls and send new ones, at most every POLL_INTERVAL_S (never blocks)."""
-        if time.monotonic() < self.next_poll:
-            return
-        self.next_poll = time.monotonic() + POLL_INTERVAL_S
-        pending = [w.poll_ref for w in self.workers if w.poll_ref is not None]
+    def poll_refs(self) -> list[Any]:
+        """Progress polls not answered yet (the job loop's wait wakes on them too)."""
+        return [w.poll_ref for w in self.workers if w.poll_ref is not None]
+
+    def poll(self) -> bool:
+        """Collect every answered progress poll (each pass of the loop; never blocks) and send a new one to
+        each ready worker whose last one went out POLL_INTERVAL_S ago and was answered. True when a reply
+        showed progress (a row finished or a token produced since that worker's previous reply)."""
+        pending = self.poll_refs()
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
-        done = set(done)
+        done, now, progressed = set(done), time.monotonic(), False
         for w in self.workers:
             if w.poll_ref is not None and w.poll_ref in done:
-                self._take_poll(w)
-            if w.poll_ref is None and w.is_ready:
-                w.poll_ref = w.actor.progress.remote()
+                progressed = self._take_poll(w) or progressed
+            if w.poll_ref is None and w.is_ready and now - w.poll_sent >= POLL_INTERVAL_S:
+                w.poll_ref, w.poll_sent = w.actor.progress.remote(), now
+        return progressed
 
-    def _take_poll(self, worker: Worker) -> None:
+    def _take_poll(self, worker: Worker) -> bool:
         ref, worker.poll_ref = worker.poll_ref, None
         try:
             reply = ray.get(ref, timeout=0)
         except (RayActorError, RayTaskError, GetTimeoutError):
-            return
-        worker.last_heard = time.monotonic()
+            return False
+        before = (worker.engine_tokens, sum(r for r, _ in worker.live.values()))
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
         worker.stall = str(reply.get("stall") or "")
         worker.live = dict(reply.get("shards") or {})
         worker.engine_tokens = max(worker.engine_tokens, int(reply.get("engine_tokens") or 0))
+        return (worker.engine_tokens, sum(r for r, _ in worker.live.values())) > before
 
     def stalled(self) -> list[tuple[Worker, str, bool]]:
         """Busy workers past the progress deadline, with why and whether the engine itself reported the
-        stall (True) or the worker did not answer at all (False: stopped, unreachable)."""
+        stall (True) or the worker did not answer its oldest unanswered poll in time (False: stopped,
+        unreachable)."""
         limit = self.spec.cluster.progress_timeout_s
         now = time.monotonic()
         out = []
         for w in self.workers:
             if not w.tasks:
                 continue
-            silent = now - w.last_heard
+            silent = silence(w, now)
             if silent > limit:
                 out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})", False))
             elif w.stalled_s > limit:
@@ -201,6 +255,11 @@ class WorkerPool:
     def startup_counts(self) -> tuple[int, int, int]:
         """(workers, placed, ready) now."""
         return (len(self.workers), sum(w.is_placed for w in self.workers), sum(w.is_ready for w in self.workers))
+
+
+def silence(worker: Worker, now: float) -> float:
+    """Seconds the worker has left its oldest progress poll unanswered (0 with none outstanding)."""
+    return now - worker.poll_sent if worker.poll_ref is not None else 0.0
 
 
 def _cluster_resources() -> str:

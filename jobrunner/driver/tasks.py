@@ -10,14 +10,17 @@ an engine the worker gave up on) while running alone is the task's fault: after 
 until the killing row is isolated; a single such row becomes an error row carrying the reason, and every
 other row is committed. Each of those deaths costs a worker restart (a model load): after
 `cluster.max_isolation_restarts_per_shard` of them for one shard, or `cluster.max_isolation_restarts` in the
-job, the remaining suspects (the piece being split) become error rows naming the cap. Any other error
-(reading the input, writing the part) is charged an attempt, with exponential backoff, and after
-`max_shard_attempts` the whole shard is failed.
+job, the remaining suspects (the piece being split) become error rows naming the cap. Losing a worker while
+it writes a task's rows as error rows is the infrastructure's doing (those rows never reach the engine), and
+a shard that has cost more workers than its isolation restarts plus a few such losses is failed
+(driver/shard_run.py: `judge_loss`). Any other error (reading the input, writing the part) is charged an
+attempt, with exponential backoff capped at `MAX_RETRY_BACKOFF_S` (or `retry_backoff_s` when larger), and
+after `max_shard_attempts` the whole shard is failed.
 
 The queue is O(log n) per operation: requeued and alone-only tasks in two deques, backed-off tasks in a heap
 ordered by the time they may run again. Shards not started yet wait as rows of the shard table
-(`FreshTasks`): a `Task` (and its `ShardWork`) exists only from the moment a shard is handed out, so a job of
-10^6 shards holds ~10^6 integers here, not 10^6 objects.
+(`FreshTasks`): a `Task` (and its shard's `ShardRun`, driver/shard_run.py) exists only from the moment a
+shard is handed out, so a job of 10^6 shards holds ~10^6 integers here, not 10^6 objects.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from jobrunner.driver.isolation import IsolationCost
+MAX_RETRY_BACKOFF_S = 60.0  # the longest wait before a retry (2^attempt grows past hours otherwise)
+
+
+def retry_delay(backoff_s: float, failures: int) -> float:
+    """Seconds before the retry after `failures` charged failures: backoff_s * 2^(failures-1), at most
+    MAX_RETRY_BACKOFF_S (or backoff_s itself, when a user asked for a longer first wait)."""
+    ceiling = max(MAX_RETRY_BACKOFF_S, backoff_s)
+    return min(ceiling, backoff_s * 2.0 ** min(failures - 1, 64))
 
 
 @dataclass(eq=False)
@@ -47,6 +57,7 @@ class Task:
     infra_failures: int = 0
     error_text: str | None = None  # set: write its rows as error rows (an isolated poison row)
     is_piece: bool = False  # a half from bisection: its rows are already suspects
+    run: Any = None  # its shard's ShardRun (driver/shard_run.py); None only in tests of the queue
 
     @property
     def num_rows(self) -> int:
@@ -55,25 +66,8 @@ class Task:
     def halves(self) -> tuple[Task, Task]:
         """Two alone-only tasks covering this one's rows."""
         mid = (self.row_start + self.row_end) // 2
-        return (Task(self.shard_id, self.row_start, mid, alone=True, is_piece=True),
-                Task(self.shard_id, mid, self.row_end, alone=True, is_piece=True))
-
-
-@dataclass
-class ShardWork:
-    """A shard in flight: pieces not yet done and the results of those that are."""
-
-    num_pieces: int = 1
-    results: list[Any] = field(default_factory=list)
-    attempts: int = 0
-    failures: int = 0
-    infra_failures: int = 0
-    isolation: IsolationCost = field(default_factory=IsolationCost)
-    isolating_since: float | None = None  # first worker death blamed on this shard (monotonic)
-
-    @property
-    def is_done(self) -> bool:
-        return len(self.results) == self.num_pieces
+        return (Task(self.shard_id, self.row_start, mid, alone=True, is_piece=True, run=self.run),
+                Task(self.shard_id, mid, self.row_end, alone=True, is_piece=True, run=self.run))
 
 
 class FreshTasks:
@@ -126,6 +120,13 @@ class TaskQueue:
         if self.ready:
             return self.ready.popleft()
         return self.fresh.pop(owner) if len(self.fresh) else None
+
+    def discard(self, drop: Callable[[Task], bool]) -> None:
+        """Remove the queued tasks `drop` says (a failed shard's pieces; O(queue): failures are rare)."""
+        self.ready = deque(t for t in self.ready if not drop(t))
+        self.alone = deque(t for t in self.alone if not drop(t))
+        self.delayed = [entry for entry in self.delayed if not drop(entry[2])]
+        heapq.heapify(self.delayed)
 
     def next_due_in(self) -> float | None:
         """Seconds until the next backed-off task may run (None when none waits)."""

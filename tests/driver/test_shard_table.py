@@ -45,7 +45,7 @@ def _books(num_shards: int, out: str) -> tuple[ShardTable, TaskQueue, JobBook, d
     queue = TaskQueue(fresh=FreshTasks(shards.todo(), lambda row: Task(shards.id_of(row), *shards.rows_of(row))))
     for row in range(0, num_shards, 100):  # 1% committed, each with an error kind
         shard_id = shards.id_of(row)
-        book.mark_committed(shard_id, book.record_for(shard_id, _entry(shard_id, 10, 1), {"bad prompt": 1}), 0)
+        book.mark_committed(row, book.record_for(row, _entry(shard_id, 10, 1), {"bad prompt": 1}), 0)
     book.compact(drop_all_records=True)
     header, columns = read_manifest_table(book.storage)
     return shards, queue, book, header, columns
