@@ -196,7 +196,7 @@ def test_restart_cap_makes_the_remaining_suspects_error_rows(cluster, tmp_path):
     ids = write_prompts(tmp_path / "in.parquet", 8, poison=5)
     data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
                      engine={"factory_options": {"hang_on": "POISON"}}, output={"max_error_rate": 1.0},
-                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 1.0, "num_workers": 1,
+                     cluster={"num_cpus_per_worker": 1, "progress_timeout_s": 3.0, "num_workers": 1,
                               "max_isolation_restarts_per_shard": 1})
     result = run_job(spec_from_dict(data), show_progress=False)
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}

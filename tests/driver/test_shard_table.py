@@ -198,7 +198,7 @@ def test_compaction_runs_off_the_drivers_thread(tmp_path):
     storage.gate.clear()
     for row in range(book.compact_every + 100):  # the compaction starts at 500 and waits at the gate...
         shard_id = shards.id_of(row)
-        book.mark_committed(shard_id, book.record_for(shard_id, _entry(shard_id, 1), {}), 0)
+        book.mark_committed(row, book.record_for(row, _entry(shard_id, 1), {}), 0)
     assert book.num_compactions == 1 and book._compacting is not None  # ...while commits go on
     assert read_manifest(storage)["shard_table"]["status_counts"]["committed"] == 0
     storage.gate.set()
@@ -218,7 +218,7 @@ def test_a_failed_background_compaction_is_raised_on_the_drivers_thread(tmp_path
     storage.write_small = _failing_write  # the next table write fails
     for row in range(book.compact_every):
         shard_id = shards.id_of(row)
-        book.mark_committed(shard_id, book.record_for(shard_id, _entry(shard_id, 1), {}), 0)
+        book.mark_committed(row, book.record_for(row, _entry(shard_id, 1), {}), 0)
     with pytest.raises(OSError, match="disk full"):
         book.wait()
 

@@ -62,14 +62,14 @@ def test_steps_without_progress_are_isolated_in_process(tmp_path):
     prompts = [f"prompt {i}" for i in range(8)]
     prompts[6] = "STALL here"
     engine = FakeEngine(max_num_seqs=2, max_model_len=20, stall_on="STALL")
-    spec, engine, runner, shards = _runner(tmp_path, prompts, engine, progress_timeout_s=1.0)
+    spec, engine, runner, shards = _runner(tmp_path, prompts, engine, progress_timeout_s=3.0)
     result = runner.run_shard(shards[0])
     runner.stop()
     assert result.num_errors == 1 and runner.cost.engine_rebuilds >= 1 and runner.cost.model_loads == 0
     error = _rows(spec, result)["r6"]["error"]
     assert error.startswith(f"engine crashed on this row: shard {shards[0].shard_id}: no token produced and no "
                             "row finished for ")
-    assert "while decoding 1 rows (engine steps return; cluster.progress_timeout_s=1)" in error
+    assert "while decoding 1 rows (engine steps return; cluster.progress_timeout_s=3)" in error
 
 
 class _HangingAdd(FakeEngine):
