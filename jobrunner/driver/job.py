@@ -119,7 +119,8 @@ class _JobLoop:
             raise
         finally:
             self.publisher.shutdown(wait=True)
-            self._stop_workers()
+            for worker_id, stats in self.pool.stop_all().items():
+                self.book.record_worker(worker_id, stats)
         self._collect_published()
         rows, tokens = self._progress_counts()
         self.progress.close(rows, tokens)
@@ -127,7 +128,7 @@ class _JobLoop:
 
     def _loop(self) -> None:
         while (len(self.queue) or len(self.runs) or self.pool.busy) and self.error is None:
-            self._keep_lease()
+            self.lease.check()  # the heartbeat thread renews; LeaseLost once it could not (io/lease.py)
             self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.pool.task_refs())))
             self._assign()
             self.error = self._why_stuck()
@@ -169,9 +170,6 @@ class _JobLoop:
                 self._on_task_done(ref)
             elif ref in start_refs:
                 self._on_start_ref(ref, start_refs[ref])
-
-    def _keep_lease(self) -> None:
-        self.lease.check()  # the heartbeat thread renews; LeaseLost once it could not (io/lease.py)
 
     # ---- workers ------------------------------------------------------------------------------------
     def _on_start_ref(self, ref: Any, worker: Worker) -> None:
@@ -247,18 +245,6 @@ class _JobLoop:
         run.num_pieces += 1
         for half in task.halves():
             self.queue.put(half)
-
-    def _stop_workers(self) -> None:
-        ready = [w for w in self.pool.workers if w.is_ready]
-        refs = {w.actor.finish.remote(): w for w in ready}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=30) if refs else ([], [])
-        for ref in done:
-            try:
-                self.book.record_worker(refs[ref].worker_id, ray.get(ref))
-            except (RayActorError, RayTaskError):
-                pass
-        for w in list(self.pool.workers):
-            self.pool.remove(w, "job finished")
 
     # ---- tasks --------------------------------------------------------------------------------------
     def _assign(self) -> None:

@@ -145,6 +145,20 @@ class WorkerPool:
     def busy(self) -> bool:
         return any(w.tasks for w in self.workers)
 
+    def stop_all(self, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Stop every worker: the final stats of the ready ones that answer within timeout_s, by worker id."""
+        refs = {w.actor.finish.remote(): w for w in self.workers if w.is_ready}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        stats = {}
+        for ref in done:
+            try:
+                stats[refs[ref].worker_id] = ray.get(ref)
+            except (RayActorError, RayTaskError):
+                pass
+        for w in list(self.workers):
+            self.remove(w, "job finished")
+        return stats
+
     # ---- start-up -----------------------------------------------------------------------------------
     def start_refs(self) -> dict[Any, Worker]:
         """Pending ping / load refs -> worker."""
