@@ -174,9 +174,10 @@ def test_an_empty_pool_that_may_not_be_refilled_ends_the_job_leaving_its_shards_
     assert result.error.startswith("no worker left and none may be started: cluster.max_worker_restarts=0 "
                                    "replacement(s) already started in the last cluster.worker_restart_window_s=600s; "
                                    "last loss: worker w0: ")
-    manifest = read_manifest_file(tmp_path / "out")
-    assert {e["status"] for e in manifest["shards"].values()} == {"pending"}  # for a resume: none lost
-    assert all(e["error"] == f"not run: {result.error}" for e in manifest["shards"].values())
+    shards = sorted(read_manifest_file(tmp_path / "out")["shards"].items())
+    # the poison row's shard is left for a resume (not failed, not lost); the other one may have finished first
+    assert shards[0][1]["status"] == "pending" and shards[1][1]["status"] in ("pending", "committed")
+    assert all(e["error"] == f"not run: {result.error}" for _, e in shards if e["status"] == "pending")
     assert not (tmp_path / "out" / "_SUCCESS").exists()
 
 
