@@ -86,7 +86,8 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns, unique
     ids) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
-    from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
+    from jobrunner.driver.output import OutputError, describe_output, read_previous_output
+    from jobrunner.driver.plan import plan_job, required_columns
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
@@ -94,9 +95,10 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     model = _check_model(spec)
     started = time.perf_counter()
     try:
-        plan = plan_job(spec)  # duplicate ids included: every run checks them
+        previous = read_previous_output(spec)
+        plan = plan_job(spec, previous.header)  # duplicate ids included: every run checks them
         plan_s = time.perf_counter() - started
-        output_state = describe_output(spec, plan)
+        output_state = describe_output(spec, plan, previous)
     except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise _user_error(spec, exc) from None
     click.echo(f"job {spec.name!r}: spec OK")
@@ -127,7 +129,7 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
     """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
     from jobrunner.driver.job import run_job
     from jobrunner.driver.manifest import ResumeError
-    from jobrunner.driver.plan import OutputError
+    from jobrunner.driver.output import OutputError
     from jobrunner.io.lease import LeaseLost
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError

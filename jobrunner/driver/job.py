@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.isolation import IsolationCost
 from jobrunner.driver.metrics import JobMetrics
-from jobrunner.driver.output import open_output
+from jobrunner.driver.output import open_output, read_previous_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
@@ -57,8 +57,9 @@ ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
     spec = with_absolute_output(spec)
-    plan = plan_job(spec)
-    storage, manifest, lease = open_output(spec, plan)
+    previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it
+    plan = plan_job(spec, previous.header)
+    storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)

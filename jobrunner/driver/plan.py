@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from jobrunner.driver.prefix_plan import PrefixPlan, check_prefix_column, plan_prefix_shards
 from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
@@ -47,8 +48,11 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
     return {role: column for role, column in roles.items() if column}
 
 
-def plan_job(spec: JobSpec) -> JobPlan:
-    """List the input, check its columns and cut shards; InputError names the URL, file or column."""
+def plan_job(spec: JobSpec, old_manifest: dict[str, Any] | None = None) -> JobPlan:
+    """List the input, check its columns and cut shards; InputError names the URL, file or column.
+
+    old_manifest: the header of the manifest this run resumes (`driver/output.read_previous_output`), None for
+    a new output: an output planned before prefix grouping existed keeps its plain shards."""
     files = list_input(spec.input.url, spec.input.storage_options, spec.input.format)
     if spec.input.limit is not None:
         files = first_rows(files, spec.input.limit)
@@ -58,7 +62,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
     check_prefix_column(spec, files)
     if spec.input.id_column is None:
         _check_unique_stems(files)
-    shards, prefix = plan_prefix_shards(spec, [f for f in files if f.num_rows])
+    shards, prefix = plan_prefix_shards(spec, [f for f in files if f.num_rows], old_manifest)
     plan = JobPlan(files=files, shards=shards, prefix=prefix)
     if plan.num_rows == 0:
         raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
@@ -138,6 +142,3 @@ def _check_unique_stems(files: list[InputFile]) -> None:
                              "derived row ids would collide; set input.id_column")
         by_stem[f.stem] = f.url
 
-
-# Opening the output (lease, modes) lives in driver/output.py; these names stay importable from here.
-from jobrunner.driver.output import OutputError, describe_output, open_output  # noqa: E402, F401
