@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobrunner.redaction import REDACTED, is_secret_key, redact, redact_counts, redact_text
+from jobrunner.redaction import REDACTED, find_secrets, is_secret_key, redact, redact_counts, redact_text
 
 SECRET = "Zq8vK2mP9xL4"
 
@@ -98,3 +98,46 @@ def test_redact_walks_structures():
             "errors": [f"password={SECRET}"], "stop_token_ids": [1, 2]}
     assert redact(data) == {"storage_options": {"key": "***", "secret": "***", "endpoint_url": "http://h"},
                             "errors": ["password=***"], "stop_token_ids": [1, 2]}
+
+
+# Credential names as users write them: every case and separator, camelCase, one word.
+CREDENTIAL_NAMES = [
+    "pass", "PASS", "hub_pass", "HUB-PASS", "hubPass", "db.pass", "password", "Passwd", "pwd", "passphrase",
+    "ssh_passphrase", "keyPassphrase", "secret", "client_secret", "token", "TOKEN", "hf_token", "HFToken",
+    "accesstoken", "AccessToken", "access_token", "access-token", "ACCESSTOKEN", "apitoken", "api_token",
+    "apiToken", "api_key", "API-KEY", "apikey", "x-api-key", "dsn", "DSN", "sentry_dsn", "SentryDsn",
+    "sentrydsn", "credentials", "gcs_credentials", "creds", "auth", "Authorization", "refresh_token",
+    "session_token", "private_key", "account_key", "connection_string",
+]
+# Names with a credential-looking word that are counts or vocabulary entries.
+NOT_CREDENTIAL_NAMES = [
+    "max_tokens", "num_tokens", "min_tokens", "maxTokens", "max_num_batched_tokens", "num_output_tokens",
+    "skip_special_tokens", "eos_token", "pad_token", "stop_token_ids", "token_ids", "tokenizer",
+    "tokenizer_path", "passes", "num_passes", "bypass", "compass", "author", "dsns_found", "model", "url",
+]
+
+
+@pytest.mark.parametrize("name", CREDENTIAL_NAMES)
+def test_credential_names_match_whatever_their_case_and_separators(name):
+    assert is_secret_key(name)
+    assert redact({name: SECRET}) == {name: REDACTED}
+    _assert_redacted(f"{name}={SECRET}")
+
+
+@pytest.mark.parametrize("name", NOT_CREDENTIAL_NAMES)
+def test_counts_and_vocabulary_names_are_no_credentials(name):
+    assert not is_secret_key(name)
+    assert redact({name: "kept"}) == {name: "kept"}
+
+
+def test_a_count_is_kept_under_any_name():
+    assert redact({"passes": 3, "token": 7, "pass": True}) == {"passes": 3, "token": 7, "pass": True}
+
+
+def test_keys_are_scrubbed_too():
+    """YAML turns `hf_...: 1` or a URL with a password followed by a colon into a key."""
+    token_a, token_b = f"hf_{SECRET}abcdefghijklmnop", f"hf_{SECRET}qrstuvwxyzabcdef"
+    data = {"factory_options": {token_a: 1, token_b: 2, f"https://u:{SECRET}@h/m": "x", "plain": "y"}}
+    assert redact(data) == {"factory_options": {"***": 1, "*** #2": 2, "https://***@h/m": "x", "plain": "y"}}
+    assert find_secrets(data) == ["factory_options.*** (a key)", "factory_options.*** (a key)",
+                                  "factory_options.https://***@h/m (a key)"]
