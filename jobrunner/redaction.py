@@ -25,13 +25,20 @@ Rules:
     whose name looks like a credential lose their value;
   - `Bearer <token>` / `Basic <token>` and well-known token shapes (`hf_...`, `sk-...`, `ghp_...`, `AKIA...`,
     JWTs) are cut wherever they appear.
+
+What a person reads goes through one path, `redact_text`, from three doors: `say` for the driver's lines
+(stages, progress, notices), `redacting_logger` for log records of driver/, io/, cli/ and reports/ (message,
+arguments and traceback), and cli/echo.py for what a command prints (click's own error messages included).
+tests/test_redaction.py checks that no other door (a bare print, click.echo, logging.getLogger) is used there.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 REDACTED = "***"
 
@@ -229,3 +236,34 @@ def _has_literal(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value.strip()) and not ENV_REF.search(value)
     return not _is_plain_number(value)
+
+
+# ---- the doors -----------------------------------------------------------------------------------------
+def say(text: str, file: TextIO | None = None) -> None:
+    """Print one line for a person (stderr unless `file`), redacted."""
+    print(redact_text(str(text)), file=file or sys.stderr, flush=True)
+
+
+class RedactingFilter(logging.Filter):
+    """Scrubs a log record before any handler sees it: the formatted message (arguments merged in, so a URL
+    passed as `%s` is scrubbed too) and the traceback text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        try:
+            record.msg, record.args = redact_text(record.getMessage()), None
+        except Exception:  # noqa: BLE001 - a bad format string: keep the template, drop the arguments
+            record.msg, record.args = redact_text(str(record.msg)), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
+        return True
+
+
+def redacting_logger(name: str) -> logging.Logger:
+    """`logging.getLogger(name)` whose records are scrubbed (`RedactingFilter`); a filter acts on the records
+    of its own logger only, so each module of driver/, io/, cli/ and reports/ takes its logger here."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+        logger.addFilter(RedactingFilter())
+    return logger

@@ -12,7 +12,6 @@ totals, and a commit writes one small record (driver/manifest.py). Shard state l
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,10 +44,10 @@ from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 from jobrunner.spec import JobSpec
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 SHARDS_PER_WORKER = 2
 PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at once: object stores are slow
 ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is split (pieces, crashes, stalls: 1)

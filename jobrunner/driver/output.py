@@ -12,7 +12,6 @@ shards is resumed only with the same settings (driver/resume_check.py).
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from jobrunner.io.manifest import clear_success, read_manifest_table
 from jobrunner.io.parts import list_parts
 from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage, StorageError
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, say
 from jobrunner.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -139,7 +138,7 @@ def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
         line = f"output {url}: no shard committed yet, running all {total}"
     if lease.taken_over:
         line += f"; took over the lease: {lease.taken_over}"
-    print(redact_text(line), file=sys.stderr, flush=True)
+    say(line)
 
 
 def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan) -> None:
@@ -166,9 +165,8 @@ class CountdownPrinter:
         if time.monotonic() < self.next_at:
             return
         self.next_at = time.monotonic() + self.PERIOD_S
-        print(redact_text(f"output {self.url} is leased by {describe_holder(holder)}; no heartbeat seen yet: "
-                          f"taking it over in {left_s:.0f} s unless it renews (then this run stops)"),
-              file=sys.stderr, flush=True)
+        say(f"output {self.url} is leased by {describe_holder(holder)}; no heartbeat seen yet: "
+            f"taking it over in {left_s:.0f} s unless it renews (then this run stops)")
 
 
 def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -43,10 +42,10 @@ from jobrunner.io.reader import InputError, InputFile, file_pin
 from jobrunner.io.row_order import RowOrderWriter
 from jobrunner.io.shard_file import ShardColumns
 from jobrunner.io.text_input import read_input_rows
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 from jobrunner.spec import JobSpec
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 
 PLAN_KEY = "prefix_plan"  # manifest key: how the job was planned
 MIN_SHARED_CHARS = 64  # average characters a row must share with its neighbour for grouping to be worth it

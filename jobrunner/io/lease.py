@@ -21,7 +21,6 @@ every write the driver makes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
@@ -33,8 +32,9 @@ from typing import Any
 from jobrunner.io.conditional import read_versioned, write_if
 from jobrunner.io.layout import LEASE
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 VALID_SHARE = 0.75  # the holder writes only within this share of the ttl after its last renewal began
 BEATS_PER_TTL = 6  # renewals per ttl; failed renewals retry every RETRY_S until the valid window closes
 RETRY_S = 1.0

@@ -7,7 +7,6 @@ us because readers only look at final keys and a key is either absent or complet
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 import uuid
@@ -18,9 +17,9 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from jobrunner.io.layout import TEMP_DIR
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 TEMP_PROBE = f"{TEMP_DIR}/probe"
 T = TypeVar("T")
 
