@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
-from jobrunner.driver.output_guard import overwrite_refusal
+from jobrunner.driver.output_guard import containment_refusal, overwrite_refusal
 from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
@@ -73,11 +73,15 @@ class PreviousOutput:
 
 
 def read_previous_output(spec: JobSpec) -> PreviousOutput:
-    """The output's entries, lease and (in resume mode) manifest, read-only; OutputError when unreachable.
+    """The output's entries, lease and (in resume mode) manifest, read-only; OutputError when unreachable, or
+    when the output and the input overlap (before planning lists an input that holds earlier output).
 
     The lease is read before the manifest: a run that took the lease after that read moves its generation,
     and `PreviousOutput.is_current` then sends `open_output` back to the manifest."""
     storage = Storage(spec.output.url, spec.output.storage_options)
+    refusal = containment_refusal(spec, storage)  # on the URLs; the planned files are checked in open_output
+    if refusal:
+        raise OutputError(refusal)
     try:
         entries = _entries(storage)
         holder = read_lease(storage)
@@ -99,14 +103,12 @@ def open_output(spec: JobSpec, plan: JobPlan,
     previous: the output as read before planning (`read_previous_output`); its manifest is used when nobody
     held the lease since, else read again."""
     storage = Storage(spec.output.url, spec.output.storage_options)
-    mode = spec.output.mode
     try:
-        if mode == "overwrite":  # before the probe write: nothing is written into a folder overwrite refuses
-            check_overwrite(spec, storage, previous.entries, plan)
+        # before the probe write and any wait for the lease: nothing is written where this mode may not write
+        _check_mode(spec, storage, previous.entries, plan)
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    _check_mode(spec, storage, previous.entries, plan)  # before any wait for the lease
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name,
                               is_dead=holder_is_dead, on_wait=CountdownPrinter(storage.display()),
@@ -142,10 +144,16 @@ def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
 
 
 def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan) -> None:
-    if entries and spec.output.mode == "error":
-        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    """OutputError when this output.mode may not write here: never where the input is (driver/output_guard.py),
+    overwrite only over an empty folder or this job's output, error only into an empty one."""
     if spec.output.mode == "overwrite":
         check_overwrite(spec, storage, entries, plan)
+    else:
+        refusal = containment_refusal(spec, storage, [f.url for f in plan.files])
+        if refusal:
+            raise OutputError(refusal)
+    if entries and spec.output.mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
 
 
 def _entries(storage: Storage) -> list[str]:
@@ -197,8 +205,7 @@ def describe_output(spec: JobSpec, plan: JobPlan, previous: PreviousOutput) -> s
     if not is_free(holder) and not holder_is_dead(holder):
         held = (f"leased by {describe_holder(holder)}: run waits up to {holder.get('ttl_s')} s for the lease to "
                 "expire (and stops if it is renewed); ")
-    if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, previous.entries, plan)  # also when empty: the input containment
+    _check_mode(spec, storage, previous.entries, plan)  # also when empty: the input containment
     return held + _describe_state(spec, plan, previous.entries, previous.table)
 
 
