@@ -107,10 +107,10 @@ def _calibrate_dtype(as_json: bool) -> None:
     cal = result["calibration"]
     m, k, n = CALIBRATION_SHAPE
     echo(f"GEMM {m}x{k}x{n}, best of 20: float32 {cal['float32_gflops']} GFLOP/s, bfloat16 "
-               f"{cal['bfloat16_gflops']} GFLOP/s -> the timing suggests {result['measured_choice']}")
+         f"{cal['bfloat16_gflops']} GFLOP/s -> the timing suggests {result['measured_choice']}")
     echo(f"dtype auto -> {result['auto']} ({result['reason']}{', forced' if result['forced'] else ''})"
-               + ("" if result["agrees"] else "; the timing disagrees: check with `jobrunner bench --dtype "
-                  "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
+         + ("" if result["agrees"] else "; the timing disagrees: check with `jobrunner bench --dtype "
+            "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
     if as_json:
         echo(json.dumps(result))
 

@@ -87,7 +87,7 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     ids) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.output import OutputError, describe_output, read_previous_output
-    from jobrunner.driver.plan import plan_job, required_columns
+    from jobrunner.driver.plan import describe_empty, plan_job, required_columns
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
@@ -106,11 +106,13 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     num_bytes = sum(f.num_bytes for f in plan.files)
     limited = f" (the first {spec.input.limit}: input.limit)" if spec.input.limit is not None else ""
     echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows{limited}, "
-               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
-               f"planned in {plan_s:.2f}s)")
+         f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
+         f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)"
-                   + _bad_lines(f))
+        if not f.num_rows:
+            echo(f"  {describe_empty([f])}: empty, skipped")
+            continue
+        echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)" + _bad_lines(f))
     keep = spec.output.keep_columns
     columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     echo(f"required columns present: {', '.join(columns)}")

@@ -58,7 +58,7 @@ def list_jobs(address: str, auth_token: str | None, as_json: bool) -> None:
     for j in found:
         duration = "" if j["duration_s"] is None else f"{j['duration_s']:.0f} s"
         echo(f"{j['job_id'] or '?':<28} {j['status']:<10} {j['job_name'] or '-':<20} "
-                   f"{j['start_time'] or '-':<26} {duration}")
+             f"{j['start_time'] or '-':<26} {duration}")
 
 
 @jobs.command("status")
