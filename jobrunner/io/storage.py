@@ -6,6 +6,7 @@ us because readers only look at final keys and a key is either absent or complet
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import re
@@ -18,9 +19,13 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from jobrunner.io.layout import TEMP_DIR
+from jobrunner.io.repeats import FoldedWarnings
 from jobrunner.redaction import redact_text, redacting_logger
 
 log = redacting_logger(__name__)
+# A full disk or an outage fails every operation: one line per cause a minute, then a count (io/repeats.py).
+RETRY_WARNINGS = FoldedWarnings(log, "storage retries")
+atexit.register(RETRY_WARNINGS.flush)
 TEMP_PROBE = f"{TEMP_DIR}/probe"
 T = TypeVar("T")
 
@@ -48,7 +53,7 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
                 raise _named(exc, what) from exc
             if attempt == attempts:
                 raise StorageError(f"{what}: failed after {attempts} attempts: {_describe(exc)}") from exc
-            log.warning("%s", redact_text(f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying"))
+            RETRY_WARNINGS.warn(_kind(exc), f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying")
             time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
 
@@ -100,6 +105,14 @@ def _named(exc: Exception, what: str) -> Exception:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _kind(exc: BaseException) -> str:
+    """What retries of one cause share, whatever the key: `OSError [Errno 28] No space left on device`."""
+    errno = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and errno is not None:
+        return f"{type(exc).__name__} [Errno {errno}] {exc.strerror or ''}".strip()
+    return type(exc).__name__
 
 
 class Storage:
