@@ -4,10 +4,19 @@ driver, reports and cli can all import it).
 
 Rules:
 
-- a mapping key that looks like a credential (`key`, `secret`, `token`, `password`, `credential`,
-  `authorization`, `connection_string`, `account_key`, `api_key`, `session`, `signature`, ...) has its value
-  replaced by `***`, at every depth. Numbers, booleans and lists of numbers are kept: `stop_token_ids` is
-  not a secret.
+- a mapping key names a credential when, read case- and separator-insensitively (`HUB_PASS`, `hub-pass`,
+  `hubPass` and `Hub.Pass` are one name; camelCase splits into words):
+  - one of its words is a credential word: `pass`, `password`, `passwd`, `pwd`, `passphrase`, `secret`,
+    `token`, `key`, `credential(s)`, `creds`, `auth`, `authorization`, `dsn`, `session`, `signature`, `sig`,
+    `sas`, `cookie`, `private`, `bearer`, ... (`hub_pass`, `api_key`, `access_token`, `sentry_dsn`);
+  - or, written as one word, it contains `secret`, `password`, `passwd`, `passphrase`, `credential`,
+    `apikey`, `accesskey`, ... or ends in `token` / `dsn` (`accesstoken`, `apitoken`, `hftoken`, `sentrydsn`);
+  - but not a tokenizer name (`eos_token`, `stop_token_ids`, `token_ids`): a vocabulary entry. Counts are
+    never words of the list: `max_tokens`, `num_tokens`, `passes`, `num_passes`, `bypass` are no credentials.
+  Its value is replaced by `***`, at every depth. Numbers, booleans and lists of numbers are kept:
+  `stop_token_ids` is not a secret, and neither is a count under any name.
+- a mapping key is itself scrubbed like free text (a secret that YAML parsed into a key, a URL with a
+  password used as a key); keys that become equal are told apart (`***`, `*** #2`).
 - in free text (URLs, exception messages, error kinds):
   - a URL keeps its scheme, host and path; its userinfo goes (`https://***@host/...`) when it holds a password
     or looks like a token, and so does every query value whose name looks like a credential
@@ -16,25 +25,35 @@ Rules:
     whose name looks like a credential lose their value;
   - `Bearer <token>` / `Basic <token>` and well-known token shapes (`hf_...`, `sk-...`, `ghp_...`, `AKIA...`,
     JWTs) are cut wherever they appear.
+
+What a person reads goes through one path, `redact_text`, from three doors: `say` for the driver's lines
+(stages, progress, notices), `redacting_logger` for log records of driver/, io/, cli/ and reports/ (message,
+arguments and traceback), and cli/echo.py for what a command prints (click's own error messages included).
+tests/test_redaction.py checks that no other door (a bare print, click.echo, logging.getLogger) is used there.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import re
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 REDACTED = "***"
 
 # Whole key components (split on non-alphanumerics and camelCase) that mark a secret.
 _SECRET_COMPONENTS = frozenset({
-    "key", "keys", "secret", "secrets", "token", "password", "passwd", "pwd", "credential", "credentials",
-    "authorization", "auth", "session", "signature", "sig", "sas", "cookie", "private", "bearer",
+    "key", "keys", "secret", "secrets", "token", "pass", "password", "passwords", "passwd", "pwd", "passphrase",
+    "credential", "credentials", "creds", "authorization", "auth", "dsn", "session", "signature", "sig", "sas",
+    "cookie", "private", "bearer",
 })
 # Substrings of the squashed key (lowercase, alphanumerics only) that mark a secret.
-_SECRET_SQUASHED = ("secret", "password", "passwd", "credential", "authorization", "connectionstring",
-                    "apikey", "accountkey", "accesskey", "privatekey", "sastoken", "signature", "authtoken",
-                    "sessiontoken")
+_SECRET_SQUASHED = ("secret", "password", "passwd", "passphrase", "credential", "authorization",
+                    "connectionstring", "apikey", "accountkey", "accesskey", "privatekey", "signature")
+# Endings of the squashed key that mark a secret written as one word (`accesstoken`, `apitoken`, `sentrydsn`);
+# a plural is a count (`maxtokens`).
+_SECRET_ENDINGS = ("token", "dsn")
 # Names that contain `token` but name a vocabulary entry, not a credential (`eos_token`, `stop_token_ids`).
 _TOKENIZER_NAMES = re.compile(r"^(?:eos|bos|pad|unk|sep|cls|mask|stop|start|end)_token(?:_ids?)?$|^token_ids?$")
 
@@ -66,7 +85,7 @@ def is_secret_key(key: Any) -> bool:
     if any(part in _SECRET_COMPONENTS for part in parts):
         return True
     squashed = "".join(parts)
-    return any(word in squashed for word in _SECRET_SQUASHED)
+    return any(word in squashed for word in _SECRET_SQUASHED) or squashed.endswith(_SECRET_ENDINGS)
 
 
 def looks_random(value: str) -> bool:
@@ -83,15 +102,33 @@ def _is_plain_number(value: Any) -> bool:
 
 
 def redact(value: Any) -> Any:
-    """A copy of `value` with secret-keyed values replaced and every string scrubbed (`redact_text`)."""
+    """A copy of `value` with secret-keyed values replaced and every string, keys included, scrubbed
+    (`redact_text`)."""
     if isinstance(value, dict):
-        return {k: REDACTED if is_secret_key(k) and not _is_plain_number(v) else redact(v)
-                for k, v in value.items()}
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            out[_unique_key(_redact_key(k), out)] = REDACTED if is_secret_key(k) and not _is_plain_number(v) \
+                else redact(v)
+        return out
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     if isinstance(value, str):
         return redact_text(value)
     return value
+
+
+def _redact_key(key: Any) -> Any:
+    return redact_text(key) if isinstance(key, str) else key
+
+
+def _unique_key(key: Any, taken: dict[Any, Any]) -> Any:
+    """`key`, or `key #2`, `key #3`, ... when two keys redact to one (`{hf_a..: 1, hf_b..: 2}`)."""
+    if key not in taken:
+        return key
+    n = 2
+    while f"{key} #{n}" in taken:
+        n += 1
+    return f"{key} #{n}"
 
 
 def redact_text(text: str) -> str:
@@ -171,7 +208,9 @@ def find_secrets(value: Any, path: str = "") -> list[str]:
     if isinstance(value, dict):
         found = []
         for k, v in value.items():
-            where = f"{path}.{k}" if path else str(k)
+            where = f"{path}.{_redact_key(k)}" if path else str(_redact_key(k))
+            if isinstance(k, str) and _redact_key(ENV_REF.sub(REDACTED, k)) != ENV_REF.sub(REDACTED, k):
+                found.append(f"{where} (a key)")
             if is_secret_key(k) and not _is_plain_number(v):
                 found += [where] if _has_literal(v) else []
             else:
@@ -197,3 +236,34 @@ def _has_literal(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value.strip()) and not ENV_REF.search(value)
     return not _is_plain_number(value)
+
+
+# ---- the doors -----------------------------------------------------------------------------------------
+def say(text: str, file: TextIO | None = None) -> None:
+    """Print one line for a person (stderr unless `file`), redacted."""
+    print(redact_text(str(text)), file=file or sys.stderr, flush=True)
+
+
+class RedactingFilter(logging.Filter):
+    """Scrubs a log record before any handler sees it: the formatted message (arguments merged in, so a URL
+    passed as `%s` is scrubbed too) and the traceback text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        try:
+            record.msg, record.args = redact_text(record.getMessage()), None
+        except Exception:  # noqa: BLE001 - a bad format string: keep the template, drop the arguments
+            record.msg, record.args = redact_text(str(record.msg)), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
+        return True
+
+
+def redacting_logger(name: str) -> logging.Logger:
+    """`logging.getLogger(name)` whose records are scrubbed (`RedactingFilter`); a filter acts on the records
+    of its own logger only, so each module of driver/, io/, cli/ and reports/ takes its logger here."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+        logger.addFilter(RedactingFilter())
+    return logger

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from jobrunner.engine.config import EngineConfig, check_speculative
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
+from jobrunner.spec_errors import describe_spec_errors
 from jobrunner.spec_sections import section_fields
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
@@ -407,7 +408,7 @@ def spec_from_dict(data: Any, source: str = "<spec>", overrides: list[str] | tup
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(redact_text(describe_spec_errors(exc, source, overrides))) from None
+        raise SpecError(redact_text(describe_spec_errors(JobSpec, exc, source, overrides))) from None
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), resolve_env: bool = True) -> JobSpec:
@@ -447,6 +448,3 @@ def _from_yaml(text: str, source: str, overrides: list[str] | tuple[str, ...]) -
         data = merge(data, parse_overrides(overrides))
     return data
 
-
-# Error messages (did you mean, which --set) live in spec_errors.py; importable from here.
-from jobrunner.spec_errors import describe_spec_errors  # noqa: E402

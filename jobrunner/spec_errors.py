@@ -17,15 +17,20 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def describe_spec_errors(exc: ValidationError, source: str, overrides: Sequence[str] = ()) -> str:
-    """The message of a SpecError: a header naming where the values came from, one line per bad field."""
+def describe_spec_errors(model: type[BaseModel], exc: ValidationError, source: str,
+                         overrides: Sequence[str] = ()) -> str:
+    """The message of a SpecError: a header naming where the values came from, one line per bad field.
+
+    model: the spec model `exc` came from (its field names feed "did you mean"); taken as an argument so this
+    module needs nothing from spec.py, which imports it.
+    """
     set_paths = [(pair, tuple(pair.partition("=")[0].strip().split("."))) for pair in overrides]
     lines, from_set = [], []
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
         pair = _override_for(loc, set_paths)
         where = ".".join(loc) or "(top level)"
-        text = f"{where}: {_message(err, loc)}"
+        text = f"{where}: {_message(model, err, loc)}"
         lines.append(f"  --set {pair}: {text}" if pair else f"  {text}")
         from_set.append(pair is not None)
     if all(from_set):
@@ -46,21 +51,18 @@ def _override_for(loc: tuple[str, ...], set_paths: list[tuple[str, tuple[str, ..
     return found
 
 
-def _message(err: dict[str, Any], loc: tuple[str, ...]) -> str:
+def _message(model: type[BaseModel], err: dict[str, Any], loc: tuple[str, ...]) -> str:
     if err["type"] != "extra_forbidden":
         return str(err["msg"])
-    known = _known_keys(loc[:-1])
+    known = _known_keys(model, loc[:-1])
     if known is None:
         return "unknown field (not allowed)"
     hint = did_you_mean(loc[-1], known)
     return "unknown field (not allowed)" + (hint or f"; known: {', '.join(known)}")
 
 
-def _known_keys(section: tuple[str, ...]) -> list[str] | None:
-    """The field names of the spec section at `section` (None when it is not a spec model)."""
-    from jobrunner.spec import JobSpec
-
-    model: Any = JobSpec
+def _known_keys(model: Any, section: tuple[str, ...]) -> list[str] | None:
+    """The field names of the section of `model` at `section` (None when it is not a pydantic model)."""
     for part in section:
         field = model.model_fields.get(part)
         model = field.annotation if field is not None else None

@@ -34,7 +34,7 @@ ROWS_PER_SHARD = 10
 def measure(num_shards: int, out: str) -> dict:
     """One size, in this process."""
     from jobrunner.driver import manifest as mf
-    from jobrunner.driver.output import open_output
+    from jobrunner.driver.output import open_output, read_previous_output
 
     # No record is written here, and deleting keys that do not exist costs one failed call each (~0.1 ms):
     # a cost of this bench, not of a job (whose records exist and go in one batched delete).
@@ -52,7 +52,7 @@ def measure(num_shards: int, out: str) -> dict:
     t0 = time.perf_counter()
     plan = JobPlan(files=files, shards=plan_shards(files, ROWS_PER_SHARD))
     plan_s = time.perf_counter() - t0
-    storage, manifest, lease = open_output(spec, plan)
+    storage, manifest, lease = open_output(spec, plan, read_previous_output(spec))
     book, ids, holders = _open_books(mf, storage, manifest, plan)
     setup_s = time.perf_counter() - t0
     book.compact(drop_all_records=True)
@@ -75,7 +75,7 @@ def measure(num_shards: int, out: str) -> dict:
     del holders
     t3 = time.perf_counter()
     again = JobPlan(files=files, shards=plan_shards(files, ROWS_PER_SHARD))
-    open_output(spec, again)[2].release()  # resume: read manifest + table, check the plan, adopt the state
+    open_output(spec, again, read_previous_output(spec))[2].release()  # resume: read, check the plan, adopt
     resume_s = time.perf_counter() - t3
     return {"shards": num_shards, "plan_s": round(plan_s, 2), "setup_s": round(setup_s, 2),
             "commit_us_per_shard": round(1e6 * commit_s / num_shards, 1),

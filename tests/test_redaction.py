@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobrunner.redaction import REDACTED, is_secret_key, redact, redact_counts, redact_text
+from jobrunner.redaction import REDACTED, find_secrets, is_secret_key, redact, redact_counts, redact_text
 
 SECRET = "Zq8vK2mP9xL4"
 
@@ -98,3 +98,103 @@ def test_redact_walks_structures():
             "errors": [f"password={SECRET}"], "stop_token_ids": [1, 2]}
     assert redact(data) == {"storage_options": {"key": "***", "secret": "***", "endpoint_url": "http://h"},
                             "errors": ["password=***"], "stop_token_ids": [1, 2]}
+
+
+# Credential names as users write them: every case and separator, camelCase, one word.
+CREDENTIAL_NAMES = [
+    "pass", "PASS", "hub_pass", "HUB-PASS", "hubPass", "db.pass", "password", "Passwd", "pwd", "passphrase",
+    "ssh_passphrase", "keyPassphrase", "secret", "client_secret", "token", "TOKEN", "hf_token", "HFToken",
+    "accesstoken", "AccessToken", "access_token", "access-token", "ACCESSTOKEN", "apitoken", "api_token",
+    "apiToken", "api_key", "API-KEY", "apikey", "x-api-key", "dsn", "DSN", "sentry_dsn", "SentryDsn",
+    "sentrydsn", "credentials", "gcs_credentials", "creds", "auth", "Authorization", "refresh_token",
+    "session_token", "private_key", "account_key", "connection_string",
+]
+# Names with a credential-looking word that are counts or vocabulary entries.
+NOT_CREDENTIAL_NAMES = [
+    "max_tokens", "num_tokens", "min_tokens", "maxTokens", "max_num_batched_tokens", "num_output_tokens",
+    "skip_special_tokens", "eos_token", "pad_token", "stop_token_ids", "token_ids", "tokenizer",
+    "tokenizer_path", "passes", "num_passes", "bypass", "compass", "author", "dsns_found", "model", "url",
+]
+
+
+@pytest.mark.parametrize("name", CREDENTIAL_NAMES)
+def test_credential_names_match_whatever_their_case_and_separators(name):
+    assert is_secret_key(name)
+    assert redact({name: SECRET}) == {name: REDACTED}
+    _assert_redacted(f"{name}={SECRET}")
+
+
+@pytest.mark.parametrize("name", NOT_CREDENTIAL_NAMES)
+def test_counts_and_vocabulary_names_are_no_credentials(name):
+    assert not is_secret_key(name)
+    assert redact({name: "kept"}) == {name: "kept"}
+
+
+def test_a_count_is_kept_under_any_name():
+    assert redact({"passes": 3, "token": 7, "pass": True}) == {"passes": 3, "token": 7, "pass": True}
+
+
+def test_keys_are_scrubbed_too():
+    """YAML turns `hf_...: 1` or a URL with a password followed by a colon into a key."""
+    token_a, token_b = f"hf_{SECRET}abcdefghijklmnop", f"hf_{SECRET}qrstuvwxyzabcdef"
+    data = {"factory_options": {token_a: 1, token_b: 2, f"https://u:{SECRET}@h/m": "x", "plain": "y"}}
+    assert redact(data) == {"factory_options": {"***": 1, "*** #2": 2, "https://***@h/m": "x", "plain": "y"}}
+    assert find_secrets(data) == ["factory_options.*** (a key)", "factory_options.*** (a key)",
+                                  "factory_options.https://***@h/m (a key)"]
+
+
+def _calls_in(package_dirs: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(file, dotted callee) for every call in the files under `package_dirs` of jobrunner/."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "jobrunner"
+    found = []
+    for folder in package_dirs:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call):
+                    name = ast.unparse(node.func)
+                    no_args = not node.args and not node.keywords
+                    found.append((path.relative_to(root).as_posix(), f"{name}()" if no_args else name))
+    return found
+
+
+def test_every_line_of_the_driver_and_the_cli_goes_through_the_redacting_path():
+    """Printing, echoing and logging in driver/, io/, cli/ and reports/ only through the doors of
+    jobrunner.redaction (say, redacting_logger) and cli/echo.py; `logging.getLogger()` (the root, no name)
+    is read by the progress bar to find stream handlers, not logged to."""
+    doors = {"cli/echo.py": {"click.echo"}}
+    banned = {"print", "click.echo", "click.secho", "logging.getLogger", "sys.stderr.write", "sys.stdout.write",
+              "warnings.warn", "tqdm.write", "logging.warning", "logging.info", "logging.error"}
+    calls = _calls_in(("driver", "io", "cli", "reports"))
+    assert ("driver/job.py", "redacting_logger") in calls and ("cli/job.py", "echo") in calls
+    assert sorted({(f, c) for f, c in calls if c in banned and c not in doors.get(f, ())}) == []
+
+
+def test_log_records_are_scrubbed_with_their_arguments_and_traceback(caplog):
+    import logging
+
+    from jobrunner.redaction import redacting_logger
+
+    log = redacting_logger("jobrunner.tests.redaction")
+    assert redacting_logger("jobrunner.tests.redaction").filters == log.filters and len(log.filters) == 1
+    with caplog.at_level(logging.INFO):
+        log.info("loading model %s", f"https://u:{SECRET}@h/m?token={SECRET}")
+        try:
+            raise ValueError(f"refused: password={SECRET}")
+        except ValueError:
+            log.exception("engine failed for %r", {"api_key": SECRET})
+    assert [r.getMessage() for r in caplog.records] == ["loading model https://***@h/m?token=***",
+                                                        "engine failed for {'api_key': '***'}"]
+    assert SECRET not in caplog.text and "ValueError: refused: password=***" in caplog.text
+
+
+def test_say_prints_one_redacted_line():
+    import io
+
+    from jobrunner.redaction import say
+
+    out = io.StringIO()
+    say(f"worker w0 placed; loading model https://u:{SECRET}@h/m", out)
+    assert out.getvalue() == "worker w0 placed; loading model https://***@h/m\n"

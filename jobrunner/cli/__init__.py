@@ -8,21 +8,24 @@ import traceback
 
 import click
 
-from jobrunner.redaction import redact_text
+from jobrunner.cli.echo import echo, redact_click_error
 
 
 class _Main(click.Group):
     """The command group. An unexpected error's traceback is printed redacted (a Ray job's logs are readable by
-    whoever can list jobs; a traceback quotes URLs and options), then the command exits 1."""
+    whoever can list jobs; a traceback quotes URLs and options), then the command exits 1; an error for the
+    user (ClickException) has its message redacted before click prints it."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
-                KeyboardInterrupt):
+        except click.exceptions.ClickException as exc:  # its message is printed by click: scrubbed first
+            redact_click_error(exc)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort, SystemExit, KeyboardInterrupt):
             raise
         except Exception:  # noqa: BLE001 - shown to the user, then exit 1
-            click.echo(redact_text(traceback.format_exc()), err=True)
+            echo(traceback.format_exc(), err=True)
             ctx.exit(1)
 
 

@@ -7,6 +7,8 @@ import json
 
 import click
 
+from jobrunner.cli.echo import echo
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -89,13 +91,13 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
                            prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
                            baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts)
     try:
-        result = run_bench(options, rows, log=lambda msg: click.echo(msg, err=True))
+        result = run_bench(options, rows, log=lambda msg: echo(msg, err=True))
     except ValueError as exc:  # bad model source, no chat template, nothing fits the context, ...
         raise click.ClickException(str(exc)) from None
     result["workload"]["prompts"] = prompts_path
-    click.echo(render_text(result), nl=False)
+    echo(render_text(result), nl=False)
     if as_json:
-        click.echo(json.dumps(result, default=str))
+        echo(json.dumps(result, default=str))
 
 
 def _calibrate_dtype(as_json: bool) -> None:
@@ -104,13 +106,13 @@ def _calibrate_dtype(as_json: bool) -> None:
     result = calibrate_dtype()
     cal = result["calibration"]
     m, k, n = CALIBRATION_SHAPE
-    click.echo(f"GEMM {m}x{k}x{n}, best of 20: float32 {cal['float32_gflops']} GFLOP/s, bfloat16 "
-               f"{cal['bfloat16_gflops']} GFLOP/s -> the timing suggests {result['measured_choice']}")
-    click.echo(f"dtype auto -> {result['auto']} ({result['reason']}{', forced' if result['forced'] else ''})"
-               + ("" if result["agrees"] else "; the timing disagrees: check with `jobrunner bench --dtype "
-                  "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
+    echo(f"GEMM {m}x{k}x{n}, best of 20: float32 {cal['float32_gflops']} GFLOP/s, bfloat16 "
+         f"{cal['bfloat16_gflops']} GFLOP/s -> the timing suggests {result['measured_choice']}")
+    echo(f"dtype auto -> {result['auto']} ({result['reason']}{', forced' if result['forced'] else ''})"
+         + ("" if result["agrees"] else "; the timing disagrees: check with `jobrunner bench --dtype "
+            "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
     if as_json:
-        click.echo(json.dumps(result))
+        echo(json.dumps(result))
 
 
 def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
@@ -141,9 +143,9 @@ def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, ba
     except (PromptFileError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     result["settings"]["quality_texts"] = texts_path
-    click.echo(to_markdown(result))
+    echo(to_markdown(result))
     if as_json:
-        click.echo(json.dumps({"quantization": result}, default=str))
+        echo(json.dumps({"quantization": result}, default=str))
 
 
 COMMANDS = [bench]

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from jobrunner.redaction import redact_text
+from jobrunner.cli.echo import echo
 from jobrunner.spec import SpecError, load_spec, load_spec_data
 
 _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
@@ -15,8 +15,8 @@ _set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PAT
 
 
 def _error(exc: BaseException | str) -> click.ClickException:
-    """An error for the user, redacted (Ray job logs are readable by whoever can list jobs)."""
-    return click.ClickException(redact_text(str(exc)))
+    """An error for the user (redacted when printed: jobrunner.cli._Main, cli/echo.py)."""
+    return click.ClickException(str(exc))
 
 
 _limit_option = click.option("--limit", type=click.IntRange(min=1), default=None, metavar="N",
@@ -74,7 +74,7 @@ def _bad_lines(f) -> str:  # noqa: ANN001 - an io.reader.InputFile
         return ""
     more = f"; ... {f.num_bad_lines - len(f.first_bad_lines)} more" if f.num_bad_lines > len(f.first_bad_lines) else ""
     return (f", {f.num_bad_lines} bad line(s) (each becomes an error row): "
-            f"{redact_text('; '.join(f.first_bad_lines))}{more}")
+            f"{'; '.join(f.first_bad_lines)}{more}")
 
 
 @click.command()
@@ -86,7 +86,8 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns, unique
     ids) and output, without starting any worker."""
     from jobrunner.driver.manifest import ResumeError
-    from jobrunner.driver.plan import OutputError, describe_output, plan_job, required_columns
+    from jobrunner.driver.output import OutputError, describe_output, read_previous_output
+    from jobrunner.driver.plan import describe_empty, plan_job, required_columns
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
@@ -94,25 +95,28 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     model = _check_model(spec)
     started = time.perf_counter()
     try:
-        plan = plan_job(spec)  # duplicate ids included: every run checks them
+        previous = read_previous_output(spec)
+        plan = plan_job(spec, previous.header)  # duplicate ids included: every run checks them
         plan_s = time.perf_counter() - started
-        output_state = describe_output(spec, plan)
+        output_state = describe_output(spec, plan, previous)
     except (InputError, OutputError, ResumeError, StorageError) as exc:
         raise _user_error(spec, exc) from None
-    click.echo(f"job {spec.name!r}: spec OK")
-    click.echo(f"model {model}")
+    echo(f"job {spec.name!r}: spec OK")
+    echo(f"model {model}")
     num_bytes = sum(f.num_bytes for f in plan.files)
     limited = f" (the first {spec.input.limit}: input.limit)" if spec.input.limit is not None else ""
-    click.echo(f"input {redact_text(spec.input.url)}: {len(plan.files)} file(s), {plan.num_rows} rows{limited}, "
-               f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
-               f"planned in {plan_s:.2f}s)")
+    echo(f"input {spec.input.url}: {len(plan.files)} file(s), {plan.num_rows} rows{limited}, "
+         f"{len(plan.shards)} shard(s) of about {spec.rows_per_shard} rows ({num_bytes} bytes, "
+         f"planned in {plan_s:.2f}s)")
     for f in plan.files:
-        click.echo(f"  {redact_text(f.url)}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)"
-                   + _bad_lines(f))
+        if not f.num_rows:
+            echo(f"  {describe_empty([f])}: empty, skipped")
+            continue
+        echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)" + _bad_lines(f))
     keep = spec.output.keep_columns
     columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
-    click.echo(f"required columns present: {', '.join(columns)}")
-    click.echo(f"output {redact_text(spec.output.url)} (mode {spec.output.mode}): {output_state}")
+    echo(f"required columns present: {', '.join(columns)}")
+    echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
 
 
 @click.command()
@@ -127,7 +131,7 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
     """Run JOB_FILE on a local Ray instance (or the cluster at --address); exit 1 if any shard failed."""
     from jobrunner.driver.job import run_job
     from jobrunner.driver.manifest import ResumeError
-    from jobrunner.driver.plan import OutputError
+    from jobrunner.driver.output import OutputError
     from jobrunner.io.lease import LeaseLost
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
@@ -141,7 +145,7 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
     if not no_report:
         _write_report(spec)
     # Ray job logs are readable by whoever can list jobs; the failure itself is printed once, by the exception
-    click.echo(redact_text(result.summary(failures=result.ok)))
+    echo(result.summary(failures=result.ok))
     if not result.ok:
         raise _error(result.failure_message())
 
@@ -159,9 +163,9 @@ def _write_report(spec) -> None:
     except Exception as exc:  # noqa: BLE001 - the job's outputs are done; the report is a bonus
         report = {"error": str(exc)}
     if isinstance(report, dict) and report.get("error"):
-        click.echo(redact_text(f"warning: report not written: {report['error']}"), err=True)
+        echo(f"warning: report not written: {report['error']}", err=True)
     else:
-        click.echo(redact_text(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}"))
+        echo(f"report: {spec.output.url.rstrip('/')}/{REPORT_FILES[1]}")
 
 
 @click.command()
@@ -193,10 +197,10 @@ def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, 
                                     python=python)
     except SubmitError as exc:
         raise _error(exc) from None
-    click.echo(job_id)
+    echo(job_id)
     if wait:
         status = follow_job(client, job_id, sys.stdout)
-        click.echo(f"Ray job {job_id} ended: {status}", err=True)
+        echo(f"Ray job {job_id} ended: {status}", err=True)
         if status != "SUCCEEDED":
             raise click.ClickException(f"Ray job {job_id} ended with status {status}")
 

@@ -8,6 +8,8 @@ import time
 
 import click
 
+from jobrunner.cli.echo import echo
+
 _address = click.option("--address", required=True, envvar="RAY_ADDRESS", show_envvar=True,
                         help="Ray dashboard address, e.g. http://HEAD:8265.")
 _token = click.option("--auth-token", default=None, envvar="RAY_AUTH_TOKEN",
@@ -50,13 +52,13 @@ def list_jobs(address: str, auth_token: str | None, as_json: bool) -> None:
     found = [describe_job(info) for info in client.list_jobs()]
     found.sort(key=lambda j: j["start_time"] or "", reverse=True)
     if as_json:
-        click.echo(json.dumps(found))
+        echo(json.dumps(found))
         return
-    click.echo(f"{'JOB ID':<28} {'STATUS':<10} {'JOB':<20} {'STARTED':<26} DURATION")
+    echo(f"{'JOB ID':<28} {'STATUS':<10} {'JOB':<20} {'STARTED':<26} DURATION")
     for j in found:
         duration = "" if j["duration_s"] is None else f"{j['duration_s']:.0f} s"
-        click.echo(f"{j['job_id'] or '?':<28} {j['status']:<10} {j['job_name'] or '-':<20} "
-                   f"{j['start_time'] or '-':<26} {duration}")
+        echo(f"{j['job_id'] or '?':<28} {j['status']:<10} {j['job_name'] or '-':<20} "
+             f"{j['start_time'] or '-':<26} {duration}")
 
 
 @jobs.command("status")
@@ -70,10 +72,10 @@ def job_status(job_id: str, address: str, auth_token: str | None, as_json: bool)
 
     info = describe_job(_call(_client(address, auth_token), "cannot read", job_id, "get_job_info"))
     if as_json:
-        click.echo(json.dumps(info))
+        echo(json.dumps(info))
     else:
         for key in ("job_id", "status", "job_name", "start_time", "end_time", "duration_s", "message"):
-            click.echo(f"{key:<11} {'' if info[key] is None else info[key]}")
+            echo(f"{key:<11} {'' if info[key] is None else info[key]}")
     if info["status"] == "FAILED":
         sys.exit(1)
 
@@ -89,11 +91,11 @@ def job_logs(job_id: str, address: str, auth_token: str | None, follow: bool) ->
 
     client = _client(address, auth_token)
     if not follow:
-        click.echo(_call(client, "cannot read the logs of", job_id, "get_job_logs"), nl=False)
+        echo(_call(client, "cannot read the logs of", job_id, "get_job_logs"), nl=False)
         return
     _call(client, "cannot read", job_id, "get_job_status")  # an unknown id: a clear error, not a loop
     status = follow_job(client, job_id, sys.stdout)
-    click.echo(f"Ray job {job_id} ended: {status}", err=True)
+    echo(f"Ray job {job_id} ended: {status}", err=True)
     if status != "SUCCEEDED":
         sys.exit(1)
 
@@ -114,7 +116,7 @@ def stop_job(job_id: str, address: str, auth_token: str | None, wait: bool) -> N
     while wait and status not in TERMINAL and time.monotonic() < deadline:
         time.sleep(1.0)
         status = describe_job(_call(client, "cannot read", job_id, "get_job_info"))["status"]
-    click.echo(f"Ray job {job_id}: {'stop requested' if stopped else 'already ended'}; status {status}")
+    echo(f"Ray job {job_id}: {'stop requested' if stopped else 'already ended'}; status {status}")
 
 
 COMMANDS = [jobs]

@@ -7,7 +7,7 @@ import math
 
 import click
 
-from jobrunner.redaction import redact_text
+from jobrunner.cli.echo import echo
 
 FORMATS = ("text", "json", "md", "html", "csv")
 
@@ -81,7 +81,7 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
             reports.append(load_report(url, storage_options, worker_hour_usd, slo))
         except (ValueError, OSError) as exc:  # ReportInputError, unreadable Parquet, storage errors
             message = str(exc) if url in str(exc) else f"{url}: {exc}"
-            raise click.ClickException(redact_text(message)) from None
+            raise click.ClickException(message) from None
     apply_labels(reports, list(labels))
     as_trend = globbed if trend is None else trend
     _emit(_render(reports, _format(fmt, out), as_trend), out, storage_options)
@@ -108,15 +108,15 @@ def _render(reports: list[dict], fmt: str, as_trend: bool = False) -> str:
 
 def _emit(text: str, out: str | None, storage_options: dict | None) -> None:
     if out is None:
-        click.echo(text, nl=False)
+        echo(text, nl=False)
         return
     from jobrunner.io.report_reader import write_text
 
     try:
         write_text(out, text, storage_options)
     except OSError as exc:
-        raise click.ClickException(redact_text(f"cannot write {out}: {exc}")) from None
-    click.echo(redact_text(f"wrote {out}"), err=True)
+        raise click.ClickException(f"cannot write {out}: {exc}") from None
+    echo(f"wrote {out}", err=True)
 
 
 COMMANDS = [report]

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from jobrunner.cli.echo import echo
 from jobrunner.cli.report import _storage_options
 
 
@@ -25,7 +26,7 @@ def status(output_url: str, storage_options: dict | None, as_json: bool) -> None
     except (ReportInputError, OSError) as exc:
         raise click.ClickException(str(exc) if output_url in str(exc) else f"{output_url}: {exc}") from None
     report = job_status(state)
-    click.echo(json.dumps(report, default=str) if as_json else render_status(report))
+    echo(json.dumps(report, default=str) if as_json else render_status(report))
 
 
 def render_status(s: dict[str, Any]) -> str:

@@ -17,7 +17,6 @@ ends the job with an error naming the shards' states; it never idles.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.isolation import IsolationCost
 from jobrunner.driver.metrics import JobMetrics
-from jobrunner.driver.output import open_output
+from jobrunner.driver.output import open_output, read_previous_output
 from jobrunner.driver.output_files import finish_job_files
 from jobrunner.driver.plan import JobPlan, plan_job, with_absolute_output
 from jobrunner.driver.pool import Worker, WorkerPool
@@ -52,10 +51,10 @@ from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 from jobrunner.spec import JobSpec
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 SHARDS_PER_WORKER = 2
 PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at once: object stores are slow
 ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is split (pieces, crashes, stalls: 1)
@@ -64,8 +63,9 @@ ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
     spec = with_absolute_output(spec)
-    plan = plan_job(spec)
-    storage, manifest, lease = open_output(spec, plan)
+    previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it
+    plan = plan_job(spec, previous.header)
+    storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)

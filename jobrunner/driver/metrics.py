@@ -17,13 +17,14 @@ driver sets the job gauges when it refreshes progress. Metrics never fail a job:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from typing import Any
 
-log = logging.getLogger(__name__)
+from jobrunner.redaction import redacting_logger
+
+log = redacting_logger(__name__)
 WORKER_TAGS = ("JobName", "Worker")  # not "WorkerId": Ray sets that tag itself (its own worker id)
 JOB_TAGS = ("JobName",)
 SHARD_SECONDS_BOUNDARIES = [1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600]

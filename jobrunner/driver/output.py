@@ -12,13 +12,13 @@ shards is resumed only with the same settings (driver/resume_check.py).
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
-from jobrunner.driver.output_guard import overwrite_refusal
+from jobrunner.driver.output_guard import containment_refusal, overwrite_refusal
 from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
@@ -36,7 +36,7 @@ from jobrunner.io.manifest import clear_success, read_manifest_table
 from jobrunner.io.parts import list_parts
 from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage, StorageError
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, say
 from jobrunner.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -50,18 +50,65 @@ class OutputError(ValueError):
         super().__init__(redact_text(str(message)))
 
 
-def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], Lease]:
-    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from."""
+@dataclass(frozen=True)
+class PreviousOutput:
+    """What earlier runs left at the output, read once before planning (`read_previous_output`): planning
+    needs the old manifest's header (driver/prefix_plan.py) and opening the output its shard table."""
+
+    entries: list[str]  # top-level names, without the lease's own files
+    holder: dict[str, Any] | None  # the lease object (read before the manifest), None when there is none
+    table: tuple[dict[str, Any], ShardColumns] | None  # the manifest and its shards (resume mode only)
+
+    @property
+    def header(self) -> dict[str, Any] | None:
+        """The old manifest without its shards, or None (no manifest, or a mode that does not resume)."""
+        return self.table[0] if self.table else None
+
+    def is_current(self, lease: Lease) -> bool:
+        """Whether nobody can have written the output between this read and `lease`'s claim: the lease was
+        free then and its generation moved by exactly one (this run's claim)."""
+        generation = (self.holder or {}).get("generation")
+        before = generation if isinstance(generation, int) else 0
+        return is_free(self.holder) and lease.taken_over is None and lease.generation == before + 1
+
+
+def read_previous_output(spec: JobSpec) -> PreviousOutput:
+    """The output's entries, lease and (in resume mode) manifest, read-only; OutputError when unreachable, or
+    when the output and the input overlap (before planning lists an input that holds earlier output).
+
+    The lease is read before the manifest: a run that took the lease after that read moves its generation,
+    and `PreviousOutput.is_current` then sends `open_output` back to the manifest."""
     storage = Storage(spec.output.url, spec.output.storage_options)
-    mode = spec.output.mode
+    refusal = containment_refusal(spec, storage)  # on the URLs; the planned files are checked in open_output
+    if refusal:
+        raise OutputError(refusal)
     try:
         entries = _entries(storage)
-        if mode == "overwrite":  # before the probe write: nothing is written into a folder overwrite refuses
-            check_overwrite(spec, storage, entries, plan)
+        holder = read_lease(storage)
+        table = _read_table(spec, storage, entries)
+    except (StorageError, OSError) as exc:
+        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+    return PreviousOutput(entries, holder, table)
+
+
+def _read_table(spec: JobSpec, storage: Storage, entries: list[str]) -> tuple[dict[str, Any], ShardColumns] | None:
+    # overwrite reads no table (an unreadable manifest is its refusal, driver/output_guard.py); error no output
+    return read_manifest_table(storage) if entries and spec.output.mode == "resume" else None
+
+
+def open_output(spec: JobSpec, plan: JobPlan,
+                previous: PreviousOutput) -> tuple[Storage, dict[str, Any], Lease]:
+    """Check the output, take its lease, prepare it per output.mode; the manifest to continue from.
+
+    previous: the output as read before planning (`read_previous_output`); its manifest is used when nobody
+    held the lease since, else read again."""
+    storage = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        # before the probe write and any wait for the lease: nothing is written where this mode may not write
+        _check_mode(spec, storage, previous.entries, plan)
         storage.check_writable()
     except (StorageError, OSError) as exc:
         raise OutputError(f"output.url {spec.output.url!r}: cannot write there: {exc}") from None
-    _check_mode(spec, storage, entries, plan)  # before any wait for the lease
     try:
         lease = acquire_lease(storage, uuid.uuid4().hex[:12], spec.output.lease_ttl_s, spec.name,
                               is_dead=holder_is_dead, on_wait=CountdownPrinter(storage.display()),
@@ -70,9 +117,10 @@ def open_output(spec: JobSpec, plan: JobPlan) -> tuple[Storage, dict[str, Any], 
         raise OutputError(str(exc)) from None
     fenced = FencedStorage(storage, lease)
     try:
-        entries = _entries(storage)  # again: the previous holder may have written more meanwhile
-        _check_mode(spec, storage, entries, plan)
-        manifest = _prepare(spec, plan, fenced, entries, lease)
+        if not previous.is_current(lease):  # another run held the output meanwhile: it may have written more
+            previous = read_previous_output(spec)
+        _check_mode(spec, storage, previous.entries, plan)
+        manifest = _prepare(spec, plan, fenced, previous, lease)
     except BaseException:
         lease.release()
         raise
@@ -92,14 +140,20 @@ def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
         line = f"output {url}: no shard committed yet, running all {total}"
     if lease.taken_over:
         line += f"; took over the lease: {lease.taken_over}"
-    print(redact_text(line), file=sys.stderr, flush=True)
+    say(line)
 
 
 def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPlan) -> None:
-    if entries and spec.output.mode == "error":
-        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    """OutputError when this output.mode may not write here: never where the input is (driver/output_guard.py),
+    overwrite only over an empty folder or this job's output, error only into an empty one."""
     if spec.output.mode == "overwrite":
         check_overwrite(spec, storage, entries, plan)
+    else:
+        refusal = containment_refusal(spec, storage, [f.url for f in plan.files])
+        if refusal:
+            raise OutputError(refusal)
+    if entries and spec.output.mode == "error":
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
 
 
 def _entries(storage: Storage) -> list[str]:
@@ -119,17 +173,17 @@ class CountdownPrinter:
         if time.monotonic() < self.next_at:
             return
         self.next_at = time.monotonic() + self.PERIOD_S
-        print(redact_text(f"output {self.url} is leased by {describe_holder(holder)}; no heartbeat seen yet: "
-                          f"taking it over in {left_s:.0f} s unless it renews (then this run stops)"),
-              file=sys.stderr, flush=True)
+        say(f"output {self.url} is leased by {describe_holder(holder)}; no heartbeat seen yet: "
+            f"taking it over in {left_s:.0f} s unless it renews (then this run stops)")
 
 
-def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str], lease: Lease) -> dict[str, Any]:
-    if entries and spec.output.mode == "overwrite":
-        for entry in entries:
+def _prepare(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
+             lease: Lease) -> dict[str, Any]:
+    if previous.entries and spec.output.mode == "overwrite":
+        for entry in previous.entries:
             storage.delete(entry, recursive=True)
-        entries = []
-    manifest = _resume_or_new(spec, plan, storage, entries, lease)
+        previous = PreviousOutput([], None, None)
+    manifest = _resume_or_new(spec, plan, storage, previous, lease)
     manifest[LEASE_GENERATION] = lease.generation  # the fencing epoch, in the start-up compaction
     clear_success(storage)
     storage.delete(TEMP_DIR, recursive=True)
@@ -143,25 +197,19 @@ def check_overwrite(spec: JobSpec, storage: Storage, entries: list[str], plan: J
         raise OutputError(refusal)
 
 
-def describe_output(spec: JobSpec, plan: JobPlan) -> str:
+def describe_output(spec: JobSpec, plan: JobPlan, previous: PreviousOutput) -> str:
     """What a run would do with the output (read-only); OutputError/ResumeError when it would refuse."""
     storage = Storage(spec.output.url, spec.output.storage_options)
-    try:
-        entries = _entries(storage)
-        holder = read_lease(storage)
-        old = read_manifest_table(storage) if entries else None
-    except (StorageError, OSError) as exc:
-        raise OutputError(f"output.url {spec.output.url!r}: cannot access: {exc}") from None
+    holder = previous.holder
     held = ""
     if not is_free(holder) and not holder_is_dead(holder):
         held = (f"leased by {describe_holder(holder)}: run waits up to {holder.get('ttl_s')} s for the lease to "
                 "expire (and stops if it is renewed); ")
-    if spec.output.mode == "overwrite":
-        check_overwrite(spec, storage, entries, plan)  # also when empty: the input containment
-    return held + _describe_state(spec, plan, storage, entries, old)
+    _check_mode(spec, storage, previous.entries, plan)  # also when empty: the input containment
+    return held + _describe_state(spec, plan, previous.entries, previous.table)
 
 
-def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+def _describe_state(spec: JobSpec, plan: JobPlan, entries: list[str],
                     old: tuple[dict[str, Any], ShardColumns] | None) -> str:
     if not entries:
         return "output is empty: a new job"
@@ -179,18 +227,18 @@ def _describe_state(spec: JobSpec, plan: JobPlan, storage: Storage, entries: lis
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
 
 
-def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
                    lease: Lease) -> dict[str, Any]:
-    manifest = _manifest_to_continue(spec, plan, storage, entries, lease)
+    manifest = _manifest_to_continue(spec, plan, storage, previous, lease)
     manifest[INPUTS_KEY] = input_pins(plan.files)  # this run's inputs: the next resume checks against them
     return manifest
 
 
-def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, entries: list[str],
+def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
                           lease: Lease) -> dict[str, Any]:
-    if not entries:
+    if not previous.entries:
         return new_manifest(spec, plan.shards)
-    old = read_manifest_table(storage)
+    old = previous.table
     if old is None:
         raise _foreign_output(spec)
     header, old_shards = old

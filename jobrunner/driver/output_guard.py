@@ -1,9 +1,11 @@
-"""What `output.mode: overwrite` may delete: only an empty folder or an earlier output of the same job.
+"""Where a job may write: never where the input is (any mode), and with `output.mode: overwrite` only into
+an empty folder or an earlier output of the same job.
 
-Anything else is refused with what was found there: a bucket or filesystem root; a folder that is, contains or
-lies inside the input (compared on resolved paths, so a symlink cannot hide it; an input folder is listed
-recursively, so an output inside it is input too); entries jobrunner does not write (`_archive/`, notes, a
-`parts/` file that is no part); a folder without a readable `_manifest.json`; the output of another job name.
+An output that is, contains or lies inside the input is refused in every mode (`containment_refusal`,
+compared on resolved paths, so a symlink cannot hide it; an input folder is listed recursively, so an output
+inside it would be input too). Overwrite also refuses: a bucket or filesystem root; entries jobrunner does not
+write (`_archive/`, notes, a `parts/` file that is no part); a folder without a readable `_manifest.json`; the
+output of another job name.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from jobrunner.io.layout import MANIFEST, OUTPUT_ENTRIES, PART_PREFIX, PARTS_DIR
+from jobrunner.io.layout import MANIFEST, OUTPUT_ENTRIES, PART_PREFIX, PARTS_DIR, part_key
 from jobrunner.io.manifest import ManifestError, read_manifest
-from jobrunner.io.storage import Storage, is_within, resolved_location
+from jobrunner.io.storage import Storage, glob_matches, is_within, resolved_location, resolved_pattern
 from jobrunner.redaction import redact_text, redact_url
 from jobrunner.spec import JobSpec
 
@@ -35,20 +37,32 @@ def overwrite_refusal(spec: JobSpec, storage: Storage, entries: list[str],
 
 
 def containment_refusal(spec: JobSpec, storage: Storage, input_file_urls: Iterable[str] = ()) -> str | None:
-    """Refusal when the output and the input overlap, on resolved paths (symlinks followed on local disk)."""
+    """Refusal when the output and the input overlap, in any output.mode, compared on resolved locations
+    (symlinks followed on local disk; `file://`, relative and trailing-slash spellings of one folder equal).
+
+    An output inside a folder input (or one that a glob input matches) would be read back as input by the
+    next run; an input inside the output lies among the output's writes (a resume deletes uncommitted files
+    under parts/, overwrite everything)."""
     url, input_url = redact_url(spec.output.url), redact_url(spec.input.url)
     inp = resolved_location(spec.input.url, spec.input.storage_options)
+    pattern = resolved_pattern(spec.input.url, spec.input.storage_options)
     out = storage.location()
-    if is_within(inp, out):
-        return (f"output.url {url!r} is or contains input.url {input_url!r} (resolved: {out[1]}): "
-                "output.mode=overwrite would delete the input; use another output.url")
-    if is_within(out, inp):
-        return (f"output.url {url!r} lies inside input.url {input_url!r} (resolved: {inp[1]}), which is read "
-                "recursively: its files are input; use an output.url outside the input")
+    if pattern is None and is_within(out, inp):
+        return (f"output.url {url!r} is or lies inside input.url {input_url!r} (resolved: {out[1]}), which is read "
+                "recursively: the job's parts would be read back as input by the next run; use an output.url "
+                "outside the input")
+    sample = f"{out[1]}/{part_key('0')}"
+    if pattern is not None and pattern[0] == out[0] and glob_matches(pattern[1], sample):
+        return (f"output.url {url!r} lies where input.url {input_url!r} matches: its parts ({redact_url(sample)}) "
+                "would be read back as input by the next run; use an output.url the pattern does not match")
+    if pattern is None and is_within(inp, out):
+        return (f"input.url {input_url!r} lies inside output.url {url!r} (resolved: {inp[1]}): the job would write "
+                "among its input (a resume deletes files under parts/ that no shard committed, "
+                "output.mode=overwrite everything); use an output.url that does not hold the input")
     for file_url in input_file_urls:
         if is_within(resolved_location(file_url, spec.input.storage_options), out):
-            return (f"input file {redact_url(file_url)} resolves into output.url {url!r}: output.mode=overwrite "
-                    "would delete the input; use another output.url")
+            return (f"input file {redact_url(file_url)} resolves into output.url {url!r}: the job would read its "
+                    "own output (and output.mode=overwrite delete its input); use another output.url")
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from jobrunner.driver.prefix_plan import PrefixPlan, check_prefix_column, plan_prefix_shards
 from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
@@ -12,9 +13,12 @@ from jobrunner.driver.shards import ShardTable
 from jobrunner.io.ids import Duplicate
 from jobrunner.io.reader import InputError, InputFile, check_columns
 from jobrunner.io.text_input import find_input_duplicates, list_input, row_location
+from jobrunner.redaction import redacting_logger
 from jobrunner.spec import JobSpec
 
 MAX_LISTED_DUPLICATES = 5
+MAX_LISTED_EMPTY = 5
+log = redacting_logger(__name__)
 
 
 @dataclass
@@ -47,24 +51,48 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
     return {role: column for role, column in roles.items() if column}
 
 
-def plan_job(spec: JobSpec) -> JobPlan:
-    """List the input, check its columns and cut shards; InputError names the URL, file or column."""
+def plan_job(spec: JobSpec, old_manifest: dict[str, Any] | None = None) -> JobPlan:
+    """List the input, check its columns and cut shards; InputError names the URL, file or column.
+
+    old_manifest: the header of the manifest this run resumes (`driver/output.read_previous_output`), None for
+    a new output: an output planned before prefix grouping existed keeps its plain shards."""
     files = list_input(spec.input.url, spec.input.storage_options, spec.input.format)
     if spec.input.limit is not None:
         files = first_rows(files, spec.input.limit)
+    with_rows = files_with_rows(spec, files)
     keep = spec.output.keep_columns
-    check_columns(files, required_columns(spec), [] if keep == "*" else keep)
-    check_kept_columns(spec, files)
-    check_prefix_column(spec, files)
+    check_columns(with_rows, required_columns(spec), [] if keep == "*" else keep)
+    check_kept_columns(spec, with_rows)
+    check_prefix_column(spec, with_rows)
     if spec.input.id_column is None:
-        _check_unique_stems(files)
-    shards, prefix = plan_prefix_shards(spec, [f for f in files if f.num_rows])
-    plan = JobPlan(files=files, shards=shards, prefix=prefix)
-    if plan.num_rows == 0:
-        raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows "
-                         f"({len(files)} file(s), all empty)")
-    check_unique_ids(spec, plan.files)
-    return plan
+        _check_unique_stems(with_rows)
+    shards, prefix = plan_prefix_shards(spec, with_rows, old_manifest)
+    check_unique_ids(spec, with_rows)
+    # every file stays in the plan: its pin (io/reader.file_pin) lets a resume notice rows added to it later
+    return JobPlan(files=files, shards=shards, prefix=prefix)
+
+
+def files_with_rows(spec: JobSpec, files: list[InputFile]) -> list[InputFile]:
+    """The files that hold rows. Empty ones (0 bytes, 0 rows, no columns) are skipped with one warning naming
+    them, and are not checked for columns; InputError naming them when no file is left."""
+    empty = [f for f in files if not f.num_rows]
+    if len(empty) == len(files):
+        raise InputError(f"input.url {spec.input.url!r}: the dataset has no rows: every input file is empty "
+                         f"({describe_empty(empty)})")
+    if empty:
+        log.warning("input.url %r: skipping %d empty input file(s): %s", spec.input.url, len(empty),
+                    describe_empty(empty))
+    return [f for f in files if f.num_rows]
+
+
+def describe_empty(files: list[InputFile]) -> str:
+    """'a.parquet (0 bytes), b.parquet (0 rows, no columns) and 3 more': the first MAX_LISTED_EMPTY files."""
+    def why(f: InputFile) -> str:
+        return "0 bytes" if not f.num_bytes and not f.column_types else \
+            "0 rows" + ("" if f.column_types else ", no columns")
+
+    shown = ", ".join(f"{f.url} ({why(f)})" for f in files[:MAX_LISTED_EMPTY])
+    return shown + (f" and {len(files) - MAX_LISTED_EMPTY} more" if len(files) > MAX_LISTED_EMPTY else "")
 
 
 def first_rows(files: list[InputFile], limit: int) -> list[InputFile]:
@@ -138,6 +166,3 @@ def _check_unique_stems(files: list[InputFile]) -> None:
                              "derived row ids would collide; set input.id_column")
         by_stem[f.stem] = f.url
 
-
-# Opening the output (lease, modes) lives in driver/output.py; these names stay importable from here.
-from jobrunner.driver.output import OutputError, describe_output, open_output  # noqa: E402, F401

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -38,17 +37,15 @@ from typing import Any
 import numpy as np
 
 from jobrunner.driver.shards import ShardTable, _ranges, plan_shards
-from jobrunner.io.manifest import read_manifest
 from jobrunner.io.prefix_keys import SPILL_RECORDS, KeySorter, level_chars, prefix_key, shared_chars, shared_depth
 from jobrunner.io.reader import InputError, InputFile, file_pin
 from jobrunner.io.row_order import RowOrderWriter
 from jobrunner.io.shard_file import ShardColumns
-from jobrunner.io.storage import Storage
 from jobrunner.io.text_input import read_input_rows
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 from jobrunner.spec import JobSpec
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 
 PLAN_KEY = "prefix_plan"  # manifest key: how the job was planned
 MIN_SHARED_CHARS = 64  # average characters a row must share with its neighbour for grouping to be worth it
@@ -98,23 +95,22 @@ def check_prefix_column(spec: JobSpec, files: list[InputFile]) -> None:
                              f"columns are: {', '.join(f.column_types)}")
 
 
-def effective_grouping(spec: JobSpec) -> str:
+def effective_grouping(spec: JobSpec, old_manifest: dict[str, Any] | None) -> str:
     """The spec's `input.prefix_grouping`, except `off` for an output to resume that was planned before
-    prefix grouping existed (its manifest has no `prefix_plan`): its shards stay what they were."""
+    prefix grouping existed (its manifest, `old_manifest`, has no `prefix_plan`): its shards stay what they
+    were."""
     if spec.input.prefix_grouping == "off" or spec.output.mode != "resume":
         return spec.input.prefix_grouping
-    try:
-        header = read_manifest(Storage(spec.output.url, spec.output.storage_options))
-    except Exception:  # noqa: BLE001 - opening the output reports storage problems with their context
-        return spec.input.prefix_grouping
-    return "off" if header is not None and PLAN_KEY not in header else spec.input.prefix_grouping
+    return "off" if old_manifest is not None and PLAN_KEY not in old_manifest else spec.input.prefix_grouping
 
 
-def plan_prefix_shards(spec: JobSpec, files: list[InputFile], spill_records: int = SPILL_RECORDS,
+def plan_prefix_shards(spec: JobSpec, files: list[InputFile], old_manifest: dict[str, Any] | None = None,
+                       spill_records: int = SPILL_RECORDS,
                        spill_dir: str | None = None) -> tuple[ShardTable, PrefixPlan]:
-    """The shard table of the (non-empty) files, grouped by prefix where that pays, and how it was planned."""
+    """The shard table of the (non-empty) files, grouped by prefix where that pays, and how it was planned
+    (old_manifest: see `effective_grouping`)."""
     inp = spec.input
-    plan = PrefixPlan(effective_grouping(spec), inp.prefix_chars, inp.prefix_column)
+    plan = PrefixPlan(effective_grouping(spec, old_manifest), inp.prefix_chars, inp.prefix_column)
     if plan.grouping == "off" or not files:
         return plan_shards(files, spec.rows_per_shard), plan
     tmp = tempfile.mkdtemp(prefix="jobrunner-plan-", dir=spill_dir)

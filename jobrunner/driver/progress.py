@@ -24,6 +24,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from jobrunner.redaction import say
+
 PREFIX = "[jobrunner]"
 RATE_WINDOW_S = 30.0
 
@@ -63,7 +65,7 @@ class Progress:
             self._draw_bar()
         elif time.monotonic() - self.last_line >= self.interval_s:
             self.last_line = time.monotonic()
-            print(self.line(), file=self.file, flush=True)
+            say(self.line(), self.file)
 
     def close(self, rows: int | None = None, output_tokens: int | None = None) -> None:
         """Take the final counts, finish the bar and print the final line (once)."""
@@ -77,7 +79,7 @@ class Progress:
             self._stop_redirect()
         self.closed = True
         if self.enabled:
-            print(self.final_line(), file=self.file, flush=True)
+            say(self.final_line(), self.file)
 
     # ---- numbers ----------------------------------------------------------------------------------------
     def _take(self, rows: int, output_tokens: int) -> None:
@@ -153,11 +155,12 @@ class Progress:
         self.bar.refresh()
 
     def _write_line(self, text: str) -> None:
+        """A stage line (a model source, an address: redacted by `say`), above the bar when one is shown."""
         if self.bar is not None:
             with tqdm.external_write_mode(file=self.file):
-                print(text, file=self.file, flush=True)
+                say(text, self.file)
         else:
-            print(text, file=self.file, flush=True)
+            say(text, self.file)
 
     def _start_redirect(self) -> None:
         self._redirect = _above_bar(self.file)

@@ -13,16 +13,15 @@ token is ever written.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from jobrunner.io.lease import Lease, holder_is_dead_here
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 RAY_KEY = "ray"  # the lease's field for the Ray job that holds it
 QUERY_TIMEOUT_S = 5.0  # most time spent asking a cluster about a holder's job
 ENDED = ("SUCCEEDED", "FAILED", "STOPPED")

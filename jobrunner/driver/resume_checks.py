@@ -10,7 +10,6 @@ digest are equal. A file missing now is named too.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -21,9 +20,9 @@ from jobrunner.io.parts import part_row_counts
 from jobrunner.io.reader import InputFile
 from jobrunner.io.shard_file import COMMITTED, COUNT_COLUMNS, ShardColumns
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 INPUTS_KEY = "inputs"  # manifest key: one pin per input file, in plan order
 
 

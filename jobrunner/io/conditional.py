@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import logging
 import os
 import threading
 import time
@@ -27,8 +26,9 @@ import uuid
 import fsspec.asyn
 
 from jobrunner.io.storage import Storage, StorageError
+from jobrunner.redaction import redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 _MEMORY_LOCK = threading.Lock()
 _WARNED: set[str] = set()
 LOCK_TIMEOUT_S = 5.0  # a local writer holds the lock for microseconds; longer means a stopped process

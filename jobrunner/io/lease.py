@@ -21,7 +21,6 @@ every write the driver makes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
@@ -33,11 +32,13 @@ from typing import Any
 from jobrunner.io.conditional import read_versioned, write_if
 from jobrunner.io.layout import LEASE
 from jobrunner.io.storage import Storage
+from jobrunner.redaction import redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 VALID_SHARE = 0.75  # the holder writes only within this share of the ttl after its last renewal began
 BEATS_PER_TTL = 6  # renewals per ttl; failed renewals retry every RETRY_S until the valid window closes
 RETRY_S = 1.0
+MIN_RETRY_S = 0.05  # the tries just before the window closes: never a busy loop
 
 
 class LeaseHeld(RuntimeError):
@@ -215,22 +216,39 @@ class Lease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        wait_s = self.ttl_s / BEATS_PER_TTL
+        wait_s, failures = self.ttl_s / BEATS_PER_TTL, 0
         while not self._stop.wait(wait_s):
             try:
                 self.renew()
-                wait_s = self.ttl_s / BEATS_PER_TTL
             except LeaseLost:
                 return
             except Exception as exc:  # noqa: BLE001 - a storage hiccup: retry while the lease is still valid
                 self.num_renewal_errors += 1
-                left = self.valid_until - time.monotonic()
-                if left <= 0:
-                    self.lost = f"{self.storage.display(LEASE)}: could not renew the lease ({exc}); stopping"
-                    log.error("%s", self.lost)
+                failures += 1
+                wait_s = self._after_failure(exc, failures)
+                if wait_s is None:
                     return
-                log.warning("lease renewal failed (%s); retrying, %.0f s left before this run stops", exc, left)
-                wait_s = min(RETRY_S, left / 2)
+                continue
+            if failures:
+                log.warning("lease renewed again after %d failed attempt(s)", failures)
+            wait_s, failures = self.ttl_s / BEATS_PER_TTL, 0
+
+    def _after_failure(self, exc: Exception, failures: int) -> float | None:
+        """Seconds until the next try, or None when the valid window closed (then `lost` is set). One line for
+        a run of failures (a full disk fails every try): the first, then the count when it ends."""
+        left = self.valid_until - time.monotonic()
+        window = f"{self.ttl_s * VALID_SHARE:.0f} s"
+        error = f"{type(exc).__name__}: {exc}"
+        if left <= 0:
+            self.lost = (f"{self.storage.display(LEASE)}: could not renew the lease within {window} of its last "
+                         f"renewal ({failures} failed attempt(s), the last: {error}); stopping")
+            log.error("%s", self.lost)
+            return None
+        if failures == 1:
+            log.warning("lease renewal failed (%s); retrying every %g s, and this run stops unless one succeeds "
+                        "within %s of the last renewal (further failures are counted, not shown)", error, RETRY_S,
+                        window)
+        return max(MIN_RETRY_S, min(RETRY_S, left / 2))
 
     def stop_heartbeat(self) -> None:
         """Stop renewing (the lease then runs out as a crashed run's would)."""

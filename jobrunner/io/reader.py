@@ -118,11 +118,13 @@ def _read_footer(fs: Any, path: str, size: int | None = None) -> InputFile:
     def read() -> tuple[bytes, int, dict[str, str]]:
         with _open_exact(fs, path) as f:
             num_bytes = size if size is not None else f.seek(0, 2)
-            return read_footer_bytes(f, num_bytes), num_bytes, file_stamps(f)
+            return read_footer_bytes(f, num_bytes) if num_bytes else b"", num_bytes, file_stamps(f)
 
     url = fs.unstrip_protocol(path)
     try:
         raw, num_bytes, stamps = retry(f"read {url}", read)
+        if not num_bytes:  # an empty file (a writer that never finished, a placeholder): no rows, no columns
+            return InputFile(url=url, stem=file_stem(path), num_rows=0, row_group_num_rows=(), stamps=stamps)
         meta = parse_footer(raw)
     except (pa.ArrowInvalid, OSError, StorageError) as exc:
         raise InputError(f"input file {url}: not a readable Parquet file ({exc})") from None

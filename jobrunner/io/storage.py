@@ -6,9 +6,10 @@ us because readers only look at final keys and a key is either absent or complet
 
 from __future__ import annotations
 
+import atexit
 import hashlib
-import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -18,9 +19,13 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from jobrunner.io.layout import TEMP_DIR
-from jobrunner.redaction import redact_text
+from jobrunner.io.repeats import FoldedWarnings
+from jobrunner.redaction import redact_text, redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
+# A full disk or an outage fails every operation: one line per cause a minute, then a count (io/repeats.py).
+RETRY_WARNINGS = FoldedWarnings(log, "storage retries")
+atexit.register(RETRY_WARNINGS.flush)
 TEMP_PROBE = f"{TEMP_DIR}/probe"
 T = TypeVar("T")
 
@@ -48,7 +53,7 @@ def retry(what: str, fn: Callable[[], T], attempts: int = 4, backoff_s: float = 
                 raise _named(exc, what) from exc
             if attempt == attempts:
                 raise StorageError(f"{what}: failed after {attempts} attempts: {_describe(exc)}") from exc
-            log.warning("%s", redact_text(f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying"))
+            RETRY_WARNINGS.warn(_kind(exc), f"{what}: attempt {attempt} failed ({_describe(exc)}); retrying")
             time.sleep(backoff_s * 2 ** (attempt - 1))
     raise AssertionError("unreachable")
 
@@ -100,6 +105,14 @@ def _named(exc: Exception, what: str) -> Exception:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _kind(exc: BaseException) -> str:
+    """What retries of one cause share, whatever the key: `OSError [Errno 28] No space left on device`."""
+    errno = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and errno is not None:
+        return f"{type(exc).__name__} [Errno {errno}] {exc.strerror or ''}".strip()
+    return type(exc).__name__
 
 
 class Storage:
@@ -328,16 +341,56 @@ class Storage:
 
 def resolved_location(url: str, storage_options: dict[str, Any] | None = None) -> tuple[str, str] | None:
     """(protocol, path) of a URL, a glob cut back to the folder before its first wildcard; on local disk the
-    real path (symlinks followed, so two spellings of one folder compare equal). None if it cannot be parsed."""
+    real path (symlinks followed, so two spellings of one folder compare equal: `file:///d/in/`, `/d/in`,
+    `d/in` from /). None if it cannot be parsed."""
+    found = _split_glob(url, storage_options)
+    return None if found is None else (found[0], found[1])
+
+
+def resolved_pattern(url: str, storage_options: dict[str, Any] | None = None) -> tuple[str, str] | None:
+    """(protocol, pattern) of a glob URL, its folder before the first wildcard resolved as in
+    `resolved_location`; None for a URL without a wildcard (or one that cannot be parsed)."""
+    found = _split_glob(url, storage_options)
+    return None if found is None or not found[2] else (found[0], f"{found[1]}/{found[2]}")
+
+
+def _split_glob(url: str, storage_options: dict[str, Any] | None) -> tuple[str, str, str] | None:
+    """(protocol, resolved folder, the pattern's rest from the first wildcard's path part on, or '')."""
     try:
         fs, path = url_to_fs(url, **(storage_options or {}))
     except (ValueError, ImportError, TypeError):
         return None
+    rest = ""
     for i, ch in enumerate(path):
         if ch in "*?[":
-            path = path[:i].rsplit("/", 1)[0]
+            folder = path[:i].rsplit("/", 1)[0]
+            path, rest = folder, path[len(folder) + 1:]
             break
-    return _resolved(fs, path)
+    protocol, folder = _resolved(fs, path)
+    return protocol, folder, rest
+
+
+def glob_matches(pattern: str, path: str) -> bool:
+    """Whether `path` matches a glob as fsspec reads it: `**` any depth, `*` and `?` within one name."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            out.append("[" + pattern[i + 1:end].replace("!", "^", 1) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.fullmatch("".join(out), path.rstrip("/")) is not None
 
 
 def is_within(inner: tuple[str, str] | None, outer: tuple[str, str] | None) -> bool:

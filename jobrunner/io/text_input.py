@@ -15,7 +15,6 @@ import functools
 import hashlib
 import io
 import json
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,9 +41,9 @@ from jobrunner.io.reader import (
 from jobrunner.io.row_groups import stamps_of
 from jobrunner.io.storage import StorageError, retry
 from jobrunner.io.text_lines import csv_by_line, jsonl_by_line, openai_by_line, row_line_numbers
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = (".csv",)
 SHOWN_BAD_LINES = 3  # bad lines a file's description (validate) quotes

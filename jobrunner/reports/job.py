@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 from jobrunner.io.layout import REPORT_FILES
 from jobrunner.io.report_reader import open_outputs, write_report_files
-from jobrunner.redaction import redact_text
+from jobrunner.redaction import redact_text, redacting_logger
 from jobrunner.reports.build import build_report
 from jobrunner.reports.fold import Slo
 
-logger = logging.getLogger(__name__)
+logger = redacting_logger(__name__)
 
 
 def load_report(output_url: str, storage_options: dict | None = None, worker_hour_usd: float | None = None,

@@ -67,3 +67,13 @@ def free_ports(n: int) -> list[int]:
     for s in sockets:
         s.close()
     return ports
+
+
+def planned(spec):
+    """`(plan, previous)` as `run_job` makes them: the output read once, then the input planned against it;
+    `open_output(spec, *planned(spec))` and `describe_output(spec, *planned(spec))` take both."""
+    from jobrunner.driver.output import read_previous_output
+    from jobrunner.driver.plan import plan_job
+
+    previous = read_previous_output(spec)
+    return plan_job(spec, previous.header), previous

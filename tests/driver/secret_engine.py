@@ -44,3 +44,9 @@ def make_engine(spec, api_key: str, step_delay_s: float = 0.0) -> SecretEngine:
     """Factory for `engine.factory: tests.driver.secret_engine:make_engine`."""
     return SecretEngine(api_key, max_num_seqs=spec.engine.max_num_seqs,
                         max_model_len=spec.engine.max_model_len or 512, step_delay_s=step_delay_s)
+
+
+def make_engine_with_credentials(spec, **credentials) -> FakeEngine:
+    """Factory taking any named options, as a hosted client's would (`hub_pass`, `dsn`, `passphrase`, ...):
+    they are only carried, so that a test can look for them in what the job writes and prints."""
+    return FakeEngine(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from jobrunner.driver.job import run_job
-from jobrunner.driver.plan import OutputError
+from jobrunner.driver.output import OutputError
 from jobrunner.io.parts import read_output
 from jobrunner.io.reader import InputError
 from jobrunner.spec import spec_from_dict

@@ -176,11 +176,7 @@ def test_distinct_chains_past_the_exact_limit_are_estimated(monkeypatch):
 
 
 def test_an_old_manifest_is_resumed_with_plain_shards(tmp_path):
-    import json
-
-    write_prefix_prompts(tmp_path / "in.parquet", 60, 3)
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "_manifest.json").write_text(json.dumps({"format_version": 3, "job_name": "p"}))
-    assert prefix_plan.effective_grouping(_spec(tmp_path)) == "off"
-    (tmp_path / "out" / "_manifest.json").write_text(json.dumps({"format_version": 3, "prefix_plan": {}}))
-    assert prefix_plan.effective_grouping(_spec(tmp_path)) == "auto"
+    spec = _spec(tmp_path)
+    assert prefix_plan.effective_grouping(spec, {"format_version": 3, "job_name": "p"}) == "off"
+    assert prefix_plan.effective_grouping(spec, {"format_version": 3, "prefix_plan": {}}) == "auto"
+    assert prefix_plan.effective_grouping(spec, None) == "auto"  # a new output

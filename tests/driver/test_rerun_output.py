@@ -12,7 +12,6 @@ import pytest
 
 from jobrunner.driver.manifest import JobBook, ResumeError
 from jobrunner.driver.output import describe_output, open_output
-from jobrunner.driver.plan import plan_job
 from jobrunner.driver.resume_check import spec_differences
 from jobrunner.io.layout import LEASE, LEASE_GENERATION, part_key
 from jobrunner.io.lease import LeaseLost, host_identity, read_lease
@@ -20,7 +19,7 @@ from jobrunner.io.parts import list_parts, rows_to_table, write_part
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.shard_file import COMMITTED
 from jobrunner.spec import spec_from_dict
-from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
+from tests.driver.helpers import fake_spec, planned, read_manifest_file, write_prompts
 
 
 def _spec(tmp_path, model="tiny-llamma", **sections):
@@ -30,8 +29,8 @@ def _spec(tmp_path, model="tiny-llamma", **sections):
 
 
 def _open(spec):
-    plan = plan_job(spec)
-    return (*open_output(spec, plan), plan.shards)
+    plan, previous = planned(spec)
+    return (*open_output(spec, plan, previous), plan.shards)
 
 
 def _commit_first_shard(storage, manifest, shards) -> str:
@@ -52,7 +51,7 @@ def test_a_run_that_committed_nothing_is_replaced_whatever_changed(tmp_path):
     storage.write_small("parts/part-stray.parquet", b"x")  # published just before it died, never recorded
     lease.release()
     fixed = _spec(tmp_path, model="tiny-llama", input={"rows_per_shard": 4})  # other model, other shard plan
-    assert "committed nothing" in describe_output(fixed, plan_job(fixed))
+    assert "committed nothing" in describe_output(fixed, *planned(fixed))
     storage, manifest, lease, shards = _open(fixed)
     assert manifest["spec"]["model"]["source"] == "tiny-llama" and len(shards) == 8
     assert manifest[LEASE_GENERATION] == 2 and list_parts(storage) == []
@@ -76,7 +75,7 @@ def test_a_change_against_committed_shards_lists_each_field_and_both_choices(tmp
     assert "shards: 4 before, 2 now" in message and "input.rows_per_shard: 8 -> 16" in message
     assert "output.mode=overwrite" in message and "new output.url" in message
     with pytest.raises(ResumeError, match="model.source"):
-        describe_output(changed, plan_job(changed))
+        describe_output(changed, *planned(changed))
     assert read_lease(storage)["state"] == "released"  # the refused run released the lease it took
     capsys.readouterr()
     storage, manifest, lease, shards = _open(_spec(tmp_path, model="tiny-llama"))  # the same settings resume

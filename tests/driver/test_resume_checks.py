@@ -10,15 +10,14 @@ import pytest
 
 from jobrunner.driver.manifest import JobBook, ResumeError
 from jobrunner.driver.output import describe_output, open_output
-from jobrunner.driver.plan import plan_job
 from jobrunner.io.manifest import read_manifest_with_records
 from jobrunner.io.parts import rows_to_table, write_part
 from jobrunner.io.reader import ROW_INDEX, InputError, read_rows
-from jobrunner.io.shard_file import STATUS_VALUES
+from jobrunner.io.shard_file import COMMITTED, PENDING, STATUS_VALUES
 from jobrunner.io.storage import Storage
 from jobrunner.io.text_input import read_input_rows
 from jobrunner.spec import spec_from_dict
-from tests.driver.helpers import fake_spec, new_bucket, write_prompts
+from tests.driver.helpers import fake_spec, new_bucket, planned, write_prompts
 
 
 def _where(kind: str, tmp_path, request) -> tuple[str, dict]:
@@ -28,12 +27,12 @@ def _where(kind: str, tmp_path, request) -> tuple[str, dict]:
     return f"s3://{new_bucket(s3)}", s3["storage_options"]
 
 
-def _first_run(spec, committed: int = 1) -> dict:
-    """Open the output as `run` does and commit the first `committed` shards with their real rows."""
-    plan = plan_job(spec)
-    storage, manifest, lease = open_output(spec, plan)
+def _first_run(spec, committed: int = 1, first: int = 0) -> dict:
+    """Open the output as `run` does and commit shards `first` to `committed` - 1 with their real rows."""
+    plan, previous = planned(spec)
+    storage, manifest, lease = open_output(spec, plan, previous)
     book = JobBook(storage, manifest, plan.shards, background=False)
-    for shard in list(plan.shards)[:committed]:
+    for shard in list(plan.shards)[first:committed]:
         rows = [{"id": f"p{i:03d}", ROW_INDEX: i, "generated_text": "x", "finish_reason": "length", "error": None,
                  "num_prompt_tokens": 1, "num_cached_tokens": 0, "num_output_tokens": 1,
                  "shard_id": shard.shard_id, "worker_id": "w0", "finish_time_s": 1.0}
@@ -51,8 +50,8 @@ def _first_run(spec, committed: int = 1) -> dict:
 
 
 def _statuses(spec) -> dict:
-    plan = plan_job(spec)  # open_output puts the resumed state into plan.shards
-    storage, manifest, lease = open_output(spec, plan)
+    plan, previous = planned(spec)  # open_output puts the resumed state into plan.shards
+    storage, manifest, lease = open_output(spec, plan, previous)
     lease.release()
     return {plan.shards.id_of(i): STATUS_VALUES[int(c)] for i, c in enumerate(plan.shards.columns.status)}
 
@@ -68,8 +67,8 @@ def test_a_resume_over_a_changed_input_file_refuses_naming_it(kind, tmp_path, re
     # rewritten between runs: the same ids and row count, other prompts
     write_prompts(f"{base}/in/a.parquet", 16, storage_options=opts, poison=3)
     changed = spec_from_dict(fake_spec(f"{base}/in", f"{base}/out", opts))
-    for attempt in (lambda: open_output(changed, plan_job(changed)), lambda: describe_output(changed,
-                                                                                            plan_job(changed))):
+    for attempt in (lambda: open_output(changed, *planned(changed)),
+                    lambda: describe_output(changed, *planned(changed))):
         with pytest.raises(ResumeError, match=r"input file .*/in/a\.parquet changed \(.*content differs"):
             attempt()
 
@@ -81,7 +80,7 @@ def test_a_file_put_back_resumes_and_a_missing_one_is_named(tmp_path):
     _first_run(spec)
     shutil.move(tmp_path / "in" / "b.parquet", tmp_path / "b.parquet")
     with pytest.raises(ResumeError, match=r"input file .*/in/b\.parquet is missing"):
-        open_output(spec, plan_job(spec))
+        open_output(spec, *planned(spec))
     shutil.copy(tmp_path / "b.parquet", tmp_path / "in" / "b.parquet")  # back, with a new mtime
     assert sorted(_statuses(spec).values()) == ["committed", "pending", "pending"]
 
@@ -92,6 +91,25 @@ def test_nothing_committed_means_nothing_to_mix(tmp_path):
     _first_run(spec, committed=0)
     write_prompts(tmp_path / "in.parquet", 16, poison=1)
     assert set(_statuses(spec).values()) == {"pending"}
+
+
+def test_the_old_manifest_is_read_again_only_when_another_run_held_the_lease_since(tmp_path):
+    """run_job reads the output once, before planning; a run that took the lease after that read (and
+    committed a shard) is not forgotten: open_output reads the manifest again."""
+    write_prompts(tmp_path / "in.parquet", 24)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out")))
+    _first_run(spec, committed=1)
+    plan, stale = planned(spec)  # read: shard 0 committed
+    _first_run(spec, committed=2, first=1)  # another run commits shard 1 meanwhile
+    storage, manifest, lease = open_output(spec, plan, stale)
+    lease.release()
+    assert not stale.is_current(lease)
+    assert list(plan.shards.columns.status) == [COMMITTED, COMMITTED, PENDING]
+    plan, fresh = planned(spec)
+    storage, manifest, lease = open_output(spec, plan, fresh)
+    lease.release()
+    assert fresh.is_current(lease)
+    assert list(plan.shards.columns.status) == [COMMITTED, COMMITTED, PENDING]
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
@@ -139,7 +157,7 @@ def test_pins_record_text_files_too(tmp_path):
     assert pin["bytes"] == len((tmp_path / "in.jsonl").read_bytes()) and pin["rows"] == 2 and pin["mtime"]
     (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "z"}\n{"id": "b", "prompt": "y"}\n')
     with pytest.raises(ResumeError, match=r"in\.jsonl changed \(content differs"):
-        open_output(spec, plan_job(spec))
+        open_output(spec, *planned(spec))
 
 
 def test_another_jobs_committed_output_is_a_conflict_naming_both_names(tmp_path):
@@ -149,4 +167,4 @@ def test_another_jobs_committed_output_is_a_conflict_naming_both_names(tmp_path)
     other = spec_from_dict({**fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out")), "name": "nightly"})
     with pytest.raises(ResumeError, match=r"committed shard\(s\) written with other settings:\n  name: 'fake-job' "
                                           r"-> 'nightly' \(another job's output"):
-        open_output(other, plan_job(other))
+        open_output(other, *planned(other))

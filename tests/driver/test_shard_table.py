@@ -12,7 +12,7 @@ import pytest
 
 from jobrunner.driver.manifest import JobBook, new_manifest
 from jobrunner.driver.output import describe_output, open_output
-from jobrunner.driver.plan import plan_job, with_absolute_output
+from jobrunner.driver.plan import with_absolute_output
 from jobrunner.driver.shards import ShardTable, plan_shards
 from jobrunner.driver.tasks import FreshTasks, Task, TaskQueue
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST, SHARDS_DIR, part_key
@@ -22,7 +22,7 @@ from jobrunner.io.reader import ROW_INDEX, InputFile
 from jobrunner.io.shard_file import COMMITTED, PENDING, ShardColumns, from_parquet, to_entries, to_parquet
 from jobrunner.io.storage import Storage
 from jobrunner.spec import spec_from_dict
-from tests.driver.helpers import fake_spec, write_prompts
+from tests.driver.helpers import fake_spec, planned, write_prompts
 
 NUM_SHARDS = 100_000
 MAX_BYTES_PER_SHARD = 1024  # issue 15, item 12
@@ -114,8 +114,8 @@ def _publish(book: JobBook, row: int, errors: int = 0) -> str:
 
 def test_resume_from_the_table_keeps_committed_shards_and_redoes_lost_ones(tmp_path):
     spec = _job(tmp_path)
-    plan = plan_job(spec)
-    storage, manifest, lease = open_output(spec, plan)
+    plan, previous = planned(spec)
+    storage, manifest, lease = open_output(spec, plan, previous)
     book = JobBook(storage, manifest, plan.shards)
     book.compact(drop_all_records=True)
     done = [_publish(book, row, errors=row) for row in (0, 1, 2)]
@@ -130,9 +130,9 @@ def test_resume_from_the_table_keeps_committed_shards_and_redoes_lost_ones(tmp_p
     storage.delete(part_key(done[1]))  # a committed part lost
     write_part(storage, plan.shards.id_of(4), rows_to_table([]))  # an orphan: published, never recorded
 
-    again = plan_job(spec)
-    assert describe_output(spec, again) == "output exists: 4/5 shards committed; resume runs the rest"
-    storage, manifest, lease = open_output(spec, again)
+    again, previous = planned(spec)
+    assert describe_output(spec, again, previous) == "output exists: 4/5 shards committed; resume runs the rest"
+    storage, manifest, lease = open_output(spec, again, previous)
     lease.release()
     status = again.shards.columns.status
     assert status.tolist() == [COMMITTED, PENDING, COMMITTED, COMMITTED, PENDING]
@@ -144,8 +144,8 @@ def test_resume_from_the_table_keeps_committed_shards_and_redoes_lost_ones(tmp_p
 
 def test_a_format_2_manifest_is_read_and_resumed(tmp_path):
     spec = _job(tmp_path)
-    plan = plan_job(spec)
-    storage, manifest, lease = open_output(spec, plan)
+    plan, previous = planned(spec)
+    storage, manifest, lease = open_output(spec, plan, previous)
     book = JobBook(storage, manifest, plan.shards)
     book.compact(drop_all_records=True)
     for row in (0, 2):
@@ -160,8 +160,8 @@ def test_a_format_2_manifest_is_read_and_resumed(tmp_path):
     storage.delete(SHARDS_DIR, recursive=True)
     assert read_manifest_with_records(storage)["shards"][plan.shards.id_of(2)]["status"] == "committed"
 
-    again = plan_job(spec)
-    storage, manifest, lease = open_output(spec, again)
+    again, previous = planned(spec)
+    storage, manifest, lease = open_output(spec, again, previous)
     try:
         assert again.shards.todo().tolist() == [1, 3, 4]
         JobBook(storage, manifest, again.shards).compact(drop_all_records=True)
