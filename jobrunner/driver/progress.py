@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
@@ -34,11 +34,13 @@ class Progress:
     """Rows done / total, output tokens/s and ETA; `update` takes absolute counts and never goes back."""
 
     def __init__(self, total_rows: int, done_rows: int = 0, file: TextIO | None = None,
-                 interval_s: float = 10.0, enabled: bool = True) -> None:
+                 interval_s: float = 10.0, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.file = file or sys.stderr
         self.total, self.base_rows, self.enabled = total_rows, done_rows, enabled
         self.interval_s = interval_s
-        self.start = time.monotonic()
+        self.clock = clock  # seconds, monotonic (tests pass a fake one so rates and ETAs are exact)
+        self.start = self.clock()
         self.rows, self.tokens, self.last_line = done_rows, 0, float("-inf")
         self.first_token_at: float | None = None
         self.token_reports = 0  # reports whose token count went up: one alone dates no rate
@@ -63,8 +65,8 @@ class Progress:
             return
         if self.is_tty:
             self._draw_bar()
-        elif time.monotonic() - self.last_line >= self.interval_s:
-            self.last_line = time.monotonic()
+        elif self.clock() - self.last_line >= self.interval_s:
+            self.last_line = self.clock()
             say(self.line(), self.file)
 
     def close(self, rows: int | None = None, output_tokens: int | None = None) -> None:
@@ -83,7 +85,7 @@ class Progress:
 
     # ---- numbers ----------------------------------------------------------------------------------------
     def _take(self, rows: int, output_tokens: int) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.rows = max(self.rows, rows)
         self.total = max(self.total, self.rows)  # per-row n overrides can make the total an underestimate
         self.token_reports += output_tokens > self.tokens
@@ -107,7 +109,7 @@ class Progress:
         """Output tokens/s since the last report before the first token (when this run's tokens started)."""
         if self.first_token_at is None:
             return 0.0
-        return self.tokens / max(time.monotonic() - self.first_token_at, 1e-6)
+        return self.tokens / max(self.clock() - self.first_token_at, 1e-6)
 
     def eta_s(self) -> float | None:
         """Seconds left at the row rate since the first token (None before any row of this run)."""
@@ -117,12 +119,12 @@ class Progress:
             return 0.0
         if done_now <= 0 or self.first_token_at is None:
             return None
-        return left * (time.monotonic() - self.first_token_at) / done_now
+        return left * (self.clock() - self.first_token_at) / done_now
 
     # ---- text -------------------------------------------------------------------------------------------
     def line(self) -> str:
         """A plain progress line for logs."""
-        elapsed = time.monotonic() - self.start
+        elapsed = self.clock() - self.start
         eta = self.eta_s()
         pct = 100.0 * self.rows / self.total if self.total else 100.0
         return (f"{PREFIX} rows {self.rows}/{self.total} ({pct:.0f}%) | {self.tokens} out tokens, "
@@ -131,7 +133,7 @@ class Progress:
 
     def final_line(self) -> str:
         """The last line: where the run ended ('done' when every row is, else 'ended'), with the average rate."""
-        elapsed = time.monotonic() - self.start
+        elapsed = self.clock() - self.start
         pct = 100.0 * self.rows / self.total if self.total else 100.0
         state = "done" if self.rows >= self.total else "ended"
         if self.token_reports >= 2:

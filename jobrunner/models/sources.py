@@ -187,13 +187,13 @@ def fetch_patterns(allow_pickle: bool) -> list[str]:
 def _resolve_alias(name: str, root: Path) -> Path:
     """Convert the alias's GGUF file once into `<root>/models/<name>` and return that directory.
 
-    A cached conversion whose marker names another converter version or GGUF file is converted again.
+    A cached conversion whose marker names other converter code, fix-ups or GGUF file is converted again.
     """
     alias = ALIASES[name]
     target = root / "models" / name
     gguf_path = find_packaged_gguf(alias)
     build_dir_once(target, lambda tmp: convert_gguf(gguf_path, tmp, alias.fixups),
-                   is_current=lambda built: conversion_is_current(gguf_path, built))
+                   is_current=lambda built: conversion_is_current(gguf_path, built, alias.fixups))
     return check_model_dir(target, name, allow_pickle=False)
 
 

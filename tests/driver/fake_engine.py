@@ -8,6 +8,9 @@ mid-shard; `fail_on` makes step() raise while a request whose prompt contains th
 step() return at once with nothing done (no token, no finished row) while such a request is running;
 `bad_text_on` gives such a request a text Arrow cannot store (an error outside the engine, when the part is
 built). `rebuild()` is a fresh engine with the same settings (no model load), as the worker asks after a crash.
+
+Gauges with known values (the real engine's keys): `kv_blocks=[used, total]` reports that KV usage at every step;
+`cached_prompt_tokens=k` counts the first k tokens of every prompt as prefix-cache hits (not prefilled).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ class FakeStats:
     decode_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_num_blocks: int = 0
+    kv_blocks_used: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,17 +53,19 @@ class FakeEngine:
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
                  fail_on: str | None = None, hang_on: str | None = None, stall_on: str | None = None,
-                 bad_text_on: str | None = None) -> None:
+                 bad_text_on: str | None = None, kv_blocks: tuple[int, int] = (0, 0),
+                 cached_prompt_tokens: int = 0) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.step_delay_s, self.fail_on, self.hang_on = step_delay_s, fail_on, hang_on
         self.stall_on, self.bad_text_on = stall_on, bad_text_on
+        self.kv_blocks, self.cached_prompt_tokens = tuple(kv_blocks), cached_prompt_tokens
         self.tokenizer = None
         self.device = "cpu"
         self.architecture = "FakeForTests"
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._ids: set[str] = set()
-        self._stats = FakeStats()
+        self._stats = FakeStats(kv_blocks_used=self.kv_blocks[0], kv_num_blocks=self.kv_blocks[1])
         self.max_seen_unfinished = 0
 
     def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
@@ -88,7 +96,7 @@ class FakeEngine:
     def rebuild(self) -> FakeEngine:
         """A fresh engine with the same settings (what the worker asks for after a crash)."""
         return FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
-                          self.stall_on, self.bad_text_on)
+                          self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens)
 
     def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
@@ -99,7 +107,11 @@ class FakeEngine:
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting.pop(0)
             req.metrics.first_scheduled_time = now
-            self._stats.num_prefill_tokens += len(req.prompt_token_ids)
+            cached = min(self.cached_prompt_tokens, len(req.prompt_token_ids))
+            req.metrics.num_cached_tokens = cached
+            self._stats.num_prompt_tokens += len(req.prompt_token_ids)
+            self._stats.num_cached_tokens += cached
+            self._stats.num_prefill_tokens += len(req.prompt_token_ids) - cached
             self._running.append(req)
         if self.fail_on and any(self.fail_on in r.text for r in self._running):
             raise RuntimeError("fake engine failure")
@@ -132,14 +144,15 @@ class FakeEngine:
 
 def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
                 load_delay_s: float = 0.0, stall_on: str | None = None, bad_text_on: str | None = None,
-                no_rebuild: bool = False) -> FakeEngine:
+                no_rebuild: bool = False, kv_blocks: tuple[int, int] = (0, 0),
+                cached_prompt_tokens: int = 0) -> FakeEngine:
     """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load;
     no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash)."""
     time.sleep(load_delay_s)
     cls = _NoRebuildEngine if no_rebuild else FakeEngine
     return cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
                step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
-               bad_text_on=bad_text_on)
+               bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens)
 
 
 class _NoRebuildEngine(FakeEngine):

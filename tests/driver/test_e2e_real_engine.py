@@ -44,7 +44,16 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     manifest = read_manifest_file(tmp_path / "out")
     assert manifest["totals"]["rows"] == 10 and manifest["totals"]["num_errors"] == 1
     worker = manifest["workers"]["w0"]
-    assert worker["prefill_s"] > 0 and worker["decode_s"] >= 0 and worker["steps"] > 0
+    # the engine's own accounting agrees with the rows: each row's first token comes from its prefill step, every
+    # later one from a decode step (no preemption: 9 rows in a batch of 32) whose query tokens also hold the
+    # draft tokens that speculation (auto) verified and rejected; so decode time was spent
+    output_tokens = [r["num_output_tokens"] for r in good]
+    assert worker["num_requests"] == 9 and worker["num_output_tokens"] == sum(output_tokens)
+    rejected = worker["num_draft_tokens"] - worker["num_accepted_tokens"]
+    assert worker["num_decode_tokens"] == sum(n - 1 for n in output_tokens) + rejected > 0
+    assert worker["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in good)
+    assert worker["num_prefill_tokens"] == worker["num_prompt_tokens"] - worker["num_cached_tokens"]
+    assert worker["prefill_s"] > 0 and worker["decode_s"] > 0 and worker["steps"] > 0
     assert manifest["model"]["source"] == "smollm2-135m-instruct"
 
 

@@ -146,25 +146,42 @@ def _worker_pid(worker_id: str) -> int:
     return ray.get(_worker_actor(worker_id).ready.remote())["stats"]["pid"]
 
 
-def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path):
-    """SIGSTOP a worker mid-shard past the progress deadline: its shards are retried and committed
-    elsewhere; SIGCONT it afterwards: still one part per shard, every id once."""
+def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path, monkeypatch):
+    """SIGSTOP a worker mid-shard past the progress deadline: its shards are retried and committed elsewhere.
+    The driver's kill of that worker is held back (as when the kill cannot reach it), so the zombie is still
+    there to resume: SIGCONT it as soon as the driver gives it up, it finishes its stale attempts, and
+    still every shard has one part, every id is there once, and no committed part is the zombie's."""
     ids, data = _spec(tmp_path)
     # A healthy worker finishes a step every ~0.05 s; 8 s is generous for one starved by a loaded machine.
     data["cluster"]["progress_timeout_s"] = 8.0
     out = tmp_path / "out"
+    zombie: dict = {}
+    real_kill = ray.kill
+
+    def kill_all_but_the_zombie(actor, *args, **kwargs):
+        if "id" in zombie and actor._actor_id == zombie["id"]:
+            zombie["given_up"] = actor  # the driver is done with it; this reference keeps the actor alive
+            return None
+        return real_kill(actor, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "kill", kill_all_but_the_zombie)
     thread, box = _run_in_thread(spec_from_dict(data))
     _wait_for(lambda: _committed(out) and _worker_actor("w0") is not None)
+    actor = _worker_actor("w0")
+    zombie["id"] = actor._actor_id
     pid = _worker_pid("w0")
-    os.kill(pid, signal.SIGSTOP)
     try:
+        assert ray.get(actor.progress.remote())["shards"], "w0 held no shard when it was stopped"
+        os.kill(pid, signal.SIGSTOP)
+        _wait_for(lambda: "given_up" in zombie, timeout=120)  # declared dead; its shards go to other workers
+        os.kill(pid, signal.SIGCONT)  # it must still be there: no ProcessLookupError to swallow
+        # the zombie really runs again: it answers and finishes the attempts it held
+        _wait_for(lambda: ray.get(actor.progress.remote(), timeout=30)["shards"] == {}, timeout=120)
         thread.join(timeout=240)
+        assert not thread.is_alive(), "the job did not end"
+        os.kill(pid, 0)  # alive to the end: whatever it handed back came from a live zombie
     finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass  # the driver's ray.kill already ended it
-    time.sleep(1.0)  # let a resumed zombie finish whatever it was writing
+        real_kill(actor, no_restart=True)
     assert box["result"].ok, box["result"].summary()
     _assert_once(out, ids)
     manifest = read_manifest_file(out)

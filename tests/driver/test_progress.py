@@ -16,18 +16,38 @@ class FakeTty(io.StringIO):
         return True
 
 
+class FakeClock:
+    """A monotonic clock that moves only when told (seconds): rates and ETAs come out exact."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_plain_lines_in_logs():
-    out = io.StringIO()
-    progress = Progress(total_rows=100, done_rows=20, file=out, interval_s=0.0)
+    out, clock = io.StringIO(), FakeClock()
+    progress = Progress(total_rows=100, done_rows=20, file=out, interval_s=0.0, clock=clock)
     progress.stage("placing 1 worker, each asking {\"CPU\": 2}")
-    progress.update(rows=60, output_tokens=400)
+    progress.update(rows=20, output_tokens=0)  # the first report: no token yet
+    clock.advance(8.0)
+    progress.update(rows=60, output_tokens=400)  # 40 rows and 400 tokens in 8 s
+    clock.advance(2.0)
     progress.close(rows=100, output_tokens=900)
     lines = out.getvalue().splitlines()
-    assert lines[0] == '[jobrunner] placing 1 worker, each asking {"CPU": 2}'
-    assert lines[1].startswith("[jobrunner] rows 60/100 (60%) | 400 out tokens, ")
-    assert "out tok/s" in lines[1] and "ETA" in lines[1]
-    assert lines[2].startswith("[jobrunner] done: rows 100/100 (100%) | 900 out tokens in this run")
-    assert len(lines) == 3 and "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+    assert lines == [
+        '[jobrunner] placing 1 worker, each asking {"CPU": 2}',
+        "[jobrunner] rows 20/100 (20%) | 0 out tokens, 0.0 out tok/s | elapsed 0s | ETA ?",
+        # 40 rows in the 8 s since the report before the first token: 40 left take 8 s more
+        "[jobrunner] rows 60/100 (60%) | 400 out tokens, 50.0 out tok/s | elapsed 8s | ETA 8s",
+        "[jobrunner] done: rows 100/100 (100%) | 900 out tokens in this run, 90.0 out tok/s since the first "
+        "token | elapsed 10s",
+    ]
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
 def test_rows_and_tokens_never_go_back():
@@ -56,22 +76,38 @@ def test_lines_at_the_interval_and_the_final_line_once():
 
 
 def test_tokens_per_s_counts_tokens_before_rows_finish():
-    progress = Progress(total_rows=8, file=io.StringIO(), interval_s=0.0)
-    progress._take(0, 0)
-    progress.samples[0] = (progress.samples[0][0] - 2.0, 0)  # the first report two seconds ago
+    clock = FakeClock()
+    progress = Progress(total_rows=8, file=io.StringIO(), interval_s=0.0, clock=clock)
+    progress.update(rows=0, output_tokens=0)
+    clock.advance(2.0)
     progress.update(rows=0, output_tokens=100)  # no row finished, tokens produced
-    assert 45.0 < progress.tokens_per_s() <= 50.0
+    assert progress.tokens_per_s() == 50.0
     assert progress.eta_s() is None  # no row yet: no honest ETA
 
 
+def test_tokens_per_s_is_over_the_last_window_only():
+    clock = FakeClock()
+    progress = Progress(total_rows=8, file=io.StringIO(), interval_s=0.0, clock=clock)
+    progress.update(rows=0, output_tokens=0)
+    clock.advance(100.0)
+    progress.update(rows=1, output_tokens=10_000)  # start-up, then a burst: 100 tok/s over the first 100 s
+    for _ in range(4):
+        clock.advance(10.0)
+        progress.update(rows=1, output_tokens=progress.tokens + 50)  # then 5 tok/s
+    assert progress.tokens_per_s() == 5.0  # the samples older than 30 s (RATE_WINDOW_S) are gone
+
+
 def test_average_rate_of_tokens_that_all_arrive_in_one_report_spans_from_the_report_before():
-    progress = Progress(total_rows=4, file=io.StringIO(), interval_s=0.0)
-    progress._take(0, 0)
-    progress.samples[0] = (progress.samples[0][0] - 4.0, 0)  # the last report without tokens: four seconds ago
+    clock = FakeClock()
+    progress = Progress(total_rows=4, file=io.StringIO(), interval_s=0.0, clock=clock)
+    clock.advance(6.0)  # start-up
+    progress._take(0, 0)  # the last report without tokens
+    clock.advance(4.0)
     progress._take(4, 24)  # a tiny job: every token in one report
-    assert 5.0 <= progress.average_tokens_per_s() <= 6.0  # 24 tokens over ~4 s, not over microseconds
-    progress.start -= 10.0  # the run began ten seconds ago; one report carried every token
-    assert "2.4 out tok/s over the whole run (start-up included)" in progress.final_line()
+    assert progress.average_tokens_per_s() == 6.0  # 24 tokens over the 4 s since that report, not microseconds
+    # the run began ten seconds ago; one report carried every token: the rate is over the whole run
+    assert progress.final_line() == ("[jobrunner] done: rows 4/4 (100%) | 24 out tokens in this run, "
+                                     "2.4 out tok/s over the whole run (start-up included) | elapsed 10s")
 
 
 def test_total_grows_when_rows_exceed_it():

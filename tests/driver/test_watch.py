@@ -93,8 +93,9 @@ def _keep(name: str, text: str) -> None:
 def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     write_prompts(tmp_path / "in.parquet", 64)
     out = str(tmp_path / "out")
-    spec = fake_spec(str(tmp_path / "in.parquet"), out, engine=SLOW,
-                     sampling={"max_tokens": 24})
+    # known gauges: 3 of 8 KV blocks in use; the first of each prompt's 4 words a prefix-cache hit
+    engine = {"factory_options": {**SLOW["factory_options"], "kv_blocks": [3, 8], "cached_prompt_tokens": 1}}
+    spec = fake_spec(str(tmp_path / "in.parquet"), out, engine=engine, sampling={"max_tokens": 24})
     spec["name"] = "watch-job"
     thread, box = _start_job(spec)
     seen: dict = {}
@@ -123,8 +124,9 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     assert 0 < seen[("jobrunner_job_rows_done", "")] <= 64
     assert all(seen[("jobrunner_prompt_tokens", w)] > 0 for w in workers)
     assert seen[("jobrunner_job_workers", "")] >= 1
-    assert all(0 <= v <= 1 for k, v in seen.items() if k[0] in ("jobrunner_kv_cache_usage",
-                                                                 "jobrunner_prefix_cache_hit_rate"))
+    assert {w: seen[("jobrunner_kv_cache_usage", w)] for w in workers} == {w: 3 / 8 for w in workers}
+    # "question {i} about things": 1 of 4 prompt tokens cached on every worker that has finished a row
+    assert {w: seen[("jobrunner_prefix_cache_hit_rate", w)] for w in workers} == {w: 0.25 for w in workers}
     _keep("metrics_scrape.txt", "\n".join(f"{n}{{Worker={w!r}}} {v}" for (n, w), v in sorted(seen.items())))
 
     assert running_status is not None, "status never saw the job running with a committed row"

@@ -113,14 +113,17 @@ def test_cuda_fp8_scaled_mm_matches_reference() -> None:
 
 def test_cuda_triton_quant_kernels_opt_in(monkeypatch) -> None:
     """JOBRUNNER_TRITON_QUANT=1: each scheme's Triton path is probed, chosen at batch and matches torch's."""
-    from jobrunner.quant import Fp8Linear, dispatch_for
-    from jobrunner.quant.fp8 import fp8_w8a8_reference
+    from jobrunner.quant import dispatch_for
+    from jobrunner.quant.dispatch import cuda_fp8_supported
 
     monkeypatch.setenv("JOBRUNNER_TRITON_QUANT", "1")
     dispatch = dispatch_for("cuda")
     choice = dispatch.triton_quant
     assert set(choice["enabled"]) | set(choice["reasons"]) == {"fp8", "int8", "int4"}
     assert {"int8", "int4"} <= set(choice["enabled"]), choice["reasons"]
+    # fp8 is on exactly where the GPU has fp8 (sm89+); its numbers are the next test's
+    fp8_here = cuda_fp8_supported(torch.device("cuda", torch.cuda.current_device()))
+    assert ("fp8" in choice["enabled"]) == fp8_here, choice["reasons"]
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 768, bias=True, device="cuda", dtype=torch.bfloat16)
     q8 = Int8WeightOnlyLinear.from_linear(lin, dispatch)
@@ -133,14 +136,30 @@ def test_cuda_triton_quant_kernels_opt_in(monkeypatch) -> None:
         exact8 = x.float() @ q8.dequantized_weight().float().t() + lin.bias.float()
         exact4 = x.float() @ q4.dequantized_weight().float().t() + lin.bias.float()
         assert _rel_err(y8, exact8) < 0.01 and _rel_err(y4, exact4) < 0.01
-    if "fp8" in choice["enabled"]:
-        f8 = Fp8Linear.from_linear(lin, dispatch)
-        assert f8.path(5) == "triton_scaled_mm"
-        x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            ref = fp8_w8a8_reference(x, f8.weight_fp8, f8.scales) + lin.bias.float()
-            assert _rel_err(f8(x), ref) < 0.01
     from jobrunner.quant.triton_quant import failures
+    assert failures() == {}
+
+
+def test_cuda_triton_fp8_opt_in(monkeypatch) -> None:
+    """JOBRUNNER_TRITON_QUANT=1 on an fp8 GPU: fp8 is probed, chosen at a small batch and matches the reference."""
+    from jobrunner.quant import Fp8Linear, dispatch_for
+    from jobrunner.quant.dispatch import cuda_fp8_supported
+    from jobrunner.quant.fp8 import fp8_w8a8_reference
+    from jobrunner.quant.triton_quant import failures
+
+    if not cuda_fp8_supported(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("fp8 needs sm89+")
+    monkeypatch.setenv("JOBRUNNER_TRITON_QUANT", "1")
+    dispatch = dispatch_for("cuda")
+    assert "fp8" in dispatch.triton_quant["enabled"], dispatch.triton_quant["reasons"]
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 768, bias=True, device="cuda", dtype=torch.bfloat16)
+    f8 = Fp8Linear.from_linear(lin, dispatch)
+    assert f8.path(5) == "triton_scaled_mm"
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = fp8_w8a8_reference(x, f8.weight_fp8, f8.scales) + lin.bias.float()
+        assert _rel_err(f8(x), ref) < 0.01
     assert failures() == {}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import threading
@@ -221,29 +222,54 @@ def fake_alias(tmp_path, monkeypatch, tiny_llama_hf_dir) -> list[Path]:
         conversions.append(path)
         for item in tiny_llama_hf_dir.iterdir():
             shutil.copy(item, out_dir / item.name)
-        gguf_convert._write_marker(path, out_dir)
+        gguf_convert._write_marker(path, out_dir, fixups)
 
     monkeypatch.setattr(sources, "find_packaged_gguf", lambda alias: gguf_path)
     monkeypatch.setattr(sources, "convert_gguf", convert)
     return conversions
 
 
-def test_alias_cache_is_rebuilt_when_the_converter_changes(fake_alias, tmp_path, monkeypatch):
+def test_alias_cache_is_rebuilt_when_the_converter_code_changes(fake_alias, tmp_path, monkeypatch):
+    code = tmp_path / "gguf_convert.py"  # the converter's source, as a copy this test can edit
+    code.write_bytes(Path(gguf_convert.__file__).read_bytes())
+    monkeypatch.setattr(gguf_convert, "CONVERTER_SOURCES", (code,))
     cache = str(tmp_path / "cache")
     model_dir = resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
     assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
     assert len(fake_alias) == 1  # current marker: reused
     marker = json.loads((model_dir / gguf_convert.MARKER_FILE).read_text())
-    assert marker["converter_version"] == gguf_convert.CONVERTER_VERSION
-    monkeypatch.setattr(gguf_convert, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
+    gguf_path = tmp_path / "pkg" / "model.gguf"
+    assert marker == {"converter_sha256": gguf_convert.converter_fingerprint(sources.ALIASES[
+                          "smollm2-135m-instruct"].fixups),
+                      "gguf_file": "model.gguf", "gguf_size": 64,
+                      "gguf_sha256": hashlib.sha256(gguf_path.read_bytes()).hexdigest()}
+    code.write_text(code.read_text() + "\n# a change to the conversion\n")
     assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
-    assert len(fake_alias) == 2  # a newer converter: converted again, in place
-    marker = json.loads((model_dir / gguf_convert.MARKER_FILE).read_text())
-    assert marker["converter_version"] == gguf_convert.CONVERTER_VERSION
+    assert len(fake_alias) == 2  # other converter code: converted again, in place
+    new_marker = json.loads((model_dir / gguf_convert.MARKER_FILE).read_text())
+    assert new_marker["converter_sha256"] != marker["converter_sha256"]
+    assert {k: v for k, v in new_marker.items() if k != "converter_sha256"} == {
+        k: v for k, v in marker.items() if k != "converter_sha256"}
     assert resolve_model_dir("smollm2-135m-instruct", cache_dir=cache) == model_dir
     assert len(fake_alias) == 2
     assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [
         "smollm2-135m-instruct", "smollm2-135m-instruct.lock"]  # the outdated copy is gone
+
+
+def test_alias_cache_is_rebuilt_for_other_gguf_bytes_or_fixups(fake_alias, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    gguf_path = tmp_path / "pkg" / "model.gguf"
+    gguf_path.write_bytes(b"GGUF" + b"\1" * 60)  # same name and size, other weights
+    resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    assert len(fake_alias) == 2
+    alias = sources.ALIASES["smollm2-135m-instruct"]
+    monkeypatch.setitem(sources.ALIASES, "smollm2-135m-instruct",
+                        dataclasses.replace(alias, fixups=gguf_convert.GGUFFixups(eos_token="<another-eos>")))
+    resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    assert len(fake_alias) == 3
+    resolve_model_dir("smollm2-135m-instruct", cache_dir=cache)
+    assert len(fake_alias) == 3
 
 
 def test_alias_cache_without_marker_is_rebuilt(fake_alias, tmp_path):

@@ -23,6 +23,7 @@ from jobrunner.quant.dispatch import (
 )
 from jobrunner.quant.int4 import dequantize_int4
 from jobrunner.quant.kernels import int8_int_mm, pack_int4_cuda_reference, unpack_int4_cuda
+from tests.components import require_native
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -245,9 +246,7 @@ def test_native_int4_unpack_matches_torch(split: bool) -> None:
     from jobrunner.quant.int4_unpack import CpuInt4Layout
     from jobrunner.quant.native import int4_unpack_fn
 
-    unpack = int4_unpack_fn()
-    if unpack is None:
-        pytest.skip("no C compiler here: the torch path is the only one")
+    unpack = require_native("int4 unpack", int4_unpack_fn)
     torch.manual_seed(0)
     k, block_n, nb, ld = 64, 32, 3, 112  # out wider than the blocks: the last 16 columns stay untouched
     packed = torch.randint(0, 256, (nb, k, block_n // 2), dtype=torch.uint8)

@@ -22,6 +22,7 @@ from jobrunner.quant.int8 import Int8WeightOnlyLinear  # noqa: E402
 from jobrunner.quant.smooth import smooth_mlps  # noqa: E402
 from jobrunner.quant.w8a8 import W8A8Linear, quantize_rows, quantize_rows_u8, w8a8_reference  # noqa: E402
 from jobrunner.quant.w8a8_native import w8a8_native  # noqa: E402
+from tests.components import require_native  # noqa: E402
 
 VNNI = torch.cpu._is_vnni_supported()
 KERNELS = ["int_mm", pytest.param("onednn", marks=pytest.mark.skipif(
@@ -138,9 +139,7 @@ def test_engine_with_w8a8_close_to_float() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_loops_give_the_torch_numbers(dtype: torch.dtype) -> None:
     """The C row quantization and output scaling are bit-identical to the torch ops they replace."""
-    native = w8a8_native()
-    if native is None:
-        pytest.skip("no C compiler here: the torch ops run")
+    native = require_native("W8A8 row loops", w8a8_native)
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(37, 200, generator=gen) * torch.rand(37, 1, generator=gen) * 50).to(dtype)
     x[0] = 0.0
