@@ -20,11 +20,11 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimit
            "StepLists", "StepRunner", "StepUpload", "make_backend", "make_step_runner", "paged_attention"]
 
 
-def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_rows: int = 256,
+def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
                  max_model_len: int = 8192) -> AttentionBackend:
     """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises if ``triton`` can't run.
 
-    ``max_rows`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
+    ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -34,7 +34,7 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
         reason = triton_unavailable_reason(device)
         if reason:
             raise RuntimeError(reason)
-        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_rows, max_model_len)
+        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_num_seqs, max_model_len)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

@@ -6,9 +6,9 @@ and replays them with one call, but it replays fixed shapes reading fixed addres
 padded to a *batch bucket* ``B`` (rows) and a *context bucket* of ``N`` KV blocks, and its inputs are copied
 into persistent buffers that every graph reads:
 
-* ``input_ids``, ``positions``, ``slots`` ``[max_batch]``: the new token of each row, its position and the
+* ``input_ids``, ``positions``, ``slots`` ``[max_num_seqs]``: the new token of each row, its position and the
   cache slot its K/V goes to;
-* ``context_lens`` ``[max_batch]`` and ``block_table`` ``[max_batch, max_blocks]``: what each row attends
+* ``context_lens`` ``[max_num_seqs]`` and ``block_table`` ``[max_num_seqs, max_blocks]``: what each row attends
   to. The attention mask is computed *inside* the graph from ``context_lens``, so one graph serves any mix
   of context lengths up to ``N`` blocks.
 
@@ -61,7 +61,7 @@ class DecodeRow:
 class DecodeGraphs:
     """Persistent input buffers plus one captured graph per (batch bucket, context bucket)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, max_batch: int,
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, max_num_seqs: int,
                  max_model_len: int, scratch_block: int, capture: bool) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -69,17 +69,17 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.capture = capture
         self.device = kv_cache.device
-        self.batch_buckets = _batch_buckets(max_batch)
-        self.max_batch = self.batch_buckets[-1]
+        self.batch_buckets = _batch_buckets(max_num_seqs)
+        self.max_num_seqs = self.batch_buckets[-1]
         self.context_buckets = _context_buckets(-(-max_model_len // block_size))
         max_blocks = self.context_buckets[-1]
         dev = self.device
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(self.max_batch, dtype=torch.long, device=dev)
-        self.block_table = torch.zeros(self.max_batch, max_blocks, dtype=torch.long, device=dev)
-        self.row_index = torch.arange(self.max_batch, device=dev)
+        self.input_ids = torch.zeros(self.max_num_seqs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_num_seqs, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(self.max_num_seqs, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(self.max_num_seqs, dtype=torch.long, device=dev)
+        self.block_table = torch.zeros(self.max_num_seqs, max_blocks, dtype=torch.long, device=dev)
+        self.row_index = torch.arange(self.max_num_seqs, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
@@ -115,7 +115,7 @@ class DecodeGraphs:
 
     def shape_for(self, rows: list[DecodeRow]) -> tuple[int, int] | None:
         """The (batch bucket, context bucket in blocks) for ``rows``, or None when the step should run eagerly."""
-        if not rows or len(rows) > self.max_batch:
+        if not rows or len(rows) > self.max_num_seqs:
             return None
         needed = max(len(r.block_ids) for r in rows)
         i = bisect.bisect_left(self.context_buckets, needed)
@@ -201,9 +201,9 @@ class DecodeGraphs:
                 "static_eager_steps": self.num_eager_static, "graph_warmup_s": self.warmup_s}
 
 
-def _batch_buckets(max_batch: int) -> tuple[int, ...]:
-    buckets = [b for b in BATCH_BUCKETS if b < max_batch]
-    return tuple(buckets + [max_batch])
+def _batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs]
+    return tuple(buckets + [max_num_seqs])
 
 
 def _context_buckets(max_blocks: int) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ so their attention output is zero and nothing reads them.
 
 Every graph is captured up front by :meth:`StepGraphs.warm_up` (called when the runner is built on CUDA, so
 before any timed step): each token bucket with the prompt-chunk tile height, and the buckets a decode-only
-step can reach (up to ``max_rows`` tokens) with the decode tile height. A warm-up capture runs an all-padding
+step can reach (up to ``max_num_seqs`` tokens) with the decode tile height. A warm-up capture runs an all-padding
 step (no tile, K/V to the scratch block): nothing a request owns is touched. A step needing a graph the
 warm-up did not make (more than ``MAX_GRAPHS``) still captures it on first use.
 
@@ -47,7 +47,7 @@ MAX_GRAPHS = 64   # captured graphs kept; steps needing another shape run eagerl
 class StepGraphs:
     """Persistent inputs plus one captured graph per (token bucket, tile height)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: TritonBackend, max_rows: int,
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: TritonBackend, max_num_seqs: int,
                  max_num_tokens: int, max_model_len: int, scratch_block: int, capture: bool,
                  staging: PinnedStaging | None = None) -> None:
         self.model = model
@@ -59,12 +59,12 @@ class StepGraphs:
         self.staging = staging
         self.device = kv_cache.device
         self.token_buckets = _token_buckets(max_num_tokens)
-        self.max_rows = max_rows
+        self.max_num_seqs = max_num_seqs
         max_tokens = self.token_buckets[-1]
         width = backend.tables.max_blocks
-        max_tiles = max_tokens + max_rows   # a tile holds at least one token: tiles <= tokens + rows
+        max_tiles = max_tokens + max_num_seqs   # a tile holds at least one token: tiles <= tokens + rows
         # tokens x3 + sample rows; row arrays; tiles; block-table updates (at most every entry of every row)
-        size = 4 * max_tokens + 3 * (max_rows + 1) + 2 * max_tiles + 3 * max_rows * width
+        size = 4 * max_tokens + 3 * (max_num_seqs + 1) + 2 * max_tiles + 3 * max_num_seqs * width
         self.ints = torch.zeros(size, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: set[tuple[int, int]] = set()
@@ -77,7 +77,7 @@ class StepGraphs:
     def warm_up_keys(self) -> list[tuple[int, int]]:
         """The (token bucket, tile height) of every graph :meth:`warm_up` captures, smallest first."""
         chunk_m, decode_m = self.backend.block_m(2), self.backend.block_m(1)
-        keys = [(b, decode_m) for b in self.token_buckets if b <= self.max_rows]
+        keys = [(b, decode_m) for b in self.token_buckets if b <= self.max_num_seqs]
         if chunk_m != decode_m:
             keys += [(b, chunk_m) for b in self.token_buckets if b >= 2]
         return sorted(keys)[:MAX_GRAPHS]
@@ -95,7 +95,7 @@ class StepGraphs:
         for bucket, block_m in self.warm_up_keys():
             if (bucket, block_m) in self.graphs:
                 continue
-            rows = min(self.max_rows, bucket)
+            rows = min(self.max_num_seqs, bucket)
             meta, t = self._fill(empty, ([], [], [], []), bucket, rows, block_m)
             if self._try_capture((bucket, block_m), t, meta) is None:
                 break
@@ -109,14 +109,14 @@ class StepGraphs:
         """
         num_tokens, num_rows = layout.num_tokens, layout.num_rows
         i = bisect.bisect_left(self.token_buckets, num_tokens)
-        if i == len(self.token_buckets) or num_rows > self.max_rows or num_tokens == 0:
+        if i == len(self.token_buckets) or num_rows > self.max_num_seqs or num_tokens == 0:
             return None
         bucket = self.token_buckets[i]
         block_m = self.backend.block_m(layout.max_query_len)
         key = (bucket, block_m)
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
-        rows = min(self.max_rows, bucket)
+        rows = min(self.max_num_seqs, bucket)
         meta, t = self._fill(layout, (lists.input_ids, lists.positions, lists.slots, lists.sample_rows), bucket,
                              rows, block_m)
         if not self.capture:

@@ -55,7 +55,7 @@ class FixedShapeLimits:
     """What a fixed-shape runner is sized for; ``scratch_block`` is the cache block no request owns."""
 
     block_size: int
-    max_rows: int
+    max_num_seqs: int
     max_num_tokens: int
     max_model_len: int
     scratch_block: int
@@ -113,13 +113,13 @@ def make_step_runner(backend: AttentionBackend, model: Model, kv_cache: torch.Te
 
 def _decode_graphs(backend: TorchBackend, model: Model, kv_cache: torch.Tensor, limits: FixedShapeLimits,
                    staging: PinnedStaging | None) -> DecodeGraphs:
-    return DecodeGraphs(model, kv_cache, limits.block_size, limits.max_rows,
+    return DecodeGraphs(model, kv_cache, limits.block_size, limits.max_num_seqs,
                         limits.max_model_len, scratch_block=limits.scratch_block, capture=limits.capture)
 
 
 def _step_graphs(backend: TritonBackend, model: Model, kv_cache: torch.Tensor, limits: FixedShapeLimits,
                  staging: PinnedStaging | None) -> StepGraphs:
-    return StepGraphs(model, kv_cache, backend, limits.max_rows, limits.max_num_tokens, limits.max_model_len,
+    return StepGraphs(model, kv_cache, backend, limits.max_num_seqs, limits.max_num_tokens, limits.max_model_len,
                       scratch_block=limits.scratch_block, capture=limits.capture, staging=staging)
 
 

@@ -58,13 +58,13 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, device: torch.device,
-                 max_rows: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N) -> None:
+                 max_num_seqs: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N) -> None:
         self.n_rep = num_heads // num_kv_heads
         self.block_size = block_size
         self.block_n = block_n
         self.fixed_tiles = False  # deterministic mode: one tile height for every step (one compiled kernel)
         # twice the running batch: rows of requests that pause a step or two keep their synced tables
-        self.tables = DeviceBlockTables(max(2 * max_rows, 64), -(-max_model_len // block_size) + 1, device)
+        self.tables = DeviceBlockTables(max(2 * max_num_seqs, 64), -(-max_model_len // block_size) + 1, device)
 
     def block_m(self, max_query_len: int) -> int:
         """Query rows per tile: small when the step only decodes, larger when it holds prompt chunks."""

@@ -55,7 +55,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
-                 seed: int = 0, decode_graphs: str = "off", max_batch: int = 1, max_model_len: int = 1,
+                 seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
                  attention_backend: str = "auto", max_num_tokens: int = 2048) -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
@@ -76,11 +76,11 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
-        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.deterministic = False  # set by engine.invariant.make_deterministic: fall back to the invariant twin
         limits = None
         if decode_graphs != "off":
-            limits = FixedShapeLimits(block_size, max_batch, max_num_tokens, max_model_len,
+            limits = FixedShapeLimits(block_size, max_num_seqs, max_num_tokens, max_model_len,
                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
         self.steps = make_step_runner(self._make_backend(attention_backend), model, self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
@@ -104,7 +104,7 @@ class ModelRunner:
         s = self.model.shape
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
-                                max_rows=self.max_batch, max_model_len=self.max_model_len)
+                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
         except RuntimeError as exc:  # triton asked for where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)

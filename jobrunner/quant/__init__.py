@@ -9,9 +9,10 @@ returns a :class:`QuantReport`.
 from jobrunner.quant.apply import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme, quantize_model
 from jobrunner.quant.dispatch import QuantDispatch, choose_cpu_dtype, cpu_profile, dispatch_for
 from jobrunner.quant.embedding import Int8Embedding
-from jobrunner.quant.fp8 import Fp8Linear, quantize_fp8_per_channel
-from jobrunner.quant.int4 import Int4WeightOnlyLinear, quantize_int4_groupwise
-from jobrunner.quant.int8 import Int8WeightOnlyLinear, quantize_int8_per_channel
+from jobrunner.quant.fp8 import Fp8Linear
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
+from jobrunner.quant.int8 import Int8WeightOnlyLinear
+from jobrunner.quant.primitives import quantize_fp8_per_channel, quantize_int4_groupwise, quantize_int8_per_channel
 from jobrunner.quant.report import LayerQuant, QuantReport
 from jobrunner.quant.w8a8 import W8A8Linear
 

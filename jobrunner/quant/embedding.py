@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jobrunner.quant.int4 import Int4WeightOnlyLinear, dequantize_int4
-from jobrunner.quant.int8 import Int8WeightOnlyLinear, dequantize_int8, quantize_int8_per_channel
+from jobrunner.quant.int4 import Int4WeightOnlyLinear
+from jobrunner.quant.int8 import Int8WeightOnlyLinear
+from jobrunner.quant.primitives import dequantize_int4, dequantize_int8, quantize_int8_per_channel
 
 
 class Int8Embedding(torch.nn.Module):

@@ -7,63 +7,26 @@ Storage: ``weight_fp8`` [out, in] ``float8_e4m3fn`` and ``scales`` [out] float32
   (row-wise scaling where this build supports it, else the product is scaled afterwards).
 * Elsewhere (CPU, older GPUs): the weight is converted to the compute dtype tile by tile (e4m3 values are
   exact in bf16 and float32) and multiplied in floating point; activations are not quantized, so this path
-  is the more accurate of the two. :func:`fp8_w8a8_reference` computes the CUDA path's numbers on any device.
+  is the more accurate of the two. :func:`~jobrunner.quant.primitives.fp8_w8a8_reference` computes the CUDA
+  path's numbers on any device.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
+from jobrunner.quant.kernels import rowwise_scaled_mm
+from jobrunner.quant.primitives import (
+    FP8_BITS,
+    FP8_DTYPE,
+    fp8_to_float_bits,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_token,
+)
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 from jobrunner.quant.triton_quant import fused_fp8_fn, record_failure
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-
-
-@torch.no_grad()
-def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight_fp8 [out, in] e4m3, scales [out] float32)`` with each row's amax mapped to 448."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
-
-
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_fp8 [M, K] e4m3, scales [M, 1] float32)``: dynamic, one scale per row (token)."""
-    xf = x.float()
-    scales = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
-
-
-def fp8_w8a8_reference(x: torch.Tensor, weight_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What the CUDA W8A8 path computes, in float32 on any device: fp8 inputs, exact products, fp32 sums."""
-    xq, x_scales = quantize_fp8_per_token(x)
-    return (xq.float() @ weight_fp8.float().t()) * x_scales * scales[None, :]
-
-
-# (integer view, shift, mask): where the e4m3 sign / exponent / mantissa bits go in a float32 or bfloat16
-_FP8_BITS = {torch.float32: (torch.int32, 20, -2014314496), torch.bfloat16: (torch.int16, 4, -30736)}
-
-
-def fp8_to_float_bits(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Convert e4m3 ``q`` into ``out`` (float32 or bfloat16, same shape) exactly, with integer ops.
-
-    torch's own e4m3 -> float conversion on CPU is a scalar loop (~3 ns per weight, 16x a float32 copy).
-    Sign-extending the byte and shifting its 7 exponent/mantissa bits under the float's (mask 0x87F00000 /
-    0x87F0 keeps the sign bit too) gives ``value * 2^-120`` for normal and subnormal e4m3 alike (the
-    exponent biases differ by 120); one multiply by 2^120 then restores it (and leaves no float denormals).
-    """
-    ints, shift, mask = _FP8_BITS[out.dtype]
-    bits = out.view(ints)
-    bits.copy_(q.view(torch.int8))
-    bits.bitwise_left_shift_(shift).bitwise_and_(mask)
-    return out.mul_(2.0 ** 120)
 
 
 def fp8_shape_problem(out_features: int, in_features: int, device: torch.device) -> str | None:
@@ -71,19 +34,6 @@ def fp8_shape_problem(out_features: int, in_features: int, device: torch.device)
     if device.type == "cuda" and (out_features % 16 or in_features % 16):
         return f"weight [{out_features}, {in_features}]: _scaled_mm needs both dimensions multiples of 16"
     return None
-
-
-@functools.cache
-def rowwise_scaled_mm(device: torch.device) -> bool:
-    """Whether ``_scaled_mm`` takes per-row / per-column float32 scales here (one tiny probe, cached)."""
-    try:
-        a = torch.ones(16, 32, device=device).to(FP8_DTYPE)
-        sa = torch.full((16, 1), 2.0, device=device)
-        sb = torch.full((1, 16), 3.0, device=device)
-        y = torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-        return bool(torch.all(y.float() == 192.0))
-    except (RuntimeError, NotImplementedError):
-        return False
 
 
 class Fp8Linear(torch.nn.Module):
@@ -164,7 +114,7 @@ class Fp8Linear(torch.nn.Module):
         dtype = self.dispatch.compute_dtype_for(x2.dtype)
 
         def fill(n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
-            if out.is_cuda or out.dtype not in _FP8_BITS:
+            if out.is_cuda or out.dtype not in FP8_BITS:
                 return out.copy_(self.weight_fp8[n0:n1])  # exact; the scale is applied to the result
             return fp8_to_float_bits(self.weight_fp8[n0:n1], out)
 

@@ -21,90 +21,11 @@ import torch
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.int4_int8 import Int4AsInt8
 from jobrunner.quant.int4_unpack import find_cpu_layout
-from jobrunner.quant.int8 import round_up_to_bf16
 from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
 from jobrunner.quant.native import int4_unpack_fn
+from jobrunner.quant.primitives import quantize_int4_groupwise
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 from jobrunner.quant.triton_quant import int4_triton_fn, record_failure
-
-# Candidate clipping ratios for the per-group range; the one with the smallest squared error wins.
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
-
-
-@torch.no_grad()
-def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 quantization of ``weight`` [N, K] in groups of ``group_size`` along K.
-
-    Returns ``(q [N, K] int32 in 0..15, scales_and_zeros [K / group_size, N, 2] float32)``. Each group's range
-    is shrunk by the ratio in :data:`CLIP_RATIOS` that minimises that group's squared error; then, with the
-    codes fixed, scale and zero are refitted by least squares (see :func:`_refit_groups`).
-    """
-    n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
-    best_err = best_q = best_scale = best_zero = None
-    for ratio in CLIP_RATIOS:
-        q, scale, zero = _quantize_groups(w, ratio)
-        err = (((q - 8) * scale + zero - w) ** 2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_err, best_q, best_scale, best_zero = err, q, scale, zero
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_q = torch.where(better, q, best_q)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    best_scale, best_zero = _refit_groups(w, best_q, best_scale, best_zero, best_err)
-    scales_and_zeros = torch.cat([best_scale, best_zero], dim=-1).transpose(0, 1).contiguous()
-    return best_q.reshape(n, k).to(torch.int32), scales_and_zeros
-
-
-def _quantize_groups(w: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One clipping ratio: (q, scale, zero) for groups ``w`` [N, G, group_size].
-
-    Scale and zero are made bfloat16-exact *before* q is chosen (the kernels read them as bfloat16), so
-    rounding them cannot shift whole groups afterwards.
-    """
-    lo = w.amin(-1, keepdim=True) * ratio
-    hi = w.amax(-1, keepdim=True) * ratio
-    scale = round_up_to_bf16(((hi - lo) / 15).clamp(min=1e-8))
-    zero = (lo + 8 * scale).to(torch.bfloat16).float()
-    q = torch.round((w - zero) / scale + 8).clamp(0, 15)
-    return q, scale, zero
-
-
-def _refit_groups(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                  err: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares scale and zero for the chosen codes ``q``, rounded to the nearest bfloat16.
-
-    The min/max fit rounds the scale *up* to a bfloat16 value (so no code leaves 0..15), which costs up to
-    0.8% of the scale. Once the codes are fixed that margin is not needed: solving
-    ``min ||(q - 8) * s + z - w||`` per group and rounding (s, z) to the nearest bfloat16 cut the mean weight
-    error of SmolLM2's int4 layers about 4x (0.65% -> 0.17%). A group keeps the old pair if it was better.
-    """
-    x = q - 8
-    n = w.shape[-1]
-    sx, sy = x.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
-    sxx, sxy = (x * x).sum(-1, keepdim=True), (x * w).sum(-1, keepdim=True)
-    det = n * sxx - sx * sx
-    ok = det > 0
-    fit_scale = torch.where(ok, (n * sxy - sx * sy) / torch.where(ok, det, torch.ones_like(det)), scale)
-    fit_zero = torch.where(ok, (sy - fit_scale * sx) / n, zero)
-    fit_scale = fit_scale.to(torch.bfloat16).float()
-    fit_zero = fit_zero.to(torch.bfloat16).float()
-    fit_err = ((x * fit_scale + fit_zero - w) ** 2).sum(-1, keepdim=True)
-    better = fit_err < err
-    return torch.where(better, fit_scale, scale), torch.where(better, fit_zero, zero)
-
-
-def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """``(q - 8) * scale + zero`` in ``dtype`` for codes ``q`` [R, K] (0..15) and their ``scales_and_zeros``
-    [K / group_size, R, 2]: the whole weight, or the rows a tied embedding looked up."""
-    rows, k = q.shape
-    scale = scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [R, groups, 1]
-    zero = scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
-    w = (q.to(dtype).view(rows, k // group_size, group_size) - 8) * scale + zero
-    return w.view(rows, k)
 
 
 class Int4WeightOnlyLinear(torch.nn.Module):
@@ -130,7 +51,7 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         # CUDA: our reading of tinygemm's layout must reproduce the codes, else the kernel runs for all sizes.
         self.cuda_readable = q.is_cuda and torch.equal(unpack_int4_cuda(self.weight_int4pack), q.to(torch.uint8))
         # opt-in: above the crossover a Triton GEMM reads the packed weight (quant.triton_mixed), None = dequant
-        self.triton_mm = int4_triton_fn(self.dispatch) if self.cuda_readable else None
+        self.triton_mm = int4_triton_fn(self.dispatch.uses_triton("int4")) if self.cuda_readable else None
         block = self.cpu_layout.block_n if self.cpu_layout is not None else 8
         self.tile_rows = tile_rows_for(self.out_features, self.in_features, self.dispatch.tile_weights, block)
         # CPU with int8 dot-product hardware: an int8 GEMM (weights expanded per tile) up to this many tokens

@@ -25,18 +25,17 @@ that is every count above 16 (SmolLM2-135M at batch 64: 1.1-1.4x bf16; perplexit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from jobrunner.quant.dispatch import QuantDispatch
+from jobrunner.quant.int4_unpack import CpuInt4Layout
 from jobrunner.quant.native import int4_to_int8_fn
-from jobrunner.quant.tiled import tile_rows_for
+from jobrunner.quant.primitives import expand_int8_reference, int8_row_scales, quantize_rows_int8
+from jobrunner.quant.tiled import DequantBuffer, tile_rows_for
 from jobrunner.quant.w8a8_native import w8a8_native
 
-if TYPE_CHECKING:
-    from jobrunner.quant.int4 import Int4WeightOnlyLinear
-
-INT8_MAX = 127.0
 # Weights expanded per tile (int8 bytes). Each tile costs one C call, one int8 GEMM and one output pass, so
 # fewer, larger tiles win here, unlike the float tiles (CPU_TILE_WEIGHTS, 2^18): SmolLM2 gate_up (1.77 M
 # weights) at 64 rows, 2 threads, Zen 4: 1230 / 698 / 595 / 600 µs with tiles of 2^18 / 2^20 / 2^21 / 2^22
@@ -44,38 +43,25 @@ INT8_MAX = 127.0
 INT8_TILE_WEIGHTS = 1 << 21
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 codes [M, K] and float32 scales [M, 1] of ``x`` [M, K] (a zero row: scale 1)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    return torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+class PackedInt4(Protocol):
+    """What this path reads of its CPU :class:`~jobrunner.quant.int4.Int4WeightOnlyLinear` (named here, not
+    imported: the layer builds this path, so an import back would be a circle)."""
 
-
-def int8_row_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``S_n = max_k |w[n, k]| / 127`` [N] float32 from the int4 pairs [groups, N, 2] (codes -8..7 after the
-    shift: each group's extremes are ``zero - 8 * scale`` and ``zero + 7 * scale``)."""
-    scale, zero = scales_and_zeros[..., 0].float(), scales_and_zeros[..., 1].float()
-    amax = torch.maximum((zero - 8 * scale).abs(), (zero + 7 * scale).abs()).amax(dim=0)
-    return torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-
-
-def expand_int8_reference(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                          row_scale: torch.Tensor) -> torch.Tensor:
-    """What the native expansion writes, with torch ops: int8 [N, K] for codes ``q`` [N, K] (0..15)."""
-    n, k = q.shape
-    s = scales_and_zeros[..., 0].float().t()[:, :, None]  # [N, groups, 1]
-    z = scales_and_zeros[..., 1].float().t()[:, :, None]
-    inv = (1.0 / row_scale)[:, None, None]
-    a, b = s * inv, (z - 8 * s) * inv
-    w = q.float().view(n, k // group_size, group_size) * a + b
-    return torch.round(w).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).view(n, k)
+    out_features: int
+    in_features: int
+    group_size: int
+    weight_int4pack: torch.Tensor  # uint8, the CPU kernel's block layout
+    scales_and_zeros: torch.Tensor  # bf16 [groups, N, 2]
+    cpu_layout: CpuInt4Layout
+    dispatch: QuantDispatch
+    scratch: DequantBuffer
+    small_batch_max_tokens: int
 
 
 class Int4AsInt8:
     """The int8-GEMM path of one CPU :class:`~jobrunner.quant.int4.Int4WeightOnlyLinear` (see the module doc)."""
 
-    def __init__(self, layer: Int4WeightOnlyLinear, max_tokens: int, tile_weights: int) -> None:
+    def __init__(self, layer: PackedInt4, max_tokens: int, tile_weights: int) -> None:
         self.layer = layer
         self.max_tokens = max_tokens
         self.row_scale = int8_row_scales(layer.scales_and_zeros)  # [N] float32: N * 4 bytes per layer
@@ -87,7 +73,7 @@ class Int4AsInt8:
         layer.scratch.reserve(self.tile_rows * layer.in_features, torch.int8, layer.weight_int4pack.device)
 
     @classmethod
-    def build(cls, layer: Int4WeightOnlyLinear) -> Int4AsInt8 | None:
+    def build(cls, layer: PackedInt4) -> Int4AsInt8 | None:
         """The path for ``layer`` when its dispatch asks for it and the native expansion exists, else None."""
         max_tokens = layer.dispatch.kernel_tokens("int4_int8")
         if max_tokens <= layer.small_batch_max_tokens or int4_to_int8_fn() is None:

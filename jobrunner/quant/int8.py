@@ -20,45 +20,9 @@ import torch
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.kernels import has_cuda_int8pack, int8_int_mm, int_mm_shape_ok
+from jobrunner.quant.primitives import dequantize_int8, quantize_int8_per_channel
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 from jobrunner.quant.triton_quant import int8_triton_fn, record_failure
-
-INT8_MAX = 127
-
-
-@torch.no_grad()
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 quantization of ``weight`` [out, in].
-
-    Returns ``(weight_int8 [out, in] int8, scales [out] float32)``; a zero row gets scale 1. With the codes
-    chosen, each row's scale is refitted by least squares and rounded to the nearest bfloat16 where that
-    lowers the row's error (as for int4, see ``jobrunner.quant.int4._refit_groups``).
-    """
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scales = round_up_to_bf16(torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)))
-    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
-    qq = (q * q).sum(dim=1)
-    fit = torch.where(qq > 0, (q * w).sum(dim=1) / qq.clamp(min=1), scales).to(torch.bfloat16).float()
-    better = ((q * fit[:, None] - w) ** 2).sum(dim=1) < ((q * scales[:, None] - w) ** 2).sum(dim=1)
-    return q.to(torch.int8), torch.where(better, fit, scales)
-
-
-def dequantize_int8(weight_int8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight_int8 * scales[:, None]`` (computed in float32) as a dense ``dtype`` tensor."""
-    return (weight_int8.to(torch.float32) * scales[:, None]).to(dtype)
-
-
-def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Smallest bfloat16-representable values >= ``x`` (x > 0), returned as float32.
-
-    The kernels take scales in the activation dtype; rounding a scale *after* quantizing would give every
-    output channel a fixed gain error of up to 0.4% (measured: +0.6% perplexity on SmolLM2). Choosing scales
-    that bfloat16 holds exactly, then quantizing against them, removes that error at no cost.
-    """
-    bits = x.float().contiguous().view(torch.int32)  # bfloat16 is the top 16 bits of a float32
-    truncated = bits & -65536  # 0xFFFF0000: drop the low 16 bits (rounds a positive value down)
-    return torch.where(truncated == bits, truncated, truncated + 65536).view(torch.float32)
 
 
 class Int8WeightOnlyLinear(torch.nn.Module):
@@ -80,7 +44,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         # Probed here, not in forward: forward may run inside CUDA graph capture.
         self.use_cuda_kernel = weight_int8.is_cuda and has_cuda_int8pack()
         # opt-in: above the crossover a Triton GEMM reads the int8 weight (quant.triton_mixed), None = dequant
-        self.triton_mm = int8_triton_fn(self.dispatch, self.out_features, self.in_features)
+        self.triton_mm = int8_triton_fn(self.dispatch.uses_triton("int8"), self.out_features, self.in_features)
         self._reserve(act_dtype, weight_int8.device)
 
     @classmethod

@@ -156,3 +156,16 @@ def _tinygemm_inverse(inner_k_tiles: int, device: torch.device) -> torch.Tensor:
 def int_mm_shape_ok(out_features: int, in_features: int) -> bool:
     """Whether ``torch._int_mm`` takes this weight (K and N multiples of 8)."""
     return out_features % 8 == 0 and in_features % 8 == 0
+
+
+@functools.cache
+def rowwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``_scaled_mm`` takes per-row / per-column float32 scales here (one tiny probe, cached)."""
+    try:
+        a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+        sa = torch.full((16, 1), 2.0, device=device)
+        sb = torch.full((1, 16), 3.0, device=device)
+        y = torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return bool(torch.all(y.float() == 192.0))
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -7,7 +7,7 @@ same in one launch: program ``r`` reads row ``r`` of ``x`` [M, K] (any float dty
 programs past M write the zero rows (scale 1) that pad M to a multiple of 16 for ``torch._scaled_mm``. So one
 linear is one quantization kernel plus one GEMM (row-wise scales, bf16 output).
 
-The numbers are those of :func:`jobrunner.quant.fp8.quantize_fp8_per_token`: IEEE divisions (``div_rn``) and
+The numbers are those of :func:`jobrunner.quant.primitives.quantize_fp8_per_token`: IEEE divisions (``div_rn``) and
 the e4m3 rounding done in float32 bit arithmetic, so the stored value is exact whatever the store converts
 with. (Triton's CPU interpreter rounds float32 -> e4m3 wrongly when the mantissa carries into the exponent,
 e.g. 125.1 -> 64; rounding first makes its conversion exact too, and lets the kernel write a float32 buffer
@@ -84,7 +84,7 @@ def fp8_linear_fused(x: torch.Tensor, weight_fp8: torch.Tensor, scales: torch.Te
     """W8A8: ``x`` [M, K] times ``weight_fp8`` [N, K] (row scales ``scales`` [N]) -> [M, N] ``out_dtype``.
 
     One quantization launch, then ``torch._scaled_mm`` with row-wise scales (it needs a build and device that
-    take them: :func:`jobrunner.quant.fp8.rowwise_scaled_mm`)."""
+    take them: :func:`jobrunner.quant.kernels.rowwise_scaled_mm`)."""
     m = x.shape[0]
     xq, x_scales = quantize_rows_fp8(x)
     y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=out_dtype)

@@ -24,12 +24,19 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from jobrunner.quant.dispatch import QuantDispatch
+from jobrunner.quant.kernels import pack_int4_cuda_reference, rowwise_scaled_mm
+from jobrunner.quant.primitives import (
+    dequantize_int4,
+    dequantize_int8,
+    fp8_w8a8_reference,
+    quantize_fp8_per_channel,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
 
 TRITON_QUANT_ENV = "JOBRUNNER_TRITON_QUANT"
 TRITON_SCHEMES = ("fp8", "int8", "int4")
@@ -80,7 +87,7 @@ def triton_quant_choice(device: torch.device | str, fp8_native: bool = False) ->
                 reasons[scheme] = common
             elif scheme == "fp8" and not fp8_native:
                 reasons[scheme] = "fp8 runs weight-only here (W8A8 needs CUDA sm89+)"
-            elif scheme == "fp8" and not _rowwise(device):
+            elif scheme == "fp8" and not rowwise_scaled_mm(device):
                 reasons[scheme] = "torch._scaled_mm takes no row-wise scales in this build"
             else:
                 problem = probe(scheme, device)
@@ -110,29 +117,24 @@ def fused_fp8_fn() -> Callable[..., torch.Tensor]:
     return fp8_linear_fused
 
 
-def int8_triton_fn(dispatch: QuantDispatch, out_features: int, in_features: int) -> Callable[..., torch.Tensor] | None:
-    """:func:`~jobrunner.quant.triton_mixed.int8_matmul` where ``dispatch`` enables it and the shape fits."""
-    if not dispatch.uses_triton("int8"):
+def int8_triton_fn(enabled: bool, out_features: int, in_features: int) -> Callable[..., torch.Tensor] | None:
+    """:func:`~jobrunner.quant.triton_mixed.int8_matmul` where the layer's dispatch ``enabled`` it and the shape
+    fits."""
+    if not enabled:
         return None
     from jobrunner.quant.triton_mixed import int8_matmul, int8_shape_problem
 
     return int8_matmul if int8_shape_problem(out_features, in_features) is None else None
 
 
-def int4_triton_fn(dispatch: QuantDispatch) -> Callable[..., torch.Tensor] | None:
-    """:func:`~jobrunner.quant.triton_mixed.int4_matmul` where ``dispatch`` enables it (the layer checks that
-    its packed weight reads back in tinygemm's layout)."""
-    if not dispatch.uses_triton("int4"):
+def int4_triton_fn(enabled: bool) -> Callable[..., torch.Tensor] | None:
+    """:func:`~jobrunner.quant.triton_mixed.int4_matmul` where the layer's dispatch ``enabled`` it (the layer
+    checks that its packed weight reads back in tinygemm's layout)."""
+    if not enabled:
         return None
     from jobrunner.quant.triton_mixed import int4_matmul
 
     return int4_matmul
-
-
-def _rowwise(device: torch.device) -> bool:
-    from jobrunner.quant.fp8 import rowwise_scaled_mm
-
-    return rowwise_scaled_mm(device)
 
 
 def record_failure(scheme: str, exc: BaseException) -> None:
@@ -159,7 +161,6 @@ def _probe_inputs(m: int, k: int, n: int, device: torch.device) -> tuple[torch.T
 
 
 def _probe_fp8(m: int, device: torch.device) -> float:
-    from jobrunner.quant.fp8 import fp8_w8a8_reference, quantize_fp8_per_channel
     from jobrunner.quant.triton_fp8 import fp8_linear_fused
 
     x, w = _probe_inputs(m, 256, 64, device)
@@ -168,7 +169,6 @@ def _probe_fp8(m: int, device: torch.device) -> float:
 
 
 def _probe_int8(m: int, device: torch.device) -> float:
-    from jobrunner.quant.int8 import dequantize_int8, quantize_int8_per_channel
     from jobrunner.quant.triton_mixed import int8_matmul
 
     x, w = _probe_inputs(m, 256, 64, device)
@@ -177,8 +177,6 @@ def _probe_int8(m: int, device: torch.device) -> float:
 
 
 def _probe_int4(m: int, device: torch.device) -> float:
-    from jobrunner.quant.int4 import dequantize_int4, quantize_int4_groupwise
-    from jobrunner.quant.kernels import pack_int4_cuda_reference
     from jobrunner.quant.triton_mixed import int4_matmul
 
     x, w = _probe_inputs(m, 256, 64, device)

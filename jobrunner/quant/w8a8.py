@@ -1,6 +1,6 @@
 """W8A8 on CPU: int8 per-channel weights, int8 per-token activations, one integer GEMM.
 
-Weights are quantized as for ``int8`` (:func:`jobrunner.quant.int8.quantize_int8_per_channel`: symmetric,
+Weights are quantized as for ``int8`` (:func:`jobrunner.quant.primitives.quantize_int8_per_channel`: symmetric,
 one bfloat16-exact scale per output channel). Each call quantizes every row of the input on its own
 (``s_m = max|x_m| / 127``, ``q = round(x / s_m)``), so a row's result never depends on the other rows of the
 batch, and computes ``y[m, n] = s_m * w_n * sum_k q[m, k] * W[n, k]`` with an exact int32 accumulation.
@@ -30,34 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from jobrunner.quant.int8 import dequantize_int8, quantize_int8_per_channel
+from jobrunner.quant.primitives import (
+    ZERO_POINT,
+    dequantize_int8,
+    quantize_int8_per_channel,
+    quantize_rows_int8,
+    quantize_rows_u8,
+)
 from jobrunner.quant.w8a8_native import w8a8_native
 
 W8A8_KERNELS = ("onednn", "int_mm")
-ZERO_POINT = 128  # u8 codes = int8 codes + 128 (oneDNN's fast int8 path takes u8 activations)
-
-
-@torch.no_grad()
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-token int8 codes [M, K] and float32 scales [M, 1] of ``x`` [M, K] (a zero row: scale 1)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
-
-
-@torch.no_grad()
-def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows`'s codes plus 128 as uint8 [M, K] (oneDNN's fast input) and its scales [M, 1]."""
-    q, scale = quantize_rows(x)
-    return q.view(torch.uint8).add_(ZERO_POINT), scale  # two's complement + 128 (mod 256) == q + 128
-
-
-def w8a8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What a W8A8 layer computes, in float64: the dequantized weight times the per-token quantized input."""
-    q, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
-    w = weight_int8.double() * scales.double()[:, None]
-    return (q.double() * sx.double()) @ w.t()
 
 
 class W8A8Linear(torch.nn.Module):
@@ -112,7 +94,7 @@ class W8A8Linear(torch.nn.Module):
         return native.rowscale(y, sx, x2.dtype) if native is not None else y.mul_(sx)
 
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        q, sx = quantize_rows(x2)
+        q, sx = quantize_rows_int8(x2)
         return torch._int_mm(q, self._weight_t).float().mul_(sx).mul_(self.scales)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""W8A8's per-call activation work in one C loop each (built like :mod:`jobrunner.quant.native`).
+"""W8A8's per-call activation work in one C loop each (``csrc/w8a8.c``, built by :mod:`jobrunner.quant.native`).
 
 Around oneDNN's int8 GEMM a W8A8 call quantizes its input rows and scales its output rows. With torch ops
 that is ~10 small ops per call (cast, abs, amax, divide, round, add, cast; multiply, cast), each with its own
@@ -7,7 +7,7 @@ pass and OpenMP start; at 64 tokens on a 2-core Zen 4 they cost more than the GE
 
 * ``quantize``: per row, ``s = max|x| / 127`` (1 for a zero row; the max is taken on the bits, which vectorizes)
   and ``u8 = rint(x / s) + 128`` — the same float32 division and round-half-even as
-  :func:`jobrunner.quant.w8a8.quantize_rows`, so the codes are identical (tested);
+  :func:`jobrunner.quant.primitives.quantize_rows_int8`, so the codes are identical (tested);
 * ``rowscale``: ``out = y * s_m`` from the kernel's float32 output, written as bfloat16 (round to nearest
   even, as torch's cast) or in place as float32 — the same numbers as ``y.mul_(s).to(dtype)``;
 * ``scale_int32``: the same for an int32 GEMM result with per-column scales too (int4's int8 path,
@@ -28,57 +28,6 @@ from pathlib import Path
 import torch
 
 from jobrunner.quant.native import NATIVE_ENV, build_library
-
-_SOURCE = r"""
-#include <stdint.h>
-#include <math.h>
-static inline float bf16_f32(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
-static inline uint16_t f32_bf16(float x) {
-  union { float f; uint32_t u; } v = {x};
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-static inline float bits_f32(uint32_t u) { union { uint32_t u; float f; } v = {u}; return v.f; }
-static inline float as_f32(float x) { return x; }
-/* Per row: s = max|x| / 127 (1 for a zero row), then the bytes rint(x / s) + zp. |x| of a finite float orders
-   like its bits with the sign cleared: an integer max, which vectorizes. zp 128 gives oneDNN's u8 input, zp 0
-   the int8 codes themselves (two's complement). One function per input type (bits T, sign-clear MASK). */
-#define QUANT(NAME, T, MASK, TO_F32)                                                                          \
-  void NAME(const T* x, uint8_t* q, float* scale, int64_t M, int64_t K, int64_t zp, int64_t threads) {      \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * K >= 262144)")                    \
-    for (int64_t m = 0; m < M; m++) {                                                                        \
-      const T* r = x + m * K;                                                                                \
-      T top = 0;                                                                                             \
-      for (int64_t k = 0; k < K; k++) { T a = r[k] & MASK; top = a > top ? a : top; }                        \
-      float amax = TO_F32(top), s = amax > 0.f ? amax / 127.f : 1.f;                                         \
-      scale[m] = s;                                                                                          \
-      uint8_t* o = q + m * K;                                                                                \
-      for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(TO_F32(r[k]) / s) + (int32_t)zp);     \
-    }                                                                                                        \
-  }
-QUANT(jr_w8a8_quant_bf16, uint16_t, 0x7fffu, bf16_f32)
-QUANT(jr_w8a8_quant_f32, uint32_t, 0x7fffffffu, bits_f32)
-void jr_w8a8_rowscale_bf16(const float* y, const float* s, uint16_t* out, int64_t M, int64_t N, int64_t threads) {
-  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t n = 0; n < N; n++) out[m * N + n] = f32_bf16(y[m * N + n] * s[m]);
-}
-void jr_w8a8_rowscale_f32(float* y, const float* s, int64_t M, int64_t N, int64_t threads) {
-  _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t n = 0; n < N; n++) y[m * N + n] *= s[m];
-}
-/* an int32 GEMM result to its value: out[m, n] = acc[m, n] * sn[n] * sm[m] (float32 products in this order);
-   out has rows of ldo elements (a column slice of a wider output) */
-#define I32_SCALE(NAME, OUT_T, STORE)                                                                         \
-  void NAME(const int32_t* acc, const float* sm, const float* sn, OUT_T* out, int64_t M, int64_t N,          \
-            int64_t ldo, int64_t threads) {                                                                  \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")                    \
-    for (int64_t m = 0; m < M; m++)                                                                          \
-      for (int64_t n = 0; n < N; n++) out[m * ldo + n] = STORE((float)acc[m * N + n] * sn[n] * sm[m]);       \
-  }
-I32_SCALE(jr_i32_scale_bf16, uint16_t, f32_bf16)
-I32_SCALE(jr_i32_scale_f32, float, as_f32)
-"""
 
 
 class W8A8Native:
@@ -101,7 +50,8 @@ class W8A8Native:
 
     def quantize(self, x: torch.Tensor, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """u8 codes [M, K] (int8 code + 128) and float32 row scales [M, 1] of ``x`` [M, K]; ``signed``: the
-        int8 codes themselves (``torch._int_mm``'s input), the same as :func:`jobrunner.quant.w8a8.quantize_rows`."""
+        int8 codes themselves (``torch._int_mm``'s input), the same as
+        :func:`jobrunner.quant.primitives.quantize_rows_int8`."""
         m, k = x.shape
         q = torch.empty(m, k, dtype=torch.int8 if signed else torch.uint8)
         scale = torch.empty(m, 1, dtype=torch.float32)
@@ -152,4 +102,4 @@ def w8a8_native() -> W8A8Native | None:
 
 
 def _build() -> Path:
-    return build_library(_SOURCE, "w8a8", ("-fno-math-errno",))
+    return build_library("w8a8", ("-fno-math-errno",))

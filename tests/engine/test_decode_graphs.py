@@ -7,9 +7,9 @@ from jobrunner.attention.decode_graphs import MAX_PADDED_KEYS, DecodeGraphs, Dec
 from jobrunner.engine import SamplingParams
 
 
-def _graphs(max_batch=64, max_model_len=4096, block_size=16) -> DecodeGraphs:
+def _graphs(max_num_seqs=64, max_model_len=4096, block_size=16) -> DecodeGraphs:
     kv = torch.zeros(1, 2, 8 * block_size, 1, 4)
-    return DecodeGraphs(torch.nn.Identity(), kv, block_size, max_batch, max_model_len, scratch_block=7,
+    return DecodeGraphs(torch.nn.Identity(), kv, block_size, max_num_seqs, max_model_len, scratch_block=7,
                         capture=False)
 
 
@@ -34,7 +34,7 @@ def test_shape_pads_rows_and_context():
 
 
 def test_too_much_padding_runs_eagerly():
-    g = _graphs(max_batch=256, max_model_len=8192)
+    g = _graphs(max_num_seqs=256, max_model_len=8192)
     # one long row among many short ones: padding every row to the long one would waste > 2x the keys
     assert g.shape_for([_row(4000)] + [_row(20)] * 63) is None
     assert g.shape_for([_row(4000)] * 64) is not None

@@ -29,9 +29,9 @@ def _recording(cls):
 
 
 def test_step_graphs_warm_up_captures_every_bucket_once():
-    backend = TritonBackend(4, 2, 16, torch.device("cpu"), max_rows=8, max_model_len=256)
+    backend = TritonBackend(4, 2, 16, torch.device("cpu"), max_num_seqs=8, max_model_len=256)
     kv = torch.zeros(1, 2, 17 * 16, 2, 8)
-    graphs = _recording(StepGraphs)(torch.nn.Identity(), kv, backend, max_rows=8, max_num_tokens=64,
+    graphs = _recording(StepGraphs)(torch.nn.Identity(), kv, backend, max_num_seqs=8, max_num_tokens=64,
                                     max_model_len=256, scratch_block=16, capture=True)
     keys = graphs.warm_up_keys()
     decode = [(b, 16) for b in (1, 2, 4, 8)]                          # decode-only steps: tokens = rows <= 8

@@ -32,9 +32,9 @@ def test_model_runner_never_asks_which_backend_or_path_runs():
 
 def test_each_backend_brings_its_fixed_shape_runner():
     kv = torch.zeros(1, 2, 9 * 16, 2, 8)
-    limits = FixedShapeLimits(16, max_rows=4, max_num_tokens=32, max_model_len=128, scratch_block=8, capture=False)
+    limits = FixedShapeLimits(16, max_num_seqs=4, max_num_tokens=32, max_model_len=128, scratch_block=8, capture=False)
     model = torch.nn.Identity()
-    triton = TritonBackend(4, 2, 16, torch.device("cpu"), max_rows=4, max_model_len=128)
+    triton = TritonBackend(4, 2, 16, torch.device("cpu"), max_num_seqs=4, max_model_len=128)
     assert isinstance(make_step_runner(TORCH_BACKEND, model, kv, limits).fixed, DecodeGraphs)
     assert isinstance(make_step_runner(triton, model, kv, limits).fixed, StepGraphs)
     assert make_step_runner(INVARIANT_BACKEND, model, kv, limits).fixed is None   # fixed order: always eager

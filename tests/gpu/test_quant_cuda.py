@@ -50,8 +50,8 @@ def test_cuda_quantize_model_with_fallbacks() -> None:
 
 
 def test_cuda_int4_dispatch_tinygemm_small_dequant_large() -> None:
-    from jobrunner.quant.int4 import quantize_int4_groupwise
     from jobrunner.quant.kernels import pack_int4_cuda_reference
+    from jobrunner.quant.primitives import quantize_int4_groupwise
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +93,7 @@ def test_cuda_int8_small_batch_never_dequantizes() -> None:
 def test_cuda_fp8_scaled_mm_matches_reference() -> None:
     from jobrunner.quant import Fp8Linear
     from jobrunner.quant.dispatch import cuda_fp8_supported
-    from jobrunner.quant.fp8 import fp8_w8a8_reference
+    from jobrunner.quant.primitives import fp8_w8a8_reference
 
     if not cuda_fp8_supported(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("fp8 _scaled_mm needs sm89+")
@@ -144,7 +144,7 @@ def test_cuda_triton_fp8_opt_in(monkeypatch) -> None:
     """JOBRUNNER_TRITON_QUANT=1 on an fp8 GPU: fp8 is probed, chosen at a small batch and matches the reference."""
     from jobrunner.quant import Fp8Linear, dispatch_for
     from jobrunner.quant.dispatch import cuda_fp8_supported
-    from jobrunner.quant.fp8 import fp8_w8a8_reference
+    from jobrunner.quant.primitives import fp8_w8a8_reference
     from jobrunner.quant.triton_quant import failures
 
     if not cuda_fp8_supported(torch.device("cuda", torch.cuda.current_device())):

@@ -21,8 +21,8 @@ from jobrunner.quant.dispatch import (
     detect_cpu_capability,
     dispatch_for,
 )
-from jobrunner.quant.int4 import dequantize_int4
 from jobrunner.quant.kernels import int8_int_mm, pack_int4_cuda_reference, unpack_int4_cuda
+from jobrunner.quant.primitives import dequantize_int4
 from tests.components import require_native
 
 
@@ -188,7 +188,7 @@ def _independent_int4_weight(q: torch.Tensor, scales_and_zeros: torch.Tensor, gr
 def test_int4_both_cpu_paths_match_an_independent_dequantized_matmul() -> None:
     """The packed path is torch's own packer + kernel; the dequantized path reads torch's packing back with
     our unpacker. Both against a float64 matmul of weights dequantized here from the codes before packing."""
-    from jobrunner.quant.int4 import quantize_int4_groupwise
+    from jobrunner.quant.primitives import quantize_int4_groupwise
 
     lin = _linear(208, 256)
     q, scales_and_zeros = quantize_int4_groupwise(lin.weight, 64)

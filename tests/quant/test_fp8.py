@@ -7,7 +7,8 @@ import torch
 
 from jobrunner.quant import Fp8Linear, quantize_fp8_per_channel, quantize_model
 from jobrunner.quant.dispatch import dispatch_for
-from jobrunner.quant.fp8 import FP8_DTYPE, fp8_shape_problem, fp8_w8a8_reference, quantize_fp8_per_token
+from jobrunner.quant.fp8 import fp8_shape_problem
+from jobrunner.quant.primitives import FP8_DTYPE, fp8_w8a8_reference, quantize_fp8_per_token
 from jobrunner.spec import ModelSpec
 
 
@@ -86,7 +87,7 @@ def test_fp8_shape_rule_and_spec() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_bit_conversion_is_exact_for_every_value(dtype: torch.dtype) -> None:
-    from jobrunner.quant.fp8 import fp8_to_float_bits
+    from jobrunner.quant.primitives import fp8_to_float_bits
 
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # all but the NaNs
     q = codes.view(FP8_DTYPE).reshape(2, -1)

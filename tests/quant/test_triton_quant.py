@@ -17,10 +17,14 @@ import torch
 from jobrunner.models.factory import describe_dispatch
 from jobrunner.quant import Int8WeightOnlyLinear, dispatch_for
 from jobrunner.quant.dispatch import CROSSOVER_ENV
-from jobrunner.quant.fp8 import fp8_w8a8_reference, quantize_fp8_per_channel, quantize_fp8_per_token
-from jobrunner.quant.int4 import quantize_int4_groupwise
-from jobrunner.quant.int8 import quantize_int8_per_channel
 from jobrunner.quant.kernels import cuda_inner_k_tiles, pack_int4_cuda_reference
+from jobrunner.quant.primitives import (
+    fp8_w8a8_reference,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_token,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
 from jobrunner.quant.triton_quant import TRITON_QUANT_ENV, requested_schemes
 from tests.components import require_import
 from tests.triton_child import in_child, interpreted_fixture, run_in_interpreter_child

@@ -19,8 +19,9 @@ from jobrunner.models.loader import build_model, load_weights  # noqa: E402
 from jobrunner.quant import quantize_model  # noqa: E402
 from jobrunner.quant.dispatch import CPU_CAPABILITIES, dispatch_for  # noqa: E402
 from jobrunner.quant.int8 import Int8WeightOnlyLinear  # noqa: E402
+from jobrunner.quant.primitives import quantize_rows_int8, quantize_rows_u8, w8a8_reference  # noqa: E402
 from jobrunner.quant.smooth import smooth_mlps  # noqa: E402
-from jobrunner.quant.w8a8 import W8A8Linear, quantize_rows, quantize_rows_u8, w8a8_reference  # noqa: E402
+from jobrunner.quant.w8a8 import W8A8Linear  # noqa: E402
 from jobrunner.quant.w8a8_native import w8a8_native  # noqa: E402
 from tests.components import require_native  # noqa: E402
 
@@ -64,7 +65,7 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
 
 def test_quantize_rows_is_symmetric_per_token() -> None:
     x = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [254.0, 127.0, -1.0]])
-    q, scale = quantize_rows(x)
+    q, scale = quantize_rows_int8(x)
     assert q.dtype == torch.int8 and q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, 0]]
     assert torch.allclose(scale.squeeze(1), torch.tensor([1 / 127, 1.0, 2.0]))
 
@@ -76,7 +77,7 @@ def test_quantize_rows_u8_is_quantize_rows_plus_128(dtype: torch.dtype) -> None:
     x = (torch.randn(9, 40, generator=gen) * torch.rand(9, 1, generator=gen) * 30).to(dtype)
     x[2] = 0.0
     x[4, 7] = -x[4].abs().max() * 3  # the row's extreme is negative: code -127 -> 1
-    q, scale = quantize_rows(x)
+    q, scale = quantize_rows_int8(x)
     u8, scale_u8 = quantize_rows_u8(x)
     assert u8.dtype == torch.uint8 and torch.equal(u8, (q.int() + 128).to(torch.uint8))
     assert torch.equal(scale_u8, scale) and u8[4, 7].item() == 1 and (u8[2] == 128).all()
@@ -151,7 +152,7 @@ def test_native_loops_give_the_torch_numbers(dtype: torch.dtype) -> None:
     y = torch.randn(37, 48, generator=gen) * 1e3
     assert torch.equal(native.rowscale(y.clone(), scale, dtype), (y * scale).to(dtype))
     q, scale_s = native.quantize(x, signed=True)  # the int8 codes for torch._int_mm (int4's int8 path)
-    q_ref, _ = quantize_rows(x)
+    q_ref, _ = quantize_rows_int8(x)
     assert q.dtype == torch.int8 and torch.equal(q, q_ref) and torch.equal(scale_s, scale_ref)
     acc = torch.randint(-2**20, 2**20, (37, 48), generator=gen, dtype=torch.int32)
     col = torch.rand(60, generator=gen) * 1e-2
