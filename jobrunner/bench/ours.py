@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 
 from jobrunner.bench.result import RunResult, peak_memory, reset_peak_memory, sync
 from jobrunner.engine import EngineConfig, SamplingParams
+from jobrunner.engine.profile import StepProfiler
 
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
@@ -59,9 +61,10 @@ def warm_up(engine) -> None:
 
 
 def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bool, name: str,
-             progress=None) -> RunResult:
+             progress=None, profile: bool = False) -> RunResult:
     """Time from the first ``add_request`` to the last output; engine stats are the run's own (deltas).
-    ``progress(finished, tokens_sampled, done=False)`` is called after every step when given."""
+    ``progress(finished, tokens_sampled, done=False)`` is called after every step when given. ``profile``:
+    time the steps' parts too (:class:`~jobrunner.engine.profile.StepProfiler`, result ``extra["profile"]``)."""
     warm_up(engine)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     before = dict(engine.stats().to_dict())
@@ -69,15 +72,10 @@ def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bo
     sync(engine.device)
     if progress is not None and hasattr(progress, "begin"):
         progress.begin()
+    profiler = StepProfiler(engine) if profile else contextlib.nullcontext()
     start = time.perf_counter()
-    for i, ids in enumerate(token_ids):
-        engine.add_request(f"bench-{i}", list(ids), params)
-    outputs = []
-    sampled0 = getattr(engine.stats(), "num_sampled_tokens", 0)
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-        if progress is not None:
-            progress(len(outputs), getattr(engine.stats(), "num_sampled_tokens", 0) - sampled0)
+    with profiler:
+        outputs = _run_steps(engine, token_ids, params, progress)
     sync(engine.device)
     seconds = time.perf_counter() - start
     if progress is not None:
@@ -90,8 +88,22 @@ def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bo
         num_errors=sum(o.finish_reason == "error" for o in outputs),
         memory=peak_memory(engine.device),
         extra={"engine_stats": stats_delta(before, engine.stats().to_dict()),
-               "first_error": next((o.error for o in outputs if o.finish_reason == "error"), None)},
+               "first_error": next((o.error for o in outputs if o.finish_reason == "error"), None),
+               **({"profile": profiler.summary(seconds)} if profile else {})},
     )
+
+
+def _run_steps(engine, token_ids: list[list[int]], params: SamplingParams, progress) -> list:
+    """Add every prompt, step until all are done; the outputs in finishing order."""
+    for i, ids in enumerate(token_ids):
+        engine.add_request(f"bench-{i}", list(ids), params)
+    outputs = []
+    sampled0 = getattr(engine.stats(), "num_sampled_tokens", 0)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        if progress is not None:
+            progress(len(outputs), getattr(engine.stats(), "num_sampled_tokens", 0) - sampled0)
+    return outputs
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,34 @@ def render_text(result: dict[str, Any]) -> str:
                      f"cached share {p['cached_token_share']:.1%}, output tokens/s on/off "
                      f"x{p['throughput_ratio'] or 0:.2f}")
     lines += [_engine_line(label, result[key]) for key, label in RUNS[:2] if result.get(key)]
+    for key, label in RUNS[:2]:
+        if (result.get(key) or {}).get("profile"):
+            lines += profile_lines(label, result[key]["profile"])
     return "\n".join(lines) + "\n"
+
+
+PROFILE_HEADER = ("part", "total s", "ms/step", "share", "decode ms/step", "prefill ms/step")
+
+
+def profile_lines(label: str, profile: dict[str, Any]) -> list[str]:
+    """``--profile``: one row per part of a step (host work split below it), totals, per step and shares; the
+    per-step times of decode-only steps and of steps with prompt tokens side by side."""
+    kinds = profile["by_step_kind"]
+    dec, pre = kinds["decode"], kinds["prefill"]
+    covered = f", {profile['share_of_run']:.1%} of the run" if profile.get("share_of_run") else ""
+    rows = [PROFILE_HEADER]
+    for name, part in profile["parts"].items():
+        rows.append((name, f"{part['seconds']:.3f}", f"{part['ms_per_step']:.2f}", f"{part['share']:.1%}",
+                     _ms(dec, name), _ms(pre, name)))
+        if name == "host":
+            rows += [(f"  {sub}", f"{p['seconds']:.3f}", f"{p['ms_per_step']:.2f}", f"{p['share']:.1%}", "", "")
+                     for sub, p in profile["host_parts"].items()]
+    return [f"{label} profile: {profile['num_steps']} steps ({dec['num_steps']} decode-only, {pre['num_steps']} "
+            f"with prompt tokens), {profile['seconds']:.2f} s in steps{covered}", *_table(rows)]
+
+
+def _ms(kind: dict[str, Any], name: str) -> str:
+    return f"{kind['ms_per_step'].get(name, 0.0):.2f}" if kind["num_steps"] else "-"
 
 
 def _workload_line(w: dict[str, Any]) -> str:

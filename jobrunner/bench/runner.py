@@ -26,6 +26,7 @@ class BenchOptions:
     baseline: str = "none"                # "hf" or "none"
     baseline_batch_size: int | None = None  # None: pick from a pilot
     raw_prompts: bool = False
+    profile: bool = False                 # time attention / GEMMs / other ops / host work per step
 
 
 @dataclass
@@ -62,7 +63,7 @@ def _ours_leg(options: BenchOptions, prefix_caching: bool, rows: list[PromptRow]
         log(f"{name}: {engine.model_info.get('dtype_reason') or engine.model_info.get('dtype')}; warming up, "
             f"then {len(prep.token_ids)} prompts x up to {options.max_tokens} tokens")
         result = run_ours(engine, prep.token_ids, options.max_tokens, options.ignore_eos, name,
-                          progress=BenchProgress(name, len(prep.token_ids), log))
+                          progress=BenchProgress(name, len(prep.token_ids), log), profile=options.profile)
     finally:
         release(engine)
         del engine
@@ -157,6 +158,7 @@ def _workload(options: BenchOptions, prep: _Prepared) -> dict[str, Any]:
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "model": e.model, "dtype": prep.model_info.get("dtype"), "device": str(prep.device),
         "quantization": e.quantization, "baseline": options.baseline, "speculative": e.speculative,
+        "profile": options.profile,
     }
 
 

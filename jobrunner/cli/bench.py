@@ -51,6 +51,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
               help="Held-out text for perplexity (.jsonl/.parquet; assistant turns, else the prompt text).")
 @click.option("--batch-sizes", default="1,8,64", show_default=True,
               help="Batch sizes for --compare-quantization throughput.")
+@click.option("--profile", is_flag=True,
+              help="Also time each step's parts: attention, GEMMs (linear layers, lm_head), other model ops and "
+                   "host work (scheduling, inputs, outputs), in total, per step and as a share of the step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on the last line.")
 @click.option("--calibrate-dtype", is_flag=True,
               help="Only time a GEMM in float32 and bfloat16 on this CPU and say what `dtype: auto` chooses "
@@ -59,7 +62,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, quant_schemes: str | None, quality_texts: str | None,
-          batch_sizes: str, as_json: bool, calibrate_dtype: bool) -> None:
+          batch_sizes: str, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -89,7 +92,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
         return
     options = BenchOptions(engine=engine, max_tokens=max_tokens, ignore_eos=ignore_eos,
                            prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
-                           baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts)
+                           baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts,
+                           profile=profile)
     try:
         result = run_bench(options, rows, log=lambda msg: echo(msg, err=True))
     except ValueError as exc:  # bad model source, no chat template, nothing fits the context, ...
