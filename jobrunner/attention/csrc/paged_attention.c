@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define TILE 16   /* keys per tile (aligned to absolute position) */
 #define PART 512  /* keys per partition, the split-K unit (aligned to absolute position) */
@@ -59,15 +62,36 @@ static inline float exp_neg(float x) {
   return p * two_n.f;
 }
 
-/* 16 partial sums in a fixed tree: the same bits whatever the vector width (head_dim % 16 == 0) */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
-  float p[16] = {0};
-  for (int64_t d = 0; d < D; d += 16)
-    for (int i = 0; i < 16; i++) p[i] += a[d + i] * b[d + i];
-  for (int w = 8; w; w >>= 1)
-    for (int i = 0; i < w; i++) p[i] += p[i + w];
-  return p[0];
+/* q . k for 4 keys at once (head_dim % 16 == 0). The order is fixed and the same on every path: 16 partial
+   sums per key (lane i takes d = i, i + 16, ...; lanes 0-7 and 8-15 are two vector accumulators), then
+   a[i] = p[i] + p[i + 8] and ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), which is what the AVX2
+   horizontal adds below compute for 4 keys together. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
+  __m256 lo[4], hi[4];
+  for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 ql = _mm256_loadu_ps(q + d), qh = _mm256_loadu_ps(q + d + 8);
+    for (int j = 0; j < 4; j++) {
+      lo[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[j] + d), lo[j]);
+      hi[j] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[j] + d + 8), hi[j]);
+    }
+  }
+  for (int j = 0; j < 4; j++) lo[j] = _mm256_add_ps(lo[j], hi[j]);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
+#else
+static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
+  for (int j = 0; j < 4; j++) {
+    float p[16] = {0}, a[8];
+    for (int64_t d = 0; d < D; d += 16)
+      for (int i = 0; i < 16; i++) p[i] += q[d + i] * k[j][d + i];
+    for (int i = 0; i < 8; i++) a[i] = p[i] + p[i + 8];
+    out[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+}
+#endif
 
 /* One query vector against keys lo .. hi - 1 of a tile (lo < hi). st: [acc[D], max, sum]. Not inlined: the
    decode and the prompt paths must run the very same instructions for a query. */
@@ -76,23 +100,50 @@ __attribute__((noinline)) static void attend_tile(const float *restrict q, const
                                                   float *restrict st, int64_t D) {
   float s[TILE];
   float mx = st[D];
-  for (int j = lo; j < hi; j++) {
-    s[j] = dot(q, k + j * ks, D) * scale;
-    mx = s[j] > mx ? s[j] : mx;
+  for (int j = lo; j < hi; j += 4) {  /* past hi, key hi - 1 stands in (its score is dropped) */
+    const float *kj[4];
+    float dots[4];
+    for (int i = 0; i < 4; i++) kj[i] = k + (j + i < hi ? j + i : hi - 1) * ks;
+    dot4(q, kj, D, dots);
+    for (int i = 0; i < 4 && j + i < hi; i++) s[j + i] = dots[i] * scale;
   }
+  for (int j = lo; j < hi; j++) mx = s[j] > mx ? s[j] : mx;
   const float alpha = exp_neg(st[D] - mx);
   for (int j = lo; j < hi; j++) s[j] = exp_neg(s[j] - mx);
   float sum = 0.0f;
   for (int j = lo; j < hi; j++) sum += s[j];
   st[D] = mx;
   st[D + 1] = st[D + 1] * alpha + sum;
-  float *restrict acc = st;
-  for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
-  for (int j = lo; j < hi; j++) {
-    const float pj = s[j];
-    const float *restrict vj = v + j * vs;
-    for (int64_t d = 0; d < D; d++) acc[d] += pj * vj[d];
+  /* acc = acc * alpha + sum_j p_j v_j (per lane: one multiply, then one fused multiply-add per key in order),
+     16 lanes at a time kept in registers across the tile's keys */
+  for (int64_t d = 0; d < D; d += 16) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 a = _mm256_set1_ps(alpha);
+    __m256 lo8 = _mm256_mul_ps(_mm256_loadu_ps(st + d), a), hi8 = _mm256_mul_ps(_mm256_loadu_ps(st + d + 8), a);
+    for (int j = lo; j < hi; j++) {
+      const __m256 pj = _mm256_set1_ps(s[j]);
+      lo8 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * vs + d), lo8);
+      hi8 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * vs + d + 8), hi8);
+    }
+    _mm256_storeu_ps(st + d, lo8);
+    _mm256_storeu_ps(st + d + 8, hi8);
+#else
+    float acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = st[d + i] * alpha;
+    for (int j = lo; j < hi; j++)
+      for (int i = 0; i < 16; i++) acc[i] += s[j] * v[j * vs + d + i];
+    for (int i = 0; i < 16; i++) st[d + i] = acc[i];
+#endif
   }
+}
+
+/* the next tile's K and V rows (n rows of D floats, stride rs) on their way to the cache */
+static inline void prefetch_rows(const float *k, const float *v, int64_t n, int64_t rs, int64_t D) {
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t d = 0; d < D; d += 16) {
+      __builtin_prefetch(k + j * rs + d);
+      __builtin_prefetch(v + j * rs + d);
+    }
 }
 
 /* into = into (+) part, two online-softmax states over disjoint keys (into came first) */
@@ -184,6 +235,11 @@ static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_re
     const int64_t n = hi - k0 < TILE ? hi - k0 : TILE;
     const float *k, *v;
     const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
+    if (!a->bf16 && k0 + TILE < hi && (k0 + TILE) % a->block_size == 0) {  /* next tile starts a new block */
+      const int64_t next = k0 + TILE, rows = hi - next < TILE ? hi - next : TILE, bs = a->block_size;
+      const int64_t at = ((table[next / bs] * bs) * a->num_kv_heads + it->kvh) * D;
+      prefetch_rows((const float *)a->k_cache + at, (const float *)a->v_cache + at, rows, a->num_kv_heads * D, D);
+    }
     for (int64_t t = 0; t < nt; t++) {
       const int64_t pos = first_pos + t, f = first_key(a, pos);
       const int64_t j0 = f > k0 ? f - k0 : 0, j1 = pos + 1 - k0 < n ? pos + 1 - k0 : n;
