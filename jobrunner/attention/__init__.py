@@ -1,8 +1,9 @@
 """Attention backends over the paged KV cache, below both the model and the engine.
 
 ``torch`` (:mod:`.torch_backend`): gather + ``scaled_dot_product_attention``; runs everywhere and is the
-default. ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer reading the cache in place;
-CUDA only (or Triton's interpreter), opt-in until a GPU check has passed. The model calls
+default. ``cpu_paged`` (:mod:`.cpu_paged`): native code reading the cache in place on CPU (opt-in; see
+docs/engine.md for what was measured). ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer
+reading the cache in place; CUDA only (or Triton's interpreter), opt-in until a GPU check has passed. The model calls
 :func:`paged_attention` with whatever metadata the runner built; it never names a backend. Each backend's
 fixed-shape (CUDA-graph) path sits behind :class:`StepRunner` too (:mod:`.step_runner`): the engine's model
 runner hands every step to one ``run`` and never asks which backend or path runs it.
@@ -14,15 +15,16 @@ from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLa
 from jobrunner.attention.step_runner import FixedShapeLimits, StepForward, StepLists, StepRunner, make_step_runner
 from jobrunner.attention.upload import StepUpload
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu_paged", "triton")
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimits", "StepForward", "StepLayout",
            "StepLists", "StepRunner", "StepUpload", "make_backend", "make_step_runner", "paged_attention"]
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
-                 max_model_len: int = 8192) -> AttentionBackend:
-    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises if ``triton`` can't run.
+                 max_model_len: int = 8192, head_dim: int = 64) -> AttentionBackend:
+    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises ``RuntimeError`` if
+    ``triton`` or ``cpu_paged`` can't run here.
 
     ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
     """
@@ -35,6 +37,10 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
         if reason:
             raise RuntimeError(reason)
         return TritonBackend(num_heads, num_kv_heads, block_size, device, max_num_seqs, max_model_len)
+    if name == "cpu_paged":
+        from jobrunner.attention.cpu_paged import make_cpu_paged_backend
+
+        return make_cpu_paged_backend(device, head_dim)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

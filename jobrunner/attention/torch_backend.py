@@ -100,19 +100,24 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
-        n_rep = num_heads // num_kv_heads
-        k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)  # [num_blocks, block elements]
-        v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
-        out = q.new_empty(meta.num_tokens, num_heads * head_dim)
-        for g in meta.groups:
-            rows = _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale)
-            out.index_copy_(0, g.out_index, rows)
+        out = q.new_empty(meta.num_tokens, q.shape[1] * q.shape[2])
+        attend_groups(q, k_cache, v_cache, out, meta.groups, meta.block_size, scale)
         return out
 
 
 TORCH_BACKEND = TorchBackend()
+
+
+def attend_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  groups: list[AttentionGroup], block_size: int, scale: float) -> None:
+    """Attend every group and write its rows into ``out`` ``[T, H * D]`` (rows of no group are left alone)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    n_rep = num_heads // num_kv_heads
+    k_blocks = k_cache.view(-1, block_size * num_kv_heads * head_dim)  # [num_blocks, block elements]
+    v_blocks = v_cache.view(-1, block_size * num_kv_heads * head_dim)
+    for g in groups:
+        out.index_copy_(0, g.out_index, _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale))
 
 
 def _padded_table(table: list[int], num_blocks: int) -> list[int]:

@@ -16,9 +16,10 @@ class EngineConfig:
     ``gpu_memory_utilization`` of the memory left free after the weights are loaded. ``num_kv_blocks``
     overrides both (tests use it to force preemption).
 
-    ``attention_backend``: ``torch`` (gather + SDPA, runs anywhere), ``triton`` (one Triton kernel per layer
-    over the paged cache; CUDA only, falls back to torch with a warning elsewhere) or ``auto`` (= ``torch``
-    until ``scripts/gpu_check.sh`` has passed on a GPU; see docs/engine.md).
+    ``attention_backend``: ``torch`` (gather + SDPA, runs anywhere), ``cpu_paged`` (native code reading the
+    paged cache in place; CPU only, falls back to torch with a warning where it cannot build), ``triton`` (one
+    Triton kernel per layer over the paged cache; CUDA only, falls back to torch with a warning elsewhere) or
+    ``auto`` (= ``torch``; see docs/engine.md for what was measured).
 
     ``use_cuda_graphs`` (opt-in, off by default until a GPU run has passed): on CUDA, fixed-shape steps replay
     CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.attention.decode_graphs`; triton backend:
@@ -53,9 +54,10 @@ class EngineConfig:
     max_model_len: int | None = setting(None, description="Cap on prompt + output tokens.", ge=1)
     device: str = setting("auto", description="auto, cpu or cuda.")
     dtype: str = "auto"  # internal: the job spec sets it from model.dtype
-    attention_backend: Literal["auto", "torch", "triton"] = setting(
-        "auto", description="Attention kernel: torch (runs anywhere), triton (CUDA; falls back to torch elsewhere) "
-        "or auto (= torch until a GPU check has passed; docs/engine.md).")
+    attention_backend: Literal["auto", "torch", "cpu_paged", "triton"] = setting(
+        "auto", description="Attention kernel: torch (runs anywhere), cpu_paged (native, reads the KV cache in "
+        "place; CPU), triton (CUDA; both fall back to torch where they cannot run) or auto (= torch; "
+        "docs/engine.md).")
     use_cuda_graphs: bool = setting(
         False, description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a "
         "GPU check has passed (docs/engine.md).")

@@ -17,7 +17,9 @@ What :func:`make_deterministic` changes on an engine:
 * **Attention** in a fixed reduction order per query token (:mod:`jobrunner.attention.invariant_ops`) on the
   torch backend; the triton kernel keeps one tile height for every step (``TritonBackend.fixed_tiles``), and
   its per-row key loop is already fixed (``BLOCK_N`` keys from position 0, masked blocks are exact no-ops).
-  The torch backend's decode graphs (their own SDPA) are turned off.
+  The torch backend's decode graphs (their own SDPA) are turned off. The ``cpu_paged`` backend is kept, with
+  every row (long prompt chunks too) on its native kernel, whose order is fixed by absolute key positions
+  (:mod:`jobrunner.attention.cpu_paged`): a row's bits do not depend on the step, its chunking or the threads.
 * **Sampling**: the noise already depends only on (seed, output position, token id); rows are additionally
   grouped by their own ``top_k`` and top-p setting (:func:`sampler_groups`), so no row's candidate count or
   path depends on another row.
@@ -94,6 +96,8 @@ def make_deterministic(engine) -> None:
     tile_rows(engine.model, tile)
     if runner.backend.name == "triton":
         runner.backend.fixed_tiles = True
+    elif runner.backend.name == "cpu_paged":
+        runner.backend.native_max_query = None  # every row native: its fixed order ignores chunking and batch
     else:
         if engine.device.type == "cuda":
             raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "
@@ -102,7 +106,8 @@ def make_deterministic(engine) -> None:
     runner.deterministic = True
     runner.sampler.invariant = True
     engine.model_info["deterministic"] = True
-    check_kernels(engine.model.dtype, engine.model.shape.head_dim, engine.device)
+    if runner.backend.name == "invariant":
+        check_kernels(engine.model.dtype, engine.model.shape.head_dim, engine.device)
 
 
 def sampler_groups(requests, with_k: list[int], without_k: list[int]) -> list[tuple[list[int], bool]]:

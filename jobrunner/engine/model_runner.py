@@ -104,8 +104,8 @@ class ModelRunner:
         s = self.model.shape
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
-                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
-        except RuntimeError as exc:  # triton asked for where it cannot run: the tested torch path instead
+                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim)
+        except RuntimeError as exc:  # triton / cpu_paged where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
             return make_backend("torch", s.num_heads, s.num_kv_heads, self.block_size, self.device)

@@ -129,14 +129,15 @@ def source_path(name: str) -> Path:
     return CSRC / f"{name}.c"
 
 
-def build_library(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile ``csrc/<name>.c`` for this CPU into a cached shared library ``<cache>/jobrunner/<name>_<key>.so``
+def build_library(name: str, extra_flags: tuple[str, ...] = (), source: Path | None = None) -> Path:
+    """Compile ``csrc/<name>.c`` (or ``source``, a C file of another package such as attention's) for this
+    CPU into a cached shared library ``<cache>/jobrunner/<name>_<key>.so``
     (the key covers the source text, compiler, flags and CPU, so an edited source builds anew); OSError without
     a compiler or the source, CalledProcessError on a failed build."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler on PATH")
-    src = source_path(name)
+    src = source or source_path(name)
     source = src.read_text(encoding="utf-8")
     flags = ["-O3", march_flag(), "-fopenmp", *extra_flags, "-shared", "-fPIC"]
     key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]

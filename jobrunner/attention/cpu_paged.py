@@ -1,0 +1,166 @@
+"""The ``cpu_paged`` backend: paged attention in native code that reads the KV cache in place (CPU only).
+
+The torch backend copies every row's whole K/V history out of the cache into a padded buffer in every layer
+of every step; this one walks each row's block table from C (``csrc/paged_attention.c``: the algorithm and
+its fixed reduction order are described there), so a decode step reads each cached key and value once per
+layer and copies nothing. One call per layer covers the whole step: decodes (query heads of one kv head
+folded, online softmax over the row's blocks, split-K over fixed partitions when there are fewer (row, kv
+head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
+(flash-style key tiles, causal by position), sliding windows, float32 and bfloat16.
+
+A query's arithmetic depends only on its own query vector and keys (partitions and tiles sit at absolute key
+positions), so the backend is batch-invariant and ``engine.deterministic`` keeps it. The C source is built
+by :func:`jobrunner.quant.native.build_library` for this CPU's capability (``-march`` of
+``JOBRUNNER_CPU_CAPABILITY`` when forced). No compiler, a failed build, ``JOBRUNNER_ATTENTION_NATIVE=0``, a
+CUDA device or a head_dim that is not a multiple of 16: :func:`cpu_paged_unavailable_reason` says why and
+:func:`~jobrunner.attention.make_backend` raises, and the model runner uses the torch backend instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
+from jobrunner.attention.upload import StepUpload
+
+NATIVE_ENV = "JOBRUNNER_ATTENTION_NATIVE"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _library(capability: str) -> ctypes.CDLL | str:
+    """The built kernel for ``capability`` (a cache key only: the build reads the capability itself), or why not."""
+    from jobrunner.quant.native import build_library
+
+    try:
+        lib = ctypes.CDLL(str(build_library("paged_attention", source=SOURCE)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        return f"native paged attention unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
+    fn = lib.jr_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
+    return lib
+
+
+def native_library() -> ctypes.CDLL | str:
+    """The compiled library for the current CPU capability (detected or forced), or the reason there is none."""
+    from jobrunner.quant.capability import detect_cpu_capability
+
+    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+        return f"{NATIVE_ENV}=0"
+    capability, forced = detect_cpu_capability()
+    return _library(f"{capability}:{forced}")
+
+
+def cpu_paged_unavailable_reason(device, head_dim: int) -> str | None:
+    """Why the backend cannot run here (``None`` when it can)."""
+    if torch.device(device).type != "cpu":
+        return f"cpu_paged attention runs on CPU only (device {device})"
+    if head_dim % 16:
+        return f"cpu_paged attention needs head_dim % 16 == 0 (got {head_dim})"
+    lib = native_library()
+    return lib if isinstance(lib, str) else None
+
+
+# Prompt chunks longer than this take the torch backend's gather + SDPA path (its GEMM-based kernel beats these
+# loops there, and a chunk's gather is small next to its Q x L products); measured on AMD Zen 3 (AVX2), one
+# thread, 4 rows: at 8 query tokens both take the same time, at 16 the native loops take 1.5x (docs/engine.md).
+# None (deterministic mode): every row native, so a token's bits never depend on how its prompt was chunked.
+NATIVE_MAX_QUERY = 8
+
+
+class CpuPagedMetadata(AttentionMetadata):
+    """One step's rows for the kernel (int64 views of the step upload) and the torch groups of the long chunks."""
+
+    def __init__(self, backend: CpuPagedBackend, t: dict[str, torch.Tensor], native: StepLayout, max_blocks: int,
+                 torch_groups: list) -> None:
+        self.backend = backend
+        self.slot_mapping = t["slot_mapping"]
+        self.num_tokens = native.num_tokens
+        self.rows = (t["cp_start"], t["cp_len"], t["cp_seq"], t["cp_tables"])  # [R], [R], [R], [R * max_blocks]
+        self.num_rows = native.num_rows
+        self.max_blocks = max_blocks
+        self.block_size = native.block_size
+        self.window = native.sliding_window or 0
+        self.torch_groups = torch_groups
+
+
+class CpuPagedBackend(AttentionBackend):
+    """In-place paged attention through the native kernel (see the module doc).
+
+    ``native_max_query``: rows with more new tokens go through the torch backend's SDPA groups instead
+    (``None``: none do; deterministic mode sets that).
+    """
+
+    name = "cpu_paged"
+
+    def __init__(self, lib: ctypes.CDLL, native_max_query: int | None = NATIVE_MAX_QUERY) -> None:
+        self.fn = lib.jr_paged_attention
+        self.native_max_query = native_max_query
+
+    def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
+        native, long_chunks = _split_rows(layout, self.native_max_query)
+        max_blocks = max((-(-n // layout.block_size) for n in native.seq_lens), default=1)
+        upload.add("cp_start", native.query_starts)
+        upload.add("cp_len", native.query_lens)
+        upload.add("cp_seq", native.seq_lens)
+        tables: list[int] = []
+        for table in native.block_tables:
+            row = table[:max_blocks]
+            tables += row + [0] * (max_blocks - len(row))
+        upload.add("cp_tables", tables)
+        groups = TORCH_BACKEND.build(long_chunks, upload).groups if long_chunks.num_rows else []
+        return CpuPagedMetadata(self, upload.flush(), native, max_blocks, groups)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.dtype not in DTYPES or k_cache.dtype != q.dtype:
+            raise TypeError(f"cpu_paged attention: float32 or bfloat16 q and cache, got {q.dtype}, {k_cache.dtype}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("cpu_paged attention: the layer's cache views must be contiguous")
+        q = q.contiguous()
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        out = q.new_empty(meta.num_tokens, num_heads * head_dim)
+        if meta.num_rows:
+            self._native(q, k_cache, v_cache, out, meta, scale)
+        if meta.torch_groups:
+            attend_groups(q, k_cache, v_cache, out, meta.torch_groups, meta.block_size, scale)
+        return out
+
+    def _native(self, q, k_cache, v_cache, out, meta: CpuPagedMetadata, scale: float) -> None:
+        start, length, seq, tables = meta.rows
+        rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
+                     length.data_ptr(), seq.data_ptr(), tables.data_ptr(), meta.max_blocks, meta.num_rows,
+                     q.shape[1], k_cache.shape[1], q.shape[2], meta.block_size, meta.window, DTYPES[q.dtype],
+                     scale, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
+
+
+def _split_rows(layout: StepLayout, native_max_query: int | None) -> tuple[StepLayout, StepLayout]:
+    """The step's rows for the native kernel, and the long prompt chunks for the torch groups (same flat batch)."""
+    parts = (StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window),
+             StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window))
+    for row in zip(layout.query_starts, layout.query_lens, layout.seq_lens, layout.block_tables):
+        part = parts[native_max_query is not None and row[1] > native_max_query]
+        for values, value in zip((part.query_starts, part.query_lens, part.seq_lens, part.block_tables), row):
+            values.append(value)
+    return parts
+
+
+def make_cpu_paged_backend(device, head_dim: int, native_max_query: int | None = NATIVE_MAX_QUERY
+                           ) -> CpuPagedBackend:
+    """The backend, or ``RuntimeError`` saying why it cannot run here."""
+    reason = cpu_paged_unavailable_reason(device, head_dim)
+    if reason:
+        raise RuntimeError(reason)
+    return CpuPagedBackend(native_library(), native_max_query)

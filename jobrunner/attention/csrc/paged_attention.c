@@ -1,0 +1,383 @@
+/* Paged attention over the KV cache in place, for CPU (jobrunner/attention/cpu_paged.py calls it via ctypes).
+
+   Cache of one layer: [num_slots, num_kv_heads, D], slot = block_id * block_size + offset; q: [T, H, D];
+   out: [T, H * D]. Row i owns tokens query_start[i] .. + query_len[i] - 1 at positions seq_len[i] - query_len[i]
+   .. seq_len[i] - 1 and attends to keys 0 .. its own position (and, with a window w, only to the last w).
+
+   The reduction order of one query vector (one token x one query head) is fixed by absolute key positions
+   alone, so its result never depends on the other rows of the step, on how its prompt was chunked, on the
+   block size or on the thread count (engine.deterministic relies on this):
+   - keys are cut into partitions of PART positions (aligned to 0), each partition into tiles of TILE;
+   - inside a partition an online softmax runs over its tiles in order, from a fresh state, over exactly the
+     keys the query may see (attend_tile);
+   - the partitions' states are folded left to right (merge_state), then normalised (finish).
+   Work items are (row, kv head, a few query tokens, partitions): the n_rep query heads of a kv head share every
+   K/V tile read, and so do the query tokens of a prompt-chunk item (flash-style tiles, causal by position).
+   When a step has fewer decode (row, kv head) pairs than threads, long decodes are split into one item per
+   partition (split-K) whose states are folded afterwards in the same left-to-right order.
+   Arithmetic in float32; bf16 inputs are widened on load and the output rounded to nearest even, as torch
+   rounds. The loops are written so that the compiler vectorizes them for the -march of the build. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define TILE 16   /* keys per tile (aligned to absolute position) */
+#define PART 512  /* keys per partition, the split-K unit (aligned to absolute position) */
+#define QTILE 8   /* query tokens per prompt-chunk work item */
+
+typedef struct {
+  const void *q, *k_cache, *v_cache;
+  void *out;
+  const int64_t *query_start, *query_len, *seq_len, *tables;
+  int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, bf16;
+  float scale;
+} Args;
+
+typedef struct { int64_t row, kvh, t0, t1, c0, c1, partial; } Item;  /* partial < 0: write the output */
+
+static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+static inline uint16_t to_bf16(float x) {
+  union { float f; uint32_t u; } v = {x};
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64u);  /* NaN stays NaN */
+  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial, ~2 ulp); branch-free so it vectorizes */
+static inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  union { uint32_t u; float f; } two_n = {(uint32_t)((int32_t)n + 127) << 23};
+  return p * two_n.f;
+}
+
+/* q . k for 4 keys at once (head_dim % 16 == 0). The order is fixed and the same on every path: 16 partial
+   sums per key (lane i takes d = i, i + 16, ...; lanes 0-7 and 8-15 are two vector accumulators), then
+   a[i] = p[i] + p[i + 8] and ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), which is what the AVX2
+   horizontal adds below compute for 4 keys together. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
+  __m256 lo[4], hi[4];
+  for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 ql = _mm256_loadu_ps(q + d), qh = _mm256_loadu_ps(q + d + 8);
+    for (int j = 0; j < 4; j++) {
+      lo[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[j] + d), lo[j]);
+      hi[j] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[j] + d + 8), hi[j]);
+    }
+  }
+  for (int j = 0; j < 4; j++) lo[j] = _mm256_add_ps(lo[j], hi[j]);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#else
+static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
+  for (int j = 0; j < 4; j++) {
+    float p[16] = {0}, a[8];
+    for (int64_t d = 0; d < D; d += 16)
+      for (int i = 0; i < 16; i++) p[i] += q[d + i] * k[j][d + i];
+    for (int i = 0; i < 8; i++) a[i] = p[i] + p[i + 8];
+    out[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+}
+#endif
+
+/* One query vector against keys lo .. hi - 1 of a tile (lo < hi). st: [acc[D], max, sum]. Not inlined: the
+   decode and the prompt paths must run the very same instructions for a query. */
+__attribute__((noinline)) static void attend_tile(const float *restrict q, const float *restrict k, int64_t ks,
+                                                  const float *restrict v, int64_t vs, int lo, int hi, float scale,
+                                                  float *restrict st, int64_t D) {
+  float s[TILE];
+  float mx = st[D];
+  for (int j = lo; j < hi; j += 4) {  /* past hi, key hi - 1 stands in (its score is dropped) */
+    const float *kj[4];
+    float dots[4];
+    for (int i = 0; i < 4; i++) kj[i] = k + (j + i < hi ? j + i : hi - 1) * ks;
+    dot4(q, kj, D, dots);
+    for (int i = 0; i < 4 && j + i < hi; i++) s[j + i] = dots[i] * scale;
+  }
+  for (int j = lo; j < hi; j++) mx = s[j] > mx ? s[j] : mx;
+  const float alpha = exp_neg(st[D] - mx);
+  for (int j = lo; j < hi; j++) s[j] = exp_neg(s[j] - mx);
+  float sum = 0.0f;
+  for (int j = lo; j < hi; j++) sum += s[j];
+  st[D] = mx;
+  st[D + 1] = st[D + 1] * alpha + sum;
+  /* acc = acc * alpha + sum_j p_j v_j (per lane: one multiply, then one fused multiply-add per key in order),
+     16 lanes at a time kept in registers across the tile's keys */
+  for (int64_t d = 0; d < D; d += 16) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 a = _mm256_set1_ps(alpha);
+    __m256 lo8 = _mm256_mul_ps(_mm256_loadu_ps(st + d), a), hi8 = _mm256_mul_ps(_mm256_loadu_ps(st + d + 8), a);
+    for (int j = lo; j < hi; j++) {
+      const __m256 pj = _mm256_set1_ps(s[j]);
+      lo8 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * vs + d), lo8);
+      hi8 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * vs + d + 8), hi8);
+    }
+    _mm256_storeu_ps(st + d, lo8);
+    _mm256_storeu_ps(st + d + 8, hi8);
+#else
+    float acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = st[d + i] * alpha;
+    for (int j = lo; j < hi; j++)
+      for (int i = 0; i < 16; i++) acc[i] += s[j] * v[j * vs + d + i];
+    for (int i = 0; i < 16; i++) st[d + i] = acc[i];
+#endif
+  }
+}
+
+/* the next tile's K and V rows (n rows of D floats, stride rs) on their way to the cache */
+static inline void prefetch_rows(const float *k, const float *v, int64_t n, int64_t rs, int64_t D) {
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t d = 0; d < D; d += 16) {
+      __builtin_prefetch(k + j * rs + d);
+      __builtin_prefetch(v + j * rs + d);
+    }
+}
+
+/* into = into (+) part, two online-softmax states over disjoint keys (into came first) */
+__attribute__((noinline)) static void merge_state(float *restrict into, const float *restrict part, int64_t D) {
+  const float mx = into[D] > part[D] ? into[D] : part[D];
+  const float a = exp_neg(into[D] - mx), b = exp_neg(part[D] - mx);
+  for (int64_t d = 0; d < D; d++) into[d] = into[d] * a + part[d] * b;
+  into[D + 1] = into[D + 1] * a + part[D + 1] * b;
+  into[D] = mx;
+}
+
+__attribute__((noinline)) static void finish(const float *restrict st, void *out, int64_t index, int64_t D,
+                                             int64_t bf16) {
+  const float inv = 1.0f / st[D + 1];
+  if (bf16) {
+    uint16_t *o = (uint16_t *)out + index;
+    for (int64_t d = 0; d < D; d++) o[d] = to_bf16(st[d] * inv);
+  } else {
+    float *o = (float *)out + index;
+    for (int64_t d = 0; d < D; d++) o[d] = st[d] * inv;
+  }
+}
+
+static inline void reset(float *st, int64_t n, int64_t D) {
+  for (int64_t i = 0; i < n; i++) {
+    memset(st + i * (D + 2), 0, sizeof(float) * D);
+    st[i * (D + 2) + D] = -INFINITY;
+    st[i * (D + 2) + D + 1] = 0.0f;
+  }
+}
+
+/* first key a query at position pos may see */
+static inline int64_t first_key(const Args *a, int64_t pos) {
+  return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+}
+
+/* Keys k0 .. k0 + n - 1 of kv head kvh of a row: pointers into the cache when they are contiguous float32
+   rows of one block, else widened / gathered into buf ([2][TILE][D]). Returns the row stride. */
+static int64_t load_tile(const Args *a, const int64_t *table, int64_t kvh, int64_t k0, int64_t n, float *buf,
+                         const float **k, const float **v) {
+  const int64_t D = a->head_dim, bs = a->block_size, row = a->num_kv_heads * D;
+  if (!a->bf16 && (k0 % bs) + n <= bs) {
+    const int64_t slot = table[k0 / bs] * bs + k0 % bs;
+    *k = (const float *)a->k_cache + slot * row + kvh * D;
+    *v = (const float *)a->v_cache + slot * row + kvh * D;
+    return row;
+  }
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t p = k0 + j, at = (table[p / bs] * bs + p % bs) * row + kvh * D;
+    float *kd = buf + j * D, *vd = buf + (TILE + j) * D;
+    if (a->bf16) {
+      const uint16_t *ks = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
+      for (int64_t d = 0; d < D; d++) kd[d] = from_bf16(ks[d]);
+      for (int64_t d = 0; d < D; d++) vd[d] = from_bf16(vs[d]);
+    } else {
+      memcpy(kd, (const float *)a->k_cache + at, sizeof(float) * D);
+      memcpy(vd, (const float *)a->v_cache + at, sizeof(float) * D);
+    }
+  }
+  *k = buf;
+  *v = buf + TILE * D;
+  return D;
+}
+
+static void load_queries(const Args *a, const Item *it, int64_t n_rep, float *qb) {
+  const int64_t D = a->head_dim, H = a->num_heads, start = a->query_start[it->row];
+  for (int64_t t = it->t0; t < it->t1; t++)
+    for (int64_t r = 0; r < n_rep; r++) {
+      const int64_t at = ((start + t) * H + it->kvh * n_rep + r) * D;
+      float *dst = qb + ((t - it->t0) * n_rep + r) * D;
+      if (a->bf16)
+        for (int64_t d = 0; d < D; d++) dst[d] = from_bf16(((const uint16_t *)a->q)[at + d]);
+      else
+        memcpy(dst, (const float *)a->q + at, sizeof(float) * D);
+    }
+}
+
+/* One partition of an item: every tile of keys in it against the item's query vectors (fresh states in part);
+   seen[t] is set for tokens that saw at least one key */
+static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_rep, const float *qb, float *part,
+                          float *buf, char *seen) {
+  const int64_t D = a->head_dim, row = it->row, nt = it->t1 - it->t0;
+  const int64_t first_pos = a->seq_len[row] - a->query_len[row] + it->t0, last_pos = first_pos + nt - 1;
+  const int64_t *table = a->tables + row * a->max_blocks;
+  int64_t lo = first_key(a, first_pos), hi = last_pos + 1;
+  lo = lo > c * PART ? lo : c * PART;
+  hi = hi < (c + 1) * PART ? hi : (c + 1) * PART;
+  for (int64_t k0 = lo - lo % TILE; k0 < hi; k0 += TILE) {
+    const int64_t n = hi - k0 < TILE ? hi - k0 : TILE;
+    const float *k, *v;
+    const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
+    if (!a->bf16 && k0 + TILE < hi && (k0 + TILE) % a->block_size == 0) {  /* next tile starts a new block */
+      const int64_t next = k0 + TILE, rows = hi - next < TILE ? hi - next : TILE, bs = a->block_size;
+      const int64_t at = ((table[next / bs] * bs) * a->num_kv_heads + it->kvh) * D;
+      prefetch_rows((const float *)a->k_cache + at, (const float *)a->v_cache + at, rows, a->num_kv_heads * D, D);
+    }
+    for (int64_t t = 0; t < nt; t++) {
+      const int64_t pos = first_pos + t, f = first_key(a, pos);
+      const int64_t j0 = f > k0 ? f - k0 : 0, j1 = pos + 1 - k0 < n ? pos + 1 - k0 : n;
+      if (j0 >= j1) continue;
+      seen[t] = 1;
+      for (int64_t r = 0; r < n_rep; r++)
+        attend_tile(qb + (t * n_rep + r) * D, k, stride, v, stride, (int)j0, (int)j1, a->scale,
+                    part + (t * n_rep + r) * (D + 2), D);
+    }
+  }
+}
+
+static void run_item(const Args *a, const Item *it, float *work, float *partials) {
+  const int64_t D = a->head_dim, n_rep = a->num_heads / a->num_kv_heads, nt = it->t1 - it->t0;
+  const int64_t nv = nt * n_rep, sd = D + 2;
+  float *qb = work, *run = qb + nv * D, *part = run + nv * sd, *buf = part + nv * sd;
+  char seen[QTILE], have[QTILE] = {0};
+  load_queries(a, it, n_rep, qb);
+  for (int64_t c = it->c0; c <= it->c1; c++) {
+    reset(part, nv, D);
+    memset(seen, 0, sizeof seen);
+    run_partition(a, it, c, n_rep, qb, part, buf, seen);
+    for (int64_t t = 0; t < nt; t++) {
+      if (!seen[t]) continue;
+      float *rt = run + t * n_rep * sd, *pt = part + t * n_rep * sd;
+      if (!have[t]) memcpy(rt, pt, sizeof(float) * n_rep * sd);
+      else for (int64_t r = 0; r < n_rep; r++) merge_state(rt + r * sd, pt + r * sd, D);
+      have[t] = 1;
+    }
+  }
+  if (it->partial >= 0) {  /* one partition of a split decode: its state waits for the fold */
+    float *dst = partials + it->partial * n_rep * sd;
+    if (have[0]) memcpy(dst, run, sizeof(float) * n_rep * sd);
+    else reset(dst, n_rep, D);
+    return;
+  }
+  const int64_t start = a->query_start[it->row];
+  for (int64_t t = 0; t < nt; t++)
+    for (int64_t r = 0; r < n_rep; r++)
+      finish(run + (t * n_rep + r) * sd, a->out, ((start + it->t0 + t) * a->num_heads + it->kvh * n_rep + r) * D,
+             D, a->bf16);
+}
+
+/* Fold the split partitions of one (decode row, kv head), left to right, and write its output */
+static void fold_split(const Args *a, const Item *first, int64_t num_parts, const float *partials, float *work) {
+  const int64_t D = a->head_dim, n_rep = a->num_heads / a->num_kv_heads, sd = D + 2;
+  int have = 0;
+  for (int64_t p = 0; p < num_parts; p++) {
+    const float *st = partials + (first->partial + p) * n_rep * sd;
+    if (st[D + 1] == 0.0f && st[D] == -INFINITY) continue;  /* no key of this partition visible */
+    if (!have) memcpy(work, st, sizeof(float) * n_rep * sd);
+    else for (int64_t r = 0; r < n_rep; r++) merge_state(work + r * sd, st + r * sd, D);
+    have = 1;
+  }
+  const int64_t start = a->query_start[first->row];
+  for (int64_t r = 0; r < n_rep; r++)
+    finish(work + r * sd, a->out, (start * a->num_heads + first->kvh * n_rep + r) * D, D, a->bf16);
+}
+
+static int64_t num_items(const Args *a, int64_t num_rows, int split) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_rows; i++) {
+    const int64_t ql = a->query_len[i], last = a->seq_len[i] - 1;
+    if (ql == 1) n += split ? last / PART - first_key(a, last) / PART + 1 : 1;
+    else n += (ql + QTILE - 1) / QTILE;
+  }
+  return n * a->num_kv_heads;
+}
+
+/* The step's work items; split decodes get consecutive partial slots. Returns the number of partial states. */
+static int64_t make_items(const Args *a, int64_t num_rows, int split, Item *items, int64_t *num_out) {
+  int64_t n = 0, partial = 0;
+  for (int64_t i = 0; i < num_rows; i++) {
+    const int64_t ql = a->query_len[i], pos = a->seq_len[i] - 1;
+    const int64_t c0 = first_key(a, pos - ql + 1) / PART, c1 = pos / PART;
+    for (int64_t h = 0; h < a->num_kv_heads; h++) {
+      if (ql == 1 && split) {
+        for (int64_t c = c0; c <= c1; c++) items[n++] = (Item){i, h, 0, 1, c, c, partial++};
+      } else if (ql == 1) {
+        items[n++] = (Item){i, h, 0, 1, c0, c1, -1};
+      } else {
+        for (int64_t t = 0; t < ql; t += QTILE) {
+          const int64_t t1 = t + QTILE < ql ? t + QTILE : ql;
+          const int64_t first = first_key(a, pos - ql + 1 + t) / PART, last = (pos - ql + t1) / PART;
+          items[n++] = (Item){i, h, t, t1, first, last, -1};
+        }
+      }
+    }
+  }
+  *num_out = n;
+  return partial;
+}
+
+int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *query_start,
+                       const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
+                       int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t window, int64_t bf16, float scale, int64_t threads) {
+  const Args a = {q, k_cache, v_cache, out, query_start, query_len, seq_len, tables, max_blocks, num_heads,
+                  num_kv_heads, head_dim, block_size, window, bf16, scale};
+  if (head_dim % 16 || num_heads % num_kv_heads) return 1;
+  int64_t decodes = 0;
+  for (int64_t i = 0; i < num_rows; i++) decodes += query_len[i] == 1;
+  const int split = decodes * num_kv_heads < threads;
+  Item *items = malloc(sizeof(Item) * (size_t)(num_items(&a, num_rows, split) + 1));
+  if (!items) return 2;
+  int64_t n = 0;
+  const int64_t num_partials = make_items(&a, num_rows, split, items, &n);
+  const int64_t n_rep = num_heads / num_kv_heads, sd = head_dim + 2, nv = QTILE * n_rep;
+  const int64_t work_len = nv * head_dim + 2 * nv * sd + 2 * TILE * head_dim;
+  float *partials = malloc(sizeof(float) * (size_t)(num_partials * n_rep * sd + 1));
+  int failed = partials == NULL;
+#pragma omp parallel num_threads(threads) if (n > 1)
+  {
+    /* every thread reaches both loops (a worksharing loop must be met by all); without memory it only skips */
+    float *work = failed ? NULL : malloc(sizeof(float) * (size_t)work_len);
+    if (!work) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; i++)
+      if (work) run_item(&a, &items[i], work, partials);
+    if (num_partials) {  /* a split row's items are consecutive: the first partition's item starts each fold */
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; i++) {
+        if (!work || items[i].partial < 0 || (i > 0 && items[i - 1].partial >= 0 && items[i - 1].row == items[i].row &&
+                                              items[i - 1].kvh == items[i].kvh))
+          continue;
+        int64_t parts = 1;
+        while (i + parts < n && items[i + parts].partial >= 0 && items[i + parts].row == items[i].row &&
+               items[i + parts].kvh == items[i].kvh)
+          parts++;
+        fold_split(&a, &items[i], parts, partials, work);
+      }
+    }
+    free(work);
+  }
+  free(partials);
+  free(items);
+  return failed ? 2 : 0;
+}

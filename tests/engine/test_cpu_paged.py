@@ -1,0 +1,193 @@
+"""The cpu_paged attention kernel against the torch backend (the reference) on random tensors, per forced capability.
+
+Mixed steps: prompt chunks from 0, chunks after a cached prefix, long and short decodes, a tail chunk; block
+boundaries (blocks of 16, 32 and 7), GQA ratios 1, 3, 4, 8, head dims 64 and 128, sliding-window edges,
+float32 and bfloat16. ``native_max_query=None`` puts every row (long chunks too) on the native kernel; the
+default sends chunks of more than 8 tokens to the torch groups. Batch invariance: a row's output bits do not
+depend on the other rows, on the thread count (split-K or not), nor on whether its token was a decode or part
+of a chunk. A failed build fails these tests under CI=true (tests/components.py).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobrunner.attention import StepLayout, StepUpload, make_backend
+from jobrunner.attention.cpu_paged import NATIVE_ENV, SOURCE, _library, native_library
+from jobrunner.attention.torch_backend import TORCH_BACKEND
+from jobrunner.quant.capability import CAPABILITY_ENV
+from jobrunner.quant.native import build_library
+from tests.components import missing_component
+
+CPU = torch.device("cpu")
+HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+HAS_AVX2 = " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+# chunk from 0 | chunk after a cached prefix | decodes (long, first token, short) | 2-token tail | long chunk
+# after a long prefix (several partitions of 512 keys) | a long decode
+MIXED = [(0, 21), (37, 6), (70, 1), (0, 1), (12, 1), (33, 2), (1030, 40), (1500, 1)]
+
+
+@pytest.fixture(params=["native", "avx512", "avx2", "default"])
+def capability(request, monkeypatch):
+    """The kernel built for this CPU (-march=native), for forced AVX-512 (-march=skylake-avx512), forced AVX2
+    (-march=haswell) and the portable x86-64 build."""
+    if request.param != "native":
+        if request.param == "avx512" and not HAS_AVX512:
+            pytest.skip("this CPU has no AVX-512 (avx512f): the avx512 build is only compiled here "
+                        "(test_avx512_build_compiles)")
+        if request.param == "avx2" and not HAS_AVX2:
+            pytest.skip("this CPU has no AVX2: the forced avx2 build cannot run here")
+        monkeypatch.setenv(CAPABILITY_ENV, request.param)
+    lib = native_library()
+    if isinstance(lib, str):
+        missing_component(lib)
+    return request.param
+
+
+def _layout(rows, block_size, rng, window=None):
+    """rows: (start, query_len) -> a StepLayout with shuffled block tables, its slot list and the pool size."""
+    num_blocks = sum(-(-(s + q) // block_size) for s, q in rows) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    layout = StepLayout([], [], [], [], 0, block_size, sliding_window=window)
+    slots = []
+    for start, q_len in rows:
+        seq_len = start + q_len
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        layout.query_starts.append(layout.num_tokens)
+        layout.query_lens.append(q_len)
+        layout.seq_lens.append(seq_len)
+        layout.block_tables.append(table)
+        layout.num_tokens += q_len
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, seq_len)]
+    return layout, slots, num_blocks
+
+
+def _attend(backend, layout, slots, q, k, v, cache):
+    upload = StepUpload(CPU)
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    return backend.forward(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5), k_cache, v_cache
+
+
+def _inputs(layout, num_slots, num_heads, num_kv_heads, head_dim, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)  # prefixes "cached"
+    q, k, v = (torch.randn(layout.num_tokens, h, head_dim, generator=gen).to(dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    return q, k, v, cache
+
+
+def _backend(num_heads, num_kv_heads, block_size, head_dim, all_native):
+    backend = make_backend("cpu_paged", num_heads, num_kv_heads, block_size, CPU, head_dim=head_dim)
+    if all_native:
+        backend.native_max_query = None
+    return backend
+
+
+@pytest.mark.parametrize("all_native", [True, False], ids=["all-native", "long-chunks-sdpa"])
+@pytest.mark.parametrize("block_size", [16, 32, 7])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 64)])
+def test_matches_torch_on_mixed_steps(capability, all_native, block_size, num_heads, num_kv_heads, head_dim):
+    layout, slots, num_blocks = _layout(MIXED, block_size, random.Random(block_size + num_heads))
+    q, k, v, cache = _inputs(layout, num_blocks * block_size, num_heads, num_kv_heads, head_dim, num_heads)
+    backend = _backend(num_heads, num_kv_heads, block_size, head_dim, all_native)
+    got, got_k, got_v = _attend(backend, layout, slots, q, k, v, cache)
+    want, want_k, want_v = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)  # the step's K/V written at its slots
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 17, 512, 600])
+def test_sliding_window_edges_match_torch(capability, window):
+    layout, slots, num_blocks = _layout(MIXED, 16, random.Random(window), window)
+    q, k, v, cache = _inputs(layout, num_blocks * 16, 8, 2, 64, window)
+    got, _, _ = _attend(_backend(8, 2, 16, 64, True), layout, slots, q, k, v, cache)
+    want, _, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("all_native", [True, False], ids=["all-native", "long-chunks-sdpa"])
+def test_bfloat16_matches_torch(capability, all_native):
+    layout, slots, num_blocks = _layout(MIXED, 16, random.Random(2))
+    q, k, v, cache = _inputs(layout, num_blocks * 16, 9, 3, 64, 2, torch.bfloat16)
+    got, got_k, _ = _attend(_backend(9, 3, 16, 64, all_native), layout, slots, q, k, v, cache)
+    want, want_k, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    exact, _, _ = _attend(TORCH_BACKEND, layout, slots, q.float(), k.float(), v.float(), cache.float())
+    assert got.dtype == torch.bfloat16 and torch.equal(got_k, want_k)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    # float32 accumulation, one rounding at the end: within half a bf16 step of the float32 result
+    torch.testing.assert_close(got.float(), exact.to(torch.bfloat16).float(), atol=8e-3, rtol=8e-3)
+
+
+def _one_row_bits(rows, index, threads, block_size=16, seed=7):
+    """Row ``index``'s output (bits) in a step of ``rows``, all native, with ``threads`` threads."""
+    layout, slots, num_blocks = _layout(rows, block_size, random.Random(seed))
+    q, k, v, cache = _inputs(layout, num_blocks * block_size, 8, 1, 64, seed)
+    start, q_len = layout.query_starts[index], layout.query_lens[index]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _, _ = _attend(_backend(8, 1, block_size, 64, True), layout, slots, q, k, v, cache)
+    finally:
+        torch.set_num_threads(before)
+    return out[start:start + q_len], q[start:start + q_len], cache
+
+
+def test_row_bits_do_not_depend_on_threads_or_split_k(capability):
+    # one long decode and one kv head: with 2 threads the row is split over its 4 partitions (split-K)
+    alone_1, _, _ = _one_row_bits([(1800, 1)], 0, 1)
+    alone_2, _, _ = _one_row_bits([(1800, 1)], 0, 2)
+    assert torch.equal(alone_1, alone_2)
+
+
+def test_decode_bits_equal_the_same_token_in_a_chunk(capability):
+    """The last token of a 700-token chunk (after a 600-token prefix), and the same token as a decode after it."""
+    rng = random.Random(3)
+    layout, slots, num_blocks = _layout([(600, 700)], 16, rng)
+    q, k, v, cache = _inputs(layout, num_blocks * 16, 8, 2, 64, 3)
+    backend = _backend(8, 2, 16, 64, True)
+    chunk, k_cache, v_cache = _attend(backend, layout, slots, q, k, v, cache)
+    decode = StepLayout([0], [1], [1300], layout.block_tables, 1, 16)
+    with_neighbours = StepLayout([0, 1, 4], [1, 3, 1], [1300, 20, 90], layout.block_tables * 3, 5, 16)
+    filled = torch.stack([k_cache, v_cache])
+    for step in (decode, with_neighbours):
+        rows = q[-1:].expand(step.num_tokens, -1, -1).contiguous()
+        kv = (k[-1:].expand(step.num_tokens, -1, -1).contiguous(), v[-1:].expand(step.num_tokens, -1, -1).contiguous())
+        got, _, _ = _attend(backend, step, [slots[-1]] * step.num_tokens, rows, *kv, filled)
+        assert torch.equal(got[0], chunk[-1])
+
+
+def test_avx512_build_compiles(monkeypatch):
+    """The AVX-512 build compiles on any machine with a compiler; it runs (the ``avx512`` parity cases) only on
+    a CPU with AVX-512."""
+    monkeypatch.setenv(CAPABILITY_ENV, "avx512")
+    try:
+        path = build_library("paged_attention", source=SOURCE)
+    except OSError as exc:
+        missing_component(f"no C compiler for the avx512 build ({exc})")
+    assert path.stat().st_size > 0
+
+
+def test_opt_out_and_missing_compiler_fall_back(monkeypatch):
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    with pytest.raises(RuntimeError, match=NATIVE_ENV):
+        make_backend("cpu_paged", 4, 2, 16, CPU, head_dim=64)
+    monkeypatch.delenv(NATIVE_ENV)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv(CAPABILITY_ENV, "default")
+    _library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            make_backend("cpu_paged", 4, 2, 16, CPU, head_dim=64)
+    finally:
+        _library.cache_clear()
+    with pytest.raises(RuntimeError, match="head_dim % 16"):
+        make_backend("cpu_paged", 4, 2, 16, CPU, head_dim=24)
+    with pytest.raises(RuntimeError, match="CPU only"):
+        make_backend("cpu_paged", 4, 2, 16, torch.device("cuda"), head_dim=64)
