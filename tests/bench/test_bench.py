@@ -117,7 +117,7 @@ def test_throughput_ratios_exact() -> None:
     engine = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, model="m", quantization="none",
                              speculative="off")
     options = SimpleNamespace(engine=engine, max_tokens=4, ignore_eos=True, raw_prompts=False, prefix_caching=True,
-                              compare_prefix_caching=False, baseline="hf")
+                              compare_prefix_caching=False, baseline="hf", profile=False)
     prep = SimpleNamespace(token_ids=[[1]] * 4, num_dropped=0, model_info={"dtype": "float32"}, device="cpu")
     data = _assemble(options, prep, {"ours": ours, "baseline": base})
     assert data["ratio"] == 4.0 and data["total_tokens_ratio"] == 4.0
