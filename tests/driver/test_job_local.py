@@ -206,8 +206,8 @@ def test_overwrite_refuses_foreign_prefixes_the_input_and_bucket_roots(tmp_path,
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
     cases = [(str(tmp_path / "other"), "holds 1 file \\(notes.txt\\) not written by jobrunner"),
-             (str(tmp_path / "data"), "is or contains input.url"),
-             (str(tmp_path), "is or contains input.url")]
+             (str(tmp_path / "data"), "lies inside output.url"),
+             (str(tmp_path), "lies inside output.url")]
     for url, match in cases:
         spec = spec_from_dict(fake_spec(str(tmp_path / "data" / "in.parquet"), url, output={"mode": "overwrite"}))
         with pytest.raises(OutputError, match=match):
