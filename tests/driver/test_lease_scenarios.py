@@ -86,9 +86,10 @@ def _driver(job: Path, address: str, log: Path, prelude: str = "") -> subprocess
 def _committed(out: Path) -> set[str]:
     """Committed shard ids, read the way a run reads them (commit records folded in)."""
     try:
-        shards = read_manifest_file(out)["shards"]
-    except (OSError, ValueError, KeyError):
+        manifest = read_manifest_file(out)  # None before the first manifest is written
+    except (OSError, ValueError):
         return set()
+    shards = (manifest or {}).get("shards") or {}
     return {shard_id for shard_id, entry in shards.items() if entry["status"] == "committed"}
 
 
