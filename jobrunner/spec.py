@@ -6,7 +6,6 @@ typo fails loudly, naming the field.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -140,25 +139,12 @@ _EngineFields = create_model("_EngineFields", __base__=_Spec, __module__=__name_
 class SamplingSpec(_SamplingFields):
     """Sampling defaults for every row (per-row overrides come from input.sampling_column)."""
 
-    @field_validator("json_schema")
-    @classmethod
-    def _schema_is_json(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
-        if isinstance(value, str):
-            try:
-                parsed = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"sampling.json_schema is not valid JSON: {exc}") from None
-            if not isinstance(parsed, dict):
-                raise ValueError("sampling.json_schema must be a JSON object")
-        return value
-
     @model_validator(mode="after")
-    def _one_constraint(self) -> SamplingSpec:
-        named = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
-        if len(named) > 1:
-            raise ValueError(f"sampling: set at most one of json_schema, regex, choice (got {', '.join(named)})")
-        if self.choice is not None and not self.choice:
-            raise ValueError("sampling.choice must list at least one string")
+    def _engine_accepts(self) -> SamplingSpec:
+        """The engine's own checks of the whole section, the one place they are written (at most one of
+        json_schema / regex / choice, a json_schema that parses to an object, min_tokens within max_tokens, ...):
+        a bad section fails here, before any worker starts, with the engine's message naming the field."""
+        SamplingParams.from_dict(self.model_dump())
         return self
 
 

@@ -35,14 +35,14 @@ CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
 MAX_PPL_TOKENS = 512
 
 
-def _engines(source: str, configs: list[str], max_batch: int, token_ids: list[list[int]], max_tokens: int,
+def _engines(source: str, configs: list[str], max_num_seqs: int, token_ids: list[list[int]], max_tokens: int,
              speculative: str = "off"):
     from jobrunner.engine import EngineConfig, LLMEngine
 
-    blocks = sum(-(-(len(ids) + max_tokens) // 16) + 1 for ids in _batch(token_ids, max_batch))
+    blocks = sum(-(-(len(ids) + max_tokens) // 16) + 1 for ids in _batch(token_ids, max_num_seqs))
     # speculation off by default: with it, tokens per step depend on the text each scheme generates (a scheme
     # that repeats itself gets more n-gram drafts accepted), not only on its kernels
-    config = EngineConfig(device="cpu", max_num_seqs=max_batch, num_kv_blocks=blocks, enable_prefix_caching=False,
+    config = EngineConfig(device="cpu", max_num_seqs=max_num_seqs, num_kv_blocks=blocks, enable_prefix_caching=False,
                           speculative=speculative)
     out = {}
     for name in configs:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from jobrunner.driver.plan import plan_job
-from jobrunner.driver.rows import read_shard_input, to_request
+from jobrunner.driver.rows import job_sampling, read_shard_input, to_request
 from jobrunner.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,11 +29,11 @@ def test_committed_job_loads_plans_and_every_row_becomes_a_request(job, monkeypa
     assert spec.name == job.stem
     plan = plan_job(spec)  # lists the input, checks the required and kept columns, cuts shards
     assert plan.num_rows > 0 and plan.shards
-    errors = {}
+    errors, sampling = {}, job_sampling(spec)
     for shard in plan.shards:
         table, _ = read_shard_input(spec, shard.file_url, shard.row_start, shard.row_end)
         for row in table.to_pylist():
-            req = to_request(spec, shard.file_stem, row)
+            req = to_request(spec, shard.file_stem, row, sampling)
             if req.error:
                 errors[req.row_id] = req.error
             else:

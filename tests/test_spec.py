@@ -165,11 +165,13 @@ def test_sampling_is_user_data_not_secrets():
 
 def test_dataset_generation_keys_validate():
     spec = spec_from_dict(_minimal(
-        sampling={"n": 4, "logprobs": 5, "prompt_logprobs": 0, "json_schema": '{"type": "object"}',
-                  "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+        sampling={"n": 4, "logprobs": 5, "prompt_logprobs": 0, "min_p": 0.1, "presence_penalty": 0.5,
+                  "frequency_penalty": -0.5, "repetition_penalty": 1.1,
                   "min_tokens": 2, "logit_bias": {"7": 1.5}, "include_stop_str_in_output": True},
         output={"url": "o", "keep_columns": "*", "format": "messages"}))
     assert spec.sampling.n == 4 and spec.sampling.logit_bias == {7: 1.5} and spec.output.keep_columns == "*"
+    schema = spec_from_dict(_minimal(sampling={"json_schema": '{"type": "object"}', "n": 2}))
+    assert schema.sampling.json_schema == '{"type": "object"}'  # kept as written; the engine parses it per job
     batch = spec_from_dict({"name": "t", "input": {"url": "b.jsonl", "format": "openai_batch",
                                                    "chat_template_kwargs": {"enable_thinking": False}},
                             "output": {"url": "o"}})
@@ -179,9 +181,13 @@ def test_dataset_generation_keys_validate():
 @pytest.mark.parametrize(("sampling", "message"), [
     ({"n": 0}, r"sampling\.n: Input should be greater than or equal to 1"),
     ({"logprobs": 21}, r"sampling\.logprobs: Input should be less than or equal to 20"),
-    ({"json_schema": "{not json"}, r"sampling\.json_schema: Value error, sampling.json_schema is not valid JSON"),
-    ({"json_schema": "[1]"}, r"must be a JSON object"),
-    ({"regex": "a+", "choice": ["a"]}, r"set at most one of json_schema, regex, choice"),
+    # the engine's own checks (SamplingParams), run once on the whole section when the spec is read
+    ({"json_schema": "{not json"}, r"sampling: Value error, sampling parameter 'json_schema' is not valid JSON"),
+    ({"json_schema": "[1]"}, r"'json_schema' must be a JSON schema object \(a mapping or its JSON text\), got \[1\]"),
+    ({"regex": "a+", "choice": ["a"]}, r"'regex/choice' must be used alone \(at most one of json_schema, regex"),
+    ({"choice": []}, r"'choice' must be a non-empty list of non-empty strings, got \(\)"),
+    ({"min_tokens": 200}, r"'min_tokens' must be an integer in 0\.\.max_tokens \(128\), got 200"),
+    ({"json_schema": '{"type": "object"}', "min_tokens": 2}, r"'min_tokens' must be 0 with json_schema, got 2"),
     ({"min_p": 1.5}, r"sampling\.min_p"),
 ])
 def test_bad_sampling_values_are_named(sampling, message):

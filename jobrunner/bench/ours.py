@@ -13,6 +13,7 @@ import torch
 from jobrunner.bench.result import RunResult, peak_memory, reset_peak_memory, sync
 from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.profile import StepProfiler
+from jobrunner.engine.settings import setting_default
 
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
@@ -20,15 +21,16 @@ WARMUP_TOKENS = 4
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How to build our engine for a bench run."""
+    """How to build our engine for a bench run; the engine settings default to :class:`EngineConfig`'s own (what a
+    job gets), never to numbers of the bench's own."""
 
     model: str
     dtype: str = "auto"
     quantization: str = "none"
-    device: str = "auto"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    speculative: str = "off"
+    device: str = setting_default(EngineConfig, "device")
+    max_num_seqs: int = setting_default(EngineConfig, "max_num_seqs")
+    max_num_batched_tokens: int = setting_default(EngineConfig, "max_num_batched_tokens")
+    speculative: str = setting_default(EngineConfig, "speculative")
 
     def config(self, prefix_caching: bool) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

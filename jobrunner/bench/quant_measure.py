@@ -273,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f.write(text + "\n")
 
 
-def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int = 64,
-                   max_num_batched_tokens: int = 2048) -> Callable[[str], Any]:
+def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None) -> Callable[[str], Any]:
     """A ``scheme -> LLMEngine`` function for :func:`measure_quantization` (prefix caching off).
 
     Schemes: ``none`` | ``int8`` | ``int4`` | ``fp8``; ``bf16``: unquantized in bfloat16, a control that shows how far
@@ -282,8 +282,9 @@ def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_n
     """
     from jobrunner.engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          enable_prefix_caching=False, device=device)
+    given = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}  # None: the default
+    config = EngineConfig(**{k: v for k, v in given.items() if v is not None}, enable_prefix_caching=False,
+                          device=device)
 
     def factory(scheme: str) -> Any:
         if scheme == "bf16":

@@ -8,8 +8,20 @@ import json
 import click
 
 from jobrunner.cli.echo import echo
+from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.settings import setting_default, setting_of
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _engine_option(flag: str, name: str, **kwargs):
+    """A ``--flag`` for EngineConfig's setting ``name``: its default and description are the setting's own (what a
+    job gets), so the bench measures the engine a job runs unless told otherwise."""
+    item = setting_of(EngineConfig, name)
+    if item.annotation is int and "ge" in item.setting.bounds():
+        kwargs.setdefault("type", click.IntRange(min=int(item.setting.ge)))
+    return click.option(flag, default=setting_default(EngineConfig, name), show_default=True,
+                        help=kwargs.pop("help", item.setting.description), **kwargs)
 
 
 @click.command()
@@ -37,12 +49,12 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @click.option("--quantization", type=click.Choice(["none", "int8", "int4", "fp8", "w8a8"]), default="none",
               show_default=True,
               help="Our engine only (the baseline stays unquantized).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--speculative", default="off", show_default=True,
-              help="Our engine's speculative decoding: off, ngram, auto (n-gram drafts only where it measures a "
-                   "gain) or a draft model source (same tokenizer as --model).")
+@_engine_option("--device", "device", help="auto, cpu, cuda, cuda:1, ...")
+@_engine_option("--max-num-seqs", "max_num_seqs")
+@_engine_option("--max-num-batched-tokens", "max_num_batched_tokens")
+@_engine_option("--speculative", "speculative",
+                help="Our engine's speculative decoding: off, ngram, auto (n-gram drafts only where it measures a "
+                     "gain) or a draft model source (same tokenizer as --model).")
 @click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
               help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
                    "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "

@@ -100,8 +100,8 @@ def row_id(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> tuple[str, str
     return str(value), None
 
 
-def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> RowRequest:
-    """Build the request of one input row, or an error row."""
+def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: SamplingParams) -> RowRequest:
+    """Build the request of one input row, or an error row; ``sampling`` is :func:`job_sampling` of ``spec``."""
     rid, id_error = row_id(spec, file_stem, row)
     # A text line that could not be read (ROW_ERROR names the line) is that row's error, whatever else.
     req = RowRequest(row_id=rid, row_index=row[ROW_INDEX], error=row.get(ROW_ERROR) or id_error)
@@ -112,21 +112,21 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> RowRequest
     req.chat_template_kwargs = dict(spec.input.chat_template_kwargs) or None
     try:
         if is_openai_batch(spec):
-            _fill_openai(spec, req, row)
+            _fill_openai(req, row, sampling)
         else:
             req.prompt = _prompt(spec, row)
-            req.params = _params(spec, _row_overrides(spec, row), spec.input.sampling_column)
+            req.params = _params(sampling, _row_overrides(spec, row), spec.input.sampling_column)
     except ValueError as exc:
         req.prompt, req.params, req.error = None, None, str(exc)
     return req
 
 
-def _fill_openai(spec: JobSpec, req: RowRequest, row: dict[str, Any]) -> None:
+def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams) -> None:
     parsed = parse_request(row.get("method"), row.get("url"), row.get("body"))
     req.endpoint, req.prompt = parsed.endpoint, parsed.prompt
     if parsed.chat_template_kwargs:
         req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), **parsed.chat_template_kwargs}
-    req.params = _params(spec, parsed.overrides, None)
+    req.params = _params(sampling, parsed.overrides, None)
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -152,14 +152,15 @@ def _row_overrides(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"sampling column {column!r}: {exc}") from None
 
 
-def _params(spec: JobSpec, overrides: dict[str, Any], column: str | None) -> SamplingParams:
-    values = spec.sampling.model_dump()
-    if any(k in overrides for k in ("json_schema", "regex", "choice")):
-        values.update(json_schema=None, regex=None, choice=None)  # a row's constraint replaces the spec's
-    values.update(overrides)
+def job_sampling(spec: JobSpec) -> SamplingParams:
+    """The job's sampling settings as the engine takes them, built once per job (the spec already checked them
+    with the same call); a row's overrides are applied to it with :meth:`SamplingParams.with_overrides`."""
+    return SamplingParams.from_dict(spec.sampling.model_dump())
+
+
+def _params(base: SamplingParams, overrides: dict[str, Any], column: str | None) -> SamplingParams:
     try:
-        values["logit_bias"] = {int(k): float(v) for k, v in (values.get("logit_bias") or {}).items()}
-        return SamplingParams.from_dict(values)
+        return base.with_overrides(overrides)
     except (ValueError, TypeError) as exc:
         where = f"bad sampling override in column {column!r}" if column else "bad sampling settings"
         raise ValueError(f"{where}: {exc}") from None

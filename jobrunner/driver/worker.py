@@ -33,6 +33,7 @@ from jobrunner.driver.rows import (
     RowRequest,
     error_row,
     id_column,
+    job_sampling,
     output_row,
     prompt_tokens_once,
     request_columns,
@@ -111,6 +112,7 @@ class ShardRunner:
 
     def __init__(self, engine: Any, spec: JobSpec, worker_id: str, job_start_s: float, info: dict) -> None:
         self.engine, self.spec, self.worker_id = engine, spec, worker_id
+        self.sampling = job_sampling(spec)  # built once; each row's overrides are applied to it
         self.job_start_s = job_start_s  # wall-clock (time.time) start of the job, for finish_time_s
         self.info = info  # node, device
         self.loaded_at = time.monotonic()
@@ -177,7 +179,7 @@ class ShardRunner:
         """Requests of the rows (only request columns become Python rows; kept columns stay in Arrow); a row
         whose bytes do not decode becomes an error request."""
         rows, undecodable = rows_or_errors(table.select(self._request_columns() + [ROW_INDEX]))
-        requests = [to_request(self.spec, shard.file_stem, r) for r in rows]
+        requests = [to_request(self.spec, shard.file_stem, r, self.sampling) for r in rows]
         for row_index, error in undecodable.items():
             rid = row_id_or_none(table, id_column(self.spec), row_index) or f"{shard.file_stem}:{row_index}"
             requests.append(RowRequest(row_id=rid, row_index=row_index, error=error))

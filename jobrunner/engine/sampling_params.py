@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from jobrunner.engine.settings import setting
+from jobrunner.engine.settings import Setting, setting, settings_of
 
 MAX_N = 128            # samples per request
 MAX_LOGPROBS = 20      # top alternatives per token (OpenAI's limit)
@@ -32,7 +33,8 @@ class SamplingParams:
     ``logit_bias`` (token id -> bias added to the logits; keys may be strings of ints).
 
     Fields made with ``setting(...)`` are the job spec's ``sampling:`` keys and per-row overrides
-    (:mod:`jobrunner.engine.settings`; the bounds declared there are the ones checked below).
+    (:mod:`jobrunner.engine.settings`): their types and bounds, declared once there, are what
+    :func:`_check_settings` checks (the spec's pydantic fields are built from the same declaration).
     """
 
     max_tokens: int = setting(16, description="Maximum number of generated tokens per row.", ge=1)
@@ -71,9 +73,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._normalize()
-        self._check_basic()
-        self._check_knobs()
-        self._check_outputs()
+        _check_settings(self)
+        self._check_rest()
 
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
@@ -94,40 +95,18 @@ class SamplingParams:
             _check(isinstance(self.choice, (list, tuple)), "choice", "a list of strings", self.choice)
             object.__setattr__(self, "choice", tuple(self.choice))
 
-    def _check_basic(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
-               self.max_tokens)
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0",
-               self.temperature)
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or null", self.seed)
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in 1..{MAX_N}", self.n)
+    def _check_rest(self) -> None:
+        """What the declared types and bounds do not say: list contents, cross-field rules, the grammar."""
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
-
-    def _check_knobs(self) -> None:
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]", self.min_p)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
-                   f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", value)
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               "a number > 0 (1 = off)", self.repetition_penalty)
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"an integer in 0..max_tokens ({self.max_tokens})", self.min_tokens)
-
-    def _check_outputs(self) -> None:
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"null or an integer in 0..{MAX_LOGPROBS}", value)
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", "true or false",
+               self.skip_special_tokens)
+        _check(self.min_tokens <= self.max_tokens, "min_tokens", f"an integer in 0..max_tokens ({self.max_tokens})",
+               self.min_tokens)
         _check(self.regex is None or (isinstance(self.regex, str) and self.regex), "regex", "a non-empty string",
                self.regex)
         _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
                "choice", "a non-empty list of non-empty strings", self.choice)
-        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        given = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
         _check(len(given) <= 1, "/".join(given), "used alone (at most one of json_schema, regex, choice)",
                given)
         # the grammar decides where a structured output ends (it allows only EOS once complete)
@@ -150,13 +129,18 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a plain dict (a job spec or a per-row override), naming any unknown parameter."""
-        known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+        _check_known(values)
         return cls(**values)
+
+    def with_overrides(self, values: dict[str, Any]) -> SamplingParams:
+        """These settings with ``values`` (a per-row override) applied, checked like :meth:`from_dict`. A
+        constraint in ``values`` (json_schema, regex or choice) replaces this one's, whichever it was."""
+        if not values:
+            return self
+        _check_known(values)
+        if any(k in values for k in GRAMMAR_FIELDS):
+            values = {**dict.fromkeys(GRAMMAR_FIELDS), **values}
+        return dataclasses.replace(self, **values)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -166,6 +150,60 @@ class SamplingParams:
         out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         out["choice"] = list(self.choice) if self.choice is not None else None
         return out
+
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # at most one constrains a request's output
+
+
+def _check_known(values: dict[str, Any]) -> None:
+    known = {f.name for f in fields(SamplingParams)} - {"extra"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
+# the value types a setting's annotation names, how an error message says them, and the test for them
+_KINDS = {int: ("an integer", lambda v: _is_int(v)), float: ("a number", lambda v: _is_number(v)),
+          bool: ("true or false", lambda v: isinstance(v, bool))}
+
+
+def _check_settings(params: SamplingParams) -> None:
+    """Each ``setting(...)`` field of a scalar type against its declared type and bounds (the one declaration)."""
+    for item in settings_of(SamplingParams):
+        kind, optional = _scalar_kind(item.annotation)
+        if kind is None:
+            continue
+        value = getattr(params, item.name)
+        if optional and value is None:
+            continue
+        ok = _KINDS[kind][1](value) and all(_OPS[op](value, bound) for op, bound in item.setting.bounds().items())
+        _check(ok, item.name, ("null or " if optional else "") + _expected(kind, item.setting), value)
+
+
+def _scalar_kind(annotation: Any) -> tuple[type | None, bool]:
+    """``(int, False)`` for ``int``, ``(int, True)`` for ``int | None``; ``(None, False)`` for other types."""
+    if annotation in _KINDS:
+        return annotation, False
+    for kind in _KINDS:
+        if annotation == kind | None:
+            return kind, True
+    return None, False
+
+
+_OPS = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b}
+
+
+def _expected(kind: type, declared: Setting) -> str:
+    """``a number in (0, 1]``, ``an integer in 1..128``, ``an integer >= 0``: the declared bounds in words."""
+    name = _KINDS[kind][0]
+    low = ("[", declared.ge) if declared.ge is not None else ("(", declared.gt) if declared.gt is not None else None
+    if low is not None and declared.le is not None:
+        if kind is int and low[0] == "[":
+            return f"{name} in {low[1]:g}..{declared.le:g}"
+        return f"{name} in {low[0]}{low[1]:g}, {declared.le:g}]"
+    if low is not None:
+        return f"{name} {'>=' if low[0] == '[' else '>'} {low[1]:g}"
+    return f"{name} <= {declared.le:g}" if declared.le is not None else name
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

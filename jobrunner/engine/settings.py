@@ -59,6 +59,21 @@ def settings_of(cls: type) -> tuple[SettingField, ...]:
                  if SETTING in f.metadata)
 
 
+def setting_of(cls: type, name: str) -> SettingField:
+    """The user setting ``name`` of dataclass ``cls`` (KeyError naming it when there is none)."""
+    for item in settings_of(cls):
+        if item.name == name:
+            return item
+    raise KeyError(f"{cls.__name__} has no setting {name!r}")
+
+
+def setting_default(cls: type, name: str) -> Any:
+    """The default of setting ``name`` of ``cls``: what a job gets, and what a tool that builds ``cls`` should use
+    instead of restating it."""
+    f = setting_of(cls, name).field
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
 def literal_choices(annotation: Any) -> tuple[Any, ...]:
     """The allowed values of a ``Literal[...]`` annotation (``()`` for any other type)."""
     return get_args(annotation) if get_origin(annotation) is Literal else ()

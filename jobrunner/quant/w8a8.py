@@ -19,8 +19,9 @@ Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_fo
 * ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
   without VNNI); the reference the tests compare the fast kernel with.
 
-Measured candidates (``scripts/cpu_int8_gemm_bench.py``, docs/quantization.md): oneDNN with u8 activations was
-the fastest int8 GEMM on a Zen 4 (avx512_vnni); with s8 activations it runs a reference loop (~100x slower);
+Measured candidates (``scripts/cpu_int8_gemm_bench.py``, a one-off at commit a75bf8c; docs/quantization.md): oneDNN
+with u8 activations was the fastest int8 GEMM on a Zen 4 (avx512_vnni); with s8 activations it runs a reference
+loop (~100x slower);
 ``quantized::linear_dynamic`` (fbgemm / x86) is as fast at few rows but quantizes the whole batch with one
 scale (a row's result would depend on its neighbours); fbgemm's ``linear_with_input_q_dq_qweight_dq_output_fp32``
 with the same row trick was slower than oneDNN at 64+ rows and not exact at 256.

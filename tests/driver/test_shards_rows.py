@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobrunner.driver.rows import to_request
+from jobrunner.driver.rows import job_sampling, to_request
 from jobrunner.driver.shards import plan_shards
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, InputFile
 from jobrunner.spec import spec_from_dict
@@ -33,25 +33,46 @@ def _spec(**inp):
                            "sampling": {"max_tokens": 5}})
 
 
+def _request(spec, stem, row):
+    return to_request(spec, stem, row, job_sampling(spec))
+
+
 def test_rows_become_requests_or_error_rows():
     spec = _spec()
-    ok = to_request(spec, "f", {ROW_INDEX: 0, "id": "a", "prompt": "hi there", "params": '{"max_tokens": 2}'})
+    ok = _request(spec, "f", {ROW_INDEX: 0, "id": "a", "prompt": "hi there", "params": '{"max_tokens": 2}'})
     assert ok.error is None and ok.prompt == "hi there" and ok.params.max_tokens == 2
-    default = to_request(spec, "f", {ROW_INDEX: 1, "id": "b", "prompt": "x", "params": None})
+    default = _request(spec, "f", {ROW_INDEX: 1, "id": "b", "prompt": "x", "params": None})
     assert default.params.max_tokens == 5
-    null = to_request(spec, "f", {ROW_INDEX: 2, "id": "c", "prompt": None, "params": None})
+    null = _request(spec, "f", {ROW_INDEX: 2, "id": "c", "prompt": None, "params": None})
     assert "prompt column 'prompt' is null or empty" in null.error
-    bad = to_request(spec, "f", {ROW_INDEX: 3, "id": "d", "prompt": "x", "params": '{"max_tokens": -1}'})
-    assert "max_tokens" in bad.error
-    unknown = to_request(spec, "f", {ROW_INDEX: 4, "id": "e", "prompt": "x", "params": '{"nope": 1}'})
-    assert "nope" in unknown.error
-    no_id = to_request(spec, "f", {ROW_INDEX: 5, "id": None, "prompt": "x", "params": None})
+    bad = _request(spec, "f", {ROW_INDEX: 3, "id": "d", "prompt": "x", "params": '{"max_tokens": -1}'})
+    assert bad.error == ("bad sampling override in column 'params': sampling parameter 'max_tokens' must be an "
+                         "integer >= 1, got -1")
+    unknown = _request(spec, "f", {ROW_INDEX: 4, "id": "e", "prompt": "x", "params": '{"nope": 1}'})
+    assert unknown.error.startswith("bad sampling override in column 'params': unknown sampling parameter(s): "
+                                    "nope; known: choice, frequency_penalty, ")
+    no_id = _request(spec, "f", {ROW_INDEX: 5, "id": None, "prompt": "x", "params": None})
     assert no_id.row_id == "f:5" and "id column 'id' is null" in no_id.error
-    msgs = to_request(spec_from_dict({"name": "t", "input": {"url": "x", "messages_column": "m"},
+    msgs = _request(spec_from_dict({"name": "t", "input": {"url": "x", "messages_column": "m"},
                                       "output": {"url": "o"}}), "f",
                       {ROW_INDEX: 7, "m": [{"role": "user", "content": "hello"}]})
     assert msgs.row_id == "f:7" and msgs.prompt == [{"role": "user", "content": "hello"}]
 
+
+
+def test_a_jobs_sampling_is_built_once_and_a_rows_overrides_replace_only_what_they_name():
+    spec = _spec(url="x")
+    spec = spec_from_dict({**spec.model_dump(mode="json"), "sampling": {"max_tokens": 5, "regex": "[ab]+",
+                                                                      "stop": ["."]}})
+    base = job_sampling(spec)
+    plain = to_request(spec, "f", {ROW_INDEX: 0, "id": "a", "prompt": "x", "params": None}, base)
+    assert plain.params is base  # no override: the job's own object, not a copy per row
+    row = to_request(spec, "f", {ROW_INDEX: 1, "id": "b", "prompt": "x",
+                                 "params": '{"choice": ["yes", "no"], "temperature": 0.5}'}, base)
+    # the row's constraint replaces the job's regex; what it does not name stays the job's
+    assert (row.params.choice, row.params.regex, row.params.temperature) == (("yes", "no"), None, 0.5)
+    assert (row.params.max_tokens, row.params.stop) == (5, (".",))
+    assert (base.regex, base.choice, base.temperature) == ("[ab]+", None, 0.0)
 
 def test_kept_columns_star_and_clashes():
     from jobrunner.driver.rows import kept_columns
@@ -81,17 +102,17 @@ def test_openai_batch_rows_become_requests_or_error_rows():
     spec = spec_from_dict({"name": "t", "input": {"url": "b.jsonl", "format": "openai_batch"},
                            "sampling": {"max_tokens": 5}, "output": {"url": "o"}})
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    ok = to_request(spec, "b", {ROW_INDEX: 0, "custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
+    ok = _request(spec, "b", {ROW_INDEX: 0, "custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
                                 "body": json.dumps(body), ROW_ERROR: None})
     assert ok.error is None and ok.row_id == "r0" and ok.endpoint == "chat"
     assert ok.prompt == body["messages"]
-    bad_line = to_request(spec, "b", {ROW_INDEX: 1, "custom_id": None, "method": None, "url": None,
+    bad_line = _request(spec, "b", {ROW_INDEX: 1, "custom_id": None, "method": None, "url": None,
                                       "body": "{x", ROW_ERROR: "line 2 is not valid JSON"})
     assert bad_line.row_id == "b:1" and bad_line.error == "line 2 is not valid JSON"
-    no_id = to_request(spec, "b", {ROW_INDEX: 2, "custom_id": None, "method": "POST",
+    no_id = _request(spec, "b", {ROW_INDEX: 2, "custom_id": None, "method": "POST",
                                    "url": "/v1/chat/completions", "body": json.dumps(body), ROW_ERROR: None})
     assert no_id.error == "id column 'custom_id' is null (row b:2)"
-    unknown = to_request(spec, "b", {ROW_INDEX: 3, "custom_id": "r3", "method": "POST",
+    unknown = _request(spec, "b", {ROW_INDEX: 3, "custom_id": "r3", "method": "POST",
                                      "url": "/v1/chat/completions", "body": json.dumps({**body, "tools": []}),
                                      ROW_ERROR: None})
     assert unknown.error == "body field(s) tools not supported for /v1/chat/completions"

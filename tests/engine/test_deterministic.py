@@ -3,7 +3,8 @@
 Tiny random-weight model, bfloat16 and float32. Seeded sampled rows (top-p, top-k) and greedy rows, all with
 the sampled token's logprob: the logprob's float bits expose any difference in the logits, even one that does
 not flip a token. The default mode's bits do change across these configurations (float32 below; on this tiny
-model bfloat16 rounding hides them, the real SmolLM2 shows them: scripts/deterministic_bench.py).
+model bfloat16 rounding hides them, the real SmolLM2 shows them:
+scripts/deterministic_bench.py at commit a75bf8c, a one-off).
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ class DeviceGrammarMasks(SequenceRows):
         self.words = 0
         self.masks = torch.zeros(0, 0, dtype=torch.int32, device=device)
         self.staging = _HostInts(device)
-        self.num_fills = 0     # mask rows filled by the grammar matchers (tests and scripts/grammar_overhead.py)
+        # mask rows filled by the grammar matchers (tests; scripts/grammar_overhead.py at commit a75bf8c)
+        self.num_fills = 0
 
     @property
     def capacity(self) -> int:

@@ -14,7 +14,8 @@ since (one ``index_put_`` into each tensor for the whole batch), so a step's hos
 The penalties gather the batch's logits and counts at ``ids`` (``[rows, context]``, never ``[rows, vocab]``),
 apply the same float32 formulas as :func:`~jobrunner.engine.sampling.penalties.apply_penalties` and scatter
 back: the penalized logits are bit for bit those of counting afresh (an id held twice gets the same value
-twice; ids a row never held are untouched, as there). ``scripts/penalty_cost.py`` measures both.
+twice; ids a row never held are untouched, as there). ``scripts/penalty_cost.py`` (a one-off, at commit a75bf8c)
+measured both.
 
 Rows are keyed by ``Request.key`` and remember the request object: a different request under a reused key,
 or an output that shrank, is counted again from scratch. A finished sequence's row is handed back by

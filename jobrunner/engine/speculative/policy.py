@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # The fixed cost of a step in tokens (c0 / c1) until the engine has timed steps of different sizes. CPU: measured
-# with scripts/speculative_bench.py on SmolLM2-135M (2-core Zen 4, bf16); CUDA: an unmeasured guess (decode is
-# weight-bound there far beyond these batch sizes).
+# with scripts/speculative_bench.py (a one-off, at commit a75bf8c) on SmolLM2-135M (2-core Zen 4, bf16); CUDA: an
+# unmeasured guess (decode is weight-bound there far beyond these batch sizes).
 PRIOR_FIXED_TOKENS = {"cpu": 16.0, "cuda": 256.0}
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4.0        # the prior counts as this many evaluated draft tokens
