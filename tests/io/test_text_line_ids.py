@@ -4,7 +4,7 @@ every row of a file without an id column gets, and its error names the line."""
 
 from __future__ import annotations
 
-from jobrunner.driver.rows import to_request
+from jobrunner.driver.rows import job_sampling, to_request
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX
 from jobrunner.io.text_input import read_input_rows
 from jobrunner.spec import spec_from_dict
@@ -23,7 +23,8 @@ def test_unreadable_lines_keep_the_id_their_text_shows(tmp_path):
     spec = spec_from_dict({"name": "t", "input": {"url": str(tmp_path / "in.jsonl"), "prompt_column": "prompt",
                                                   "id_column": "id"}, "output": {"url": str(tmp_path / "out")}})
     table = read_input_rows(str(tmp_path / "in.jsonl"), {}, "jsonl", 0, 4, ["id", "prompt"])
-    requests = [to_request(spec, "in", row) for row in table.to_pylist()]
+    sampling = job_sampling(spec)
+    requests = [to_request(spec, "in", row, sampling) for row in table.to_pylist()]
     assert [r.row_id for r in requests] == ["a", "b", "in:2", "d"]
     assert requests[0].error is None
     assert requests[1].error.startswith("line 2 is not valid JSON")
