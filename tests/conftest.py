@@ -25,6 +25,20 @@ from tests.components import missing_component, require_import  # noqa: E402
 _EXIT_STATUS: list[int] = []
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--repeat N``: run each selected test N times in a row in one session (module and session fixtures, such as
+    the fault tests' Ray cluster, are set up once): how a flaky-under-load claim is checked, e.g.
+    ``stress --cpu 2 & pytest -x --repeat 30 tests/driver/test_faults.py::test_restart_cap_...``."""
+    parser.addoption("--repeat", type=int, default=1, help="run each selected test N times in a row")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    repeat = metafunc.config.getoption("repeat")
+    if repeat > 1:
+        metafunc.fixturenames.append("repeat_index")
+        metafunc.parametrize("repeat_index", range(repeat))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close this process's Ray connection (tests that run ``jobrunner run`` in-process open one)."""
     _EXIT_STATUS.append(int(exitstatus))
