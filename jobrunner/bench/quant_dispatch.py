@@ -1,7 +1,8 @@
 """Engine output tokens/s per quantization scheme at batch 1, 8 and 64: this CPU's dispatch, then AVX2 forced.
 
-``python -m jobrunner.bench.quant_dispatch`` loads one engine per scheme side by side (float32 model, greedy,
-EOS ignored) and, for each batch size, runs the schemes in turn ``--rounds`` times, keeping the best. It does
+``jobrunner bench --quant-dispatch native,avx2 --compare-quantization none,int8,int4`` loads one engine per
+scheme side by side (float32 model, greedy, EOS ignored) and, for each batch size, runs the schemes in turn
+twice, keeping the best. It does
 that twice, each in a fresh process: with this machine's own capability (``native``), and with
 ``JOBRUNNER_CPU_CAPABILITY=avx2`` plus torch's and oneDNN's/MKL's own ISA caps (``ATEN_CPU_CAPABILITY=avx2``,
 ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``), which makes an AVX512 machine choose and run
@@ -12,19 +13,16 @@ at batch 1, at most 15% slower at batch 64.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 AVX2_ENV = {"JOBRUNNER_CPU_CAPABILITY": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-DEFAULT_PROMPTS = Path(__file__).parents[2] / "examples" / "data" / "prompts.parquet"
 MAX_PROMPT_TOKENS = 256  # keeps the KV cache of four side-by-side engines small
 TARGET_B1 = 1.0  # quantized / float32 output tok/s at batch 1: must be above
 TARGET_B64 = 0.85  # ... at batch 64: must be at least
@@ -66,18 +64,42 @@ def _batch(token_ids: list[list[int]], size: int) -> list[list[int]]:
     return [token_ids[i % len(token_ids)] for i in range(size)]
 
 
-def run_child(capability: str, argv: Sequence[str]) -> dict[str, Any]:
+def run_dispatch(source: str, schemes: Sequence[str], batches: Sequence[int], max_tokens: int,
+                 prompts: Sequence[Any], rounds: int, capabilities: Sequence[str],
+                 log: Any = None) -> dict[str, dict[str, Any]]:
+    """:func:`measure_here` once per capability (``native``, ``avx2``), each in a fresh process."""
+    job = {"source": source, "schemes": list(schemes), "batches": list(batches), "max_tokens": max_tokens,
+           "prompts": list(prompts), "rounds": rounds}
+    results = {}
+    for capability in capabilities:
+        if log is not None:
+            log(f"[quant dispatch {time.strftime('%H:%M:%S')}] {capability} ...")
+        results[capability] = run_child(capability, job)
+    return results
+
+
+def run_child(capability: str, job: dict[str, Any]) -> dict[str, Any]:
     """Run :func:`measure_here` in a fresh process (``native`` or ``avx2``) and return its JSON."""
+    if capability not in ("native", "avx2"):
+        raise ValueError(f"capability {capability!r}: native or avx2")
     env = dict(os.environ)
     for name in AVX2_ENV:
         env.pop(name, None)
     if capability == "avx2":
         env.update(AVX2_ENV)
-    cmd = [sys.executable, "-m", "jobrunner.bench.quant_dispatch", *argv, "--child"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    code = "import sys; from jobrunner.bench.quant_dispatch import child; child(sys.stdin.read())"
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), env=env, capture_output=True,
+                          text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{capability} run failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child(job_json: str) -> None:
+    """The child process of :func:`run_child`: measure here, print one JSON line."""
+    job = json.loads(job_json)
+    print(json.dumps(measure_here(job["source"], job["schemes"], job["batches"], job["max_tokens"],
+                                  job["prompts"], job["rounds"])))
 
 
 def render(label: str, result: dict[str, Any], base: str = "none") -> str:
@@ -114,49 +136,3 @@ def _targets(scheme: str, ratios: dict[str, float]) -> str:
     if "64" in ratios:
         checks.append(f"b64 {'ok' if ratios['64'] >= TARGET_B64 else 'MISSED'}")
     return ", ".join(checks) or "—"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default="smollm2-135m-instruct")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help=".jsonl/.parquet prompt file")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--schemes", default="none,int8,int4", help="the first is the float32 reference")
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--capabilities", default="native,avx2", help="native and/or avx2 (each a fresh process)")
-    parser.add_argument("--out", default=None, help="write the JSON here too")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        _child(args)
-        return
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
-    results = {}
-    for capability in args.capabilities.split(","):
-        print(f"[quant_dispatch {time.strftime('%H:%M:%S')}] {capability} ...", file=sys.stderr, flush=True)
-        results[capability] = run_child(capability, forwarded)
-        print(render(capability, results[capability]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-
-
-def _child(args: argparse.Namespace) -> None:
-    import torch
-
-    from jobrunner.bench.prompts import as_chat
-    from jobrunner.io.prompt_file import read_prompts
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    prompts = [as_chat(row, raw=False) for row in read_prompts(args.prompts, args.num_prompts)]
-    result = measure_here(args.source, args.schemes.split(","), [int(b) for b in args.batches.split(",")],
-                          args.max_tokens, prompts, args.rounds)
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()

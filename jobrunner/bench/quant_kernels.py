@@ -1,6 +1,6 @@
 """Micro-benchmark: one linear layer in float vs each int8/int4 path, at several token counts.
 
-``python -m jobrunner.bench.quant_kernels`` prints microseconds (best of ``repeats``) for the SmolLM2 shapes:
+``jobrunner bench --quant-kernels`` prints microseconds (best of ``repeats``) for the SmolLM2 shapes:
 ``float`` (F.linear in float32), ``float_bf16``, ``packed`` (the torch weight-only kernel, bfloat16 activations),
 ``dequant`` (tiled dequantize into the machine's compute dtype + GEMM) and ``layer`` (our module, which picks
 one). Prefix it with the variables of ``jobrunner.bench.quant_dispatch.AVX2_ENV`` to see the AVX2 kernels and decisions.
@@ -65,28 +65,17 @@ def time_shape(out_features: int, in_features: int, num_tokens: int, group_size:
     return times
 
 
-def main(token_counts: Sequence[int] = (1, 8, 64), shapes: Sequence[str] = tuple(SMOLLM2_SHAPES)) -> None:
-    """Print one line per (shape, token count)."""
+def kernel_table(token_counts: Sequence[int] = (1, 8, 64),
+                 shapes: Sequence[str] = tuple(SMOLLM2_SHAPES)) -> list[str]:
+    """A header line and one line per (shape, token count)."""
     dispatch = dispatch_for("cpu")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, dispatch {dispatch.to_dict()}; "
-          "microseconds, best of 7")
+    lines = [f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+             f"cpu capability {torch.backends.cpu.get_cpu_capability()}, dispatch {dispatch.to_dict()}; "
+             "microseconds, best of 7"]
     for name in shapes:
         out_features, in_features = SMOLLM2_SHAPES[name]
         for num_tokens in token_counts:
             times = time_shape(out_features, in_features, num_tokens)
             cells = " ".join(f"{k}={v:.0f}" for k, v in times.items())
-            print(f"{name:13s} [{out_features}x{in_features}] tokens={num_tokens:3d} {cells}", flush=True)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8,16,64")
-    parser.add_argument("--shapes", default=",".join(SMOLLM2_SHAPES))
-    parser.add_argument("--threads", type=int, default=None)
-    cli = parser.parse_args()
-    if cli.threads:
-        torch.set_num_threads(cli.threads)
-    main([int(t) for t in cli.tokens.split(",")], cli.shapes.split(","))
+            lines.append(f"{name:13s} [{out_features}x{in_features}] tokens={num_tokens:3d} {cells}")
+    return lines

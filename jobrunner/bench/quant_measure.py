@@ -5,7 +5,7 @@
 model once per text as a single prefill (``jobrunner.engine.scoring``), so it measures the very layers the
 engine decodes with.
 
-Run it on SmolLM2 (the embedded default) with ``python -m jobrunner.bench.quant_measure --help``.
+Run it with ``jobrunner bench --compare-quantization none,int8,int4 --quality-texts ...``.
 """
 
 from __future__ import annotations
@@ -231,48 +231,6 @@ def _add_ratios(rows: dict[str, dict[str, Any]], base: str) -> None:
         row["model_bytes_vs_base"] = row["model_weight_bytes"] / ref["model_weight_bytes"]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: measure schemes for one model source on CPU (or CUDA) and print/write JSON."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default="smollm2-135m-instruct")
-    parser.add_argument("--texts", required=True,
-                        help=".jsonl/.parquet; assistant turns (else the prompt text) are the perplexity text")
-    parser.add_argument("--prompts", required=True, help=".jsonl/.parquet; the first --num-prompts rows are used")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--schemes", default="none,int8,int4",
-                        help="comma-separated, of none|int8|int4|fp8; 'bf16' is an unquantized bfloat16 control; "
-                             "'int4/lm_head=int8' adds per-layer overrides")
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--out", default=None, help="write the JSON here too")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (1 on a shared, oversubscribed machine: see docs/quantization.md)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    from jobrunner.bench.prompts import as_chat, held_out_texts
-    from jobrunner.io.prompt_file import read_prompts
-
-    factory = engine_factory(args.source, args.dtype, args.device)
-    tokenizer = factory("none").tokenizer
-    texts = held_out_texts(read_prompts(args.texts))
-    prompts = [as_chat(row, raw=False) for row in read_prompts(args.prompts, args.num_prompts)]
-    result = measure_quantization(factory, tokenizer, texts, prompts, args.schemes.split(","),
-                                  [int(b) for b in args.batches.split(",")])
-    result["settings"] = {**vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
-    print(to_markdown(result))
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-
-
 def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int | None = None,
                    max_num_batched_tokens: int | None = None) -> Callable[[str], Any]:
     """A ``scheme -> LLMEngine`` function for :func:`measure_quantization` (prefix caching off).
@@ -309,6 +267,3 @@ def _engine_with_overrides(source: str, dtype: str, scheme: str, config: Any) ->
     info["quantization_report"] = quantize_model(model, base, overrides=overrides).summary()
     return LLMEngine(model, tokenizer, config, eos_ids, info)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,7 @@
 """`jobrunner bench`: our engine's throughput on a prompt file (with --baseline hf: vs transformers' generate on
-the same prompts, in one process); --calibrate-dtype: the dtype check of a machine."""
+the same prompts, in one process); --compare-quantization: schemes side by side (--quant-dispatch: per forced
+CPU capability, each in a fresh process); --quant-kernels: one linear layer per path; --calibrate-dtype: the
+dtype check of a machine. The one entry point of every measurement in jobrunner/bench."""
 
 from __future__ import annotations
 
@@ -63,6 +65,13 @@ def _engine_option(flag: str, name: str, **kwargs):
               help="Held-out text for perplexity (.jsonl/.parquet; assistant turns, else the prompt text).")
 @click.option("--batch-sizes", default="1,8,64", show_default=True,
               help="Batch sizes for --compare-quantization throughput.")
+@click.option("--quant-dispatch", "capabilities", default=None, metavar="CAPABILITIES",
+              help="With --compare-quantization: only output tokens/s per scheme and --batch-sizes, once per CPU "
+                   "capability (native,avx2: avx2 forces the kernels an AVX2-only CPU runs), each in a fresh "
+                   "process; no --quality-texts needed.")
+@click.option("--quant-kernels", is_flag=True,
+              help="Only time one linear layer of each SmolLM2 shape on every quantized path at --batch-sizes "
+                   "token counts (microseconds).")
 @click.option("--profile", is_flag=True,
               help="Also time each step's parts: attention, GEMMs (linear layers, lm_head), other model ops and "
                    "host work (scheduling, inputs, outputs), in total, per step and as a share of the step.")
@@ -74,7 +83,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, quant_schemes: str | None, quality_texts: str | None,
-          batch_sizes: str, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
+          batch_sizes: str, capabilities: str | None, quant_kernels: bool, profile: bool, as_json: bool,
+          calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -88,6 +98,12 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     if calibrate_dtype:
         _calibrate_dtype(as_json)
         return
+    if quant_kernels:
+        from jobrunner.bench.quant_kernels import kernel_table
+
+        for line in kernel_table(_batch_sizes(batch_sizes)):
+            echo(line)
+        return
     if prompts_path is None:
         raise click.UsageError("--prompts is required (unless --calibrate-dtype)")
     if no_prefix_caching and compare_prefix_caching:
@@ -99,6 +115,10 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            speculative=speculative)
+    if capabilities is not None:
+        _quant_dispatch(model, rows, quant_schemes or "none,int8,int4", capabilities, batch_sizes, max_tokens,
+                        raw_prompts, as_json)
+        return
     if quant_schemes is not None:
         _compare_quantization(engine, rows, quant_schemes, quality_texts, batch_sizes, raw_prompts, as_json)
         return
@@ -131,21 +151,7 @@ def _calibrate_dtype(as_json: bool) -> None:
         echo(json.dumps(result))
 
 
-def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
-                          raw_prompts: bool, as_json: bool) -> None:
-    from jobrunner.bench.prompts import held_out_texts
-    from jobrunner.bench.quality import run_quality
-    from jobrunner.bench.quant_measure import to_markdown
-    from jobrunner.io.prompt_file import PromptFileError, read_prompts
-
-    names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in ("none", "int8", "int4", "fp8", "w8a8", "bf16")]
-    if unknown or not names or names[0] != "none":
-        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of "
-                                 "none|int8|int4|fp8|w8a8|bf16",
-                                 param_hint="--compare-quantization")
-    if texts_path is None:
-        raise click.UsageError("--compare-quantization needs --quality-texts (held-out text for perplexity)")
+def _batch_sizes(batch_sizes: str) -> list[int]:
     try:
         sizes = [int(b) for b in batch_sizes.split(",")]
         if any(b < 1 for b in sizes):
@@ -153,6 +159,54 @@ def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, ba
     except ValueError:
         raise click.BadParameter(f"{batch_sizes!r}: positive integers, comma-separated",
                                  param_hint="--batch-sizes") from None
+    return sizes
+
+
+def _scheme_names(schemes: str) -> list[str]:
+    """``none,int8,int4``; a scheme may carry per-layer overrides (``int4/lm_head=int8``)."""
+    names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
+    unknown = [s for s in names if s.split("/")[0] not in ("none", "int8", "int4", "fp8", "w8a8", "bf16")]
+    if unknown or not names or names[0] != "none":
+        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of "
+                                 "none|int8|int4|fp8|w8a8|bf16 (a scheme may add per-layer overrides, "
+                                 "e.g. int4/lm_head=int8)",
+                                 param_hint="--compare-quantization")
+    return names
+
+
+def _quant_dispatch(model: str, rows, schemes: str, capabilities: str, batch_sizes: str, max_tokens: int,
+                    raw_prompts: bool, as_json: bool) -> None:
+    from jobrunner.bench.prompts import as_chat
+    from jobrunner.bench.quant_dispatch import render, run_dispatch
+
+    names = _scheme_names(schemes)
+    caps = [c.strip() for c in capabilities.split(",") if c.strip()]
+    if not caps or any(c not in ("native", "avx2") for c in caps):
+        raise click.BadParameter(f"{capabilities!r}: native and/or avx2, comma-separated",
+                                 param_hint="--quant-dispatch")
+    prompts = [as_chat(row, raw=raw_prompts) for row in rows]
+    try:
+        results = run_dispatch(model, names, _batch_sizes(batch_sizes), max_tokens, prompts, rounds=2,
+                               capabilities=caps, log=lambda msg: echo(msg, err=True))
+    except (RuntimeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for capability, result in results.items():
+        echo(render(capability, result))
+    if as_json:
+        echo(json.dumps({"quant_dispatch": results}, default=str))
+
+
+def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
+                          raw_prompts: bool, as_json: bool) -> None:
+    from jobrunner.bench.prompts import held_out_texts
+    from jobrunner.bench.quality import run_quality
+    from jobrunner.bench.quant_measure import to_markdown
+    from jobrunner.io.prompt_file import PromptFileError, read_prompts
+
+    names = _scheme_names(schemes)
+    if texts_path is None:
+        raise click.UsageError("--compare-quantization needs --quality-texts (held-out text for perplexity)")
+    sizes = _batch_sizes(batch_sizes)
     try:
         texts = held_out_texts(read_prompts(texts_path))
         result = run_quality(engine, rows, texts, names, sizes, raw_prompts)

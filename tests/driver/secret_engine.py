@@ -1,5 +1,5 @@
 """An engine double whose error texts carry the credential it was built with (as a real client's errors may):
-for the secrets tests and scripts/guarantees/secrets_scan.py.
+for the secrets tests (tests/driver/test_secrets_job.py).
 
 `engine.factory: tests.driver.secret_engine:make_engine`, `engine.factory_options: {api_key: ...}`. A prompt
 containing ROWERR finishes as an error row whose text quotes the key in three forms (`{"api_key": "<key>-q1"}`,

@@ -31,7 +31,7 @@ def _job_file(tmp_path, name: str, rows: int, **sections) -> str:
 
 
 def test_follow_list_status_logs_and_stop(token_head, tmp_path, monkeypatch):  # noqa: F811
-    url, token = token_head
+    url, token, _ = token_head
     monkeypatch.setenv("RAY_AUTH_TOKEN", token)  # like `ray start` users: the token from the environment
     auth = ["--address", url]
 

@@ -1,6 +1,6 @@
 """Secrets never leave the process: one test per place text is written down or shown. Each plants a secret,
 then checks it is absent AND that the redaction marker took its place (a no-op redactor fails every test).
-The whole-job search (every file, every log) is test_secrets_job.py and scripts/guarantees/secrets_scan.py."""
+The whole-job searches (every file, every log) are test_secrets_job.py (run) and test_submit_head.py (submit)."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def token_head(tmp_path):
     url = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_dashboard(url, token, head, deadline_s=120, log=tmp_path / "head.log")
-        yield url, token
+        yield url, token, temp_dir
     finally:
         _stop(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -86,7 +86,7 @@ def _stop(head: subprocess.Popen) -> None:
 
 
 def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, monkeypatch):
-    url, token = token_head
+    url, token, head_temp_dir = token_head
     write_prompts(tmp_path / "in.parquet", 16)
     spec = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"), cluster={"num_workers": 1})
     spec["output"]["storage_options"] = {"api_token": "${env:JR_HEAD_SECRET}"}
@@ -110,7 +110,15 @@ def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, 
     assert SECRET not in shipped and "${env:JR_HEAD_SECRET}" in shipped
     manifest = read_manifest_file(tmp_path / "out")
     assert manifest["spec"]["output"]["storage_options"] == {"api_token": "***"}
-    assert SECRET not in (tmp_path / "out" / "_manifest.json").read_text()
+    # the resolved secret is nowhere: not in any file under the output, the Ray job's logs, any file of the
+    # head's Ray session (driver, worker, raylet, GCS, dashboard and job logs) or what submit printed
+    job_logs = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"}).get_job_logs(job_id)
+    assert "2/2 shards committed" in job_logs and SECRET not in job_logs and SECRET not in result.output
+    session_files = [f for f in Path(head_temp_dir).rglob("*") if f.is_file()]
+    assert any(f.name.startswith("job-driver-") for f in session_files)  # the job's own log is searched too
+    leaks = [str(f) for f in [*session_files, *(tmp_path / "out").rglob("*")]
+             if f.is_file() and SECRET.encode() in f.read_bytes()]
+    assert leaks == []
 
     refused = CliRunner().invoke(main, ["submit", str(tmp_path / "job.yaml"), "--address", url,
                                         "--auth-token", "wrong-token"])
