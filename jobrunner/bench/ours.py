@@ -31,10 +31,12 @@ class EngineOptions:
     max_num_seqs: int = setting_default(EngineConfig, "max_num_seqs")
     max_num_batched_tokens: int = setting_default(EngineConfig, "max_num_batched_tokens")
     speculative: str = setting_default(EngineConfig, "speculative")
+    attention_backend: str = setting_default(EngineConfig, "attention_backend")
 
     def config(self, prefix_caching: bool) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=prefix_caching, device=self.device, speculative=self.speculative)
+                            enable_prefix_caching=prefix_caching, device=self.device, speculative=self.speculative,
+                            attention_backend=self.attention_backend)
 
 
 def build_engine(options: EngineOptions, prefix_caching: bool):

@@ -57,7 +57,8 @@ def _workload_line(w: dict[str, Any]) -> str:
     stop = "ignore_eos" if w["ignore_eos"] else "stop at EOS"
     return (f"{w['num_prompts']} prompts ({w['num_dropped_too_long']} dropped: too long), max_tokens "
             f"{w['max_tokens']} ({stop}), model {w['model']} {w['dtype']} on {w['device']}, quantization "
-            f"{w['quantization']}, max_num_seqs {w['max_num_seqs']}")
+            f"{w['quantization']}, max_num_seqs {w['max_num_seqs']}, attention "
+            f"{w.get('attention_backend', 'torch')}")
 
 
 def _row(label: str, run: dict[str, Any]) -> tuple[str, ...]:

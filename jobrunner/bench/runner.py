@@ -36,6 +36,7 @@ class _Prepared:
     model_info: dict[str, Any]
     device: torch.device
     eos_ids: tuple[int, ...]
+    attention_backend: str  # the backend the steps ran through (after any fall-back)
 
 
 def run_bench(options: BenchOptions, rows: list[PromptRow], log=print) -> dict[str, Any]:
@@ -97,7 +98,8 @@ class BenchProgress:
 def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:
     token_ids = tokenize_all(engine, rows, options.raw_prompts)
     kept, dropped = fit_to_context(token_ids, options.max_tokens, engine.max_model_len)
-    return _Prepared(kept, dropped, dict(engine.model_info), engine.device, tuple(engine.eos_token_ids))
+    return _Prepared(kept, dropped, dict(engine.model_info), engine.device, tuple(engine.eos_token_ids),
+                     engine.runner.backend.name)
 
 
 def _run_hf(options: BenchOptions, prep: _Prepared, log) -> RunResult:
@@ -158,7 +160,7 @@ def _workload(options: BenchOptions, prep: _Prepared) -> dict[str, Any]:
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "model": e.model, "dtype": prep.model_info.get("dtype"), "device": str(prep.device),
         "quantization": e.quantization, "baseline": options.baseline, "speculative": e.speculative,
-        "profile": options.profile,
+        "profile": options.profile, "attention_backend": prep.attention_backend,
     }
 
 

@@ -57,6 +57,8 @@ def _engine_option(flag: str, name: str, **kwargs):
 @_engine_option("--speculative", "speculative",
                 help="Our engine's speculative decoding: off, ngram, auto (n-gram drafts only where it measures a "
                      "gain) or a draft model source (same tokenizer as --model).")
+@_engine_option("--attention-backend", "attention_backend",
+                type=click.Choice(["auto", "torch", "cpu_paged", "triton"]))
 @click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
               help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
                    "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "
@@ -82,9 +84,9 @@ def _engine_option(flag: str, name: str, **kwargs):
 def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
           compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
-          max_num_batched_tokens: int, speculative: str, quant_schemes: str | None, quality_texts: str | None,
-          batch_sizes: str, capabilities: str | None, quant_kernels: bool, profile: bool, as_json: bool,
-          calibrate_dtype: bool) -> None:
+          max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
+          quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
+          profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -114,7 +116,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
         raise click.ClickException(str(exc)) from None
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative=speculative)
+                           speculative=speculative, attention_backend=attention_backend)
     if capabilities is not None:
         _quant_dispatch(model, rows, quant_schemes or "none,int8,int4", capabilities, batch_sizes, max_tokens,
                         raw_prompts, as_json)

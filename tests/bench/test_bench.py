@@ -118,7 +118,8 @@ def test_throughput_ratios_exact() -> None:
                              speculative="off")
     options = SimpleNamespace(engine=engine, max_tokens=4, ignore_eos=True, raw_prompts=False, prefix_caching=True,
                               compare_prefix_caching=False, baseline="hf", profile=False)
-    prep = SimpleNamespace(token_ids=[[1]] * 4, num_dropped=0, model_info={"dtype": "float32"}, device="cpu")
+    prep = SimpleNamespace(token_ids=[[1]] * 4, num_dropped=0, model_info={"dtype": "float32"}, device="cpu",
+                           attention_backend="torch")
     data = _assemble(options, prep, {"ours": ours, "baseline": base})
     assert data["ratio"] == 4.0 and data["total_tokens_ratio"] == 4.0
     assert (data["ours"]["output_tokens_per_s"], data["baseline"]["total_tokens_per_s"]) == (200.0, 175.0)
@@ -153,3 +154,14 @@ def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: 
     args = ["bench", "--prompts", str(jsonl), "--model", str(tiny_llama_hf_dir), *extra]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_bench_runs_the_attention_backend_it_is_given_and_says_so(tiny_llama_hf_dir: Path, jsonl: Path) -> None:
+    default = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos")
+    native = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos", "--attention-backend", "cpu_paged")
+    assert default["workload"]["attention_backend"] == "torch"  # auto = torch
+    assert native["workload"]["attention_backend"] == "cpu_paged"  # ran, no fall-back (CI has a compiler)
+    assert native["ours"]["num_output_tokens"] == default["ours"]["num_output_tokens"] == 16
+    text = CliRunner().invoke(main, ["bench", "--prompts", str(jsonl), "--model", str(tiny_llama_hf_dir),
+                                     "--max-tokens", "2", "--attention-backend", "cpu_paged"]).output
+    assert "max_num_seqs 64, attention cpu_paged" in text
