@@ -28,9 +28,11 @@ browser:
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
 		echo "warning: chromium not installed; the browser test will be skipped"
 
+# Two test processes (pytest-xdist), each file's tests in one of them: the driver tests mostly wait on Ray and
+# subprocesses, so two overlap on two cores; each process runs torch on one thread (tests/conftest.py).
 test: venv browser
 	$(BIN)/ruff check jobrunner tests
-	$(BIN)/python -m pytest -q -x -rs --durations=15
+	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile
 
 lint: venv
 	$(BIN)/ruff check jobrunner tests

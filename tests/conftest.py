@@ -2,6 +2,7 @@
 
 - `s3_server`: a real S3-compatible server (moto in server mode) on 127.0.0.1, on a port the OS picks; if it
   cannot start, the S3 tests fail under ``CI=true`` and skip elsewhere (see ``tests/components.py``).
+- `local_ray`: a small local Ray shared by the modules of one test process (see the fixture).
 - `tiny_llama_hf_dir`: a 2-layer random Llama saved in Hugging Face layout with a small byte-level BPE
   tokenizer and a ChatML chat template (what `jobrunner.models.sources` accepts as a local model dir).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,9 @@ if str(REPO) not in sys.path:  # `tests.*` helper modules import the same under 
 from tests.components import missing_component, require_import  # noqa: E402
 
 _EXIT_STATUS: list[int] = []
+LOCAL_RAY_CPUS = 2
+_SHARED_RAY: dict[str, str] = {}  # the gcs address of the local Ray this process started for `local_ray`
+_RAY_MODULES: set[str] = set()  # test modules with a test that uses `local_ray`
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,11 +37,79 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--repeat", type=int, default=1, help="run each selected test N times in a row")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs two workers) the workers share the machine's cores: each runs torch
+    on one thread, so two CPU-bound tests never run four OpenMP threads on two cores (threads spinning on each
+    other made such a test 30x slower). A test that needs more threads sets them itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     repeat = metafunc.config.getoption("repeat")
     if repeat > 1:
         metafunc.fixturenames.append("repeat_index")
         metafunc.parametrize("repeat_index", range(repeat))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _RAY_MODULES.update(item.nodeid.split("::")[0] for item in items if "local_ray" in item.fixturenames)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A module that does not use `local_ray` never sees it: a shared Ray left up by an earlier module is shut down
+    first (a test running `jobrunner run` in-process must start its own local Ray, as a user's would)."""
+    if item.nodeid.split("::")[0] not in _RAY_MODULES and _SHARED_RAY:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        _SHARED_RAY.clear()
+
+
+def _shared_ray_is_up(ray) -> bool:
+    if not ray.is_initialized() or not _SHARED_RAY:
+        return False
+    try:
+        return ray.get_runtime_context().gcs_address == _SHARED_RAY["address"]
+    except Exception:  # noqa: BLE001 - a half-closed connection: start a new one
+        return False
+
+
+def _all_cpus_free(ray, wait_s: float = 10.0) -> bool:
+    """Whether every CPU of the shared Ray is free again (the workers of a module's jobs have exited)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) >= LOCAL_RAY_CPUS:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A small local Ray (2 CPUs, no dashboard), shared by the modules of one test process in turn.
+
+    Starting Ray costs ~5 s; one instance serves every module that asks for it. A module that needs another Ray (a
+    multi-node cluster, a head started as a user would) shuts this one down first, and the next module that asks
+    starts a new one. After each module every CPU must be free again (its jobs' workers gone); if not, the
+    instance is shut down, so that no module inherits another's actors.
+    """
+    import ray
+
+    if not _shared_ray_is_up(ray):
+        if ray.is_initialized():
+            ray.shutdown()
+        # address="local": always a new instance, even while another test's cluster (same machine) has written
+        # /tmp/ray/ray_current_cluster, which a bare ray.init() would try to join.
+        ray.init(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)
+        _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
+    yield
+    if ray.is_initialized() and not _all_cpus_free(ray):
+        ray.shutdown()
+        _SHARED_RAY.clear()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

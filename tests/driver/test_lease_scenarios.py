@@ -34,7 +34,7 @@ from tests.driver.helpers import REPO, read_manifest_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TTL_S = 5.0  # the smallest lease_ttl_s a spec accepts
-NUM_SHARDS = 20  # 160 rows, 8 per shard
+NUM_SHARDS = 12  # 96 rows, 8 per shard
 SKEW = "import time as _t; _real = _t.time; _t.time = lambda: _real() + {offset}"
 OTHER_HOST = "import socket as _s; _s.gethostname = lambda: 'far-host'"
 
