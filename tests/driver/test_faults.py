@@ -250,6 +250,8 @@ def test_removed_node_mid_job(cluster, tmp_path):
     assert box["result"].ok
     _assert_once(tmp_path / "out", ids)
     manifest = read_manifest_file(tmp_path / "out")
-    assert len(manifest["workers"]) >= 3
+    # w1 was ready, then lost with its node; its replacement (w2) may still be loading when w0 finishes the
+    # last shard on a loaded machine, so it is not required here
+    assert {"w0", "w1"} <= set(manifest["workers"])
     lost = [e for e in manifest["shards"].values() if e["infra_failures"]]
     assert lost and all(e["failures"] == 0 for e in manifest["shards"].values())  # node loss is not charged
