@@ -65,7 +65,12 @@ _QUOTED_PAIR = re.compile(
     r"(?P<q1>\\?[\"']|)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q1)(?P<eq>\s*[:=]\s*)"
     r"(?P<q2>\\?[\"'])(?P<value>(?:\\.|[^\\\n])*?)(?P<close>(?P=q2)|(?=\n)|\Z)")
 # `name: value` needs the space: `module:function` (engine.factory) and `scheme:path` are no pairs.
-_PAIR = re.compile(r"(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s+)(?P<value>[^\s&;,'\"]+)")
+_PAIR = re.compile(r"(?<![A-Za-z0-9_.\-])(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?P<eq>\s*=\s*|:\s+)"
+                   r"(?P<value>[^\s&;,'\"]+)")
+# `name: value` whose name ends like a file (`session_notes.txt: cannot read`) or sits in a path
+# (`jobs/key_typo.yaml: ...`) is a message about that file, not a credential.
+_FILE_NAME = re.compile(r"\.(?:ya?ml|json|jsonl|parquet|csv|tsv|txt|md|py|toml|ini|cfg|conf|log|gguf|safetensors"
+                        r"|bin|pt|arrow|gz|zst|bz2|xz|zip|tar|sh|html|pem|crt|cert)$", re.I)
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=\-]+", re.I)
 _TOKEN_SHAPES = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
@@ -139,7 +144,7 @@ def redact_text(text: str) -> str:
     text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     text = _TOKEN_SHAPES.sub(REDACTED, text)
     text = _QUOTED_PAIR.sub(_redact_quoted_pair, text)
-    return _PAIR.sub(_redact_pair, text)
+    return _redact_pairs(text)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,14 +195,32 @@ def _redact_quoted_pair(m: re.Match) -> str:
     return f"{head}{value if value == REDACTED else REDACTED}{m['close']}"
 
 
-def _redact_pair(m: re.Match) -> str:
-    name, value = m["name"], m["value"]
-    # `KeyError: x` is an exception name, `key=3` a count: neither is a credential; a pair may sit in the value.
-    if not is_secret_key(name) or name.endswith(_NOT_NAMES):
-        return f"{name}{m['eq']}{_PAIR.sub(_redact_pair, value)}"
-    if value.startswith(REDACTED) or value.isdigit():
-        return m.group(0)
-    return f"{name}{m['eq']}{REDACTED}"
+def _names_a_file(m: re.Match) -> bool:
+    """A `name: value` pair whose name is a file name or the last piece of a path."""
+    if ":" not in m["eq"]:
+        return False
+    before = m.string[m.start() - 1] if m.start() else ""
+    return before in ("/", "\\") or bool(_FILE_NAME.search(m["name"]))
+
+
+def _redact_pairs(text: str) -> str:
+    """Every `name=value` / `name: value` with a credential name loses its value. A pair that is no credential
+    (`Error: ...`, a count, a file name) is kept, and its value is scanned again from its start, so a pair that
+    follows it (`jobs/key_typo.yaml: api_key: ...`, `config=api_key=...`) is seen too."""
+    out, pos = [], 0
+    while (m := _PAIR.search(text, pos)) is not None:
+        out.append(text[pos:m.start()])
+        name, value = m["name"], m["value"]
+        # `KeyError: x` is an exception name, `key=3` a count: neither is a credential
+        if not is_secret_key(name) or name.endswith(_NOT_NAMES) or _names_a_file(m):
+            out.append(text[m.start():m.start("value")])
+            pos = m.start("value")
+            continue
+        keep = value.startswith(REDACTED) or value.isdigit()
+        out.append(m.group(0) if keep else f"{name}{m['eq']}{REDACTED}")
+        pos = m.end()
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def find_secrets(value: Any, path: str = "") -> list[str]:

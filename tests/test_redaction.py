@@ -198,3 +198,23 @@ def test_say_prints_one_redacted_line():
     out = io.StringIO()
     say(f"worker w0 placed; loading model https://u:{SECRET}@h/m", out)
     assert out.getvalue() == "worker w0 placed; loading model https://***@h/m\n"
+
+
+FILE_NAMES = ["key_typo.yaml", "keys.parquet", "session_2026-12-02.json", "sessions.jsonl", "auth_config.yml",
+              "private_notes.txt", "secret_santa.csv", "token_counts.csv", "tokens.json", "passwords_policy.md",
+              "credentials_howto.md", "signature_check.py", "cookie_jar.log", "private_key.pem", "auth.toml",
+              "dsn_list.ini", "pass_rates.tsv", "keyframes.arrow", "model.safetensors", "key_results.txt"]
+
+
+@pytest.mark.parametrize("name", FILE_NAMES)
+def test_a_message_about_a_file_keeps_every_word(name):
+    for text in (f"Error: /home/me/jobs/{name}: job spec: model.source is required",
+                 f"{name}: cannot read (permission denied)", f"cannot open ./data/{name}: no such file",
+                 f"C:\\jobs\\{name}: bad line 3"):
+        assert redact_text(text) == text
+
+
+def test_credentials_beside_file_names_still_go():
+    text = "jobs/key_typo.yaml: api_key: abc123 token=xyz password: hunter2"
+    assert redact_text(text) == "jobs/key_typo.yaml: api_key: *** token=*** password: ***"
+    assert redact_text("key: v") == "key: ***" and redact_text("session_token: v") == "session_token: ***"
