@@ -10,7 +10,11 @@ not give; a busy worker silent, or inside an engine call that has not returned, 
 reported by `stalled()` (the job loop replaces it; an engine that steps without progress is handled inside
 the worker: driver/isolation.py). Silence is the age of the worker's oldest unanswered progress poll, and
 replies are collected on every pass of the job loop (whose wait also wakes on them), so a worker is never
-called silent because the driver had not looked yet; a poll goes out every POLL_INTERVAL_S.
+called silent because the driver had not looked yet; a poll goes out every POLL_INTERVAL_S. A hung engine is
+reported by the worker itself (its poll thread answers while the engine call has not returned), after
+`progress_timeout_s`; a worker that does not answer at all (stopped, frozen, unreachable: a crash Ray reports on
+its own) is lost after `max(progress_timeout_s, MIN_SILENCE_S)`: on a starved machine a healthy worker's
+reply was seen to take over 3 s, and each false death costs a model load.
 
 The pool alone changes `Worker` fields: the job loop hands it a started task (`assign`), takes a returned
 one back (`task_done`) and gets a lost worker's tasks from `remove`.
@@ -33,6 +37,7 @@ from jobrunner.spec import PROGRESS_POLL_S, JobSpec
 
 MAX_START_FAILURES = 3  # workers in a row that fail to load with none ready: the job cannot run
 POLL_INTERVAL_S = PROGRESS_POLL_S  # progress_timeout_s must be several of these (spec.py refuses less)
+MIN_SILENCE_S = 30.0  # a worker that answers no poll for this long (or progress_timeout_s, if longer) is lost
 
 
 @dataclass(eq=False)
@@ -237,14 +242,16 @@ class WorkerPool:
         stall (True) or the worker did not answer its oldest unanswered poll in time (False: stopped,
         unreachable)."""
         limit = self.spec.cluster.progress_timeout_s
+        silence_limit = max(limit, MIN_SILENCE_S)
         now = time.monotonic()
         out = []
         for w in self.workers:
             if not w.tasks:
                 continue
             silent = silence(w, now)
-            if silent > limit:
-                out.append((w, f"no answer for {silent:.0f}s (cluster.progress_timeout_s={limit:g})", False))
+            if silent > silence_limit:
+                out.append((w, f"no answer for {silent:.0f}s (the most is max(cluster.progress_timeout_s={limit:g}, "
+                               f"{MIN_SILENCE_S:g}))", False))
             elif w.stalled_s > limit:
                 what = w.stall or f"no token produced and no row finished for {w.stalled_s:.0f} s"
                 out.append((w, f"{what}; cluster.progress_timeout_s={limit:g}", True))

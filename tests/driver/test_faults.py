@@ -207,6 +207,7 @@ def test_hung_engine_is_replaced_and_its_row_isolated(cluster, tmp_path):
     assert cost["model_loads"] >= 2 and cost["rows_isolated"] == 1
 
 
+@pytest.mark.timeout(900)  # ~10 s alone; under `stress --cpu 2` each of its 3 worker starts took ~80 s
 def test_restart_cap_makes_the_remaining_suspects_error_rows(cluster, tmp_path):
     """A row that hangs its worker, with one restart allowed per shard: the shard's rows become error rows
     naming the cap instead of costing a restart per bisection level."""

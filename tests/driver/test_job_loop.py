@@ -6,10 +6,12 @@ and would hang (until the pytest timeout) without the checks they name.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from jobrunner.driver.job import run_job
-from jobrunner.driver.pool import Worker, WorkerPool, silence
+from jobrunner.driver.pool import MIN_SILENCE_S, Worker, WorkerPool, silence
 from jobrunner.driver.shard_run import ShardRuns, ShardState, judge_loss, worker_cap
 from jobrunner.driver.shards import Shard, ShardTable
 from jobrunner.driver.tasks import MAX_RETRY_BACKOFF_S, TaskQueue, retry_delay
@@ -66,6 +68,25 @@ def test_silence_is_the_age_of_the_oldest_unanswered_poll():
     assert silence(worker, 102.5) == 0.0  # no poll outstanding: an answered worker is not silent
     worker.poll_ref = object()
     assert silence(worker, 102.5) == 2.5
+
+
+def test_a_worker_is_lost_by_silence_only_after_the_silence_floor(tmp_path):
+    """The engine's stall (reported by the worker) ends it after progress_timeout_s; no answer at all only after
+    max(progress_timeout_s, MIN_SILENCE_S): a slow reply on a starved machine is no death."""
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                                    cluster={"progress_timeout_s": 3.0}))
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.spec = spec
+    worker = Worker("w0", actor=None, ping_ref=None, load_ref=None, is_placed=True, is_ready=True)
+    worker.tasks = {"t": object()}
+    pool.workers = [worker]
+    worker.poll_ref, worker.poll_sent = object(), time.monotonic() - 10.0  # 10 s without an answer
+    assert pool.stalled() == []
+    worker.poll_sent = time.monotonic() - MIN_SILENCE_S - 1.0
+    [(lost, why, engine)] = pool.stalled()
+    assert lost is worker and not engine and why.startswith("no answer for 31s (the most is max(")
+    worker.poll_ref, worker.stalled_s, worker.stall = None, 4.0, "engine step has not returned for 4 s"
+    assert pool.stalled() == [(worker, "engine step has not returned for 4 s; cluster.progress_timeout_s=3", True)]
 
 
 # ---- shard records and blame -----------------------------------------------------------------------------
