@@ -1,8 +1,9 @@
 """Attention backends over the paged KV cache, below both the model and the engine.
 
 ``torch`` (:mod:`.torch_backend`): gather + ``scaled_dot_product_attention``; runs everywhere and is the
-default. ``cpu_paged`` (:mod:`.cpu_paged`): native code reading the cache in place on CPU (opt-in; see
-docs/engine.md for what was measured). ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer
+default on CUDA. ``cpu_paged`` (:mod:`.cpu_paged`): native code reading the cache in place on CPU (what
+``auto`` runs for float32 and bf16 on CPU: the model runner resolves ``auto``; docs/bench.md says what was
+measured). ``triton`` (:mod:`.triton_backend`): one Triton kernel launch per layer
 reading the cache in place; CUDA only (or Triton's interpreter), opt-in until a GPU check has passed. The model calls
 :func:`paged_attention` with whatever metadata the runner built; it never names a backend. Each backend's
 fixed-shape (CUDA-graph) path sits behind :class:`StepRunner` too (:mod:`.step_runner`): the engine's model
@@ -23,8 +24,8 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimit
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
                  max_model_len: int = 8192, head_dim: int = 64) -> AttentionBackend:
-    """The backend called ``name``; ``auto`` is ``torch`` (see docs/engine.md). Raises ``RuntimeError`` if
-    ``triton`` or ``cpu_paged`` can't run here.
+    """The backend called ``name`` (``auto`` here is ``torch``; the model runner resolves ``auto`` first).
+    Raises ``RuntimeError`` if ``triton`` or ``cpu_paged`` can't run here.
 
     ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
     """

@@ -19,7 +19,8 @@ class EngineConfig:
     ``attention_backend``: ``torch`` (gather + SDPA, runs anywhere), ``cpu_paged`` (native code reading the
     paged cache in place; CPU only, falls back to torch with a warning where it cannot build), ``triton`` (one
     Triton kernel per layer over the paged cache; CUDA only, falls back to torch with a warning elsewhere) or
-    ``auto`` (= ``torch``; see docs/engine.md for what was measured).
+    ``auto`` (``cpu_paged`` for float32 and bf16 on CPU, where it was measured faster on every benchmark
+    workload; ``torch`` otherwise; see docs/engine.md).
 
     ``use_cuda_graphs`` (opt-in, off by default until a GPU run has passed): on CUDA, fixed-shape steps replay
     CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.attention.decode_graphs`; triton backend:
@@ -56,8 +57,8 @@ class EngineConfig:
     dtype: str = "auto"  # internal: the job spec sets it from model.dtype
     attention_backend: Literal["auto", "torch", "cpu_paged", "triton"] = setting(
         "auto", description="Attention kernel: torch (runs anywhere), cpu_paged (native, reads the KV cache in "
-        "place; CPU), triton (CUDA; both fall back to torch where they cannot run) or auto (= torch; "
-        "docs/engine.md).")
+        "place; CPU), triton (CUDA; both fall back to torch where they cannot run) or auto (cpu_paged for "
+        "float32 / bf16 on CPU, else torch; docs/engine.md).")
     use_cuda_graphs: bool = setting(
         False, description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a "
         "GPU check has passed (docs/engine.md).")

@@ -96,8 +96,10 @@ def make_deterministic(engine) -> None:
     tile_rows(engine.model, tile)
     if runner.backend.name == "triton":
         runner.backend.fixed_tiles = True
-    elif runner.backend.name == "cpu_paged":
-        runner.backend.native_max_query = None  # every row native: its fixed order ignores chunking and batch
+    elif runner.backend.name == "cpu_paged" and runner.requested_backend == "cpu_paged":
+        # asked for by name: every row native (its fixed order ignores chunking and batch); `auto` keeps the
+        # invariant torch twin below, as before cpu_paged was auto's choice on CPU
+        runner.backend.native_max_query = None
     else:
         if engine.device.type == "cuda":
             raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "

@@ -46,8 +46,9 @@ class StepResult:
 class ModelRunner:
     """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``.
 
-    ``attention_backend``: ``auto`` | ``torch`` | ``triton`` (see :mod:`jobrunner.attention`); a ``triton``
-    backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
+    ``attention_backend``: ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`;
+    ``auto`` is ``cpu_paged`` for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or
+    ``cpu_paged`` backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
     ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
     fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
     scratch block past ``num_blocks``, and the backend's fixed-shape runner takes the steps it fits (torch:
@@ -82,7 +83,8 @@ class ModelRunner:
         if decode_graphs != "off":
             limits = FixedShapeLimits(block_size, max_num_seqs, max_num_tokens, max_model_len,
                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
-        self.steps = make_step_runner(self._make_backend(attention_backend), model, self.kv_cache, limits)
+        self.steps = make_step_runner(self._make_backend(self._resolve(attention_backend, decode_graphs)), model,
+                                      self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
             self.steps.warm_up()   # every bucket captured now, before any (timed) step
 
@@ -99,6 +101,23 @@ class ModelRunner:
     def use_backend(self, backend: AttentionBackend) -> None:
         """Run every later step eagerly through ``backend`` (deterministic mode's twin, a fall-back)."""
         self.steps = make_step_runner(backend, self.model, self.kv_cache)
+
+    def _resolve(self, name: str, decode_graphs: str) -> str:
+        """``auto``: ``cpu_paged`` for float32 and bfloat16 on CPU (eager steps), where it was measured faster than
+        ``torch`` on every benchmark workload in both dtypes (docs/bench.md); ``torch`` elsewhere (CUDA, float16),
+        and where the native kernel cannot be built here (said at info level: nothing asked for failed)."""
+        if name != "auto":
+            return name
+        if (self.device.type != "cpu" or self.model.dtype not in (torch.float32, torch.bfloat16)
+                or decode_graphs != "off"):
+            return "torch"
+        from jobrunner.attention.cpu_paged import cpu_paged_unavailable_reason
+
+        reason = cpu_paged_unavailable_reason(self.device, self.model.shape.head_dim)
+        if reason:
+            log.info("attention backend auto: torch (%s)", reason)
+            return "torch"
+        return "cpu_paged"
 
     def _make_backend(self, name: str) -> AttentionBackend:
         s = self.model.shape

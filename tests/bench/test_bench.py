@@ -158,10 +158,10 @@ def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: 
 
 def test_bench_runs_the_attention_backend_it_is_given_and_says_so(tiny_llama_hf_dir: Path, jsonl: Path) -> None:
     default = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos")
-    native = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos", "--attention-backend", "cpu_paged")
-    assert default["workload"]["attention_backend"] == "torch"  # auto = torch
-    assert native["workload"]["attention_backend"] == "cpu_paged"  # ran, no fall-back (CI has a compiler)
-    assert native["ours"]["num_output_tokens"] == default["ours"]["num_output_tokens"] == 16
+    gathered = _bench(tiny_llama_hf_dir, jsonl, "--ignore-eos", "--attention-backend", "torch")
+    assert default["workload"]["attention_backend"] == "cpu_paged"  # auto on CPU (CI has a compiler)
+    assert gathered["workload"]["attention_backend"] == "torch"
+    assert gathered["ours"]["num_output_tokens"] == default["ours"]["num_output_tokens"] == 16
     text = CliRunner().invoke(main, ["bench", "--prompts", str(jsonl), "--model", str(tiny_llama_hf_dir),
                                      "--max-tokens", "2", "--attention-backend", "cpu_paged"]).output
     assert "max_num_seqs 64, attention cpu_paged" in text

@@ -81,3 +81,22 @@ def test_smollm2_tokens_and_logprobs_match_the_torch_backend():
     worst = _compare(outs["torch"], outs["cpu_paged"])
     print(f"largest logprob difference: {worst:.2e}")
     assert worst < LOGPROB_TOLERANCE
+
+
+def test_auto_is_cpu_paged_for_float32_and_bf16_on_cpu_and_torch_otherwise(hf_llama, tokenizer, monkeypatch):
+    import torch
+
+    from jobrunner.attention.cpu_paged import NATIVE_ENV, _library
+    from jobrunner.engine.model_runner import ModelRunner
+
+    auto = engine_from_hf(hf_llama, tokenizer)
+    assert auto.runner.stats()["attention_backend"] == "cpu_paged"
+    assert auto.runner.stats()["attention_fallbacks"] == 0
+    assert engine_from_hf(hf_llama, tokenizer, static_decode=True).runner.backend.name == "torch"  # fixed shapes
+    assert ModelRunner(auto.model.to(torch.bfloat16), 8, 16, torch.device("cpu")).backend.name == "cpu_paged"
+    assert ModelRunner(auto.model.to(torch.float16), 8, 16, torch.device("cpu")).backend.name == "torch"
+    assert engine_from_hf(hf_llama, tokenizer, deterministic=True).runner.backend.name == "invariant"  # as before
+    monkeypatch.setenv(NATIVE_ENV, "0")  # no native kernel here: torch, and nothing counted as a failure
+    _library.cache_clear()
+    plain = engine_from_hf(hf_llama, tokenizer)
+    assert plain.runner.stats()["attention_backend"] == "torch" and plain.runner.stats()["attention_fallbacks"] == 0
