@@ -52,7 +52,7 @@ def test_jobrunner_comes_from_the_mounted_wheel_without_placeholders() -> None:
     assert not re.search(r"YOUR_|<your|git\+https|pip install -e", text)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_make_wheel_builds_the_wheel_the_setup_installs() -> None:
     # -o: treat the venv as up to date (never reinstall the shared venv from a test).
     result = subprocess.run(["make", "-o", "venv", "-o", ".venv/.installed", "wheel"], cwd=REPO,

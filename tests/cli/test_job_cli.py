@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tests.driver.helpers import fake_spec, free_ports, read_manifest_file, write_prompts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _job(tmp_path, **sections) -> Path:

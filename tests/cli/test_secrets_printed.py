@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from tests.driver.helpers import fake_spec, write_prompts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 SECRETS = {"source password": "JRsourcePassword", "source query": "JRsourceQuery", "hub_pass": "JRhubPass",
            "passphrase": "JRpassphrase", "accesstoken": "JRaccessToken", "apiToken": "JRapiToken",

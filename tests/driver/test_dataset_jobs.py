@@ -25,7 +25,7 @@ from jobrunner.io.reader import InputError
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import new_bucket, read_manifest_file
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 

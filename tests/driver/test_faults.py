@@ -27,7 +27,7 @@ from jobrunner.io.storage import Storage
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import REPO, fake_spec, read_manifest_file, write_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 SLOW = {"factory_options": {"step_delay_s": 0.05}}
 
 

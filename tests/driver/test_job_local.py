@@ -14,7 +14,7 @@ from jobrunner.io.reader import InputError
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, new_bucket, read_manifest_file, write_prompts
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _ids(url, opts=None):

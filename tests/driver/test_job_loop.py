@@ -6,6 +6,7 @@ and would hang (until the pytest timeout) without the checks they name.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from jobrunner.io.parts import read_output
 from jobrunner.spec import SpecError, spec_from_dict
 from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _spec(tmp_path, **cluster):
@@ -221,7 +222,9 @@ def test_a_job_with_no_event_for_the_stall_timeout_ends_naming_what_it_waited_fo
     result = run_job(spec, show_progress=False)
     assert not result.ok
     assert result.error.startswith("no event for ")
-    assert ("s (cluster.job_stall_timeout_s=4; the last: worker w0 placed) while waiting for 1 worker(s) to be "
-            "placed and load the model (w0); 2 queued task(s) to start") in result.error
+    # On a loaded machine the placement event may not come within the 4 s: the last event is then the start.
+    assert re.search(r"s \(cluster\.job_stall_timeout_s=4; the last: (worker w0 placed|the workers were started)\) "
+                     r"while waiting for 1 worker\(s\) to be placed and load the model \(w0\); "
+                     r"2 queued task\(s\) to start", result.error), result.error
     manifest = read_manifest_file(tmp_path / "out")
     assert {e["status"] for e in manifest["shards"].values()} == {"pending"}

@@ -13,7 +13,7 @@ from jobrunner.cli import main
 from tests.driver.helpers import fake_spec, write_prompts
 from tests.driver.test_submit_head import token_head  # noqa: F401 - the fixture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _cli(*args: str) -> tuple[int, str]:

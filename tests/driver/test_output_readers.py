@@ -15,7 +15,7 @@ from jobrunner.reports import write_job_report
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, new_bucket
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)
 KEPT = pa.schema([("topic", pa.string())])
 
 

@@ -14,7 +14,7 @@ from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, read_manifest_file
 from tests.driver.prefix_data import group_of, write_prefix_prompts
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 COMPARED = ("id", "generated_text", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens", "topic")
 
 

@@ -12,7 +12,7 @@ from jobrunner.io.parts import read_output
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import read_manifest_file
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 NUM_ROWS, NUM_GROUPS, ROWS_PER_SHARD = 48, 4, 12
 
 

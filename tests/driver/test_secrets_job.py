@@ -19,7 +19,7 @@ from jobrunner.reports import write_job_report
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import new_bucket
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 KEY = "JRplantedFactoryKey"  # letters only: error kinds fold digits to N, which would hide a leak
 SECRETS = {"factory api_key": KEY, "model source password": "JRplantedSourcePw",

@@ -14,7 +14,7 @@ from jobrunner.io.storage import StorageError
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, read_manifest_file, write_prompts
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _corrupt_row_group(path, index: int, column_index: int = 1) -> None:

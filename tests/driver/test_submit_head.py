@@ -23,7 +23,7 @@ from jobrunner.cli import main
 from tests.driver.helpers import fake_spec, free_ports, read_manifest_file, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SECRET = "s3cr3t-" + uuid.uuid4().hex[:8]
 
 

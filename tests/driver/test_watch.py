@@ -22,7 +22,7 @@ from jobrunner.driver.job import run_job
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, new_bucket, write_prompts
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SLOW = {"factory_options": {"step_delay_s": 0.08}}
 WORKER_SERIES = ("jobrunner_rows_done", "jobrunner_prompt_tokens", "jobrunner_output_tokens",
                  "jobrunner_output_tokens_per_s", "jobrunner_queue_depth", "jobrunner_kv_cache_usage",

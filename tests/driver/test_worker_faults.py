@@ -26,7 +26,7 @@ from jobrunner.io.storage import Storage
 from jobrunner.spec import spec_from_dict
 from tests.driver.fake_engine import FakeEngine
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _runner(tmp_path, prompts, engine=None, rows_per_shard=8, **cluster):

@@ -22,7 +22,7 @@ from jobrunner.io.parts import read_output
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import new_bucket
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DEADLINE_S = 3.0
 
 
