@@ -47,7 +47,8 @@ def _library(capability: str) -> ctypes.CDLL | str:
         return f"native paged attention unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
     fn = lib.jr_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
+    lib.jr_fast_lanes.restype = ctypes.c_int
     return lib
 
 
@@ -71,11 +72,18 @@ def cpu_paged_unavailable_reason(device, head_dim: int) -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-# Prompt chunks longer than this take the torch backend's gather + SDPA path (its GEMM-based kernel beats these
-# loops there, and a chunk's gather is small next to its Q x L products); measured on AMD Zen 3 (AVX2), one
-# thread, 4 rows: at 8 query tokens both take the same time, at 16 the native loops take 1.5x (docs/engine.md).
-# None (deterministic mode): every row native, so a token's bits never depend on how its prompt was chunked.
+# Which kernel a row of several query tokens takes (a decode always takes the exact kernel):
+# - on an AVX-512 build, the fast prompt-chunk kernel (query vectors in the lanes of a zmm register) for every
+#   row of >= FAST_MIN_QUERY tokens: 1.2-2.5x the torch groups' gather + SDPA on Emerald Rapids, float32 and
+#   bf16, from a 1.2 k-token chunk at 0 to 32 chunks of 32 after 60 cached tokens (docs/engine.md);
+# - on narrower builds (8 or 4 lanes) that kernel is no faster than SDPA, so chunks of more than
+#   NATIVE_MAX_QUERY tokens take the torch groups (at 8 tokens both cost the same on AMD Zen 3, AVX2) and
+#   shorter ones the exact kernel.
+# Deterministic mode: every row on the exact kernel, so a token's bits never depend on how its prompt was
+# chunked (native_max_query None, fast_min_query 0).
 NATIVE_MAX_QUERY = 8
+FAST_MIN_QUERY = 2
+FAST_MIN_LANES = 16
 
 
 class CpuPagedMetadata(AttentionMetadata):
@@ -98,14 +106,20 @@ class CpuPagedBackend(AttentionBackend):
     """In-place paged attention through the native kernel (see the module doc).
 
     ``native_max_query``: rows with more new tokens go through the torch backend's SDPA groups instead
-    (``None``: none do; deterministic mode sets that).
+    (``None``: none do); ``fast_min_query``: rows with at least that many take the fast prompt-chunk kernel
+    (0: none do). Both default by the build's vector width (module comment); deterministic mode sets
+    ``None`` and 0.
     """
 
     name = "cpu_paged"
 
-    def __init__(self, lib: ctypes.CDLL, native_max_query: int | None = NATIVE_MAX_QUERY) -> None:
+    def __init__(self, lib: ctypes.CDLL, native_max_query: int | None = None, fast_min_query: int | None = None
+                 ) -> None:
         self.fn = lib.jr_paged_attention
-        self.native_max_query = native_max_query
+        self.lanes = int(lib.jr_fast_lanes())
+        wide = self.lanes >= FAST_MIN_LANES
+        self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
+        self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
 
     def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
         native, long_chunks = _split_rows(layout, self.native_max_query)
@@ -141,7 +155,7 @@ class CpuPagedBackend(AttentionBackend):
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
                      length.data_ptr(), seq.data_ptr(), tables.data_ptr(), meta.max_blocks, meta.num_rows,
                      q.shape[1], k_cache.shape[1], q.shape[2], meta.block_size, meta.window, DTYPES[q.dtype],
-                     scale, torch.get_num_threads())
+                     scale, torch.get_num_threads(), self.fast_min_query or 0)
         if rc:
             raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
 
@@ -157,10 +171,9 @@ def _split_rows(layout: StepLayout, native_max_query: int | None) -> tuple[StepL
     return parts
 
 
-def make_cpu_paged_backend(device, head_dim: int, native_max_query: int | None = NATIVE_MAX_QUERY
-                           ) -> CpuPagedBackend:
-    """The backend, or ``RuntimeError`` saying why it cannot run here."""
+def make_cpu_paged_backend(device, head_dim: int) -> CpuPagedBackend:
+    """The backend with its capability defaults, or ``RuntimeError`` saying why it cannot run here."""
     reason = cpu_paged_unavailable_reason(device, head_dim)
     if reason:
         raise RuntimeError(reason)
-    return CpuPagedBackend(native_library(), native_max_query)
+    return CpuPagedBackend(native_library())

@@ -100,6 +100,7 @@ def make_deterministic(engine) -> None:
         # asked for by name: every row native (its fixed order ignores chunking and batch); `auto` keeps the
         # invariant torch twin below, as before cpu_paged was auto's choice on CPU
         runner.backend.native_max_query = None
+        runner.backend.fast_min_query = 0  # the fast prompt-chunk kernel's order differs from a decode's
     else:
         if engine.device.type == "cuda":
             raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "

@@ -2,8 +2,9 @@
 
 Mixed steps: prompt chunks from 0, chunks after a cached prefix, long and short decodes, a tail chunk; block
 boundaries (blocks of 16, 32 and 7), GQA ratios 1, 3, 4, 8, head dims 64 and 128, sliding-window edges,
-float32 and bfloat16. ``native_max_query=None`` puts every row (long chunks too) on the native kernel; the
-default sends chunks of more than 8 tokens to the torch groups. Batch invariance: a row's output bits do not
+float32 and bfloat16, in three modes: every row on the exact kernel (deterministic mode), chunks on the fast
+prompt-chunk kernel (the default of AVX-512 builds), chunks of more than 8 tokens on the torch groups (the
+default of narrower builds). Batch invariance: a row's output bits do not
 depend on the other rows, on the thread count (split-K or not), nor on whether its token was a decode or part
 of a chunk. A failed build fails these tests under CI=true (tests/components.py).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobrunner.attention import StepLayout, StepUpload, make_backend
+from jobrunner.attention import StepLayout, StepUpload, cpu_paged, make_backend
 from jobrunner.attention.cpu_paged import NATIVE_ENV, SOURCE, _library, native_library
 from jobrunner.attention.torch_backend import TORCH_BACKEND
 from jobrunner.quant.capability import CAPABILITY_ENV
@@ -84,13 +85,19 @@ def _inputs(layout, num_slots, num_heads, num_kv_heads, head_dim, seed, dtype=to
 
 
 def _backend(num_heads, num_kv_heads, block_size, head_dim, all_native):
+    """all_native True: every row on the exact kernel; "fast": chunks on the fast kernel; False: long chunks on
+    the torch groups (what narrow builds do by default)."""
     backend = make_backend("cpu_paged", num_heads, num_kv_heads, block_size, CPU, head_dim=head_dim)
-    if all_native:
-        backend.native_max_query = None
+    backend.native_max_query = None if all_native else cpu_paged.NATIVE_MAX_QUERY
+    backend.fast_min_query = cpu_paged.FAST_MIN_QUERY if all_native == "fast" else 0
     return backend
 
 
-@pytest.mark.parametrize("all_native", [True, False], ids=["all-native", "long-chunks-sdpa"])
+MODES = pytest.mark.parametrize("all_native", [True, "fast", False],
+                                ids=["all-exact", "fast-chunks", "long-chunks-sdpa"])
+
+
+@MODES
 @pytest.mark.parametrize("block_size", [16, 32, 7])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 1, 64)])
 def test_matches_torch_on_mixed_steps(capability, all_native, block_size, num_heads, num_kv_heads, head_dim):
@@ -103,16 +110,17 @@ def test_matches_torch_on_mixed_steps(capability, all_native, block_size, num_he
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("all_native", [True, "fast"], ids=["all-exact", "fast-chunks"])
 @pytest.mark.parametrize("window", [1, 15, 16, 17, 512, 600])
-def test_sliding_window_edges_match_torch(capability, window):
+def test_sliding_window_edges_match_torch(capability, window, all_native):
     layout, slots, num_blocks = _layout(MIXED, 16, random.Random(window), window)
     q, k, v, cache = _inputs(layout, num_blocks * 16, 8, 2, 64, window)
-    got, _, _ = _attend(_backend(8, 2, 16, 64, True), layout, slots, q, k, v, cache)
+    got, _, _ = _attend(_backend(8, 2, 16, 64, all_native), layout, slots, q, k, v, cache)
     want, _, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("all_native", [True, False], ids=["all-native", "long-chunks-sdpa"])
+@MODES
 def test_bfloat16_matches_torch(capability, all_native):
     layout, slots, num_blocks = _layout(MIXED, 16, random.Random(2))
     q, k, v, cache = _inputs(layout, num_blocks * 16, 9, 3, 64, 2, torch.bfloat16)
@@ -161,6 +169,18 @@ def test_decode_bits_equal_the_same_token_in_a_chunk(capability):
         kv = (k[-1:].expand(step.num_tokens, -1, -1).contiguous(), v[-1:].expand(step.num_tokens, -1, -1).contiguous())
         got, _, _ = _attend(backend, step, [slots[-1]] * step.num_tokens, rows, *kv, filled)
         assert torch.equal(got[0], chunk[-1])
+
+
+def test_defaults_follow_the_builds_vector_width(capability):
+    """AVX-512 builds (16 lanes) send every chunk to the fast kernel; narrower ones send long chunks to SDPA."""
+    backend = make_backend("cpu_paged", 8, 2, 16, CPU, head_dim=64)
+    if backend.lanes >= 16:
+        assert backend.lanes == 16
+        assert (backend.fast_min_query, backend.native_max_query) == (cpu_paged.FAST_MIN_QUERY, None)
+    else:
+        assert capability in ("avx2", "default") or not HAS_AVX512
+        assert backend.lanes == (8 if capability == "avx2" else backend.lanes)
+        assert (backend.fast_min_query, backend.native_max_query) == (0, cpu_paged.NATIVE_MAX_QUERY)
 
 
 def test_avx512_build_compiles(monkeypatch):
