@@ -25,10 +25,15 @@ def paths(w: torch.Tensor, rows: int) -> dict:
     mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
     dnn = torch.ops.mkldnn._reorder_linear_weight(w, rows)
     wb = w.bfloat16()
-    return {"F.linear": lambda x: F.linear(x, w),
-            "mkl_packed": lambda x: torch.ops.mkl._mkl_linear(x, mkl, w, None, rows),
-            "onednn_packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], ""),
-            "bf16 F.linear": lambda x: F.linear(x.bfloat16(), wb)}
+    out = {"F.linear": lambda x: F.linear(x, w),
+           "mkl_packed": lambda x: torch.ops.mkl._mkl_linear(x, mkl, w, None, rows),
+           "onednn_packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], ""),
+           "bf16 F.linear": lambda x: F.linear(x.bfloat16(), wb)}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dnn_b = torch.ops.mkldnn._reorder_linear_weight(wb, rows)
+        out["bf16 onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), dnn_b, None, "none",
+                                                                                  [], "")
+    return out
 
 
 def measure(n: int, k: int, rows: int, budget_flop: float) -> dict[str, tuple[float, float]]:

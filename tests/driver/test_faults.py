@@ -53,7 +53,7 @@ def _spec(tmp_path, n_rows=64):
     return ids, data
 
 
-def _wait_for(predicate, timeout=60.0):
+def _wait_for(predicate, timeout=240.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -117,7 +117,7 @@ def test_killed_driver_then_resume_recomputes_nothing_committed(cluster, tmp_pat
            "--address", cluster[0].address, "--no-progress", "--no-report"]
     driver = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(lambda: len(_committed(out)) >= 2, timeout=120)
+        _wait_for(lambda: len(_committed(out)) >= 2, timeout=240)
     finally:
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
@@ -173,10 +173,10 @@ def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path, monkeypa
     try:
         assert ray.get(actor.progress.remote())["shards"], "w0 held no shard when it was stopped"
         os.kill(pid, signal.SIGSTOP)
-        _wait_for(lambda: "given_up" in zombie, timeout=120)  # declared dead; its shards go to other workers
+        _wait_for(lambda: "given_up" in zombie, timeout=240)  # declared dead; its shards go to other workers
         os.kill(pid, signal.SIGCONT)  # it must still be there: no ProcessLookupError to swallow
         # the zombie really runs again: it answers and finishes the attempts it held
-        _wait_for(lambda: ray.get(actor.progress.remote(), timeout=30)["shards"] == {}, timeout=120)
+        _wait_for(lambda: ray.get(actor.progress.remote(), timeout=30)["shards"] == {}, timeout=240)
         thread.join(timeout=240)
         assert not thread.is_alive(), "the job did not end"
         os.kill(pid, 0)  # alive to the end: whatever it handed back came from a live zombie
