@@ -31,6 +31,7 @@ from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
 
 NATIVE_ENV = "JOBRUNNER_ATTENTION_NATIVE"
+FAST_ENV = "JOBRUNNER_ATTENTION_FAST"  # 0: the narrow builds' choice everywhere (exact kernel + SDPA for long chunks)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -117,7 +118,7 @@ class CpuPagedBackend(AttentionBackend):
                  ) -> None:
         self.fn = lib.jr_paged_attention
         self.lanes = int(lib.jr_fast_lanes())
-        wide = self.lanes >= FAST_MIN_LANES
+        wide = self.lanes >= FAST_MIN_LANES and os.environ.get(FAST_ENV, "1").strip() != "0"
         self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
 

@@ -304,117 +304,139 @@ static void fold_split(const Args *a, const Item *first, int64_t num_parts, cons
 
 
 /* ---- The fast prompt-chunk path (rows with query_len >= fast_min_query; not batch-invariant) ----
-   Query vectors in vector lanes: a work item is LANES consecutive (token, query head) pairs of one row and kv
-   head (LANES = one vector register: 16 floats on AVX-512, 8 on AVX2, 4 otherwise), its queries transposed
-   once into qt[D][LANES] (pre-scaled). Per tile of 16 keys the scores of all lanes come from D x 16 fused
-   multiply-adds with each key element broadcast, the online softmax runs lane-wise (no horizontal reduction
-   anywhere), and the output is kept transposed, acc[D][LANES], updated with each value element broadcast:
-   every arithmetic instruction works on a full register of query vectors. */
+   Query vectors in vector lanes: a work item is ITEM_LANES consecutive (token, query head) pairs of one row
+   and kv head, NV registers of VL floats each (AVX-512: 2 x 16, AVX2: 1 x 8, otherwise 1 x 4: as many as the
+   register file holds the accumulators of), its queries transposed once into qt[D][ITEM_LANES] (pre-scaled).
+   Per tile of 16 keys the scores of all lanes come from D x 16 x NV fused multiply-adds, each key element
+   broadcast once for the NV registers; the online softmax runs lane-wise (no horizontal reduction anywhere);
+   the output is kept transposed, acc[D][ITEM_LANES], and updated with each value element broadcast: every
+   arithmetic instruction works on a full register of query vectors. */
 #if defined(__AVX512F__)
-#define LANES 16
+#define VL 16
+#define NV 2
 #elif defined(__AVX2__)
-#define LANES 8
+#define VL 8
+#define NV 1
 #else
-#define LANES 4
+#define VL 4
+#define NV 1
 #endif
-typedef float v16 __attribute__((vector_size(LANES * 4)));
-typedef int32_t v16i __attribute__((vector_size(LANES * 4)));
+#define ITEM_LANES (VL * NV)
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
-static inline v16 ld16(const float *p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void st16(float *p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
-static inline v16 vselect(v16i m, v16 a, v16 b) { return (v16)(((v16i)a & m) | ((v16i)b & ~m)); }
-static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
+static inline vf ldv(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void stv(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 
 /* exp(x) lane-wise for x <= 0 (the same reduction and polynomial as exp_neg) */
-static inline v16 vexp_neg(v16 x) {
+static inline vf vexp_neg(vf x) {
   x = vmax(x, splat(-87.0f));
-  const v16 n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v16 p = splat(1.3981999507e-3f);
+  const vf n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  vf p = splat(1.3981999507e-3f);
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  return p * (v16)e;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)e;
 }
 
-/* one tile of n (<= TILE) keys, rows k / v with stride rs, against the item's 16 lanes. mask: lanes whose
-   positions or window hide some key of the tile (else every key is visible to every lane) */
+/* one tile of n (<= TILE) keys, rows k / v with stride rs, against the item's lanes. mask: some lane's
+   position or window hides some key of the tile (else every key is visible to every lane) */
 static void fast_tile(const float *restrict qt, const float *restrict k, const float *restrict v, int64_t rs,
                       int64_t n, int64_t k0, const int32_t *pos, const int32_t *fk, int mask, float *restrict acc,
                       float *restrict m, float *restrict l, int64_t D) {
-  v16 s[TILE];
+  vf s[TILE][NV];
   for (int jb = 0; jb < TILE; jb += 8) {
     const float *kr[8];
     for (int jj = 0; jj < 8; jj++) kr[jj] = k + (jb + jj < n ? jb + jj : n - 1) * rs;
-    v16 a[8] = {{0}};
+    vf a[8][NV];
+    for (int jj = 0; jj < 8; jj++)
+      for (int w = 0; w < NV; w++) a[jj][w] = splat(0.0f);
     for (int64_t d = 0; d < D; d++) {
-      const v16 qd = ld16(qt + d * LANES);
-      for (int jj = 0; jj < 8; jj++) a[jj] += qd * kr[jj][d];
+      vf qd[NV];
+      for (int w = 0; w < NV; w++) qd[w] = ldv(qt + d * ITEM_LANES + w * VL);
+      for (int jj = 0; jj < 8; jj++) {
+        const float kd = kr[jj][d];
+        for (int w = 0; w < NV; w++) a[jj][w] += qd[w] * kd;
+      }
     }
-    for (int jj = 0; jj < 8; jj++) s[jb + jj] = a[jj];
+    for (int jj = 0; jj < 8; jj++)
+      for (int w = 0; w < NV; w++) s[jb + jj][w] = a[jj][w];
   }
-  const v16 m_old = ld16(m);
-  v16 m_new = m_old;
-  v16i vis[TILE];
-  if (mask) {
-    v16i p, f;
-    __builtin_memcpy(&p, pos, sizeof p);
-    __builtin_memcpy(&f, fk, sizeof f);
+  for (int w = 0; w < NV; w++) {
+    vi vis[TILE];
+    if (mask) {
+      vi p, f;
+      __builtin_memcpy(&p, pos + w * VL, sizeof p);
+      __builtin_memcpy(&f, fk + w * VL, sizeof f);
+      for (int j = 0; j < TILE; j++) {
+        const int32_t key = (int32_t)(k0 + j);
+        vis[j] = (key <= p) & (key >= f) & (j < n ? -1 : 0);
+        s[j][w] = vselect(vis[j], s[j][w], splat(-INFINITY));
+      }
+    }
+    const vf m_old = ldv(m + w * VL);
+    vf m_new = m_old;
+    for (int j = 0; j < TILE; j++) m_new = vmax(m_new, s[j][w]);
+    const vf alpha = vexp_neg(m_old - m_new);
+    vf sum = splat(0.0f);
     for (int j = 0; j < TILE; j++) {
-      const int32_t key = (int32_t)(k0 + j);
-      vis[j] = (key <= p) & (key >= f) & (j < n ? -1 : 0);
-      s[j] = vselect(vis[j], s[j], splat(-INFINITY));
+      s[j][w] = vexp_neg(s[j][w] - m_new);
+      if (mask) s[j][w] = vselect(vis[j], s[j][w], splat(0.0f));
+      sum += s[j][w];
     }
+    stv(m + w * VL, m_new);
+    stv(l + w * VL, ldv(l + w * VL) * alpha + sum);
+    for (int64_t d = 0; d < D; d++) stv(acc + d * ITEM_LANES + w * VL, ldv(acc + d * ITEM_LANES + w * VL) * alpha);
   }
-  for (int j = 0; j < TILE; j++) m_new = vmax(m_new, s[j]);
-  const v16 alpha = vexp_neg(m_old - m_new);
-  v16 sum = splat(0.0f);
-  for (int j = 0; j < TILE; j++) {
-    s[j] = vexp_neg(s[j] - m_new);
-    if (mask) s[j] = vselect(vis[j], s[j], splat(0.0f));
-    sum += s[j];
-  }
-  st16(m, m_new);
-  st16(l, ld16(l) * alpha + sum);
   for (int64_t d0 = 0; d0 < D; d0 += 8) {
-    v16 a[8];
-    for (int dd = 0; dd < 8; dd++) a[dd] = ld16(acc + (d0 + dd) * LANES) * alpha;
+    vf a[8][NV];
+    for (int dd = 0; dd < 8; dd++)
+      for (int w = 0; w < NV; w++) a[dd][w] = ldv(acc + (d0 + dd) * ITEM_LANES + w * VL);
     for (int j = 0; j < TILE; j++) {
       const float *vr = v + (j < n ? j : n - 1) * rs + d0;
-      for (int dd = 0; dd < 8; dd++) a[dd] += s[j] * vr[dd];
+      for (int dd = 0; dd < 8; dd++) {
+        const float vd = vr[dd];
+        for (int w = 0; w < NV; w++) a[dd][w] += s[j][w] * vd;
+      }
     }
-    for (int dd = 0; dd < 8; dd++) st16(acc + (d0 + dd) * LANES, a[dd]);
+    for (int dd = 0; dd < 8; dd++)
+      for (int w = 0; w < NV; w++) stv(acc + (d0 + dd) * ITEM_LANES + w * VL, a[dd][w]);
   }
 }
 
-/* work: qt[D*LANES], acc[D*LANES], m[LANES], l[LANES], buf[2*TILE*D]; item: t0 .. t1 - 1 are the lanes (token * n_rep + r) */
+/* work: qt[D*IL], acc[D*IL], m[IL], l[IL], buf[2*TILE*D] (IL = ITEM_LANES); the item's lanes are t0 .. t1 - 1
+   (lane = token * n_rep + r) */
 static void run_fast_item(const Args *a, const Item *it, float *work) {
   const int64_t D = a->head_dim, H = a->num_heads, n_rep = H / a->num_kv_heads, row = it->row;
   const int64_t nl = it->t1 - it->t0, start = a->query_start[row], p0 = a->seq_len[row] - a->query_len[row];
-  float *qt = work, *acc = qt + D * LANES, *m = acc + D * LANES, *l = m + LANES, *buf = l + LANES;
-  int32_t pos[LANES], fk[LANES];
-  for (int64_t i = 0; i < LANES; i++) {
+  float *qt = work, *acc = qt + D * ITEM_LANES, *m = acc + D * ITEM_LANES, *l = m + ITEM_LANES;
+  float *buf = l + ITEM_LANES;
+  int32_t pos[ITEM_LANES], fk[ITEM_LANES];
+  for (int64_t i = 0; i < ITEM_LANES; i++) {  /* lanes past the item's last repeat its position, with q = 0 */
     const int64_t lane = it->t0 + (i < nl ? i : nl - 1), t = lane / n_rep, head = it->kvh * n_rep + lane % n_rep;
     pos[i] = (int32_t)(p0 + t);
     fk[i] = (int32_t)first_key(a, p0 + t);
     const int64_t at = ((start + t) * H + head) * D;
     for (int64_t d = 0; d < D; d++) {
       const float x = i >= nl ? 0.0f : a->bf16 ? from_bf16(((const uint16_t *)a->q)[at + d]) : ((const float *)a->q)[at + d];
-      qt[d * LANES + i] = x * a->scale;
+      qt[d * ITEM_LANES + i] = x * a->scale;
     }
     m[i] = -1e30f;
     l[i] = 0.0f;
   }
-  memset(acc, 0, sizeof(float) * (size_t)(D * LANES));
+  memset(acc, 0, sizeof(float) * (size_t)(D * ITEM_LANES));
   const int64_t *table = a->tables + row * a->max_blocks;
-  const int64_t lo = fk[0], hi = pos[LANES - 1] + 1;
+  const int64_t lo = fk[0], hi = pos[ITEM_LANES - 1] + 1;
   int64_t fk_max = 0;
-  for (int64_t i = 0; i < LANES; i++) fk_max = fk[i] > fk_max ? fk[i] : fk_max;
+  for (int64_t i = 0; i < ITEM_LANES; i++) fk_max = fk[i] > fk_max ? fk[i] : fk_max;
   for (int64_t k0 = lo - lo % TILE; k0 < hi; k0 += TILE) {
     const int64_t n = hi - k0 < TILE ? hi - k0 : TILE;
     const float *k, *v;
@@ -427,9 +449,9 @@ static void run_fast_item(const Args *a, const Item *it, float *work) {
     const int64_t index = ((start + t) * H + head) * D;
     const float inv = 1.0f / l[i];
     if (a->bf16)
-      for (int64_t d = 0; d < D; d++) ((uint16_t *)a->out)[index + d] = to_bf16(acc[d * LANES + i] * inv);
+      for (int64_t d = 0; d < D; d++) ((uint16_t *)a->out)[index + d] = to_bf16(acc[d * ITEM_LANES + i] * inv);
     else
-      for (int64_t d = 0; d < D; d++) ((float *)a->out)[index + d] = acc[d * LANES + i] * inv;
+      for (int64_t d = 0; d < D; d++) ((float *)a->out)[index + d] = acc[d * ITEM_LANES + i] * inv;
   }
 }
 
@@ -440,7 +462,7 @@ static int64_t num_items(const Args *a, int64_t num_rows, int split) {
   const int64_t n_rep = a->num_heads / a->num_kv_heads;
   for (int64_t i = 0; i < num_rows; i++) {
     const int64_t ql = a->query_len[i], last = a->seq_len[i] - 1;
-    if (is_fast(a, ql)) n += (ql * n_rep + LANES - 1) / LANES;
+    if (is_fast(a, ql)) n += (ql * n_rep + ITEM_LANES - 1) / ITEM_LANES;
     else if (ql == 1) n += split ? last / PART - first_key(a, last) / PART + 1 : 1;
     else n += (ql + QTILE - 1) / QTILE;
   }
@@ -456,8 +478,8 @@ static int64_t make_items(const Args *a, int64_t num_rows, int split, Item *item
     for (int64_t h = 0; h < a->num_kv_heads; h++) {
       if (is_fast(a, ql)) {
         const int64_t lanes = ql * (a->num_heads / a->num_kv_heads);
-        for (int64_t l0 = 0; l0 < lanes; l0 += LANES)
-          items[n++] = (Item){i, h, l0, l0 + LANES < lanes ? l0 + LANES : lanes, 0, 0, FAST};
+        for (int64_t l0 = 0; l0 < lanes; l0 += ITEM_LANES)
+          items[n++] = (Item){i, h, l0, l0 + ITEM_LANES < lanes ? l0 + ITEM_LANES : lanes, 0, 0, FAST};
       } else if (ql == 1 && split) {
         for (int64_t c = c0; c <= c1; c++) items[n++] = (Item){i, h, 0, 1, c, c, partial++};
       } else if (ql == 1) {
@@ -492,7 +514,7 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
   const int64_t num_partials = make_items(&a, num_rows, split, items, &n);
   const int64_t n_rep = num_heads / num_kv_heads, sd = head_dim + 2, nv = QTILE * n_rep;
   const int64_t exact_len = nv * head_dim + 2 * nv * sd + 2 * TILE * head_dim;
-  const int64_t fast_len = 2 * LANES * head_dim + 2 * LANES + 2 * TILE * head_dim;
+  const int64_t fast_len = 2 * ITEM_LANES * head_dim + 2 * ITEM_LANES + 2 * TILE * head_dim;
   const int64_t work_len = exact_len > fast_len ? exact_len : fast_len;
   float *partials = malloc(sizeof(float) * (size_t)(num_partials * n_rep * sd + 1));
   int failed = partials == NULL;
@@ -528,5 +550,5 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
   return failed ? 2 : 0;
 }
 
-/* query vectors per fast-path work item: the build's vector width in floats (16 AVX-512, 8 AVX2, 4 otherwise) */
-int jr_fast_lanes(void) { return LANES; }
+/* the build's vector width in floats (16 AVX-512, 8 AVX2, 4 otherwise) */
+int jr_fast_lanes(void) { return VL; }
