@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from jobrunner.attention import AttentionMetadata, paged_attention
+from jobrunner.models import fused_ops
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -80,10 +81,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops.rms_norm(x, self.weight, self.eps)
+        return fused[0] if fused is not None else self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch ops (what the fused kernel reproduces)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + add), x + add)``: the residual add and the norm in one pass where fused ops run."""
+        fused = fused_ops.rms_norm(x, self.weight, self.eps, add)
+        if fused is not None:
+            return fused
+        total = x + add
+        return self.reference(total), total
 
 
 class Attention(nn.Module):
@@ -112,7 +126,8 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if not fused_ops.rotary_(q, k, *rope):  # in place on the qkv row views where it can
+            q, k = apply_rotary(q, k, *rope)
         out = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out)
 
@@ -125,8 +140,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = fused_ops.silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = nn.functional.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -138,8 +157,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape)
 
     def forward(self, x, rope, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm):  # residual add + norm in one pass (not when wrapped, e.g. row tiling)
+            h, x = norm.add_forward(x, h)
+        else:
+            x = x + h
+            h = norm(x)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

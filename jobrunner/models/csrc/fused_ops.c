@@ -1,0 +1,139 @@
+/* Fused row-wise ops of the Llama-family decoder for CPU (jobrunner/models/fused_ops.py calls them via ctypes).
+
+   Each replaces a chain of 4-10 torch kernels (each a pass over the activations and an allocation) by one pass:
+   - jr_rms_norm: optional residual add (written back), then weight * (r * rsqrt(mean(r^2) + eps)), with the
+     roundings to the model dtype where torch has them (after the add, before the weight, after the weight);
+   - jr_rotary: q and k rotated in place (x * cos + rotate_half(x) * sin, rounding each product and the sum);
+   - jr_silu_mul: silu(gate) * up of a fused gate|up projection.
+   Tensors are float32 or bfloat16 (bf16 = 1), rows contiguous (row strides given where views are allowed).
+   Arithmetic is float32; a row's result depends on that row alone (batch-invariant). Built without floating-
+   point contraction so products round as torch's do. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+static inline uint16_t to_bf16(float x) {
+  union { float f; uint32_t u; } v = {x};
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64u);
+  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
+
+static void load_row(const void *p, int64_t at, int64_t n, int bf16, float *dst) {
+  if (bf16) {
+    const uint16_t *s = (const uint16_t *)p + at;
+    for (int64_t i = 0; i < n; i++) dst[i] = from_bf16(s[i]);
+  } else {
+    memcpy(dst, (const float *)p + at, sizeof(float) * (size_t)n);
+  }
+}
+
+static void store_row(void *p, int64_t at, int64_t n, int bf16, const float *src) {
+  if (bf16) {
+    uint16_t *d = (uint16_t *)p + at;
+    for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+  } else {
+    memcpy((float *)p + at, src, sizeof(float) * (size_t)n);
+  }
+}
+
+/* out = norm(x (+ add)); with add, x + add is also written to sum_out. n <= 32768. */
+int jr_rms_norm(const void *x, const void *add, void *sum_out, void *out, const void *weight, int64_t rows,
+                int64_t n, float eps, int64_t bf16, int64_t threads) {
+  if (n > 32768) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 32768)
+  for (int64_t t = 0; t < rows; t++) {
+    float r[n], w[n], a[n];
+    load_row(x, t * n, n, (int)bf16, r);
+    if (add) {
+      load_row(add, t * n, n, (int)bf16, a);
+      for (int64_t i = 0; i < n; i++) r[i] = bf16 ? round_bf16(r[i] + a[i]) : r[i] + a[i];
+      store_row(sum_out, t * n, n, (int)bf16, r);
+    }
+    float part[16] = {0};
+    for (int64_t i = 0; i < n; i++) part[i % 16] += r[i] * r[i];
+    float ss = 0.0f;
+    for (int i = 0; i < 16; i++) ss += part[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    load_row(weight, 0, n, (int)bf16, w);
+    for (int64_t i = 0; i < n; i++) {
+      const float y = bf16 ? round_bf16(r[i] * inv) : r[i] * inv;
+      r[i] = w[i] * y;
+    }
+    store_row(out, t * n, n, (int)bf16, r);
+  }
+  return 0;
+}
+
+/* x [heads, D] of one token rotated in place: first half x1 * c1 - x2 * s1, second x2 * c2 + x1 * s2 */
+static void rotate_heads(void *x, int64_t at, int64_t heads, int64_t D, const float *c, const float *s, int bf16,
+                         float *buf) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; h++) {
+    load_row(x, at + h * D, D, bf16, buf);
+    float o[D];
+    for (int64_t i = 0; i < half; i++) {
+      float a = buf[i] * c[i], b = -buf[i + half] * s[i];
+      float p = buf[i + half] * c[i + half], r = buf[i] * s[i + half];
+      if (bf16) {
+        a = round_bf16(a); b = round_bf16(b); p = round_bf16(p); r = round_bf16(r);
+      }
+      o[i] = a + b;
+      o[i + half] = p + r;
+    }
+    store_row(x, at + h * D, D, bf16, o);
+  }
+}
+
+/* q [T, hq, D] and k [T, hk, D] in place (row strides qs, ks elements; a row's heads contiguous);
+   cos / sin [T, D] contiguous. D even, <= 4096. */
+int jr_rotary(void *q, void *k, const void *cos_, const void *sin_, int64_t rows, int64_t hq, int64_t hk,
+              int64_t D, int64_t qs, int64_t ks, int64_t bf16, int64_t threads) {
+  if (D % 2 || D > 4096) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * (hq + hk) * D > 32768)
+  for (int64_t t = 0; t < rows; t++) {
+    float c[D], s[D], buf[D];
+    load_row(cos_, t * D, D, (int)bf16, c);
+    load_row(sin_, t * D, D, (int)bf16, s);
+    rotate_heads(q, t * qs, hq, D, c, s, (int)bf16, buf);
+    rotate_heads(k, t * ks, hk, D, c, s, (int)bf16, buf);
+  }
+  return 0;
+}
+
+/* exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial, ~2 ulp); branch-free so it vectorizes */
+static inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  union { uint32_t u; float f; } two_n = {(uint32_t)((int32_t)n + 127) << 23};
+  return p * two_n.f;
+}
+
+/* out [T, I] = silu(gate) * up, gate_up [T, 2I] (gate first); silu(g) = g / (1 + exp(-g)), from exp(-|g|) */
+int jr_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t I, int64_t bf16, int64_t threads) {
+  if (I > 32768) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * I > 32768)
+  for (int64_t t = 0; t < rows; t++) {
+    float g[I], u[I];
+    load_row(gate_up, t * 2 * I, I, (int)bf16, g);
+    load_row(gate_up, t * 2 * I + I, I, (int)bf16, u);
+    for (int64_t i = 0; i < I; i++) {
+      const float e = exp_neg(-fabsf(g[i]));
+      const float num = g[i] >= 0.0f ? g[i] : g[i] * e;
+      float y = num / (1.0f + e);
+      if (bf16) y = round_bf16(y);
+      g[i] = y * u[i];
+    }
+    store_row(out, t * I, I, (int)bf16, g);
+  }
+  return 0;
+}
