@@ -38,30 +38,58 @@ static void store_row(void *p, int64_t at, int64_t n, int bf16, const float *src
   }
 }
 
+/* sum of squares in 16 partial sums (a fixed order that vectorizes) */
+static inline float sum_squares(const float *restrict r, int64_t n) {
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; j++) part[j] += r[i + j] * r[i + j];
+  for (; i < n; i++) part[i % 16] += r[i] * r[i];
+  float ss = 0.0f;
+  for (int j = 0; j < 16; j++) ss += part[j];
+  return ss;
+}
+
+static void norm_row_f32(const float *restrict x, const float *restrict add, float *restrict sum_out,
+                         float *restrict out, const float *restrict w, int64_t n, float eps) {
+  const float *r = x;
+  if (add) {
+    for (int64_t i = 0; i < n; i++) sum_out[i] = x[i] + add[i];
+    r = sum_out;
+  }
+  const float inv = 1.0f / sqrtf(sum_squares(r, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = w[i] * (r[i] * inv);
+}
+
+static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict add, uint16_t *restrict sum_out,
+                          uint16_t *restrict out, const uint16_t *restrict w, int64_t n, float eps, float *restrict r) {
+  if (add) {
+    for (int64_t i = 0; i < n; i++) {
+      const uint16_t s = to_bf16(from_bf16(x[i]) + from_bf16(add[i]));
+      sum_out[i] = s;
+      r[i] = from_bf16(s);
+    }
+  } else {
+    for (int64_t i = 0; i < n; i++) r[i] = from_bf16(x[i]);
+  }
+  const float inv = 1.0f / sqrtf(sum_squares(r, n) / (float)n + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = to_bf16(from_bf16(w[i]) * round_bf16(r[i] * inv));
+}
+
 /* out = norm(x (+ add)); with add, x + add is also written to sum_out. n <= 32768. */
 int jr_rms_norm(const void *x, const void *add, void *sum_out, void *out, const void *weight, int64_t rows,
                 int64_t n, float eps, int64_t bf16, int64_t threads) {
   if (n > 32768) return 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 32768)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 65536)
   for (int64_t t = 0; t < rows; t++) {
-    float r[n], w[n], a[n];
-    load_row(x, t * n, n, (int)bf16, r);
-    if (add) {
-      load_row(add, t * n, n, (int)bf16, a);
-      for (int64_t i = 0; i < n; i++) r[i] = bf16 ? round_bf16(r[i] + a[i]) : r[i] + a[i];
-      store_row(sum_out, t * n, n, (int)bf16, r);
+    if (bf16) {
+      float r[n];
+      norm_row_bf16((const uint16_t *)x + t * n, add ? (const uint16_t *)add + t * n : NULL,
+                    add ? (uint16_t *)sum_out + t * n : NULL, (uint16_t *)out + t * n, weight, n, eps, r);
+    } else {
+      norm_row_f32((const float *)x + t * n, add ? (const float *)add + t * n : NULL,
+                   add ? (float *)sum_out + t * n : NULL, (float *)out + t * n, weight, n, eps);
     }
-    float part[16] = {0};
-    for (int64_t i = 0; i < n; i++) part[i % 16] += r[i] * r[i];
-    float ss = 0.0f;
-    for (int i = 0; i < 16; i++) ss += part[i];
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    load_row(weight, 0, n, (int)bf16, w);
-    for (int64_t i = 0; i < n; i++) {
-      const float y = bf16 ? round_bf16(r[i] * inv) : r[i] * inv;
-      r[i] = w[i] * y;
-    }
-    store_row(out, t * n, n, (int)bf16, r);
   }
   return 0;
 }
@@ -118,22 +146,25 @@ static inline float exp_neg(float x) {
   return p * two_n.f;
 }
 
+static inline float silu(float g) {
+  const float e = exp_neg(-fabsf(g));
+  return (g >= 0.0f ? g : g * e) / (1.0f + e);
+}
+
 /* out [T, I] = silu(gate) * up, gate_up [T, 2I] (gate first); silu(g) = g / (1 + exp(-g)), from exp(-|g|) */
 int jr_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t I, int64_t bf16, int64_t threads) {
   if (I > 32768) return 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * I > 32768)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * I > 65536)
   for (int64_t t = 0; t < rows; t++) {
-    float g[I], u[I];
-    load_row(gate_up, t * 2 * I, I, (int)bf16, g);
-    load_row(gate_up, t * 2 * I + I, I, (int)bf16, u);
-    for (int64_t i = 0; i < I; i++) {
-      const float e = exp_neg(-fabsf(g[i]));
-      const float num = g[i] >= 0.0f ? g[i] : g[i] * e;
-      float y = num / (1.0f + e);
-      if (bf16) y = round_bf16(y);
-      g[i] = y * u[i];
+    if (bf16) {
+      const uint16_t *g = (const uint16_t *)gate_up + t * 2 * I, *u = g + I;
+      uint16_t *o = (uint16_t *)out + t * I;
+      for (int64_t i = 0; i < I; i++) o[i] = to_bf16(round_bf16(silu(from_bf16(g[i]))) * from_bf16(u[i]));
+    } else {
+      const float *g = (const float *)gate_up + t * 2 * I, *u = g + I;
+      float *o = (float *)out + t * I;
+      for (int64_t i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
     }
-    store_row(out, t * I, I, (int)bf16, g);
   }
   return 0;
 }
