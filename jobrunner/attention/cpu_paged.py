@@ -48,7 +48,8 @@ def _library(capability: str) -> ctypes.CDLL | str:
         return f"native paged attention unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
     fn = lib.jr_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 3
+                   + [ctypes.c_void_p] * 4)
     lib.jr_fast_lanes.restype = ctypes.c_int
     return lib
 
@@ -85,13 +86,18 @@ def cpu_paged_unavailable_reason(device, head_dim: int) -> str | None:
 NATIVE_MAX_QUERY = 8
 FAST_MIN_QUERY = 2
 FAST_MIN_LANES = 16
+# Decodes whose rows share cached prefix blocks read those keys once for the whole group (on the fast kernel,
+# their queries in its lanes) and only their own keys one by one; with the fast kernel only (not in
+# deterministic mode), JOBRUNNER_ATTENTION_SHARED=0 turns it off.
+SHARED_ENV = "JOBRUNNER_ATTENTION_SHARED"
+SHARED_MIN_KEYS = 128
 
 
 class CpuPagedMetadata(AttentionMetadata):
     """One step's rows for the kernel (int64 views of the step upload) and the torch groups of the long chunks."""
 
     def __init__(self, backend: CpuPagedBackend, t: dict[str, torch.Tensor], native: StepLayout, max_blocks: int,
-                 torch_groups: list) -> None:
+                 torch_groups: list, num_shared: int = 0) -> None:
         self.backend = backend
         self.slot_mapping = t["slot_mapping"]
         self.num_tokens = native.num_tokens
@@ -101,6 +107,8 @@ class CpuPagedMetadata(AttentionMetadata):
         self.block_size = native.block_size
         self.window = native.sliding_window or 0
         self.torch_groups = torch_groups
+        self.num_shared = num_shared  # groups of decodes reading their shared prefix blocks once
+        self.shared = (t["cp_goff"], t["cp_grows"], t["cp_glen"], t["cp_kstart"])
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -121,6 +129,7 @@ class CpuPagedBackend(AttentionBackend):
         wide = self.lanes >= FAST_MIN_LANES and os.environ.get(FAST_ENV, "1").strip() != "0"
         self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
+        self.share_prefixes = os.environ.get(SHARED_ENV, "1").strip() != "0"
 
     def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
         native, long_chunks = _split_rows(layout, self.native_max_query)
@@ -133,8 +142,20 @@ class CpuPagedBackend(AttentionBackend):
             row = table[:max_blocks]
             tables += row + [0] * (max_blocks - len(row))
         upload.add("cp_tables", tables)
+        shared = shared_prefix_groups(native) if self.fast_min_query and self.share_prefixes else []
+        offsets, members, lengths, key_start = [0], [], [], [0] * native.num_rows
+        for rows, length in shared:
+            members += rows
+            offsets.append(len(members))
+            lengths.append(length)
+            for row in rows:
+                key_start[row] = length
+        upload.add("cp_goff", offsets)
+        upload.add("cp_grows", members or [0])
+        upload.add("cp_glen", lengths or [0])
+        upload.add("cp_kstart", key_start or [0])
         groups = TORCH_BACKEND.build(long_chunks, upload).groups if long_chunks.num_rows else []
-        return CpuPagedMetadata(self, upload.flush(), native, max_blocks, groups)
+        return CpuPagedMetadata(self, upload.flush(), native, max_blocks, groups, len(shared))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -156,7 +177,8 @@ class CpuPagedBackend(AttentionBackend):
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
                      length.data_ptr(), seq.data_ptr(), tables.data_ptr(), meta.max_blocks, meta.num_rows,
                      q.shape[1], k_cache.shape[1], q.shape[2], meta.block_size, meta.window, DTYPES[q.dtype],
-                     scale, torch.get_num_threads(), self.fast_min_query or 0)
+                     scale, torch.get_num_threads(), self.fast_min_query or 0, meta.num_shared,
+                     *(x.data_ptr() for x in meta.shared))
         if rc:
             raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
 
@@ -170,6 +192,38 @@ def _split_rows(layout: StepLayout, native_max_query: int | None) -> tuple[StepL
         for values, value in zip((part.query_starts, part.query_lens, part.seq_lens, part.block_tables), row):
             values.append(value)
     return parts
+
+
+def shared_prefix_groups(layout: StepLayout) -> list[tuple[list[int], int]]:
+    """Decode rows whose block tables start with the same blocks (prefix-cache hits on one prompt header):
+    ``[(rows, shared_keys)]``, each group at least 2 rows sharing at least ``SHARED_MIN_KEYS`` keys of whole
+    blocks that every member's query sees; none with a sliding window. The tables are sorted and cut where
+    two neighbours share fewer keys, so rows under a common header but with different few-shot prefixes form
+    one group per prefix."""
+    if layout.sliding_window:
+        return []
+    bs = layout.block_size
+    min_blocks = -(-SHARED_MIN_KEYS // bs)
+    rows = sorted((i for i, (q_len, seq_len) in enumerate(zip(layout.query_lens, layout.seq_lens))
+                   if q_len == 1 and seq_len - 1 >= SHARED_MIN_KEYS), key=lambda i: layout.block_tables[i])
+    groups, run, common = [], [], 0
+    for i in rows:
+        if run:
+            prev, table = layout.block_tables[run[-1]], layout.block_tables[i]
+            limit = min(common, (layout.seq_lens[i] - 1) // bs)  # whole blocks before every member's own token
+            same = 0
+            while same < limit and table[same] == prev[same]:
+                same += 1
+            if same >= min_blocks:
+                run.append(i)
+                common = same
+                continue
+            if len(run) > 1:
+                groups.append((sorted(run), common * bs))
+        run, common = [i], (layout.seq_lens[i] - 1) // bs
+    if len(run) > 1:
+        groups.append((sorted(run), common * bs))
+    return groups
 
 
 def make_cpu_paged_backend(device, head_dim: int) -> CpuPagedBackend:

@@ -211,3 +211,85 @@ def test_opt_out_and_missing_compiler_fall_back(monkeypatch):
         make_backend("cpu_paged", 4, 2, 16, CPU, head_dim=24)
     with pytest.raises(RuntimeError, match="CPU only"):
         make_backend("cpu_paged", 4, 2, 16, torch.device("cuda"), head_dim=64)
+
+
+def _shared_layout(prefix_blocks, rows, block_size, rng):
+    """Decode rows (own tokens after a shared prefix of ``prefix_blocks`` blocks) plus other rows:
+    rows = [(shared, start, q_len)], ``shared`` True: the row's table starts with the shared blocks."""
+    num_blocks = prefix_blocks + sum(-(-(s + q) // block_size) for _, s, q in rows) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix = [free.pop() for _ in range(prefix_blocks)]
+    layout = StepLayout([], [], [], [], 0, block_size)
+    slots = []
+    for shared, start, q_len in rows:
+        seq_len = start + q_len
+        need = -(-seq_len // block_size)
+        table = (prefix + [free.pop() for _ in range(need - prefix_blocks)]) if shared else \
+            [free.pop() for _ in range(need)]
+        layout.query_starts.append(layout.num_tokens)
+        layout.query_lens.append(q_len)
+        layout.seq_lens.append(seq_len)
+        layout.block_tables.append(table)
+        layout.num_tokens += q_len
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, seq_len)]
+    return layout, slots, num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(16, 9, 3), (7, 8, 2), (32, 4, 4)])
+def test_decodes_sharing_prefix_blocks_read_them_once_and_match_torch(capability, dtype, block_size, num_heads,
+                                                                     num_kv_heads):
+    prefix_blocks = -(-300 // block_size)
+    shared = prefix_blocks * block_size
+    # 7 decodes on the shared prefix (own tails of 1 to 90 tokens, one right at the prefix's end), a decode and
+    # a chunk on other blocks, and a chunk after the shared prefix (never grouped: not a decode)
+    rows = [(True, shared + t, 1) for t in (0, 1, 5, 16, 17, 40, 89)]
+    rows += [(False, 500, 1), (False, 0, 30), (True, shared + 3, 12)]
+    layout, slots, num_blocks = _shared_layout(prefix_blocks, rows, block_size, random.Random(block_size))
+    groups = cpu_paged.shared_prefix_groups(layout)
+    assert groups == [([0, 1, 2, 3, 4, 5, 6], shared)]
+    q, k, v, cache = _inputs(layout, num_blocks * block_size, num_heads, num_kv_heads, 64, block_size, dtype)
+    backend = _backend(num_heads, num_kv_heads, block_size, 64, "fast")
+    assert backend.share_prefixes
+    got, _, _ = _attend(backend, layout, slots, q, k, v, cache)
+    want, _, _ = _attend(TORCH_BACKEND, layout, slots, q, k, v, cache)
+    _close_to_torch(got, want, dtype)
+    backend.share_prefixes = False
+    alone, _, _ = _attend(backend, layout, slots, q, k, v, cache)
+    _close_to_torch(alone, want, dtype)
+
+
+def _close_to_torch(got, want, dtype):
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_prefix_groups_need_two_rows_whole_blocks_and_no_window():
+    rng = random.Random(0)
+    layout, _, _ = _shared_layout(8, [(True, 128, 1), (True, 200, 1), (False, 300, 1)], 16, rng)
+    assert cpu_paged.shared_prefix_groups(layout) == [([0, 1], 128)]  # row 0's own token sits in block 8
+    layout, _, _ = _shared_layout(8, [(True, 127, 1), (True, 200, 1)], 16, rng)
+    assert cpu_paged.shared_prefix_groups(layout) == []  # row 0 is inside the prefix: 7 whole blocks < 128 keys
+    layout, _, _ = _shared_layout(16, [(True, 300, 1)], 16, rng)
+    assert cpu_paged.shared_prefix_groups(layout) == []  # one row: nothing to share
+    layout, _, _ = _shared_layout(16, [(True, 300, 1), (True, 400, 1)], 16, rng)
+    layout.sliding_window = 1000
+    assert cpu_paged.shared_prefix_groups(layout) == []
+
+
+def test_deterministic_mode_never_groups(capability):
+    layout, slots, num_blocks = _shared_layout(20, [(True, 330, 1), (True, 340, 1)], 16, random.Random(1))
+    q, k, v, cache = _inputs(layout, num_blocks * 16, 8, 2, 64, 1)
+    exact = _backend(8, 2, 16, 64, True)
+    meta_upload = StepUpload(CPU)
+    meta_upload.add("slot_mapping", slots)
+    assert exact.build(layout, meta_upload).num_shared == 0
+    got, _, _ = _attend(exact, layout, slots, q, k, v, cache)
+    # each row's bits are those of the row alone (batch-invariant)
+    for i in range(2):
+        one = StepLayout([0], [1], [layout.seq_lens[i]], [layout.block_tables[i]], 1, 16)
+        alone, _, _ = _attend(exact, one, [slots[i]], q[i:i + 1], k[i:i + 1], v[i:i + 1], cache)
+        assert torch.equal(alone[0], got[i])

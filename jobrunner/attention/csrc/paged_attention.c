@@ -36,11 +36,19 @@ typedef struct {
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, bf16;
   float scale;
   int64_t fast_min_query;  /* rows with at least this many query tokens take the fast path (0: none do) */
+  /* decode rows sharing cached prefix blocks (may be 0 groups): group g's rows are group_rows[group_off[g] ..
+     group_off[g + 1] - 1], its first group_len[g] keys are shared; key_start[row] is where a row's own keys
+     start (0 outside groups) */
+  int64_t num_groups;
+  const int64_t *group_off, *group_rows, *group_len, *key_start;
+  float *shared_states, *suffix_states;  /* [num_rows * num_heads * (D + 2)] each, for grouped rows */
 } Args;
 
 /* partial >= 0: a split decode's partition; -1: write the output; FAST: a fast prompt-chunk item (lanes t0..t1) */
 typedef struct { int64_t row, kvh, t0, t1, c0, c1, partial; } Item;
 #define FAST (-2)
+#define GROUPED (-3)  /* a grouped decode's own keys: its state waits for the merge with the shared part */
+#define SHARED (-4)   /* a group's shared keys against its rows' queries (row = the group, lanes t0..t1) */
 
 static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
 static inline uint16_t to_bf16(float x) {
@@ -231,7 +239,9 @@ static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_re
   const int64_t D = a->head_dim, row = it->row, nt = it->t1 - it->t0;
   const int64_t first_pos = a->seq_len[row] - a->query_len[row] + it->t0, last_pos = first_pos + nt - 1;
   const int64_t *table = a->tables + row * a->max_blocks;
+  const int64_t own = a->key_start ? a->key_start[row] : 0;  /* a grouped decode's keys start after the shared */
   int64_t lo = first_key(a, first_pos), hi = last_pos + 1;
+  lo = own > lo ? own : lo;
   lo = lo > c * PART ? lo : c * PART;
   hi = hi < (c + 1) * PART ? hi : (c + 1) * PART;
   for (int64_t k0 = lo - lo % TILE; k0 < hi; k0 += TILE) {
@@ -244,7 +254,7 @@ static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_re
       prefetch_rows((const float *)a->k_cache + at, (const float *)a->v_cache + at, rows, a->num_kv_heads * D, D);
     }
     for (int64_t t = 0; t < nt; t++) {
-      const int64_t pos = first_pos + t, f = first_key(a, pos);
+      const int64_t pos = first_pos + t, fk = first_key(a, pos), f = own > fk ? own : fk;
       const int64_t j0 = f > k0 ? f - k0 : 0, j1 = pos + 1 - k0 < n ? pos + 1 - k0 : n;
       if (j0 >= j1) continue;
       seen[t] = 1;
@@ -273,8 +283,9 @@ static void run_item(const Args *a, const Item *it, float *work, float *partials
       have[t] = 1;
     }
   }
-  if (it->partial >= 0) {  /* one partition of a split decode: its state waits for the fold */
-    float *dst = partials + it->partial * n_rep * sd;
+  if (it->partial >= 0 || it->partial == GROUPED) {  /* a split decode's partition, or a grouped decode's own keys */
+    float *dst = it->partial >= 0 ? partials + it->partial * n_rep * sd
+                                  : a->suffix_states + (it->row * a->num_kv_heads + it->kvh) * n_rep * sd;
     if (have[0]) memcpy(dst, run, sizeof(float) * n_rep * sd);
     else reset(dst, n_rep, D);
     return;
@@ -455,7 +466,58 @@ static void run_fast_item(const Args *a, const Item *it, float *work) {
   }
 }
 
+/* A group's shared keys 0 .. group_len - 1 (every one visible to every member's decode query) against the
+   queries of its members: lanes t0 .. t1 - 1 are (member, query head) pairs. Each lane's state (unnormalised
+   output, max, sum) goes to shared_states for the merge with the member's own keys. */
+static void run_shared_item(const Args *a, const Item *it, float *work) {
+  const int64_t D = a->head_dim, H = a->num_heads, n_rep = H / a->num_kv_heads, g = it->row, sd = D + 2;
+  const int64_t nl = it->t1 - it->t0, *rows = a->group_rows + a->group_off[g], len = a->group_len[g];
+  float *qt = work, *acc = qt + D * ITEM_LANES, *m = acc + D * ITEM_LANES, *l = m + ITEM_LANES;
+  float *buf = l + ITEM_LANES;
+  int32_t pos[ITEM_LANES], fk[ITEM_LANES];
+  for (int64_t i = 0; i < ITEM_LANES; i++) {
+    const int64_t lane = it->t0 + (i < nl ? i : nl - 1), row = rows[lane / n_rep];
+    const int64_t head = it->kvh * n_rep + lane % n_rep, at = (a->query_start[row] * H + head) * D;
+    pos[i] = (int32_t)(len - 1);
+    fk[i] = 0;
+    for (int64_t d = 0; d < D; d++) {
+      const float x = i >= nl ? 0.0f : a->bf16 ? from_bf16(((const uint16_t *)a->q)[at + d]) : ((const float *)a->q)[at + d];
+      qt[d * ITEM_LANES + i] = x * a->scale;
+    }
+    m[i] = -1e30f;
+    l[i] = 0.0f;
+  }
+  memset(acc, 0, sizeof(float) * (size_t)(D * ITEM_LANES));
+  const int64_t *table = a->tables + rows[0] * a->max_blocks;  /* the shared blocks are the same in every member */
+  for (int64_t k0 = 0; k0 < len; k0 += TILE) {
+    const int64_t n = len - k0 < TILE ? len - k0 : TILE;
+    const float *k, *v;
+    const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
+    fast_tile(qt, k, v, stride, n, k0, pos, fk, n < TILE, acc, m, l, D);
+  }
+  for (int64_t i = 0; i < nl; i++) {
+    const int64_t lane = it->t0 + i, row = rows[lane / n_rep], r = lane % n_rep;
+    float *st = a->shared_states + ((row * a->num_kv_heads + it->kvh) * n_rep + r) * sd;
+    for (int64_t d = 0; d < D; d++) st[d] = acc[d * ITEM_LANES + i];
+    st[D] = m[i];
+    st[D + 1] = l[i];
+  }
+}
+
+/* a grouped decode row: its shared state, then its own keys' state, folded in that order and written out */
+static void merge_grouped(const Args *a, int64_t row, int64_t kvh, float *work) {
+  const int64_t D = a->head_dim, n_rep = a->num_heads / a->num_kv_heads, sd = D + 2;
+  const int64_t at = (row * a->num_kv_heads + kvh) * n_rep * sd;
+  memcpy(work, a->shared_states + at, sizeof(float) * (size_t)(n_rep * sd));
+  for (int64_t r = 0; r < n_rep; r++) {
+    const float *own = a->suffix_states + at + r * sd;
+    if (!(own[D + 1] == 0.0f && own[D] == -INFINITY)) merge_state(work + r * sd, own, D);
+    finish(work + r * sd, a->out, (a->query_start[row] * a->num_heads + kvh * n_rep + r) * D, D, a->bf16);
+  }
+}
+
 static inline int is_fast(const Args *a, int64_t ql) { return a->fast_min_query > 0 && ql >= a->fast_min_query; }
+static inline int is_grouped(const Args *a, int64_t row) { return a->key_start && a->key_start[row] > 0; }
 
 static int64_t num_items(const Args *a, int64_t num_rows, int split) {
   int64_t n = 0;
@@ -463,9 +525,11 @@ static int64_t num_items(const Args *a, int64_t num_rows, int split) {
   for (int64_t i = 0; i < num_rows; i++) {
     const int64_t ql = a->query_len[i], last = a->seq_len[i] - 1;
     if (is_fast(a, ql)) n += (ql * n_rep + ITEM_LANES - 1) / ITEM_LANES;
-    else if (ql == 1) n += split ? last / PART - first_key(a, last) / PART + 1 : 1;
+    else if (ql == 1) n += split && !is_grouped(a, i) ? last / PART - first_key(a, last) / PART + 1 : 1;
     else n += (ql + QTILE - 1) / QTILE;
   }
+  for (int64_t g = 0; g < a->num_groups; g++)
+    n += ((a->group_off[g + 1] - a->group_off[g]) * n_rep + ITEM_LANES - 1) / ITEM_LANES;
   return n * a->num_kv_heads;
 }
 
@@ -474,9 +538,12 @@ static int64_t make_items(const Args *a, int64_t num_rows, int split, Item *item
   int64_t n = 0, partial = 0;
   for (int64_t i = 0; i < num_rows; i++) {
     const int64_t ql = a->query_len[i], pos = a->seq_len[i] - 1;
-    const int64_t c0 = first_key(a, pos - ql + 1) / PART, c1 = pos / PART;
+    const int64_t own = is_grouped(a, i) ? a->key_start[i] : 0, fk0 = first_key(a, pos - ql + 1);
+    const int64_t c0 = (own > fk0 ? own : fk0) / PART, c1 = pos / PART;
     for (int64_t h = 0; h < a->num_kv_heads; h++) {
-      if (is_fast(a, ql)) {
+      if (ql == 1 && own) {
+        items[n++] = (Item){i, h, 0, 1, c0, c1, GROUPED};
+      } else if (is_fast(a, ql)) {
         const int64_t lanes = ql * (a->num_heads / a->num_kv_heads);
         for (int64_t l0 = 0; l0 < lanes; l0 += ITEM_LANES)
           items[n++] = (Item){i, h, l0, l0 + ITEM_LANES < lanes ? l0 + ITEM_LANES : lanes, 0, 0, FAST};
@@ -493,6 +560,13 @@ static int64_t make_items(const Args *a, int64_t num_rows, int split, Item *item
       }
     }
   }
+  const int64_t n_rep = a->num_heads / a->num_kv_heads;
+  for (int64_t g = 0; g < a->num_groups; g++) {
+    const int64_t lanes = (a->group_off[g + 1] - a->group_off[g]) * n_rep;
+    for (int64_t h = 0; h < a->num_kv_heads; h++)
+      for (int64_t l0 = 0; l0 < lanes; l0 += ITEM_LANES)
+        items[n++] = (Item){g, h, l0, l0 + ITEM_LANES < lanes ? l0 + ITEM_LANES : lanes, 0, 0, SHARED};
+  }
   *num_out = n;
   return partial;
 }
@@ -501,10 +575,21 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
                        const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t window, int64_t bf16, float scale, int64_t threads,
-                       int64_t fast_min_query) {
+                       int64_t fast_min_query, int64_t num_groups, const int64_t *group_off,
+                       const int64_t *group_rows, const int64_t *group_len, const int64_t *key_start) {
+  float *states = NULL;
+  if (num_groups > 0) {
+    states = malloc(sizeof(float) * (size_t)(2 * num_rows * num_heads * (head_dim + 2)));
+    if (!states) return 2;
+  }
   const Args a = {q, k_cache, v_cache, out, query_start, query_len, seq_len, tables, max_blocks, num_heads,
-                  num_kv_heads, head_dim, block_size, window, bf16, scale, fast_min_query};
-  if (head_dim % 16 || num_heads % num_kv_heads) return 1;
+                  num_kv_heads, head_dim, block_size, window, bf16, scale, fast_min_query, num_groups, group_off,
+                  group_rows, group_len, num_groups > 0 ? key_start : NULL, states,
+                  states ? states + num_rows * num_heads * (head_dim + 2) : NULL};
+  if (head_dim % 16 || num_heads % num_kv_heads) {
+    free(states);
+    return 1;
+  }
   int64_t decodes = 0;
   for (int64_t i = 0; i < num_rows; i++) decodes += query_len[i] == 1 && !is_fast(&a, 1);
   const int split = decodes * num_kv_heads < threads;
@@ -529,7 +614,14 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++)
       if (work && items[i].partial == FAST) run_fast_item(&a, &items[i], work);
+      else if (work && items[i].partial == SHARED) run_shared_item(&a, &items[i], work);
       else if (work) run_item(&a, &items[i], work, partials);
+    if (num_groups > 0) {  /* after the loop's barrier: every shared and own state is there */
+      const int64_t grouped = group_off[num_groups];
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < grouped * num_kv_heads; i++)
+        if (work) merge_grouped(&a, group_rows[i / num_kv_heads], i % num_kv_heads, work);
+    }
     if (num_partials) {  /* a split row's items are consecutive: the first partition's item starts each fold */
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; i++) {
@@ -547,6 +639,7 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
   }
   free(partials);
   free(items);
+  free(states);
   return failed ? 2 : 0;
 }
 
