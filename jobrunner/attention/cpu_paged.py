@@ -8,8 +8,13 @@ folded, online softmax over the row's blocks, split-K over fixed partitions when
 head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
 (flash-style key tiles, causal by position), sliding windows, float32 and bfloat16.
 
-A query's arithmetic depends only on its own query vector and keys (partitions and tiles sit at absolute key
-positions), so the backend is batch-invariant and ``engine.deterministic`` keeps it. The C source is built
+Two faster paths sit beside that exact kernel in the same call, on AVX-512 builds and outside deterministic
+mode: prompt chunks on a kernel with query vectors in the vector lanes, and decodes that share cached prefix
+blocks reading them once per group (see the constants below and docs/engine.md).
+
+On the exact kernel a query's arithmetic depends only on its own query vector and keys (partitions and tiles
+sit at absolute key positions), so it is batch-invariant and ``engine.deterministic`` keeps it (with the
+faster paths off). The C source is built
 by :func:`jobrunner.quant.native.build_library` for this CPU's capability (``-march`` of
 ``JOBRUNNER_CPU_CAPABILITY`` when forced). No compiler, a failed build, ``JOBRUNNER_ATTENTION_NATIVE=0``, a
 CUDA device or a head_dim that is not a multiple of 16: :func:`cpu_paged_unavailable_reason` says why and
