@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -44,19 +43,17 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 @functools.cache
 def _library(capability: str) -> ctypes.CDLL | str:
     """The built kernel for ``capability`` (a cache key only: the build reads the capability itself), or why not."""
-    from jobrunner.quant.native import build_library
+    from jobrunner.quant.native import open_library
 
-    try:
-        lib = ctypes.CDLL(str(build_library("paged_attention", source=SOURCE)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        return f"native paged attention unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
+    return open_library("paged_attention", SOURCE, "native paged attention", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.jr_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] * 4)
     lib.jr_fast_lanes.restype = ctypes.c_int
-    return lib
 
 
 def native_library() -> ctypes.CDLL | str:

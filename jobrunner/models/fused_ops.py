@@ -14,10 +14,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from pathlib import Path
 
 import torch
+
+from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
 
 FUSED_ENV = "JOBRUNNER_FUSED_OPS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
@@ -27,28 +28,31 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 @functools.cache
 def _library(capability: str) -> ctypes.CDLL | str:
-    from jobrunner.quant.native import build_library
+    from jobrunner.quant.native import open_library
 
-    try:
-        lib = ctypes.CDLL(str(build_library("fused_ops", extra_flags=("-ffp-contract=off",), source=SOURCE)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"fused ops unavailable ({exc})"
+    return open_library("fused_ops", SOURCE, "fused ops", _declare, extra_flags=("-ffp-contract=off",))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.jr_rms_norm.argtypes = [_P] * 5 + [_I, _I, _F, _I, _I]
     lib.jr_rotary.argtypes = [_P] * 4 + [_I] * 8
     lib.jr_silu_mul.argtypes = [_P, _P] + [_I] * 4
     for fn in (lib.jr_rms_norm, lib.jr_rotary, lib.jr_silu_mul):
         fn.restype = ctypes.c_int
-    return lib
 
 
 def fused_library() -> ctypes.CDLL | str:
-    """The built library for this CPU's capability, or why there is none."""
-    from jobrunner.quant.capability import detect_cpu_capability
-
+    """The built library for this CPU's capability, or why there is none (asked on every op, so the capability
+    is detected once per value of ``JOBRUNNER_CPU_CAPABILITY``)."""
     if os.environ.get(FUSED_ENV, "1").strip() == "0":
         return f"{FUSED_ENV}=0"
+    return _library(_capability_key(os.environ.get(CAPABILITY_ENV, "")))
+
+
+@functools.cache
+def _capability_key(_forced_setting: str) -> str:
     capability, forced = detect_cpu_capability()
-    return _library(f"{capability}:{forced}")
+    return f"{capability}:{forced}"
 
 
 def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:

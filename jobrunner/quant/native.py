@@ -36,6 +36,7 @@ from jobrunner.quant.capability import detect_cpu_capability
 
 NATIVE_ENV = "JOBRUNNER_QUANT_NATIVE"
 CSRC = Path(__file__).parent / "csrc"  # the C sources (int4_unpack.c, w8a8.c), one library each
+COMMON_INCLUDE = Path(__file__).parent.parent / "csrc"  # headers every kernel may include (jr_numerics.h)
 
 
 Unpack = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, int], None]
@@ -124,6 +125,19 @@ def _build() -> Path:
     return build_library("int4_unpack")
 
 
+def open_library(name: str, source: Path, what: str, declare: Callable[[ctypes.CDLL], None],
+                 extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
+    """Build ``source`` for this CPU (:func:`build_library`), load it and ``declare`` its functions' ctypes
+    types; or the reason it cannot (``"<what> unavailable (...)"``, with the compiler's last words)."""
+    try:
+        lib = ctypes.CDLL(str(build_library(name, extra_flags, source)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        return f"{what} unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
+    declare(lib)
+    return lib
+
+
 def source_path(name: str) -> Path:
     """The C source ``csrc/<name>.c`` shipped in the package (pyproject's package-data)."""
     return CSRC / f"{name}.c"
@@ -139,8 +153,9 @@ def build_library(name: str, extra_flags: tuple[str, ...] = (), source: Path | N
         raise OSError("no C compiler on PATH")
     src = source or source_path(name)
     source = src.read_text(encoding="utf-8")
-    flags = ["-O3", march_flag(), "-fopenmp", *extra_flags, "-shared", "-fPIC"]
-    key = hashlib.sha256("\0".join([source, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    flags = ["-O3", march_flag(), "-fopenmp", f"-I{COMMON_INCLUDE}", *extra_flags, "-shared", "-fPIC"]
+    headers = [h.read_text(encoding="utf-8") for h in sorted(COMMON_INCLUDE.glob("*.h"))]  # an edit rebuilds too
+    key = hashlib.sha256("\0".join([source, *headers, compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     target = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jobrunner" / f"{name}_{key}.so"
     if target.exists():
         return target

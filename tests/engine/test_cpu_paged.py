@@ -49,16 +49,20 @@ def capability(request, monkeypatch):
     return request.param
 
 
-def _layout(rows, block_size, rng, window=None):
-    """rows: (start, query_len) -> a StepLayout with shuffled block tables, its slot list and the pool size."""
-    num_blocks = sum(-(-(s + q) // block_size) for s, q in rows) + 3
+def _layout(rows, block_size, rng, window=None, prefix_blocks=0, shared=()):
+    """rows: (start, query_len) -> a StepLayout with shuffled block tables, its slot list and the pool size.
+    The tables of the rows in ``shared`` start with the same ``prefix_blocks`` blocks (a cached header)."""
+    num_blocks = prefix_blocks + sum(-(-(s + q) // block_size) for s, q in rows) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)
+    prefix = [free.pop() for _ in range(prefix_blocks)]
     layout = StepLayout([], [], [], [], 0, block_size, sliding_window=window)
     slots = []
-    for start, q_len in rows:
+    for i, (start, q_len) in enumerate(rows):
         seq_len = start + q_len
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        need = -(-seq_len // block_size)
+        head = prefix if i in shared else []
+        table = head + [free.pop() for _ in range(need - len(head))]
         layout.query_starts.append(layout.num_tokens)
         layout.query_lens.append(q_len)
         layout.seq_lens.append(seq_len)
@@ -214,26 +218,9 @@ def test_opt_out_and_missing_compiler_fall_back(monkeypatch):
 
 
 def _shared_layout(prefix_blocks, rows, block_size, rng):
-    """Decode rows (own tokens after a shared prefix of ``prefix_blocks`` blocks) plus other rows:
-    rows = [(shared, start, q_len)], ``shared`` True: the row's table starts with the shared blocks."""
-    num_blocks = prefix_blocks + sum(-(-(s + q) // block_size) for _, s, q in rows) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    prefix = [free.pop() for _ in range(prefix_blocks)]
-    layout = StepLayout([], [], [], [], 0, block_size)
-    slots = []
-    for shared, start, q_len in rows:
-        seq_len = start + q_len
-        need = -(-seq_len // block_size)
-        table = (prefix + [free.pop() for _ in range(need - prefix_blocks)]) if shared else \
-            [free.pop() for _ in range(need)]
-        layout.query_starts.append(layout.num_tokens)
-        layout.query_lens.append(q_len)
-        layout.seq_lens.append(seq_len)
-        layout.block_tables.append(table)
-        layout.num_tokens += q_len
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, seq_len)]
-    return layout, slots, num_blocks
+    """rows = [(shared, start, q_len)]: ``shared`` True: the row's table starts with the shared prefix blocks."""
+    return _layout([(start, q_len) for _, start, q_len in rows], block_size, rng, prefix_blocks=prefix_blocks,
+                   shared={i for i, (on, _, _) in enumerate(rows) if on})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "jr_numerics.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -50,28 +52,7 @@ typedef struct { int64_t row, kvh, t0, t1, c0, c1, partial; } Item;
 #define GROUPED (-3)  /* a grouped decode's own keys: its state waits for the merge with the shared part */
 #define SHARED (-4)   /* a group's shared keys against its rows' queries (row = the group, lanes t0..t1) */
 
-static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
-static inline uint16_t to_bf16(float x) {
-  union { float f; uint32_t u; } v = {x};
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64u);  /* NaN stays NaN */
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
-/* exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial, ~2 ulp); branch-free so it vectorizes */
-static inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  union { uint32_t u; float f; } two_n = {(uint32_t)((int32_t)n + 127) << 23};
-  return p * two_n.f;
-}
 
 /* q . k for 4 keys at once (head_dim % 16 == 0). The order is fixed and the same on every path: 16 partial
    sums per key (lane i takes d = i, i + 16, ...; lanes 0-7 and 8-15 are two vector accumulators), then
@@ -423,46 +404,69 @@ static void fast_tile(const float *restrict qt, const float *restrict k, const f
   }
 }
 
-/* work: qt[D*IL], acc[D*IL], m[IL], l[IL], buf[2*TILE*D] (IL = ITEM_LANES); the item's lanes are t0 .. t1 - 1
-   (lane = token * n_rep + r) */
-static void run_fast_item(const Args *a, const Item *it, float *work) {
-  const int64_t D = a->head_dim, H = a->num_heads, n_rep = H / a->num_kv_heads, row = it->row;
-  const int64_t nl = it->t1 - it->t0, start = a->query_start[row], p0 = a->seq_len[row] - a->query_len[row];
-  float *qt = work, *acc = qt + D * ITEM_LANES, *m = acc + D * ITEM_LANES, *l = m + ITEM_LANES;
-  float *buf = l + ITEM_LANES;
+/* A fast item's working memory, carved from its thread's work buffer: qt[D*IL], acc[D*IL], m[IL], l[IL],
+   buf[2*TILE*D] (IL = ITEM_LANES), and each lane's position and first visible key. */
+typedef struct {
+  float *qt, *acc, *m, *l, *buf;
   int32_t pos[ITEM_LANES], fk[ITEM_LANES];
-  for (int64_t i = 0; i < ITEM_LANES; i++) {  /* lanes past the item's last repeat its position, with q = 0 */
-    const int64_t lane = it->t0 + (i < nl ? i : nl - 1), t = lane / n_rep, head = it->kvh * n_rep + lane % n_rep;
-    pos[i] = (int32_t)(p0 + t);
-    fk[i] = (int32_t)first_key(a, p0 + t);
-    const int64_t at = ((start + t) * H + head) * D;
-    for (int64_t d = 0; d < D; d++) {
-      const float x = i >= nl ? 0.0f : a->bf16 ? from_bf16(((const uint16_t *)a->q)[at + d]) : ((const float *)a->q)[at + d];
-      qt[d * ITEM_LANES + i] = x * a->scale;
-    }
-    m[i] = -1e30f;
-    l[i] = 0.0f;
+} Lanes;
+
+static void lanes_init(Lanes *ln, float *work, int64_t D) {
+  ln->qt = work;
+  ln->acc = ln->qt + D * ITEM_LANES;
+  ln->m = ln->acc + D * ITEM_LANES;
+  ln->l = ln->m + ITEM_LANES;
+  ln->buf = ln->l + ITEM_LANES;
+  memset(ln->acc, 0, sizeof(float) * (size_t)(D * ITEM_LANES));
+}
+
+/* lane i: the query vector of flat token `token`, query head `head` (zero where !valid: a padding lane),
+   pre-scaled, seeing keys fk .. pos; its softmax state reset */
+static void lane_query(const Args *a, Lanes *ln, int64_t i, int valid, int64_t token, int64_t head, int64_t pos,
+                       int64_t fk) {
+  const int64_t D = a->head_dim, at = (token * a->num_heads + head) * D;
+  ln->pos[i] = (int32_t)pos;
+  ln->fk[i] = (int32_t)fk;
+  for (int64_t d = 0; d < D; d++) {
+    const float x = !valid ? 0.0f : a->bf16 ? from_bf16(((const uint16_t *)a->q)[at + d]) : ((const float *)a->q)[at + d];
+    ln->qt[d * ITEM_LANES + i] = x * a->scale;
   }
-  memset(acc, 0, sizeof(float) * (size_t)(D * ITEM_LANES));
-  const int64_t *table = a->tables + row * a->max_blocks;
-  const int64_t lo = fk[0], hi = pos[ITEM_LANES - 1] + 1;
+  ln->m[i] = -1e30f;
+  ln->l[i] = 0.0f;
+}
+
+/* keys lo .. hi - 1 of kv head kvh (through a row's block table) against every lane, tile by tile */
+static void lanes_attend(const Args *a, Lanes *ln, const int64_t *table, int64_t kvh, int64_t lo, int64_t hi) {
   int64_t fk_max = 0;
-  for (int64_t i = 0; i < ITEM_LANES; i++) fk_max = fk[i] > fk_max ? fk[i] : fk_max;
+  for (int64_t i = 0; i < ITEM_LANES; i++) fk_max = ln->fk[i] > fk_max ? ln->fk[i] : fk_max;
   for (int64_t k0 = lo - lo % TILE; k0 < hi; k0 += TILE) {
     const int64_t n = hi - k0 < TILE ? hi - k0 : TILE;
     const float *k, *v;
-    const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
-    const int mask = n < TILE || k0 < fk_max || k0 + n - 1 > pos[0];
-    fast_tile(qt, k, v, stride, n, k0, pos, fk, mask, acc, m, l, D);
+    const int64_t stride = load_tile(a, table, kvh, k0, n, ln->buf, &k, &v);
+    const int mask = n < TILE || k0 < fk_max || k0 + n - 1 > ln->pos[0];
+    fast_tile(ln->qt, k, v, stride, n, k0, ln->pos, ln->fk, mask, ln->acc, ln->m, ln->l, a->head_dim);
   }
+}
+
+/* a prompt-chunk item: lanes t0 .. t1 - 1 of the row (lane = token * n_rep + r), written out normalised */
+static void run_fast_item(const Args *a, const Item *it, float *work) {
+  const int64_t D = a->head_dim, H = a->num_heads, n_rep = H / a->num_kv_heads, row = it->row;
+  const int64_t nl = it->t1 - it->t0, start = a->query_start[row], p0 = a->seq_len[row] - a->query_len[row];
+  Lanes ln;
+  lanes_init(&ln, work, D);
+  for (int64_t i = 0; i < ITEM_LANES; i++) {  /* lanes past the item's last repeat its position, with q = 0 */
+    const int64_t lane = it->t0 + (i < nl ? i : nl - 1), t = lane / n_rep;
+    lane_query(a, &ln, i, i < nl, start + t, it->kvh * n_rep + lane % n_rep, p0 + t, first_key(a, p0 + t));
+  }
+  lanes_attend(a, &ln, a->tables + row * a->max_blocks, it->kvh, ln.fk[0], ln.pos[ITEM_LANES - 1] + 1);
   for (int64_t i = 0; i < nl; i++) {
     const int64_t lane = it->t0 + i, t = lane / n_rep, head = it->kvh * n_rep + lane % n_rep;
     const int64_t index = ((start + t) * H + head) * D;
-    const float inv = 1.0f / l[i];
+    const float inv = 1.0f / ln.l[i];
     if (a->bf16)
-      for (int64_t d = 0; d < D; d++) ((uint16_t *)a->out)[index + d] = to_bf16(acc[d * ITEM_LANES + i] * inv);
+      for (int64_t d = 0; d < D; d++) ((uint16_t *)a->out)[index + d] = to_bf16(ln.acc[d * ITEM_LANES + i] * inv);
     else
-      for (int64_t d = 0; d < D; d++) ((float *)a->out)[index + d] = acc[d * ITEM_LANES + i] * inv;
+      for (int64_t d = 0; d < D; d++) ((float *)a->out)[index + d] = ln.acc[d * ITEM_LANES + i] * inv;
   }
 }
 
@@ -470,37 +474,22 @@ static void run_fast_item(const Args *a, const Item *it, float *work) {
    queries of its members: lanes t0 .. t1 - 1 are (member, query head) pairs. Each lane's state (unnormalised
    output, max, sum) goes to shared_states for the merge with the member's own keys. */
 static void run_shared_item(const Args *a, const Item *it, float *work) {
-  const int64_t D = a->head_dim, H = a->num_heads, n_rep = H / a->num_kv_heads, g = it->row, sd = D + 2;
+  const int64_t D = a->head_dim, n_rep = a->num_heads / a->num_kv_heads, g = it->row, sd = D + 2;
   const int64_t nl = it->t1 - it->t0, *rows = a->group_rows + a->group_off[g], len = a->group_len[g];
-  float *qt = work, *acc = qt + D * ITEM_LANES, *m = acc + D * ITEM_LANES, *l = m + ITEM_LANES;
-  float *buf = l + ITEM_LANES;
-  int32_t pos[ITEM_LANES], fk[ITEM_LANES];
+  Lanes ln;
+  lanes_init(&ln, work, D);
   for (int64_t i = 0; i < ITEM_LANES; i++) {
-    const int64_t lane = it->t0 + (i < nl ? i : nl - 1), row = rows[lane / n_rep];
-    const int64_t head = it->kvh * n_rep + lane % n_rep, at = (a->query_start[row] * H + head) * D;
-    pos[i] = (int32_t)(len - 1);
-    fk[i] = 0;
-    for (int64_t d = 0; d < D; d++) {
-      const float x = i >= nl ? 0.0f : a->bf16 ? from_bf16(((const uint16_t *)a->q)[at + d]) : ((const float *)a->q)[at + d];
-      qt[d * ITEM_LANES + i] = x * a->scale;
-    }
-    m[i] = -1e30f;
-    l[i] = 0.0f;
+    const int64_t lane = it->t0 + (i < nl ? i : nl - 1);
+    lane_query(a, &ln, i, i < nl, a->query_start[rows[lane / n_rep]], it->kvh * n_rep + lane % n_rep, len - 1, 0);
   }
-  memset(acc, 0, sizeof(float) * (size_t)(D * ITEM_LANES));
-  const int64_t *table = a->tables + rows[0] * a->max_blocks;  /* the shared blocks are the same in every member */
-  for (int64_t k0 = 0; k0 < len; k0 += TILE) {
-    const int64_t n = len - k0 < TILE ? len - k0 : TILE;
-    const float *k, *v;
-    const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
-    fast_tile(qt, k, v, stride, n, k0, pos, fk, n < TILE, acc, m, l, D);
-  }
+  /* the shared blocks are the same in every member's table */
+  lanes_attend(a, &ln, a->tables + rows[0] * a->max_blocks, it->kvh, 0, len);
   for (int64_t i = 0; i < nl; i++) {
     const int64_t lane = it->t0 + i, row = rows[lane / n_rep], r = lane % n_rep;
     float *st = a->shared_states + ((row * a->num_kv_heads + it->kvh) * n_rep + r) * sd;
-    for (int64_t d = 0; d < D; d++) st[d] = acc[d * ITEM_LANES + i];
-    st[D] = m[i];
-    st[D + 1] = l[i];
+    for (int64_t d = 0; d < D; d++) st[d] = ln.acc[d * ITEM_LANES + i];
+    st[D] = ln.m[i];
+    st[D + 1] = ln.l[i];
   }
 }
 

@@ -12,13 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
-static inline uint16_t to_bf16(float x) {
-  union { float f; uint32_t u; } v = {x};
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64u);
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
+#include "jr_numerics.h"
+
 
 static void load_row(const void *p, int64_t at, int64_t n, int bf16, float *dst) {
   if (bf16) {
@@ -130,21 +125,6 @@ int jr_rotary(void *q, void *k, const void *cos_, const void *sin_, int64_t rows
   return 0;
 }
 
-/* exp(x) for x <= 0 (Cody-Waite reduction, degree-6 polynomial, ~2 ulp); branch-free so it vectorizes */
-static inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  union { uint32_t u; float f; } two_n = {(uint32_t)((int32_t)n + 127) << 23};
-  return p * two_n.f;
-}
 
 static inline float silu(float g) {
   const float e = exp_neg(-fabsf(g));
