@@ -8,9 +8,9 @@ folded, online softmax over the row's blocks, split-K over fixed partitions when
 head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
 (flash-style key tiles, causal by position), sliding windows, float32 and bfloat16.
 
-Two faster paths sit beside that exact kernel in the same call, on AVX-512 builds and outside deterministic
-mode: prompt chunks on a kernel with query vectors in the vector lanes, and decodes that share cached prefix
-blocks reading them once per group (see the constants below and docs/engine.md).
+Two faster paths sit beside that exact kernel in the same call, on AVX-512 and AVX2 builds and outside
+deterministic mode: prompt chunks on a kernel with query vectors in the vector lanes, and decodes that share
+cached prefix blocks reading them once per group (see the constants below and docs/engine.md).
 
 On the exact kernel a query's arithmetic depends only on its own query vector and keys (partitions and tiles
 sit at absolute key positions), so it is batch-invariant and ``engine.deterministic`` keeps it (with the
@@ -35,7 +35,7 @@ from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
 
 NATIVE_ENV = "JOBRUNNER_ATTENTION_NATIVE"
-FAST_ENV = "JOBRUNNER_ATTENTION_FAST"  # 0: the narrow builds' choice everywhere (exact kernel + SDPA for long chunks)
+FAST_ENV = "JOBRUNNER_ATTENTION_FAST"  # 0: the portable build's choice everywhere (exact kernel + SDPA for long chunks)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -77,20 +77,22 @@ def cpu_paged_unavailable_reason(device, head_dim: int) -> str | None:
 
 
 # Which kernel a row of several query tokens takes (a decode always takes the exact kernel):
-# - on an AVX-512 build, the fast prompt-chunk kernel (query vectors in the lanes of a zmm register) for every
-#   row of >= FAST_MIN_QUERY tokens: 1.2-2.5x the torch groups' gather + SDPA on Emerald Rapids, float32 and
-#   bf16, from a 1.2 k-token chunk at 0 to 32 chunks of 32 after 60 cached tokens (docs/engine.md);
-# - on narrower builds (8 or 4 lanes) that kernel is no faster than SDPA, so chunks of more than
-#   NATIVE_MAX_QUERY tokens take the torch groups (at 8 tokens both cost the same on AMD Zen 3, AVX2) and
-#   shorter ones the exact kernel.
+# - on AVX-512 builds (two zmm registers of query lanes per item) and AVX2 builds (one ymm register), the fast
+#   prompt-chunk kernel for every row of >= FAST_MIN_QUERY tokens: on AVX-512, 1.2-2.5x the torch groups'
+#   gather + SDPA on Emerald Rapids, float32 and bf16 (docs/engine.md); on AVX2, measured end to end on a
+#   2-core AMD Zen 3 (float32, 2026-12-03): prompt-step attention of the long few-shot set 1.48 -> 1.27 s, and
+#   every benchmark set faster (docs/bench.md);
+# - on the portable build (4 lanes) chunks of more than NATIVE_MAX_QUERY tokens take the torch groups and
+#   shorter ones the exact kernel (at 8 tokens both cost the same on Zen 3).
 # Deterministic mode: every row on the exact kernel, so a token's bits never depend on how its prompt was
 # chunked (native_max_query None, fast_min_query 0).
 NATIVE_MAX_QUERY = 8
 FAST_MIN_QUERY = 2
-FAST_MIN_LANES = 16
+FAST_MIN_LANES = 8
 # Decodes whose rows share cached prefix blocks read those keys once for the whole group (on the fast kernel,
-# their queries in its lanes) and only their own keys one by one; with the fast kernel only (not in
-# deterministic mode), JOBRUNNER_ATTENTION_SHARED=0 turns it off.
+# their queries in its lanes; on Zen 3 the long few-shot set's decode attention went 260 -> 166 ms/step) and
+# only their own keys one by one; with the fast kernel only (not in deterministic mode),
+# JOBRUNNER_ATTENTION_SHARED=0 turns it off.
 SHARED_ENV = "JOBRUNNER_ATTENTION_SHARED"
 SHARED_MIN_KEYS = 128
 

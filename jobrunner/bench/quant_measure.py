@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from jobrunner.engine.scoring import sequence_logits
+from jobrunner.models.packed_linear import PackedLinear
 from jobrunner.quant.apply import QUANTIZED_LINEARS
 
 GREEDY_TOKENS = 32
@@ -29,7 +30,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the linear weights (quantized or not) and of all unique parameters and buffers."""
     linear = 0
     for module in model.modules():
-        if isinstance(module, QUANTIZED_LINEARS):
+        if isinstance(module, (*QUANTIZED_LINEARS, PackedLinear)):
             linear += module.weight_bytes()
         elif isinstance(module, torch.nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()

@@ -131,6 +131,11 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
         info["quant_layers"] = describe_quant_layers(info["quantization_report"])
+    if dev.type == "cpu":  # float32 linears on a packed weight where this CPU's capability says so
+        from jobrunner.models.packed_linear import pack_linears
+
+        num_packed, why = pack_linears(model)
+        info["cpu_gemm"] = f"{why}; {num_packed} layers" if num_packed else why
     tokenizer = load_tokenizer(model_dir)
     return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
 

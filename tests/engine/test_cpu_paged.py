@@ -3,8 +3,8 @@
 Mixed steps: prompt chunks from 0, chunks after a cached prefix, long and short decodes, a tail chunk; block
 boundaries (blocks of 16, 32 and 7), GQA ratios 1, 3, 4, 8, head dims 64 and 128, sliding-window edges,
 float32 and bfloat16, in three modes: every row on the exact kernel (deterministic mode), chunks on the fast
-prompt-chunk kernel (the default of AVX-512 builds), chunks of more than 8 tokens on the torch groups (the
-default of narrower builds). Batch invariance: a row's output bits do not
+prompt-chunk kernel (the default of AVX-512 and AVX2 builds), chunks of more than 8 tokens on the torch groups
+(the default of the portable build). Batch invariance: a row's output bits do not
 depend on the other rows, on the thread count (split-K or not), nor on whether its token was a decode or part
 of a chunk. A failed build fails these tests under CI=true (tests/components.py).
 """
@@ -176,14 +176,14 @@ def test_decode_bits_equal_the_same_token_in_a_chunk(capability):
 
 
 def test_defaults_follow_the_builds_vector_width(capability):
-    """AVX-512 builds (16 lanes) send every chunk to the fast kernel; narrower ones send long chunks to SDPA."""
+    """AVX-512 (16 lanes) and AVX2 (8 lanes) builds send every chunk to the fast kernel and group the decodes
+    sharing a prefix; the portable build (4 lanes) sends long chunks to SDPA and shares nothing."""
     backend = make_backend("cpu_paged", 8, 2, 16, CPU, head_dim=64)
-    if backend.lanes >= 16:
-        assert backend.lanes == 16
+    expected_lanes = {"avx512": 16, "avx2": 8, "default": 4}.get(capability, 16 if HAS_AVX512 else 8)
+    assert backend.lanes == expected_lanes
+    if expected_lanes >= cpu_paged.FAST_MIN_LANES:
         assert (backend.fast_min_query, backend.native_max_query) == (cpu_paged.FAST_MIN_QUERY, None)
     else:
-        assert capability in ("avx2", "default") or not HAS_AVX512
-        assert backend.lanes == (8 if capability == "avx2" else backend.lanes)
         assert (backend.fast_min_query, backend.native_max_query) == (0, cpu_paged.NATIVE_MAX_QUERY)
 
 
