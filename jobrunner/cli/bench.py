@@ -74,6 +74,9 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.option("--quant-kernels", is_flag=True,
               help="Only time one linear layer of each SmolLM2 shape on every quantized path at --batch-sizes "
                    "token counts (microseconds).")
+@click.option("--gemm-paths", is_flag=True,
+              help="Microseconds of each float32 GEMM path (F.linear, our packed kernel, oneDNN) per SmolLM2 "
+                   "layer shape at --batch-sizes rows (jobrunner.bench.gemm_paths).")
 @click.option("--profile", is_flag=True,
               help="Also time each step's parts: attention, GEMMs (linear layers, lm_head), other model ops and "
                    "host work (scheduling, inputs, outputs), in total, per step and as a share of the step.")
@@ -86,7 +89,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
           quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
-          profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
+          gemm_paths: bool, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -106,8 +109,11 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
         for line in kernel_table(_batch_sizes(batch_sizes)):
             echo(line)
         return
+    if gemm_paths:
+        _gemm_paths(batch_sizes, as_json)
+        return
     if prompts_path is None:
-        raise click.UsageError("--prompts is required (unless --calibrate-dtype)")
+        raise click.UsageError("--prompts is required (unless --calibrate-dtype, --quant-kernels or --gemm-paths)")
     if no_prefix_caching and compare_prefix_caching:
         raise click.UsageError("--compare-prefix-caching runs both; drop --no-prefix-caching")
     try:
@@ -151,6 +157,16 @@ def _calibrate_dtype(as_json: bool) -> None:
             "float32` and `--dtype bfloat16` on real prompts, or force JOBRUNNER_CPU_CAPABILITY"))
     if as_json:
         echo(json.dumps(result))
+
+
+def _gemm_paths(batch_sizes: str, as_json: bool) -> None:
+    from jobrunner.bench.gemm_paths import gemm_table, render_gemm_table
+
+    records = gemm_table(_batch_sizes(batch_sizes))
+    for line in render_gemm_table(records):
+        echo(line)
+    if as_json:
+        echo(json.dumps({"gemm_paths": records}))
 
 
 def _batch_sizes(batch_sizes: str) -> list[int]:

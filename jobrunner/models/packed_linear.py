@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
+from jobrunner.quant.capability import detect_cpu_capability
 
 PACKED_ENV = "JOBRUNNER_PACKED_GEMM"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "packed_gemm.c"
@@ -49,6 +49,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.jr_gemm_panel_width.restype = ctypes.c_int
 
 
+def packed_library() -> ctypes.CDLL | str:
+    """The kernel built for this CPU's capability (detected or forced), or why there is none."""
+    capability, forced = detect_cpu_capability()
+    return _library(f"{capability}:{forced}")
+
+
 def packed_gemm_choice() -> tuple[bool, str]:
     """``(use it, why)`` for this CPU, from the capability and ``JOBRUNNER_PACKED_GEMM`` (never a timing)."""
     setting = os.environ.get(PACKED_ENV, "").strip()
@@ -57,7 +63,7 @@ def packed_gemm_choice() -> tuple[bool, str]:
         return False, f"{PACKED_ENV}=0"
     if setting != "1" and capability not in DEFAULT_ON:
         return False, f"{capability}: F.linear (the packed kernel is the default on {', '.join(sorted(DEFAULT_ON))})"
-    lib = _library(f"{capability}:{forced}:{os.environ.get(CAPABILITY_ENV, '')}")
+    lib = packed_library()
     if isinstance(lib, str):
         return False, lib
     return True, f"{capability}: packed float32 GEMM ({lib.jr_gemm_panel_width()}-column panels)"
@@ -114,10 +120,11 @@ def pack_linears(model: nn.Module) -> tuple[int, str]:
     use, why = packed_gemm_choice()
     if not use:
         return 0, why
-    capability, forced = detect_cpu_capability()
-    lib = _library(f"{capability}:{forced}:{os.environ.get(CAPABILITY_ENV, '')}")
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+    lib = packed_library()
+    # names first, modules fetched one at a time: each old weight is freed as soon as its layer is packed, so
+    # the model never holds two copies of all its weights
+    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, lib))
+    for parent, name in swaps:
+        setattr(parent, name, PackedLinear(getattr(parent, name), lib))
     return len(swaps), why

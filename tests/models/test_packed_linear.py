@@ -35,8 +35,7 @@ def lib(request, monkeypatch):
     use, why = packed_gemm_choice()
     if not use:
         missing_component(why)
-    capability, forced = packed_linear.detect_cpu_capability()
-    return packed_linear._library(f"{capability}:{forced}:{request.param}")
+    return packed_linear.packed_library()
 
 
 def _linear(n_in, n_out, bias, seed):
@@ -160,3 +159,23 @@ def test_an_engine_on_a_real_model_runs_the_packed_layers(monkeypatch, tiny_llam
     plain_engine, plain_tokens = generate("0")
     assert plain_engine.model_info["cpu_gemm"] == "JOBRUNNER_PACKED_GEMM=0"
     assert packed_tokens == plain_tokens
+
+
+def test_each_old_weight_is_freed_as_its_layer_is_packed(lib, monkeypatch):
+    """Packing a model never holds two copies of all its weights: when a layer is packed, the layers packed
+    before it have let their row-major weights go."""
+    import weakref
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    refs = [weakref.ref(layer.weight) for layer in model]
+    alive_at_each_pack = []
+    real_init = PackedLinear.__init__
+
+    def spying_init(self, linear, library):
+        alive_at_each_pack.append([r() is not None for r in refs])
+        real_init(self, linear, library)
+
+    monkeypatch.setattr(PackedLinear, "__init__", spying_init)
+    assert pack_linears(model)[0] == 3
+    assert alive_at_each_pack == [[True, True, True], [False, True, True], [False, False, True]]
+    assert all(r() is None for r in refs)

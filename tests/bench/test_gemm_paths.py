@@ -1,0 +1,29 @@
+"""`jobrunner bench --gemm-paths`: every float32 GEMM path per SmolLM2 layer shape, the same numbers as F.linear."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from jobrunner.cli import main
+from jobrunner.models.packed_linear import packed_library
+from tests.components import missing_component
+
+
+def test_gemm_paths_times_every_path_per_shape_and_row_count():
+    if isinstance(packed_library(), str):
+        missing_component(packed_library())
+    result = CliRunner().invoke(main, ["bench", "--gemm-paths", "--batch-sizes", "1,7", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("torch ") and "engine: " in lines[0]
+    records = json.loads(lines[-1])["gemm_paths"]
+    assert [(r["shape"], r["rows"]) for r in records] == [
+        (shape, rows) for shape in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head") for rows in (1, 7)]
+    for record in records:
+        paths = record["paths"]
+        assert {"F.linear", "packed"} <= set(paths)
+        assert paths["F.linear"]["speedup"] == 1.0 and paths["F.linear"]["rel_error"] == 0.0
+        assert all(p["us"] > 0 and p["rel_error"] < 1e-5 for p in paths.values())
+    assert len(lines) == 1 + len(records) + 1  # header, one line per record, the JSON
