@@ -6,15 +6,17 @@ drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through `
 make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
 ``fp8:triton+graphs``, ``int8:triton+graphs``, ``int4:triton+graphs`` (the engine's quantization names) —
 or ``hf`` (the same workload through transformers' continuous-batching ``generate_batch`` on an HF model
-with random weights) or ``parity`` (32 greedy tokens at head_dim 128 against transformers, float32 and bf16,
+with random weights) or ``parity`` (32 greedy tokens at head_dim 128 against transformers, bf16 then float32,
 for torch/triton attention with and without CUDA graphs; ``rows_full_match`` is the share of rows equal to
 transformers' on every token) or ``quant-kernels`` (scripts/gpu_quant_bench.py: quantized linears per layer
 shape and batch; opt-in Triton paths included; engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the
 environment). ``scripts/gpu_check_verdict.py`` judges these numbers. Every run gets a fresh
 model and a share of the wall-clock budget; a run past its deadline stops early and is marked
-``timed_out``; a run's failure (a kernel error, an fp8 GEMM the device refuses) is recorded and the next
-run still goes. Results go to stdout and to ``--out`` (default ``$OUT/gpu_bench.json``), rewritten after
-every run.
+``timed_out``. A run's share counts from the end of its set-up (model build, quantization, graph capture,
+warm-up: reported apart as ``setup_s``), so a slow set-up never leaves the timed loop without time; parity
+runs bf16 (the judged dtype) before float32. A run's failure (a kernel error, an fp8 GEMM the device refuses)
+is recorded and the next run still goes. Results go to stdout and to ``--out`` (default
+``$OUT/gpu_bench.json``), rewritten after every run.
 
 Decode roofline: a decode step must read every weight once and each row's KV cache; at ``rows`` concurrent
 rows of mean context ``L`` it takes at least ``(weight bytes + rows * L * KV bytes per token) / HBM bandwidth``
@@ -46,6 +48,8 @@ PARITY = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_k
               intermediate_size=1024, vocab_size=1024, max_position_embeddings=1024)
 PARITY_COMBOS = (("torch", False), ("torch", True), ("triton", False), ("triton", True))
 PARITY_TOKENS = 32
+PARITY_DTYPES = (torch.bfloat16, torch.float32)
+MIN_TIMED_S = 10.0  # a run's timed loop gets at least this long, even when its set-up ran past its share
 # verdict-critical runs first (parity, the bf16 baseline, eager, transformers), then the quantized ones
 DEFAULT_RUNS = "parity,triton+graphs,torch,hf,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -105,6 +109,19 @@ def output_lengths(n: int, max_len: int, seed: int = 1) -> list[int]:
     """Per-request output lengths, uniform in [1, max_len]."""
     rng = random.Random(seed)
     return [rng.randint(1, max_len) for _ in range(n)]
+
+
+class RunBudget:
+    """One run's share of the bench's wall-clock budget: ``share_s`` for its timed part, counted from the moment
+    its set-up (model build, quantization, graph capture, warm-up) ends, and never past the bench's ``end``
+    (except for MIN_TIMED_S, so a slow set-up still measures something)."""
+
+    def __init__(self, share_s: float, end: float) -> None:
+        self.share_s, self.end = share_s, end
+
+    def timed_deadline(self) -> float:
+        now = time.perf_counter()
+        return max(now + MIN_TIMED_S, min(now + self.share_s, self.end))
 
 
 def timed_run(engine, prompts: list[list[int]], lengths: list[int], deadline: float) -> dict[str, Any]:
@@ -168,8 +185,9 @@ def parse_run(run: str) -> tuple[str, str, bool]:
     return quant or "none", backend, graphs == "graphs"
 
 
-def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    """Build, quantize (unless ``none``), warm up, time one run; always free the model afterwards."""
+def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
+    """Build, quantize (unless ``none``), warm up, time one run; always free the model afterwards. The timed
+    loop gets its share of the budget from the moment set-up ends (set-up reported apart, as ``setup_s``)."""
     from jobrunner.bench.result import peak_memory, reset_peak_memory, sync
     from jobrunner.engine import EngineConfig, SamplingParams
     from jobrunner.engine.llm_engine import LLMEngine
@@ -177,7 +195,7 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
     device = torch.device(args.device)
     quant, backend, graphs = parse_run(run)
     result: dict[str, Any] = {"run": run, "quantization": quant, "attention_backend": backend, "cuda_graphs": graphs}
-    t0 = time.perf_counter()
+    setup_start = t0 = time.perf_counter()
     model = build_random_model(make_config(args.tiny), torch.bfloat16, device)
     result["build_s"] = round(time.perf_counter() - t0, 2)
     if quant != "none":
@@ -204,7 +222,8 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
     warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.generate(random_prompts(args.num_prompts, args.input_len, vocab, seed=7), warm)
     result["warmup_s"] = round(time.perf_counter() - t0, 2)
-    result.update(timed_run(engine, prompts, lengths, deadline))
+    result["setup_s"] = round(time.perf_counter() - setup_start, 2)
+    result.update(timed_run(engine, prompts, lengths, budget.timed_deadline()))
     rows = min(args.num_prompts, args.max_num_seqs)
     roof = decode_roofline(model, rows, args.input_len + sum(lengths) / len(lengths) / 2, args.hbm_tb_s * 1e12)
     result["roofline"] = roof
@@ -217,7 +236,7 @@ def run_engine(run: str, args: argparse.Namespace, deadline: float) -> dict[str,
     return result
 
 
-def run_quant_kernels(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+def run_quant_kernels(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
     """scripts/gpu_quant_bench.py (quantized linears: bf16 vs fp8 / int8 / int4, torch vs Triton paths),
     also written to its own ``$OUT/gpu_quant_bench.json``; see that script's docstring for the keys."""
     import importlib.util
@@ -233,7 +252,7 @@ def run_quant_kernels(args: argparse.Namespace, deadline: float) -> dict[str, An
         return {"run": "quant-kernels", **json.load(f)}
 
 
-def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+def run_parity(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
     """Greedy tokens at head_dim 128: each (attention backend, CUDA graphs) combination vs transformers.
 
     A 2-layer random model with large weights (sharp logits), 8 prompts of 64 tokens, 32 greedy tokens each,
@@ -255,7 +274,8 @@ def run_parity(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     prompts = random_prompts(8, 64, config.vocab_size, seed=3)
     result: dict[str, Any] = {"run": "parity", "head_dim": 128, "max_new_tokens": PARITY_TOKENS,
                               "num_combinations": len(PARITY_COMBOS)}
-    for dtype in (torch.float32, torch.bfloat16):
+    deadline = budget.timed_deadline()
+    for dtype in PARITY_DTYPES:  # bf16 first: it is the judged one, float32 only if time is left
         hf = hf.to(device, dtype)
         result[str(dtype).replace("torch.", "")] = _parity_one(hf, config, prompts, dtype, device, deadline)
     del hf
@@ -313,7 +333,7 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:
             "position_agreement": sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / positions}
 
 
-def run_hf(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+def run_hf(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
     """The same prompts and output lengths through transformers' continuous batching (``generate_batch``)."""
     import transformers
     from transformers import GenerationConfig, LlamaForCausalLM
@@ -331,6 +351,7 @@ def run_hf(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     try:  # generate_batch's own manager, fed per-request lengths as in our run; its warm-up is not timed
         with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
             start = time.perf_counter()
+            deadline = budget.timed_deadline()
             for i, (ids, n) in enumerate(zip(prompts, lengths)):
                 manager.add_request(ids, request_id=f"h{i}", max_new_tokens=n)
             while len(done) < len(prompts) and time.perf_counter() < deadline:
@@ -406,10 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = _runs(args.runs)
     end = time.perf_counter() + args.budget_s
     for i, run in enumerate(runs):
-        deadline = time.perf_counter() + (end - time.perf_counter()) / (len(runs) - i)
+        budget = RunBudget((end - time.perf_counter()) / (len(runs) - i), end)
         try:
             special = {"hf": run_hf, "parity": run_parity, "quant-kernels": run_quant_kernels}
-            result = special[run](args, deadline) if run in special else run_engine(run, args, deadline)
+            result = special[run](args, budget) if run in special else run_engine(run, args, budget)
         except Exception as exc:  # record and go on with the next run
             result = {"run": run, "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=8)}

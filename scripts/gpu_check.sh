@@ -28,7 +28,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 export OUT
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
 ENV_S="${ENV_S:-30}"
 TESTS_S="${TESTS_S:-150}"
 BENCH_S="${BENCH_S:-270}"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.attention.base import StepLayout
-from jobrunner.attention.graph_capture import capture_graph
+from jobrunner.attention.graph_capture import WeightsGuard, capture_graph
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class DecodeGraphs:
         self.row_index = torch.arange(self.max_num_seqs, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.weights = WeightsGuard(model)  # graphs dropped when the weights move after capture
         self.num_replays = 0
         self.num_eager_static = 0
         self.warmup_s: float | None = None
@@ -100,6 +101,7 @@ class DecodeGraphs:
         """
         if not self.capture or self.warmup_s is not None:
             return len(self.graphs)
+        self._drop_graphs_if_weights_moved()
         start = time.perf_counter()
         for shape in self.warm_up_keys():
             if shape in self.graphs:
@@ -157,6 +159,7 @@ class DecodeGraphs:
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(batch, blocks)[:len(rows)]
+        self._drop_graphs_if_weights_moved()
         entry = self.graphs.get(shape)
         if entry is None:
             entry = self.graphs[shape] = self._capture(batch, blocks)
@@ -191,14 +194,21 @@ class DecodeGraphs:
         meta = TorchMetadata(self.slots[:batch], [group], batch, self.block_size)
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.kv_cache)
 
+    def _drop_graphs_if_weights_moved(self) -> None:
+        if self.graphs and self.weights.moved():
+            self.graphs.clear()
+            self.pool = None
+
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.weights.capture_started()
         graph, output, self.pool = capture_graph(self.device, self.pool, lambda: self._forward(batch, blocks))
         return graph, output
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and the engine's stats."""
         return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
-                "static_eager_steps": self.num_eager_static, "graph_warmup_s": self.warmup_s}
+                "static_eager_steps": self.num_eager_static, "graph_warmup_s": self.warmup_s,
+                "graph_weight_moves": self.weights.num_moves}
 
 
 def _batch_buckets(max_num_seqs: int) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ import time
 import torch
 
 from jobrunner.attention.base import StepLayout
-from jobrunner.attention.graph_capture import capture_graph
+from jobrunner.attention.graph_capture import WeightsGuard, capture_graph
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
 
@@ -69,6 +69,7 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
+        self.weights = WeightsGuard(model)  # graphs dropped when the weights move after capture
         self.num_replays = 0
         self.num_eager_static = 0
         self.num_capture_failures = 0
@@ -114,6 +115,9 @@ class StepGraphs:
         bucket = self.token_buckets[i]
         block_m = self.backend.block_m(layout.max_query_len)
         key = (bucket, block_m)
+        if self.capture and self.graphs and self.weights.moved():  # recaptured over the weights as they are now
+            self.graphs.clear()
+            self.pool = None
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
         rows = min(self.max_num_seqs, bucket)
@@ -162,6 +166,7 @@ class StepGraphs:
             return None
 
     def _capture(self, t, meta) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.weights.capture_started()
         graph, output, self.pool = capture_graph(self.device, self.pool, lambda: self._forward(t, meta))
         return graph, output
 
@@ -169,7 +174,7 @@ class StepGraphs:
         """Counters for tests and the bench."""
         return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
                 "static_eager_steps": self.num_eager_static, "graph_capture_failures": self.num_capture_failures,
-                "graph_warmup_s": self.warmup_s}
+                "graph_warmup_s": self.warmup_s, "graph_weight_moves": self.weights.num_moves}
 
 
 def _token_buckets(max_num_tokens: int) -> tuple[int, ...]:

@@ -47,6 +47,9 @@ def build_model(config, dtype: torch.dtype, device: torch.device, max_positions:
     if model.shape.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.build_tables(device)  # rope tables stay float32 whatever the model dtype
+    # inference only: no parameter asks autograd to keep activations (a CUDA graph captured over such a forward
+    # would hold them in its private pool: attention/graph_capture.py)
+    model.requires_grad_(False)
     return model.eval()
 
 

@@ -28,13 +28,18 @@ def _tiny(**overrides):
     return tokenizer, hf, [tokenizer(p)["input_ids"] for p in CORPUS[:6]]
 
 
-def _engine(hf, tokenizer, dtype: torch.dtype, **config):
+def _engine(hf, tokenizer, dtype: torch.dtype, quantization: str = "none", **config):
+    """An engine over ``hf``'s weights, quantized (if asked) before the engine is built: graphs are captured then."""
     from jobrunner.engine import EngineConfig
     from jobrunner.engine.llm_engine import LLMEngine
     from jobrunner.models.loader import build_model, load_weights
 
     model = build_model(hf.config, dtype, torch.device("cuda"))
     load_weights(model, hf.state_dict().items())
+    if quantization != "none":
+        from jobrunner.quant import quantize_model
+
+        quantize_model(model, quantization)
     config.setdefault("num_kv_blocks", 256)
     return LLMEngine(model, tokenizer, EngineConfig(device="cuda", **config),
                      eos_token_ids=[tokenizer.eos_token_id])
@@ -211,7 +216,6 @@ def test_cuda_graphs_with_sampling_and_quantization() -> None:
     the logprob the eager run of the same quantized model gives it (bf16 tolerance): the graph steps compute
     the same distribution at every position, not just the first."""
     from jobrunner.engine import SamplingParams
-    from jobrunner.quant import quantize_model
 
     tokenizer, hf, prompts = _tiny()
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True, logprobs=0)
@@ -219,13 +223,13 @@ def test_cuda_graphs_with_sampling_and_quantization() -> None:
         for backend in ("torch", "triton"):
             runs, engines = [], []
             for graphs in (False, True):
-                engine = _engine(hf, tokenizer, torch.bfloat16, use_cuda_graphs=graphs, attention_backend=backend)
-                if scheme != "none":
-                    quantize_model(engine.model, scheme)
+                engine = _engine(hf, tokenizer, torch.bfloat16, scheme, use_cuda_graphs=graphs,
+                                 attention_backend=backend)
                 runs.append(engine.generate(prompts, params))
                 engines.append(engine)
                 assert all(len(o.output_token_ids) == 24 for o in runs[-1])
                 assert (engine.stats().num_fixed_shape_steps > 0) == graphs
+                assert engine.runner.stats().get("graph_weight_moves", 0) == 0  # captured over the final weights
             eager_run, graph_run = ([o.output_token_ids for o in run] for run in runs)
             assert [r[0] for r in eager_run] == [r[0] for r in graph_run], (scheme, backend)
             assert _max_logprob_difference(runs[1], engines[0]) < BF16_LOGPROB_TOLERANCE, (scheme, backend)
