@@ -10,10 +10,12 @@ numbers never came: a run timed out or was not reached) or ``skipped`` (CPU-only
 reported, never judged. Verdict: ``fail`` if a judged check failed, else ``pass`` if every judged check
 passed, else ``incomplete``.
 
-Thresholds (issue 17): no GPU test fails; greedy bf16 parity with transformers over 32+ tokens on most rows
-(every backend/graphs combination); triton + CUDA graphs faster than torch eager; >= 3x transformers'
-continuous batching; fp8 >= 1.3x bf16 at batch 256. Reported only: int8 / int4 vs bf16, and the decode
-roofline share of a Llama-3-8B shape (bytes of weights + KV per decode step / H200's 4.8 TB/s).
+Thresholds (issue 17): no GPU test fails; every run ran the attention backend and CUDA graphs it is named
+after (its runner's counters: no silent fallback to torch or to eager steps, issue 28); greedy bf16 parity
+with transformers over 32+ tokens on most rows (every backend/graphs combination); triton + CUDA graphs faster
+than torch eager; >= 3x transformers' continuous batching; fp8 >= 1.3x bf16 at batch 256. Reported only: int8
+/ int4 vs bf16, and the decode roofline share of a Llama-3-8B shape (bytes of weights + KV per decode step /
+H200's 4.8 TB/s).
 """
 
 from __future__ import annotations
@@ -131,6 +133,51 @@ def check_ratio(runs: dict[str, Any], num: str, den: str, minimum: float, strict
     return _check("pass" if ok else "fail", ratio, threshold, detail)
 
 
+def path_problems(name: str, runner: dict[str, Any], fixed_steps: int | None, backend: str, graphs: bool
+                  ) -> list[str]:
+    """How a run's runner counters contradict what it was named (a silent fallback), in words."""
+    problems = []
+    used = runner.get("attention_backend")
+    if backend != "auto" and used != backend:
+        problems.append(f"{name}: ran attention backend {used!r}, not {backend!r}")
+    if runner.get("attention_fallbacks"):
+        problems.append(f"{name}: {runner['attention_fallbacks']} attention fallback(s)")
+    if graphs:
+        if not runner.get("graphs_captured"):
+            problems.append(f"{name}: no CUDA graph captured")
+        if fixed_steps == 0:
+            problems.append(f"{name}: no step replayed a graph")
+        if runner.get("graph_capture_failures"):
+            problems.append(f"{name}: {runner['graph_capture_failures']} graph capture failure(s)")
+    return problems
+
+
+def check_paths(runs: dict[str, Any]) -> dict[str, Any]:
+    """Every engine run (and parity combination) ran the attention backend and graphs it is named after:
+    a fallback to torch or to eager steps would make the speed checks compare the wrong things."""
+    threshold = "each run's backend and CUDA graphs as named; no attention fallback, no capture failure"
+    problems, seen = [], 0
+    for name, run in runs.items():
+        if name in (HF_RUN, "quant-kernels") or "error" in run:
+            continue
+        if name == "parity":
+            for dtype in ("bfloat16", "float32"):
+                for combo, entry in (run.get(dtype) or {}).items():
+                    backend, _, graphs = combo.partition("+")
+                    seen += 1
+                    problems += path_problems(f"parity {dtype} {combo}", entry.get("runner") or {},
+                                              entry.get("num_fixed_shape_steps"), backend, graphs == "graphs")
+            continue
+        if "runner" not in run:
+            continue
+        seen += 1
+        problems += path_problems(name, run["runner"], run.get("num_fixed_shape_steps"),
+                                  run.get("attention_backend", "auto"), bool(run.get("cuda_graphs")))
+    if problems:
+        return _check("fail", len(problems), threshold, "; ".join(problems[:6]))
+    return _check("pass" if seen else "missing", seen, threshold, None if seen else "no engine run reported")
+
+
 def quant_info(runs: dict[str, Any]) -> dict[str, Any]:
     """Every quantized run's ratio to bf16, or its error (int8 / int4 are reported, not judged)."""
     out = {}
@@ -166,6 +213,7 @@ def build_report(out: str, cpu_only: bool = False) -> dict[str, Any]:
     runs = bench.get("runs", {})
     checks = {
         "gpu_tests": check_tests(tests, stages.get("tests")),
+        "paths_as_named": check_paths(runs),
         "bf16_parity_32_tokens": check_parity(runs),
         "graphs_faster_than_eager": check_ratio(runs, BF16_RUN, EAGER_RUN, 1.0, strict=True),
         "vs_transformers_continuous_batching": check_ratio(runs, BF16_RUN, HF_RUN, MIN_VS_HF),

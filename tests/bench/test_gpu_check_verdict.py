@@ -15,14 +15,28 @@ verdict_mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(verdict_mod)
 
 
-def _run(tok: float, **extra) -> dict:
-    return {"output_tokens_per_s": tok, "timed_out": False, **extra}
+def _runner(name: str) -> dict:
+    """What a run's engine.runner.stats() says when it ran as named (gpu_bench records it)."""
+    backend, _, graphs = name.rpartition(":")[2].partition("+")
+    stats = {"attention_backend": backend, "attention_fallbacks": 0}
+    if graphs:
+        stats.update(graphs_captured=12, graph_capture_failures=0)
+    return stats
+
+
+def _run(tok: float, name: str | None = None, **extra) -> dict:
+    out = {"output_tokens_per_s": tok, "timed_out": False, **extra}
+    if name:  # an engine run: its backend, graphs and runner counters
+        out.update(attention_backend=name.rpartition(":")[2].partition("+")[0], cuda_graphs="+graphs" in name,
+                   runner=_runner(name), num_fixed_shape_steps=40 if "+graphs" in name else 0)
+    return out
 
 
 def _parity(share: float, combos: int = 4) -> dict:
     names = ["torch", "torch+graphs", "triton", "triton+graphs"][:combos]
     return {"run": "parity", "max_new_tokens": 32, "num_combinations": 4,
-            "bfloat16": {n: {"vs_transformers": {"rows_full_match": share}} for n in names}}
+            "bfloat16": {n: {"vs_transformers": {"rows_full_match": share}, "runner": _runner(n),
+                             "num_fixed_shape_steps": 30 if "+graphs" in n else 0} for n in names}}
 
 
 def _stage_dir(tmp_path: Path, runs: dict, tests: list[dict], status: str = "env rc=0 seconds=3\ntests rc=0 "
@@ -38,12 +52,14 @@ GOOD_TESTS = [{"test": "tests/gpu/a.py::t1", "outcome": "passed", "seconds": 1.0
               {"test": "tests/gpu/a.py::t2", "outcome": "skipped", "seconds": 0.0,
                "message": "Skipped: xgrammar is not installed"}]
 GOOD_RUNS = {"parity": _parity(0.75),
-             "triton+graphs": _run(9000.0, roofline_share=0.41,
+             "triton+graphs": _run(9000.0, "triton+graphs", roofline_share=0.41,
                                    roofline={"step_bytes": 2.1e10, "weight_bytes": 1.6e10, "rows": 256,
                                              "mean_context": 576.0, "roofline_decode_tokens_per_s": 58000.0,
                                              "hbm_bytes_per_s": 4.8e12}),
-             "torch": _run(4000.0), "hf": _run(2500.0), "fp8:triton+graphs": _run(12600.0),
-             "int8:triton+graphs": {"error": "RuntimeError: no kernel"}, "int4:triton+graphs": _run(8000.0)}
+             "torch": _run(4000.0, "torch"), "hf": _run(2500.0),
+             "fp8:triton+graphs": _run(12600.0, "fp8:triton+graphs"),
+             "int8:triton+graphs": {"error": "RuntimeError: no kernel"},
+             "int4:triton+graphs": _run(8000.0, "int4:triton+graphs")}
 
 
 def test_all_thresholds_met_is_a_pass(tmp_path):
@@ -55,6 +71,8 @@ def test_all_thresholds_met_is_a_pass(tmp_path):
     assert checks["quantized_runs"]["value"]["int8:triton+graphs"] == {"error": "RuntimeError: no kernel"}
     assert checks["quantized_runs"]["value"]["int4:triton+graphs"]["vs_bf16"] == 0.889
     assert checks["roofline_share_llama3_8b"]["value"] == {"triton+graphs": 0.41}
+    assert checks["paths_as_named"] == {"status": "pass", "value": 8, "judged": True, "detail": None,
+                                        "threshold": checks["paths_as_named"]["threshold"]}  # 4 runs + 4 combos
     assert report["tests"]["counts"] == {"passed": 1, "skipped": 1}    # the torn last line is ignored
 
 
@@ -72,6 +90,20 @@ def test_a_missed_threshold_or_failed_test_is_a_fail(tmp_path):
     assert verdict_mod.build_report(_stage_dir(tmp_path / "c", drifting, GOOD_TESTS))["verdict"] == "fail"
 
 
+def test_a_silent_fallback_fails_naming_the_run(tmp_path):
+    """A run named triton+graphs whose runner fell back to torch and replayed no graph: the speed checks would
+    compare torch with torch, so the verdict fails and says which run and how."""
+    fell_back = dict(GOOD_RUNS["triton+graphs"], num_fixed_shape_steps=0,
+                     runner={"attention_backend": "torch", "attention_fallbacks": 1, "graphs_captured": 0})
+    report = verdict_mod.build_report(_stage_dir(tmp_path, dict(GOOD_RUNS, **{"triton+graphs": fell_back}),
+                                                 GOOD_TESTS))
+    check = report["checks"]["paths_as_named"]
+    assert report["verdict"] == "fail" and check["status"] == "fail" and check["value"] == 4
+    assert check["detail"] == ("triton+graphs: ran attention backend 'torch', not 'triton'; triton+graphs: 1 "
+                               "attention fallback(s); triton+graphs: no CUDA graph captured; triton+graphs: no "
+                               "step replayed a graph")
+
+
 def test_a_timed_out_stage_keeps_what_finished_and_is_incomplete(tmp_path):
     partial = {k: GOOD_RUNS[k] for k in ("parity", "triton+graphs", "torch")}   # bench killed after 3 runs
     status = "env rc=0 seconds=3\ntests rc=124 seconds=150\nbench rc=124 seconds=270\n"
@@ -84,7 +116,8 @@ def test_a_timed_out_stage_keeps_what_finished_and_is_incomplete(tmp_path):
 
 
 def test_cpu_only_mode_judges_nothing(tmp_path):
-    report = verdict_mod.build_report(_stage_dir(tmp_path, {"torch": _run(50.0)}, GOOD_TESTS), cpu_only=True)
+    report = verdict_mod.build_report(_stage_dir(tmp_path, {"torch": _run(50.0, "torch")}, GOOD_TESTS),
+                                      cpu_only=True)
     assert report["verdict"] == "incomplete"
     assert {c["status"] for c in report["checks"].values() if c["judged"]} == {"skipped"}
 
