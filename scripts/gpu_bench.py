@@ -18,9 +18,11 @@ runs bf16 (the judged dtype) before float32. A run's failure (a kernel error, an
 is recorded and the next run still goes. Results go to stdout and to ``--out`` (default
 ``$OUT/gpu_bench.json``), rewritten after every run.
 
-Decode roofline: a decode step must read every weight once and each row's KV cache; at ``rows`` concurrent
-rows of mean context ``L`` it takes at least ``(weight bytes + rows * L * KV bytes per token) / HBM bandwidth``
-(4.8 TB/s, H200). ``roofline_share`` = measured decode tokens/s ÷ ``rows`` / that time.
+Decode roofline: the floor of a decode step is the larger of its bytes (every weight once, each row's KV cache)
+over the device's memory bandwidth and its FLOPs over its bf16 GEMM rate, both measured at the start of the
+call (``ceilings``), at the rows a decode step really had (decode tokens / steps: the batch drains) and the
+run's mean context; ``roofline`` says which term binds, ``roofline_share`` = measured decode tokens/s ÷ the
+tokens/s at that floor.
 
     PYTHONPATH=. python scripts/gpu_bench.py                      # the H200 run
     PYTHONPATH=. python scripts/gpu_bench.py --device cpu --tiny  # a smoke check anywhere
@@ -158,22 +160,58 @@ def timed_run(engine, prompts: list[list[int]], lengths: list[int], deadline: fl
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in delta.items()}}
 
 
-def decode_roofline(model, rows: int, mean_context: float, hbm_bytes_per_s: float) -> dict[str, float]:
-    """Lower bound of one decode step's time from the bytes it must read (weights + KV), and tokens/s at it."""
+def measure_ceilings(device: torch.device, tiny: bool = False) -> dict[str, Any]:
+    """This device's two ceilings, measured in this call (best of a few): memory bandwidth from a large copy
+    (bytes read + written / time) and bf16 GEMM rate from a square matmul. The roofline divides by these, not
+    by a data-sheet number."""
+    from jobrunner.bench.result import sync
+
+    n_bytes = (64 if tiny else 2048) * 2**20
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    size = 256 if tiny else 8192
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    best_copy = best_mm = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best_copy = min(best_copy, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        best_mm = min(best_mm, time.perf_counter() - t0)
+    del src, dst, a, b
+    return {"bytes_per_s": 2 * n_bytes / best_copy, "bf16_flop_per_s": 2 * size ** 3 / best_mm,
+            "copy_bytes": n_bytes, "gemm_size": size}
+
+
+def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str, Any]) -> dict[str, Any]:
+    """The floor of one decode step of ``rows`` rows at ``mean_context`` tokens: the larger of its bytes (every
+    weight once, each row's KV) over the measured bandwidth and its FLOPs (2 per weight per row, plus
+    attention's 4 per key per head dim) over the measured GEMM rate; which of the two binds; tokens/s at it."""
     s = model.shape
-    weight_bytes = 0
+    weight_bytes = weight_count = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if "embed_tokens" in name or "rotary" in name:  # the embedding is looked up, not read whole
             continue
         weight_bytes += t.numel() * t.element_size()
+        weight_count += t.numel() if t.dim() >= 2 else 0
     if s.tie_word_embeddings:
         weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        weight_count += model.lm_head.weight.numel()
     kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * model.norm.weight.element_size()
     step_bytes = weight_bytes + rows * mean_context * kv_per_token
-    step_s = step_bytes / hbm_bytes_per_s
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": rows,
-            "mean_context": round(mean_context, 1), "step_bytes": step_bytes, "min_step_s": step_s,
-            "roofline_decode_tokens_per_s": round(rows / step_s, 1), "hbm_bytes_per_s": hbm_bytes_per_s}
+    step_flops = 2 * weight_count * rows + 4 * rows * mean_context * s.num_heads * s.head_dim * s.num_layers
+    bytes_s, flops_s = step_bytes / ceilings["bytes_per_s"], step_flops / ceilings["bf16_flop_per_s"]
+    step_s = max(bytes_s, flops_s)
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "rows": round(rows, 1),
+            "mean_context": round(mean_context, 1), "step_bytes": step_bytes, "step_flops": step_flops,
+            "bytes_s": bytes_s, "flops_s": flops_s, "binding": "bytes" if bytes_s >= flops_s else "flops",
+            "min_step_s": step_s, "roofline_decode_tokens_per_s": round(rows / step_s, 1),
+            "bytes_per_s": ceilings["bytes_per_s"], "bf16_flop_per_s": ceilings["bf16_flop_per_s"]}
 
 
 def parse_run(run: str) -> tuple[str, str, bool]:
@@ -224,8 +262,9 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
     result["warmup_s"] = round(time.perf_counter() - t0, 2)
     result["setup_s"] = round(time.perf_counter() - setup_start, 2)
     result.update(timed_run(engine, prompts, lengths, budget.timed_deadline()))
-    rows = min(args.num_prompts, args.max_num_seqs)
-    roof = decode_roofline(model, rows, args.input_len + sum(lengths) / len(lengths) / 2, args.hbm_tb_s * 1e12)
+    # the rows a decode step really had (the batch drains as requests finish), not the configured maximum
+    rows = result["num_decode_tokens"] / max(result["steps"], 1)
+    roof = decode_roofline(model, rows, args.input_len + sum(lengths) / len(lengths) / 2, args.ceilings)
     result["roofline"] = roof
     if result.get("decode_tokens_per_s"):
         result["roofline_share"] = float(f"{result['decode_tokens_per_s'] / roof['roofline_decode_tokens_per_s']:.4g}")
@@ -410,7 +449,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers), parity "
                    "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off) or "
                    "quant-kernels (scripts/gpu_quant_bench.py)")
-    p.add_argument("--hbm-tb-s", type=float, default=4.8, help="memory bandwidth for the roofline (H200: 4.8)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = p.parse_args(argv)
@@ -424,6 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report: dict[str, Any] = {"environment": _environment(args), "runs": {}}
+    args.ceilings = report["ceilings"] = measure_ceilings(torch.device(args.device), args.tiny)
     runs = _runs(args.runs)
     end = time.perf_counter() + args.budget_s
     for i, run in enumerate(runs):

@@ -26,10 +26,29 @@ def test_a_slow_set_up_still_leaves_the_timed_loop_its_share(monkeypatch):
     monkeypatch.setattr(gpu_bench, "build_random_model", slow_build)
     monkeypatch.setattr(gpu_bench, "MIN_TIMED_S", 0.5)
     args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "torch"])
+    args.ceilings = gpu_bench.measure_ceilings(torch.device("cpu"), tiny=True)
     start = time.perf_counter()
     result = gpu_bench.run_engine("torch", args, gpu_bench.RunBudget(1.0, start + 1.0))
     assert result["setup_s"] >= 1.5
     assert result["num_output_tokens_computed"] > 0 and result["steps"] > 0
+    roof = result["roofline"]
+    assert roof["rows"] == round(result["num_decode_tokens"] / result["steps"], 1)  # the rows steps really had
+    assert roof["binding"] in ("bytes", "flops") and roof["min_step_s"] == max(roof["bytes_s"], roof["flops_s"])
+
+
+def test_the_roofline_takes_the_larger_of_its_two_terms():
+    """A decode step of a tiny model: bytes over bandwidth against FLOPs over the GEMM rate, by hand."""
+    model = gpu_bench.build_random_model(gpu_bench.make_config(True), torch.bfloat16, torch.device("cpu"))
+    s = model.shape
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n)
+    if s.tie_word_embeddings:
+        weights += model.lm_head.weight.numel()
+    fast_memory = gpu_bench.decode_roofline(model, 4, 100.0, {"bytes_per_s": 1e15, "bf16_flop_per_s": 1e9})
+    flops = 2 * weights * 4 + 4 * 4 * 100.0 * s.num_heads * s.head_dim * s.num_layers
+    assert fast_memory["binding"] == "flops" and fast_memory["step_flops"] == flops
+    assert abs(fast_memory["min_step_s"] - flops / 1e9) < 1e-12
+    slow_memory = gpu_bench.decode_roofline(model, 4, 100.0, {"bytes_per_s": 1e6, "bf16_flop_per_s": 1e15})
+    assert slow_memory["binding"] == "bytes" and slow_memory["min_step_s"] == slow_memory["step_bytes"] / 1e6
 
 
 def test_the_timed_deadline_is_its_share_from_now_capped_by_the_end(monkeypatch):

@@ -52,10 +52,12 @@ GOOD_TESTS = [{"test": "tests/gpu/a.py::t1", "outcome": "passed", "seconds": 1.0
               {"test": "tests/gpu/a.py::t2", "outcome": "skipped", "seconds": 0.0,
                "message": "Skipped: xgrammar is not installed"}]
 GOOD_RUNS = {"parity": _parity(0.75),
-             "triton+graphs": _run(9000.0, "triton+graphs", roofline_share=0.41,
-                                   roofline={"step_bytes": 2.1e10, "weight_bytes": 1.6e10, "rows": 256,
-                                             "mean_context": 576.0, "roofline_decode_tokens_per_s": 58000.0,
-                                             "hbm_bytes_per_s": 4.8e12}),
+             "triton+graphs": _run(9000.0, "triton+graphs", roofline_share=0.55,
+                                   roofline={"step_bytes": 2.1e10, "weight_bytes": 1.6e10, "rows": 180.5,
+                                             "mean_context": 576.0, "roofline_decode_tokens_per_s": 41000.0,
+                                             "step_flops": 6.1e12, "bytes_s": 0.0046, "flops_s": 0.0089,
+                                             "binding": "flops", "bytes_per_s": 4.5e12,
+                                             "bf16_flop_per_s": 6.9e14}),
              "torch": _run(4000.0, "torch"), "hf": _run(2500.0),
              "fp8:triton+graphs": _run(12600.0, "fp8:triton+graphs"),
              "int8:triton+graphs": {"error": "RuntimeError: no kernel"},
@@ -70,7 +72,10 @@ def test_all_thresholds_met_is_a_pass(tmp_path):
     assert checks["fp8_vs_bf16_batch_256"]["value"] == 1.4
     assert checks["quantized_runs"]["value"]["int8:triton+graphs"] == {"error": "RuntimeError: no kernel"}
     assert checks["quantized_runs"]["value"]["int4:triton+graphs"]["vs_bf16"] == 0.889
-    assert checks["roofline_share_llama3_8b"]["value"] == {"triton+graphs": 0.41}
+    roofline = checks["roofline_share_llama3_8b"]
+    assert roofline["status"] == "pass" and roofline["value"] == {"triton+graphs": 0.55}
+    assert roofline["detail"].startswith("flops bind: a decode step of 180.5 rows x 576.0 tokens reads 21.0 GB "
+                                         "(4.60 ms at 4.50 TB/s measured) and does 6.10 TFLOP (8.90 ms at 690")
     assert checks["paths_as_named"] == {"status": "pass", "value": 8, "judged": True, "detail": None,
                                         "threshold": checks["paths_as_named"]["threshold"]}  # 4 runs + 4 combos
     assert report["tests"]["counts"] == {"passed": 1, "skipped": 1}    # the torn last line is ignored
@@ -88,6 +93,10 @@ def test_a_missed_threshold_or_failed_test_is_a_fail(tmp_path):
     (tmp_path / "c").mkdir()
     drifting = dict(GOOD_RUNS, parity=_parity(0.5))
     assert verdict_mod.build_report(_stage_dir(tmp_path / "c", drifting, GOOD_TESTS))["verdict"] == "fail"
+    (tmp_path / "d").mkdir()
+    far = dict(GOOD_RUNS, **{"triton+graphs": dict(GOOD_RUNS["triton+graphs"], roofline_share=0.3)})
+    report = verdict_mod.build_report(_stage_dir(tmp_path / "d", far, GOOD_TESTS))
+    assert report["verdict"] == "fail" and report["checks"]["roofline_share_llama3_8b"]["status"] == "fail"
 
 
 def test_a_silent_fallback_fails_naming_the_run(tmp_path):
