@@ -51,9 +51,14 @@ PARITY = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_k
 PARITY_COMBOS = (("torch", False), ("torch", True), ("triton", False), ("triton", True))
 PARITY_TOKENS = 32
 PARITY_DTYPES = (torch.bfloat16, torch.float32)
+STEADY_MARGIN_TOKENS = 64  # room for the tokens rows decode while the others are still prefilling
 MIN_TIMED_S = 10.0  # a run's timed loop gets at least this long, even when its set-up ran past its share
-# verdict-critical runs first (parity, the bf16 baseline, eager, transformers), then the quantized ones
-DEFAULT_RUNS = "parity,triton+graphs,torch,hf,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
+# the core phase answers what decides defaults (parity, the bf16 graphs run, eager) in a few minutes of device
+# time; the extra phase (transformers, quantized schemes, kernel A/B) runs in a later call if time is left
+CORE_RUNS = "parity,triton+graphs,torch"
+EXTRA_RUNS = "hf,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
+RUN_SETS = {"core": CORE_RUNS, "extra": EXTRA_RUNS, "all": f"{CORE_RUNS},{EXTRA_RUNS}"}
+DEFAULT_RUNS = "all"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, max_position_embeddings=1024)
 
@@ -188,6 +193,47 @@ def measure_ceilings(device: torch.device, tiny: bool = False) -> dict[str, Any]
             "copy_bytes": n_bytes, "gemm_size": size}
 
 
+def steady_decode(engine, prompts: list[list[int]], steps: int, deadline: float) -> dict[str, Any]:
+    """``steps`` decode steps at a fixed batch: every prompt is added and prefilled first (untimed), then the
+    steps are timed while no row finishes (max_tokens leaves room for the prefill phase's tokens), then the rest
+    drains untimed. The rows and the mean context the timed steps had are reported for the roofline."""
+    from jobrunner.bench.result import sync
+    from jobrunner.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + STEADY_MARGIN_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"s{i}", ids, params)
+    prefill_steps = 0
+    while time.perf_counter() < deadline:  # until a step computes no prompt token: every row is decoding
+        before = engine.stats().num_prefill_tokens
+        engine.step()
+        prefill_steps += 1
+        if engine.stats().num_prefill_tokens == before:
+            break
+    before = engine.stats().to_dict()
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    seconds = time.perf_counter() - start
+    after = engine.stats().to_dict()
+    while engine.has_unfinished_requests():  # drain, untimed
+        engine.step()
+    decode_tokens = after["num_decode_tokens"] - before["num_decode_tokens"]
+    rows = decode_tokens / steps
+    generated_before = before["num_decode_tokens"] / max(len(prompts), 1)
+    return {"mode": "steady", "steady_steps": steps, "prefill_steps": prefill_steps, "seconds": round(seconds, 4),
+            "step_ms": round(seconds / steps * 1e3, 3), "rows": rows,
+            "prefill_in_timed_steps": after["num_prefill_tokens"] - before["num_prefill_tokens"],
+            "num_decode_tokens": decode_tokens, "steps": steps,
+            "decode_tokens_per_s": round(decode_tokens / seconds, 1),
+            "output_tokens_per_s": round(decode_tokens / seconds, 1),
+            "mean_context": sum(map(len, prompts)) / len(prompts) + generated_before + steps / 2,
+            "num_fixed_shape_steps": after["num_fixed_shape_steps"] - before["num_fixed_shape_steps"],
+            "timed_out": time.perf_counter() > deadline}
+
+
 def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str, Any]) -> dict[str, Any]:
     """The floor of one decode step of ``rows`` rows at ``mean_context`` tokens: the larger of its bytes (every
     weight once, each row's KV) over the measured bandwidth and its FLOPs (2 per weight per row, plus
@@ -248,6 +294,8 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=False, device=str(device), use_cuda_graphs=graphs,
                           attention_backend=backend,
+                          # steady mode: one token per row per step, the roofline's unit (no speculation)
+                          **({"speculative": "off"} if args.steady_steps else {}),
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
     t0 = time.perf_counter()
     engine = LLMEngine(model, IdsOnlyTokenizer(), config, eos_token_ids=[])   # on CUDA: every graph captured here
@@ -261,10 +309,15 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
     engine.generate(random_prompts(args.num_prompts, args.input_len, vocab, seed=7), warm)
     result["warmup_s"] = round(time.perf_counter() - t0, 2)
     result["setup_s"] = round(time.perf_counter() - setup_start, 2)
-    result.update(timed_run(engine, prompts, lengths, budget.timed_deadline()))
-    # the rows a decode step really had (the batch drains as requests finish), not the configured maximum
-    rows = result["num_decode_tokens"] / max(result["steps"], 1)
-    roof = decode_roofline(model, rows, args.input_len + sum(lengths) / len(lengths) / 2, args.ceilings)
+    if args.steady_steps:  # decode steps at a fixed batch (the core phase: graphs vs eager, the roofline)
+        result.update(steady_decode(engine, prompts, args.steady_steps, budget.timed_deadline()))
+        rows, context = result["rows"], result["mean_context"]
+    else:
+        result.update(timed_run(engine, prompts, lengths, budget.timed_deadline()))
+        # the rows a decode step really had (the batch drains as requests finish), not the configured maximum
+        rows = result["num_decode_tokens"] / max(result["steps"], 1)
+        context = args.input_len + sum(lengths) / len(lengths) / 2
+    roof = decode_roofline(model, rows, context, args.ceilings)
     result["roofline"] = roof
     if result.get("decode_tokens_per_s"):
         result["roofline_share"] = float(f"{result['decode_tokens_per_s'] / roof['roofline_decode_tokens_per_s']:.4g}")
@@ -420,6 +473,8 @@ def _free(device: torch.device) -> None:
 
 
 def _runs(requested: str) -> list[str]:
+    """``core``, ``extra``, ``all`` or a comma list of runs."""
+    requested = RUN_SETS.get(requested.strip(), requested)
     return [s.strip() for s in requested.split(",") if s.strip()]
 
 
@@ -446,10 +501,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--runs", default=DEFAULT_RUNS,
-                   help="comma list of [quantization:](torch|triton)[+graphs], hf (transformers), parity "
+                   help="core, extra, all, or a comma list of [quantization:](torch|triton)[+graphs], hf "
+                   "(transformers), parity "
                    "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off) or "
                    "quant-kernels (scripts/gpu_quant_bench.py)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
+    p.add_argument("--steady-steps", type=int, default=0,
+                   help="time this many decode steps at a fixed batch (every prompt prefilled first) in every "
+                   "engine run; 0: time the whole workload as it drains")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = p.parse_args(argv)
     small, big = (4, 16, 8), (256, 512, 256)

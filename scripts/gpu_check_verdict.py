@@ -4,11 +4,12 @@
 
 Reads what the stages left in ``OUT_DIR`` (each stage writes as it goes, so a stage killed by ``timeout``
 still leaves what finished): ``gpu_check_status.txt`` (one ``NAME rc=N seconds=S`` line per stage),
-``env.log``, ``tests.jsonl`` (one line per test, :mod:`gpu_check_results`) and ``gpu_bench.json``
-(rewritten by ``scripts/gpu_bench.py`` after every run). Each check is ``pass``, ``fail``, ``missing`` (its
-numbers never came: a run timed out or was not reached) or ``skipped`` (CPU-only mode); ``info`` checks are
-reported, never judged. Verdict: ``fail`` if a judged check failed, else ``pass`` if every judged check
-passed, else ``incomplete``.
+``env_core.log``, ``tests.jsonl`` (one line per test, :mod:`gpu_check_results`), ``gpu_bench.json`` (the core
+phase's runs, rewritten by ``scripts/gpu_bench.py`` after every run) and, after an extra phase,
+``gpu_bench_extra.json``. Each check is ``pass``, ``fail``, ``missing`` (its numbers never came: a run timed out
+or was not reached) or ``skipped`` (CPU-only mode); ``info`` checks are reported, never judged. A verdict is
+``fail`` if a judged check failed, else ``pass`` if every judged check passed, else ``incomplete``:
+``verdict_core`` over the core phase's checks (CORE_CHECKS), ``verdict`` over all of them.
 
 Thresholds (issue 17): no GPU test fails; every run ran the attention backend and CUDA graphs it is named
 after (its runner's counters: no silent fallback to torch or to eager steps, issue 28); greedy bf16 parity
@@ -33,6 +34,9 @@ MIN_PARITY_ROWS = 0.5            # "most rows": more than this share of rows mat
 MIN_VS_HF = 3.0
 MIN_FP8_VS_BF16 = 1.3
 MIN_ROOFLINE_SHARE = 0.5         # the bf16 run's decode rate as a share of its floor (issue 28)
+# what the core phase (PHASE=core, ~4 minutes) answers; the rest needs the extra phase's runs
+CORE_CHECKS = ("gpu_tests", "paths_as_named", "bf16_parity_32_tokens", "graphs_faster_than_eager",
+               "roofline_share_llama3_8b")
 QUANT_RUNS = ("fp8", "int8", "int4")
 
 
@@ -68,10 +72,18 @@ def read_tests(out: str) -> dict[str, Any]:
 
 
 def read_bench(out: str) -> dict[str, Any]:
+    """The core phase's ``gpu_bench.json`` with the extra phase's runs (``gpu_bench_extra.json``) added."""
     try:
-        return json.load(open(os.path.join(out, "gpu_bench.json")))
+        bench = json.load(open(os.path.join(out, "gpu_bench.json")))
     except (OSError, ValueError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "runs": {}}
+        bench = {"error": f"{type(exc).__name__}: {exc}", "runs": {}}
+    try:
+        extra = json.load(open(os.path.join(out, "gpu_bench_extra.json")))
+    except (OSError, ValueError):
+        return bench
+    bench["runs"] = {**bench.get("runs", {}), **extra.get("runs", {})}
+    bench["extra"] = {k: v for k, v in extra.items() if k != "runs"}
+    return bench
 
 
 def _check(status: str, value: Any = None, threshold: str | None = None, detail: str | None = None,
@@ -233,11 +245,16 @@ def build_report(out: str, cpu_only: bool = False) -> dict[str, Any]:
             if check["judged"]:
                 check["detail"] = f"skipped: no CUDA device (CPU-only mode); {check['detail'] or check['status']}"
                 check["status"] = "skipped"
-    try:
-        environment = open(os.path.join(out, "env.log")).read()[-4000:]
-    except OSError as exc:
-        environment = f"missing: {exc}"
-    return {"verdict": verdict(checks), "cpu_only": cpu_only, "checks": checks, "stages": stages,
+    environment = f"missing: no env_core.log or env.log in {out}"
+    for name in ("env_core.log", "env.log"):
+        try:
+            environment = open(os.path.join(out, name)).read()[-4000:]
+            break
+        except OSError:
+            continue
+    core = {name: check for name, check in checks.items() if name in CORE_CHECKS}
+    return {"verdict_core": verdict(core), "verdict": verdict(checks), "cpu_only": cpu_only, "checks": checks,
+            "stages": stages,
             "environment": environment, "tests": tests, "bench": bench}
 
 

@@ -61,3 +61,22 @@ def test_the_timed_deadline_is_its_share_from_now_capped_by_the_end(monkeypatch)
 
 def test_parity_judges_bf16_first():
     assert gpu_bench.PARITY_DTYPES[0] is torch.bfloat16 and torch.float32 in gpu_bench.PARITY_DTYPES
+
+
+def test_steady_decode_times_full_batch_decode_steps_only():
+    """Every row prefilled before the clock starts; the timed steps are all decode at the full batch."""
+    args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "torch", "--steady-steps", "6",
+                                 "--num-prompts", "5", "--input-len", "40", "--max-num-batched-tokens", "64"])
+    args.ceilings = gpu_bench.measure_ceilings(torch.device("cpu"), tiny=True)
+    result = gpu_bench.run_engine("torch", args, gpu_bench.RunBudget(60.0, time.perf_counter() + 60.0))
+    assert result["mode"] == "steady" and result["steady_steps"] == 6 and result["rows"] == 5.0
+    assert result["prefill_in_timed_steps"] == 0 and result["num_decode_tokens"] == 30
+    assert result["prefill_steps"] >= 4  # 200 prompt tokens at 64 per step
+    assert result["roofline"]["rows"] == 5.0 and result["roofline_share"] > 0
+
+
+def test_the_phases_name_their_runs():
+    assert gpu_bench._runs("core") == ["parity", "triton+graphs", "torch"]
+    assert gpu_bench._runs("extra")[0] == "hf" and "quant-kernels" in gpu_bench._runs("extra")
+    assert gpu_bench._runs("all") == gpu_bench._runs("core") + gpu_bench._runs("extra")
+    assert gpu_bench._runs("torch, hf") == ["torch", "hf"]

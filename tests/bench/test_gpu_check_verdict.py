@@ -42,7 +42,7 @@ def _parity(share: float, combos: int = 4) -> dict:
 def _stage_dir(tmp_path: Path, runs: dict, tests: list[dict], status: str = "env rc=0 seconds=3\ntests rc=0 "
                "seconds=90\nbench rc=0 seconds=250\n") -> str:
     (tmp_path / "gpu_check_status.txt").write_text(status)
-    (tmp_path / "env.log").write_text("torch 2.11 cuda 12.8 available True\n")
+    (tmp_path / "env_core.log").write_text("torch 2.11 cuda 12.8 available True\n")
     (tmp_path / "tests.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tests) + '{"test": "torn')
     (tmp_path / "gpu_bench.json").write_text(json.dumps({"runs": runs}))
     return str(tmp_path)
@@ -122,6 +122,19 @@ def test_a_timed_out_stage_keeps_what_finished_and_is_incomplete(tmp_path):
     assert checks["graphs_faster_than_eager"]["status"] == "pass"
     assert checks["vs_transformers_continuous_batching"]["status"] == "missing"
     assert checks["gpu_tests"]["status"] == "missing" and checks["gpu_tests"]["value"] == {"passed": 1, "skipped": 1}
+
+
+def test_the_core_phase_alone_has_a_core_verdict_and_the_extra_phase_adds_its_runs(tmp_path):
+    core_runs = {k: GOOD_RUNS[k] for k in ("parity", "triton+graphs", "torch")}
+    out = _stage_dir(tmp_path, core_runs, GOOD_TESTS)
+    report = verdict_mod.build_report(out)
+    assert report["verdict_core"] == "pass" and report["verdict"] == "incomplete"
+    assert report["checks"]["vs_transformers_continuous_batching"]["status"] == "missing"
+    extra_runs = {k: v for k, v in GOOD_RUNS.items() if k not in core_runs}
+    (tmp_path / "gpu_bench_extra.json").write_text(json.dumps({"runs": extra_runs}))
+    report = verdict_mod.build_report(out)
+    assert report["verdict_core"] == "pass" and report["verdict"] == "pass"
+    assert set(report["bench"]["runs"]) == set(GOOD_RUNS)
 
 
 def test_cpu_only_mode_judges_nothing(tmp_path):
