@@ -7,6 +7,7 @@ make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. 
 ``fp8:triton+graphs``, ``int8:triton+graphs``, ``int4:triton+graphs`` (the engine's quantization names) —
 or ``hf`` (the same workload through transformers' continuous-batching ``generate_batch`` on an HF model
 with random weights) or ``parity`` (32 greedy tokens at head_dim 128 against transformers, bf16 then float32,
+each token's logprob also compared teacher-forced with transformers' (``max_logprob_diff_teacher_forced``),
 for torch/triton attention with and without CUDA graphs; ``rows_full_match`` is the share of rows equal to
 transformers' on every token) or ``quant-kernels`` (scripts/gpu_quant_bench.py: quantized linears per layer
 shape and batch; opt-in Triton paths included; engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the
@@ -358,9 +359,9 @@ def run_parity(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
     device = torch.device(args.device)
     config = make_config(True, PARITY)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(config).eval()
+    master = LlamaForCausalLM(config).eval()  # float32, on the CPU: each dtype's reference is cast from it
     with torch.no_grad():
-        for p in hf.parameters():
+        for p in master.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
     prompts = random_prompts(8, 64, config.vocab_size, seed=3)
@@ -368,11 +369,25 @@ def run_parity(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
                               "num_combinations": len(PARITY_COMBOS)}
     deadline = budget.timed_deadline()
     for dtype in PARITY_DTYPES:  # bf16 first: it is the judged one, float32 only if time is left
-        hf = hf.to(device, dtype)
+        hf = reference_model(master, device, dtype)
         result[str(dtype).replace("torch.", "")] = _parity_one(hf, config, prompts, dtype, device, deadline)
-    del hf
+        del hf
     _free(device)
     return result
+
+
+def reference_model(master, device: torch.device, dtype: torch.dtype):
+    """A copy of the float32 transformers model ``master`` on ``device`` with its parameters in ``dtype`` and its
+    buffers kept as they are: ``.to(bf16)`` would also round rope's ``inv_freq`` (a buffer) to bf16, moving every
+    rotary angle (by ~0.25 rad at position 64) and making the *reference* wrong, not our engine."""
+    import copy
+
+    model = copy.deepcopy(master)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model = model.to(device, dtype)
+    for name, b in model.named_buffers():
+        b.data = buffers[name].to(device)
+    return model
 
 
 def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device: torch.device,
@@ -389,7 +404,7 @@ def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         reference.append(out[0, len(ids):].tolist())
-    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, logprobs=0)
     combos: dict[str, Any] = {}
     for backend, graphs in PARITY_COMBOS:
         if time.perf_counter() > deadline:
@@ -398,9 +413,11 @@ def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device
         load_weights(model, hf.state_dict().items())
         engine = LLMEngine(model, IdsOnlyTokenizer(), EngineConfig(device=str(device), attention_backend=backend,
                            use_cuda_graphs=graphs, num_kv_blocks=256), eos_token_ids=[])
-        got = [o.output_token_ids for o in engine.generate(prompts, params)]
+        outputs = engine.generate(prompts, params)
+        got = [o.output_token_ids for o in outputs]
         name = f"{backend}{'+graphs' if graphs else ''}"
         combos[name] = {"vs_transformers": _agreement(got, reference), "tokens": got,
+                        "max_logprob_diff_teacher_forced": teacher_forced_difference(hf, outputs, device),
                         "runner": engine.runner.stats(), "num_fixed_shape_steps": engine.stats().num_fixed_shape_steps}
         del engine, model
     first = next(iter(combos.values()), None)
@@ -409,6 +426,24 @@ def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device
     for entry in combos.values():
         del entry["tokens"]
     return combos
+
+
+def teacher_forced_difference(hf, outputs, device: torch.device) -> float:
+    """Over every generated token: |our step path's logprob of it - transformers' logprob of the same token|,
+    transformers reading prompt + our tokens in one forward. Teacher-forced: a bf16 run that leaves transformers'
+    greedy path is still compared token by token, so a wrong kernel, graph or block shows at its own position
+    whatever was chosen there, while plain rounding stays ~1e-2 nats."""
+    worst = 0.0
+    for out in outputs:
+        ids = out.prompt_token_ids + out.output_token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids], device=device)).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        start = len(out.prompt_token_ids)
+        for i, entry in enumerate(out.logprobs):
+            want = logprobs[start + i - 1, ids[start + i]].item()
+            worst = max(worst, abs(entry.logprob - want))
+    return round(worst, 5)
 
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, float]:

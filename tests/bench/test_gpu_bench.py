@@ -80,3 +80,17 @@ def test_the_phases_name_their_runs():
     assert gpu_bench._runs("extra")[0] == "hf" and "quant-kernels" in gpu_bench._runs("extra")
     assert gpu_bench._runs("all") == gpu_bench._runs("core") + gpu_bench._runs("extra")
     assert gpu_bench._runs("torch, hf") == ["torch", "hf"]
+
+
+def test_the_parity_reference_keeps_its_rope_in_float32_whatever_the_dtype(monkeypatch):
+    """transformers' ``.to(bf16)`` rounds rope's inv_freq (a buffer): the bf16 reference was then wrong by
+    ~2 nats and the float32 pass after it matched 0 rows. With the buffers kept: float32 exact, bf16 within
+    rounding, teacher-forced."""
+    monkeypatch.setattr(gpu_bench, "PARITY_COMBOS", (("torch", False),))
+    monkeypatch.setattr(gpu_bench, "PARITY_TOKENS", 12)
+    args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "parity"])
+    result = gpu_bench.run_parity(args, gpu_bench.RunBudget(120.0, time.perf_counter() + 120.0))
+    assert list(result)[-2:] == ["bfloat16", "float32"]  # bf16 first
+    f32, bf16 = result["float32"]["torch"], result["bfloat16"]["torch"]
+    assert f32["vs_transformers"]["rows_full_match"] == 1.0 and f32["max_logprob_diff_teacher_forced"] < 1e-3
+    assert bf16["max_logprob_diff_teacher_forced"] < 0.15

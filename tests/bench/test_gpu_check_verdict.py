@@ -32,11 +32,16 @@ def _run(tok: float, name: str | None = None, **extra) -> dict:
     return out
 
 
-def _parity(share: float, combos: int = 4) -> dict:
+def _parity(bf16_diff: float, f32_match: float = 1.0, combos: int = 4) -> dict:
     names = ["torch", "torch+graphs", "triton", "triton+graphs"][:combos]
+
+    def combo(n, share, diff):
+        return {"vs_transformers": {"rows_full_match": share}, "max_logprob_diff_teacher_forced": diff,
+                "runner": _runner(n), "num_fixed_shape_steps": 30 if "+graphs" in n else 0}
+
     return {"run": "parity", "max_new_tokens": 32, "num_combinations": 4,
-            "bfloat16": {n: {"vs_transformers": {"rows_full_match": share}, "runner": _runner(n),
-                             "num_fixed_shape_steps": 30 if "+graphs" in n else 0} for n in names}}
+            "bfloat16": {n: combo(n, 0.5, bf16_diff) for n in names},  # bf16 drifts free-running: not judged
+            "float32": {n: combo(n, f32_match, 2e-5) for n in names}}
 
 
 def _stage_dir(tmp_path: Path, runs: dict, tests: list[dict], status: str = "env rc=0 seconds=3\ntests rc=0 "
@@ -51,7 +56,7 @@ def _stage_dir(tmp_path: Path, runs: dict, tests: list[dict], status: str = "env
 GOOD_TESTS = [{"test": "tests/gpu/a.py::t1", "outcome": "passed", "seconds": 1.0, "message": None},
               {"test": "tests/gpu/a.py::t2", "outcome": "skipped", "seconds": 0.0,
                "message": "Skipped: xgrammar is not installed"}]
-GOOD_RUNS = {"parity": _parity(0.75),
+GOOD_RUNS = {"parity": _parity(0.012),
              "triton+graphs": _run(9000.0, "triton+graphs", roofline_share=0.55,
                                    roofline={"step_bytes": 2.1e10, "weight_bytes": 1.6e10, "rows": 180.5,
                                              "mean_context": 576.0, "roofline_decode_tokens_per_s": 41000.0,
@@ -76,8 +81,8 @@ def test_all_thresholds_met_is_a_pass(tmp_path):
     assert roofline["status"] == "pass" and roofline["value"] == {"triton+graphs": 0.55}
     assert roofline["detail"].startswith("flops bind: a decode step of 180.5 rows x 576.0 tokens reads 21.0 GB "
                                          "(4.60 ms at 4.50 TB/s measured) and does 6.10 TFLOP (8.90 ms at 690")
-    assert checks["paths_as_named"] == {"status": "pass", "value": 8, "judged": True, "detail": None,
-                                        "threshold": checks["paths_as_named"]["threshold"]}  # 4 runs + 4 combos
+    assert checks["paths_as_named"] == {"status": "pass", "value": 12, "judged": True, "detail": None,
+                                        "threshold": checks["paths_as_named"]["threshold"]}  # 4 runs + 2 x 4 combos
     assert report["tests"]["counts"] == {"passed": 1, "skipped": 1}    # the torn last line is ignored
 
 
@@ -91,8 +96,14 @@ def test_a_missed_threshold_or_failed_test_is_a_fail(tmp_path):
     report = verdict_mod.build_report(_stage_dir(tmp_path / "b", GOOD_RUNS, failed))
     assert report["verdict"] == "fail" and "boom" in report["checks"]["gpu_tests"]["detail"]
     (tmp_path / "c").mkdir()
-    drifting = dict(GOOD_RUNS, parity=_parity(0.5))
-    assert verdict_mod.build_report(_stage_dir(tmp_path / "c", drifting, GOOD_TESTS))["verdict"] == "fail"
+    wrong_step = dict(GOOD_RUNS, parity=_parity(0.9))  # a bf16 token 0.9 nats off transformers, teacher-forced
+    report = verdict_mod.build_report(_stage_dir(tmp_path / "c", wrong_step, GOOD_TESTS))
+    assert report["verdict"] == "fail" and report["checks"]["bf16_parity_32_tokens"]["detail"].startswith(
+        "bf16 torch: 0.9; bf16 torch+graphs: 0.9")
+    (tmp_path / "e").mkdir()
+    inexact = dict(GOOD_RUNS, parity=_parity(0.012, f32_match=0.875))
+    report = verdict_mod.build_report(_stage_dir(tmp_path / "e", inexact, GOOD_TESTS))
+    assert report["checks"]["bf16_parity_32_tokens"]["detail"].startswith("float32 torch: 88% of rows")
     (tmp_path / "d").mkdir()
     far = dict(GOOD_RUNS, **{"triton+graphs": dict(GOOD_RUNS["triton+graphs"], roofline_share=0.3)})
     report = verdict_mod.build_report(_stage_dir(tmp_path / "d", far, GOOD_TESTS))
