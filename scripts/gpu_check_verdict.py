@@ -14,11 +14,11 @@ or was not reached) or ``skipped`` (CPU-only mode); ``info`` checks are reported
 Thresholds (issue 17): no GPU test fails; every run ran the attention backend and CUDA graphs it is named
 after (its runner's counters: no silent fallback to torch or to eager steps, issue 28); parity with transformers
 for every backend/graphs combination: in bf16 each generated token's logprob within 0.15 of transformers' own
-logprob of it (teacher-forced, so drift never compounds), in float32 every row's 32 greedy tokens exact; triton
-+ CUDA graphs faster
-than torch eager; >= 3x transformers' continuous batching; fp8 >= 1.3x bf16 at batch 256; the bf16 run's decode
-rate >= 50% of its roofline (max of bytes / bandwidth and FLOPs / bf16 GEMM rate, both measured in the same call:
-scripts/gpu_bench.py). Reported only: int8 / int4 vs bf16.
+logprob of it (teacher-forced, so drift never compounds), in float32 every row's 32 greedy tokens exact;
+triton + CUDA graphs faster than torch eager; >= 3x transformers' continuous batching; fp8 >= 1.0x bf16 at
+batch 256 (not slower; the ratio reported); the bf16 run's decode rate >= 50% of its roofline (max of bytes /
+bandwidth and FLOPs / bf16 GEMM rate, both measured in the same call: scripts/gpu_bench.py). Reported only:
+int8 / int4 vs bf16.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ HF_RUN = "hf"
 MIN_PARITY_TOKENS = 32
 BF16_LOGPROB_TOLERANCE = 0.15    # nats, teacher-forced: bf16 rounding is ~1e-2; a wrong step moves far more
 MIN_VS_HF = 3.0
-MIN_FP8_VS_BF16 = 1.3
+MIN_FP8_VS_BF16 = 1.0  # fp8 must not be slower than bf16 (1.3x was above what per-token activation
+#                        quantization in ~6 torch ops per linear allows at this shape: a review, issue 28)
 MIN_ROOFLINE_SHARE = 0.5         # the bf16 run's decode rate as a share of its floor (issue 28)
 # what the core phase (PHASE=core, ~4 minutes) answers; the rest needs the extra phase's runs
 CORE_CHECKS = ("gpu_tests", "paths_as_named", "bf16_parity_32_tokens", "graphs_faster_than_eager",
