@@ -98,6 +98,17 @@ class InputSpec(_Spec):
         "Recorded in the manifest's spec, so a later run without it is a different run.",
     )
 
+    system_prompt: str | None = Field(
+        default=None,
+        description="A system message shared by every row, put before the row's messages (a row whose messages "
+        "already start with a system message keeps its own). With prompt_column each row becomes a chat of "
+        "two messages (system, then the prompt as the user's), so the model's chat template applies.",
+    )
+    system_prompt_column: str | None = Field(
+        default=None,
+        description="Optional column of per-row system prompts (string); a null or empty value takes "
+        "system_prompt (or none).",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template (e.g. {enable_thinking: false} for Qwen3).",
@@ -125,7 +136,8 @@ class InputSpec(_Spec):
         return self
 
 
-_OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column")
+_OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "system_prompt",
+                       "system_prompt_column")
 
 
 # The sampling and engine keys, their types, bounds and descriptions are the engine's own fields (declared once,

@@ -36,7 +36,8 @@ COMPACT_MIN_RECORDS = 500  # never compact more often than this many commits
 MAX_ERROR_KINDS = 50
 # Sections that must match for a resume to be safe (the same rows with the same settings).
 RESUME_SECTIONS = ("model", "sampling")
-RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "limit")
+RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "limit",
+                     "system_prompt", "system_prompt_column")
 
 
 class ResumeError(ValueError):

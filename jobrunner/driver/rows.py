@@ -53,7 +53,8 @@ def request_columns(spec: JobSpec) -> list[str]:
     if is_openai_batch(spec):
         return list(OPENAI_COLUMNS)
     inp = spec.input
-    cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, ROW_ERROR]
+    cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
+            ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -130,16 +131,32 @@ def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams)
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
+    system = _system_prompt(spec, row)
     if spec.input.prompt_column is not None:
         value = row.get(spec.input.prompt_column)
         if value is None or not str(value).strip():
             raise ValueError(f"prompt column {spec.input.prompt_column!r} is null or empty")
-        return str(value)
+        if system is None:
+            return str(value)
+        return [{"role": "system", "content": system}, {"role": "user", "content": str(value)}]
     column = spec.input.messages_column
     try:
-        return parse_messages(row.get(column))
+        messages = parse_messages(row.get(column))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"messages column {column!r}: {exc}") from None
+    if system is None or messages[0].get("role") == "system":  # a row's own system message wins
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _system_prompt(spec: JobSpec, row: dict[str, Any]) -> str | None:
+    """The row's system prompt: its column's value, else the job's ``input.system_prompt`` (None: no system
+    message added)."""
+    column = spec.input.system_prompt_column
+    value = row.get(column) if column else None
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"system prompt column {column!r} holds {type(value).__name__}, not a string")
+    return value if value and value.strip() else spec.input.system_prompt
 
 
 def _row_overrides(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:

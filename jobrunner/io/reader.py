@@ -174,6 +174,7 @@ _ROLE_CHECKS = {
     "messages_column": (_is_messages, "a list<struct<role, content>> column or a JSON string column"),
     "id_column": (_is_id, "a string or integer column"),
     "sampling_column": (_is_overrides, "a struct/map column or a JSON string column"),
+    "system_prompt_column": (_is_string, "a string column"),
 }
 
 

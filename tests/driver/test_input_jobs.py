@@ -90,3 +90,28 @@ def test_a_batch_repeating_a_custom_id_is_refused(tmp_path):
     with pytest.raises(InputError, match=r"the batch repeats a custom_id: 'a' at .*batch\.jsonl line 1 and again "
                                          r"at .*batch\.jsonl line 4\. .*OpenAI refuses such a file"):
         plan_job(spec_from_dict(_batch_spec(tmp_path, lines)))
+
+
+def test_a_shared_system_prompt_reaches_every_row_and_a_bad_column_is_refused_before_work(local_ray, tmp_path):
+    """input.system_prompt on a prompt column: every output chat starts with it (a row's own column value
+    overrides it); a system_prompt_column that is not a string column stops the job at planning."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["one", "two", "three"],
+                             "sys": [None, "Answer in Welsh.", None]}), tmp_path / "in.parquet")
+    spec = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                     input={"system_prompt": "Answer in French.", "system_prompt_column": "sys"},
+                     output={"format": "messages", "keep_columns": []})
+    result = run_job(spec_from_dict(spec), show_progress=False)
+    assert result.ok, result.summary()
+    rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert [m["content"] for m in rows["a"]["messages"][:2]] == ["Answer in French.", "one"]
+    assert [m["content"] for m in rows["b"]["messages"][:2]] == ["Answer in Welsh.", "two"]
+    assert [m["role"] for m in rows["c"]["messages"]] == ["system", "user", "assistant"]
+    assert rows["a"]["num_prompt_tokens"] == 4  # the fake engine counts words: "Answer in French. one"
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["one"], "sys": [3]}), tmp_path / "bad.parquet")
+    spec["input"]["url"] = str(tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match=r"column 'sys' \(input.system_prompt_column\) has type int64; "
+                                         r"expected a string column"):
+        plan_job(spec_from_dict(spec))

@@ -116,3 +116,34 @@ def test_openai_batch_rows_become_requests_or_error_rows():
                                      "url": "/v1/chat/completions", "body": json.dumps({**body, "tools": []}),
                                      ROW_ERROR: None})
     assert unknown.error == "body field(s) tools not supported for /v1/chat/completions"
+
+
+def test_a_shared_system_prompt_leads_every_chat_row_unless_the_row_brings_its_own():
+    system = {"role": "system", "content": "You answer in French."}
+    msgs = _spec(prompt_column=None, messages_column="m", sampling_column=None, id_column=None,
+                 system_prompt=system["content"])
+    user = [{"role": "user", "content": "hello"}]
+    assert _request(msgs, "f", {ROW_INDEX: 0, "m": user}).prompt == [system, *user]
+    own = [{"role": "system", "content": "Be terse."}, *user]
+    assert _request(msgs, "f", {ROW_INDEX: 1, "m": own}).prompt == own  # the row's own system message wins
+    text = _spec(sampling_column=None, system_prompt=system["content"])
+    row = _request(text, "f", {ROW_INDEX: 2, "id": "a", "prompt": "hello"})
+    assert row.prompt == [system, *user]  # a raw prompt becomes a two-message chat
+    assert _request(_spec(sampling_column=None), "f", {ROW_INDEX: 3, "id": "b", "prompt": "hello"}).prompt == "hello"
+
+
+def test_a_system_prompt_column_overrides_the_shared_one_per_row():
+    spec = _spec(sampling_column=None, system_prompt="shared", system_prompt_column="sys")
+    rows = [{ROW_INDEX: i, "id": str(i), "prompt": "q", "sys": value} for i, value in
+            enumerate(["own", None, "  ", 7])]
+    got = [_request(spec, "f", row) for row in rows]
+    assert [r.prompt[0]["content"] for r in got[:3]] == ["own", "shared", "shared"]
+    assert got[3].prompt is None and got[3].error == "system prompt column 'sys' holds int, not a string"
+    only_column = _spec(sampling_column=None, system_prompt_column="sys")
+    assert _request(only_column, "f", {ROW_INDEX: 0, "id": "a", "prompt": "q", "sys": None}).prompt == "q"
+
+
+def test_openai_batch_files_refuse_a_system_prompt_setting():
+    with pytest.raises(ValueError, match="unset system_prompt"):
+        spec_from_dict({"name": "t", "input": {"url": "x", "format": "openai_batch", "system_prompt": "s"},
+                        "output": {"url": "o"}})
