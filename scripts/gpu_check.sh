@@ -24,7 +24,8 @@
 #          that script's docstring); run after each phase, so an extra phase adds to the core's file
 # Without CUDA (CPU-only mode) the tests stage shows what skips and why, the bench runs a tiny CPU smoke
 # (BENCH_ARGS_CPU), and every threshold is "skipped": the verdict is "incomplete".
-# Logs go to $OUT/<stage>.log, one "stage rc seconds" line per stage to $OUT/gpu_check_status.txt.
+# Logs go to $OUT/<stage>.log, packed at the end of the phase into $OUT/logs_<phase>.tar.gz (the device tool
+# returns at most 8 files: both phases leave 7), one "stage rc seconds" line per stage to gpu_check_status.txt.
 # Exit status: 0 when this phase's verdict is pass, 1 otherwise (the script itself always ends).
 set -u
 
@@ -105,6 +106,13 @@ KEY=$([ "$PHASE" = core ] && echo verdict_core || echo verdict)
 VERDICT=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$OUT/gpu_check.json" \
   "$KEY" 2>/dev/null || echo missing)
 
+# the device tool returns at most 8 files: this phase's logs go into one archive (gpu_check.json already holds
+# the environment, the tests and the bench); gpu_quant_bench.json is inside gpu_bench_extra.json
+LOGS=$(cd "$OUT" && ls ./*_"$PHASE".log $([ "$PHASE" = core ] && echo ./tests.log) 2>/dev/null)
+# shellcheck disable=SC2086
+[ -n "$LOGS" ] && tar czf "$OUT/logs_$PHASE.tar.gz" -C "$OUT" $LOGS && (cd "$OUT" && rm -f $LOGS)
+rm -f "$OUT/gpu_quant_bench.json"
 echo "=== summary of phase $PHASE ($FAILED stages failed; $KEY $VERDICT) ==="
 cat "$STATUS"
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 [ "$VERDICT" = pass ]

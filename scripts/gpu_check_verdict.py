@@ -257,17 +257,24 @@ def build_report(out: str, cpu_only: bool = False) -> dict[str, Any]:
             if check["judged"]:
                 check["detail"] = f"skipped: no CUDA device (CPU-only mode); {check['detail'] or check['status']}"
                 check["status"] = "skipped"
-    environment = f"missing: no env_core.log or env.log in {out}"
-    for name in ("env_core.log", "env.log"):
-        try:
-            environment = open(os.path.join(out, name)).read()[-4000:]
-            break
-        except OSError:
-            continue
+    environment = _environment(out)
     core = {name: check for name, check in checks.items() if name in CORE_CHECKS}
     return {"verdict_core": verdict(core), "verdict": verdict(checks), "cpu_only": cpu_only, "checks": checks,
             "stages": stages,
             "environment": environment, "tests": tests, "bench": bench}
+
+
+def _environment(out: str) -> str:
+    """The env stage's log, or (in a later phase, the core's logs packed away) what the last report held."""
+    for name in ("env_core.log", "env.log"):
+        try:
+            return open(os.path.join(out, name)).read()[-4000:]
+        except OSError:
+            continue
+    try:
+        return json.load(open(os.path.join(out, "gpu_check.json")))["environment"]
+    except (OSError, ValueError, KeyError):
+        return f"missing: no env_core.log, env.log or earlier gpu_check.json in {out}"
 
 
 def verdict(checks: dict[str, dict[str, Any]]) -> str:

@@ -173,3 +173,21 @@ def test_results_plugin_writes_one_line_per_test_as_it_goes(tmp_path):
     assert outcomes == {"test_broken.py": "error", "test_ok": "passed", "test_bad": "failed",
                         "test_skip": "skipped"}
     assert "not on this image" in next(line["message"] for line in lines if line["outcome"] == "skipped")
+
+
+def test_both_phases_leave_at_most_eight_files_and_one_report(tmp_path):
+    """The device tool returns at most 8 files from $OUT: the CPU-only mode of both phases (a tiny bench)
+    leaves its logs packed, and the extra phase's report still holds the core's environment."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "TEST_PATHS": "tests/gpu/test_quant_cuda.py",
+           "BENCH_ARGS": "--device cpu --tiny --runs torch --num-prompts 2 --output-len 2"}
+    repo = SCRIPTS.parent
+    for phase in ("core", "extra"):
+        done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=repo, env={**env, "PHASE": phase},
+                              capture_output=True, text=True, timeout=600)
+        assert "=== summary of phase " + phase in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"gpu_check.json", "logs_core.tar.gz", "logs_extra.tar.gz"} <= set(files), files
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["cpu_only"] and "torch" in report["environment"]
+    assert set(report["stages"]) == {"env_core", "tests", "bench_core", "env_extra", "bench_extra"}
