@@ -377,17 +377,13 @@ def run_parity(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
 
 
 def reference_model(master, device: torch.device, dtype: torch.dtype):
-    """A copy of the float32 transformers model ``master`` on ``device`` with its parameters in ``dtype`` and its
-    buffers kept as they are: ``.to(bf16)`` would also round rope's ``inv_freq`` (a buffer) to bf16, moving every
-    rotary angle (by ~0.25 rad at position 64) and making the *reference* wrong, not our engine."""
+    """A copy of the float32 transformers model ``master`` on ``device``, parameters in ``dtype``, rope buffers
+    kept in float32 (:func:`jobrunner.bench.hf_baseline.cast_keeping_buffers`)."""
     import copy
 
-    model = copy.deepcopy(master)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model = model.to(device, dtype)
-    for name, b in model.named_buffers():
-        b.data = buffers[name].to(device)
-    return model
+    from jobrunner.bench.hf_baseline import cast_keeping_buffers
+
+    return cast_keeping_buffers(copy.deepcopy(master), device, dtype)
 
 
 def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device: torch.device,

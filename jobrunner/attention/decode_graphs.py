@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.attention.base import StepLayout
-from jobrunner.attention.graph_capture import WeightsGuard, capture_graph
+from jobrunner.attention.graph_capture import WeightsGuard, capture_graph, drop_graphs_if_weights_moved
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class DecodeGraphs:
         """
         if not self.capture or self.warmup_s is not None:
             return len(self.graphs)
-        self._drop_graphs_if_weights_moved()
+        drop_graphs_if_weights_moved(self)
         start = time.perf_counter()
         for shape in self.warm_up_keys():
             if shape in self.graphs:
@@ -159,7 +159,7 @@ class DecodeGraphs:
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(batch, blocks)[:len(rows)]
-        self._drop_graphs_if_weights_moved()
+        drop_graphs_if_weights_moved(self)
         entry = self.graphs.get(shape)
         if entry is None:
             entry = self.graphs[shape] = self._capture(batch, blocks)
@@ -193,11 +193,6 @@ class DecodeGraphs:
         group = AttentionGroup(batch, 1, kv_len, index, table, mask, index)
         meta = TorchMetadata(self.slots[:batch], [group], batch, self.block_size)
         return self.model(self.input_ids[:batch], self.positions[:batch], meta, self.kv_cache)
-
-    def _drop_graphs_if_weights_moved(self) -> None:
-        if self.graphs and self.weights.moved():
-            self.graphs.clear()
-            self.pool = None
 
     def _capture(self, batch: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.weights.capture_started()

@@ -75,6 +75,14 @@ class WeightsGuard:
         return True
 
 
+def drop_graphs_if_weights_moved(runner: Any) -> None:
+    """A graph runner's (``graphs``, ``pool``, ``weights``) graphs dropped, to be captured again on use, when its
+    model's weights moved since the last capture."""
+    if runner.graphs and runner.weights.moved():
+        runner.graphs.clear()
+        runner.pool = None
+
+
 def capture_graph(device: torch.device, pool: Any, forward: Callable[[], torch.Tensor]
                   ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
     """``(graph, output, pool)``: ``forward`` captured into a graph allocating from ``pool`` (a new pool if None).

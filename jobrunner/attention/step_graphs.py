@@ -33,7 +33,7 @@ import time
 import torch
 
 from jobrunner.attention.base import StepLayout
-from jobrunner.attention.graph_capture import WeightsGuard, capture_graph
+from jobrunner.attention.graph_capture import WeightsGuard, capture_graph, drop_graphs_if_weights_moved
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
 
@@ -115,9 +115,8 @@ class StepGraphs:
         bucket = self.token_buckets[i]
         block_m = self.backend.block_m(layout.max_query_len)
         key = (bucket, block_m)
-        if self.capture and self.graphs and self.weights.moved():  # recaptured over the weights as they are now
-            self.graphs.clear()
-            self.pool = None
+        if self.capture:
+            drop_graphs_if_weights_moved(self)  # recaptured over the weights as they are now
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
         rows = min(self.max_num_seqs, bucket)

@@ -24,6 +24,18 @@ class Baseline:
     pad_id: int
 
 
+def cast_keeping_buffers(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype
+                         ) -> torch.nn.Module:
+    """``model`` (in place) on ``device`` with its parameters in ``dtype`` and its buffers as they were: a plain
+    ``.to(bf16)`` also rounds rope's ``inv_freq`` buffer to bf16 and moves every rotary angle (~0.25 rad at
+    position 64), so a transformers reference made that way is itself wrong."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model = model.to(device, dtype)
+    for name, b in model.named_buffers():
+        b.data = buffers[name].to(device)
+    return model
+
+
 def load_baseline(model_dir: str, dtype: torch.dtype, device: torch.device, eos_ids: Sequence[int]) -> Baseline:
     """``AutoModelForCausalLM.from_pretrained`` in ``dtype`` on ``device``; pad with the first EOS id, else 0."""
     from transformers import AutoModelForCausalLM

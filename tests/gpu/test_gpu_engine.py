@@ -99,16 +99,6 @@ def test_triton_kernel_bf16_head_dim_128_matches_torch(block_size, num_heads, nu
     assert (got.float() - want).abs().mean() < 2e-3
 
 
-def _cast_keeping_buffers(hf, dtype: torch.dtype):
-    """``hf`` on CUDA with its parameters in ``dtype``, its buffers unchanged: ``.to(bf16)`` would round rope's
-    ``inv_freq`` to bf16 and move every rotary angle, so transformers itself would be the wrong reference."""
-    buffers = {name: b.detach().clone() for name, b in hf.named_buffers()}
-    hf = hf.to("cuda", dtype)
-    for name, b in hf.named_buffers():
-        b.data = buffers[name].to("cuda")
-    return hf
-
-
 def _max_logprob_difference(outputs, eager) -> float:
     """Over every generated token: |the run's own logprob of it - the eager path's|, where ``eager`` re-reads
     prompt + output in one prefill. Teacher-forced, so bf16 drift never compounds: a wrong graph (or kernel)
@@ -159,7 +149,9 @@ def test_bf16_head_dim_128_backends_and_graphs_agree() -> None:
     tokenizer, hf, prompts = _tiny(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                                    intermediate_size=512)
     params = SamplingParams(max_tokens=BF16_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-    hf = _cast_keeping_buffers(hf, torch.bfloat16)
+    from jobrunner.bench.hf_baseline import cast_keeping_buffers
+
+    hf = cast_keeping_buffers(hf, "cuda", torch.bfloat16)  # rope buffers stay float32: the reference is right
     reference = [_hf_greedy_with_logits(hf, ids, BF16_TOKENS) for ids in prompts]
     eager = _engine(hf, tokenizer, torch.bfloat16, attention_backend="torch", use_cuda_graphs=False)
     for backend, graphs in BACKENDS:
