@@ -29,7 +29,7 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.command()
 @click.option("--prompts", "prompts_path", default=None, type=click.Path(dir_okay=False),
               help="A .jsonl or .parquet file with a 'prompt' (text) or 'messages' (chat) column (required "
-                   "unless --calibrate-dtype).")
+                   "unless --calibrate-dtype, --quant-kernels or --gemm-paths).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=128, show_default=True,
               help="Use the first N rows.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
