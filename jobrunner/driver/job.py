@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -93,6 +94,8 @@ class _JobLoop:
         run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
         self.pool = WorkerPool(spec, run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.run_tokens = 0
+        self.finish_reasons: Counter = Counter()  # this run's committed rows by finish reason
+        self.json_invalid = 0  # this run's committed rows whose text is not schema-valid JSON
         # Output rows: n per input row (per-row overrides of n make this an estimate).
         self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
         self.metrics = JobMetrics(spec.name, plan.num_rows * spec.sampling.n)  # Ray dashboard / Prometheus
@@ -360,6 +363,9 @@ class _JobLoop:
         self.runs.committed(run)
         self.watch.event(f"shard {run.shard_id} committed")
         self.run_tokens += run.record["num_output_tokens"]
+        for result in run.results:
+            self.finish_reasons.update(result.finish_reasons)
+            self.json_invalid += result.json_invalid
         self.stats["commits"] += 1
         if self.stats["first_commit_s"] is None:
             self.stats["first_commit_s"] = time.monotonic() - self.t0
@@ -400,7 +406,10 @@ class _JobLoop:
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
-                           top_errors=self.book.top_error_kinds())
+                           top_errors=self.book.top_error_kinds(), finish_reasons=dict(self.finish_reasons),
+                           json_invalid=self.json_invalid, max_tokens=self.spec.sampling.max_tokens)
+        for warning in result.row_warnings():
+            log.warning("%s", warning)
         if finished:  # the OpenAI result files whatever the error budget: they say which requests failed
             finish_job_files(self.spec, self.storage, self.shards.committed_parts())
         if finished and not result.over_error_budget:

@@ -9,9 +9,9 @@ from typing import Any
 import pyarrow as pa
 
 from jobrunner.driver.openai_batch import ENDPOINTS, result_lines
-from jobrunner.driver.rows import OPENAI_ID_COLUMN, is_openai_batch
+from jobrunner.driver.rows import OPENAI_ID_COLUMN, is_openai_batch, job_output_schema
 from jobrunner.io.openai_files import read_result_rows, write_openai_results
-from jobrunner.io.parts import output_schema, rows_to_table
+from jobrunner.io.parts import rows_to_table
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
 from jobrunner.io.text_input import list_input, read_input_rows
@@ -21,7 +21,7 @@ from jobrunner.spec import JobSpec
 
 def rows_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None) -> pa.Table:
     """A shard's output rows (and kept input columns) as the part's table."""
-    return rows_to_table(rows, kept, output_schema(spec.output.format))
+    return rows_to_table(rows, kept, job_output_schema(spec))
 
 
 def finish_job_files(spec: JobSpec, storage: Storage, part_keys: list[str]) -> list[str]:

@@ -8,6 +8,7 @@ from typing import Any
 from jobrunner.redaction import redact_text
 
 MAX_LISTED_FAILURES = 20
+LENGTH_WARN_SHARE = 0.05  # warn at the end of a run when more of its rows than this stopped at max_tokens
 
 
 @dataclass
@@ -20,6 +21,9 @@ class JobResult:
     error: str | None = None  # the job could not run (no worker, lease lost)
     max_error_rate: float = 1.0
     top_errors: list[tuple[str, int]] = field(default_factory=list)
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # this run's rows by finish reason
+    json_invalid: int = 0  # this run's rows whose text is not valid JSON for their schema
+    max_tokens: int | None = None  # the job's sampling.max_tokens (named in the truncation warning)
 
     @property
     def error_rate(self) -> float:
@@ -51,6 +55,8 @@ class JobResult:
                 f"{self.output_url}")
         for kind, count in self.top_errors:
             text += f"\n  {count} rows: {kind}"
+        for warning in self.row_warnings():
+            text += f"\n  WARNING: {warning}"
         if not failures:
             return text
         if self.error:
@@ -61,6 +67,22 @@ class JobResult:
         if len(failed) > MAX_LISTED_FAILURES:
             text += f"\n  ... and {len(failed) - MAX_LISTED_FAILURES} more failed shards (see _manifest.json)"
         return text
+
+    def row_warnings(self) -> list[str]:
+        """What this run's rows say that the user should see: many rows cut at max_tokens (more than 5%; a
+        truncated answer, or JSON cut mid-value), rows whose JSON does not satisfy their schema."""
+        warnings = []
+        rows = sum(self.finish_reasons.values())
+        length = self.finish_reasons.get("length", 0)
+        if rows and length / rows > LENGTH_WARN_SHARE:
+            setting = f"sampling.max_tokens={self.max_tokens}" if self.max_tokens else "sampling.max_tokens"
+            warnings.append(f"{length} of {rows} rows of this run ({100 * length / rows:.1f}%) stopped at the "
+                            f"token limit ({setting}) before the model ended them: raise {setting.split('=')[0]} "
+                            "if their answers are cut (finish_reason 'length' in the output)")
+        if self.json_invalid:
+            warnings.append(f"{self.json_invalid} rows of this run are not valid JSON for their schema "
+                            "(json_valid false in the output; most often cut at max_tokens)")
+        return warnings
 
     def failure_message(self) -> str:
         """Why the job exits non-zero (empty when ok), redacted."""

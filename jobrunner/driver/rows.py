@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import parse_request
 from jobrunner.engine import SamplingParams
 from jobrunner.io.parts import output_schema
@@ -48,6 +49,17 @@ def id_column(spec: JobSpec) -> str | None:
     return OPENAI_ID_COLUMN if is_openai_batch(spec) else spec.input.id_column
 
 
+def has_json_valid(spec: JobSpec) -> bool:
+    """Whether the job's rows can carry a JSON schema (the job's sampling, a per-row override column or OpenAI
+    batch requests), so its output has the ``json_valid`` column."""
+    return spec.sampling.json_schema is not None or bool(spec.input.sampling_column) or is_openai_batch(spec)
+
+
+def job_output_schema(spec: JobSpec) -> pa.Schema:
+    """The output row schema of this job (format, and ``json_valid`` where rows can have a schema)."""
+    return output_schema(spec.output.format, has_json_valid(spec))
+
+
 def request_columns(spec: JobSpec) -> list[str]:
     """The input columns a request is built from."""
     if is_openai_batch(spec):
@@ -63,7 +75,7 @@ def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:
     column. '*' keeps every column of `available` except internal ones (`_`-prefixed) and the input column
     an output column of the same name is made from (the id column `id`, a `messages` chat in messages
     format)."""
-    names = output_schema(spec.output.format).names
+    names = job_output_schema(spec).names
     keep = spec.output.keep_columns
     if keep == "*":
         sources = {id_column(spec)}
@@ -206,6 +218,8 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
         row[key] = metrics.get(key)
     if spec.output.format == "messages" and not failed:
         row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": out.text}]
+    if has_json_valid(spec):
+        row["json_valid"] = None if failed else json_valid(out.text, getattr(req.params, "json_schema", None))
     return row
 
 

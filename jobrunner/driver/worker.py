@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,8 @@ class ShardResult:
     error_kinds: dict[str, int] = field(default_factory=dict)  # error kind -> rows
     isolation: dict[str, Any] = field(default_factory=dict)  # IsolationCost.to_dict() of this attempt
     prefix_chains: tuple = (0, None)  # (cacheable KV blocks, distinct block chains): driver/prefix_rows.py
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # finish reason -> rows (samples)
+    json_invalid: int = 0  # rows whose text is not valid JSON for their schema (json_valid false)
 
 
 class ShardRunner:
@@ -220,7 +222,9 @@ class ShardRunner:
             num_output_tokens=total("num_output_tokens"),
             seconds=seconds, worker_stats=self.stats(), row_start=state.shard.row_start,
             row_end=state.shard.row_end, error_kinds=error_kinds(rows),
-            isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.summary())
+            isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.summary(),
+            finish_reasons=dict(Counter(str(r.get("finish_reason")) for r in rows)),
+            json_invalid=sum(r.get("json_valid") is False for r in rows))
 
     def progress(self) -> dict[str, Any]:
         """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,

@@ -45,11 +45,15 @@ OUTPUT_SCHEMA = pa.schema([
 ])
 # Only with output.format = messages: the input chat plus the generated assistant turn.
 MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
+# Only in jobs whose rows can carry a JSON schema: whether the text is schema-valid JSON (null: no schema, error).
+JSON_VALID_FIELD = pa.field("json_valid", pa.bool_())
 
 
-def output_schema(output_format: str = "parquet") -> pa.Schema:
-    """The output row schema of a job with this output.format."""
-    return OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
+def output_schema(output_format: str = "parquet", json_valid: bool = False) -> pa.Schema:
+    """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
+    schema)."""
+    schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
+    return schema.append(JSON_VALID_FIELD) if json_valid else schema
 
 
 def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None,

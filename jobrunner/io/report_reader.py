@@ -38,6 +38,7 @@ from jobrunner.io.storage import Storage
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
 STRING_COLUMNS = ("finish_reason", "error")
+JSON_VALID_COLUMN = "json_valid"  # only in jobs whose rows can have a JSON schema
 SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
@@ -76,6 +77,7 @@ class MetricBatch:
     is_error: np.ndarray  # bool [n]: `error` set or finish_reason == "error"
     error_to_count: dict[str, int]  # distinct error strings of this batch
     finish_reason_to_count: dict[str, int]
+    json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # rows with json_valid true / false
 
     @property
     def num_rows(self) -> int:
@@ -234,8 +236,8 @@ def _check_columns(schema: pa.Schema, path: str) -> None:
 
 
 def _optional_columns(schema: pa.Schema) -> list[str]:
-    """Metric columns older parts may lack."""
-    return [SHARED_PROMPT_COLUMN] if schema.get_field_index(SHARED_PROMPT_COLUMN) >= 0 else []
+    """Metric columns older parts (or jobs without JSON schemas) may lack."""
+    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN) if schema.get_field_index(name) >= 0]
 
 
 def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
@@ -262,6 +264,8 @@ def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
         is_error=is_error.to_numpy(zero_copy_only=False),
         error_to_count=_value_counts(error),
         finish_reason_to_count=_value_counts(finish_reason),
+        json_valid_to_count=_value_counts(batch.column(JSON_VALID_COLUMN)) if JSON_VALID_COLUMN in batch.schema.names
+        else {},
     )
 
 

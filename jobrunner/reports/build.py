@@ -83,9 +83,16 @@ def _top_kinds(kind_to_count: dict[str, int], limit: int = 20) -> dict[str, int]
 
 def _rows(folded: Folded) -> dict:
     kinds = _top_kinds(redact_counts(folded.error_kind_to_count))
+    length = folded.finish_reason_to_count.get("length", 0)
+    checked = sum(folded.json_valid_to_count.values())
+    invalid = folded.json_valid_to_count.get(False, 0)
     return {"total": folded.rows, "ok": folded.rows - folded.errors, "errors": folded.errors,
             "error_rate": ratio(folded.errors, folded.rows), "errors_by_kind": kinds,
-            "finish_reasons": dict(sorted(folded.finish_reason_to_count.items()))}
+            "finish_reasons": dict(sorted(folded.finish_reason_to_count.items())),
+            "stopped_at_max_tokens": length, "stopped_at_max_tokens_rate": ratio(length, folded.rows),
+            # rows checked against a JSON schema (json_valid true or false); None: no row had a schema
+            "json_checked": checked or None, "json_invalid": invalid if checked else None,
+            "json_valid_rate": ratio(checked - invalid, checked) if checked else None}
 
 
 def _tokens(folded: Folded, manifest: dict | None) -> dict:
@@ -153,6 +160,9 @@ def _charts(folded: Folded, wall_s: float | None) -> dict:
     }
 
 
+LENGTH_WARN_SHARE = 0.05  # more rows than this cut at max_tokens: a warning
+
+
 def _warnings(outputs: JobOutputs, folded: Folded, time: dict) -> list[str]:
     warnings = list(outputs.warnings)
     if outputs.manifest is None:
@@ -166,6 +176,15 @@ def _warnings(outputs: JobOutputs, folded: Folded, time: dict) -> list[str]:
         warnings.append("the outputs hold no rows")
     elif folded.errors == folded.rows:
         warnings.append("every row failed: no latency, throughput or per-token cost to report")
+    length = folded.finish_reason_to_count.get("length", 0)
+    if folded.rows and length / folded.rows > LENGTH_WARN_SHARE:
+        max_tokens = mv.spec_section(outputs.manifest, "sampling").get("max_tokens")
+        setting = f"sampling.max_tokens={max_tokens}" if max_tokens else "sampling.max_tokens"
+        warnings.append(f"{length:,} of {folded.rows:,} rows ({100 * length / folded.rows:.1f}%) stopped at the token "
+                        f"limit ({setting}) before the model ended them: raise it if their answers are cut")
+    invalid = folded.json_valid_to_count.get(False, 0)
+    if invalid:
+        warnings.append(f"{invalid:,} rows are not valid JSON for their schema (json_valid false)")
     if time["wall_source"] != "manifest":
         warnings.append("wall time taken from the last row's finish time (manifest has none)")
     return warnings

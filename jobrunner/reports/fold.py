@@ -40,6 +40,7 @@ class Folded:
     first_arrival_s: float | None = None  # job time the first row reached an engine: start-up ends here
     error_kind_to_count: dict[str, int] = field(default_factory=dict)
     finish_reason_to_count: dict[str, int] = field(default_factory=dict)
+    json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # json_valid true / false (no nulls)
     latencies: dict[str, LatencyValues] = field(
         default_factory=lambda: {name: LatencyValues() for name in LATENCY_COLUMNS})
     input_timeline: TokenTimeline = field(default_factory=TokenTimeline)
@@ -67,6 +68,7 @@ def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
     folded.output_tokens += int(batch.num_output_tokens.sum())
     add_counts(folded.error_kind_to_count, batch.error_to_count, error_kind)
     add_counts(folded.finish_reason_to_count, batch.finish_reason_to_count)
+    add_counts(folded.json_valid_to_count, batch.json_valid_to_count)
     finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
     if finite.size:
         folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))

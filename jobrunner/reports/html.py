@@ -6,7 +6,16 @@ from html import escape
 
 from jobrunner.reports.charts import all_charts
 from jobrunner.reports.compare import fmt_value, spec_differences
-from jobrunner.reports.table import figure_rows, fmt_float, fmt_pct, fmt_seconds, fmt_text, fmt_usd, run_labels
+from jobrunner.reports.table import (
+    figure_rows,
+    finish_reasons_line,
+    fmt_float,
+    fmt_pct,
+    fmt_seconds,
+    fmt_text,
+    fmt_usd,
+    run_labels,
+)
 
 STYLE = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#1d1d1f;
@@ -125,6 +134,7 @@ def _notes(reports: list[dict], labels: list[str]) -> str:
     for label, report in zip(labels, reports, strict=True):
         items = [f"error kind <b>{escape(kind)}</b>: {count:,} rows"
                  for kind, count in report["rows"]["errors_by_kind"].items()]
+        items += [escape(finish_reasons_line(report))] if report["rows"].get("finish_reasons") else []
         items += [f'<span class="warn">cost: {escape(n)}</span>' for n in report["cost"]["notes"]]
         items += [f'<span class="warn">warning: {escape(w)}</span>' for w in report["warnings"]]
         if items:

@@ -55,6 +55,13 @@ def engine_seconds(manifest: dict | None) -> tuple[float, float]:
     return prefill, decode
 
 
+def spec_section(manifest: dict | None, name: str) -> dict:
+    """The manifest's spec section ``name`` (e.g. "sampling"), or {}."""
+    spec = manifest.get("spec") if isinstance(manifest, dict) else None
+    section = spec.get(name) if isinstance(spec, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
 def spec_cost(manifest: dict | None) -> dict:
     """`spec.cost` of the job spec as recorded in the manifest ({} if absent)."""
     spec = (manifest or {}).get("spec")

@@ -104,6 +104,8 @@ FIGURES: list[Figure] = [
     Figure("rows", "rows", ("rows", "total"), fmt_int),
     Figure("rows", "errors", ("rows", "errors"), fmt_int),
     Figure("rows", "error rate", ("rows", "error_rate"), fmt_pct),
+    Figure("rows", "stopped at max_tokens (finish_reason length)", ("rows", "stopped_at_max_tokens"), fmt_int),
+    Figure("rows", "share stopped at max_tokens", ("rows", "stopped_at_max_tokens_rate"), fmt_pct),
     Figure("tokens", "input tokens", ("tokens", "input"), fmt_int),
     Figure("tokens", "cached input tokens", ("tokens", "cached"), fmt_int),
     Figure("tokens", "output tokens", ("tokens", "output"), fmt_int),
@@ -142,10 +144,28 @@ GOODPUT_FIGURES: list[Figure] = [
 ]
 
 
+JSON_FIGURES: list[Figure] = [
+    Figure("rows", "rows checked against a JSON schema", ("rows", "json_checked"), fmt_int),
+    Figure("rows", "not schema-valid JSON", ("rows", "json_invalid"), fmt_int),
+    Figure("rows", "schema-valid JSON share", ("rows", "json_valid_rate"), fmt_pct),
+]
+
+
+def finish_reasons_line(report: dict) -> str:
+    """"finish reasons: stop 60, length 4" (most frequent first)."""
+    reasons = sorted(report["rows"]["finish_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
+    return "finish reasons: " + ", ".join(f"{reason} {count:,}" for reason, count in reasons)
+
+
 def figures_for(reports: list[dict]) -> list[Figure]:
-    """The figures to show: goodput rows only when some run has SLO targets."""
+    """The figures to show: goodput rows only when some run has SLO targets, JSON validity only when some run
+    had rows with a JSON schema (its rows after the other row figures)."""
     has_goodput = any(report.get("goodput") for report in reports)
-    return FIGURES + (GOODPUT_FIGURES if has_goodput else [])
+    figures = list(FIGURES)
+    if any((report.get("rows") or {}).get("json_checked") for report in reports):
+        last_rows = max(i for i, f in enumerate(figures) if f.section == "rows")
+        figures[last_rows + 1:last_rows + 1] = JSON_FIGURES
+    return figures + (GOODPUT_FIGURES if has_goodput else [])
 
 
 def figure_rows(reports: list[dict]) -> list[tuple[Figure, list[str]]]:

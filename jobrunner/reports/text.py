@@ -6,7 +6,7 @@ import json
 import math
 
 from jobrunner.reports.compare import fmt_value, spec_differences
-from jobrunner.reports.table import figure_rows, run_labels
+from jobrunner.reports.table import figure_rows, finish_reasons_line, run_labels
 
 
 def render_json(reports: list[dict]) -> str:
@@ -57,6 +57,7 @@ def _notes(reports: list[dict], bullet: str) -> list[str]:
     lines = []
     for label, report in zip(run_labels(reports), reports, strict=True):
         items = [f"error {kind}: {count:,} rows" for kind, count in report["rows"]["errors_by_kind"].items()]
+        items += [finish_reasons_line(report)] if report["rows"].get("finish_reasons") else []
         items += [f"cost: {note}" for note in report["cost"]["notes"]]
         items += [f"warning: {warning}" for warning in report["warnings"]]
         if items:

@@ -39,7 +39,9 @@ def test_counts_tokens_and_errors(small_job: str) -> None:
     report = load_report(small_job)
     assert report["rows"] == {"total": 4, "ok": 3, "errors": 1, "error_rate": 0.25,
                               "errors_by_kind": {"prompt too long": 1},
-                              "finish_reasons": {"error": 1, "stop": 3}}
+                              "finish_reasons": {"error": 1, "stop": 3}, "stopped_at_max_tokens": 0,
+                              "stopped_at_max_tokens_rate": 0.0, "json_checked": None, "json_invalid": None,
+                              "json_valid_rate": None}
     assert report["tokens"] == {"input": 5400, "cached": 150, "output": 60, "total": 5460,
                                 "prefix_cache_hit_rate": pytest.approx(150 / 5400), "ideal_cached": None,
                                 "ideal_prefix_cache_hit_rate": None, "prefix_cache_of_ideal": None}
