@@ -408,8 +408,6 @@ class _JobLoop:
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds(), finish_reasons=dict(self.finish_reasons),
                            json_invalid=self.json_invalid, max_tokens=self.spec.sampling.max_tokens)
-        for warning in result.row_warnings():
-            log.warning("%s", warning)
         if finished:  # the OpenAI result files whatever the error budget: they say which requests failed
             finish_job_files(self.spec, self.storage, self.shards.committed_parts())
         if finished and not result.over_error_budget:
