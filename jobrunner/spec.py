@@ -18,6 +18,7 @@ from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
 from jobrunner.spec_errors import describe_spec_errors
 from jobrunner.spec_sections import section_fields
+from jobrunner.url_templates import fill_spec_urls
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
 # Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
@@ -403,6 +404,7 @@ def spec_from_dict(data: Any, source: str = "<spec>", overrides: list[str] | tup
     every bad field, with a "did you mean" for misspelt keys."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a job spec must be a YAML mapping, got {type(data).__name__}")
+    data = fill_spec_urls(data, source, SpecError)  # {date}, {datetime}, {run_id} in input.url / output.url
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:

@@ -34,6 +34,7 @@ from jobrunner.io.layout import (
 from jobrunner.io.manifest import ManifestError, read_manifest_table, read_manifest_with_records
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
+from jobrunner.url_templates import PLACEHOLDER
 
 TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
@@ -363,17 +364,39 @@ def expand_output_urls(patterns: list[str], storage_options: dict | None = None)
     urls: list[str] = []
     globbed = False
     for pattern in patterns:
+        pattern = PLACEHOLDER.sub("*", pattern)  # a templated output URL as written: every night it named
         if not any(ch in pattern for ch in GLOB_CHARS):
-            urls.append(pattern)
+            nights = _child_outputs(pattern, storage_options)
+            urls += nights or [pattern]
+            globbed = globbed or bool(nights)
             continue
         globbed = True
         fs, path = fsspec.core.url_to_fs(pattern, **(storage_options or {}))
         found = [p for p in sorted(fs.glob(path.rstrip("/"))) if _is_output(fs, p)]
         if not found:
             raise ReportInputError(f"{pattern}: matches no job output (no folder with {MANIFEST} or {PARTS_DIR}/)")
-        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        urls += [p if local else fs.unstrip_protocol(p) for p in found]
+        urls += [_url_of(fs, p) for p in found]
     return urls, globbed
+
+
+def _child_outputs(url: str, storage_options: dict | None) -> list[str]:
+    """The job outputs directly under ``url`` when it is a root of dated outputs (``out/nightly`` holding
+    ``2026-12-01/``, ``2026-12-02/``...) rather than an output itself; [] otherwise (or if it cannot be
+    listed: opening it reports the problem)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        path = path.rstrip("/") or "/"
+        if _is_output(fs, path) or not fs.isdir(path):
+            return []
+        children = sorted(p for p in fs.ls(path, detail=False) if fs.isdir(p))
+    except (OSError, ValueError, ImportError, TypeError):
+        return []
+    return [_url_of(fs, p) for p in children if _is_output(fs, p)]
+
+
+def _url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return path if local else fs.unstrip_protocol(path)
 
 
 def _is_output(fs: fsspec.AbstractFileSystem, path: str) -> bool:

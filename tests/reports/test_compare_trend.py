@@ -127,3 +127,13 @@ def test_compare_overrides_the_glob_default_and_csv_has_a_row_per_run(tmp_path: 
 def test_a_glob_that_matches_no_output_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["report", f"{tmp_path}/nothing-*"])
     assert result.exit_code == 1 and "matches no job output" in result.output
+
+
+def test_the_output_root_or_the_templated_url_is_a_trend_of_the_nights_under_it(tmp_path: Path) -> None:
+    root = _nightly(tmp_path)
+    by_glob = json.loads(_report(f"{root}/*", "--format", "json"))["trend"]
+    for given in (str(root), f"{root}/", f"{root}/{{date}}"):  # the root, or the output.url as the spec has it
+        points = json.loads(_report(given, "--format", "json"))["trend"]
+        assert [p["date"] for p in points] == list(NIGHTS) and points == by_glob, given
+    one_night = json.loads(_report(f"{root}/{NIGHTS[0]}", "--format", "json"))  # an output itself: one report
+    assert "trend" not in one_night and one_night["rows"]["total"] == 1000

@@ -1,0 +1,45 @@
+"""{date}, {datetime} and {run_id} in the input and output URLs of a job spec."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from jobrunner.spec import SpecError, spec_from_dict
+from jobrunner.url_templates import fill_url, template_values
+
+NOW = dt.datetime(2026, 12, 3, 1, 30, 5, tzinfo=dt.timezone.utc)
+
+
+def _spec(input_url: str, output_url: str) -> dict:
+    return {"name": "nightly", "input": {"url": input_url, "prompt_column": "prompt"}, "output": {"url": output_url}}
+
+
+def test_values_from_the_clock_or_the_environment():
+    values = template_values(NOW, environ={})
+    assert values["date"] == "2026-12-03" and values["datetime"] == "2026-12-03T01-30-05Z"
+    assert len(values["run_id"]) == 12 and int(values["run_id"], 16) >= 0
+    assert template_values(NOW, environ={})["run_id"] != values["run_id"]  # a fresh id per spec load
+    pinned = template_values(NOW, environ={"JOBRUNNER_DATE": "2026-12-02", "JOBRUNNER_RUN_ID": "night-41"})
+    assert (pinned["date"], pinned["run_id"], pinned["datetime"]) == ("2026-12-02", "night-41", values["datetime"])
+
+
+def test_a_spec_fills_both_urls_with_one_set_of_values(monkeypatch):
+    monkeypatch.setenv("JOBRUNNER_DATE", "2026-12-02")
+    monkeypatch.delenv("JOBRUNNER_RUN_ID", raising=False)
+    spec = spec_from_dict(_spec("s3://in/{date}/*.jsonl", "s3://out/nightly/{date}/{run_id}"))
+    assert spec.input.url == "s3://in/2026-12-02/*.jsonl"
+    prefix, run_id = spec.output.url.rsplit("/", 1)
+    assert prefix == "s3://out/nightly/2026-12-02" and len(run_id) == 12
+    plain = spec_from_dict(_spec("in/{a,b}.parquet", "out/${x}"))  # brace globs and other text stay as written
+    assert (plain.input.url, plain.output.url) == ("in/{a,b}.parquet", "out/${x}")
+
+
+def test_an_unknown_placeholder_is_refused_naming_the_field():
+    with pytest.raises(SpecError, match=r"<spec>: output.url: unknown placeholder \{data\} in 'out/\{data\}'; "
+                                        r"the known ones are \{date\}, \{datetime\}, \{run_id\}"):
+        spec_from_dict(_spec("in.parquet", "out/{data}"))
+    with pytest.raises(ValueError, match="unknown placeholder"):
+        fill_url("x/{nope}", template_values(NOW, environ={}), "f")
+
