@@ -55,6 +55,16 @@ def check_model_url(url: str, storage_options: dict | None, patterns: list[str])
     return len(name_to_info)
 
 
+def read_config_text(url: str, storage_options: dict | None = None) -> str:
+    """The text of the model's ``config.json`` at storage URL ``url`` (that one small object, nothing else)."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    path = f"{root.rstrip('/')}/config.json"
+    try:
+        return fs.cat_file(path).decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model URL {url!r}: no config.json there") from None
+
+
 def list_model_files(fs: fsspec.AbstractFileSystem, root: str, patterns: list[str]) -> dict[str, dict]:
     """Map file name -> listing info for the top-level files under `root` that match `patterns`."""
     fs.invalidate_cache(root)  # a cached listing would hide changes made since
