@@ -49,13 +49,15 @@ def _check_model(spec) -> str:
 def _check_model_config(spec) -> str:
     """'; <architecture, size, context>' from the model's config.json alone (models/preflight.py): an
     architecture, rope scaling or context length a worker would refuse is refused here, before any download."""
-    from jobrunner.models.preflight import preflight
+    from jobrunner.models.preflight import ConfigUnavailable, preflight
     from jobrunner.models.sources import ModelSourceError
 
     try:
         check = preflight(spec.model.source, spec.engine.max_model_len)
     except ModelSourceError as exc:
         raise _error(f"model.source: {exc}") from None
+    except ConfigUnavailable as exc:
+        return f" (config not checked: {exc}; each worker downloads and checks it)"
     if check is None:
         return " (its architecture is checked when the alias is converted, on first load)"
     return "\n  " + check.describe(spec.model.dtype, spec.model.quantization)

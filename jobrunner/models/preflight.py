@@ -11,10 +11,12 @@ will use, and refuses an ``engine.max_model_len`` beyond the model's own limit.
 from __future__ import annotations
 
 import json
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from jobrunner.models.sources import (
     _HUB_ID,
@@ -123,13 +125,34 @@ def _read_url_config(url: str, storage_options: dict | None) -> str:
         raise ModelSourceError(f"model source {url!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _hub_config(repo_id: str, revision: str | None) -> tuple[Any, str]:
-    from huggingface_hub import hf_hub_download
+class ConfigUnavailable(Exception):
+    """The config cannot be read from here (e.g. no route to the Hub): not checked, not refused."""
 
+
+def _hub_config(repo_id: str, revision: str | None) -> tuple[Any, str]:
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = _hub_offline()
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if not offline and not _resolves(host):  # no network: say so at once (the client retries for ~25 s)
+        raise ConfigUnavailable(f"the Hugging Face Hub ({host}) cannot be reached from here")
     try:
-        path = hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=_hub_offline())
-    except Exception as exc:  # noqa: BLE001 - offline, private, no such repo: say which and why
-        offline = " (HF_HUB_OFFLINE is set and the local cache has no config.json for it)" if _hub_offline() else ""
+        path = hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=offline)
+    except LocalEntryNotFoundError as exc:
+        if not offline:
+            raise ConfigUnavailable(f"the Hugging Face Hub ({host}) did not answer: {exc}") from None
+        raise ModelSourceError(f"model source {repo_id!r}: cannot read its config.json from the Hugging Face Hub "
+                               "(HF_HUB_OFFLINE is set and the local cache has no config.json for it)") from None
+    except Exception as exc:  # noqa: BLE001 - no such repo, gated, private, bad revision: say which and why
         raise ModelSourceError(f"model source {repo_id!r}: cannot read its config.json from the Hugging Face "
-                               f"Hub{offline}: {type(exc).__name__}: {exc}") from None
+                               f"Hub: {type(exc).__name__}: {exc}") from None
     return _config_from_text(Path(path).read_text(), repo_id), f"the Hugging Face Hub ({repo_id}/config.json)"
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True

@@ -98,6 +98,8 @@ def test_model_typo_fails_in_validate_and_before_run_starts_workers(tmp_path):
                                     "--set", "model.source=HuggingFaceTB/SmolLM2-135M-Instruct"])
     assert hub.exit_code == 0, hub.output
     assert "model Hugging Face Hub id 'HuggingFaceTB/SmolLM2-135M-Instruct'" in hub.output
+    # no network here: the config is not checked, which validate says at once instead of failing
+    assert "config not checked: the Hugging Face Hub (huggingface.co)" in hub.output
 
 
 def test_relative_input_path_says_relative_to_what(tmp_path, monkeypatch):
