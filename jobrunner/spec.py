@@ -114,6 +114,11 @@ class InputSpec(_Spec):
         default_factory=dict,
         description="Extra variables for the chat template (e.g. {enable_thinking: false} for Qwen3).",
     )
+    chat_template_kwargs_column: str | None = Field(
+        default=None,
+        description="Optional column of per-row chat-template variables (a JSON object string or a struct), "
+        "merged over chat_template_kwargs (e.g. {enable_thinking: false} on some rows only).",
+    )
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template used instead of the tokenizer's own."
     )
@@ -138,7 +143,7 @@ class InputSpec(_Spec):
 
 
 _OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "system_prompt",
-                       "system_prompt_column")
+                       "system_prompt_column", "chat_template_kwargs_column")
 
 
 # The sampling and engine keys, their types, bounds and descriptions are the engine's own fields (declared once,
@@ -284,6 +289,13 @@ class OutputSpec(_Spec):
         default="parquet",
         description="parquet: the output rows; messages: also a `messages` column, the input chat with the "
         "assistant turn appended (ready for fine-tuning).",
+    )
+    reasoning_parser: Literal["auto", "none", "think_tags", "harmony"] = Field(
+        default="auto",
+        description="Reasoning traces apart from answers: generated_text holds the answer, `reasoning` the "
+        "trace, `num_reasoning_tokens` its tokens. think_tags: <think>...</think> (Qwen3, DeepSeek-R1); "
+        "harmony: gpt-oss channels; auto: from the model's chat template (none when it has neither); none: "
+        "the whole text in generated_text and no reasoning columns.",
     )
     rows_per_file: int | None = Field(
         default=None, ge=1, description="Rows per part file; when set it overrides input.rows_per_shard."

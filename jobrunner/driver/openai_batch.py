@@ -192,6 +192,9 @@ def _completion(samples: list[dict[str, Any]], endpoint: str, model: str, digest
     completion_tokens = sum(int(r.get("num_output_tokens") or 0) for r in samples)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
+    if any(r.get("num_reasoning_tokens") is not None for r in samples):  # a job with a reasoning parser
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(int(r.get("num_reasoning_tokens") or 0) for r in samples)}
     if endpoint == "chat":
         choices = [_chat_choice(r) for r in samples]
         return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": created, "model": model,
@@ -204,8 +207,11 @@ def _completion(samples: list[dict[str, Any]], endpoint: str, model: str, digest
 def _chat_choice(row: dict[str, Any]) -> dict[str, Any]:
     logprobs = row.get("logprobs")
     content = None if logprobs is None else [_chat_token(e) for e in logprobs if e is not None]
+    message = {"role": "assistant", "content": row["generated_text"]}
+    if row.get("reasoning") is not None:
+        message["reasoning_content"] = row["reasoning"]
     return {"index": row.get("sample_index") or 0, "finish_reason": row["finish_reason"],
-            "message": {"role": "assistant", "content": row["generated_text"]},
+            "message": message,
             "logprobs": None if content is None else {"content": content}}
 
 

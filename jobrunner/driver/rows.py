@@ -55,9 +55,15 @@ def has_json_valid(spec: JobSpec) -> bool:
     return spec.sampling.json_schema is not None or bool(spec.input.sampling_column) or is_openai_batch(spec)
 
 
+def has_reasoning(spec: JobSpec) -> bool:
+    """Whether the job's output has the reasoning columns (a reasoning parser other than none)."""
+    return spec.output.reasoning_parser != "none"
+
+
 def job_output_schema(spec: JobSpec) -> pa.Schema:
-    """The output row schema of this job (format, and ``json_valid`` where rows can have a schema)."""
-    return output_schema(spec.output.format, has_json_valid(spec))
+    """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
+    columns with a reasoning parser)."""
+    return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -66,7 +72,7 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            ROW_ERROR]
+            inp.chat_template_kwargs_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -127,6 +133,7 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: Sam
         if is_openai_batch(spec):
             _fill_openai(req, row, sampling)
         else:
+            req.chat_template_kwargs = _template_kwargs(spec, row, req.chat_template_kwargs)
             req.prompt = _prompt(spec, row)
             req.params = _params(sampling, _row_overrides(spec, row), spec.input.sampling_column)
     except ValueError as exc:
@@ -171,6 +178,18 @@ def _system_prompt(spec: JobSpec, row: dict[str, Any]) -> str | None:
     return value if value and value.strip() else spec.input.system_prompt
 
 
+def _template_kwargs(spec: JobSpec, row: dict[str, Any], job: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The job's chat-template variables with the row's column (if any) merged over them."""
+    column = spec.input.chat_template_kwargs_column
+    if column is None:
+        return job
+    try:
+        own = parse_overrides(row.get(column))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"chat template kwargs column {column!r}: {exc}") from None
+    return {**(job or {}), **own} or None
+
+
 def _row_overrides(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
     column = spec.input.sampling_column
     if column is None:
@@ -202,11 +221,17 @@ def error_row(req: RowRequest) -> dict[str, Any]:
             "sample_index": 0, "prompt_shared": False}
 
 
-def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
-    """The output row of one finished sample of an engine request (a RequestOutput)."""
+def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None) -> dict[str, Any]:
+    """The output row of one finished sample of an engine request (a RequestOutput); ``parser`` (from
+    :func:`jobrunner.driver.reasoning.choose_parser`) parts a reasoning trace from the answer."""
     metrics = out.metrics.to_dict()
     failed = out.finish_reason == "error"
-    row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None if failed else out.text,
+    text = None if failed else out.text
+    if has_reasoning(spec):
+        split = None if failed or parser is None else parser.split(
+            out.text, list(out.output_token_ids), list(getattr(out, "prompt_token_ids", None) or []))
+        text = split.answer if split is not None else text
+    row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": text,
            "finish_reason": out.finish_reason, "error": out.error or ("engine error" if failed else None),
            "sample_index": int(getattr(out, "sample_index", 0) or 0),
            "prompt_shared": bool(metrics.get("prompt_shared")),
@@ -217,9 +242,12 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
         row[key] = metrics.get(key)
     if spec.output.format == "messages" and not failed:
-        row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": out.text}]
+        row["messages"] = chat_of(req.prompt) + [{"role": "assistant", "content": text}]
     if has_json_valid(spec):
-        row["json_valid"] = None if failed else json_valid(out.text, getattr(req.params, "json_schema", None))
+        row["json_valid"] = None if failed else json_valid(text, getattr(req.params, "json_schema", None))
+    if has_reasoning(spec):
+        row["reasoning"] = None if split is None else split.reasoning
+        row["num_reasoning_tokens"] = None if split is None else split.num_reasoning_tokens
     return row
 
 

@@ -29,6 +29,7 @@ from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order, block_size_of, read_shard_rows
+from jobrunner.driver.reasoning import choose_parser
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
@@ -115,6 +116,9 @@ class ShardRunner:
     def __init__(self, engine: Any, spec: JobSpec, worker_id: str, job_start_s: float, info: dict) -> None:
         self.engine, self.spec, self.worker_id = engine, spec, worker_id
         self.sampling = job_sampling(spec)  # built once; each row's overrides are applied to it
+        # the reasoning parser the job names (auto: the one the model's chat template implies), built once
+        self.reasoning = choose_parser(spec.output.reasoning_parser, getattr(engine, "tokenizer", None),
+                                       spec.input.chat_template)
         self.job_start_s = job_start_s  # wall-clock (time.time) start of the job, for finish_time_s
         self.info = info  # node, device
         self.loaded_at = time.monotonic()
@@ -368,7 +372,7 @@ class ShardRunner:
             return
         state, req = entry
         try:
-            row = output_row(self.spec, req, out)
+            row = output_row(self.spec, req, out, self.reasoning)
         except Exception as exc:  # noqa: BLE001 - a sample that cannot become a row is that row's error
             sample = {"id": req.row_id, ROW_INDEX: req.row_index, "sample_index": getattr(out, "sample_index", 0)}
             row = unbuildable_row(sample, exc)

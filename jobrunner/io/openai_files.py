@@ -20,12 +20,17 @@ ERRORS_FILE = f"{OPENAI_DIR}/errors.jsonl"
 # What a result line is built from (never kept input columns).
 RESULT_COLUMNS = ("id", "sample_index", "generated_text", "finish_reason", "error", "num_prompt_tokens",
                   "num_output_tokens", "ttft_s", "logprobs")
+OPTIONAL_RESULT_COLUMNS = ("reasoning", "num_reasoning_tokens")  # jobs with a reasoning parser
 
 
 def read_result_rows(storage: Storage, part_keys: list[str]) -> list[dict[str, Any]]:
     """The result columns of the committed parts, as plain rows. Parts of a resumed job written by an older
     jobrunner (logprobs without `token_bytes`) read with that field null."""
-    tables = [read_part(storage, key).select(list(RESULT_COLUMNS)) for key in part_keys]
+    tables = []
+    for key in part_keys:
+        table = read_part(storage, key)
+        optional = [c for c in OPTIONAL_RESULT_COLUMNS if c in table.column_names]
+        tables.append(table.select(list(RESULT_COLUMNS) + optional))
     return pa.concat_tables(tables, promote_options="permissive").to_pylist() if tables else []
 
 

@@ -47,13 +47,18 @@ OUTPUT_SCHEMA = pa.schema([
 MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
 # Only in jobs whose rows can carry a JSON schema: whether the text is schema-valid JSON (null: no schema, error).
 JSON_VALID_FIELD = pa.field("json_valid", pa.bool_())
+# Only with a reasoning parser (output.reasoning_parser): the trace apart from the answer (generated_text).
+REASONING_FIELDS = (pa.field("reasoning", pa.string()), pa.field("num_reasoning_tokens", pa.int64()))
 
 
-def output_schema(output_format: str = "parquet", json_valid: bool = False) -> pa.Schema:
+def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
-    schema)."""
+    schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
-    return schema.append(JSON_VALID_FIELD) if json_valid else schema
+    schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
+    for field in REASONING_FIELDS if reasoning else ():
+        schema = schema.append(field)
+    return schema
 
 
 def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None,

@@ -175,6 +175,7 @@ _ROLE_CHECKS = {
     "id_column": (_is_id, "a string or integer column"),
     "sampling_column": (_is_overrides, "a struct/map column or a JSON string column"),
     "system_prompt_column": (_is_string, "a string column"),
+    "chat_template_kwargs_column": (_is_overrides, "a struct/map column or a JSON string column"),
 }
 
 

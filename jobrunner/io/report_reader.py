@@ -40,6 +40,7 @@ TOKEN_COLUMNS = ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
 LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
 STRING_COLUMNS = ("finish_reason", "error")
 JSON_VALID_COLUMN = "json_valid"  # only in jobs whose rows can have a JSON schema
+REASONING_TOKENS_COLUMN = "num_reasoning_tokens"  # only in jobs with a reasoning parser
 SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
@@ -79,6 +80,7 @@ class MetricBatch:
     error_to_count: dict[str, int]  # distinct error strings of this batch
     finish_reason_to_count: dict[str, int]
     json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # rows with json_valid true / false
+    num_reasoning_tokens: int | None = None  # this batch's reasoning tokens; None: the part has no such column
 
     @property
     def num_rows(self) -> int:
@@ -238,7 +240,8 @@ def _check_columns(schema: pa.Schema, path: str) -> None:
 
 def _optional_columns(schema: pa.Schema) -> list[str]:
     """Metric columns older parts (or jobs without JSON schemas) may lack."""
-    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN) if schema.get_field_index(name) >= 0]
+    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN, REASONING_TOKENS_COLUMN)
+            if schema.get_field_index(name) >= 0]
 
 
 def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
@@ -267,6 +270,8 @@ def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
         finish_reason_to_count=_value_counts(finish_reason),
         json_valid_to_count=_value_counts(batch.column(JSON_VALID_COLUMN)) if JSON_VALID_COLUMN in batch.schema.names
         else {},
+        num_reasoning_tokens=int(pc.sum(batch.column(REASONING_TOKENS_COLUMN)).as_py() or 0)
+        if REASONING_TOKENS_COLUMN in batch.schema.names else None,
     )
 
 

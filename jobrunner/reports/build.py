@@ -8,7 +8,7 @@ from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
 from jobrunner.redaction import redact, redact_counts
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
-from jobrunner.reports.cost import cost_figures, goodput_cost, ratio, startup_cost
+from jobrunner.reports.cost import cost_figures, goodput_cost, per_million, ratio, startup_cost
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 
 REPORT_VERSION = 1
@@ -26,6 +26,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
                         time["prefill_s"], time["decode_s"])
     cost["price_source"] = price_source
     cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
+    cost.update(reasoning_cost(cost, folded.output_tokens, folded.reasoning_tokens))
     return {
         "report_version": REPORT_VERSION,
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
@@ -101,7 +102,10 @@ def _tokens(folded: Folded, manifest: dict | None) -> dict:
             "total": folded.input_tokens + folded.output_tokens,
             "prefix_cache_hit_rate": ratio(folded.cached_tokens, folded.input_tokens),
             "ideal_cached": ideal, "ideal_prefix_cache_hit_rate": ratio(ideal, folded.input_tokens),
-            "prefix_cache_of_ideal": ratio(folded.cached_tokens, ideal)}
+            "prefix_cache_of_ideal": ratio(folded.cached_tokens, ideal),
+            # output tokens that were a reasoning trace, and the rest (the answers); None without a parser
+            "reasoning": folded.reasoning_tokens,
+            "answer": None if folded.reasoning_tokens is None else folded.output_tokens - folded.reasoning_tokens}
 
 
 def _ideal_cached_tokens(manifest: dict | None) -> int | None:
@@ -161,6 +165,17 @@ def _charts(folded: Folded, wall_s: float | None) -> dict:
 
 
 LENGTH_WARN_SHARE = 0.05  # more rows than this cut at max_tokens: a warning
+
+
+def reasoning_cost(cost: dict, output_tokens: int, reasoning_tokens: int | None) -> dict:
+    """The output cost split between reasoning and answers (by token count: a decode step costs the same
+    whichever it writes), and $ per million answer tokens (what an answer token costs, its trace paid)."""
+    if not reasoning_tokens:
+        return {"reasoning_usd": None, "usd_per_m_answer": None}
+    output_usd = cost.get("output_usd")
+    reasoning_usd = None if output_usd is None else output_usd * ratio(reasoning_tokens, output_tokens)
+    return {"reasoning_usd": reasoning_usd,
+            "usd_per_m_answer": per_million(output_usd, output_tokens - reasoning_tokens)}
 
 
 def _warnings(outputs: JobOutputs, folded: Folded, time: dict) -> list[str]:

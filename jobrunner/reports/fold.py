@@ -41,6 +41,7 @@ class Folded:
     error_kind_to_count: dict[str, int] = field(default_factory=dict)
     finish_reason_to_count: dict[str, int] = field(default_factory=dict)
     json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # json_valid true / false (no nulls)
+    reasoning_tokens: int | None = None  # None: no part has the num_reasoning_tokens column
     latencies: dict[str, LatencyValues] = field(
         default_factory=lambda: {name: LatencyValues() for name in LATENCY_COLUMNS})
     input_timeline: TokenTimeline = field(default_factory=TokenTimeline)
@@ -69,6 +70,8 @@ def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
     add_counts(folded.error_kind_to_count, batch.error_to_count, error_kind)
     add_counts(folded.finish_reason_to_count, batch.finish_reason_to_count)
     add_counts(folded.json_valid_to_count, batch.json_valid_to_count)
+    if batch.num_reasoning_tokens is not None:
+        folded.reasoning_tokens = (folded.reasoning_tokens or 0) + batch.num_reasoning_tokens
     finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
     if finite.size:
         folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))

@@ -157,15 +157,30 @@ def finish_reasons_line(report: dict) -> str:
     return "finish reasons: " + ", ".join(f"{reason} {count:,}" for reason, count in reasons)
 
 
+REASONING_FIGURES: list[Figure] = [
+    Figure("tokens", "of the output: reasoning tokens", ("tokens", "reasoning"), fmt_int),
+    Figure("tokens", "of the output: answer tokens", ("tokens", "answer"), fmt_int),
+    Figure("cost", "of the output cost: reasoning", ("cost", "reasoning_usd"), fmt_usd),
+    Figure("cost", "$ / M answer tokens (their reasoning paid)", ("cost", "usd_per_m_answer"), fmt_usd),
+]
+
+
 def figures_for(reports: list[dict]) -> list[Figure]:
     """The figures to show: goodput rows only when some run has SLO targets, JSON validity only when some run
     had rows with a JSON schema (its rows after the other row figures)."""
     has_goodput = any(report.get("goodput") for report in reports)
     figures = list(FIGURES)
     if any((report.get("rows") or {}).get("json_checked") for report in reports):
-        last_rows = max(i for i, f in enumerate(figures) if f.section == "rows")
-        figures[last_rows + 1:last_rows + 1] = JSON_FIGURES
+        _insert_after_section(figures, "rows", JSON_FIGURES)
+    if any((report.get("tokens") or {}).get("reasoning") for report in reports):
+        _insert_after_section(figures, "tokens", REASONING_FIGURES[:2])
+        _insert_after_section(figures, "cost", REASONING_FIGURES[2:])
     return figures + (GOODPUT_FIGURES if has_goodput else [])
+
+
+def _insert_after_section(figures: list[Figure], section: str, extra: list[Figure]) -> None:
+    last = max(i for i, f in enumerate(figures) if f.section == section)
+    figures[last + 1:last + 1] = extra
 
 
 def figure_rows(reports: list[dict]) -> list[tuple[Figure, list[str]]]:

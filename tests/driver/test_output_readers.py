@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobrunner.driver.job import run_job
-from jobrunner.io.parts import part_schema
+from jobrunner.io.parts import output_schema, part_schema
 from jobrunner.reports import write_job_report
 from jobrunner.spec import spec_from_dict
 from tests.driver.helpers import fake_spec, new_bucket
@@ -29,6 +29,10 @@ def _write_input(url: str, storage_options: dict) -> list[str]:
     return ids
 
 
+# the fake engine's job: the contract columns, the reasoning columns (reasoning_parser auto), the kept column
+JOB_SCHEMA = part_schema(KEPT, output_schema(reasoning=True))
+
+
 def _run(input_url: str, output_url: str, storage_options: dict) -> list[str]:
     ids = _write_input(input_url, storage_options)
     # half the rows are errors on purpose (an all-error part): above the default error budget
@@ -44,13 +48,13 @@ def _run(input_url: str, output_url: str, storage_options: dict) -> list[str]:
 
 def _check_parts_and_readers(parts: list[str], fs, root: str, filesystem, ids: list[str]) -> None:
     schemas = [pq.read_schema(fs.open(p, "rb")) for p in parts]
-    assert len(schemas) == 2 and all(s.equals(part_schema(KEPT)) for s in schemas)
+    assert len(schemas) == 2 and all(s.equals(JOB_SCHEMA) for s in schemas)
     table = pq.read_table(root, filesystem=filesystem)
     assert sorted(table.column("id").to_pylist()) == ids
     errors = table.filter(pa.compute.equal(table.column("finish_reason"), "error"))
     assert errors.num_rows == 8 and errors.column("generated_text").null_count == 8
     dataset = ds.dataset(root, filesystem=filesystem, format="parquet")
-    assert dataset.count_rows() == 16 and dataset.schema.equals(part_schema(KEPT))
+    assert dataset.count_rows() == 16 and dataset.schema.equals(JOB_SCHEMA)
 
 
 def _ray_ids(path: str, filesystem=None) -> list[str]:

@@ -44,7 +44,8 @@ def test_counts_tokens_and_errors(small_job: str) -> None:
                               "json_valid_rate": None}
     assert report["tokens"] == {"input": 5400, "cached": 150, "output": 60, "total": 5460,
                                 "prefix_cache_hit_rate": pytest.approx(150 / 5400), "ideal_cached": None,
-                                "ideal_prefix_cache_hit_rate": None, "prefix_cache_of_ideal": None}
+                                "ideal_prefix_cache_hit_rate": None, "prefix_cache_of_ideal": None,
+                                "reasoning": None, "answer": None}
     assert report["run"]["model"]["quantization"] == "int8"
     assert report["run"]["label"] == "small" and report["run"]["complete"] is True
     assert report["warnings"] == []
@@ -182,3 +183,22 @@ def test_chart_values_are_the_data(small_job: str) -> None:
     assert "small: blended $36.63" in titles and "dear: blended $109.89" in titles
     blended_to_output = cheap["cost"]["usd_per_m_total"] / cheap["cost"]["usd_per_m_output"]
     assert widths["small: blended"] / widths["small: output"] == pytest.approx(blended_to_output, rel=1e-2)
+
+
+def test_reasoning_tokens_split_the_output_and_its_cost(small_job: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part, reasoning in (("a", [6, 15]), ("b", [20, None])):  # an error row has none
+        path = Path(small_job) / "parts" / f"part-{part}.parquet"
+        table = pq.read_table(path)
+        pq.write_table(table.append_column("num_reasoning_tokens", pa.array(reasoning, pa.int64())), path)
+    report = load_report(small_job)
+    assert (report["tokens"]["reasoning"], report["tokens"]["answer"]) == (41, 60 - 41)
+    output_usd = report["cost"]["output_usd"]
+    assert report["cost"]["reasoning_usd"] == pytest.approx(output_usd * 41 / 60)
+    assert report["cost"]["usd_per_m_answer"] == pytest.approx(output_usd / 19 * 1e6)
+    from jobrunner.reports.text import render_text
+
+    text = render_text([report])
+    assert "of the output: reasoning tokens" in text and "$ / M answer tokens (their reasoning paid)" in text
