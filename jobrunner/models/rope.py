@@ -109,9 +109,9 @@ class RotaryEmbedding(torch.nn.Module):
         """Whether a sequence of ``seq_len`` tokens is rotated with longrope's long factors (as transformers)."""
         return self.long_threshold is not None and seq_len > self.long_threshold
 
-    def table_offset(self, long: bool) -> int:
-        """What to add to a position to look it up in the long table (``long``) or the short / only one."""
-        return self.max_positions if long else 0
+    def table_offset(self, table: int) -> int:
+        """What to add to a position to look it up in ``table`` (0: the short / only one; 1: longrope's long one)."""
+        return table * self.max_positions
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim]`` of ``positions`` in ``dtype``: looked up once per step for all layers.
