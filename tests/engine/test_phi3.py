@@ -105,6 +105,29 @@ def test_longrope_n_samples(hf_longrope, tokenizer, prompts, expected):
         assert [outputs[(f"r{i}", s)].output_token_ids for s in range(2)] == [want, want], f"prompt {i}"
 
 
+def test_longrope_on_the_fixed_shape_decode_path(hf_longrope, tokenizer, prompts, expected):
+    """Decode graphs' eager twin: rows on the long table read their rope rows, and attend by their length."""
+    engine = engine_from_hf(hf_longrope, tokenizer, block_size=4, static_decode=True, max_num_seqs=4)
+    _check(run_checked(engine, prompts, GREEDY), expected)
+    assert engine.stats().num_fixed_shape_steps > 0
+
+
+def test_long_rope_switch_rules():
+    from jobrunner.engine.long_rope import LongRopeSwitch
+    from jobrunner.engine.request import Request
+
+    switch = LongRopeSwitch(THRESHOLD)
+    request = Request("a", list(range(THRESHOLD - 3)), GREEDY, 0.0)
+    request.num_computed_tokens, request.block_hashes = THRESHOLD - 3, [1, 2]
+    assert switch.table_for(request) == 0 and not switch.must_recompute(request)
+    assert switch.max_draft(request) == 3  # the drafts' logits come from sequences of 30..32 tokens: short
+    request.output_token_ids = [5, 5, 5, 5]  # 33 tokens: past the threshold
+    assert switch.must_recompute(request) and switch.max_draft(request) == 0
+    request.num_computed_tokens = 0
+    switch.assign(request)
+    assert request.rope_table == 1 and request.block_hashes == [] and switch.max_draft(request) is None
+
+
 def test_longrope_with_ngram_drafts(hf_longrope, tokenizer, prompts, expected):
     engine = engine_from_hf(hf_longrope, tokenizer, block_size=4, speculative="ngram")
     _check(run_checked(engine, prompts, GREEDY), expected)
