@@ -208,3 +208,20 @@ def test_unsupported_phi3_variants_are_refused():
     gelu.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         build_model(gelu.config, torch.float32, torch.device("cpu"))
+
+
+def test_longrope_decode_logprobs_match_uncached_transformers(hf_longrope, tokenizer, prompts, expected):
+    """Each generated token's logprob equals transformers' uncached forward over the sequence so far (short table
+    up to the threshold, long past it), through chunked prefill, paged decode and the recompute."""
+    engine = engine_from_hf(hf_longrope, tokenizer, block_size=4, max_num_batched_tokens=12)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    outputs = run_checked(engine, [prompts[0], prompts[2]], params)
+    for i, index in enumerate([0, 2]):
+        out = outputs[f"r{i}"]
+        assert out.output_token_ids == expected[index]
+        sequence = prompts[index] + out.output_token_ids
+        with torch.no_grad():
+            theirs = [torch.log_softmax(hf_longrope(torch.tensor([sequence[:n]])).logits[0, -1].float(), -1)[tok]
+                      for n, tok in zip(range(len(prompts[index]), len(sequence)), out.output_token_ids)]
+        diff = (torch.tensor([e.logprob for e in out.logprobs]) - torch.stack(theirs)).abs().max()
+        assert diff < 1e-4, f"prompt {index}: {diff}"
