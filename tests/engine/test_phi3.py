@@ -225,3 +225,21 @@ def test_longrope_decode_logprobs_match_uncached_transformers(hf_longrope, token
                       for n, tok in zip(range(len(prompts[index]), len(sequence)), out.output_token_ids)]
         diff = (torch.tensor([e.logprob for e in out.logprobs]) - torch.stack(theirs)).abs().max()
         assert diff < 1e-4, f"prompt {index}: {diff}"
+
+
+def test_saved_longrope_checkpoint_loads_and_matches(hf_longrope, tokenizer, prompts, expected, tmp_path):
+    """Through the real loader: config.json round trip (longrope, top-level original_max_position_embeddings),
+    safetensors with the fused tensors; max_model_len past the threshold keeps the switch, one within it drops it."""
+    from jobrunner.engine import EngineConfig
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    hf_longrope.save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    config = EngineConfig(device="cpu", block_size=4, num_kv_blocks=256, max_model_len=96)
+    engine = LLMEngine.from_source(str(tmp_path), dtype="float32", config=config)
+    assert engine.model_info["architecture"] == "Phi3ForCausalLM"
+    assert engine.scheduler.long_rope.threshold == THRESHOLD
+    _check(run_checked(engine, prompts, GREEDY), expected)
+    short = LLMEngine.from_source(str(tmp_path), dtype="float32",
+                                  config=EngineConfig(device="cpu", block_size=4, num_kv_blocks=64, max_model_len=32))
+    assert short.scheduler.long_rope is None and short.model.rotary.long_threshold is None
