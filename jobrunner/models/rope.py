@@ -51,8 +51,9 @@ def inv_freq_and_scaling(config, head_dim: int, long: bool = False) -> tuple[tor
         why = _REFUSED_WHY.get(rope_type, "unknown type")
         raise ValueError(f"unsupported rope scaling rope_type={rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)} ({why})")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"unsupported rope partial_rotary_factor={params['partial_rotary_factor']!r}; "
+    partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"unsupported rope partial_rotary_factor={partial!r}; "
                          "only 1.0 (every head dimension rotated) is implemented")
     if rope_type == "default":
         base = params["rope_theta"]

@@ -200,8 +200,7 @@ def test_fused_checkpoint_tensors_are_required(tokenizer):
 
 
 def test_unsupported_phi3_variants_are_refused():
-    partial = make_phi3()
-    partial.config.rope_parameters = {**partial.config.rope_parameters, "partial_rotary_factor": 0.75}
+    partial = make_phi3(partial_rotary_factor=0.75)  # Phi-4-mini's (a Phi3ForCausalLM)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
         build_model(partial.config, torch.float32, torch.device("cpu"))
     gelu = make_phi3()
