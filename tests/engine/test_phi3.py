@@ -242,3 +242,29 @@ def test_saved_longrope_checkpoint_loads_and_matches(hf_longrope, tokenizer, pro
     short = LLMEngine.from_source(str(tmp_path), dtype="float32",
                                   config=EngineConfig(device="cpu", block_size=4, num_kv_blocks=64, max_model_len=32))
     assert short.scheduler.long_rope is None and short.model.rotary.long_threshold is None
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_longrope_accepted_drafts_across_the_threshold(tokenizer, speculative):
+    """A 12-token vocabulary loops, so drafts get accepted (a draft model equal to the target: nearly all), also up
+    to the threshold, where a short-table request's drafts stop; tokens stay transformers'."""
+    from jobrunner.engine import EngineConfig
+    from jobrunner.engine.llm_engine import LLMEngine
+    from jobrunner.engine.speculative.draft_model import DraftModel
+
+    hf = make_phi3(LONGROPE, vocab_size=12)
+
+    def ours():
+        model = build_model(hf.config, torch.float32, torch.device("cpu"))
+        load_weights(model, hf.state_dict().items())
+        return model
+
+    draft = DraftModel(ours(), tokenizer, "same") if speculative == "draft" else None
+    config = EngineConfig(speculative="same" if draft else "ngram", num_kv_blocks=64, block_size=4,
+                          draft_every_step=True)
+    engine = LLMEngine(ours(), tokenizer, config, eos_token_ids=[2], draft=draft)
+    prompts = [[(i * 7 + j) % 9 + 3 for i in range(n)] for j, n in enumerate([20, 30, 36])]
+    outputs = run_checked(engine, prompts, GREEDY)
+    for i, ids in enumerate(prompts):
+        assert outputs[f"r{i}"].output_token_ids == hf_greedy(hf, ids, MAX_TOKENS), f"prompt {i}"
+    assert engine.stats().num_accepted_tokens > 0
