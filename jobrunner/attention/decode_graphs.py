@@ -56,6 +56,7 @@ class DecodeRow:
     position: int
     slot: int
     block_ids: list[int]
+    rope_position: int | None = None  # the model's rope-table row when not ``position`` (longrope's long table)
 
 
 class DecodeGraphs:
@@ -144,8 +145,9 @@ class DecodeGraphs:
         if layout.max_query_len != 1:
             return None
         bs = self.block_size
-        rows = [DecodeRow(token, p, slot, table[:p // bs + 1]) for token, p, slot, table
-                in zip(lists.input_ids, lists.positions, lists.slots, layout.block_tables)]
+        # the position from the row's length: lists.positions are rope-table rows (models/rope.py table_offset)
+        rows = [DecodeRow(token, n - 1, slot, table[:(n - 1) // bs + 1], rope) for token, n, rope, slot, table
+                in zip(lists.input_ids, layout.seq_lens, lists.positions, lists.slots, layout.block_tables)]
         shape = self.shape_for(rows)
         if shape is None:
             return None
@@ -171,7 +173,7 @@ class DecodeGraphs:
         n, bs = len(rows), self.block_size
         pad = batch - n
         ids = [r.token_id for r in rows] + [0] * pad
-        positions = [r.position for r in rows] + [0] * pad
+        positions = [r.position if r.rope_position is None else r.rope_position for r in rows] + [0] * pad
         slots = [r.slot for r in rows] + [self.scratch_block * bs] * pad
         lens = [r.position + 1 for r in rows] + [1] * pad
         table = [r.block_ids + [0] * (blocks - len(r.block_ids)) for r in rows]   # padding blocks are masked

@@ -38,7 +38,7 @@ class StepLists:
     """The runner's flat per-token inputs of one step (host lists, in flat-batch order)."""
 
     input_ids: list[int]
-    positions: list[int]
+    positions: list[int]      # the model's rope rows: the position (+ the long table's offset: models/rope.py)
     slots: list[int]          # cache slot each token's K/V goes to
     sample_rows: list[int]    # flat index of every token a row samples from
 

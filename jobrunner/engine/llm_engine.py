@@ -11,6 +11,7 @@ import torch
 
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
+from jobrunner.engine.long_rope import make_long_rope_switch
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
 from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
@@ -50,7 +51,7 @@ class LLMEngine:
         model_len = self.config.max_model_len or model.shape.max_position_embeddings
         self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_manager)
+        self.scheduler = Scheduler(self.config, self.kv_manager, make_long_rope_switch(model, self.max_model_len))
         self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
                                   self.config.max_num_seqs, self.max_model_len,
                                   attention_backend=self.config.attention_backend,

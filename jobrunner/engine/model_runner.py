@@ -217,7 +217,8 @@ class ModelRunner:
             if s.draft:  # speculative tokens: scored in this step after the real one (causal within the row)
                 input_ids.extend(s.draft)
                 n += len(s.draft)
-            positions.extend(range(start, start + n))
+            shift = self.model.rotary.table_offset(req.rope_table) if req.rope_table else 0  # longrope's long table
+            positions.extend(range(start + shift, start + n + shift))
             table = req.block_ids
             slots.extend(_slots(table, start, start + n, bs))
             layout.query_starts.append(offset)

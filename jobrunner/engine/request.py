@@ -170,6 +170,7 @@ class Request:
         self.block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []
+        self.rope_table = 0  # the rope table its KV is rotated with: longrope's long one is 1 (engine/long_rope.py)
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.text = ""

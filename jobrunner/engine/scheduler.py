@@ -11,6 +11,8 @@ to the front of the waiting queue, to be recomputed later (its generated tokens 
 reproduces the same state). A request that can never fit is rejected when it is added (see LLMEngine).
 Samples 1..n-1 of an n > 1 request join at the front of the waiting queue once sample 0's prompt is computed,
 already holding references on its full prompt blocks (``add_forked``), so they start past them.
+A longrope model's request that grows past the rope threshold is recomputed on the long table through the same
+path as a preemption (``long_rope``; see jobrunner/engine/long_rope.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
+from jobrunner.engine.long_rope import LongRopeSwitch
 from jobrunner.engine.request import Request, RequestStatus
 
 
@@ -54,9 +57,11 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and the KV cache manager."""
 
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager,
+                 long_rope: LongRopeSwitch | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.long_rope = long_rope
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -83,8 +88,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.long_rope is not None and self.long_rope.must_recompute(request):
+                self._recompute(self.running.pop(i))  # admitted again below, on the long table
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = request.draft_token_ids[:budget - num_new] if num_new == 1 else []
+            if draft and self.long_rope is not None:
+                draft = draft[:self.long_rope.max_draft(request)]
             if draft and not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=len(draft)):
                 draft = []  # no room for the drafts: a plain decode (which may still preempt)
             while not draft and not self.kv.allocate_slots(request, num_new):
@@ -102,6 +112,8 @@ class Scheduler:
         now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.long_rope is not None:
+                self.long_rope.assign(request)  # a forked sample's table is its shared blocks' (same length)
             if request.block_ids:  # a forked sample: it holds its shared prompt blocks already
                 cached, num_cached_tokens = [], request.num_computed_tokens
             else:
@@ -128,6 +140,13 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
+
+    def _recompute(self, request: Request) -> None:
+        """Drop a running request's KV and queue it first, to be computed again from its first token."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release its blocks (it must be running)."""

@@ -33,4 +33,6 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     group = _chunk_group(0, num_tokens, num_tokens, blocks, SCORE_BLOCK_SIZE, dev, s.sliding_window)
     meta = TorchMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
     ids = torch.tensor(list(token_ids), device=dev)
-    return model.compute_logits(model(ids, index, meta, kv)).float()
+    rotary = model.rotary
+    positions = index + rotary.table_offset(1) if rotary.uses_long_table(num_tokens) else index  # longrope
+    return model.compute_logits(model(ids, positions, meta, kv)).float()

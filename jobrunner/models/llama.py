@@ -1,4 +1,4 @@
-"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV cache.
+"""Our Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2, Phi-3/3.5) over a paged KV cache.
 
 Differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), tied embeddings, rope scaling, explicit head_dim, Mistral's sliding-window attention (each token
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from jobrunner.attention import AttentionMetadata, paged_attention
-from jobrunner.models import fused_ops
+from jobrunner.models import fused_ops, phi3
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -45,6 +45,8 @@ class ModelShape:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         bias = bool(getattr(config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
+        if arch == phi3.ARCHITECTURE:
+            phi3.check_config(config)
         return cls(
             architecture=arch,
             hidden_size=config.hidden_size,
@@ -64,11 +66,11 @@ class ModelShape:
 
 
 def _sliding_window(config, arch: str) -> int | None:
-    """Mistral's window (every layer); Qwen2/3 windows are per layer (max_window_layers): refused clearly."""
+    """Mistral's and Phi-3's window (every layer); Qwen2/3 windows are per layer (max_window_layers): refused."""
     if getattr(config, "use_sliding_window", False):
         raise ValueError(f"{arch}: use_sliding_window=true (a window on some layers only) is not supported; "
                          "supported: Mistral's sliding_window on every layer")
-    window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
+    window = getattr(config, "sliding_window", None) if arch in ("MistralForCausalLM", phi3.ARCHITECTURE) else None
     if window is not None and int(window) < 1:
         raise ValueError(f"{arch}: sliding_window must be a positive number of tokens, got {window!r}")
     return None if window is None else int(window)

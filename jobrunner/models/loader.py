@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # checkpoint already fused (qkv_proj, gate_up_proj): copied whole, see models/phi3.py
 )
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -110,6 +111,6 @@ def _check_all_loaded(model: LlamaForCausalLM, params: dict, loaded: set[str]) -
             parts = [f"{name}#{i}" for i in range(2)]
         else:
             parts = [name]
-        missing += [p for p in parts if p not in loaded]
+        missing += [p for p in parts if p not in loaded and name not in loaded]  # or loaded whole (Phi-3)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")

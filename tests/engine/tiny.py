@@ -26,6 +26,8 @@ ARCH_KWARGS = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
                   head_dim=16),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False,
+                 pad_token_id=0),
 }
 
 CHAT_TEMPLATE = (

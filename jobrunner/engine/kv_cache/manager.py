@@ -33,7 +33,7 @@ class KVCacheManager:
         self._extend_hashes(request, token_ids, num_full)
         block_ids = []
         for i in range(num_full):
-            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chunk = self._block_key(request, token_ids, i)
             block_id = self.pool.lookup(request.block_hashes[i], chunk)
             if block_id is None:
                 break
@@ -104,7 +104,7 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         self._extend_hashes(request, token_ids, num_full)
         for i in range(request.num_cached_blocks, num_full):
-            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chunk = self._block_key(request, token_ids, i)
             self.pool.cache(request.block_ids[i], request.block_hashes[i], chunk)
         request.num_cached_blocks = num_full
 
@@ -112,7 +112,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+            hashes.append(hash_block(parent, self._block_key(request, token_ids, i)))
+
+    def _block_key(self, request: Request, token_ids: list[int], i: int) -> tuple[int, ...]:
+        """Block ``i``'s tokens, as hashed and confirmed; a block rotated with another rope table than the first
+        (longrope's long one, engine/long_rope.py) leads with a negative marker no token id can equal."""
+        chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+        return (-request.rope_table, *chunk) if request.rope_table else chunk
 
     def check_integrity(self, live_requests: list[Request]) -> None:
         """Pool consistency plus: every block's ref count equals the number of live requests holding it."""

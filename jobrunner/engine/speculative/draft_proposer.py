@@ -40,6 +40,7 @@ class DraftSeq:
     seed = 0
     grammar = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_table = 0  # the draft model's first rope table, always (longrope's long one would only change proposals)
 
     def __init__(self, request) -> None:
         self.request = request
