@@ -220,8 +220,12 @@ def _publish_version(path: str, tmp: str, target: int, data: bytes) -> bool:
     # Garbage collection deletes number n only once it sees a version >= n + KEEP_VERSIONS, and the newest
     # number never goes down; so if none is that high now, `target` was never taken and collected before
     # our link, and we are its only writer. Otherwise (we were stopped long enough for KEEP_VERSIONS writes)
-    # we cannot tell: refuse (the caller re-reads; a refusal is always safe).
-    return max(_scan(path)[0], default=0) < target + KEEP_VERSIONS
+    # we cannot tell: refuse (the caller re-reads; a refusal is always safe) and drop our file, which is
+    # garbage (older than KEEP_VERSIONS, so nobody reads it and a writer aiming at it fails either way).
+    if max(_scan(path)[0], default=0) < target + KEEP_VERSIONS:
+        return True
+    _unlink_quietly(final)
+    return False
 
 
 def _publish_without_links(path: str, final: str, target: int, data: bytes) -> bool:
@@ -249,29 +253,31 @@ def _mirror(path: str, tmp: str, n: int) -> None:
     """Point `<key>` at the newest version. Every writer re-checks after its rename and repairs the mirror
     when a newer version exists, so the last one to rename leaves it current (best effort: a writer stopped
     between its rename and its check leaves it stale until the next write; the version files decide)."""
-    source = tmp  # a second name of version n's file
+    source: str | None = tmp  # a second name of version n's file (or, without hard links, a copy of it)
     for _ in range(_MIRROR_TRIES):
-        try:
-            os.replace(source, path)  # `tmp` holds version n's content (its file, or a copy without hard links)
-        except FileNotFoundError:
-            pass  # our temporary name was collected: fall through to relink the newest
+        if source is not None:
+            try:
+                os.replace(source, path)
+            except FileNotFoundError:
+                pass  # our temporary name was collected (we were stopped for minutes): relink the newest
+            # a rename between two names of one file does nothing (POSIX): `<key>` was that version already
+            _unlink_quietly(source)
         _step("mirrored")
         top = max(_scan(path)[0], default=0)
         if top <= n:
             return
-        n, source = top, f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+        source = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
         try:
-            os.link(_version_path(path, top), source)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            if exc.errno not in _LINK_UNSUPPORTED:
-                raise
             try:
+                os.link(_version_path(path, top), source)
+            except OSError as exc:
+                if exc.errno not in _LINK_UNSUPPORTED:
+                    raise
                 _copy(_version_path(path, top), source)
-            except FileNotFoundError:
-                continue
-    _unlink_quietly(source)
+        except FileNotFoundError:  # collected meanwhile: a newer one exists, look again
+            source = None
+            continue
+        n = top
 
 
 def _copy(src: str, dst: str) -> None:
