@@ -157,7 +157,7 @@ def _check_mode(spec: JobSpec, storage: Storage, entries: list[str], plan: JobPl
 
 
 def _entries(storage: Storage) -> list[str]:
-    """Top-level names under the output, without the lease's own files (`_lease.json`, its lock)."""
+    """Top-level names under the output, without the lease's own files (`_lease.json`, its `.v<N>` versions)."""
     return [e for e in storage.listdir("") if e != TEMP_DIR and not e.startswith(LEASE)]
 
 

@@ -1,9 +1,10 @@
 """One run per output: a fenced lease (`_lease.json`) naming the run that may write the output.
 
 Every write of the lease object is a compare-and-swap (io/conditional.py: S3 `If-None-Match` / `If-Match`
-on the ETag, an flock-guarded rename on local disk), so of two runs racing to create, renew or take over,
-exactly one succeeds. The body carries a `generation` (the fencing epoch: +1 at every acquisition or
-takeover, stamped into every commit record and the manifest) and a `beat` counter (+1 at every renewal).
+on the ETag, an exclusive `os.link` of the next version file on local disk, no lock), so of two runs racing
+to create, renew or take over, exactly one succeeds. The body carries a `generation` (the fencing epoch: +1
+at every acquisition or takeover, stamped into every commit record and the manifest) and a `beat` counter
+(+1 at every renewal).
 
 Expiry never compares clocks across hosts. A run that finds the lease held watches it: if the object does
 not change for the holder's `ttl_s` on the watcher's own monotonic clock, the holder is gone and the watcher
