@@ -6,6 +6,10 @@ impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the r
 any 2-D float weight; fp8 takes any shape on CPU and multiples of 16 on CUDA (else int8). A tied
 ``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
 the ``lm_head`` tensor when both are int8 (or int4 on CPU); ``quantize_embeddings=False`` keeps them float.
+MoE experts (stacked ``[E, ., .]`` tensors, :mod:`jobrunner.models.moe`) are first split into one ``nn.Linear``
+pair per expert (by any module's ``unstack_experts()``: quant imports no model code), so each expert is quantized
+like any layer (``layers.0.mlp.experts.per_expert.3.down_proj``, its own per-channel scales); MoE routers are
+not ``nn.Linear`` and stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dispatch = dispatch_for(device, capability)
         report.dispatch = dispatch.to_dict()
+    if scheme != "none":
+        _split_stacked(model)
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     tied = _tied_embeddings(model)
     _smooth_for_w8a8(model, scheme, dispatch, rules, report)
@@ -117,6 +123,15 @@ def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, sc
         _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry, kernels))
     entry.bytes_after = _layer_weight_bytes(model.get_submodule(name))
     return entry
+
+
+def _split_stacked(model: torch.nn.Module) -> None:
+    """Let every module holding stacked per-expert weights split them into ``nn.Linear`` layers
+    (``unstack_experts()``: views, no copy), so the loop over linears quantizes each expert with its own scales."""
+    for module in list(model.modules()):
+        unstack = getattr(module, "unstack_experts", None)
+        if callable(unstack):
+            unstack()
 
 
 def _tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
