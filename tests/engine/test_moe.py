@@ -142,3 +142,35 @@ def _per_expert_state(hf, arch: str) -> dict[str, torch.Tensor]:
                 state[f"{moe}.experts.{e}.{names[0]}.weight"] = gate
                 state[f"{moe}.experts.{e}.{names[1]}.weight"] = up
     return state
+
+
+def test_deterministic_moe_rows_identical_across_batching(tokenizer):
+    """engine.deterministic with experts: every expert's GEMMs on fixed row tiles (models/moe.py), so the
+    logprob bits of a row do not depend on what else the step routed to its experts."""
+    hf = make_hf_moe("qwen2_moe")
+    prompts = [SHARED + text for text in CORPUS[:5]]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0 if i % 2 else 1.0, seed=i, logprobs=0)
+              for i in range(5)]
+    rows = {}
+    for name, config in {"one row": dict(max_num_seqs=1), "batched, chunked": dict(max_num_batched_tokens=24)}.items():
+        engine = engine_from_hf(hf, tokenizer, block_size=4, deterministic=True, **config)
+        assert all(block.experts.row_tile == 32 for block in _moe_blocks(engine.model))
+        outs = run_checked(engine, prompts, params)
+        rows[name] = [(outs[f"r{i}"].output_token_ids, [lp.logprob for lp in outs[f"r{i}"].logprobs])
+                      for i in range(5)]
+    assert rows["one row"] == rows["batched, chunked"]
+
+
+def _moe_blocks(model):
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    from transformers import GPT2Config
+
+    from jobrunner.models.loader import check_architecture
+
+    config = GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; supported: .*"
+                                         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"):
+        check_architecture(config)
