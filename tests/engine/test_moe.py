@@ -174,3 +174,14 @@ def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; supported: .*"
                                          "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM"):
         check_architecture(config)
+
+
+def test_cuda_graphs_are_refused_for_moe(tokenizer, monkeypatch):
+    """The grouping reads per-expert counts on the host (a sync a CUDA graph cannot capture): a clear error
+    naming the setting, not a failed capture mid-job. Checked on CPU by asking for the CUDA decision directly."""
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    engine = engine_from_hf(make_hf_moe("mixtral"), tokenizer, use_cuda_graphs=True)  # ignored on CPU
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+    with pytest.raises(ValueError, match="use_cuda_graphs is not supported for mixture-of-experts"):
+        LLMEngine._decode_graphs_mode(engine)
