@@ -138,18 +138,19 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; weights, expert_ids: [T, k] -> [T, hidden]
         num_tokens, top_k = expert_ids.shape
+        if num_tokens == 0:
+            return torch.zeros_like(x)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert, in token order
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         token_of_slot = order // top_k
         rows = x[token_of_slot]  # [T * k, hidden]: each expert's tokens contiguous
-        out = torch.empty_like(rows)
-        start = 0
+        outs, start = [], 0
         for expert, count in enumerate(counts):
             if count:
-                end = start + count
-                out[start:end] = self._expert(expert, rows[start:end])
-                start = end
+                outs.append(self._expert(expert, rows[start:start + count]))
+                start += count
+        out = torch.cat(outs) if len(outs) != 1 else outs[0]
         out = out * weights.reshape(-1)[order, None]
         slots = torch.empty_like(out, dtype=x.dtype)
         slots[order] = out.to(x.dtype)  # back to (token, k) order
