@@ -3,8 +3,9 @@
 Differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), tied embeddings, rope scaling, explicit head_dim, Mistral's sliding-window attention (each token
 sees only the last ``sliding_window`` positions, itself included; the attention backend applies it as a
-mask). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer; every projection
-is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
+mask). Qwen2-MoE, Qwen3-MoE and Mixtral are the same decoder whose sparse layers' MLP is a mixture-of-experts
+block (``models/moe.py``). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer;
+every projection is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
 ``positions`` are ``[T]`` for all scheduled requests of a step.
 """
 
