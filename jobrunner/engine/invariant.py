@@ -13,7 +13,8 @@ What :func:`make_deterministic` changes on an engine:
   per call (the step's tokens cut into tiles, the last one padded with zeros). A kernel then always sees one
   shape, so its blocking, threading and vector/scalar split are the same for every row: quantized layers,
   whose kernel choice depends on the row count (``int8``/``int4`` packed vs dequantised paths, ``fp8``), are
-  invariant the same way.
+  invariant the same way. A MoE block's experts (:mod:`jobrunner.models.moe`) also run each expert's GEMMs on
+  fixed tiles of ``ROW_TILE`` rows, so a row's bits do not depend on how many rows the step routed to its experts.
 * **Attention** in a fixed reduction order per query token (:mod:`jobrunner.attention.invariant_ops`) on the
   torch backend; the triton kernel keeps one tile height for every step (``TritonBackend.fixed_tiles``), and
   its per-row key loop is already fixed (``BLOCK_N`` keys from position 0, masked blocks are exact no-ops).
@@ -34,6 +35,8 @@ import logging
 
 import torch
 from torch import nn
+
+from jobrunner.models.moe import StackedExperts
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ def tile_rows(model: nn.Module, tile: int) -> int:
                     (attn, "qkv_proj"), (attn, "o_proj")]
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms over [T, heads, head_dim]
             targets += [(attn, "q_norm"), (attn, "k_norm")]
+    for module in model.modules():  # MoE: each expert's GEMMs on fixed row tiles too
+        if isinstance(module, StackedExperts):
+            module.row_tile = tile
     wrapped = 0
     for parent, name in targets:
         module = getattr(parent, name)

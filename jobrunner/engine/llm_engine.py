@@ -379,6 +379,10 @@ class LLMEngine:
 
     def _decode_graphs_mode(self) -> str:
         if self.device.type == "cuda" and self.config.use_cuda_graphs:
+            if getattr(self.model.shape, "moe", None) is not None:
+                raise ValueError("engine.use_cuda_graphs is not supported for mixture-of-experts models: their "
+                                 "expert grouping reads per-expert token counts on the host every step, which a "
+                                 "CUDA graph cannot capture; run them with use_cuda_graphs: false")
             return "cuda"
         return "static" if self.config.static_decode else "off"
 

@@ -3,8 +3,9 @@
 Differences between the family members are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), tied embeddings, rope scaling, explicit head_dim, Mistral's sliding-window attention (each token
 sees only the last ``sliding_window`` positions, itself included; the attention backend applies it as a
-mask). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer; every projection
-is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
+mask). Qwen2-MoE, Qwen3-MoE and Mixtral are the same decoder whose sparse layers' MLP is a mixture-of-experts
+block (``models/moe.py``). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer;
+every projection is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
 ``positions`` are ``[T]`` for all scheduled requests of a step.
 """
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from jobrunner.attention import AttentionMetadata, paged_attention
 from jobrunner.models import fused_ops, phi3
+from jobrunner.models.moe import MoeShape, SparseMoeBlock, moe_shape
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -38,6 +40,7 @@ class ModelShape:
     attention_bias: bool
     qk_norm: bool
     sliding_window: int | None = None  # keys a query sees (itself included); None = all earlier positions
+    moe: MoeShape | None = None  # Qwen2/3-MoE, Mixtral: which layers are sparse, experts, top-k (models/moe.py)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -45,6 +48,7 @@ class ModelShape:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         bias = bool(getattr(config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
+        bias = bias or (arch == "Qwen2MoeForCausalLM" and bool(getattr(config, "qkv_bias", True)))
         if arch == phi3.ARCHITECTURE:
             phi3.check_config(config)
         return cls(
@@ -60,8 +64,9 @@ class ModelShape:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(config, arch),
+            moe=moe_shape(config, arch),
         )
 
 
@@ -70,7 +75,8 @@ def _sliding_window(config, arch: str) -> int | None:
     if getattr(config, "use_sliding_window", False):
         raise ValueError(f"{arch}: use_sliding_window=true (a window on some layers only) is not supported; "
                          "supported: Mistral's sliding_window on every layer")
-    window = getattr(config, "sliding_window", None) if arch in ("MistralForCausalLM", phi3.ARCHITECTURE) else None
+    windowed = ("MistralForCausalLM", "MixtralForCausalLM", phi3.ARCHITECTURE)
+    window = getattr(config, "sliding_window", None) if arch in windowed else None
     if window is not None and int(window) < 1:
         raise ValueError(f"{arch}: sliding_window must be a positive number of tokens, got {window!r}")
     return None if window is None else int(window)
@@ -135,11 +141,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = shape.intermediate_size
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size or shape.intermediate_size
+        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -150,13 +156,22 @@ class MLP(nn.Module):
         return self.down_proj(act)
 
 
+def make_mlp(shape: ModelShape, layer_index: int) -> nn.Module:
+    """The dense MLP, or for a sparse layer of a MoE model its :class:`~jobrunner.models.moe.SparseMoeBlock`."""
+    moe = shape.moe
+    if moe is None or not moe.is_sparse(layer_index):
+        return MLP(shape)
+    shared = MLP(shape, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
+    return SparseMoeBlock(shape.hidden_size, moe, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, layer_index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = make_mlp(shape, layer_index)
 
     def forward(self, x, rope, meta, k_cache, v_cache):
         h = self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
@@ -178,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         s = self.shape
         self.rotary = RotaryEmbedding(config, s.head_dim, max_positions or s.max_position_embeddings)
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         if s.tie_word_embeddings:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from jobrunner.models import moe
 from jobrunner.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = (
@@ -15,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # checkpoint already fused (qkv_proj, gate_up_proj): copied whole, see models/phi3.py
+    *moe.MOE_ARCHITECTURES,
 )
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -24,6 +26,8 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen2-MoE
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 
 
@@ -70,7 +74,7 @@ def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, tor
     _check_all_loaded(model, params, loaded)
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None:
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | tuple | None] | None:
     if name.endswith("rotary_emb.inv_freq"):
         return None
     if name == "lm_head.weight":
@@ -81,6 +85,9 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     if not match:
         return None
     index, rest = match.groups()
+    expert = moe.checkpoint_target(rest)  # per-expert tensors, Mixtral's block_sparse_moe names
+    if expert is not None:
+        return f"layers.{index}.{expert[0]}", expert[1]
     module, _, kind = rest.rpartition(".")
     if module in _FUSED:
         fused, part = _FUSED[module]
@@ -88,15 +95,19 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None] | None
     return f"layers.{index}.{rest}", None
 
 
-def _slice(model: LlamaForCausalLM, param_name: str, param: torch.Tensor, part: int | None) -> torch.Tensor:
+def _slice(model: LlamaForCausalLM, param_name: str, param: torch.Tensor, part: int | tuple | None
+           ) -> torch.Tensor:
     if part is None:
         return param
+    if isinstance(part, tuple):  # one expert of a stacked MoE tensor
+        return moe.expert_slice(param, part)
     s = model.shape
     if "qkv_proj" in param_name:
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
-    else:
-        bounds = [(0, s.intermediate_size), (s.intermediate_size, 2 * s.intermediate_size)][part]
+    else:  # gate|up: the dense MLP's, or a shared expert's (its own intermediate size)
+        half = param.shape[0] // 2
+        bounds = [(0, half), (half, 2 * half)][part]
     return param[bounds[0]:bounds[1]]
 
 
@@ -107,6 +118,8 @@ def _check_all_loaded(model: LlamaForCausalLM, params: dict, loaded: set[str]) -
             continue
         if "qkv_proj" in name:
             parts = [f"{name}#{i}" for i in range(3)]
+        elif name.endswith(moe.STACKED):  # the stacked tensor whole, or every expert's part
+            parts = [] if name in loaded else [f"{name}#{p}" for p in moe.expert_parts(params[name], name)]
         elif "gate_up_proj" in name:
             parts = [f"{name}#{i}" for i in range(2)]
         else:

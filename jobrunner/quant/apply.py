@@ -6,6 +6,10 @@ impossible for the shape (e.g. ``out_features % 16`` on CPU) -> int8, with the r
 any 2-D float weight; fp8 takes any shape on CPU and multiples of 16 on CUDA (else int8). A tied
 ``lm_head`` gets its own quantized weight; embeddings become int8 rows, sharing
 the ``lm_head`` tensor when both are int8 (or int4 on CPU); ``quantize_embeddings=False`` keeps them float.
+MoE experts (stacked ``[E, ., .]`` tensors, :mod:`jobrunner.models.moe`) are first split into one ``nn.Linear``
+pair per expert (by any module's ``unstack_experts()``: quant imports no model code), so each expert is quantized
+like any layer (``layers.0.mlp.experts.per_expert.3.down_proj``, its own per-channel scales); MoE routers are
+not ``nn.Linear`` and stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -82,15 +86,18 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dispatch = dispatch_for(device, capability)
         report.dispatch = dispatch.to_dict()
+    if scheme != "none":
+        _split_stacked(model)
     report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
     tied = _tied_embeddings(model)
     _smooth_for_w8a8(model, scheme, dispatch, rules, report)
+    shared = _shared_parameters(model)  # once, not per layer: a MoE model has thousands of expert linears
     for name, linear in _linears(model):
         layer_scheme = next((s for p, s in rules.items() if _matches(name, p)), scheme)
         layer_scheme = "none" if scheme == "none" else layer_scheme
         report.linear_bf16_bytes += linear.weight.numel() * 2
         report.layers.append(_quantize_one(model, name, linear, layer_scheme, requested_group, report,
-                                           (dispatch, scratch)))
+                                           (dispatch, scratch), id(linear.weight) in shared))
         report.linear_bytes_after += report.layers[-1].bytes_after
         if _is_skipped(name, tuple(head_policy)) and report.layers[-1].scheme == "int8":
             report.notes.append(f"{name} {INT4_INT8_NOTE} (INT4_INT8_LAYERS: the int4 head cost ~5 "
@@ -105,18 +112,28 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
 
 
 def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, scheme: str, group_size: int,
-                  report: QuantReport, kernels: tuple[QuantDispatch | None, DequantBuffer]) -> LayerQuant:
+                  report: QuantReport, kernels: tuple[QuantDispatch | None, DequantBuffer], is_tied: bool
+                  ) -> LayerQuant:
     entry = LayerQuant(name=name, shape=tuple(linear.weight.shape), scheme="none",
                        bytes_before=_nbytes(linear.weight))
     if scheme == "none":
         if report.scheme != "none":
             report.notes.append(f"{name} kept in float (skip)")
     else:
-        if _is_tied(model, linear):
+        if is_tied:
             report.notes.append(f"{name} is tied to another parameter: quantized its own copy")
         _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry, kernels))
     entry.bytes_after = _layer_weight_bytes(model.get_submodule(name))
     return entry
+
+
+def _split_stacked(model: torch.nn.Module) -> None:
+    """Let every module holding stacked per-expert weights split them into ``nn.Linear`` layers
+    (``unstack_experts()``: views, no copy), so the loop over linears quantizes each expert with its own scales."""
+    for module in list(model.modules()):
+        unstack = getattr(module, "unstack_experts", None)
+        if callable(unstack):
+            unstack()
 
 
 def _tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
@@ -234,9 +251,13 @@ def _is_skipped(name: str, patterns: tuple[str, ...]) -> bool:
     return any(_matches(name, p) for p in patterns)
 
 
-def _is_tied(model: torch.nn.Module, linear: torch.nn.Linear) -> bool:
-    """Whether ``linear.weight`` is also registered somewhere else (e.g. as the input embedding)."""
-    return sum(p is linear.weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
+def _shared_parameters(model: torch.nn.Module) -> set[int]:
+    """Ids of the parameters registered more than once (a linear tied to the input embedding)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        (shared if id(p) in seen else seen).add(id(p))
+    return shared
 
 
 def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
