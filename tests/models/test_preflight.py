@@ -91,3 +91,15 @@ def test_validate_refuses_an_unsupported_model_before_reading_any_weight(tmp_pat
     assert result.exit_code == 1
     assert "model.source: " in result.output and "unsupported model architecture 'GPT2LMHeadModel'" in result.output
 
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_a_moe_config_counts_every_expert_as_transformers_does(tmp_path, arch):
+    from tests.engine.tiny_moe import make_hf_moe
+
+    hf = make_hf_moe(arch)
+    folder = tmp_path / arch
+    hf.config.save_pretrained(folder)  # config.json only
+    check = preflight(str(folder))
+    assert check.architecture == hf.config.architectures[0]
+    assert check.num_params == sum(p.numel() for p in hf.parameters())  # all experts resident
