@@ -33,11 +33,15 @@ def render_status(s: dict[str, Any]) -> str:
     """The status as aligned `key  value` lines."""
     rows, speed = s["rows"], s["speed"]
     share = "n/a" if rows["error_share"] is None else f"{100 * rows['error_share']:.1f}%"
-    pct = 100 * rows["done"] / rows["total"] if rows["total"] else 100.0
+    if rows["total"]:
+        pct = f"{100 * rows['done'] / rows['total']:.1f}%"
+    else:
+        pct = "complete" if s["state"] == "complete" else "planning: no shard recorded yet"
     lines = [("output", s["url"]), ("job", f"{s['job_name'] or 'n/a'} (model {s['model']['source'] or 'n/a'}, "
                                            f"dtype {s['model']['dtype'] or 'n/a'})"),
              ("state", _state_line(s)),
-             ("rows", f"{rows['done']:,}/{rows['total']:,} ({pct:.1f}%), {rows['errors']:,} errors ({share})"),
+             ("rows", f"{rows['done']:,}/{rows['total']:,} ({pct}), {rows['errors']:,} errors ({share})"
+                      + (" [live, from the driver's heartbeat]" if s.get("live") else "")),
              ("shards", ", ".join(f"{n} {k}" for k, n in sorted(s["shards"].items())) or "none"),
              ("tokens", f"prompt {s['tokens']['prompt']:,} (cached {s['tokens']['cached']:,}), "
                         f"output {s['tokens']['output']:,}"),
@@ -54,6 +58,8 @@ def _state_line(s: dict[str, Any]) -> str:
             "stale": "stale: the lease expired without a heartbeat (its driver died?); a new run takes it over",
             "incomplete": "not running, not complete (stopped, failed shards, or over the error budget)"}
     line = text.get(s["state"], s["state"])
+    if s["state"] == "running" and s.get("phase") and s["phase"] != "running":
+        line += f" ({s['phase']})"
     if s.get("finished_at"):
         line += f", finished {s['finished_at']}"
     return line + f", started {s.get('started_at') or 'n/a'}, run {s.get('run_count') or 'n/a'}"
@@ -75,11 +81,11 @@ def _eta(s: dict[str, Any]) -> str:
 
 def _workers_line(w: dict[str, Any]) -> str:
     if not w["count"]:
-        return (f"none recorded for run {w['run_index']} yet (the manifest is compacted every so many commits); "
+        return (f"none recorded for run {w['run_index'] + 1} yet (the manifest is compacted every so many commits); "
                 f"{w['recorded_all_runs']} over all runs")
     devices = ", ".join(f"{n} x {d}" for d, n in sorted(w["devices"].items()))
     where = f" ({devices}) on {', '.join(w['nodes'])}" if devices else " (devices recorded at the next compaction)"
-    return f"{w['count']} in run {w['run_index']}: {', '.join(w['ids'])}{where}"
+    return f"{w['count']} in run {w['run_index'] + 1}: {', '.join(w['ids'])}{where}"
 
 
 def _lease_line(lease: dict[str, Any] | None) -> str:

@@ -91,8 +91,8 @@ class _JobLoop:
         self.error: str | None = None
         self.book = mf.JobBook(storage, manifest, self.shards)
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
-        run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
-        self.pool = WorkerPool(spec, run_index, self.wall_t0, uuid.uuid4().hex[:8])
+        self.run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
+        self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
         self.run_tokens = 0
         self.finish_reasons: Counter = Counter()  # this run's committed rows by finish reason
         self.json_invalid = 0  # this run's committed rows whose text is not schema-valid JSON
@@ -112,6 +112,7 @@ class _JobLoop:
             if len(self.queue):
                 count = min(self.spec.cluster.num_workers, len(self.queue))
                 self.progress.stage(describe_placing(self.spec, count))
+                self._note_live("starting workers", self.book.committed_rows, 0)
                 self.pool.start(count)
                 self.watch.event("the workers were started")
                 self._loop()
@@ -378,6 +379,13 @@ class _JobLoop:
         rows, tokens = self._progress_counts()
         self.progress.update(rows, tokens)
         self.metrics.update(rows, self.book.num_errors, tokens, len(self.pool.workers))
+        self._note_live("running", rows, tokens)
+
+    def _note_live(self, phase: str, rows: int, tokens: int) -> None:
+        """This run's progress for the lease's next heartbeat (`jobrunner status` reads it mid-run)."""
+        self.lease.live = {"phase": phase, "run_index": self.run_index, "rows_done": rows,
+                           "rows_total": self.progress.total, "output_tokens_this_run": tokens,
+                           "workers": len(self.pool.workers), "at": mf.now_iso()}
 
     def _progress_counts(self) -> tuple[int, int]:
         """Rows done (committed, being published, finished pieces, finished inside running shards) and output

@@ -120,6 +120,9 @@ class Lease:
                  extra: dict[str, Any] | None = None) -> None:
         self.storage, self.run_id, self.ttl_s, self.job_name = storage, run_id, ttl_s, job_name
         self.extra = dict(extra or {})
+        # the run's live progress (rows, tokens, workers: what the progress bar shows), written with each
+        # heartbeat so that `jobrunner status` reads more than committed shards; set by the job loop
+        self.live: dict[str, Any] | None = None
         self.generation = 0
         self.beat = 0
         self.version: str | None = None  # storage version of our last write
@@ -137,7 +140,8 @@ class Lease:
         pid = os.getpid()
         return {"run_id": self.run_id, "generation": self.generation, "beat": self.beat, "state": state,
                 **host_identity(), "pid": pid, "pid_start": process_start(pid) or "", "job_name": self.job_name,
-                "heartbeat_at": _iso(time.time()), "ttl_s": self.ttl_s, **self.extra}
+                "heartbeat_at": _iso(time.time()), "ttl_s": self.ttl_s, **self.extra,
+                **({"progress": self.live} if self.live is not None else {})}
 
     # -- writing ---------------------------------------------------------------------------------------
     def _cas(self, expected: str | None, state: str = "held") -> bool:

@@ -27,12 +27,35 @@ def job_status(state: OutputState, now_s: float | None = None) -> dict[str, Any]
     lease = lease_view(state.lease, now_s)
     rows = _rows(manifest, shards)
     phase = _phase(state, lease)
-    speed = _speed(manifest, rows, phase, now_s)
-    return {"url": state.url, "job_name": mv.text(manifest, "job_name"), "state": phase, "rows": rows,
-            "shards": mv.shard_counts(manifest), "tokens": _tokens(shards), "speed": speed,
+    tokens = _tokens(shards)
+    live = _live(state.lease) if phase == "running" else None
+    if live is not None:  # the driver's own count (heartbeat): rows finished in running shards too
+        rows.update(done=max(rows["done"], live["rows_done"]), total=max(rows["total"], live["rows_total"]))
+        current = _current_run(manifest)
+        tokens["output"] = max(tokens["output"], _int(current.get("output_tokens_at_start"))
+                               + live["output_tokens_this_run"])
+    speed = _speed(manifest, rows, phase, now_s, live)
+    return {"url": state.url, "job_name": mv.text(manifest, "job_name"), "state": phase,
+            "phase": live["phase"] if live else None, "rows": rows, "live": live,
+            "shards": mv.shard_counts(manifest), "tokens": tokens, "speed": speed,
             "workers": _workers(manifest, phase), "lease": lease, "model": mv.model_info(manifest),
             "started_at": mv.text(manifest, "started_at"), "finished_at": mv.text(manifest, "finished_at"),
             "run_count": manifest.get("run_count"), "commit_records_pending": state.num_commit_records}
+
+
+def _live(lease: dict | None) -> dict[str, Any] | None:
+    """The running driver's progress from its last heartbeat (io/lease.py), None when the lease has none."""
+    progress = (lease or {}).get("progress")
+    if not isinstance(progress, dict):
+        return None
+    return {"phase": str(progress.get("phase") or "running"), "rows_done": _int(progress.get("rows_done")),
+            "rows_total": _int(progress.get("rows_total")),
+            "output_tokens_this_run": _int(progress.get("output_tokens_this_run")),
+            "workers": _int(progress.get("workers")), "at": progress.get("at")}
+
+
+def _current_run(manifest: dict) -> dict:
+    return manifest.get("current_run") if isinstance(manifest.get("current_run"), dict) else {}
 
 
 def _rows(manifest: dict, shards: list[dict]) -> dict[str, Any]:
@@ -71,7 +94,7 @@ def lease_view(lease: dict | None, now_s: float) -> dict[str, Any] | None:
             "job_name": lease.get("job_name"), "heartbeat_at": lease.get("heartbeat_at"),
             "heartbeat_age_s": None if heartbeat_s is None else round(now_s - heartbeat_s, 1),
             "expires_at": lease.get("expires_at"),
-            "expires_in_s": None if expires_s is None else round(expires_s - now_s, 1),
+            "expires_in_s": None if expires_s is None or released else round(expires_s - now_s, 1),
             "expired": released or expires_s is None or expires_s <= now_s, "generation": generation,
             "state": lease.get("state") or "held"}
 
@@ -85,17 +108,21 @@ def _phase(state: OutputState, lease: dict | None) -> str:
     return "incomplete"
 
 
-def _speed(manifest: dict, rows: dict, phase: str, now_s: float) -> dict[str, Any]:
-    """Output tokens/s and rows/s of this run while it runs (ETA from its pace), else over the job's wall time."""
-    current = manifest.get("current_run") if isinstance(manifest.get("current_run"), dict) else {}
+def _speed(manifest: dict, rows: dict, phase: str, now_s: float, live: dict | None = None) -> dict[str, Any]:
+    """Output tokens/s and rows/s of this run while it runs (ETA from its pace; from the driver's heartbeat
+    when it has one, measured to that heartbeat), else over the job's wall time."""
+    current = _current_run(manifest)
     started_s = _epoch(current.get("started_at"))
     if phase == "running" and started_s is not None:
-        elapsed = max(now_s - started_s, 1e-6)
+        until_s = (_epoch(live["at"]) if live else None) or now_s
+        elapsed = max(until_s - started_s, 1e-6)
         rows_now = rows["done"] - _int(current.get("rows_at_start"))
-        tokens_now = _tokens_total(manifest) - _int(current.get("output_tokens_at_start"))
+        tokens_now = live["output_tokens_this_run"] if live else (
+            _tokens_total(manifest) - _int(current.get("output_tokens_at_start")))
         left = rows["total"] - rows["done"]
         eta = 0.0 if left <= 0 else (left * elapsed / rows_now if rows_now > 0 else None)
-        return {"basis": "this run so far", "elapsed_s": round(elapsed, 1), "rows_per_s": rows_now / elapsed,
+        basis = "this run so far (driver heartbeat)" if live else "this run so far (committed shards)"
+        return {"basis": basis, "elapsed_s": round(elapsed, 1), "rows_per_s": max(rows_now, 0) / elapsed,
                 "output_tokens_per_s": max(tokens_now, 0) / elapsed, "eta_s": None if eta is None else round(eta, 1)}
     wall = mv.number(manifest, "wall_s")
     if not wall:

@@ -95,7 +95,8 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     out = str(tmp_path / "out")
     # known gauges: 3 of 8 KV blocks in use; the first of each prompt's 4 words a prefix-cache hit
     engine = {"factory_options": {**SLOW["factory_options"], "kv_blocks": [3, 8], "cached_prompt_tokens": 1}}
-    spec = fake_spec(str(tmp_path / "in.parquet"), out, engine=engine, sampling={"max_tokens": 24})
+    spec = fake_spec(str(tmp_path / "in.parquet"), out, engine=engine, sampling={"max_tokens": 24},
+                     output={"lease_ttl_s": 6})  # a heartbeat (with the driver's live counts) every second
     spec["name"] = "watch-job"
     thread, box = _start_job(spec)
     seen: dict = {}
@@ -108,7 +109,8 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
             seen = scrape
         if running_status is None:
             code, text = _status(out, "--json")
-            if code == 0 and json.loads(text)["state"] == "running" and json.loads(text)["rows"]["done"] > 0:
+            now = json.loads(text) if code == 0 else {}
+            if now.get("state") == "running" and now.get("live") and now["rows"]["done"] > 0:
                 running_status = (json.loads(text), _status(out)[1])
         if seen and running_status and set(k[0] for k in seen) >= set(WORKER_SERIES + JOB_SERIES):
             break
@@ -133,7 +135,8 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     status, text = running_status
     assert status["lease"]["run_id"] and status["lease"]["heartbeat_age_s"] is not None
     assert not status["lease"]["expired"] and status["rows"]["total"] == 64
-    assert 0 < status["rows"]["done"] < 64 and status["speed"]["basis"] == "this run so far"
+    assert 0 < status["rows"]["done"] < 64 and status["speed"]["basis"] == "this run so far (driver heartbeat)"
+    assert status["live"]["phase"] == "running" and status["live"]["rows_total"] == 64
     assert status["workers"]["count"] >= 1
     assert "state    running" in text and "lease    run " in text and "last heartbeat" in text
     _keep("status_running.txt", text)

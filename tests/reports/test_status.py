@@ -63,9 +63,8 @@ def test_a_running_output(tmp_path: Path, frozen_clock: float) -> None:
     assert status["state"] == "running" and status["rows"]["total"] == 160 and status["rows"]["done"] == 60
     assert status["rows"]["errors"] == 3 and status["rows"]["error_share"] == 3 / 60
     assert status["rows"]["top_error_kinds"] == {"prompt too long": 2, "engine rejected": 1}
-    assert status["speed"]["basis"] == "this run so far"
     # this run: 40 rows and 800 output tokens in 40 s; 100 rows left at 1 row/s
-    assert status["speed"] == {"basis": "this run so far", "elapsed_s": 40.0, "rows_per_s": 1.0,
+    assert status["speed"] == {"basis": "this run so far (committed shards)", "elapsed_s": 40.0, "rows_per_s": 1.0,
                                "output_tokens_per_s": 20.0, "eta_s": 100.0}
     assert status["workers"]["ids"] == ["r1w0", "r1w1"] and status["commit_records_pending"] == 1
     assert status["lease"]["generation"] == 7 and status["lease"]["heartbeat_age_s"] == 5.0
@@ -75,6 +74,37 @@ def test_a_running_output(tmp_path: Path, frozen_clock: float) -> None:
     assert "60/160 (37.5%), 3 errors (5.0%)" in result.output
     assert f"run abc123 on head-1 (pid 4242), generation 7, last heartbeat {_iso(now - 5)} (5 s ago)" in result.output
     assert "error    2 x prompt too long" in result.output
+
+
+def test_a_running_drivers_heartbeat_counts_rows_inside_running_shards(tmp_path: Path,
+                                                                        frozen_clock: float) -> None:
+    # the driver's last heartbeat (10 s ago): 100 rows done (40 of them in shards still running), 2,000 output
+    # tokens this run; committed shards alone say 60 rows
+    now = frozen_clock
+    progress = {"phase": "running", "run_index": 1, "rows_done": 100, "rows_total": 160,
+                "output_tokens_this_run": 2000, "workers": 2, "at": _iso(now - 10)}
+    lease = {"run_id": "abc123", "host": "head-1", "pid": 4242, "generation": 7, "heartbeat_at": _iso(now - 10),
+             "ttl_s": 60, "progress": progress}
+    status = job_status(read_output_state(_output(tmp_path / "out", now, lease)), now_s=now)
+    assert (status["rows"]["done"], status["rows"]["total"], status["tokens"]["output"]) == (100, 160, 2400)
+    # this run: 80 rows and 2,000 tokens in the 30 s from its start to the heartbeat; 60 rows left
+    assert status["speed"] == {"basis": "this run so far (driver heartbeat)", "elapsed_s": 30.0,
+                               "rows_per_s": 80 / 30, "output_tokens_per_s": 2000 / 30, "eta_s": 22.5}
+    text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "100/160 (62.5%), 3 errors (5.0%) [live, from the driver's heartbeat]" in text
+    assert "2 in run 2: r1w0, r1w1" in text and ", run 2" in text  # one run number: 1-based everywhere
+    starting = {**progress, "phase": "starting workers", "rows_done": 60, "output_tokens_this_run": 0}
+    (tmp_path / "out" / "_lease.json").write_text(json.dumps({**lease, "progress": starting}))
+    text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "state    running (starting workers)" in text
+
+
+def test_a_released_lease_has_one_expiry_verdict(tmp_path: Path, frozen_clock: float) -> None:
+    now = frozen_clock
+    lease = {"run_id": "abc", "host": "h", "pid": 1, "generation": 3, "heartbeat_at": _iso(now - 5), "ttl_s": 120,
+             "state": "released"}
+    status = job_status(read_output_state(_output(tmp_path / "out", now, lease)), now_s=now)
+    assert status["lease"]["expired"] and status["lease"]["expires_in_s"] is None
 
 
 def test_a_dead_drivers_lease_is_stale_and_an_old_lease_format_still_reads(tmp_path: Path,
