@@ -122,6 +122,29 @@ class InputSpec(_Spec):
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template used instead of the tokenizer's own."
     )
+    tools: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Tools (OpenAI form: {type: function, function: {name, description, parameters}}) given to "
+        "every chat row's template; the model's calls come back parsed in `tool_calls` (output.tool_call_parser).",
+    )
+    tools_column: str | None = Field(
+        default=None, description="Optional column of per-row tools (a JSON array string or a list of structs), "
+        "instead of `tools` for that row.",
+    )
+    tool_choice: Any = Field(
+        default=None,
+        description="auto (default: the model decides), none, required (a call is forced through structured "
+        "output), or {type: function, function: {name}} (that function is forced).",
+    )
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_form(cls, value: Any) -> Any:
+        named = isinstance(value, dict) and isinstance(value.get("function"), dict) and \
+            isinstance(value["function"].get("name"), str)
+        if value not in (None, "auto", "none", "required") and not named:
+            raise ValueError("input.tool_choice must be auto, none, required or {type: function, function: {name}}")
+        return value
 
     @field_validator("prefix_grouping", mode="before")
     @classmethod
@@ -143,7 +166,8 @@ class InputSpec(_Spec):
 
 
 _OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "system_prompt",
-                       "system_prompt_column", "chat_template_kwargs_column")
+                       "system_prompt_column", "chat_template_kwargs_column", "tools", "tools_column",
+                       "tool_choice")
 
 
 # The sampling and engine keys, their types, bounds and descriptions are the engine's own fields (declared once,
@@ -296,6 +320,11 @@ class OutputSpec(_Spec):
         "trace, `num_reasoning_tokens` its tokens. think_tags: <think>...</think> (Qwen3, DeepSeek-R1); "
         "harmony: gpt-oss channels; auto: from the model's chat template (none when it has neither); none: "
         "the whole text in generated_text and no reasoning columns.",
+    )
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = Field(
+        default="auto",
+        description="How tool calls are read from rows that carry tools: hermes (<tool_call>{json}</tool_call>: "
+        "Qwen, Hermes), llama3_json (a JSON call: Llama 3.1+), auto (from the chat template), none (kept as text).",
     )
     rows_per_file: int | None = Field(
         default=None, ge=1, description="Rows per part file; when set it overrides input.rows_per_shard."

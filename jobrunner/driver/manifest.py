@@ -37,7 +37,8 @@ MAX_ERROR_KINDS = 50
 # Sections that must match for a resume to be safe (the same rows with the same settings).
 RESUME_SECTIONS = ("model", "sampling")
 RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "limit",
-                     "system_prompt", "system_prompt_column", "chat_template_kwargs_column")
+                     "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
+                     "tools_column", "tool_choice")
 
 
 class ResumeError(ValueError):

@@ -22,7 +22,8 @@ _SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "seed", "presence_penal
 _RENAMED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
             "max_completion_tokens": "max_tokens"}
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")  # accepted, no effect on generation
-_HANDLED = {"chat": ("messages", "logprobs", "top_logprobs", "response_format", "chat_template_kwargs"),
+_HANDLED = {"chat": ("messages", "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "tools",
+                     "tool_choice", "parallel_tool_calls"),
             "completions": ("prompt", "logprobs", "echo")}
 
 
@@ -34,6 +35,8 @@ class ParsedRequest:
     prompt: str | list[int] | list[dict[str, Any]]
     overrides: dict[str, Any] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
 
 
 def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
@@ -58,7 +61,10 @@ def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError("body.chat_template_kwargs must be an object")
-        return ParsedRequest(endpoint, prompt, overrides, kwargs)
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("body.tools must be a list of tool objects")
+        return ParsedRequest(endpoint, prompt, overrides, kwargs, tools, body.get("tool_choice"))
     if body.get("echo"):
         raise ValueError("body.echo: echoing the prompt is not supported")
     if body.get("logprobs") is not None:
@@ -127,7 +133,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"body.messages[{i}] needs a string role")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        calls = m.get("tool_calls")
+        content = None if calls and m.get("content") is None else _content(m.get("content"), i)
+        message = {"role": m["role"], "content": content}
+        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
+        out.append(message)
     return out
 
 
@@ -210,6 +220,8 @@ def _chat_choice(row: dict[str, Any]) -> dict[str, Any]:
     message = {"role": "assistant", "content": row["generated_text"]}
     if row.get("reasoning") is not None:
         message["reasoning_content"] = row["reasoning"]
+    if row.get("tool_calls"):
+        message["tool_calls"] = row["tool_calls"]
     return {"index": row.get("sample_index") or 0, "finish_reason": row["finish_reason"],
             "message": message,
             "logprobs": None if content is None else {"content": content}}

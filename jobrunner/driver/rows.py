@@ -8,6 +8,7 @@ and never fails its shard. A row sampled n times comes back as n output rows wit
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import pyarrow as pa
 
 from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import parse_request
+from jobrunner.driver.tool_calls import forced_call_schema, openai_tool_calls, parse_forced_call, parse_tool_calls
 from jobrunner.engine import SamplingParams
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
@@ -36,6 +38,8 @@ class RowRequest:
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     endpoint: str | None = None  # OpenAI batch rows: "chat" or "completions"
+    tools: list[dict[str, Any]] | None = None  # the row's tools (they reach the template as `tools`)
+    forced_tool: bool = False  # tool_choice required / named: the reply is one call's JSON
     num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
 
 
@@ -60,10 +64,15 @@ def has_reasoning(spec: JobSpec) -> bool:
     return spec.output.reasoning_parser != "none"
 
 
+def has_tools(spec: JobSpec) -> bool:
+    """Whether the job's rows can carry tools (so its output has ``tool_calls`` and ``tool_call_warning``)."""
+    return bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)
+
+
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
-    columns with a reasoning parser)."""
-    return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec))
+    columns with a reasoning parser, the tool-call columns where rows can carry tools)."""
+    return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -72,7 +81,7 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            inp.chat_template_kwargs_column, ROW_ERROR]
+            inp.chat_template_kwargs_column, inp.tools_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -136,6 +145,7 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: Sam
             req.chat_template_kwargs = _template_kwargs(spec, row, req.chat_template_kwargs)
             req.prompt = _prompt(spec, row)
             req.params = _params(sampling, _row_overrides(spec, row), spec.input.sampling_column)
+            _give_tools(req, _row_tools(spec, row), spec.input.tool_choice)
     except ValueError as exc:
         req.prompt, req.params, req.error = None, None, str(exc)
     return req
@@ -147,6 +157,8 @@ def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams)
     if parsed.chat_template_kwargs:
         req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), **parsed.chat_template_kwargs}
     req.params = _params(sampling, parsed.overrides, None)
+    if parsed.endpoint == "chat":
+        _give_tools(req, parsed.tools, parsed.tool_choice)
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -176,6 +188,38 @@ def _system_prompt(spec: JobSpec, row: dict[str, Any]) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"system prompt column {column!r} holds {type(value).__name__}, not a string")
     return value if value and value.strip() else spec.input.system_prompt
+
+
+def _row_tools(spec: JobSpec, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's tools: its column's (a JSON array or a list of structs), else the job's ``input.tools``."""
+    column = spec.input.tools_column
+    value = row.get(column) if column else None
+    if value is None or value == "":
+        return spec.input.tools
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise ValueError(f"tools column {column!r} is not valid JSON ({exc})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"tools column {column!r} must hold a list of tool objects")
+    return value
+
+
+def _give_tools(req: RowRequest, tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+    """Tools into the chat template (a raw prompt becomes one user turn), and a forced call through structured
+    output when ``tool_choice`` is required or names a function."""
+    if not tools or tool_choice == "none":
+        return
+    req.tools = list(tools)
+    req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": req.tools}
+    if isinstance(req.prompt, str):
+        req.prompt = [{"role": "user", "content": req.prompt}]
+    schema = forced_call_schema(req.tools, tool_choice)
+    if schema is not None:
+        if req.params.is_structured:
+            raise ValueError("tool_choice forces a call through structured output: the row cannot also set "
+                             "json_schema, regex or choice")
+        req.params, req.forced_tool = req.params.with_overrides({"json_schema": schema}), True
 
 
 def _template_kwargs(spec: JobSpec, row: dict[str, Any], job: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -221,9 +265,11 @@ def error_row(req: RowRequest) -> dict[str, Any]:
             "sample_index": 0, "prompt_shared": False}
 
 
-def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None) -> dict[str, Any]:
+def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
+               tool_parser: str | None = None) -> dict[str, Any]:
     """The output row of one finished sample of an engine request (a RequestOutput); ``parser`` (from
-    :func:`jobrunner.driver.reasoning.choose_parser`) parts a reasoning trace from the answer."""
+    :func:`jobrunner.driver.reasoning.choose_parser`) parts a reasoning trace from the answer, ``tool_parser``
+    (:func:`jobrunner.driver.tool_calls.choose_tool_parser`) reads the calls of a row that carried tools."""
     metrics = out.metrics.to_dict()
     failed = out.finish_reason == "error"
     text = None if failed else out.text
@@ -231,8 +277,13 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None) -> 
         split = None if failed or parser is None else parser.split(
             out.text, list(out.output_token_ids), list(getattr(out, "prompt_token_ids", None) or []))
         text = split.answer if split is not None else text
+    calls = None
+    if has_tools(spec) and not failed and (req.forced_tool or (req.tools and tool_parser)):
+        calls = parse_forced_call(text) if req.forced_tool else parse_tool_calls(tool_parser, text)
+        text = calls.content if calls.calls else text
+    reason = "tool_calls" if calls is not None and calls.calls and out.finish_reason == "stop" else out.finish_reason
     row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": text,
-           "finish_reason": out.finish_reason, "error": out.error or ("engine error" if failed else None),
+           "finish_reason": reason, "error": out.error or ("engine error" if failed else None),
            "sample_index": int(getattr(out, "sample_index", 0) or 0),
            "prompt_shared": bool(metrics.get("prompt_shared")),
            "logprobs": token_logprobs(getattr(out, "logprobs", None)),
@@ -248,6 +299,10 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None) -> 
     if has_reasoning(spec):
         row["reasoning"] = None if split is None else split.reasoning
         row["num_reasoning_tokens"] = None if split is None else split.num_reasoning_tokens
+    if has_tools(spec):
+        row["tool_calls"] = openai_tool_calls(calls.calls, req.row_id, row["sample_index"]) \
+            if calls is not None and calls.calls else None
+        row["tool_call_warning"] = None if calls is None else calls.warning
     return row
 
 

@@ -41,6 +41,7 @@ from jobrunner.driver.rows import (
     to_request,
 )
 from jobrunner.driver.shards import Shard
+from jobrunner.driver.tool_calls import choose_tool_parser
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
 from jobrunner.io.parts import write_attempt_part
 from jobrunner.io.reader import ROW_INDEX
@@ -119,6 +120,8 @@ class ShardRunner:
         # the reasoning parser the job names (auto: the one the model's chat template implies), built once
         self.reasoning = choose_parser(spec.output.reasoning_parser, getattr(engine, "tokenizer", None),
                                        spec.input.chat_template)
+        self.tool_parser = choose_tool_parser(spec.output.tool_call_parser, getattr(engine, "tokenizer", None),
+                                              spec.input.chat_template)
         self.job_start_s = job_start_s  # wall-clock (time.time) start of the job, for finish_time_s
         self.info = info  # node, device
         self.loaded_at = time.monotonic()
@@ -372,7 +375,7 @@ class ShardRunner:
             return
         state, req = entry
         try:
-            row = output_row(self.spec, req, out, self.reasoning)
+            row = output_row(self.spec, req, out, self.reasoning, self.tool_parser)
         except Exception as exc:  # noqa: BLE001 - a sample that cannot become a row is that row's error
             sample = {"id": req.row_id, ROW_INDEX: req.row_index, "sample_index": getattr(out, "sample_index", 0)}
             row = unbuildable_row(sample, exc)

@@ -49,14 +49,20 @@ MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()),
 JSON_VALID_FIELD = pa.field("json_valid", pa.bool_())
 # Only with a reasoning parser (output.reasoning_parser): the trace apart from the answer (generated_text).
 REASONING_FIELDS = (pa.field("reasoning", pa.string()), pa.field("num_reasoning_tokens", pa.int64()))
+# Only in jobs whose rows can carry tools: the model's calls in OpenAI's form, and why a reply did not parse.
+TOOL_CALL_TYPE = pa.struct([("id", pa.string()), ("type", pa.string()),
+                            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+TOOL_FIELDS = (pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)), pa.field("tool_call_warning", pa.string()))
 
 
-def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False) -> pa.Schema:
+def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
+                  tools: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
-    schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser)."""
+    schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
+    ``tool_call_warning`` when rows can carry tools)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
-    for field in REASONING_FIELDS if reasoning else ():
+    for field in (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()):
         schema = schema.append(field)
     return schema
 

@@ -176,6 +176,8 @@ _ROLE_CHECKS = {
     "sampling_column": (_is_overrides, "a struct/map column or a JSON string column"),
     "system_prompt_column": (_is_string, "a string column"),
     "chat_template_kwargs_column": (_is_overrides, "a struct/map column or a JSON string column"),
+    "tools_column": (lambda t: _is_string(t) or t.startswith(("list<", "large_list<")),
+                     "a list<struct> column or a JSON string column"),
 }
 
 
@@ -302,10 +304,17 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         value = json.loads(value)
     if not isinstance(value, list) or not value:
         raise ValueError("messages must be a non-empty list of {role, content}")
+    out = []
     for m in value:
-        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content_ok = isinstance(m, dict) and (isinstance(m.get("content"), str) or (calls and m.get("content") is None))
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not content_ok:
             raise ValueError("each message needs string 'role' and 'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        message = {"role": m["role"], "content": m["content"]}
+        # an agent trace: an assistant turn's calls, a tool result's call id and name (as OpenAI writes them)
+        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
+        out.append(message)
+    return out
 
 
 def parse_overrides(value: Any) -> dict[str, Any]:
