@@ -113,9 +113,9 @@ def test_openai_batch_rows_become_requests_or_error_rows():
                                    "url": "/v1/chat/completions", "body": json.dumps(body), ROW_ERROR: None})
     assert no_id.error == "id column 'custom_id' is null (row b:2)"
     unknown = _request(spec, "b", {ROW_INDEX: 3, "custom_id": "r3", "method": "POST",
-                                     "url": "/v1/chat/completions", "body": json.dumps({**body, "tools": []}),
+                                     "url": "/v1/chat/completions", "body": json.dumps({**body, "functions": []}),
                                      ROW_ERROR: None})
-    assert unknown.error == "body field(s) tools not supported for /v1/chat/completions"
+    assert unknown.error == "body field(s) functions not supported for /v1/chat/completions"
 
 
 def test_a_shared_system_prompt_leads_every_chat_row_unless_the_row_brings_its_own():
