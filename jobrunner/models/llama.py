@@ -38,6 +38,9 @@ class ModelShape:
     attention_bias: bool
     qk_norm: bool
     sliding_window: int | None = None  # keys a query sees (itself included); None = all earlier positions
+    # --- Gemma 2/3 (jobrunner.models.gemma.gemma_shape) ---
+    layer_windows: tuple[int | None, ...] | None = None  # per layer when layers differ (local / global layers)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
