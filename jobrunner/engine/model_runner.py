@@ -68,11 +68,11 @@ class ModelRunner:
         if (self.sliding_window is not None or self.layer_windows is not None) and (
                 attention_backend == "triton" or decode_graphs != "off"):
             # the triton kernel and the fixed-shape (graph) runners take no window
-            eager = "cpu_paged" if attention_backend == "cpu_paged" else "torch"
+            eager = "torch" if attention_backend == "triton" else attention_backend  # auto: cpu_paged on CPU
             note = (f"sliding-window attention ({_describe_windows(self.sliding_window, self.layer_windows)} < "
-                    f"max_model_len {max_model_len}) runs eagerly on the torch or cpu_paged backend only; "
-                    f"attention_backend={attention_backend!r} and decode_graphs={decode_graphs!r} are not used "
-                    f"({eager}, eager)")
+                    f"max_model_len {max_model_len}) runs eagerly on the torch or cpu_paged backend only: "
+                    f"attention_backend={attention_backend!r}, decode_graphs={decode_graphs!r} -> "
+                    f"attention_backend={eager!r}, decode_graphs='off'")
             log.warning("%s", note)
             self.attention_notes.append(note)
             attention_backend, decode_graphs = eager, "off"
