@@ -185,3 +185,15 @@ def test_weights_load_by_checkpoint_names_with_tied_head(tokenizer):
             "model.layers.0.post_feedforward_layernorm.weight"} <= names
     engine = engine_from_hf(hf, tokenizer)
     assert engine.model.lm_head.weight is engine.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_deterministic_mode_keeps_windows_and_soft_caps(arch, tokenizer):
+    """The invariant backend (deterministic mode on CPU) takes per-layer windows and soft-capping too."""
+    hf = make_gemma(arch)
+    engine = engine_from_hf(hf, tokenizer, block_size=4, max_num_batched_tokens=12, deterministic=True)
+    assert engine.runner.backend.name == "invariant"
+    ids = [tokenizer(p)["input_ids"] for p in CORPUS[1:3]]
+    outputs = run_checked(engine, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for i, prompt_ids in enumerate(ids):
+        assert outputs[f"r{i}"].output_token_ids == hf_greedy(hf, prompt_ids, 12), f"prompt {i}"
