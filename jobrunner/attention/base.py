@@ -6,6 +6,13 @@ starting at flat offset ``query_start``, at positions ``seq_len - query_len .. s
 Its keys are positions ``0 .. seq_len - 1``, found through its block table. The model runner describes the
 step once (:class:`StepLayout`); the backend turns that into its own metadata once per step; every layer then
 calls :func:`paged_attention` with it. Backends own no state between steps.
+
+Models whose layers differ in their window (Gemma 2/3: local sliding-window layers between global ones) set
+``StepLayout.layer_windows``; a backend that supports it (``supports_layer_windows``: torch, cpu_paged,
+invariant) builds one metadata view per distinct window, once per step, and each layer takes its own with
+:meth:`AttentionMetadata.for_layer`. Attention logit soft-capping (Gemma 2: ``cap * tanh(scores / cap)``
+before the mask and softmax) is a ``softcap`` argument of :func:`paged_attention`; only backends with
+``supports_softcap`` (torch, invariant) take it, any other raises rather than attend without it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,20 @@ class StepLayout:
     # one request are n sequences with their own block tables): lets backends keep per-row state
     row_keys: list[Hashable] | None = None
     sliding_window: int | None = None  # a query at position p sees keys p - sliding_window + 1 .. p only
+    # per layer, when the layers differ (Gemma 2/3: None on global layers); then ``sliding_window`` is unused
+    layer_windows: tuple[int | None, ...] | None = None
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The distinct windows this step's layers attend with (one metadata view each)."""
+        if self.layer_windows is None:
+            return [self.sliding_window]
+        return sorted(set(self.layer_windows), key=lambda w: (w is None, w or 0))
+
+    @property
+    def smallest_window(self) -> int | None:
+        """The narrowest window of any layer (None: every layer attends to all earlier positions)."""
+        return min((w for w in self.windows if w is not None), default=None)
 
     @property
     def num_rows(self) -> int:
@@ -49,6 +70,11 @@ class AttentionMetadata:
     backend: AttentionBackend
     slot_mapping: torch.Tensor    # [T] long
     num_tokens: int
+    layer_views: list[AttentionMetadata] | None = None  # per layer, built from StepLayout.layer_windows
+
+    def for_layer(self, index: int) -> AttentionMetadata:
+        """The metadata layer ``index`` attends with: its window's view, or this one when all layers share it."""
+        return self if self.layer_views is None else self.layer_views[index]
 
 
 class AttentionBackend(ABC):
@@ -58,6 +84,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "?"
+    supports_layer_windows: bool = False  # builds per-window views for StepLayout.layer_windows
+    supports_softcap: bool = False        # forward takes ``softcap`` (attention logit soft-capping)
 
     @abstractmethod
     def build(self, layout: StepLayout, upload: StepUpload) -> AttentionMetadata:
@@ -77,9 +105,25 @@ class AttentionBackend(ABC):
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One layer's attention through the backend that built ``meta`` (what the model calls)."""
-    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """One layer's attention through the backend that built ``meta`` (what the model calls).
+
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2); a backend
+    without ``supports_softcap`` raises ``NotImplementedError`` (the model runner routes such models to torch).
+    """
+    if softcap is None:
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    if not meta.backend.supports_softcap:
+        raise NotImplementedError(f"attention backend {meta.backend.name!r} cannot soft-cap attention logits")
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
+
+
+def layer_views(layout: StepLayout, by_window: dict) -> list | None:
+    """Per-layer metadata from one view per distinct window (None when the layout has no per-layer windows)."""
+    if layout.layer_windows is None:
+        return None
+    return [by_window[w] for w in layout.layer_windows]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,6 +8,12 @@ folded, online softmax over the row's blocks, split-K over fixed partitions when
 head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
 (flash-style key tiles, causal by position), sliding windows, float32 and bfloat16.
 
+Per-layer windows (``StepLayout.layer_windows``, Gemma 2/3): the window is an argument of each kernel call, so
+the step's rows are uploaded once and each distinct window gets a view that differs only in that argument (and
+in the torch groups of long chunks, built per window); decodes sharing prefix blocks are not grouped in such
+steps. Attention logit soft-capping is not in the kernel (``supports_softcap`` False): the model runner routes
+models that need it (Gemma 2) to the torch backend and says so.
+
 Two faster paths sit beside that exact kernel in the same call, on AVX-512 and AVX2 builds and outside
 deterministic mode: prompt chunks on a kernel with query vectors in the vector lanes, and decodes that share
 cached prefix blocks reading them once per group (see the constants below and docs/engine.md).
@@ -23,6 +29,7 @@ CUDA device or a head_dim that is not a multiple of 16: :func:`cpu_paged_unavail
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import os
@@ -30,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
 
@@ -125,6 +132,7 @@ class CpuPagedBackend(AttentionBackend):
     """
 
     name = "cpu_paged"
+    supports_layer_windows = True
 
     def __init__(self, lib: ctypes.CDLL, native_max_query: int | None = None, fast_min_query: int | None = None
                  ) -> None:
@@ -158,8 +166,13 @@ class CpuPagedBackend(AttentionBackend):
         upload.add("cp_grows", members or [0])
         upload.add("cp_glen", lengths or [0])
         upload.add("cp_kstart", key_start or [0])
-        groups = TORCH_BACKEND.build(long_chunks, upload).groups if long_chunks.num_rows else []
-        return CpuPagedMetadata(self, upload.flush(), native, max_blocks, groups, len(shared))
+        torch_meta = TORCH_BACKEND.build(long_chunks, upload) if long_chunks.num_rows else None
+        meta = CpuPagedMetadata(self, upload.flush(), native, max_blocks,
+                                torch_meta.groups if torch_meta else [], len(shared))
+        if layout.layer_windows is not None:
+            meta.layer_views = layer_views(layout, {w: _window_view(meta, torch_meta, layout, w)
+                                                    for w in layout.windows})
+        return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -187,10 +200,21 @@ class CpuPagedBackend(AttentionBackend):
             raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
 
 
+def _window_view(meta: CpuPagedMetadata, torch_meta: AttentionMetadata | None, layout: StepLayout,
+                 window: int | None) -> CpuPagedMetadata:
+    """``meta`` for the layers attending with ``window``: the same uploaded rows, that window, its torch groups."""
+    view = copy.copy(meta)
+    view.layer_views = None
+    view.window = window or 0
+    if torch_meta is not None:
+        view.torch_groups = torch_meta.for_layer(layout.layer_windows.index(window)).groups
+    return view
+
+
 def _split_rows(layout: StepLayout, native_max_query: int | None) -> tuple[StepLayout, StepLayout]:
     """The step's rows for the native kernel, and the long prompt chunks for the torch groups (same flat batch)."""
-    parts = (StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window),
-             StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window))
+    parts = tuple(StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window,
+                             layer_windows=layout.layer_windows) for _ in range(2))
     for row in zip(layout.query_starts, layout.query_lens, layout.seq_lens, layout.block_tables):
         part = parts[native_max_query is not None and row[1] > native_max_query]
         for values, value in zip((part.query_starts, part.query_lens, part.seq_lens, part.block_tables), row):
@@ -204,7 +228,7 @@ def shared_prefix_groups(layout: StepLayout) -> list[tuple[list[int], int]]:
     blocks that every member's query sees; none with a sliding window. The tables are sorted and cut where
     two neighbours share fewer keys, so rows under a common header but with different few-shot prefixes form
     one group per prefix."""
-    if layout.sliding_window:
+    if layout.smallest_window:
         return []
     bs = layout.block_size
     min_blocks = -(-SHARED_MIN_KEYS // bs)

@@ -23,11 +23,12 @@ per layer, and float32 products (docs/engine.md, *Deterministic mode*).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 
-from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.upload import StepUpload
 
 KV_CHUNK = 128   # keys per reduction step (fixed: part of the arithmetic every token gets)
@@ -60,6 +61,8 @@ class InvariantBackend(AttentionBackend):
     """Fixed-order paged attention (see the module doc); the torch backend's deterministic twin."""
 
     name = "invariant"
+    supports_layer_windows = True  # the window is applied at attention time: one view per window shares the groups
+    supports_softcap = True
 
     def build(self, layout: StepLayout, upload: StepUpload) -> InvariantMetadata:
         by_len: dict[int, list[int]] = {}
@@ -78,15 +81,25 @@ class InvariantBackend(AttentionBackend):
             plans.append((q_len, len(rows), num_chunks, num_blocks))
         t = upload.flush()
         groups = [_group(g, plan, t, bs, upload.device) for g, plan in enumerate(plans)]
-        return InvariantMetadata(t["slot_mapping"], groups, layout.num_tokens, layout.sliding_window)
+        meta = InvariantMetadata(t["slot_mapping"], groups, layout.num_tokens, layout.sliding_window)
+        meta.layer_views = layer_views(layout, {w: _with_window(meta, w) for w in layout.windows})
+        return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: InvariantMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: InvariantMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = q.new_empty(meta.num_tokens, num_heads * head_dim)
         for g in meta.groups:
-            out.index_copy_(0, g.query_index, attend_group(q, k_cache, v_cache, g, k.shape[1], scale, meta.window))
+            out.index_copy_(0, g.query_index, attend_group(q, k_cache, v_cache, g, k.shape[1], scale, meta.window,
+                                                           softcap))
         return out
+
+
+def _with_window(meta: InvariantMetadata, window: int | None) -> InvariantMetadata:
+    view = copy.copy(meta)  # the groups (and their row positions, built by the first layer) are shared
+    view.window = window
+    return view
 
 
 INVARIANT_BACKEND = InvariantBackend()
@@ -111,7 +124,8 @@ def _group(g: int, plan: tuple, t: dict[str, torch.Tensor], block_size: int,
 
 
 def attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: InvariantGroup,
-                 num_kv_heads: int, scale: float, window: int | None = None) -> torch.Tensor:
+                 num_kv_heads: int, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """Outputs ``[U * Q, H * D]`` of one group's query tokens, each reduced in the fixed order above."""
     head_dim = q.shape[2]
     n_rep = q.shape[1] // num_kv_heads
@@ -132,6 +146,8 @@ def attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     for c, (n, slots) in enumerate(zip(g.active, g.chunk_slots)):
         keys = k_cache.index_select(0, slots).view(n, KV_CHUNK, num_kv_heads, head_dim)
         s = torch.matmul(qg[:n], keys.permute(0, 2, 3, 1).float()) * scale          # [n, Hkv, R, KV_CHUNK]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         key_pos = torch.arange(c * KV_CHUNK, (c + 1) * KV_CHUNK, device=q.device)
         visible = key_pos <= g.row_pos[:n]
         if window is not None:

@@ -8,6 +8,12 @@ kernel with no mask; other groups get a boolean mask, built on the device from a
 (with a sliding window, the mask also hides keys more than ``sliding_window - 1`` positions back).
 Grouped-query attention is folded into the query-length axis — queries ``[G, kv_heads, n_rep * Q, D]``
 against keys ``[G, kv_heads, L, D]`` — so keys and values are never repeated per query head.
+
+Per-layer windows (``StepLayout.layer_windows``, Gemma 2/3): the groups' index arrays are uploaded once and
+one set of groups (their masks) is built per distinct window; each layer takes its window's view. Attention
+logit soft-capping (``softcap``, Gemma 2) cannot go through ``scaled_dot_product_attention``: those calls
+compute scores, cap, mask and softmax (in float32, then back to the query dtype, as transformers' eager
+attention does) explicitly.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.torch_short_rows import is_short_row, short_row_index, short_row_mask
 from jobrunner.attention.upload import StepUpload
 
@@ -55,16 +61,28 @@ class TorchBackend(AttentionBackend):
     """Gather + ``scaled_dot_product_attention``; runs anywhere torch does."""
 
     name = "torch"
+    supports_layer_windows = True
+    supports_softcap = True
 
     def build(self, layout: StepLayout, upload: StepUpload) -> TorchMetadata:
         # Queue every group's small integer arrays in the step's single upload, then build the groups from
-        # the device views (masks and ranges are computed on the device, never on the host).
+        # the device views (masks and ranges are computed on the device, never on the host), once per window.
+        plan = self._queue(layout, upload)
+        t = upload.flush()
+        by_window = {w: TorchMetadata(t["slot_mapping"], self._groups(plan, t, layout, upload.device, w),
+                                      layout.num_tokens, layout.block_size) for w in layout.windows}
+        meta = by_window[layout.windows[0]]
+        meta.layer_views = layer_views(layout, by_window)
+        return meta
+
+    def _queue(self, layout: StepLayout, upload: StepUpload) -> tuple[list, list, list]:
+        """Sort the rows into chunk, decode and short-row groups and queue their arrays in ``upload``."""
         chunks, decodes, short = [], [], {}
         for start, q_len, seq_len, table in zip(layout.query_starts, layout.query_lens, layout.seq_lens,
                                                 layout.block_tables):
             if q_len == 1:
                 decodes.append((seq_len, start, table))
-            elif is_short_row(q_len, seq_len, layout.sliding_window):
+            elif is_short_row(q_len, seq_len, layout.smallest_window):
                 short.setdefault(q_len, []).append((seq_len, start, table))
             else:
                 chunks.append((start, q_len, seq_len))
@@ -83,9 +101,14 @@ class TorchBackend(AttentionBackend):
             upload.add(f"short{i}_len", [d[0] for d in group])
             upload.add(f"short{i}_offset", [d[1] for d in group])
             upload.add(f"short{i}_blocks", [b for d in group for b in _padded_table(d[2], num_blocks)])
-        t = upload.flush()
-        device, bs = upload.device, layout.block_size
-        window = layout.sliding_window
+        return chunks, packed, packed_short
+
+    @staticmethod
+    def _groups(plan: tuple[list, list, list], t: dict[str, torch.Tensor], layout: StepLayout,
+                device: torch.device, window: int | None) -> list[AttentionGroup]:
+        """The step's groups for layers with ``window``, from the uploaded arrays ``t``."""
+        chunks, packed, packed_short = plan
+        bs = layout.block_size
         groups = [_chunk_group(offset, q_len, seq_len, t[f"chunk{i + 1}"], bs, device, window)
                   for i, (offset, q_len, seq_len) in enumerate(chunks)]
         for i, group in enumerate(packed):
@@ -96,12 +119,13 @@ class TorchBackend(AttentionBackend):
             index = short_row_index(t[f"short{i}_offset"], q_len)
             groups.append(AttentionGroup(len(group), q_len, kv_len, index, t[f"short{i}_blocks"],
                                          short_row_mask(t[f"short{i}_len"], q_len, kv_len), index, tile_mask=True))
-        return TorchMetadata(t["slot_mapping"], groups, layout.num_tokens, bs)
+        return groups
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(meta.num_tokens, q.shape[1] * q.shape[2])
-        attend_groups(q, k_cache, v_cache, out, meta.groups, meta.block_size, scale)
+        attend_groups(q, k_cache, v_cache, out, meta.groups, meta.block_size, scale, softcap)
         return out
 
 
@@ -109,7 +133,7 @@ TORCH_BACKEND = TorchBackend()
 
 
 def attend_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                  groups: list[AttentionGroup], block_size: int, scale: float) -> None:
+                  groups: list[AttentionGroup], block_size: int, scale: float, softcap: float | None = None) -> None:
     """Attend every group and write its rows into ``out`` ``[T, H * D]`` (rows of no group are left alone)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
@@ -117,7 +141,8 @@ def attend_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_blocks = k_cache.view(-1, block_size * num_kv_heads * head_dim)  # [num_blocks, block elements]
     v_blocks = v_cache.view(-1, block_size * num_kv_heads * head_dim)
     for g in groups:
-        out.index_copy_(0, g.out_index, _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale))
+        out.index_copy_(0, g.out_index, _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale,
+                                                      softcap))
 
 
 def _padded_table(table: list[int], num_blocks: int) -> list[int]:
@@ -173,10 +198,10 @@ def _pack_by_length(decodes: list[tuple[int, int, list[int]]], block_size: int):
 
 
 def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n_rep: int, head_dim: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: float | None = None) -> torch.Tensor:
     G, Q, L = g.num_seqs, g.query_len, g.kv_len
     if g.causal:
-        return _attend_causal(q, k_blocks, v_blocks, g, num_kv_heads, head_dim, scale)
+        return _attend_causal(q, k_blocks, v_blocks, g, num_kv_heads, head_dim, scale, softcap)
     # q: [G*Q, H, D] -> [G, Hkv, n_rep*Q, D] (query head h uses kv head h // n_rep)
     qg = q.index_select(0, g.query_index).view(G, Q, num_kv_heads, n_rep, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(G, num_kv_heads, n_rep * Q, head_dim)
@@ -186,14 +211,17 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
         g.mask, g.repeat_mask = g.mask.repeat(n_rep, 1)[None, None], False
     if g.tile_mask:
         g.mask, g.tile_mask = g.mask.repeat(1, 1, n_rep, 1), False
-    og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+    if softcap is None:
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+    else:
+        og = softcapped_attention(qg, kg, vg, g.mask, scale, softcap)
     # [G, Hkv, n_rep*Q, D] -> [G*Q, H*D]
     og = og.view(G, num_kv_heads, n_rep, Q, head_dim).permute(0, 3, 1, 2, 4)
     return og.reshape(G * Q, num_kv_heads * n_rep * head_dim)
 
 
 def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, head_dim: int,
-                   scale: float) -> torch.Tensor:
+                   scale: float, softcap: float | None = None) -> torch.Tensor:
     # A whole prompt (or its first chunk) of one request: the causal kernel skips the upper triangle, which
     # an explicit mask cannot. Padded keys past the chunk sit right of every query, so causality hides them.
     Q, L = g.query_len, g.kv_len
@@ -201,5 +229,23 @@ def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, 
     qg = q.index_select(0, g.query_index).transpose(0, 1).unsqueeze(0)                # [1, H, Q, D]
     kg = k_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
     vg = v_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
-    og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+    if softcap is None:
+        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sees keys 0..i (the padded keys past the chunk sit right of every query)
+        n_rep = qg.shape[1] // num_kv_heads
+        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(Q, device=q.device)[:, None]
+        og = softcapped_attention(qg, kg.repeat_interleave(n_rep, dim=1), vg.repeat_interleave(n_rep, dim=1),
+                                  causal, scale, softcap)
     return og.squeeze(0).transpose(0, 1).reshape(Q, -1)                                  # [Q, H*D]
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """Attention with logit soft-capping, in transformers' eager order: ``scores * scale``, then
+    ``softcap * tanh(scores / softcap)``, then the mask, a float32 softmax cast back to the query dtype, then V.
+    q: [..., Q, D]; k, v: [..., L, D]; mask: bool, broadcastable to [..., Q, L], True = attend."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

@@ -79,8 +79,11 @@ def tile_rows(model: nn.Module, tile: int) -> int:
         attn = layer.self_attn
         targets += [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer, "mlp"),
                     (attn, "qkv_proj"), (attn, "o_proj")]
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms over [T, heads, head_dim]
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma 3: per-head norms over [T, heads, head_dim]
             targets += [(attn, "q_norm"), (attn, "k_norm")]
+        # Gemma 2/3: the norms around the feed-forward block
+        targets += [(layer, name) for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+                    if hasattr(layer, name)]
     for module in model.modules():  # MoE: each expert's GEMMs on fixed row tiles too
         if isinstance(module, StackedExperts):
             module.row_tile = tile

@@ -61,11 +61,21 @@ class ModelRunner:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
-        if self.sliding_window is not None and (attention_backend == "triton" or decode_graphs != "off"):
-            log.warning("sliding-window attention (window %d < max_model_len %d) runs on the eager torch backend "
-                        "only; attention_backend=%r and decode_graphs=%r are not used", self.sliding_window,
-                        max_model_len, attention_backend, decode_graphs)
-            attention_backend, decode_graphs = "torch", "off"
+        self.layer_windows = _effective_layer_windows(model.shape.layer_windows, max_model_len)
+        if self.layer_windows is not None and len(set(self.layer_windows)) == 1:  # every layer alike after all
+            self.sliding_window, self.layer_windows = self.layer_windows[0], None
+        self.attention_notes: list[str] = []  # why the backend or graphs differ from what was asked (stats())
+        if (self.sliding_window is not None or self.layer_windows is not None) and (
+                attention_backend == "triton" or decode_graphs != "off"):
+            # the triton kernel and the fixed-shape (graph) runners take no window
+            eager = "torch" if attention_backend == "triton" else attention_backend  # auto: cpu_paged on CPU
+            note = (f"sliding-window attention ({_describe_windows(self.sliding_window, self.layer_windows)} < "
+                    f"max_model_len {max_model_len}) runs eagerly on the torch or cpu_paged backend only: "
+                    f"attention_backend={attention_backend!r}, decode_graphs={decode_graphs!r} -> "
+                    f"attention_backend={eager!r}, decode_graphs='off'")
+            log.warning("%s", note)
+            self.attention_notes.append(note)
+            attention_backend, decode_graphs = eager, "off"
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -83,8 +93,8 @@ class ModelRunner:
         if decode_graphs != "off":
             limits = FixedShapeLimits(block_size, max_num_seqs, max_num_tokens, max_model_len,
                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
-        self.steps = make_step_runner(self._make_backend(self._resolve(attention_backend, decode_graphs)), model,
-                                      self.kv_cache, limits)
+        name = self._route_softcap(self._resolve(attention_backend, decode_graphs), attention_backend)
+        self.steps = make_step_runner(self._make_backend(name), model, self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
             self.steps.warm_up()   # every bucket captured now, before any (timed) step
 
@@ -119,6 +129,18 @@ class ModelRunner:
             return "torch"
         return "cpu_paged"
 
+    def _route_softcap(self, name: str, requested: str) -> str:
+        """``torch`` for a model that soft-caps attention logits (Gemma 2) where ``name``'s kernel cannot
+        (cpu_paged, triton); said once, at warning level when that backend was asked for by name."""
+        cap = self.model.shape.attn_logit_softcapping
+        if cap is None or name not in ("cpu_paged", "triton"):
+            return name
+        note = (f"{self.model.shape.architecture} soft-caps attention logits (attn_logit_softcapping={cap:g}), "
+                f"which the {name} kernel does not do: attention runs on the torch backend")
+        log.log(logging.WARNING if requested == name else logging.INFO, "%s", note)
+        self.attention_notes.append(note)
+        return "torch"
+
     def _make_backend(self, name: str) -> AttentionBackend:
         s = self.model.shape
         try:
@@ -133,6 +155,8 @@ class ModelRunner:
         """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
         out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
                "attention_backend_requested": self.requested_backend}
+        if self.attention_notes:
+            out["attention_notes"] = list(self.attention_notes)
         out.update(self.steps.stats())
         return out
 
@@ -206,7 +230,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         bs = self.block_size
-        layout = StepLayout([], [], [], [], 0, bs, row_keys=[], sliding_window=self.sliding_window)
+        layout = StepLayout([], [], [], [], 0, bs, row_keys=[], sliding_window=self.sliding_window,
+                            layer_windows=self.layer_windows)
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             offset = len(input_ids)
@@ -235,6 +260,19 @@ class ModelRunner:
 def _effective_window(window: int | None, max_model_len: int) -> int | None:
     """The model's sliding window where it can hide a key: None when no sequence outgrows it."""
     return window if window is not None and window < max_model_len else None
+
+
+def _effective_layer_windows(windows: tuple[int | None, ...] | None, max_model_len: int
+                            ) -> tuple[int | None, ...] | None:
+    """Per-layer windows (Gemma 2/3) where they can hide a key (see :func:`_effective_window`)."""
+    return None if windows is None else tuple(_effective_window(w, max_model_len) for w in windows)
+
+
+def _describe_windows(window: int | None, layer_windows: tuple[int | None, ...] | None) -> str:
+    if layer_windows is None:
+        return f"window {window}"
+    local = [w for w in layer_windows if w is not None]
+    return f"window {local[0]} on {len(local)} of {len(layer_windows)} layers"
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

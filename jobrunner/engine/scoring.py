@@ -29,9 +29,13 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     kv = torch.zeros(s.num_layers, 2, kv_len, s.num_kv_heads, s.head_dim, device=dev, dtype=dtype)
     index = torch.arange(num_tokens, device=dev)
     blocks = torch.arange(num_blocks, device=dev)
-    # a chunk starting at position 0: the causal kernel, no mask (a masked group past a sliding window)
-    group = _chunk_group(0, num_tokens, num_tokens, blocks, SCORE_BLOCK_SIZE, dev, s.sliding_window)
-    meta = TorchMetadata(index, [group], num_tokens, SCORE_BLOCK_SIZE)
+    # a chunk starting at position 0: the causal kernel, no mask (a masked group past a sliding window); one
+    # group per distinct window where layers differ (Gemma 2/3), each layer taking its own (for_layer)
+    windows = s.layer_windows or (s.sliding_window,)
+    by_window = {w: TorchMetadata(index, [_chunk_group(0, num_tokens, num_tokens, blocks, SCORE_BLOCK_SIZE, dev, w)],
+                                  num_tokens, SCORE_BLOCK_SIZE) for w in set(windows)}
+    meta = by_window[windows[0]]
+    meta.layer_views = [by_window[w] for w in windows] if s.layer_windows else None
     ids = torch.tensor(list(token_ids), device=dev)
     rotary = model.rotary
     positions = index + rotary.table_offset(1) if rotary.uses_long_table(num_tokens) else index  # longrope

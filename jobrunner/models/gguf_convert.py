@@ -32,16 +32,21 @@ class GGUFFixups:
 
     `eos_token`: the token that ends an assistant turn. Some GGUF exports record `<|im_start|>` as EOS;
     the original Hugging Face release of the same model stops on `<|im_end|>`.
+
+    `has_chat_template`: False for a pretrained (not instruction-tuned) export that carries no chat template
+    (Gemma 3 270M): the directory then has none either, rather than a guessed one; its jobs use prompt rows, or
+    give a template in `input.chat_template`.
     """
 
     eos_token: str | None = None
+    has_chat_template: bool = True
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, fixups: GGUFFixups | None = None) -> None:
     """Write config.json, generation_config.json, float32 *.safetensors and tokenizer files to `out_dir`.
 
-    `out_dir` must exist and be empty. Raises RuntimeError if the result has no chat template although the
-    GGUF file carries one.
+    `out_dir` must exist and be empty. Raises RuntimeError if neither the tokenizer nor the GGUF metadata has
+    a chat template, unless `fixups.has_chat_template` is False.
     """
     fixups = fixups or GGUFFixups()
     model = _load_model(gguf_path)
@@ -49,7 +54,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, fixups: GGUFFixups | None = Non
     tokenizer = _load_tokenizer(gguf_path)
     if fixups.eos_token is not None:
         _set_eos(model, tokenizer, fixups.eos_token)
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and fixups.has_chat_template:
         tokenizer.chat_template = read_gguf_chat_template(gguf_path)
     _save_model(model, out_dir)
     tokenizer.save_pretrained(str(out_dir))

@@ -41,6 +41,9 @@ class ModelShape:
     qk_norm: bool
     sliding_window: int | None = None  # keys a query sees (itself included); None = all earlier positions
     moe: MoeShape | None = None  # Qwen2/3-MoE, Mixtral: which layers are sparse, experts, top-k (models/moe.py)
+    # --- Gemma 2/3 (jobrunner.models.gemma.gemma_shape) ---
+    layer_windows: tuple[int | None, ...] | None = None  # per layer when layers differ (local / global layers)
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
 
     @classmethod
     def from_config(cls, config) -> ModelShape:

