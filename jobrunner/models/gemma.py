@@ -157,6 +157,7 @@ class LayerTypeRotary(RotaryEmbedding):
         nn.Module.__init__(self)
         self.inv_freq, self.scaling = layer_type_inv_freq(config, layer_type, head_dim)
         self.max_positions = max_positions
+        self.long_threshold, self.long_inv_freq = None, None  # longrope's long table: not a Gemma scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build_tables(torch.device("cpu"))
