@@ -9,10 +9,11 @@ without a schema and error rows). The check parses the text and validates it wit
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
-log = logging.getLogger(__name__)
+from jobrunner.redaction import redacting_logger
+
+log = redacting_logger(__name__)
 _VALIDATORS: dict[str, Any] = {}  # the schema's canonical JSON -> its compiled validator (None: no jsonschema)
 _MAX_VALIDATORS = 256
 
