@@ -106,8 +106,9 @@ def test_poison_row_is_isolated_and_error_budget_decides_the_exit(local_ray, tmp
     # isolated inside the worker: engine rebuilds, no worker restart, no model load
     cost = manifest["runs"][-1]["isolation"]
     assert cost["engine_rebuilds"] >= 2 and cost["model_loads"] == 0 and cost["rows_isolated"] == 1
-    # no worker was replaced (w1 may not have been ready before w0 took every shard, on a loaded machine)
-    assert "w0" in manifest["workers"] and set(manifest["workers"]) <= {"w0", "w1"}
+    # no worker was replaced: only the two first workers ran (either may have taken every shard before the other
+    # was ready: which one is up to placement)
+    assert manifest["workers"] and set(manifest["workers"]) <= {"w0", "w1"}
     assert manifest["totals"]["num_errors"] == 1 and manifest["totals"]["shards_failed"] == 0
     # 1 error in 32 rows is above max_error_rate 0.01: the job is not ok, and says why.
     assert not result.ok and not result.failed
