@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobrunner.driver.tool_calls import check_tools
+
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 # Body fields copied to our sampling parameters under the same name (OpenAI's and vLLM's extras).
 _SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
@@ -62,8 +64,8 @@ def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError("body.chat_template_kwargs must be an object")
         tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise ValueError("body.tools must be a list of tool objects")
+        if tools is not None:
+            check_tools(tools, "body.tools")
         return ParsedRequest(endpoint, prompt, overrides, kwargs, tools, body.get("tool_choice"))
     if body.get("echo"):
         raise ValueError("body.echo: echoing the prompt is not supported")

@@ -16,7 +16,13 @@ import pyarrow as pa
 
 from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import parse_request
-from jobrunner.driver.tool_calls import forced_call_schema, openai_tool_calls, parse_forced_call, parse_tool_calls
+from jobrunner.driver.tool_calls import (
+    check_tools,
+    forced_call_schema,
+    openai_tool_calls,
+    parse_forced_call,
+    parse_tool_calls,
+)
 from jobrunner.engine import SamplingParams
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
@@ -200,9 +206,7 @@ def _row_tools(spec: JobSpec, row: dict[str, Any]) -> list[dict[str, Any]] | Non
         value = json.loads(value) if isinstance(value, str) else value
     except ValueError as exc:
         raise ValueError(f"tools column {column!r} is not valid JSON ({exc})") from None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"tools column {column!r} must hold a list of tool objects")
-    return value
+    return check_tools(value, f"tools column {column!r}")
 
 
 def _give_tools(req: RowRequest, tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:

@@ -39,6 +39,19 @@ class ToolCallParse:
     warning: str | None = None
 
 
+def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
+    """``tools`` as OpenAI writes them (a list of ``{type: function, function: {name, ...}}``), or ValueError
+    naming ``where`` and the bad entry."""
+    if not isinstance(tools, list):
+        raise ValueError(f"{where} must be a list of tool objects")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"{where}[{i}] must be {{type: function, function: {{name, description, parameters}}}}")
+    return tools
+
+
 def choose_tool_parser(name: str, tokenizer: Any = None, chat_template: str | None = None) -> str | None:
     """The parser ``output.tool_call_parser`` names (``auto``: read from the chat template); None: none."""
     if name not in PARSERS:

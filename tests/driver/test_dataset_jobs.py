@@ -194,7 +194,7 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     assert text.object == "text_completion" and len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens
     by_id = {e["custom_id"]: e["response"] for e in errors}
     assert by_id["unknown-field"]["status_code"] == 400
-    assert "tools not supported" in by_id["unknown-field"]["body"]["error"]["message"]
+    assert "body.tools[0] must be {type: function" in by_id["unknown-field"]["body"]["error"]["message"]
     assert "url '/v1/embeddings'" in by_id["bad-url"]["body"]["error"]["message"]
     assert "line 4 is not valid JSON" in by_id[None]["body"]["error"]["message"]
     assert "'n'" in by_id["bad-n"]["body"]["error"]["message"]

@@ -48,6 +48,8 @@ def test_completions_body():
     ({"messages": [{"role": "user", "content": "x"}], "functions": []}, CHAT,
      r"body field\(s\) functions not supported"),  # the deprecated form; tools are taken
     ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, CHAT, "body.tools must be a list"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, CHAT,
+     r"body.tools\[0\] must be \{type: function"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": True}, CHAT, "body.stream"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, CHAT, "needs body.logprobs: true"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, CHAT,
