@@ -103,3 +103,13 @@ def test_a_moe_config_counts_every_expert_as_transformers_does(tmp_path, arch):
     check = preflight(str(folder))
     assert check.architecture == hf.config.architectures[0]
     assert check.num_params == sum(p.numel() for p in hf.parameters())  # all experts resident
+
+
+def test_an_alias_is_checked_from_its_conversion_when_there_is_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOBRUNNER_CACHE", str(tmp_path))
+    assert preflight("gemma3-270m") is None  # not converted yet: checked when converted, on first load
+    converted = tmp_path / "models" / "gemma3-270m"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text(json.dumps(LLAMA))
+    check = preflight("gemma3-270m")
+    assert check.architecture == "LlamaForCausalLM" and str(converted) in check.where
