@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jobrunner.attention import AttentionMetadata, paged_attention
-from jobrunner.models import fused_ops
-from jobrunner.models.llama import ModelShape
-from jobrunner.models.rope import RotaryEmbedding, apply_rotary
+from jobrunner.attention import AttentionMetadata
+from jobrunner.models.llama import Attention, ModelShape
+from jobrunner.models.rope import RotaryEmbedding
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -81,11 +80,12 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class GemmaAttention(nn.Module):
-    attend = staticmethod(paged_attention)  # shadowed per instance by jobrunner.engine.profile to time it
+class GemmaAttention(Attention):
+    """Llama's attention (projection, q/k norms, rope: :meth:`Attention.rotated_qkv`) with Gemma's norms, scale,
+    o_proj bias, per-layer window and soft-capping."""
 
     def __init__(self, shape: ModelShape, config, layer_index: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -100,14 +100,7 @@ class GemmaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; rope: this layer type's (cos, sin) of the step's positions
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not fused_ops.rotary_(q, k, *rope):
-            q, k = apply_rotary(q, k, *rope)
+        q, k, v = self.rotated_qkv(x, rope)
         layer_meta = meta.for_layer(self.layer_index)  # this layer's window (local or global)
         if self.softcap is None:
             out = self.attend(q, k, v, k_cache, v_cache, layer_meta, self.scale)

@@ -130,8 +130,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; rope: this step's (cos, sin), see RotaryEmbedding.forward
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.rotated_qkv(x, rope)
+        out = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out)
+
+    def rotated_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[T, heads, head_dim]`` of ``x``: projected, per-head normed where the model has q/k norms,
+        q and k rotated."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -139,8 +146,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not fused_ops.rotary_(q, k, *rope):  # in place on the qkv row views where it can
             q, k = apply_rotary(q, k, *rope)
-        out = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out)
+        return q, k, v
 
 
 class MLP(nn.Module):
