@@ -302,9 +302,21 @@ class OutputSpec(_Spec):
 
     url: str = Field(description="fsspec URL of the output directory.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options.")
-    mode: Literal["resume", "overwrite", "error"] = Field(
+    mode: Literal["resume", "overwrite", "error", "incremental"] = Field(
         default="resume",
-        description="If the output exists: resume (skip committed shards), overwrite, or error.",
+        description="If the output exists: resume (skip committed shards), overwrite, or error. incremental: "
+        "for inputs that grow, run only the rows whose ids have no committed output row here (or in "
+        "output.skip_done_from) and commit them as a new run of this output.",
+    )
+    skip_done_from: list[str] = Field(
+        default_factory=list,
+        description="With mode incremental: earlier outputs (URLs, or globs of output URLs such as "
+        "s3://bucket/nightly/*) whose committed ids are skipped too; read with output.storage_options.",
+    )
+    check_done_prompts: bool = Field(
+        default=True,
+        description="With mode incremental: read the request columns of the rows whose ids are done and report "
+        "those whose request changed since (they are skipped all the same); false reads only the id column.",
     )
     keep_columns: list[str] | Literal["*"] = Field(
         default_factory=list, description="Input columns copied to output rows; '*' = every input column."
@@ -339,6 +351,13 @@ class OutputSpec(_Spec):
         description="Lifetime of the output's lease without a heartbeat; a crashed run's lease is taken "
         "over after it.",
     )
+
+    @model_validator(mode="after")
+    def _skip_done_from_incremental(self) -> OutputSpec:
+        if self.skip_done_from and self.mode != "incremental":
+            raise ValueError(f"output.skip_done_from is set but output.mode is {self.mode!r}: only an incremental "
+                             "run skips the ids of other outputs; set output.mode: incremental")
+        return self
 
 
 class CostSpec(_Spec):

@@ -84,9 +84,7 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
                     present_parts: list[str]) -> dict[str, Any]:
     """The old manifest ready for another run; `shards` takes the old table's state: committed shards whose
     parts all exist stay, the rest become pending (as if never run: failed ones run again)."""
-    manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
-    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
-                    format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
+    manifest = continued_header(old, spec)
     shards.adopt(old_shards)
     columns = shards.columns
     committed = np.flatnonzero(columns.status == COMMITTED)
@@ -97,6 +95,14 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
     missing += [i for i, parts in columns.parts.items() if not set(parts) <= present_set]
     not_committed = np.flatnonzero(columns.status != COMMITTED)
     columns.reset(np.union1d(not_committed, np.array(missing, np.int64)).astype(np.int64))
+    return manifest
+
+
+def continued_header(old: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """An earlier run's manifest header, ready for another run with `spec` (its shards live in the table)."""
+    manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
+    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
+                    format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
     return manifest
 
 

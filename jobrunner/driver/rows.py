@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from jobrunner.driver.json_check import json_valid
@@ -24,6 +25,7 @@ from jobrunner.driver.tool_calls import (
     parse_tool_calls,
 )
 from jobrunner.engine import SamplingParams
+from jobrunner.io.fingerprints import request_fingerprints, text_salt
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
 from jobrunner.io.text_input import read_input_rows
@@ -89,6 +91,34 @@ def request_columns(spec: JobSpec) -> list[str]:
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
             inp.chat_template_kwargs_column, inp.tools_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
+
+
+def fingerprint_roles(spec: JobSpec) -> dict[str, str]:
+    """Role -> input column of what a row's request is made of (its id left out): the columns its request
+    fingerprint hashes (io/fingerprints.py)."""
+    if is_openai_batch(spec):
+        return {"method": "method", "url": "url", "body": "body"}
+    inp = spec.input
+    roles = {"prompt": inp.prompt_column, "messages": inp.messages_column, "sampling": inp.sampling_column,
+             "system_prompt": inp.system_prompt_column, "chat_template_kwargs": inp.chat_template_kwargs_column,
+             "tools": inp.tools_column}
+    return {role: column for role, column in roles.items() if column}
+
+
+def fingerprint_salt(spec: JobSpec) -> np.uint64:
+    """The job's settings that shape every row's request (system prompt, chat template and its variables,
+    tools, tool choice, input format), as the salt of each row's request fingerprint."""
+    inp = spec.input
+    shared = {"system_prompt": inp.system_prompt, "chat_template": inp.chat_template,
+              "chat_template_kwargs": inp.chat_template_kwargs, "tools": inp.tools, "tool_choice": inp.tool_choice,
+              "openai_batch": is_openai_batch(spec)}
+    return text_salt(json.dumps(shared, sort_keys=True, default=str))
+
+
+def row_fingerprints(spec: JobSpec, table: pa.Table) -> dict[int, int]:
+    """ROW_INDEX -> request fingerprint (as the signed int64 the output column holds) of a shard's input rows."""
+    values = request_fingerprints(table, fingerprint_roles(spec), fingerprint_salt(spec)).view(np.int64)
+    return dict(zip(table.column(ROW_INDEX).to_pylist(), values.tolist(), strict=True))
 
 
 def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:

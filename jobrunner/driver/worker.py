@@ -38,6 +38,7 @@ from jobrunner.driver.rows import (
     output_row,
     prompt_tokens_once,
     request_columns,
+    row_fingerprints,
     to_request,
 )
 from jobrunner.driver.shards import Shard
@@ -81,6 +82,7 @@ class _ShardState:
     phase: str = "reading"
     cost: IsolationCost = field(default_factory=IsolationCost)
     chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' KV block chains
+    fingerprints: dict[int, int] = field(default_factory=dict)  # row -> request fingerprint (output column)
 
     @property
     def is_complete(self) -> bool:
@@ -165,6 +167,7 @@ class ShardRunner:
                 f"{redact_text(shard.file_url)}"
         table, keep = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output), limit, where)
         requests = self._requests(shard, table)
+        state.fingerprints = row_fingerprints(self.spec, table)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
         state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None]))
@@ -212,6 +215,7 @@ class ShardRunner:
     def _finish_rows(self, state: _ShardState) -> list[dict[str, Any]]:
         for row in state.rows:
             row["shard_id"], row["worker_id"] = state.shard.shard_id, self.worker_id
+            row["request_fingerprint"] = state.fingerprints.get(row.get(ROW_INDEX))
             row.setdefault("finish_time_s", time.time() - self.job_start_s)
         return state.rows
 

@@ -42,6 +42,8 @@ OUTPUT_SCHEMA = pa.schema([
     ("prompt_shared", pa.bool_()),
     ("logprobs", pa.list_(LOGPROB_TYPE)),
     ("prompt_logprobs", pa.list_(LOGPROB_TYPE)),
+    # a 64-bit hash of what the row's request was made of (io/fingerprints.py): an incremental run compares it
+    ("request_fingerprint", pa.int64()),
 ])
 # Only with output.format = messages: the input chat plus the generated assistant turn.
 MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
