@@ -29,13 +29,12 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jobrunner.driver.manifest import ResumeError
-from jobrunner.driver.plan import files_with_rows
-from jobrunner.driver.prefix_plan import plan_prefix_shards
+from jobrunner.driver.prefix_plan import PrefixPlan, plan_prefix_shards
 from jobrunner.driver.resume_check import MAX_SHOWN, name_difference, num_committed, spec_differences
 from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, id_column
 from jobrunner.driver.shards import ShardTable
@@ -47,9 +46,6 @@ from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
-
-if TYPE_CHECKING:
-    from jobrunner.driver.plan import JobPlan
 
 INCREMENTAL_KEY = "incremental"  # manifest: the latest incremental run's plan (each `runs` entry: its own)
 MAX_LISTED_FILES = 1000  # input files listed per run (those that gave rows or had a changed request)
@@ -120,10 +116,11 @@ def kept_shards(old_shards: ShardColumns, trusted: set[str]) -> ShardColumns:
     return old_shards.take(np.array(keep, np.int64))
 
 
-def plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: ShardColumns | None,
-                     generation: int) -> IncrementalPlan:
-    """Fill `plan` (shards: `kept`, then the new shards of the rows not done; prefix; incremental) and return
-    what it takes; DoneIdsError when an earlier output or a committed part cannot be read."""
+def plan_incremental(spec: JobSpec, files: list[InputFile], storage: Storage, kept: ShardColumns | None,
+                     generation: int) -> tuple[ShardTable, PrefixPlan, IncrementalPlan]:
+    """The shard table of this run (`kept`, then new shards of the rows of `files` not done), how its rows
+    were grouped, and what it takes; DoneIdsError when an earlier output or a committed part cannot be
+    read."""
     started = time.monotonic()
     builder = DoneIdsBuilder()
     own_parts = _committed_parts(kept) if kept is not None else []
@@ -131,7 +128,7 @@ def plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: Shard
     for code, (url, other, parts) in enumerate(earlier_outputs(spec, storage), start=1):
         sources.append({"output": redact_text(url), "done_ids": builder.add_parts(other, parts, code)})
     done = builder.finish()
-    files = files_with_rows(spec, plan.files)
+    files = [f for f in files if f.num_rows]
     request = RequestColumns(fingerprint_roles(spec) if spec.output.check_done_prompts else {},
                              fingerprint_salt(spec))
     inp = spec.input
@@ -141,11 +138,9 @@ def plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: Shard
     table, prefix = plan_prefix_shards(spec, [f for f, _ in taking], None, selections=[s.taken for _, s in taking])
     first = len(kept) if kept is not None else 0
     table.columns.shard_id = _new_ids(table.columns.shard_id, first, generation)
-    plan.shards, plan.prefix = _merged(kept, table), prefix
     result = _describe(files, scans, sources, len(done), done.nbytes, table)
     result.seconds = time.monotonic() - started
-    plan.incremental = result
-    return result
+    return _merged(kept, table), prefix, result
 
 
 def earlier_outputs(spec: JobSpec, own: Storage) -> list[tuple[str, Storage, list[str]]]:

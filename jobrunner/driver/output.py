@@ -23,8 +23,8 @@ from jobrunner.driver.output_guard import containment_refusal, overwrite_refusal
 from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
-from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.done_ids import DoneIdsError
+from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.lease import (
     FencedStorage,
     Lease,
@@ -312,7 +312,7 @@ def _continue_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, previo
 def _plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: ShardColumns | None,
                       generation: int) -> None:
     try:
-        plan_incremental(spec, plan, storage, kept, generation)
+        plan.shards, plan.prefix, plan.incremental = plan_incremental(spec, plan.files, storage, kept, generation)
     except DoneIdsError as exc:
         raise OutputError(str(exc)) from None
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from jobrunner.driver.incremental import IncrementalPlan
 from jobrunner.driver.prefix_plan import PrefixPlan, check_prefix_column, plan_prefix_shards
 from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
 from jobrunner.driver.shards import ShardTable, plan_shards
@@ -15,9 +16,6 @@ from jobrunner.io.reader import InputError, InputFile, check_columns
 from jobrunner.io.text_input import find_input_duplicates, list_input, row_location
 from jobrunner.redaction import redacting_logger
 from jobrunner.spec import JobSpec
-
-if TYPE_CHECKING:
-    from jobrunner.driver.incremental import IncrementalPlan
 
 MAX_LISTED_DUPLICATES = 5
 MAX_LISTED_EMPTY = 5

