@@ -121,7 +121,7 @@ class DoneIdsBuilder:
         order = np.argsort(hashes, kind="stable")
         ids = pa.chunked_array(self.ids, pa.large_string()).combine_chunks()
         fingerprints, sources = np.concatenate(self.fingerprints), np.concatenate(self.sources)
-        self.hashes, self.ids, self.fingerprints, self.sources = [], [], [], []
+        self.hashes, self.ids, self.fingerprints, self.sources = [], [], [], []  # the chunks go before the take
         return DoneIds(hashes[order], ids.take(pa.array(order)), fingerprints[order], sources[order])
 
 
