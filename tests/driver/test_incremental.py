@@ -164,3 +164,60 @@ def test_fingerprints_follow_the_request_not_its_encoding():
     renamed = request_fingerprints(pa.table({"q": ["x"]}), {"prompt": "q"}, salt)
     assert renamed == request_fingerprints(pa.table({"prompt": ["x"]}), {"prompt": "prompt"}, salt)
     assert renamed != request_fingerprints(pa.table({"prompt": ["x"]}), {"prompt": "prompt"}, text_salt("other"))
+
+
+@pytest.mark.parametrize("grouping", ["auto", "off"])
+def test_the_planner_cuts_only_the_rows_taken(tmp_path, grouping):
+    from jobrunner.driver.plan import plan_job
+    from jobrunner.driver.prefix_plan import plan_prefix_shards
+    from tests.driver.prefix_data import group_of, write_prefix_prompts
+
+    rows = write_prefix_prompts(tmp_path / "in.parquet", 200, 5)  # 5 shared prefixes, shuffled
+    spec = spec_from_dict({"name": "p", "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt",
+                                                  "id_column": "id", "rows_per_shard": 16, "prefix_grouping": grouping},
+                           "output": {"url": str(tmp_path / "out"), "mode": "incremental"}})
+    files = plan_job(spec).files
+    taken = np.arange(3, 200, 2, dtype=np.int64)  # every other row is done
+    table, prefix = plan_prefix_shards(spec, files, None, selections=[taken])
+    order = np.fromfile(prefix.order_local, "<i8")
+    planned = [order[s.order_offset + s.row_start:s.order_offset + s.row_end].tolist() for s in table]
+    assert sorted(r for shard in planned for r in shard) == taken.tolist()  # each taken row once, no other
+    assert prefix.files_grouped == (grouping == "auto")
+    if grouping == "auto":  # the taken rows are still grouped by prefix
+        assert all(len({group_of(rows[r][1]) for r in shard}) == 1 for shard in planned)
+    else:
+        assert [r for shard in planned for r in shard] == taken.tolist()  # in row order
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_planning_computes_the_fingerprint_the_worker_writes(tmp_path, suffix):
+    from jobrunner.driver.plan import plan_job
+    from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, read_shard_input, row_fingerprints
+    from jobrunner.io.done_rows import RequestColumns, scan_file
+
+    messages = [[{"role": "user", "content": f"question {i}"}] for i in range(6)]
+    table = pa.table({"id": [f"m{i}" for i in range(6)], "messages": messages, "sampling": ['{"max_tokens": 3}'] * 6})
+    path = tmp_path / f"in.{suffix}"
+
+    def write(t):
+        if suffix == "parquet":
+            pq.write_table(t, path)
+        else:
+            path.write_text("".join(json.dumps(r) + "\n" for r in t.to_pylist()))
+
+    write(table)
+    spec = spec_from_dict({"name": "f", "input": {"url": str(path), "messages_column": "messages", "id_column": "id",
+                                                  "sampling_column": "sampling", "system_prompt": "Be brief."},
+                           "output": {"url": str(tmp_path / "out"), "mode": "incremental"}})
+    written, _ = read_shard_input(spec, str(path), 0, 6)  # what a worker reads, and the fingerprints it writes
+    by_row = row_fingerprints(spec, written)
+    builder = DoneIdsBuilder()
+    builder.add(pa.array([f"m{i}" for i in range(6)]), np.array([by_row[i] for i in range(6)]).view(np.uint64), 0)
+    done = builder.finish()
+    request = RequestColumns(fingerprint_roles(spec), fingerprint_salt(spec))
+    scan = scan_file(plan_job(spec).files[0], {}, "auto", "id", done, request)
+    assert (scan.num_skipped, scan.num_changed, scan.num_unchecked) == (6, 0, 0)
+    messages[2] = [{"role": "user", "content": "question 2, reworded"}]
+    write(table.set_column(1, "messages", pa.array(messages)).append_column("extra", pa.array([1] * 6)))
+    scan = scan_file(plan_job(spec).files[0], {}, "auto", "id", done, request)
+    assert (scan.num_skipped, scan.num_changed, scan.changed) == (6, 1, [(2, "m2")])
