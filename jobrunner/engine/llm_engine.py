@@ -122,7 +122,7 @@ class LLMEngine:
         try:
             token_ids = self.tokenize(prompt, chat_template_kwargs)
             num_prompt_tokens = len(token_ids)
-            if pooling is not None and pooling.task == "loglik":
+            if pooling is not None and pooling.task == "loglik" and pooling.completion:
                 token_ids = token_ids + self._completion_ids(pooling.completion)
             error = self._admission_error(token_ids) or self._pooling_error(pooling, num_prompt_tokens)
         except Exception as exc:  # a broken chat template or odd input: that request only
@@ -163,8 +163,8 @@ class LLMEngine:
                     "(use a *ForSequenceClassification checkpoint)")
         if pooling.task == "loglik" and getattr(self.model, "lm_head", None) is None:
             return f"log-likelihood scoring needs a language-model head; {arch} has none (use a *ForCausalLM model)"
-        if pooling.task == "loglik" and num_prompt_tokens == 0:
-            return "log-likelihood scoring needs a non-empty prompt before the completion"
+        if pooling.task == "loglik" and (num_prompt_tokens == 0 or not pooling.completion):
+            return "log-likelihood scoring needs a non-empty prompt and a non-empty completion"
         return None
 
     def set_chat_template(self, template: str | None) -> None:

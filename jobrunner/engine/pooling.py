@@ -48,8 +48,6 @@ class PoolingParams:
             raise ValueError(f"pooling task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
-        if self.task == "loglik" and not self.completion:
-            raise ValueError("a log-likelihood request needs a non-empty completion")
 
     @property
     def n(self) -> int:
