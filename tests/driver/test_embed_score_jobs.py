@@ -76,8 +76,8 @@ def test_embed_job_rows_manifest_report(local_ray, tmp_path, tiny_llama_hf_dir):
     assert "input tokens/s" in text and "embedding dimension" in text and "prefill only" in text
 
 
-def test_score_jobs_loglik_and_classifier(local_ray, tmp_path, tiny_llama_hf_dir):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+def test_score_job_loglik(local_ray, tmp_path, tiny_llama_hf_dir):
+    from transformers import AutoTokenizer
 
     _write_input(tmp_path / "in.parquet")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_hf_dir))
@@ -95,49 +95,71 @@ def test_score_jobs_loglik_and_classifier(local_ray, tmp_path, tiny_llama_hf_dir
         assert row["num_prompt_tokens"] == len(tokenizer(PROMPTS[i])["input_ids"]) + num
         assert row["completion_logprob"] == pytest.approx(sum(row["completion_logprobs"]), abs=1e-4)
         assert row["completion_logprob"] < 0
-    # a sequence-classification head: scores per label, label names in the manifest
+
+
+def test_classifier_rows_and_manifest_labels(tmp_path, tiny_llama_hf_dir):
+    """A sequence-classification checkpoint through the worker's own row functions (no Ray: the row pipeline is
+    the one the jobs above run): `scores` per label, and the label names in the manifest's model section."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from jobrunner.driver.engine_factory import build_engine, describe_model
+    from jobrunner.driver.pooled import job_pooling
+    from jobrunner.driver.rows import job_output_schema, output_row, to_request
+    from jobrunner.io.parts import rows_to_table
+    from jobrunner.io.reader import ROW_INDEX
+
     config = LlamaConfig.from_pretrained(str(tiny_llama_hf_dir), num_labels=2, id2label={0: "bad", 1: "good"},
-                                         label2id={"bad": 0, "good": 1})
+                                         label2id={"bad": 0, "good": 1}, architectures=None)
     torch.manual_seed(0)
-    classifier_dir = tmp_path / "classifier"
-    LlamaForSequenceClassification(config).save_pretrained(str(classifier_dir))
-    tokenizer.save_pretrained(str(classifier_dir))
-    out = tmp_path / "classify"
-    spec = _spec(classifier_dir, out, "score", {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt",
-                                                "id_column": "id"})
-    assert run_job(spec_from_dict(spec), show_progress=False).ok
-    table = read_output(str(out))
+    LlamaForSequenceClassification(config).save_pretrained(str(tmp_path / "clf"))
+    AutoTokenizer.from_pretrained(str(tiny_llama_hf_dir)).save_pretrained(str(tmp_path / "clf"))
+    spec = spec_from_dict(_spec(tmp_path / "clf", tmp_path / "out", "score",
+                                {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt", "id_column": "id"}))
+    engine = build_engine(spec)
+    model = describe_model(engine, spec)
+    assert (model["task"], model["labels"], model["architecture"]) == ("classify", ["bad", "good"],
+                                                                        "LlamaForSequenceClassification")
+    params = job_pooling(spec, engine.model_info)
+    reqs = [to_request(spec, "in", {ROW_INDEX: i, "id": f"r{i}", "prompt": p}, params) for i, p in enumerate(PROMPTS)]
+    assert "prompt column 'prompt'" in reqs[2].error
+    outs = engine.generate([r.prompt for r in reqs if r.error is None], params)
+    rows = [output_row(spec, r, o) for r, o in zip([r for r in reqs if r.error is None], outs)]
+    table = rows_to_table(rows, schema=job_output_schema(spec))
     assert table.schema.field("scores").type == pa.list_(pa.float32())
-    rows = _by_id(out)
-    assert all(len(rows[r]["scores"]) == 2 for r in ("r0", "r1", "r3", "r4")) and rows["r2"]["scores"] is None
-    assert rows["r0"]["scores"] != rows["r1"]["scores"]
-    model = read_manifest_file(out)["model"]
-    assert model["task"] == "classify" and model["labels"] == ["bad", "good"]
+    scores = table.column("scores").to_pylist()
+    assert all(len(x) == 2 for x in scores) and scores[0] != scores[1] and table.column("error").null_count == 4
 
 
-def test_openai_batch_embeddings(local_ray, tmp_path, tiny_llama_hf_dir):
+def test_openai_batch_embeddings(tmp_path, tiny_llama_hf_dir):
+    """/v1/embeddings request lines through the worker's row functions (no Ray) to OpenAI embedding responses,
+    parsed by the openai package; a chat line in an embed job and a line of several inputs are error rows."""
     from openai.types import CreateEmbeddingResponse
 
-    lines = [{"custom_id": "e0", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello world"}},
-             {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings",
-              "body": {"input": ["the quick brown fox"], "model": "x", "encoding_format": "float"}},
-             {"custom_id": "e2", "method": "POST", "url": "/v1/embeddings", "body": {"input": ["a", "b"]}},
-             {"custom_id": "e3", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}]}}]
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out = tmp_path / "out"
-    spec = _spec(tiny_llama_hf_dir, out, "embed", {"url": str(path), "format": "openai_batch"})
-    assert run_job(spec_from_dict(spec), show_progress=False).ok
-    rows = _by_id(out)
-    results = [json.loads(x) for x in (out / "_openai" / "output.jsonl").read_text().splitlines()]
-    errors = {json.loads(x)["custom_id"]: json.loads(x) for x in (out / "_openai" / "errors.jsonl").read_text()
-              .splitlines()}
-    assert [r["custom_id"] for r in results] == ["e0", "e1"] and set(errors) == {"e2", "e3"}
-    assert "one input per line" in errors["e2"]["response"]["body"]["error"]["message"]
-    assert "task embed" in errors["e3"]["response"]["body"]["error"]["message"]
-    for result in results:
-        body = CreateEmbeddingResponse.model_validate(result["response"]["body"])
-        row = rows[result["custom_id"]]
-        assert body.data[0].embedding == pytest.approx(row["embedding"], abs=1e-6)
-        assert body.usage.prompt_tokens == row["num_prompt_tokens"] > 0
+    from jobrunner.driver.engine_factory import build_engine
+    from jobrunner.driver.openai_batch import result_lines
+    from jobrunner.driver.pooled import job_pooling
+    from jobrunner.driver.rows import error_row, output_row, to_request
+    from jobrunner.io.reader import ROW_INDEX
+
+    bodies = {"e0": ("/v1/embeddings", {"input": "hello world"}),
+              "e1": ("/v1/embeddings", {"input": ["the quick brown fox"], "model": "x", "encoding_format": "float"}),
+              "e2": ("/v1/embeddings", {"input": ["a", "b"]}),
+              "e3": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})}
+    spec = spec_from_dict(_spec(tiny_llama_hf_dir, tmp_path / "out", "embed",
+                                {"url": str(tmp_path / "b.jsonl"), "format": "openai_batch"}))
+    engine = build_engine(spec)
+    params = job_pooling(spec, engine.model_info)
+    reqs = [to_request(spec, "b", {ROW_INDEX: i, "custom_id": cid, "method": "POST", "url": url,
+                                   "body": json.dumps(body)}, params)
+            for i, (cid, (url, body)) in enumerate(bodies.items())]
+    ok = [r for r in reqs if r.error is None]
+    assert [r.row_id for r in ok] == ["e0", "e1"]
+    rows = [output_row(spec, r, o) for r, o in zip(ok, engine.generate([r.prompt for r in ok], params))]
+    rows += [{**error_row(r), "_status": 400} for r in reqs if r.error is not None]
+    outputs, errors = result_lines(rows, {cid: "embeddings" for cid in bodies}, "tiny", "embed-job")
+    assert "one input per line" in errors[0]["response"]["body"]["error"]["message"]
+    assert "task embed job reads /v1/embeddings lines only" in errors[1]["response"]["body"]["error"]["message"]
+    for line, row in zip(outputs, rows):
+        body = CreateEmbeddingResponse.model_validate(line["response"]["body"])
+        assert line["custom_id"] == row["id"] and len(body.data[0].embedding) == 64
+        assert body.data[0].embedding == pytest.approx(row["embedding"]) and body.usage.prompt_tokens > 0

@@ -132,9 +132,9 @@ def test_completion_loglik_matches_forward(tokenizer, hf_llama):
 def test_preempted_pooling_requests_start_clean(tokenizer, hf_llama):
     """Generations growing in a pool too small for all: embedding requests are preempted mid-prefill and
     recomputed; their mean embeddings still equal a run alone."""
-    alone = engine_from_hf(hf_llama, tokenizer, block_size=4, max_num_batched_tokens=16)
+    alone = engine_from_hf(hf_llama, tokenizer, block_size=4, max_num_batched_tokens=16, num_kv_blocks=64)
     tight = engine_from_hf(hf_llama, tokenizer, block_size=4, max_num_batched_tokens=16, num_kv_blocks=16)
-    gen, pool = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), PoolingParams(pooling="mean")
+    gen, pool = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), PoolingParams(pooling="mean")
     prompts = ["hi there", CORPUS[1], "the fox", CORPUS[2], CORPUS[3]]
     outs = _run(tight, prompts, [gen, pool, gen, pool, pool])
     assert sum(o.metrics.num_preemptions for o in outs[1::2] + outs[4:]) > 0  # pooling rows were preempted
