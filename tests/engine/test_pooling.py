@@ -69,6 +69,7 @@ def test_embeddings_match_automodel(base_dir, tokenizer):
     assert (info["head"], info["pooling"], info["normalize"], info["hidden_size"]) == ("none", "mean", True, 64)
     last = _run(engine, PROMPTS, PoolingParams(task="embed", pooling="last"))
     mean = _run(engine, PROMPTS, PoolingParams(task="embed", pooling="mean", normalize=True))
+    cls = _run(engine, PROMPTS, PoolingParams(task="embed", pooling="cls"))
     diffs = []
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer(prompt)["input_ids"]
@@ -76,11 +77,12 @@ def test_embeddings_match_automodel(base_dir, tokenizer):
             hidden = hf(torch.tensor([ids])).last_hidden_state[0].float()
         want_mean = torch.nn.functional.normalize(hidden.mean(0), dim=-1)
         diffs += [(torch.tensor(last[i].pooled.embedding) - hidden[-1]).abs().max().item(),
-                  (torch.tensor(mean[i].pooled.embedding) - want_mean).abs().max().item()]
+                  (torch.tensor(mean[i].pooled.embedding) - want_mean).abs().max().item(),
+                  (torch.tensor(cls[i].pooled.embedding) - hidden[0]).abs().max().item()]
         assert last[i].output_token_ids == [] and last[i].finish_reason == "stop"
         assert last[i].metrics.num_prompt_tokens == len(ids) and last[i].metrics.ttft_s is not None
         assert mean[i].metrics.num_cached_tokens == 0  # mean pooling reads every position: never a cache hit
-    print(f"embedding parity vs AutoModel (last, mean+normalize): max abs diff {max(diffs):.2e}")
+    print(f"embedding parity vs AutoModel (last, mean+normalize, cls): max abs diff {max(diffs):.2e}")
     assert max(diffs) < 1e-4
     assert last[3].metrics.num_cached_tokens > 0  # the repeated prompt's last-token embedding reused its blocks
 
