@@ -41,7 +41,7 @@ class RowRequest:
     row_id: str
     row_index: int
     prompt: str | list[int] | list[dict[str, Any]] | None = None
-    params: SamplingParams | None = None
+    params: SamplingParams | PoolingParams | None = None  # PoolingParams: an embed / score job's row
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     endpoint: str | None = None  # OpenAI batch rows: "chat", "completions" or "embeddings"
@@ -174,10 +174,11 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
 def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams | PoolingParams) -> None:
     parsed = parse_request(row.get("method"), row.get("url"), row.get("body"))
     req.endpoint, req.prompt = parsed.endpoint, parsed.prompt
-    embedding = isinstance(sampling, PoolingParams)
+    embedding = isinstance(sampling, PoolingParams)  # a task embed job
     if (parsed.endpoint == "embeddings") != embedding:
-        raise ValueError(f"url {row.get('url')!r}: " + ("a task embed job reads /v1/embeddings lines only" if embedding
-                         else "/v1/embeddings lines need the job's task: embed"))
+        why = "a task embed job reads /v1/embeddings lines only" if embedding else \
+            "/v1/embeddings lines need the job's task: embed"
+        raise ValueError(f"url {row.get('url')!r}: {why}")
     if embedding:
         req.params = sampling
         return
