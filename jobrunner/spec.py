@@ -136,6 +136,11 @@ class InputSpec(_Spec):
         description="auto (default: the model decides), none, required (a call is forced through structured "
         "output), or {type: function, function: {name}} (that function is forced).",
     )
+    completion_column: str | None = Field(
+        default=None,
+        description="task score: column of completions (string) whose log-likelihood given the row's prompt is "
+        "scored (teacher forcing); unset: the model's sequence-classification head scores the prompt.",
+    )
 
     @field_validator("tool_choice")
     @classmethod
@@ -372,10 +377,35 @@ class CostSpec(_Spec):
     )
 
 
+class EmbedSpec(_Spec):
+    """How an embed job pools a prompt's hidden states into one vector."""
+
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        default="auto", description="auto = as the model directory says (sentence-transformers modules.json and "
+        "1_Pooling/config.json), else the last token (decoder models); last | mean | cls force one.")
+    normalize: bool | Literal["auto"] = Field(
+        default="auto", description="L2-normalise the embedding; auto = when the model's modules.json has a "
+        "Normalize module.")
+
+
+# What a generation-only setting would silently not do in an embed / score job: refused instead.
+_GENERATE_ONLY = {"input.sampling_column": lambda s: s.input.sampling_column,
+                  "input.tools": lambda s: s.input.tools, "input.tools_column": lambda s: s.input.tools_column,
+                  "input.tool_choice": lambda s: s.input.tool_choice,
+                  "output.format: messages": lambda s: s.output.format == "messages",
+                  "sampling.n > 1": lambda s: s.sampling.n > 1}
+
+
 class JobSpec(_Spec):
     """A whole job."""
 
     name: str = Field(description="Job name (used in the manifest and reports).", min_length=1)
+    task: Literal["generate", "embed", "score"] = Field(
+        default="generate", description="generate: text (the default); embed: one vector per row (an `embedding` "
+        "column; see `embed`); score: a sequence-classification / reward head's `scores` per row, or with "
+        "input.completion_column the log-likelihood of each row's completion. embed and score rows are "
+        "prefill-only (no output tokens).")
+    embed: EmbedSpec = Field(default_factory=EmbedSpec, description="Pooling of an embed job.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model.")
     input: InputSpec = Field(description="The prompt dataset.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling defaults.")
@@ -383,6 +413,20 @@ class JobSpec(_Spec):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Workers and Ray address.")
     output: OutputSpec = Field(description="Output location and mode.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Cost settings for reports.")
+
+    @model_validator(mode="after")
+    def _task_settings(self) -> JobSpec:
+        if self.input.completion_column is not None and self.task != "score":
+            raise ValueError("input.completion_column is scored by task: score; set task: score or unset it")
+        if self.task == "generate":
+            return self
+        named = [name for name, value in _GENERATE_ONLY.items() if value(self)]
+        if named:
+            raise ValueError(f"task {self.task} generates no text: {', '.join(named)} do not apply; unset them")
+        if self.input.format == "openai_batch" and self.task != "embed":
+            raise ValueError("input.format openai_batch runs task generate (/v1/chat/completions, /v1/completions) "
+                             "or task embed (/v1/embeddings); task score reads prompt and completion columns")
+        return self
 
     @property
     def rows_per_shard(self) -> int:

@@ -16,7 +16,7 @@ from jobrunner.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
-EXPECTED_JOBS = {"example", "json_schema", "logprobs", "n_samples", "openai_batch", "nightly"}
+EXPECTED_JOBS = {"example", "json_schema", "logprobs", "n_samples", "openai_batch", "nightly", "embed"}
 
 
 def test_every_committed_job_is_checked_here():

@@ -36,18 +36,23 @@ def build_engine(spec: JobSpec) -> Any:
 
 
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
-    """The manifest's model section, from what the loaded engine reports (falling back to the spec); redacted,
-    as it is written down (a source URL may carry credentials)."""
+    """The manifest's model section, from what the loaded engine reports (falling back to the spec), with an
+    embed / score job's task facts (driver/pooled.py: pooling, embedding_dim, labels); redacted, as it is
+    written down (a source URL may carry credentials)."""
+    from jobrunner.driver.pooled import job_pooling, task_facts
+
     info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
     loaded = getattr(engine, "model_info", None)  # what the real engine says it loaded
-    if isinstance(loaded, dict):
-        info.update({k: v for k, v in loaded.items() if k != "device" and _is_plain(v)})
-        return redact(info)
+    loaded = loaded if isinstance(loaded, dict) else None
+    facts = task_facts(spec, loaded, job_pooling(spec, loaded))  # embed / score: pooling, dimension, labels
+    if loaded is not None:
+        info.update({k: v for k, v in loaded.items() if k not in ("device", "labels") and _is_plain(v)})
+        return redact({**info, **facts})  # the job's pooling over the model's own default
     for key in ("dtype", "quantization", "architecture"):
         value = getattr(engine, key, None)
         if value is not None:
             info[key] = str(value).replace("torch.", "")
-    return redact(info)
+    return redact({**info, **facts})
 
 
 def _is_plain(value: Any) -> bool:

@@ -38,7 +38,7 @@ MAX_ERROR_KINDS = 50
 RESUME_SECTIONS = ("model", "sampling")
 RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "limit",
                      "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
-                     "tools_column", "tool_choice")
+                     "tools_column", "tool_choice", "completion_column")
 
 
 class ResumeError(ValueError):
@@ -73,6 +73,7 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     """A fresh manifest header for a job whose shards are all pending (the shards live in `shards`)."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
+        "task": spec.task,
         "spec": spec.redacted(), "model": {"source": redact_text(spec.model.source), "dtype": spec.model.dtype,
                                            "quantization": spec.model.quantization},
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},

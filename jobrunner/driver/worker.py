@@ -28,6 +28,7 @@ from jobrunner.driver.deadlines import call_with_deadline
 from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
+from jobrunner.driver.pooled import job_pooling
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order, block_size_of, read_shard_rows
 from jobrunner.driver.reasoning import choose_parser
 from jobrunner.driver.rows import (
@@ -118,7 +119,8 @@ class ShardRunner:
 
     def __init__(self, engine: Any, spec: JobSpec, worker_id: str, job_start_s: float, info: dict) -> None:
         self.engine, self.spec, self.worker_id = engine, spec, worker_id
-        self.sampling = job_sampling(spec)  # built once; each row's overrides are applied to it
+        # built once; each row's overrides are applied to it (an embed / score job: its prefill-only parameters)
+        self.sampling = job_pooling(spec, getattr(engine, "model_info", None)) or job_sampling(spec)
         # the reasoning parser the job names (auto: the one the model's chat template implies), built once
         self.reasoning = choose_parser(spec.output.reasoning_parser, getattr(engine, "tokenizer", None),
                                        spec.input.chat_template)

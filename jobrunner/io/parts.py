@@ -56,15 +56,26 @@ TOOL_CALL_TYPE = pa.struct([("id", pa.string()), ("type", pa.string()),
                             ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
 TOOL_FIELDS = (pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)), pa.field("tool_call_warning", pa.string()))
 
+# Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
+TASK_FIELDS = {
+    "generate": (),
+    "embed": (pa.field("embedding", pa.list_(pa.float32())),),
+    "classify": (pa.field("scores", pa.list_(pa.float32())),),   # one per label, the head's raw outputs
+    "loglik": (pa.field("completion_logprob", pa.float64()),      # sum over the completion's tokens
+               pa.field("completion_logprobs", pa.list_(pa.float32())),
+               pa.field("num_completion_tokens", pa.int64())),
+}
+
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
-                  tools: bool = False) -> pa.Schema:
+                  tools: bool = False, task: str = "generate") -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
-    ``tool_call_warning`` when rows can carry tools)."""
+    ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
+    ``embed``, ``classify`` or ``loglik``)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
-    for field in (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()):
+    for field in (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]:
         schema = schema.append(field)
     return schema
 
