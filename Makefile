@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test lint bench clean browser wheel
+.PHONY: venv run test lint bench clean browser wheel models
 
 venv: $(STAMP)
 
@@ -29,9 +29,14 @@ browser:
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) || \
 		echo "warning: chromium not installed; the browser test will be skipped"
 
+# The embedded models converted into the cache (~/.cache/jobrunner, or $JOBRUNNER_CACHE) once, as set-up: the
+# real-model tests then load them instead of converting inside the timed suite (a no-op when already cached).
+models: venv
+	$(BIN)/jobrunner fetch smollm2-135m-instruct gemma3-270m
+
 # Two test processes (pytest-xdist), each file's tests in one of them: the driver tests mostly wait on Ray and
 # subprocesses, so two overlap on two cores; each process runs torch on one thread (tests/conftest.py).
-test: venv browser
+test: venv browser models
 	$(BIN)/ruff check jobrunner tests
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile
 

