@@ -196,6 +196,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head. ``forward`` returns hidden states; ``compute_logits`` the logits."""
 
+    lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
+
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
         self.shape = ModelShape.from_config(config)
