@@ -46,6 +46,7 @@ class RowRequest:
     endpoint: str | None = None  # OpenAI batch rows: "chat" or "completions"
     tools: list[dict[str, Any]] | None = None  # the row's tools (they reach the template as `tools`)
     forced_tool: bool = False  # tool_choice required / named: the reply is one call's JSON
+    adapter: str | None = None  # the LoRA adapter it runs with (input.adapter_column; None: the base model)
     num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
 
 
@@ -75,10 +76,17 @@ def has_tools(spec: JobSpec) -> bool:
     return bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)
 
 
+def has_adapters(spec: JobSpec) -> bool:
+    """Whether rows name a LoRA adapter (so the output has the ``adapter`` column)."""
+    return bool(spec.input.adapter_column)
+
+
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
-    columns with a reasoning parser, the tool-call columns where rows can carry tools)."""
-    return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec))
+    columns with a reasoning parser, the tool-call columns where rows can carry tools, ``adapter`` where rows
+    name an adapter)."""
+    return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
+                         has_adapters(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -87,7 +95,7 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            inp.chat_template_kwargs_column, inp.tools_column, ROW_ERROR]
+            inp.chat_template_kwargs_column, inp.tools_column, inp.adapter_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -145,6 +153,7 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: Sam
         return req
     req.chat_template_kwargs = dict(spec.input.chat_template_kwargs) or None
     try:
+        req.adapter = _row_adapter(spec, row, rid)
         if is_openai_batch(spec):
             _fill_openai(req, row, sampling)
         else:
@@ -165,6 +174,20 @@ def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams)
     req.params = _params(sampling, parsed.overrides, None)
     if parsed.endpoint == "chat":
         _give_tools(req, parsed.tools, parsed.tool_choice)
+
+
+def _row_adapter(spec: JobSpec, row: dict[str, Any], rid: str) -> str | None:
+    """The row's LoRA adapter (a key of model.adapters), None for the base model (no column, null or empty)."""
+    column = spec.input.adapter_column
+    value = row.get(column) if column else None
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"adapter column {column!r} holds {type(value).__name__}, not an adapter name (row {rid})")
+    if value not in spec.model.adapters:
+        raise ValueError(f"adapter column {column!r}: unknown adapter {value!r} (row {rid}); model.adapters: "
+                         f"{', '.join(spec.model.adapters)}")
+    return value
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -266,7 +289,7 @@ def error_row(req: RowRequest) -> dict[str, Any]:
     """The output row of a row that never reached the engine (one row, whatever n was asked)."""
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
             "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
-            "sample_index": 0, "prompt_shared": False}
+            "sample_index": 0, "prompt_shared": False, "adapter": req.adapter}
 
 
 def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
@@ -291,7 +314,7 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
            "sample_index": int(getattr(out, "sample_index", 0) or 0),
            "prompt_shared": bool(metrics.get("prompt_shared")),
            "logprobs": token_logprobs(getattr(out, "logprobs", None)),
-           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None))}
+           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None)), "adapter": req.adapter}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):

@@ -338,6 +338,8 @@ class ShardRunner:
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = _request_id(state, req)
         kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
+        if req.adapter:  # only then: an engine without adapters need not know the keyword
+            kwargs["adapter"] = req.adapter
         try:
             self._engine_call("add_request", lambda: self.engine.add_request(request_id, req.prompt, req.params,
                                                                              **kwargs))

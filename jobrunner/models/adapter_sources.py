@@ -34,6 +34,24 @@ def resolve_adapter_dir(name: str, source: str, *, cache_dir: str | None = None,
                            "(s3://..., file://...) or a Hugging Face Hub id (org/name)")
 
 
+def check_adapter_source(name: str, source: str) -> str:
+    """What adapter ``name``'s source is, checked without fetching: a local directory's files and config
+    (refusing what the engine would refuse); a storage URL or Hub id by its form only (each worker fetches it)."""
+    from jobrunner.models.lora_files import read_adapter_config
+
+    path = source[len("file://"):] if source.startswith("file://") else source
+    if source.startswith("file://") or (not _URL.match(source) and Path(path).expanduser().exists()):
+        local = check_adapter_dir(name, source, Path(path).expanduser())
+        config = read_adapter_config(name, local)
+        return f"local directory {local} (r={config.get('r')}, lora_alpha={config.get('lora_alpha')})"
+    if _URL.match(source):
+        return f"storage URL {source} (fetched by each worker)"
+    if _HUB_ID.match(source):
+        return f"Hugging Face Hub id {source!r} (form checked; downloaded by each worker)"
+    raise ModelSourceError(f"adapter {name!r}: source {source!r} is not an existing directory, a storage URL "
+                           "(s3://..., file://...) or a Hugging Face Hub id (org/name)")
+
+
 def check_adapter_dir(name: str, source: str, path: Path) -> Path:
     """``path`` resolved if it holds a PEFT adapter's config and safetensors weights."""
     if not path.is_dir():
