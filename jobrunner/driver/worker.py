@@ -384,7 +384,8 @@ class ShardRunner:
             state.cost.rows_isolated += 1
         row["finish_time_s"] = time.time() - self.job_start_s
         if not getattr(out, "sample_index", 0) and row.get("error") is None:
-            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec))
+            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec),
+                             req.adapter)
         samples = self._samples.setdefault(out.request_id, [])
         samples.append(row)
         req.num_finished += 1
