@@ -131,8 +131,6 @@ def read_adapter_config(name: str, adapter_dir: Path) -> dict:
         value = config.get(key)
         if not any(value == unset and type(value) is type(unset) for unset in _UNSET):
             raise ValueError(f"adapter {name!r}: {key}={value!r} ({what}) is not supported")
-    if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
-        raise ValueError(f"adapter {name!r}: use_rslora with rank_pattern / alpha_pattern is not supported")
     return config
 
 
