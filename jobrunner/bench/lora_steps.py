@@ -2,9 +2,10 @@
 adapter and none, on one engine (jobrunner.models.lora).
 
 Random PEFT-format adapters (rank ``rank`` on every projection of every layer: q, k, v, o, gate, up, down) are
-written for the model and attached once; then for each case the same number of rows with distinct random
-prompts is admitted, prefilled in one step, and decoded: the prefill step and the decode steps are timed. The
-cases take turns over ``rounds`` rounds (a machine's drift hits each alike); each figure is the median.
+written for the model and attached once; ``num_rows`` rows with distinct random prompts are admitted, and their
+prefill step (every prompt whole) and then their first decode step are each run ``repeats`` times per case, the
+cases taking turns call by call (a busy machine's drift hits each alike), with the rows' adapters set per case;
+each figure is the median.
 Cases: ``base`` (rows without an adapter: the wrappers' cost when no row uses them), ``one adapter`` (every
 row on adapter 0), ``mixed`` (rows round-robin over ``num_adapters`` adapters, so every adapter's rows are
 scattered through the batch: the gathered path).
@@ -50,10 +51,10 @@ def write_random_adapter(out_dir: Path, model: torch.nn.Module, rank: int, seed:
 
 
 def lora_step_times(source: str, *, dtype: str = "auto", device: str = "auto", num_rows: int = 16,
-                    num_adapters: int = 4, rank: int = 16, prompt_len: int = 64, decode_steps: int = 16,
-                    rounds: int = 3) -> dict[str, Any]:
-    """Prefill and median decode step times (ms) of ``num_rows`` rows for each case (see the module doc)."""
-    from jobrunner.engine import EngineConfig, LLMEngine
+                    num_adapters: int = 4, rank: int = 16, prompt_len: int = 64, repeats: int = 15,
+                    ) -> dict[str, Any]:
+    """Median times (ms) of one prefill step and one decode step of ``num_rows`` rows in each case (module doc)."""
+    from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
     from jobrunner.engine.adapters import load_adapters_onto
     from jobrunner.models.factory import load_for_engine
 
@@ -66,42 +67,42 @@ def lora_step_times(source: str, *, dtype: str = "auto", device: str = "auto", n
     config = EngineConfig(max_num_seqs=num_rows, max_num_batched_tokens=num_rows * prompt_len, speculative="off",
                           enable_prefix_caching=False, device=str(next(model.parameters()).device))
     engine = LLMEngine(model, tokenizer, config, eos, info)
-    cases = {"base": [None] * num_rows, "one adapter": ["a0"] * num_rows,
-             "mixed": [f"a{i % num_adapters}" for i in range(num_rows)]}
-    _run_case(engine, cases["mixed"], prompt_len, 2, seed=99)  # warm-up (allocations, native builds)
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in cases}
-    for round_index in range(rounds):
-        for i, (name, adapters) in enumerate(cases.items()):
-            prefill, decode = _run_case(engine, adapters, prompt_len, decode_steps, seed=10 * round_index + i)
-            times[name][0].append(prefill)
-            times[name][1].extend(decode)
-    results = {name: {"prefill_ms": round(statistics.median(p) * 1e3, 2),
-                      "decode_step_ms": round(statistics.median(d) * 1e3, 2), "decode_steps": len(d)}
-               for name, (p, d) in times.items()}
+    cases = {"base": [0] * num_rows, "one adapter": [1] * num_rows,
+             "mixed": [1 + i % num_adapters for i in range(num_rows)]}
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(num_rows):
+        prompt = torch.randint(10, model.shape.vocab_size - 1, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"r{i}", prompt, params)
+    prefill = engine.scheduler.schedule()  # every row's whole prompt in one step
+    prefill_ms = _alternating(engine, prefill, cases, repeats)
+    engine._update_from_output(prefill, engine.runner.execute(prefill), time.perf_counter())
+    decode_ms = _alternating(engine, engine.scheduler.schedule(), cases, repeats)
+    results = {name: {"prefill_ms": prefill_ms[name], "decode_step_ms": decode_ms[name]} for name in cases}
     return {"model": source, "dtype": str(model.dtype).removeprefix("torch."), "device": str(engine.device),
             "rows": num_rows, "adapters": num_adapters, "rank": rank, "prompt_len": prompt_len,
-            "adapter_bytes": engine.model_info.get("adapter_bytes"), "cases": results}
+            "repeats": repeats, "adapter_bytes": engine.model_info.get("adapter_bytes"), "cases": results}
 
 
-def _run_case(engine, adapters: list[str | None], prompt_len: int, decode_steps: int, seed: int
-              ) -> tuple[float, list[float]]:
-    """Seconds of the prefill step and of each decode step (the last, which also frees every row, left out)."""
-    from jobrunner.engine import SamplingParams
-
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.model.shape.vocab_size
-    params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
-    for i, adapter in enumerate(adapters):
-        prompt = torch.randint(10, vocab - 1, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"{seed}-{i}", prompt, params, adapter=adapter)
-    times = []
-    while engine.has_unfinished_requests():
-        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times[0], times[1:-1] or times[1:]
+def _alternating(engine, sched, cases: dict[str, list[int]], repeats: int) -> dict[str, float]:
+    """Median ms of running the scheduled step ``sched`` with each case's adapter per row, the cases taking
+    turns call by call (so a busy machine's drift hits each alike). The step's outputs are dropped: it is run
+    again and again on the same KV slots."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    rows = [s.request for s in sched.scheduled]
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for repeat in range(repeats + 1):  # the first round warms up (allocations, native builds)
+        for name, adapter_ids in cases.items():
+            for request, adapter_id in zip(rows, adapter_ids):
+                request.adapter_id = adapter_id
+            start = time.perf_counter()
+            engine.runner.execute(sched)
+            sync()
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    for request in rows:
+        request.adapter_id = 0
+    return {name: round(statistics.median(t) * 1e3, 2) for name, t in times.items()}
 
 
 def render_lora_steps(result: dict[str, Any]) -> list[str]:
@@ -110,9 +111,10 @@ def render_lora_steps(result: dict[str, Any]) -> list[str]:
     base = cases["base"]
     lines = [f"LoRA step times: {result['model']} ({result['dtype']}, {result['device']}), {result['rows']} rows, "
              f"{result['adapters']} adapters of rank {result['rank']} on every projection, prompts of "
-             f"{result['prompt_len']} tokens; adapters {result['adapter_bytes'] / 1e6:.1f} MB",
-             f"{'case':<14}{'prefill ms':>12}{'decode step ms':>16}{'vs base':>10}"]
+             f"{result['prompt_len']} tokens, median of {result['repeats']} runs of each step; adapters "
+             f"{result['adapter_bytes'] / 1e6:.1f} MB",
+             f"{'case':<14}{'prefill step ms':>16}{'vs base':>9}{'decode step ms':>16}{'vs base':>9}"]
     for name, c in cases.items():
-        lines.append(f"{name:<14}{c['prefill_ms']:>12.1f}{c['decode_step_ms']:>16.2f}"
-                     f"{c['decode_step_ms'] / base['decode_step_ms']:>9.2f}x")
+        lines.append(f"{name:<14}{c['prefill_ms']:>16.1f}{c['prefill_ms'] / base['prefill_ms']:>8.2f}x"
+                     f"{c['decode_step_ms']:>16.2f}{c['decode_step_ms'] / base['decode_step_ms']:>8.2f}x")
     return lines

@@ -72,9 +72,13 @@ class LoraLinear(nn.Module):
             if weights is None:
                 continue
             c0, c1 = weights.col_start, weights.col_end
-            if isinstance(rows, slice):
-                delta = (x[rows] @ weights.a.t()) @ weights.b.t()
-                out[rows, c0:c1] += delta.to(out.dtype)
+            if isinstance(rows, slice):  # one contiguous run: the update accumulates in place (no delta tensor)
+                h = x[rows] @ weights.a.t()
+                target = out[rows, c0:c1]
+                if target.dtype == h.dtype:
+                    target.addmm_(h, weights.b.t())
+                else:
+                    target += (h @ weights.b.t()).to(target.dtype)
             else:
                 delta = (x.index_select(0, rows) @ weights.a.t()) @ weights.b.t()
                 out[:, c0:c1].index_add_(0, rows, delta.to(out.dtype))
