@@ -159,6 +159,11 @@ class InputSpec(_Spec):
         description="auto (default: the model decides), none, required (a call is forced through structured "
         "output), or {type: function, function: {name}} (that function is forced).",
     )
+    completion_column: str | None = Field(
+        default=None,
+        description="task score: column of completions (string) whose log-likelihood given the row's prompt is "
+        "scored (teacher forcing); unset: the model's sequence-classification head scores the prompt.",
+    )
 
     @field_validator("tool_choice")
     @classmethod
@@ -325,9 +330,21 @@ class OutputSpec(_Spec):
 
     url: str = Field(description="fsspec URL of the output directory.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options.")
-    mode: Literal["resume", "overwrite", "error"] = Field(
+    mode: Literal["resume", "overwrite", "error", "incremental"] = Field(
         default="resume",
-        description="If the output exists: resume (skip committed shards), overwrite, or error.",
+        description="If the output exists: resume (skip committed shards), overwrite, or error. incremental: "
+        "for inputs that grow, run only the rows whose ids have no committed output row here (or in "
+        "output.skip_done_from) and commit them as a new run of this output.",
+    )
+    skip_done_from: list[str] = Field(
+        default_factory=list,
+        description="With mode incremental: earlier outputs (URLs, or globs of output URLs such as "
+        "s3://bucket/nightly/*) whose committed ids are skipped too; read with output.storage_options.",
+    )
+    check_done_prompts: bool = Field(
+        default=True,
+        description="With mode incremental: read the request columns of the rows whose ids are done and report "
+        "those whose request changed since (they are skipped all the same); false reads only the id column.",
     )
     keep_columns: list[str] | Literal["*"] = Field(
         default_factory=list, description="Input columns copied to output rows; '*' = every input column."
@@ -363,6 +380,13 @@ class OutputSpec(_Spec):
         "over after it.",
     )
 
+    @model_validator(mode="after")
+    def _skip_done_from_incremental(self) -> OutputSpec:
+        if self.skip_done_from and self.mode != "incremental":
+            raise ValueError(f"output.skip_done_from is set but output.mode is {self.mode!r}: only an incremental "
+                             "run skips the ids of other outputs; set output.mode: incremental")
+        return self
+
 
 class CostSpec(_Spec):
     """Prices used by reports."""
@@ -376,10 +400,35 @@ class CostSpec(_Spec):
     )
 
 
+class EmbedSpec(_Spec):
+    """How an embed job pools a prompt's hidden states into one vector."""
+
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        default="auto", description="auto = as the model directory says (sentence-transformers modules.json and "
+        "1_Pooling/config.json), else the last token (decoder models); last | mean | cls force one.")
+    normalize: bool | Literal["auto"] = Field(
+        default="auto", description="L2-normalise the embedding; auto = when the model's modules.json has a "
+        "Normalize module.")
+
+
+# What a generation-only setting would silently not do in an embed / score job: refused instead.
+_GENERATE_ONLY = {"input.sampling_column": lambda s: s.input.sampling_column,
+                  "input.tools": lambda s: s.input.tools, "input.tools_column": lambda s: s.input.tools_column,
+                  "input.tool_choice": lambda s: s.input.tool_choice,
+                  "output.format: messages": lambda s: s.output.format == "messages",
+                  "sampling.n > 1": lambda s: s.sampling.n > 1}
+
+
 class JobSpec(_Spec):
     """A whole job."""
 
     name: str = Field(description="Job name (used in the manifest and reports).", min_length=1)
+    task: Literal["generate", "embed", "score"] = Field(
+        default="generate", description="generate: text (the default); embed: one vector per row (an `embedding` "
+        "column; see `embed`); score: a sequence-classification / reward head's `scores` per row, or with "
+        "input.completion_column the log-likelihood of each row's completion. embed and score rows are "
+        "prefill-only (no output tokens).")
+    embed: EmbedSpec = Field(default_factory=EmbedSpec, description="Pooling of an embed job.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model.")
     input: InputSpec = Field(description="The prompt dataset.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling defaults.")
@@ -387,6 +436,20 @@ class JobSpec(_Spec):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Workers and Ray address.")
     output: OutputSpec = Field(description="Output location and mode.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Cost settings for reports.")
+
+    @model_validator(mode="after")
+    def _task_settings(self) -> JobSpec:
+        if self.input.completion_column is not None and self.task != "score":
+            raise ValueError("input.completion_column is scored by task: score; set task: score or unset it")
+        if self.task == "generate":
+            return self
+        named = [name for name, value in _GENERATE_ONLY.items() if value(self)]
+        if named:
+            raise ValueError(f"task {self.task} generates no text: {', '.join(named)} do not apply; unset them")
+        if self.input.format == "openai_batch" and self.task != "embed":
+            raise ValueError("input.format openai_batch runs task generate (/v1/chat/completions, /v1/completions) "
+                             "or task embed (/v1/embeddings); task score reads prompt and completion columns")
+        return self
 
     @model_validator(mode="after")
     def _adapters_fit(self) -> JobSpec:

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from jobrunner.driver.output import describe_output, read_previous_output
 from jobrunner.driver.plan import plan_job
 from jobrunner.driver.rows import job_sampling, read_shard_input, to_request
 from jobrunner.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
-EXPECTED_JOBS = {"example", "json_schema", "logprobs", "n_samples", "openai_batch", "nightly"}
+EXPECTED_JOBS = {"example", "json_schema", "logprobs", "n_samples", "openai_batch", "nightly", "embed"}
 
 
 def test_every_committed_job_is_checked_here():
@@ -23,11 +24,16 @@ def test_every_committed_job_is_checked_here():
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[p.stem for p in JOBS])
-def test_committed_job_loads_plans_and_every_row_becomes_a_request(job, monkeypatch):
+def test_committed_job_loads_plans_and_every_row_becomes_a_request(job, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)  # the committed specs name their inputs relative to the checkout
     spec = load_spec(job)
     assert spec.name == job.stem
-    plan = plan_job(spec)  # lists the input, checks the required and kept columns, cuts shards
+    # a fresh output, and no earlier outputs to skip ids from (a checkout may hold outputs of earlier runs)
+    output = spec.output.model_copy(update={"url": str(tmp_path / "out"), "skip_done_from": []})
+    spec = spec.model_copy(update={"output": output})
+    previous = read_previous_output(spec)
+    plan = plan_job(spec, previous.header)  # lists the input, checks the required and kept columns, cuts shards
+    describe_output(spec, plan, previous)  # an incremental job's shards are cut against its output
     assert plan.num_rows > 0 and plan.shards
     errors, sampling = {}, job_sampling(spec)
     for shard in plan.shards:

@@ -218,3 +218,26 @@ def test_lora_adapter_keys():
     with pytest.raises(SpecError, match="adapter_column"):
         spec_from_dict(_minimal(model={"adapters": {"a": "d"}},
                                 input={"url": "x.jsonl", "format": "openai_batch", "adapter_column": "lora"}))
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"input": {"url": "x", "prompt_column": "p", "completion_column": "c"}},
+     r"input\.completion_column is scored by task: score"),
+    ({"task": "embed", "input": {"url": "x", "prompt_column": "p", "sampling_column": "s"}},
+     r"task embed generates no text: input\.sampling_column do not apply"),
+    ({"task": "score", "sampling": {"n": 2}}, r"task score generates no text: sampling\.n > 1"),
+    ({"task": "score", "input": {"url": "b.jsonl", "format": "openai_batch"}}, r"task embed \(/v1/embeddings\)"),
+    ({"task": "embed", "embed": {"pooling": "max"}}, r"embed\.pooling"),
+    ({"task": "classify"}, r"task"),
+])
+def test_embed_and_score_settings_are_checked(extra, message):
+    with pytest.raises(SpecError, match=message):
+        spec_from_dict(_minimal(**extra))
+
+
+def test_embed_and_score_specs_validate():
+    spec = spec_from_dict(_minimal(task="embed", embed={"pooling": "mean", "normalize": True}))
+    assert (spec.task, spec.embed.pooling, spec.embed.normalize) == ("embed", "mean", True)
+    assert spec_from_dict(_minimal()).embed.normalize == "auto"
+    spec = spec_from_dict(_minimal(task="score", input={"url": "x", "prompt_column": "p", "completion_column": "c"}))
+    assert spec.input.completion_column == "c"

@@ -36,22 +36,27 @@ def build_engine(spec: JobSpec) -> Any:
 
 
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
-    """The manifest's model section, from what the loaded engine reports (falling back to the spec); redacted,
-    as it is written down (a source URL may carry credentials)."""
+    """The manifest's model section, from what the loaded engine reports (falling back to the spec), with an
+    embed / score job's task facts (driver/pooled.py: pooling, embedding_dim, labels); redacted, as it is
+    written down (a source URL may carry credentials)."""
+    from jobrunner.driver.pooled import job_pooling, task_facts
+
     info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
     if spec.model.adapters:  # what the spec names; the engine's own record (rank, targets, bytes) below
         info["adapters"] = [{"name": n, "source": s} for n, s in spec.model.adapters.items()]
     loaded = getattr(engine, "model_info", None)  # what the real engine says it loaded
-    if isinstance(loaded, dict):
-        info.update({k: v for k, v in loaded.items() if k != "device" and _is_plain(v)})
+    loaded = loaded if isinstance(loaded, dict) else None
+    facts = task_facts(spec, loaded, job_pooling(spec, loaded))  # embed / score: pooling, dimension, labels
+    if loaded is not None:
+        info.update({k: v for k, v in loaded.items() if k not in ("device", "labels") and _is_plain(v)})
         if isinstance(loaded.get("adapters"), list):
             info["adapters"] = loaded["adapters"]  # [{name, source, rank, ranks, lora_alpha, targets, bytes}]
-        return redact(info)
+        return redact({**info, **facts})  # the job's pooling over the model's own default
     for key in ("dtype", "quantization", "architecture"):
         value = getattr(engine, key, None)
         if value is not None:
             info[key] = str(value).replace("torch.", "")
-    return redact(info)
+    return redact({**info, **facts})
 
 
 def _is_plain(value: Any) -> bool:

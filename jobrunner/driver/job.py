@@ -96,9 +96,13 @@ class _JobLoop:
         self.run_tokens = 0
         self.finish_reasons: Counter = Counter()  # this run's committed rows by finish reason
         self.json_invalid = 0  # this run's committed rows whose text is not schema-valid JSON
-        # Output rows: n per input row (per-row overrides of n make this an estimate).
-        self.progress = Progress(plan.num_rows * spec.sampling.n, self.book.committed_rows, enabled=show_progress)
-        self.metrics = JobMetrics(spec.name, plan.num_rows * spec.sampling.n)  # Ray dashboard / Prometheus
+        # Output rows: n per input row (per-row overrides of n make this an estimate); an incremental run adds
+        # the rows it takes to those its output holds already
+        total = plan.num_rows * spec.sampling.n if plan.incremental is None else \
+            self.book.committed_rows + plan.incremental.rows_taken * spec.sampling.n
+        self.incremental = None if plan.incremental is None else plan.incremental.describe()
+        self.progress = Progress(total, self.book.committed_rows, enabled=show_progress)
+        self.metrics = JobMetrics(spec.name, total)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
@@ -410,7 +414,8 @@ class _JobLoop:
         first = self.stats["first_commit_s"]
         self.book.finish_run(self.started_at, time.monotonic() - self.t0, finished, {
             "shards_committed": self.stats["commits"], "first_commit_s": None if first is None else round(first, 3),
-            "isolation": self.isolation.to_dict()})
+            "isolation": self.isolation.to_dict(), **({} if self.incremental is None else
+                                                       {"incremental": self.incremental})})
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,

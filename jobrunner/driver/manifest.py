@@ -39,7 +39,7 @@ RESUME_SECTIONS = ("model", "sampling")
 RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "adapter_column",
                      "limit",
                      "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
-                     "tools_column", "tool_choice")
+                     "tools_column", "tool_choice", "completion_column")
 
 
 class ResumeError(ValueError):
@@ -74,6 +74,7 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     """A fresh manifest header for a job whose shards are all pending (the shards live in `shards`)."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
+        "task": spec.task,
         "spec": spec.redacted(), "model": _model_section(spec),
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
         "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [], "workers": {}, "totals": {},
@@ -93,9 +94,7 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
                     present_parts: list[str]) -> dict[str, Any]:
     """The old manifest ready for another run; `shards` takes the old table's state: committed shards whose
     parts all exist stay, the rest become pending (as if never run: failed ones run again)."""
-    manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
-    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
-                    format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
+    manifest = continued_header(old, spec)
     shards.adopt(old_shards)
     columns = shards.columns
     committed = np.flatnonzero(columns.status == COMMITTED)
@@ -106,6 +105,14 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
     missing += [i for i, parts in columns.parts.items() if not set(parts) <= present_set]
     not_committed = np.flatnonzero(columns.status != COMMITTED)
     columns.reset(np.union1d(not_committed, np.array(missing, np.int64)).astype(np.int64))
+    return manifest
+
+
+def continued_header(old: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """An earlier run's manifest header, ready for another run with `spec` (its shards live in the table)."""
+    manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
+    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
+                    format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
     return manifest
 
 

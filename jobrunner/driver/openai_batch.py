@@ -1,5 +1,6 @@
 """OpenAI batch files: a request line's body to a prompt and sampling overrides, and finished rows back to
 OpenAI-style result lines (`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`).
+A `/v1/embeddings` line (a task embed job) has one input and comes back as an embeddings response.
 
 The body's sampling fields are honoured per row; a field we do not know (or cannot honour: `stream`, `tools`,
 `echo`, several prompts) is that row's error, naming the field, so a request is never silently run with
@@ -16,7 +17,7 @@ from typing import Any
 
 from jobrunner.driver.tool_calls import check_tools
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 # Body fields copied to our sampling parameters under the same name (OpenAI's and vLLM's extras).
 _SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
               "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -26,14 +27,15 @@ _RENAMED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choic
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")  # accepted, no effect on generation
 _HANDLED = {"chat": ("messages", "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "tools",
                      "tool_choice", "parallel_tool_calls"),
-            "completions": ("prompt", "logprobs", "echo")}
+            "completions": ("prompt", "logprobs", "echo"),
+            "embeddings": ("input", "encoding_format", "dimensions")}
 
 
 @dataclass
 class ParsedRequest:
     """What one request line asks for."""
 
-    endpoint: str  # "chat" or "completions"
+    endpoint: str  # "chat", "completions" or "embeddings"
     prompt: str | list[int] | list[dict[str, Any]]
     overrides: dict[str, Any] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -50,6 +52,8 @@ def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
         raise ValueError(f"url {url!r}: must be one of {', '.join(ENDPOINTS)}")
     endpoint = ENDPOINTS[url]
     body = _body(body_text)
+    if endpoint == "embeddings":
+        return _embedding_request(body)
     unknown = sorted(set(body) - set(_SAME_NAME) - set(_RENAMED) - set(_IGNORED) - set(_HANDLED[endpoint])
                      - {"stop", "logit_bias", "stream"})
     if unknown:
@@ -72,6 +76,26 @@ def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
     if body.get("logprobs") is not None:
         overrides["logprobs"] = body["logprobs"]
     return ParsedRequest(endpoint, _completion_prompt(body.get("prompt")), overrides)
+
+
+def _embedding_request(body: dict[str, Any]) -> ParsedRequest:
+    """A /v1/embeddings body: one input (a string or a list of token ids, alone or as a one-element list);
+    float vectors of the model's own size (no sampling fields: the job's embed settings pool it)."""
+    unknown = sorted(set(body) - set(_IGNORED) - set(_HANDLED["embeddings"]))
+    if unknown:
+        raise ValueError(f"body field(s) {', '.join(unknown)} not supported for /v1/embeddings")
+    if body.get("encoding_format") not in (None, "float"):
+        raise ValueError(f"body.encoding_format {body['encoding_format']!r}: only float is supported")
+    if body.get("dimensions") is not None:
+        raise ValueError("body.dimensions: shortened embeddings are not supported (the model's size is used)")
+    value = body.get("input")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return ParsedRequest("embeddings", value)
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return ParsedRequest("embeddings", value)
+    raise ValueError("body.input must be one non-empty string or one list of token ids (one input per line)")
 
 
 def _body(text: Any) -> dict[str, Any]:
@@ -198,8 +222,17 @@ def _error_body(row: dict[str, Any]) -> dict[str, Any]:
     return {"error": {"message": row.get("error") or "error", "type": kind, "param": None, "code": None}}
 
 
+def _embedding(row: dict[str, Any], model: str) -> dict[str, Any]:
+    """An OpenAI embeddings response body for one input."""
+    tokens = int(row.get("num_prompt_tokens") or 0)
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": row.get("embedding")}],
+            "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def _completion(samples: list[dict[str, Any]], endpoint: str, model: str, digest: str,
                 created: int) -> dict[str, Any]:
+    if endpoint == "embeddings":
+        return _embedding(samples[0], model)
     prompt_tokens = max(int(r.get("num_prompt_tokens") or 0) for r in samples)
     completion_tokens = sum(int(r.get("num_output_tokens") or 0) for r in samples)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

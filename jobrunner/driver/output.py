@@ -17,11 +17,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jobrunner.driver.manifest import new_manifest, orphan_parts, resume_manifest
+from jobrunner.driver.incremental import INCREMENTAL_KEY, check_settings, kept_shards, plan_incremental
+from jobrunner.driver.manifest import ResumeError, continued_header, new_manifest, orphan_parts, resume_manifest
 from jobrunner.driver.output_guard import containment_refusal, overwrite_refusal
 from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
+from jobrunner.io.done_ids import DoneIdsError
 from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.lease import (
     FencedStorage,
@@ -93,7 +95,7 @@ def read_previous_output(spec: JobSpec) -> PreviousOutput:
 
 def _read_table(spec: JobSpec, storage: Storage, entries: list[str]) -> tuple[dict[str, Any], ShardColumns] | None:
     # overwrite reads no table (an unreadable manifest is its refusal, driver/output_guard.py); error no output
-    return read_manifest_table(storage) if entries and spec.output.mode == "resume" else None
+    return read_manifest_table(storage) if entries and spec.output.mode in ("resume", "incremental") else None
 
 
 def open_output(spec: JobSpec, plan: JobPlan,
@@ -130,6 +132,10 @@ def open_output(spec: JobSpec, plan: JobPlan,
 
 def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
     """One stderr line when this run continues earlier work or took the lease from a run that is gone."""
+    if plan.incremental is not None:
+        taken = f"; took over the lease: {lease.taken_over}" if lease.taken_over else ""
+        say(f"output {url}: {plan.incremental.line()}{taken}")
+        return
     total = len(plan.shards)
     done = int((plan.shards.columns.status == COMMITTED).sum())
     if not done and lease.taken_over is None:
@@ -212,6 +218,8 @@ def describe_output(spec: JobSpec, plan: JobPlan, previous: PreviousOutput) -> s
 def _describe_state(spec: JobSpec, plan: JobPlan, entries: list[str],
                     old: tuple[dict[str, Any], ShardColumns] | None) -> str:
     if not entries:
+        if spec.output.mode == "incremental":
+            return "output is empty: a new job; " + _describe_incremental(spec, plan, storage_of(spec), None, None)
         return "output is empty: a new job"
     if spec.output.mode == "error":
         raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
@@ -220,11 +228,30 @@ def _describe_state(spec: JobSpec, plan: JobPlan, entries: list[str],
     if old is None:
         raise _foreign_output(spec)
     header, old_shards = old
+    if spec.output.mode == "incremental":
+        return _describe_incremental(spec, plan, storage_of(spec), header, old_shards)
     if not num_committed(old_shards):
         return "output holds runs that committed nothing: a new job replaces them"
     _check_resumable(header, old_shards, spec, plan)
     done = num_committed(old_shards)
     return f"output exists: {done}/{len(plan.shards)} shards committed; resume runs the rest"
+
+
+def storage_of(spec: JobSpec) -> Storage:
+    """The output's storage (unfenced: for reading)."""
+    return Storage(spec.output.url, spec.output.storage_options)
+
+
+def _describe_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, header: dict[str, Any] | None,
+                          old_shards: ShardColumns | None) -> str:
+    """What an incremental run would take (read-only: the same plan, nothing deleted)."""
+    kept = None
+    if old_shards is not None and num_committed(old_shards):
+        check_settings(header or {}, old_shards, spec)
+        kept = kept_shards(old_shards, trusted_parts(storage, old_shards))
+    _plan_incremental(spec, plan, storage, kept, 0)
+    done = len(kept) if kept is not None else 0
+    return f"{done} shard(s) committed by earlier runs; {plan.incremental.line()}"
 
 
 def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
@@ -236,6 +263,8 @@ def _resume_or_new(spec: JobSpec, plan: JobPlan, storage: Storage, previous: Pre
 
 def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
                           lease: Lease) -> dict[str, Any]:
+    if spec.output.mode == "incremental":
+        return _continue_incremental(spec, plan, storage, previous, lease)
     if not previous.entries:
         return new_manifest(spec, plan.shards)
     old = previous.table
@@ -255,10 +284,49 @@ def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, previo
     return manifest
 
 
+def _continue_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
+                          lease: Lease) -> dict[str, Any]:
+    """An incremental run (driver/incremental.py): the committed shards that check out stay, parts no kept
+    shard names go, and the rows whose ids are not done become this run's shards."""
+    kept, manifest = None, None
+    if previous.entries:
+        if previous.table is None:
+            raise _foreign_output(spec)
+        header, old_shards = previous.table
+        old_generation = header.get(LEASE_GENERATION)
+        if isinstance(old_generation, int) and old_generation >= lease.generation:
+            lease.advance_to(old_generation + 1)
+        if num_committed(old_shards):
+            check_settings(header, old_shards, spec)
+            kept = kept_shards(old_shards, trusted_parts(storage, old_shards))
+            manifest = continued_header(header, spec)
+        else:
+            manifest = _replace(spec, plan, storage, header)
+    _plan_incremental(spec, plan, storage, kept, lease.generation)
+    storage.delete_many(orphan_parts(plan.shards, list_parts(storage)))
+    manifest = manifest if manifest is not None else new_manifest(spec, plan.shards)
+    manifest[INCREMENTAL_KEY] = plan.incremental.describe()
+    return manifest
+
+
+def _plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: ShardColumns | None,
+                      generation: int) -> None:
+    try:
+        plan.shards, plan.prefix, plan.incremental = plan_incremental(spec, plan.files, storage, kept, generation)
+    except DoneIdsError as exc:
+        raise OutputError(str(exc)) from None
+
+
 def _check_resumable(header: dict[str, Any], old_shards: ShardColumns, spec: JobSpec, plan: JobPlan) -> None:
     """ResumeError when the committed shards were made from other input files or with other settings. A changed
     file is named first (it also changes the shard plan); a changed input.limit is named as a setting (the
-    files then look changed too, cut to another number of rows)."""
+    files then look changed too, cut to another number of rows). An output that incremental runs wrote is
+    continued by another incremental run, not a resume (its shards were cut from the rows not done)."""
+    if INCREMENTAL_KEY in header:
+        raise ResumeError(f"output.url {spec.output.url!r} was written by incremental runs (output.mode="
+                          "incremental): their shards were cut from the rows not done then, so a resume cannot "
+                          "plan them again; continue it with output.mode=incremental (it skips the ids already "
+                          "committed and runs the rest, each id once), or start over with output.mode=overwrite")
     old_limit = ((header.get("spec") or {}).get("input") or {}).get("limit")
     if old_limit == spec.input.limit:
         check_pinned_inputs(header, old_shards, plan.files)

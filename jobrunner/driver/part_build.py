@@ -20,7 +20,7 @@ from jobrunner.spec import JobSpec
 ROW_BUILD_ERRORS = (MemoryError, OverflowError, pa.ArrowCapacityError, pa.ArrowInvalid, pa.ArrowTypeError,
                     pa.ArrowMemoryError)
 _KEPT_KEYS = ("id", "sample_index", "prompt_shared", "num_prompt_tokens", "num_cached_tokens",
-              "num_output_tokens", "shard_id", "worker_id", "finish_time_s")
+              "num_output_tokens", "shard_id", "worker_id", "finish_time_s", "request_fingerprint")
 
 
 def part_table(spec: JobSpec, rows: list[dict[str, Any]], kept: pa.Table | None, cost: IsolationCost) -> pa.Table:

@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from jobrunner.driver.incremental import IncrementalPlan
 from jobrunner.driver.prefix_plan import PrefixPlan, check_prefix_column, plan_prefix_shards
 from jobrunner.driver.rows import id_column, is_openai_batch, kept_columns
-from jobrunner.driver.shards import ShardTable
+from jobrunner.driver.shards import ShardTable, plan_shards
 from jobrunner.io.ids import Duplicate
 from jobrunner.io.reader import InputError, InputFile, check_columns
 from jobrunner.io.text_input import find_input_duplicates, list_input, row_location
@@ -28,10 +29,15 @@ class JobPlan:
     files: list[InputFile]
     shards: ShardTable
     prefix: PrefixPlan | None = None  # how rows were grouped by prompt prefix (driver/prefix_plan.py)
+    incremental: IncrementalPlan | None = None  # output.mode incremental: what this run takes (under the lease)
 
     @property
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.files)
+
+    def rows_to_run(self) -> int:
+        """Input rows this run plans: every row, or (incremental) the rows not done."""
+        return self.num_rows if self.incremental is None else self.incremental.rows_taken
 
 
 def with_absolute_output(spec: JobSpec) -> JobSpec:
@@ -69,7 +75,10 @@ def plan_job(spec: JobSpec, old_manifest: dict[str, Any] | None = None) -> JobPl
     check_prefix_column(spec, with_rows)
     if spec.input.id_column is None:
         _check_unique_stems(with_rows)
-    shards, prefix = plan_prefix_shards(spec, with_rows, old_manifest)
+    if spec.output.mode == "incremental":  # shards are cut under the output's lease (driver/incremental.py)
+        shards, prefix = plan_shards([], spec.rows_per_shard), None
+    else:
+        shards, prefix = plan_prefix_shards(spec, with_rows, old_manifest)
     check_unique_ids(spec, with_rows)
     # every file stays in the plan: its pin (io/reader.file_pin) lets a resume notice rows added to it later
     return JobPlan(files=files, shards=shards, prefix=prefix)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jobrunner.driver.shards import ShardTable, _ranges, plan_shards
+from jobrunner.driver.shards import ShardTable, _ranges, _split, plan_shards
 from jobrunner.io.prefix_keys import SPILL_RECORDS, KeySorter, level_chars, prefix_key, shared_chars, shared_depth
 from jobrunner.io.reader import InputError, InputFile, file_pin
 from jobrunner.io.row_order import RowOrderWriter
@@ -76,7 +76,8 @@ class PrefixPlan:
 
 @dataclass
 class _FileShards:
-    """One file's shards: (start, end, first key) each; positions of its row order when `grouped`."""
+    """One file's shards: (start, end, first key) each; positions of its row order when `grouped` (sorted by
+    prefix when `by_prefix`, else the file's rows an incremental run takes, in row order)."""
 
     starts: list[int]
     ends: list[int]
@@ -84,6 +85,7 @@ class _FileShards:
     grouped: bool
     order_digest: str = ""
     shares: bool = False
+    by_prefix: bool = False
 
 
 def check_prefix_column(spec: JobSpec, files: list[InputFile]) -> None:
@@ -105,35 +107,33 @@ def effective_grouping(spec: JobSpec, old_manifest: dict[str, Any] | None) -> st
 
 
 def plan_prefix_shards(spec: JobSpec, files: list[InputFile], old_manifest: dict[str, Any] | None = None,
-                       spill_records: int = SPILL_RECORDS,
-                       spill_dir: str | None = None) -> tuple[ShardTable, PrefixPlan]:
+                       spill_records: int = SPILL_RECORDS, spill_dir: str | None = None,
+                       selections: list[np.ndarray | None] | None = None) -> tuple[ShardTable, PrefixPlan]:
     """The shard table of the (non-empty) files, grouped by prefix where that pays, and how it was planned
-    (old_manifest: see `effective_grouping`)."""
+    (old_manifest: see `effective_grouping`). `selections`: per file, the rows to plan (ascending row
+    numbers; an incremental run's rows not done) or None for all of them; a file cut that way gets a row
+    order of its own (its taken rows, sorted by prefix when grouping pays, else in row order)."""
     inp = spec.input
     plan = PrefixPlan(effective_grouping(spec, old_manifest), inp.prefix_chars, inp.prefix_column)
-    if plan.grouping == "off" or not files:
+    selections = selections or [None] * len(files)
+    if not files or (plan.grouping == "off" and all(rows is None for rows in selections)):
         return plan_shards(files, spec.rows_per_shard), plan
     tmp = tempfile.mkdtemp(prefix="jobrunner-plan-", dir=spill_dir)
     plan._cleanup = weakref.finalize(plan, _remove_dir, tmp)
     writer = RowOrderWriter(os.path.join(tmp, "rows.bin"))
     offsets: list[int | None] = []
     per_file: list[_FileShards] = []
-    for f in files:
+    for f, rows in zip(files, selections, strict=True):
         start = writer.num_rows
-        try:
-            shards = _plan_file(spec, f, writer, plan, spill_records, spill_dir)
-        except InputError as exc:  # an unreadable prompt page fails its own shard at run time, not the plan
-            log.warning("prefix grouping skipped for %s (plain row ranges): %s", redact_text(f.url), exc)
-            natural = _ranges(f.row_group_num_rows, spec.rows_per_shard)
-            shards = _FileShards([s for s, _ in natural], [e for _, e in natural], [0] * len(natural), False)
+        shards = _plan_one(spec, f, rows, writer, plan, spill_records, spill_dir)
         if not shards.grouped:
             writer.truncate(start)
         offsets.append(start if shards.grouped else None)
         per_file.append(shards)
         plan.shares_prefixes |= shards.shares
-    plan.files_grouped = sum(s.grouped for s in per_file)
+    plan.files_grouped = sum(s.by_prefix for s in per_file)
     key = writer.finish()
-    if not plan.files_grouped:
+    if not any(s.grouped for s in per_file):
         return plan_shards(files, spec.rows_per_shard), plan
     plan.order_key, plan.order_local = key, writer.local_path
     table = _table(files, per_file)
@@ -141,27 +141,62 @@ def plan_prefix_shards(spec: JobSpec, files: list[InputFile], old_manifest: dict
     return table, plan
 
 
+def _plan_one(spec: JobSpec, f: InputFile, rows: np.ndarray | None, writer: RowOrderWriter, plan: PrefixPlan,
+              spill_records: int, spill_dir: str | None) -> _FileShards:
+    """One file's shards: by prefix when grouping is on and pays, else row ranges (or its taken rows)."""
+    if plan.grouping == "off":
+        return _row_order_shards(f, rows, writer, spec.rows_per_shard)
+    try:
+        return _plan_file(spec, f, writer, plan, spill_records, spill_dir, rows)
+    except InputError as exc:  # an unreadable prompt page fails its own shard at run time, not the plan
+        log.warning("prefix grouping skipped for %s (plain row ranges): %s", redact_text(f.url), exc)
+        return _row_order_shards(f, rows, writer, spec.rows_per_shard)
+
+
+def _row_order_shards(f: InputFile, rows: np.ndarray | None, writer: RowOrderWriter, target: int,
+                      keys: list[int] | None = None) -> _FileShards:
+    """Plain shards: row ranges of the file, or (`rows` given) ranges of positions in those rows, which become
+    the file's row order."""
+    if rows is None:
+        natural = _ranges(f.row_group_num_rows, target)
+        return _FileShards([s for s, _ in natural], [e for _, e in natural], keys or [0] * len(natural), False)
+    writer.append(rows)
+    ranges = _split(0, len(rows), target) if len(rows) else []
+    digest = hashlib.sha1(np.ascontiguousarray(rows, "<i8").tobytes()).hexdigest()[:12]
+    return _FileShards([s for s, _ in ranges], [e for _, e in ranges], keys or [0] * len(ranges), True,
+                       "taken:" + digest)
+
+
 def _remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
 def _plan_file(spec: JobSpec, f: InputFile, writer: RowOrderWriter, plan: PrefixPlan, spill_records: int,
-               spill_dir: str | None) -> _FileShards:
-    """Scan one file's keys, sort them and cut them; keep the plain ranges when sorting gains too little."""
+               spill_dir: str | None, rows: np.ndarray | None = None) -> _FileShards:
+    """Scan one file's keys (only of `rows` when given), sort them and cut them; keep the plain ranges (or
+    the taken rows in row order) when sorting gains too little."""
     chars = level_chars(spec.input.prefix_chars)
     target = spec.rows_per_shard
-    natural = _ranges(f.row_group_num_rows, target)
+    start = writer.num_rows
+    num_rows = f.num_rows if rows is None else len(rows)
+    natural = _ranges(f.row_group_num_rows, target) if rows is None else _split(0, num_rows, target)
     natural_starts = np.array([s for s, _ in natural], np.int64)
     natural_keys = np.zeros(len(natural), np.uint64)
     sorter = KeySorter(spill_records, spill_dir)
-    natural_score, previous = 0, None
-    for first, keys in _scan_keys(spec, f, chars):
-        rows = np.arange(first, first + len(keys), dtype=np.int64)
-        sorter.add(keys, rows)
+    natural_score, previous, position = 0, None, 0
+    for first, keys in _scan_keys(spec, f, chars, rows):
+        numbers = np.arange(first, first + len(keys), dtype=np.int64)
+        if rows is not None:
+            wanted = _members(numbers, rows)
+            keys, numbers = keys[wanted], numbers[wanted]
+            if not len(keys):
+                continue
+        sorter.add(keys, numbers)
         natural_score += _score(previous, keys, chars)
         previous = keys[-1]
-        here = (natural_starts >= first) & (natural_starts < first + len(keys))
-        natural_keys[here] = keys[natural_starts[here] - first]
+        here = (natural_starts >= position) & (natural_starts < position + len(keys))
+        natural_keys[here] = keys[natural_starts[here] - position]
+        position += len(keys)
     cutter, digest, sorted_score, previous = _Cutter(target), hashlib.sha1(), 0, None
     for block in sorter.sorted_blocks():
         if not len(block):
@@ -173,15 +208,24 @@ def _plan_file(spec: JobSpec, f: InputFile, writer: RowOrderWriter, plan: Prefix
         previous = block["key"][-1]
     plan.spilled_runs += sorter.num_runs
     # an explicit input.prefix_column groups whenever rows share a value; a text prefix when it is long enough
-    least = 1 if spec.input.prefix_column else MIN_SHARED_CHARS * max(f.num_rows, 1)
+    least = 1 if spec.input.prefix_column else MIN_SHARED_CHARS * max(num_rows, 1)
     enough = sorted_score >= least
     grouped = enough and sorted_score >= MIN_GAIN * natural_score
     shares = enough or natural_score >= least
     if not grouped:
-        return _FileShards([s for s, _ in natural], [e for _, e in natural], natural_keys.tolist(), False,
-                           shares=shares)
+        writer.truncate(start)
+        plain = _row_order_shards(f, rows, writer, target, natural_keys.tolist())
+        plain.shares = shares
+        return plain
     starts, keys = cutter.finish()
-    return _FileShards(starts, starts[1:] + [f.num_rows], keys, True, digest.hexdigest()[:12], shares=shares)
+    return _FileShards(starts, starts[1:] + [num_rows], keys, True, digest.hexdigest()[:12], shares=shares,
+                       by_prefix=True)
+
+
+def _members(numbers: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Which of `numbers` are in the sorted array `rows`."""
+    at = np.minimum(np.searchsorted(rows, numbers), len(rows) - 1)
+    return rows[at] == numbers if len(rows) else np.zeros(len(numbers), bool)
 
 
 def _depths(previous: Any, keys: np.ndarray) -> np.ndarray:
@@ -229,14 +273,19 @@ class _Cutter:
         return self.starts, self.first_keys
 
 
-def _scan_keys(spec: JobSpec, f: InputFile, chars: tuple[int, ...]) -> Iterator[tuple[int, np.ndarray]]:
-    """(first row, keys of the next rows) over the file, a row group (or SCAN_ROWS rows) at a time."""
+def _scan_keys(spec: JobSpec, f: InputFile, chars: tuple[int, ...],
+               rows: np.ndarray | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, keys of the next rows) over the file, a row group (or SCAN_ROWS rows) at a time; chunks
+    holding none of `rows` (when given) are not read."""
     inp = spec.input
     column, kind = _key_column(spec)
     if kind == "value":  # an explicit key groups by its whole value: equal or not, at every depth
         chars = (1 << 62,) * len(chars)
     start = 0
     for end in _chunk_ends(f):
+        if rows is not None and np.searchsorted(rows, start) == np.searchsorted(rows, end):
+            start = end
+            continue
         table = read_input_rows(f.url, inp.storage_options, inp.format, start, end, [column])
         values = table.column(column).to_pylist() if column in table.column_names else [None] * table.num_rows
         yield start, np.array([prefix_key(key_text(kind, v), chars) for v in values], np.uint64)

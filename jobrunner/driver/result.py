@@ -53,6 +53,7 @@ class JobResult:
                 f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
                 f"{t['num_output_tokens']} output tokens, wall {self.manifest['wall_s']:.1f}s -> "
                 f"{self.output_url}")
+        text += _incremental_line(self.manifest)
         for kind, count in self.top_errors:
             text += f"\n  {count} rows: {kind}"
         for warning in self.row_warnings():
@@ -105,3 +106,18 @@ class JobResult:
                            "included); to go on, either accept them: rerun with a higher output.max_error_rate "
                            "(nothing is recomputed), or fix the input and rerun with output.mode=overwrite")
         return "\n".join(reasons)
+
+
+def _incremental_line(manifest: dict[str, Any]) -> str:
+    """What an incremental run took and skipped (manifest `incremental`, driver/incremental.py), or ''."""
+    plan = manifest.get("incremental")
+    if not plan or not (manifest.get("runs") or [{}])[-1].get("incremental"):
+        return ""
+    text = (f"\n  incremental: {plan['rows_taken']} of {plan['rows_input']} input rows taken, "
+            f"{plan['rows_skipped']} skipped as done ({plan['done_ids']} done ids)")
+    if plan.get("changed_requests"):
+        shown = ", ".join(repr(c["id"]) for c in plan.get("changed") or [])
+        text += (f"\n  WARNING: {plan['changed_requests']} done id(s) have a changed request since their output "
+                 f"row was written; skipped, not rerun (each id is done once; to redo them, write them to a new "
+                 f"output or remove their rows): {shown}")
+    return text

@@ -22,6 +22,9 @@ MAX_SHOWN = 20  # differing fields listed in a message
 # engine settings that change which tokens a row gets: batch-invariant (deterministic) rows differ in bits from
 # default-mode rows, so one output must not mix the two (its promise is byte-identical datasets on rerun)
 RESUME_ENGINE_DEFAULTS = {"deterministic": False}
+# what kind of rows the output holds (text, embeddings, scores) and how embeddings were pooled; absent: a spec
+# written before embed / score jobs, which generated
+RESUME_TASK_DEFAULTS = {"task": "generate", "embed.pooling": "auto", "embed.normalize": "auto"}
 
 
 def num_committed(old_shards: ShardColumns) -> int:
@@ -52,11 +55,21 @@ def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list
     for key, default in RESUME_ENGINE_DEFAULTS.items():  # absent: a spec written before the setting existed
         old_flat[f"engine.{key}"] = (old_spec.get("engine") or {}).get(key, default)
         new_flat[f"engine.{key}"] = (new_spec.get("engine") or {}).get(key, default)
+    for key, default in RESUME_TASK_DEFAULTS.items():
+        old_flat[key], new_flat[key] = _dotted(old_spec, key, default), _dotted(new_spec, key, default)
     missing = object()
     fields = sorted(set(old_flat) | set(new_flat))
     return [(f, old_flat.get(f, missing), new_flat.get(f, missing)) for f in fields
             if old_flat.get(f, missing) != new_flat.get(f, missing)
             and not _both_default(old_flat.get(f, missing), new_flat.get(f, missing), missing)]
+
+
+def _dotted(spec: dict[str, Any], key: str, default: Any) -> Any:
+    """The value at ``a.b`` in a spec dict, or ``default`` where it is absent."""
+    value: Any = spec
+    for part in key.split("."):
+        value = value.get(part, default) if isinstance(value, dict) else default
+    return value
 
 
 def _both_default(old: Any, new: Any, missing: object) -> bool:

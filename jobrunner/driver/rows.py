@@ -12,10 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import parse_request
+from jobrunner.driver.pooled import output_task, result_columns, row_pooling
 from jobrunner.driver.tool_calls import (
     check_tools,
     forced_call_schema,
@@ -23,7 +25,8 @@ from jobrunner.driver.tool_calls import (
     parse_forced_call,
     parse_tool_calls,
 )
-from jobrunner.engine import SamplingParams
+from jobrunner.engine import PoolingParams, SamplingParams
+from jobrunner.io.fingerprints import request_fingerprints, text_salt
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
 from jobrunner.io.text_input import read_input_rows
@@ -40,10 +43,10 @@ class RowRequest:
     row_id: str
     row_index: int
     prompt: str | list[int] | list[dict[str, Any]] | None = None
-    params: SamplingParams | None = None
+    params: SamplingParams | PoolingParams | None = None  # PoolingParams: an embed / score job's row
     error: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    endpoint: str | None = None  # OpenAI batch rows: "chat" or "completions"
+    endpoint: str | None = None  # OpenAI batch rows: "chat", "completions" or "embeddings"
     tools: list[dict[str, Any]] | None = None  # the row's tools (they reach the template as `tools`)
     forced_tool: bool = False  # tool_choice required / named: the reply is one call's JSON
     adapter: str | None = None  # the LoRA adapter it runs with (input.adapter_column; None: the base model)
@@ -60,20 +63,26 @@ def id_column(spec: JobSpec) -> str | None:
     return OPENAI_ID_COLUMN if is_openai_batch(spec) else spec.input.id_column
 
 
+def is_generating(spec: JobSpec) -> bool:
+    """Whether the job generates text (task generate), rather than embedding or scoring (driver/pooled.py)."""
+    return spec.task == "generate"
+
+
 def has_json_valid(spec: JobSpec) -> bool:
     """Whether the job's rows can carry a JSON schema (the job's sampling, a per-row override column or OpenAI
     batch requests), so its output has the ``json_valid`` column."""
-    return spec.sampling.json_schema is not None or bool(spec.input.sampling_column) or is_openai_batch(spec)
+    can_have = spec.sampling.json_schema is not None or bool(spec.input.sampling_column) or is_openai_batch(spec)
+    return can_have and is_generating(spec)
 
 
 def has_reasoning(spec: JobSpec) -> bool:
     """Whether the job's output has the reasoning columns (a reasoning parser other than none)."""
-    return spec.output.reasoning_parser != "none"
+    return spec.output.reasoning_parser != "none" and is_generating(spec)
 
 
 def has_tools(spec: JobSpec) -> bool:
     """Whether the job's rows can carry tools (so its output has ``tool_calls`` and ``tool_call_warning``)."""
-    return bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)
+    return (bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)) and is_generating(spec)
 
 
 def has_adapters(spec: JobSpec) -> bool:
@@ -83,10 +92,10 @@ def has_adapters(spec: JobSpec) -> bool:
 
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
-    columns with a reasoning parser, the tool-call columns where rows can carry tools, ``adapter`` where rows
-    name an adapter)."""
+    columns with a reasoning parser, the tool-call columns where rows can carry tools, an embed / score job's
+    result columns, ``adapter`` where rows name an adapter)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
-                         has_adapters(spec))
+                         output_task(spec), has_adapters(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -95,8 +104,36 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            inp.chat_template_kwargs_column, inp.tools_column, inp.adapter_column, ROW_ERROR]
+            inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, inp.adapter_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
+
+
+def fingerprint_roles(spec: JobSpec) -> dict[str, str]:
+    """Role -> input column of what a row's request is made of (its id left out): the columns its request
+    fingerprint hashes (io/fingerprints.py)."""
+    if is_openai_batch(spec):
+        return {"method": "method", "url": "url", "body": "body"}
+    inp = spec.input
+    roles = {"prompt": inp.prompt_column, "messages": inp.messages_column, "sampling": inp.sampling_column,
+             "system_prompt": inp.system_prompt_column, "chat_template_kwargs": inp.chat_template_kwargs_column,
+             "tools": inp.tools_column}
+    return {role: column for role, column in roles.items() if column}
+
+
+def fingerprint_salt(spec: JobSpec) -> np.uint64:
+    """The job's settings that shape every row's request (system prompt, chat template and its variables,
+    tools, tool choice, input format), as the salt of each row's request fingerprint."""
+    inp = spec.input
+    shared = {"system_prompt": inp.system_prompt, "chat_template": inp.chat_template,
+              "chat_template_kwargs": inp.chat_template_kwargs, "tools": inp.tools, "tool_choice": inp.tool_choice,
+              "openai_batch": is_openai_batch(spec)}
+    return text_salt(json.dumps(shared, sort_keys=True, default=str))
+
+
+def row_fingerprints(spec: JobSpec, table: pa.Table) -> dict[int, int]:
+    """ROW_INDEX -> request fingerprint (as the signed int64 the output column holds) of a shard's input rows."""
+    values = request_fingerprints(table, fingerprint_roles(spec), fingerprint_salt(spec)).view(np.int64)
+    return dict(zip(table.column(ROW_INDEX).to_pylist(), values.tolist(), strict=True))
 
 
 def kept_columns(spec: JobSpec, available: list[str]) -> list[str]:
@@ -142,8 +179,10 @@ def row_id(spec: JobSpec, file_stem: str, row: dict[str, Any]) -> tuple[str, str
     return str(value), None
 
 
-def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: SamplingParams) -> RowRequest:
-    """Build the request of one input row, or an error row; ``sampling`` is :func:`job_sampling` of ``spec``."""
+def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
+               sampling: SamplingParams | PoolingParams) -> RowRequest:
+    """Build the request of one input row, or an error row; ``sampling`` is :func:`job_sampling` of ``spec``,
+    or for an embed / score job its :func:`~jobrunner.driver.pooled.job_pooling`."""
     rid, id_error = row_id(spec, file_stem, row)
     # A text line that could not be read (ROW_ERROR names the line) is that row's error, whatever else.
     req = RowRequest(row_id=rid, row_index=row[ROW_INDEX], error=row.get(ROW_ERROR) or id_error)
@@ -159,6 +198,9 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: Sam
         else:
             req.chat_template_kwargs = _template_kwargs(spec, row, req.chat_template_kwargs)
             req.prompt = _prompt(spec, row)
+            if isinstance(sampling, PoolingParams):
+                req.params = row_pooling(spec, sampling, row)
+                return req
             req.params = _params(sampling, _row_overrides(spec, row), spec.input.sampling_column)
             _give_tools(req, _row_tools(spec, row), spec.input.tool_choice)
     except ValueError as exc:
@@ -166,9 +208,17 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any], sampling: Sam
     return req
 
 
-def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams) -> None:
+def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams | PoolingParams) -> None:
     parsed = parse_request(row.get("method"), row.get("url"), row.get("body"))
     req.endpoint, req.prompt = parsed.endpoint, parsed.prompt
+    embedding = isinstance(sampling, PoolingParams)  # a task embed job
+    if (parsed.endpoint == "embeddings") != embedding:
+        why = "a task embed job reads /v1/embeddings lines only" if embedding else \
+            "/v1/embeddings lines need the job's task: embed"
+        raise ValueError(f"url {row.get('url')!r}: {why}")
+    if embedding:
+        req.params = sampling
+        return
     if parsed.chat_template_kwargs:
         req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), **parsed.chat_template_kwargs}
     req.params = _params(sampling, parsed.overrides, None)
@@ -285,6 +335,22 @@ def _params(base: SamplingParams, overrides: dict[str, Any], column: str | None)
         raise ValueError(f"{where}: {exc}") from None
 
 
+def pooled_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
+    """The output row of a finished embed / score request: the metric columns and the task's result columns
+    (no text, no output tokens)."""
+    metrics = out.metrics.to_dict()
+    failed = out.finish_reason == "error"
+    row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": out.finish_reason,
+           "error": out.error or ("engine error" if failed else None), "sample_index": 0, "prompt_shared": False,
+           "logprobs": None, "prompt_logprobs": None, "adapter": req.adapter}
+    for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
+        row[key] = int(metrics.get(key) or 0)
+    for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
+        row[key] = metrics.get(key)
+    row.update(result_columns(output_task(spec), None if failed else out))
+    return row
+
+
 def error_row(req: RowRequest) -> dict[str, Any]:
     """The output row of a row that never reached the engine (one row, whatever n was asked)."""
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
@@ -297,6 +363,8 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
     """The output row of one finished sample of an engine request (a RequestOutput); ``parser`` (from
     :func:`jobrunner.driver.reasoning.choose_parser`) parts a reasoning trace from the answer, ``tool_parser``
     (:func:`jobrunner.driver.tool_calls.choose_tool_parser`) reads the calls of a row that carried tools."""
+    if not is_generating(spec):
+        return pooled_row(spec, req, out)
     metrics = out.metrics.to_dict()
     failed = out.finish_reason == "error"
     text = None if failed else out.text

@@ -28,6 +28,7 @@ from jobrunner.driver.deadlines import call_with_deadline
 from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
+from jobrunner.driver.pooled import job_pooling
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order, block_size_of, read_shard_rows
 from jobrunner.driver.reasoning import choose_parser
 from jobrunner.driver.rows import (
@@ -38,6 +39,7 @@ from jobrunner.driver.rows import (
     output_row,
     prompt_tokens_once,
     request_columns,
+    row_fingerprints,
     to_request,
 )
 from jobrunner.driver.shards import Shard
@@ -81,6 +83,7 @@ class _ShardState:
     phase: str = "reading"
     cost: IsolationCost = field(default_factory=IsolationCost)
     chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' KV block chains
+    fingerprints: dict[int, int] = field(default_factory=dict)  # row -> request fingerprint (output column)
 
     @property
     def is_complete(self) -> bool:
@@ -116,7 +119,8 @@ class ShardRunner:
 
     def __init__(self, engine: Any, spec: JobSpec, worker_id: str, job_start_s: float, info: dict) -> None:
         self.engine, self.spec, self.worker_id = engine, spec, worker_id
-        self.sampling = job_sampling(spec)  # built once; each row's overrides are applied to it
+        # built once; each row's overrides are applied to it (an embed / score job: its prefill-only parameters)
+        self.sampling = job_pooling(spec, getattr(engine, "model_info", None)) or job_sampling(spec)
         # the reasoning parser the job names (auto: the one the model's chat template implies), built once
         self.reasoning = choose_parser(spec.output.reasoning_parser, getattr(engine, "tokenizer", None),
                                        spec.input.chat_template)
@@ -165,6 +169,7 @@ class ShardRunner:
                 f"{redact_text(shard.file_url)}"
         table, keep = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output), limit, where)
         requests = self._requests(shard, table)
+        state.fingerprints = row_fingerprints(self.spec, table)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
         state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None]))
@@ -212,6 +217,7 @@ class ShardRunner:
     def _finish_rows(self, state: _ShardState) -> list[dict[str, Any]]:
         for row in state.rows:
             row["shard_id"], row["worker_id"] = state.shard.shard_id, self.worker_id
+            row["request_fingerprint"] = state.fingerprints.get(row.get(ROW_INDEX))
             row.setdefault("finish_time_s", time.time() - self.job_start_s)
         return state.rows
 

@@ -90,7 +90,7 @@ def tile_rows(model: nn.Module, tile: int) -> int:
     wrapped = 0
     for parent, name in targets:
         module = getattr(parent, name)
-        if not isinstance(module, RowTiled):
+        if module is not None and not isinstance(module, RowTiled):  # None: a checkpoint without an LM head
             setattr(parent, name, RowTiled(module, tile))
             wrapped += 1
     return wrapped

@@ -19,6 +19,8 @@ from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.long_rope import make_long_rope_switch
 from jobrunner.engine.model_runner import ModelRunner
+from jobrunner.engine.pooling import PoolingParams
+from jobrunner.engine.pooling import finish as finish_pooling
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
 from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
 from jobrunner.engine.sampling.noise import derive_seed
@@ -109,9 +111,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    chat_template_kwargs: dict[str, Any] | None = None, adapter: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
+                    *, chat_template_kwargs: dict[str, Any] | None = None, adapter: str | None = None) -> None:
         """Queue one request (``params.n`` samples of it, all answered with this ``request_id``).
+
+        With :class:`~jobrunner.engine.pooling.PoolingParams` the request is prefill-only: it samples nothing
+        and its output carries ``pooled`` (an embedding, classification scores or a completion's
+        log-likelihood) once its prompt is computed.
 
         Bad *content* (empty or too long prompt, a broken chat template) never raises: the request finishes
         with ``finish_reason="error"`` on the next ``step``. Raises ``ValueError`` for a duplicate id and for an
@@ -122,12 +128,17 @@ class LLMEngine:
         """
         if request_id in self._request_ids:
             raise ValueError(f"duplicate request id {request_id!r}")
-        params = params or SamplingParams()
+        pooling = params if isinstance(params, PoolingParams) else None
+        params = SamplingParams() if pooling is not None or params is None else params
         grammar_factory = self._grammar_factory(params)  # raises ValueError on a bad spec, before any state
         now = time.perf_counter()
+        num_prompt_tokens = 0
         try:
             token_ids = self.tokenize(prompt, chat_template_kwargs)
-            error = self._admission_error(token_ids)
+            num_prompt_tokens = len(token_ids)
+            if pooling is not None and pooling.task == "loglik" and pooling.completion:
+                token_ids = token_ids + self._completion_ids(pooling.completion)
+            error = self._admission_error(token_ids) or self._pooling_error(pooling, num_prompt_tokens)
         except Exception as exc:  # a broken chat template or odd input: that request only
             token_ids, error = [], f"could not tokenize the prompt: {exc}"
         adapter_id, adapter_error = self._adapter_id(adapter)
@@ -135,6 +146,8 @@ class LLMEngine:
         samples = self._make_samples(request_id, token_ids, params, now)
         for request in samples:
             request.adapter, request.adapter_id = adapter or None, adapter_id
+        if pooling is not None:
+            samples[0].make_pooling(pooling, num_prompt_tokens)
         self._request_ids[request_id] = len(samples)
         if not error and params.prompt_logprobs is not None:
             try:
@@ -162,6 +175,26 @@ class LLMEngine:
             return self.adapters.id_of(name), None
         except ValueError as exc:
             return 0, str(exc)
+
+    def _completion_ids(self, completion: str | list[int]) -> list[int]:
+        """A scored completion's token ids: its text tokenized without special tokens, or ids as given."""
+        if isinstance(completion, str):
+            return list(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        return self.tokenize(list(completion))
+
+    def _pooling_error(self, pooling: PoolingParams | None, num_prompt_tokens: int) -> str | None:
+        """Why this model cannot serve a prefill-only request, or None."""
+        if pooling is None:
+            return None
+        arch = self.model.shape.architecture
+        if pooling.task == "classify" and getattr(self.model, "score", None) is None:
+            return (f"task classify needs a sequence-classification head; {arch} has none "
+                    "(use a *ForSequenceClassification checkpoint)")
+        if pooling.task == "loglik" and getattr(self.model, "lm_head", None) is None:
+            return f"log-likelihood scoring needs a language-model head; {arch} has none (use a *ForCausalLM model)"
+        if pooling.task == "loglik" and (num_prompt_tokens == 0 or not pooling.completion):
+            return "log-likelihood scoring needs a non-empty prompt and a non-empty completion"
+        return None
 
     def set_chat_template(self, template: str | None) -> None:
         """Use this Jinja chat template for message prompts instead of the tokenizer's own (None: the own)."""
@@ -289,6 +322,10 @@ class LLMEngine:
         for s in sched.scheduled:
             request = s.request
             request.num_computed_tokens = s.start + s.num_new_tokens
+            if request.pooling is not None:
+                if s.completes:
+                    finished.append(self._finish_pooling(request, now))
+                continue
             token = result.sampled.get(request.key)
             if token is None:
                 continue
@@ -310,6 +347,18 @@ class LLMEngine:
                 if s.draft:
                     self.kv_manager.trim(request, request.num_tokens)
         return finished
+
+    def _finish_pooling(self, request: Request, now: float) -> RequestOutput:
+        """A prefill-only request's tokens are all computed: its result, and its blocks freed."""
+        status = RequestStatus.FINISHED_STOPPED
+        try:
+            request.pooled = finish_pooling(self.model, request)
+        except Exception as exc:  # noqa: BLE001 - that request only
+            status, request.error = RequestStatus.FINISHED_ERROR, f"could not pool the hidden states: {exc}"
+        request.metrics.first_token_time = now  # its result is ready: time to first result
+        self.scheduler.finish(request, status)
+        self.runner.release(request.key)
+        return self._finish_output(request, now)
 
     def _take_token(self, request: Request, token: int, entry, now: float) -> RequestStatus | None:
         """Append one sampled token; the request's finished status, or None to keep going."""

@@ -25,6 +25,7 @@ from jobrunner.attention import (
     make_backend,
     make_step_runner,
 )
+from jobrunner.engine.pooling import collect
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -175,6 +176,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         layout, lists = self._layout(sched.scheduled)
         step = self._forward_with_adapters(sched.scheduled, layout, lists)
+        self._pool(sched.scheduled, step.hidden, layout.query_starts)
         sampling = [s for s in sched.scheduled if s.samples]
         verified = None
         if any(s.draft for s in sampling):  # speculative rows: score every draft position, keep what matches
@@ -220,6 +222,12 @@ class ModelRunner:
 
             return INVARIANT_BACKEND
         return make_backend("torch", 1, 1, self.block_size, self.device)
+
+    def _pool(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, query_starts: list[int]) -> None:
+        """Prefill-only rows keep what their task needs of this step's hidden states (engine/pooling.py)."""
+        for s, offset in zip(scheduled, query_starts):
+            if s.request.pooling is not None:
+                collect(self.model, s.request, hidden[offset:offset + s.num_new_tokens], s.start)
 
     # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
 

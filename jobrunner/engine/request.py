@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from jobrunner.engine.pooling import PooledOutput, PoolingParams, PoolingState, first_needed
 from jobrunner.engine.sampling_params import SamplingParams
 
 
@@ -140,6 +141,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token: None
     sample_index: int = 0
     num_samples: int = 1
+    pooled: PooledOutput | None = None  # a prefill-only request's embedding / scores / log-likelihood
 
     @property
     def finished(self) -> bool:
@@ -184,6 +186,23 @@ class Request:
         self.draft_token_ids: list[int] = []  # speculative tokens to verify in the next step (engine/speculative)
         self.spec = None                   # the n-gram drafter's per-request state
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        # a prefill-only request (engine/pooling.py): finishes once its tokens are computed, samples nothing
+        self.pooling: PoolingParams | None = None
+        self.pool_state = PoolingState()
+        self.pool_prompt_len = len(prompt_token_ids)  # loglik: tokens before the completion
+        self.pooled: PooledOutput | None = None
+
+    def make_pooling(self, params: PoolingParams, num_prompt_tokens: int) -> None:
+        """Turn this into a prefill-only request; its first ``num_prompt_tokens`` tokens precede a scored
+        completion (loglik), else they are all of it."""
+        self.pooling, self.pool_prompt_len = params, num_prompt_tokens
+
+    @property
+    def first_needed_position(self) -> int:
+        """The first position whose computation this request needs: a prefix-cache hit stops before it."""
+        if self.pooling is None:
+            return self.num_tokens - 1  # the last token is always computed (its logits sample the next)
+        return first_needed(self.pooling, self.pool_prompt_len, self.num_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -219,4 +238,5 @@ class Request:
             prompt_logprobs=self.prompt_logprobs,
             sample_index=self.sample_index,
             num_samples=self.params.n,
+            pooled=self.pooled,
         )

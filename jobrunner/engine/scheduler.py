@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.long_rope import LongRopeSwitch
+from jobrunner.engine.pooling import PoolingState
 from jobrunner.engine.request import Request, RequestStatus
 
 
@@ -36,7 +37,13 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so a new token is sampled)."""
+        """Whether this step reaches the end of the request's known tokens (so a new token is sampled); never
+        for a prefill-only request (engine/pooling.py), which finishes there instead."""
+        return self.request.pooling is None and self.completes
+
+    @property
+    def completes(self) -> bool:
+        """Whether this step computes the request's last known token."""
         return self.start + self.num_new_tokens == self.request.num_tokens
 
 
@@ -127,6 +134,8 @@ class Scheduler:
                 request.metrics.num_cached_tokens = num_cached_tokens
                 request.metrics.first_scheduled_time = now
             request.num_computed_tokens = num_cached_tokens
+            if request.pooling is not None:  # (re)computed from here: nothing kept from an earlier admission
+                request.pool_state = PoolingState()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, num_cached_tokens))

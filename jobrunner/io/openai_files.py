@@ -20,7 +20,8 @@ ERRORS_FILE = f"{OPENAI_DIR}/errors.jsonl"
 # What a result line is built from (never kept input columns).
 RESULT_COLUMNS = ("id", "sample_index", "generated_text", "finish_reason", "error", "num_prompt_tokens",
                   "num_output_tokens", "ttft_s", "logprobs")
-OPTIONAL_RESULT_COLUMNS = ("reasoning", "num_reasoning_tokens", "tool_calls")  # reasoning parser, tools
+OPTIONAL_RESULT_COLUMNS = ("reasoning", "num_reasoning_tokens", "tool_calls",  # reasoning parser, tools
+                           "embedding")  # a task embed job's /v1/embeddings lines
 
 
 def read_result_rows(storage: Storage, part_keys: list[str]) -> list[dict[str, Any]]:

@@ -42,6 +42,8 @@ OUTPUT_SCHEMA = pa.schema([
     ("prompt_shared", pa.bool_()),
     ("logprobs", pa.list_(LOGPROB_TYPE)),
     ("prompt_logprobs", pa.list_(LOGPROB_TYPE)),
+    # a 64-bit hash of what the row's request was made of (io/fingerprints.py): an incremental run compares it
+    ("request_fingerprint", pa.int64()),
 ])
 # Only with output.format = messages: the input chat plus the generated assistant turn.
 MESSAGES_FIELD = pa.field("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))
@@ -56,17 +58,27 @@ TOOL_FIELDS = (pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)), pa.field("tool_
 # Only in jobs with input.adapter_column: the LoRA adapter the row ran with (null: the base model).
 ADAPTER_FIELD = pa.field("adapter", pa.string())
 
+# Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
+TASK_FIELDS = {
+    "generate": (),
+    "embed": (pa.field("embedding", pa.list_(pa.float32())),),
+    "classify": (pa.field("scores", pa.list_(pa.float32())),),   # one per label, the head's raw outputs
+    "loglik": (pa.field("completion_logprob", pa.float64()),      # sum over the completion's tokens
+               pa.field("completion_logprobs", pa.list_(pa.float32())),
+               pa.field("num_completion_tokens", pa.int64())),
+}
+
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
-                  tools: bool = False, adapter: bool = False) -> pa.Schema:
+                  tools: bool = False, task: str = "generate", adapter: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
-    ``tool_call_warning`` when rows can carry tools, ``adapter`` when rows name a LoRA adapter)."""
+    ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
+    ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
-    extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + ((ADAPTER_FIELD,) if adapter
-                                                                                       else ())
-    for field in extra:
+    extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]
+    for field in extra + ((ADAPTER_FIELD,) if adapter else ()):
         schema = schema.append(field)
     return schema
 

@@ -239,6 +239,44 @@ class ShardColumns:
                             parts={int(new_index[i]): v for i, v in self.parts.items()},
                             extra={int(new_index[i]): v for i, v in self.extra.items()})
 
+    def take(self, indices: np.ndarray) -> ShardColumns:
+        """These rows only, in this order (an incremental run keeps the committed shards of earlier runs)."""
+        indices = np.asarray(indices, np.int64)
+        keep = np.zeros(len(self), bool)
+        keep[indices] = True
+        new_index = np.full(len(self), -1, np.int64)
+        new_index[indices] = np.arange(len(indices))
+        kinds = self.error_kinds.copy()
+        kinds.drop(keep)
+        if len(kinds.shard):
+            kinds.shard = array("i", new_index[np.frombuffer(kinds.shard, np.int32)].astype(np.int32).tobytes())
+        return ShardColumns(shard_id=self.shard_id[indices], file=Codes(self.file.codes[indices], self.file.values),
+                            row_start=self.row_start[indices], row_end=self.row_end[indices],
+                            status=self.status[indices], counts=self.counts[indices], seconds=self.seconds[indices],
+                            worker_id=Codes(self.worker_id.codes[indices], self.worker_id.values),
+                            error=Codes(self.error.codes[indices], self.error.values), error_kinds=kinds,
+                            parts={int(new_index[i]): v for i, v in self.parts.items() if keep[i]},
+                            extra={int(new_index[i]): v for i, v in self.extra.items() if keep[i]})
+
+    def concat(self, other: ShardColumns) -> tuple[ShardColumns, list[int]]:
+        """This table's rows, then `other`'s; and, per file code of `other`, its code in the result."""
+        file_codes = Codes(self.file.codes, self.file.values)
+        file_map = [file_codes.code_of(v) for v in other.file.values]
+        out = ShardColumns(
+            shard_id=np.concatenate([self.shard_id, other.shard_id]).astype(bytes),
+            file=Codes(np.concatenate([self.file.codes, _recode(other.file.codes, file_map)]), file_codes.values),
+            row_start=np.concatenate([self.row_start, other.row_start]),
+            row_end=np.concatenate([self.row_end, other.row_end]),
+            status=np.concatenate([self.status, other.status]), counts=np.concatenate([self.counts, other.counts]),
+            seconds=np.concatenate([self.seconds, other.seconds]),
+            worker_id=_concat_codes(self.worker_id, other.worker_id), error=_concat_codes(self.error, other.error),
+            error_kinds=self.error_kinds.copy(), parts=dict(self.parts), extra=dict(self.extra))
+        for index, kinds in other.error_kinds.by_shard().items():
+            out.error_kinds.add(len(self) + index, kinds)
+        out.parts.update({len(self) + i: v for i, v in other.parts.items()})
+        out.extra.update({len(self) + i: v for i, v in other.extra.items()})
+        return out, file_map
+
     def index_of(self, shard_id: str) -> int | None:
         """The row of an id of the form "<row>-<digest>" (how the driver names shards), else None."""
         head = shard_id.split("-", 1)[0]
@@ -252,6 +290,18 @@ class ShardColumns:
             mapping.pop(index, None)
         else:
             mapping[index] = value
+
+
+def _recode(codes: np.ndarray, mapping: list[int]) -> np.ndarray:
+    """Codes into another value list (`mapping[old] = new`; -1 stays -1)."""
+    table = np.array(mapping + [-1], np.int32)
+    return table[codes].astype(np.int32)
+
+
+def _concat_codes(first: Codes, second: Codes) -> Codes:
+    merged = Codes(first.codes, first.values)
+    mapping = [merged.code_of(v) for v in second.values]
+    return Codes(np.concatenate([first.codes, _recode(second.codes, mapping)]), merged.values)
 
 
 def _text(value: Any) -> str | None:

@@ -136,8 +136,27 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
 
         num_packed, why = pack_linears(model)
         info["cpu_gemm"] = f"{why}; {num_packed} layers" if num_packed else why
+    info.update(head_info(config, model_dir, model))
     tokenizer = load_tokenizer(model_dir)
     return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
+
+
+def head_info(config, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """The model's head, embedding size, pooling (models/heads.py) and label names, for embed / score jobs.
+
+    A pooling the engine cannot compute is recorded as ``pooling_error`` (an embed job refuses it; a
+    generation job does not care)."""
+    from jobrunner.models.heads import label_names, pooling_config
+
+    shape = model.shape
+    info: dict[str, Any] = {"head": getattr(shape, "head", "lm"), "hidden_size": shape.hidden_size}
+    try:
+        info.update(pooling_config(model_dir))
+    except ValueError as exc:
+        info.update(pooling=None, normalize=False, pooling_error=str(exc))
+    if info["head"] == "classifier":
+        info["labels"] = label_names(config)
+    return info
 
 
 def _max_positions(config, max_model_len: int | None) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from jobrunner.attention import AttentionMetadata, paged_attention
 from jobrunner.models import fused_ops, phi3
+from jobrunner.models.heads import split_architecture
 from jobrunner.models.moe import MoeShape, SparseMoeBlock, moe_shape
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
@@ -44,10 +45,13 @@ class ModelShape:
     # --- Gemma 2/3 (jobrunner.models.gemma.gemma_shape) ---
     layer_windows: tuple[int | None, ...] | None = None  # per layer when layers differ (local / global layers)
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    # --- the head on the decoder (models/heads.py): lm | classifier (`score`, num_labels outputs) | none ---
+    head: str = "lm"
+    num_labels: int = 0
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        arch, head = split_architecture((getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0])
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         bias = bool(getattr(config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
@@ -70,6 +74,8 @@ class ModelShape:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(config, arch),
             moe=moe_shape(config, arch),
+            head=head,
+            num_labels=int(getattr(config, "num_labels", 0) or 0) if head == "classifier" else 0,
         )
 
 
@@ -194,7 +200,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head. ``forward`` returns hidden states; ``compute_logits`` the logits."""
+    """The decoder stack plus its head. ``forward`` returns the final (normed) hidden states; ``compute_logits``
+    the LM head's logits; ``compute_scores`` a classifier's ``score`` head.
+
+    A ``...ForSequenceClassification`` or bare ``...Model`` checkpoint (``shape.head``) has no LM head unless its
+    embeddings are tied (then the tied head is free, and log-likelihoods can still be scored).
+    """
 
     lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
 
@@ -206,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        has_lm_head = s.head == "lm" or s.tie_word_embeddings
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False) if has_lm_head else None
+        self.score = nn.Linear(s.hidden_size, s.num_labels, bias=False) if s.head == "classifier" else None
         if s.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -225,4 +238,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise ValueError(f"{self.shape.architecture} checkpoint with head {self.shape.head!r} has no LM head")
         return self.lm_head(hidden)
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The classifier head on hidden states ``[rows, hidden]`` -> ``[rows, num_labels]``."""
+        if self.score is None:
+            raise ValueError(f"{self.shape.architecture} checkpoint has no classification (score) head")
+        return self.score(hidden)

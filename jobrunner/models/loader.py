@@ -9,6 +9,7 @@ import torch
 
 from jobrunner.models import moe
 from jobrunner.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
+from jobrunner.models.heads import split_architecture
 from jobrunner.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = (
@@ -34,12 +35,15 @@ _FUSED = {
 
 
 def check_architecture(config) -> str:
-    """The config's architecture, or a ValueError listing the supported ones."""
+    """The config's architecture, or a ValueError listing the supported ones (a Llama-family decoder may carry
+    a sequence-classification head or none: ``Qwen2ForSequenceClassification``, ``LlamaModel``)."""
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else f"<model_type={getattr(config, 'model_type', '?')}>"
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family, head = split_architecture(arch)
+    if family not in SUPPORTED_ARCHITECTURES or (head != "lm" and family in GEMMA_ARCHITECTURES):
         raise ValueError(
-            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and the "
+            "non-Gemma ones as ...ForSequenceClassification or bare ...Model checkpoints"
         )
     return arch
 
@@ -48,7 +52,7 @@ def build_model(config, dtype: torch.dtype, device: torch.device, max_positions:
                 ) -> LlamaForCausalLM:
     """An uninitialised model on ``device`` (weights to be loaded, or randomly initialised by the caller)."""
     arch = check_architecture(config)
-    model_class = GemmaForCausalLM if arch in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    model_class = GemmaForCausalLM if split_architecture(arch)[0] in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
         model = model_class(config, max_positions)
     model = model.to_empty(device=device).to(dtype=dtype)
@@ -83,7 +87,11 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | tuple | None
     if name.endswith("rotary_emb.inv_freq"):
         return None
     if name == "lm_head.weight":
-        return None if model.shape.tie_word_embeddings else ("lm_head.weight", None)
+        return None if model.shape.tie_word_embeddings or model.lm_head is None else ("lm_head.weight", None)
+    if name == "score.weight":
+        return ("score.weight", None) if getattr(model, "score", None) is not None else None
+    if model.shape.head == "none" and not name.startswith("model."):  # a bare decoder (AutoModel) checkpoint
+        name = "model." + name
     if name.startswith("model.") and not name.startswith("model.layers."):
         return name[len("model."):], None
     match = _LAYER.match(name)

@@ -22,8 +22,9 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     folded = fold_batches(iter_metric_batches(outputs, batch_rows), slo)
     price, price_source = mv.price_and_source(manifest, worker_hour_usd)
     time = _time(manifest, folded)
+    task = mv.task_info(manifest)
     cost = cost_figures(time["worker_seconds"], price, folded.input_tokens, folded.output_tokens,
-                        time["prefill_s"], time["decode_s"])
+                        time["prefill_s"], time["decode_s"], prefill_only=task["task"] != "generate")
     cost["price_source"] = price_source
     cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
     cost.update(reasoning_cost(cost, folded.output_tokens, folded.reasoning_tokens))
@@ -60,6 +61,7 @@ def _run(outputs: JobOutputs, folded: Folded) -> dict:
         "url": outputs.url,
         "job_name": job_name,
         "model": mv.model_info(manifest),
+        "task": mv.task_info(manifest),
         "jobrunner_version": mv.text(manifest, "jobrunner_version"),
         "started_at": started,
         "date": started[:10] if started else None,

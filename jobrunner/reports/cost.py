@@ -9,7 +9,8 @@
 Worker-seconds count from each worker's process start (actor start and model load included, as a cloud
 bill does; reports show that start-up share on its own line). Time a worker spent neither in prefill nor
 decode (start-up, waiting for shards) is shared in the same proportion.
-A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf.
+A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf. An embed /
+score job only prefills: its whole cost is input cost (prefill_share 1), so $ / M input tokens is its price.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def prefill_share(prefill_s: float, decode_s: float) -> float | None:
 
 
 def cost_figures(worker_seconds: float | None, worker_hour_usd: float | None, input_tokens: int,
-                 output_tokens: int, prefill_s: float, decode_s: float) -> dict:
-    """The cost block of a report (see the module docstring for the formula)."""
+                 output_tokens: int, prefill_s: float, decode_s: float, prefill_only: bool = False) -> dict:
+    """The cost block of a report (see the module docstring for the formula). ``prefill_only``: an embed /
+    score job, whose whole cost is input cost (no output tokens by design, not by failure)."""
+    if prefill_only:
+        prefill_s, decode_s = prefill_s + decode_s, 0.0
     total_usd = None
     if worker_seconds is not None and worker_hour_usd is not None:
         total_usd = worker_seconds * worker_hour_usd / 3600.0
@@ -53,12 +57,12 @@ def cost_figures(worker_seconds: float | None, worker_hour_usd: float | None, in
         "usd_per_m_input": per_million(input_usd, input_tokens),
         "usd_per_m_output": per_million(output_usd, output_tokens),
         "usd_per_m_total": per_million(total_usd, input_tokens + output_tokens),
-        "notes": _cost_notes(worker_seconds, worker_hour_usd, share, input_tokens, output_tokens),
+        "notes": _cost_notes(worker_seconds, worker_hour_usd, share, input_tokens, output_tokens, prefill_only),
     }
 
 
 def _cost_notes(worker_seconds: float | None, worker_hour_usd: float | None, share: float | None,
-                input_tokens: int, output_tokens: int) -> list[str]:
+                input_tokens: int, output_tokens: int, prefill_only: bool = False) -> list[str]:
     notes = []
     if worker_hour_usd is None:
         notes.append("no price: pass --worker-hour-usd or set cost.worker_hour_usd in the job spec")
@@ -68,6 +72,8 @@ def _cost_notes(worker_seconds: float | None, worker_hour_usd: float | None, sha
         notes.append("no engine prefill/decode time in the manifest: input/output split unavailable")
     if input_tokens + output_tokens == 0:
         notes.append("no tokens processed: $ per million tokens undefined")
+    elif prefill_only:
+        notes.append("embed / score job: prefill only, so the whole cost is input cost ($ / M input tokens)")
     elif output_tokens == 0:
         notes.append("zero output tokens: $ per million output tokens undefined")
     return notes

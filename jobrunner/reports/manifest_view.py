@@ -88,6 +88,18 @@ def model_info(manifest: dict | None) -> dict:
     return {key: text(model, key) for key in ("source", "dtype", "dtype_reason", "quantization", "architecture")}
 
 
+def task_info(manifest: dict | None) -> dict:
+    """The job's task (generate for outputs written before embed / score jobs), its pooling and embedding size
+    or label names (the manifest's model section, driver/pooled.py)."""
+    manifest = manifest or {}
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    labels = model.get("labels")
+    return {"task": text(manifest, "task") or "generate", "kind": text(model, "task"),
+            "pooling": text(model, "pooling"), "normalize": model.get("normalize") if model.get("task") else None,
+            "embedding_dim": number(model, "embedding_dim"),
+            "labels": [str(x) for x in labels] if isinstance(labels, list) else None}
+
+
 def text(mapping: Any, key: str) -> str | None:
     """mapping[key] if it is a non-empty string, else None."""
     value = mapping.get(key) if isinstance(mapping, dict) else None

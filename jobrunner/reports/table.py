@@ -151,6 +151,16 @@ JSON_FIGURES: list[Figure] = [
 ]
 
 
+# Only when some run is an embed / score job (prefill only): what it computed and its input throughput.
+TASK_FIGURES: list[Figure] = [
+    Figure("run", "task", ("run", "task", "kind"), fmt_text, False),
+    Figure("run", "pooling", ("run", "task", "pooling"), fmt_text, False),
+    Figure("run", "embedding dimension", ("run", "task", "embedding_dim"), fmt_int, False),
+    Figure("throughput", "input tokens/s", ("throughput", "input_tokens_per_s"), fmt_float),
+    Figure("throughput", "input tokens/s per worker", ("throughput", "input_tokens_per_worker_s"), fmt_float),
+]
+
+
 def finish_reasons_line(report: dict) -> str:
     """"finish reasons: stop 60, length 4" (most frequent first)."""
     reasons = sorted(report["rows"]["finish_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
@@ -172,6 +182,9 @@ def figures_for(reports: list[dict]) -> list[Figure]:
     figures = list(FIGURES)
     if any((report.get("rows") or {}).get("json_checked") for report in reports):
         _insert_after_section(figures, "rows", JSON_FIGURES)
+    if any(((report.get("run") or {}).get("task") or {}).get("kind") for report in reports):
+        _insert_after_section(figures, "run", TASK_FIGURES[:3])
+        _insert_after_section(figures, "throughput", TASK_FIGURES[3:])
     if any((report.get("tokens") or {}).get("reasoning") for report in reports):
         _insert_after_section(figures, "tokens", REASONING_FIGURES[:2])
         _insert_after_section(figures, "cost", REASONING_FIGURES[2:])

@@ -60,7 +60,11 @@ def test_completions_body():
     ({"prompt": ["a", "b"]}, "/v1/completions", "one non-empty string"),
     ({"prompt": "a", "echo": True}, "/v1/completions", "body.echo"),
     ({"prompt": "a", "messages": []}, "/v1/completions", r"messages not supported for /v1/completions"),
-    ({"input": "a"}, "/v1/embeddings", "url '/v1/embeddings': must be one of"),
+    ({"input": "a"}, "/v1/moderations", "url '/v1/moderations': must be one of"),
+    ({"input": ["a", "b"]}, "/v1/embeddings", "one input per line"),
+    ({"input": "a", "dimensions": 8}, "/v1/embeddings", "body.dimensions"),
+    ({"input": "a", "encoding_format": "base64"}, "/v1/embeddings", "only float"),
+    ({"input": "a", "temperature": 0}, "/v1/embeddings", "temperature not supported for /v1/embeddings"),
 ])
 def test_bad_requests_name_the_field(body, url, message):
     with pytest.raises(ValueError, match=message):

@@ -168,3 +168,13 @@ def test_another_jobs_committed_output_is_a_conflict_naming_both_names(tmp_path)
     with pytest.raises(ResumeError, match=r"committed shard\(s\) written with other settings:\n  name: 'fake-job' "
                                           r"-> 'nightly' \(another job's output"):
         open_output(other, *planned(other))
+
+
+def test_task_and_pooling_are_part_of_the_resume_check():
+    from jobrunner.driver.resume_check import spec_differences
+
+    old = {"model": {}, "sampling": {}, "input": {}}  # written before embed / score jobs: it generated
+    assert spec_differences(old, {**old, "task": "generate", "embed": {"pooling": "auto", "normalize": "auto"}}) == []
+    changed = spec_differences(old, {**old, "task": "embed", "embed": {"pooling": "mean", "normalize": "auto"},
+                                     "input": {"completion_column": None}})
+    assert [(f, new) for f, _, new in changed] == [("embed.pooling", "mean"), ("task", "embed")]

@@ -24,12 +24,14 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks of the longest cached prefix of ``request`` (full blocks only, never the last token).
 
-        The last token is always recomputed so the step that finishes the prompt produces logits.
+        The last token is always recomputed so the step that finishes the prompt produces logits; a
+        prefill-only request also recomputes every position it reads (``first_needed_position``, e.g. all of
+        them for mean pooling).
         """
         if not self.enable_prefix_caching:
             return []
         token_ids = request.all_token_ids
-        num_full = (len(token_ids) - 1) // self.block_size
+        num_full = min(len(token_ids) - 1, request.first_needed_position) // self.block_size
         self._extend_hashes(request, token_ids, num_full)
         block_ids = []
         for i in range(num_full):
