@@ -50,6 +50,24 @@ class ModelSpec(_Spec):
         "on CUDA sm89+, dequantized elsewhere); w8a8 = int8 weights and per-token int8 activations (CPUs with "
         "VNNI / AMX; int8 weight-only elsewhere). See docs/quantization.md."
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters rows can name in input.adapter_column: {name: source}, each a PEFT LoRA adapter "
+        "directory (adapter_config.json + adapter_model.safetensors) as a local directory, Hugging Face Hub id or "
+        "storage URL, fetched like the model. Rows of different adapters are batched together (docs/engine.md, "
+        "LoRA adapters).",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, source in value.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"model.adapters: adapter name {name!r} must be non-empty, without surrounding "
+                                 "blanks")
+            if not isinstance(source, str) or not source.strip():
+                raise ValueError(f"model.adapters.{name}: the source must be a non-empty string")
+        return value
 
 
 class InputSpec(_Spec):
@@ -76,6 +94,11 @@ class InputSpec(_Spec):
     sampling_column: str | None = Field(
         default=None,
         description="Optional column of per-row sampling overrides (a JSON object string or a struct).",
+    )
+    adapter_column: str | None = Field(
+        default=None,
+        description="Optional column naming each row's LoRA adapter (a key of model.adapters); null or empty "
+        "runs the base model. A name not in model.adapters makes that row an error row.",
     )
     rows_per_shard: int = Field(
         default=1000, ge=1, description="About this many rows per shard (and per output part file)."
@@ -170,9 +193,9 @@ class InputSpec(_Spec):
         return self
 
 
-_OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "system_prompt",
-                       "system_prompt_column", "chat_template_kwargs_column", "tools", "tools_column",
-                       "tool_choice")
+_OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "adapter_column",
+                       "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
+                       "tools_column", "tool_choice")
 
 
 # The sampling and engine keys, their types, bounds and descriptions are the engine's own fields (declared once,
@@ -426,6 +449,18 @@ class JobSpec(_Spec):
         if self.input.format == "openai_batch" and self.task != "embed":
             raise ValueError("input.format openai_batch runs task generate (/v1/chat/completions, /v1/completions) "
                              "or task embed (/v1/embeddings); task score reads prompt and completion columns")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> JobSpec:
+        if self.input.adapter_column and not self.model.adapters:
+            raise ValueError("input.adapter_column names each row's adapter: set model.adapters ({name: source})")
+        if self.model.adapters and self.engine.deterministic:
+            raise ValueError("engine.deterministic is not supported with model.adapters (docs/engine.md, LoRA "
+                             "adapters)")
+        if self.model.adapters and self.engine.factory is None and self.engine.use_cuda_graphs:
+            raise ValueError("engine.use_cuda_graphs is not supported with model.adapters (docs/engine.md, LoRA "
+                             "adapters)")
         return self
 
     @property

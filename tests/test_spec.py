@@ -203,6 +203,23 @@ def test_openai_batch_takes_no_column_names():
         spec_from_dict(_minimal(output={"url": "o", "keep_columns": "all"}))
 
 
+def test_lora_adapter_keys():
+    spec = spec_from_dict(_minimal(model={"adapters": {"sql": "org/sql-lora", "chat": "s3://b/chat"}},
+                                   input={"url": "x.parquet", "prompt_column": "p", "adapter_column": "lora"}))
+    assert spec.model.adapters == {"sql": "org/sql-lora", "chat": "s3://b/chat"}
+    assert spec.input.adapter_column == "lora"
+    adapter_input = {"url": "x.parquet", "prompt_column": "p", "adapter_column": "lora"}
+    with pytest.raises(SpecError, match="input.adapter_column.*model.adapters"):
+        spec_from_dict(_minimal(input=adapter_input))
+    with pytest.raises(SpecError, match="engine.deterministic is not supported with model.adapters"):
+        spec_from_dict(_minimal(model={"adapters": {"a": "d"}}, engine={"deterministic": True}))
+    with pytest.raises(SpecError, match="adapter name ' a'"):
+        spec_from_dict(_minimal(model={"adapters": {" a": "d"}}))
+    with pytest.raises(SpecError, match="adapter_column"):
+        spec_from_dict(_minimal(model={"adapters": {"a": "d"}},
+                                input={"url": "x.jsonl", "format": "openai_batch", "adapter_column": "lora"}))
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"input": {"url": "x", "prompt_column": "p", "completion_column": "c"}},
      r"input\.completion_column is scored by task: score"),

@@ -29,7 +29,7 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.command()
 @click.option("--prompts", "prompts_path", default=None, type=click.Path(dir_okay=False),
               help="A .jsonl or .parquet file with a 'prompt' (text) or 'messages' (chat) column (required "
-                   "unless --calibrate-dtype, --quant-kernels or --gemm-paths).")
+                   "unless --calibrate-dtype, --quant-kernels, --gemm-paths or --lora-steps).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=128, show_default=True,
               help="Use the first N rows.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
@@ -77,6 +77,9 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.option("--gemm-paths", is_flag=True,
               help="Microseconds of each float32 GEMM path (F.linear, our packed kernel, oneDNN) per SmolLM2 "
                    "layer shape at --batch-sizes rows (jobrunner.bench.gemm_paths).")
+@click.option("--lora-steps", is_flag=True,
+              help="Only time engine steps of 16 rows on --model with 4 random rank-16 LoRA adapters: rows "
+                   "without an adapter, all on one adapter, and mixed over the 4 (jobrunner.bench.lora_steps).")
 @click.option("--profile", is_flag=True,
               help="Also time each step's parts: attention, GEMMs (linear layers, lm_head), other model ops and "
                    "host work (scheduling, inputs, outputs), in total, per step and as a share of the step.")
@@ -89,7 +92,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
           quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
-          gemm_paths: bool, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
+          gemm_paths: bool, lora_steps: bool, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -112,8 +115,12 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     if gemm_paths:
         _gemm_paths(batch_sizes, as_json)
         return
+    if lora_steps:
+        _lora_steps(model, dtype, device, as_json)
+        return
     if prompts_path is None:
-        raise click.UsageError("--prompts is required (unless --calibrate-dtype, --quant-kernels or --gemm-paths)")
+        raise click.UsageError("--prompts is required (unless --calibrate-dtype, --quant-kernels, --gemm-paths or "
+                               "--lora-steps)")
     if no_prefix_caching and compare_prefix_caching:
         raise click.UsageError("--compare-prefix-caching runs both; drop --no-prefix-caching")
     try:
@@ -167,6 +174,16 @@ def _gemm_paths(batch_sizes: str, as_json: bool) -> None:
         echo(line)
     if as_json:
         echo(json.dumps({"gemm_paths": records}))
+
+
+def _lora_steps(model: str, dtype: str, device: str, as_json: bool) -> None:
+    from jobrunner.bench.lora_steps import lora_step_times, render_lora_steps
+
+    result = lora_step_times(model, dtype=dtype, device=device)
+    for line in render_lora_steps(result):
+        echo(line)
+    if as_json:
+        echo(json.dumps(result))
 
 
 def _batch_sizes(batch_sizes: str) -> list[int]:

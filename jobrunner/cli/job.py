@@ -43,7 +43,8 @@ def _check_model(spec) -> str:
         described = check_model_source(spec.model.source)
     except ModelSourceError as exc:
         raise _error(f"model.source: {exc}") from None
-    return described + _check_model_config(spec) + _check_draft_source(spec.engine.speculative)
+    return described + _check_model_config(spec) + _check_draft_source(spec.engine.speculative) + \
+        _check_adapter_sources(spec.model.adapters)
 
 
 def _check_model_config(spec) -> str:
@@ -61,6 +62,19 @@ def _check_model_config(spec) -> str:
     if check is None:
         return " (its architecture is checked when the alias is converted, on first load)"
     return "\n  " + check.describe(spec.model.dtype, spec.model.quantization)
+
+
+def _check_adapter_sources(adapters: dict[str, str]) -> str:
+    """'; adapter <name>: <what it is>' for each LoRA adapter (a local one's config checked now)."""
+    from jobrunner.models.adapter_sources import check_adapter_source
+
+    lines = []
+    for name, source in adapters.items():
+        try:
+            lines.append(f"\n  adapter {name}: {check_adapter_source(name, source)}")
+        except ValueError as exc:  # ModelSourceError, an unsupported adapter config
+            raise _error(f"model.adapters.{name}: {exc}") from None
+    return "".join(lines)
 
 
 def _check_draft_source(speculative: str) -> str:

@@ -31,8 +31,8 @@ def build_engine(spec: JobSpec) -> Any:
 
     config = EngineConfig(**engine_config_kwargs(spec))
     template = {"chat_template": spec.input.chat_template} if spec.input.chat_template else {}
-    return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype,
-                                 quantization=spec.model.quantization, config=config, **template)
+    return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype, quantization=spec.model.quantization,
+                                 config=config, adapters=dict(spec.model.adapters) or None, **template)
 
 
 def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
@@ -42,11 +42,15 @@ def describe_model(engine: Any, spec: JobSpec) -> dict[str, Any]:
     from jobrunner.driver.pooled import job_pooling, task_facts
 
     info = {"source": spec.model.source, "dtype": spec.model.dtype, "quantization": spec.model.quantization}
+    if spec.model.adapters:  # what the spec names; the engine's own record (rank, targets, bytes) below
+        info["adapters"] = [{"name": n, "source": s} for n, s in spec.model.adapters.items()]
     loaded = getattr(engine, "model_info", None)  # what the real engine says it loaded
     loaded = loaded if isinstance(loaded, dict) else None
     facts = task_facts(spec, loaded, job_pooling(spec, loaded))  # embed / score: pooling, dimension, labels
     if loaded is not None:
         info.update({k: v for k, v in loaded.items() if k not in ("device", "labels") and _is_plain(v)})
+        if isinstance(loaded.get("adapters"), list):
+            info["adapters"] = loaded["adapters"]  # [{name, source, rank, ranks, lora_alpha, targets, bytes}]
         return redact({**info, **facts})  # the job's pooling over the model's own default
     for key in ("dtype", "quantization", "architecture"):
         value = getattr(engine, key, None)

@@ -36,7 +36,8 @@ COMPACT_MIN_RECORDS = 500  # never compact more often than this many commits
 MAX_ERROR_KINDS = 50
 # Sections that must match for a resume to be safe (the same rows with the same settings).
 RESUME_SECTIONS = ("model", "sampling")
-RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "limit",
+RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "adapter_column",
+                     "limit",
                      "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
                      "tools_column", "tool_choice", "completion_column")
 
@@ -74,11 +75,19 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
         "task": spec.task,
-        "spec": spec.redacted(), "model": {"source": redact_text(spec.model.source), "dtype": spec.model.dtype,
-                                           "quantization": spec.model.quantization},
+        "spec": spec.redacted(), "model": _model_section(spec),
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
         "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [], "workers": {}, "totals": {},
     }
+
+
+def _model_section(spec: JobSpec) -> dict[str, Any]:
+    """The model as the spec names it (workers add what they loaded: Manifest.note_model)."""
+    model = {"source": redact_text(spec.model.source), "dtype": spec.model.dtype,
+             "quantization": spec.model.quantization}
+    if spec.model.adapters:
+        model["adapters"] = [{"name": n, "source": redact_text(s)} for n, s in spec.model.adapters.items()]
+    return model
 
 
 def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns, shards: ShardTable,

@@ -55,7 +55,8 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
     roles = {"prompt_column": inp.prompt_column, "messages_column": inp.messages_column,
              "id_column": inp.id_column, "sampling_column": inp.sampling_column,
              "system_prompt_column": inp.system_prompt_column,
-             "chat_template_kwargs_column": inp.chat_template_kwargs_column, "tools_column": inp.tools_column}
+             "chat_template_kwargs_column": inp.chat_template_kwargs_column, "tools_column": inp.tools_column,
+             "adapter_column": inp.adapter_column}
     return {role: column for role, column in roles.items() if column}
 
 

@@ -12,6 +12,7 @@ and counts the distinct chains of the whole job (driver/prefix_stats.py), whatev
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,12 @@ def read_shard_rows(spec: JobSpec, shard: Shard, output: Storage) -> tuple[pa.Ta
 
 
 def admission_order(spec: JobSpec, requests: list[RowRequest]) -> list[RowRequest]:
-    """The requests sorted by prompt text (then row), so rows sharing a prefix enter the engine one after
-    another and find its blocks cached; input order when prefix grouping is off."""
+    """The requests sorted by LoRA adapter, then prompt text (then row), so rows sharing a prefix (and an adapter:
+    the engine keys cached blocks by it) enter the engine one after another and find its blocks cached; input
+    order when prefix grouping is off."""
     if spec.input.prefix_grouping == "off":
         return requests
-    return sorted(requests, key=lambda r: (_prompt_text(r.prompt), r.row_index))
+    return sorted(requests, key=lambda r: (r.adapter or "", _prompt_text(r.prompt), r.row_index))
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -63,12 +65,14 @@ class PrefixChains:
         self.num_blocks = 0  # cacheable blocks over the prompts, (n - 1) // block_size each
         self.chains: set[int] = set()
 
-    def add(self, prompt_token_ids: Any, block_size: int) -> None:
-        """Count one prompt's cacheable block chains ((n - 1) // block_size of them)."""
+    def add(self, prompt_token_ids: Any, block_size: int, adapter: str | None = None) -> None:
+        """Count one prompt's cacheable block chains ((n - 1) // block_size of them); a prompt run with a LoRA
+        adapter starts its chain from the adapter's name (a stable checksum: workers must agree), as the
+        engine's cache keys its blocks by the adapter."""
         if not prompt_token_ids or block_size <= 0:
             return
         tokens = list(prompt_token_ids)
-        chain = 0
+        chain = zlib.crc32(adapter.encode()) if adapter else 0
         for i in range((len(tokens) - 1) // block_size):
             chain = hash((chain, *tokens[i * block_size:(i + 1) * block_size])) & CHAIN_MASK
             self.chains.add(chain)

@@ -49,6 +49,7 @@ class RowRequest:
     endpoint: str | None = None  # OpenAI batch rows: "chat", "completions" or "embeddings"
     tools: list[dict[str, Any]] | None = None  # the row's tools (they reach the template as `tools`)
     forced_tool: bool = False  # tool_choice required / named: the reply is one call's JSON
+    adapter: str | None = None  # the LoRA adapter it runs with (input.adapter_column; None: the base model)
     num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
 
 
@@ -84,12 +85,17 @@ def has_tools(spec: JobSpec) -> bool:
     return (bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)) and is_generating(spec)
 
 
+def has_adapters(spec: JobSpec) -> bool:
+    """Whether rows name a LoRA adapter (so the output has the ``adapter`` column)."""
+    return bool(spec.input.adapter_column)
+
+
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
     columns with a reasoning parser, the tool-call columns where rows can carry tools, an embed / score job's
-    result columns)."""
+    result columns, ``adapter`` where rows name an adapter)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
-                         output_task(spec))
+                         output_task(spec), has_adapters(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -98,7 +104,7 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, ROW_ERROR]
+            inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, inp.adapter_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -186,6 +192,7 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
         return req
     req.chat_template_kwargs = dict(spec.input.chat_template_kwargs) or None
     try:
+        req.adapter = _row_adapter(spec, row, rid)
         if is_openai_batch(spec):
             _fill_openai(req, row, sampling)
         else:
@@ -217,6 +224,20 @@ def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams 
     req.params = _params(sampling, parsed.overrides, None)
     if parsed.endpoint == "chat":
         _give_tools(req, parsed.tools, parsed.tool_choice)
+
+
+def _row_adapter(spec: JobSpec, row: dict[str, Any], rid: str) -> str | None:
+    """The row's LoRA adapter (a key of model.adapters), None for the base model (no column, null or empty)."""
+    column = spec.input.adapter_column
+    value = row.get(column) if column else None
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"adapter column {column!r} holds {type(value).__name__}, not an adapter name (row {rid})")
+    if value not in spec.model.adapters:
+        raise ValueError(f"adapter column {column!r}: unknown adapter {value!r} (row {rid}); model.adapters: "
+                         f"{', '.join(spec.model.adapters)}")
+    return value
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -321,7 +342,7 @@ def pooled_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
     failed = out.finish_reason == "error"
     row = {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": out.finish_reason,
            "error": out.error or ("engine error" if failed else None), "sample_index": 0, "prompt_shared": False,
-           "logprobs": None, "prompt_logprobs": None}
+           "logprobs": None, "prompt_logprobs": None, "adapter": req.adapter}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):
@@ -334,7 +355,7 @@ def error_row(req: RowRequest) -> dict[str, Any]:
     """The output row of a row that never reached the engine (one row, whatever n was asked)."""
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
             "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
-            "sample_index": 0, "prompt_shared": False}
+            "sample_index": 0, "prompt_shared": False, "adapter": req.adapter}
 
 
 def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
@@ -361,7 +382,7 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
            "sample_index": int(getattr(out, "sample_index", 0) or 0),
            "prompt_shared": bool(metrics.get("prompt_shared")),
            "logprobs": token_logprobs(getattr(out, "logprobs", None)),
-           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None))}
+           "prompt_logprobs": token_logprobs(getattr(out, "prompt_logprobs", None)), "adapter": req.adapter}
     for key in ("num_prompt_tokens", "num_cached_tokens", "num_output_tokens"):
         row[key] = int(metrics.get(key) or 0)
     for key in ("ttft_s", "itl_mean_s", "e2e_s", "queue_s"):

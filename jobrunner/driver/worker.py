@@ -344,6 +344,8 @@ class ShardRunner:
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = _request_id(state, req)
         kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
+        if req.adapter:  # only then: an engine without adapters need not know the keyword
+            kwargs["adapter"] = req.adapter
         try:
             self._engine_call("add_request", lambda: self.engine.add_request(request_id, req.prompt, req.params,
                                                                              **kwargs))
@@ -388,7 +390,8 @@ class ShardRunner:
             state.cost.rows_isolated += 1
         row["finish_time_s"] = time.time() - self.job_start_s
         if not getattr(out, "sample_index", 0) and row.get("error") is None:
-            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec))
+            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec),
+                             req.adapter)
         samples = self._samples.setdefault(out.request_id, [])
         samples.append(row)
         req.num_finished += 1

@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from jobrunner.engine.adapters import (
+    adapter_workspace_bytes,
+    check_engine_with_adapters,
+    load_adapters_onto,
+    record_adapters,
+)
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.long_rope import make_long_rope_switch
@@ -46,6 +52,9 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_info = dict(model_info or {})
+        self.adapters = model.lora  # LoRA adapters attached to the model (engine/adapters.py), or None
+        check_engine_with_adapters(self.adapters, self.config, self.device)
+        record_adapters(self.adapters, self.model_info)
         # speculative = a model source: the draft model (loaded here unless given), its KV beside ours
         self.draft = prepare_draft(self.config, model, tokenizer, self.model_info, draft)
         num_blocks = self._num_kv_blocks()
@@ -83,10 +92,11 @@ class LLMEngine:
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",
                     config: EngineConfig | None = None, chat_template: str | None = None,
-                    **load_options: Any) -> LLMEngine:
+                    adapters: dict[str, str] | None = None, **load_options: Any) -> LLMEngine:
         """Load a model (alias, local dir, Hub id or fsspec URL) and build an engine over it.
 
-        ``chat_template``: a Jinja chat template used instead of the tokenizer's own.
+        ``chat_template``: a Jinja chat template used instead of the tokenizer's own. ``adapters``: PEFT LoRA
+        adapters by name (``{name: source}``; sources fetched like the model's), for requests to name.
         """
         from jobrunner.models.factory import load_for_engine
 
@@ -94,12 +104,15 @@ class LLMEngine:
         model, tokenizer, eos_ids, info = load_for_engine(
             source, dtype=dtype if dtype != "auto" else config.dtype, device=config.device,
             quantization=quantization, max_model_len=config.max_model_len, **load_options)
+        if adapters:
+            options = {k: load_options[k] for k in ("cache_dir", "storage_options") if k in load_options}
+            load_adapters_onto(model, adapters, **options)
         return cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template)
 
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
-                    *, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                    *, chat_template_kwargs: dict[str, Any] | None = None, adapter: str | None = None) -> None:
         """Queue one request (``params.n`` samples of it, all answered with this ``request_id``).
 
         With :class:`~jobrunner.engine.pooling.PoolingParams` the request is prefill-only: it samples nothing
@@ -110,7 +123,8 @@ class LLMEngine:
         with ``finish_reason="error"`` on the next ``step``. Raises ``ValueError`` for a duplicate id and for an
         invalid structured-output spec (bad or unsupported JSON schema, bad regex), which the caller turns
         into a per-row error. ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g.
-        ``{"enable_thinking": False}``).
+        ``{"enable_thinking": False}``). ``adapter``: the LoRA adapter the request runs with (a name given at
+        load; None or "" is the base model); an unknown name finishes the request with an error naming it.
         """
         if request_id in self._request_ids:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -127,7 +141,11 @@ class LLMEngine:
             error = self._admission_error(token_ids) or self._pooling_error(pooling, num_prompt_tokens)
         except Exception as exc:  # a broken chat template or odd input: that request only
             token_ids, error = [], f"could not tokenize the prompt: {exc}"
+        adapter_id, adapter_error = self._adapter_id(adapter)
+        error = adapter_error or error
         samples = self._make_samples(request_id, token_ids, params, now)
+        for request in samples:
+            request.adapter, request.adapter_id = adapter or None, adapter_id
         if pooling is not None:
             samples[0].make_pooling(pooling, num_prompt_tokens)
         self._request_ids[request_id] = len(samples)
@@ -146,6 +164,17 @@ class LLMEngine:
             request.grammar = grammar_factory() if grammar_factory is not None else None
         samples[0].siblings = samples[1:]  # forked from sample 0 once its prompt is computed
         self.scheduler.add(samples[0])
+
+    def _adapter_id(self, name: str | None) -> tuple[int, str | None]:
+        """The id of adapter ``name`` (0: the base model), or an error naming it and the known ones."""
+        if not name:
+            return 0, None
+        if self.adapters is None:
+            return 0, f"unknown adapter {name!r}: the model has no adapters (model.adapters)"
+        try:
+            return self.adapters.id_of(name), None
+        except ValueError as exc:
+            return 0, str(exc)
 
     def _completion_ids(self, completion: str | list[int]) -> list[int]:
         """A scored completion's token ids: its text tokenized without special tokens, or ids as given."""
@@ -202,8 +231,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
         return items
 
-    def prompt_logprobs(self, prompt: Prompt) -> list[float]:
-        """Log-probability of each prompt token given the tokens before it (``len(tokens) - 1`` values).
+    def prompt_logprobs(self, prompt: Prompt, adapter: str | None = None) -> list[float]:
+        """Log-probability of each prompt token given the tokens before it (``len(tokens) - 1`` values), with
+        LoRA adapter ``adapter`` (None: the base model).
 
         Runs one causal prefill over a private KV buffer (``jobrunner.engine.scoring``): it does not touch
         the KV pool, so it may be called between steps while requests are running.
@@ -214,7 +244,10 @@ class LLMEngine:
         limit = self.model.rotary.max_positions  # the positions this model was built for (<= its config's)
         if len(token_ids) > limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the model context is {limit}")
-        logits = sequence_logits(self.model, token_ids)[:-1]
+        adapter_id, error = self._adapter_id(adapter)
+        if error:
+            raise ValueError(error)
+        logits = sequence_logits(self.model, token_ids, adapter_id)[:-1]
         targets = torch.tensor(token_ids[1:], device=logits.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
 
@@ -234,7 +267,8 @@ class LLMEngine:
 
         if len(token_ids) > self.model.rotary.max_positions:
             return f"prompt has {len(token_ids)} tokens; too long to score for prompt_logprobs"
-        entries = prompt_logprob_entries(sequence_logits(self.model, token_ids), token_ids, k)
+        logits = sequence_logits(self.model, token_ids, samples[0].adapter_id)
+        entries = prompt_logprob_entries(logits, token_ids, k)
         values = [None if e is None else self._token_texts.entry(e) for e in entries]
         for request in samples:
             request.prompt_logprobs = values
@@ -427,6 +461,8 @@ class LLMEngine:
         return [outputs[key] for key in sorted(outputs, key=lambda key: (order[key[0]], key[1]))]
 
     def _decode_graphs_mode(self) -> str:
+        if self.adapters is not None:  # each step's per-adapter row groups: eager steps only (engine/adapters.py)
+            return "off"
         if self.device.type == "cuda" and self.config.use_cuda_graphs:
             if getattr(self.model.shape, "moe", None) is not None:
                 raise ValueError("engine.use_cuda_graphs is not supported for mixture-of-experts models: their "
@@ -443,9 +479,10 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
         if self.draft is not None:  # every block has a draft-model block beside it: the budget holds both
             per_block += self.draft.kv_bytes_per_block(cfg.block_size)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the adapters' weights are on the device already: not free
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization)
+            budget -= adapter_workspace_bytes(self.adapters, self.model, cfg.max_num_batched_tokens)
         else:
             budget = cfg.kv_cache_memory_bytes or 2 * 1024**3
         return max(1, budget // per_block)

@@ -175,7 +175,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         layout, lists = self._layout(sched.scheduled)
-        step = self._forward(layout, lists)
+        step = self._forward_with_adapters(sched.scheduled, layout, lists)
         self._pool(sched.scheduled, step.hidden, layout.query_starts)
         sampling = [s for s in sched.scheduled if s.samples]
         verified = None
@@ -186,6 +186,18 @@ class ModelRunner:
             sampled, logprobs = self._sample(step.hidden, step.sample_rows, sampling)
         num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
         return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, step.fixed_shape, verified)
+
+    def _forward_with_adapters(self, scheduled: list[ScheduledRequest], layout: StepLayout,
+                               lists: StepLists) -> StepForward:
+        """The step's forward with each row's LoRA adapter (models/lora.py): the token rows of every adapter in
+        the step, found once here, are what each adapted layer reads."""
+        adapters = self.model.lora
+        row_adapters = [s.request.adapter_id for s in scheduled]
+        if adapters is None or not any(row_adapters):
+            return self._forward(layout, lists)
+        groups = adapters.token_groups(row_adapters, layout.query_starts, layout.query_lens, self.device)
+        with adapters.step(groups):
+            return self._forward(layout, lists)
 
     def _forward(self, layout: StepLayout, lists: StepLists) -> StepForward:
         """The step through the backend's step runner; a failing backend gives way to the fall-back one."""

@@ -173,6 +173,8 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.block_hashes: list[int] = []
         self.rope_table = 0  # the rope table its KV is rotated with: longrope's long one is 1 (engine/long_rope.py)
+        self.adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)
+        self.adapter_id = 0  # that adapter's id in the model's AdapterSet (models/lora.py); 0 = base model
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.text = ""

@@ -16,8 +16,9 @@ SCORE_BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Float32 logits ``[T, vocab]`` of ``token_ids`` through ``model`` (row i predicts token i + 1)."""
+def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int], adapter_id: int = 0) -> torch.Tensor:
+    """Float32 logits ``[T, vocab]`` of ``token_ids`` through ``model`` (row i predicts token i + 1), with the
+    LoRA adapter ``adapter_id`` of ``model.lora`` (0: the base model)."""
     if not token_ids:
         raise ValueError("cannot score an empty sequence")
     s = model.shape
@@ -39,4 +40,7 @@ def sequence_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     ids = torch.tensor(list(token_ids), device=dev)
     rotary = model.rotary
     positions = index + rotary.table_offset(1) if rotary.uses_long_table(num_tokens) else index  # longrope
+    if adapter_id:
+        with model.lora.step([(adapter_id, slice(0, num_tokens))]):
+            return model.compute_logits(model(ids, positions, meta, kv)).float()
     return model.compute_logits(model(ids, positions, meta, kv)).float()

@@ -28,18 +28,20 @@ def fetch_model_dir(
     cache_root: str | Path,
     *,
     patterns: list[str],
+    required: str = "config.json",
 ) -> Path:
     """Return a local copy of the model directory at `url`, downloading it only when it changed.
 
-    `patterns` (fnmatch, on file names): which top-level files make the model (`models.sources.fetch_patterns`). Raises
-    FileNotFoundError if `url` lists no files, ValueError if it has no `config.json`.
+    `patterns` (fnmatch, on file names): which top-level files make the model (`models.sources.fetch_patterns`).
+    `required`: the file the directory must hold (a LoRA adapter's: `adapter_config.json`). Raises
+    FileNotFoundError if `url` lists no files, ValueError if it has no `required` file.
     """
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     name_to_info = list_model_files(fs, root, patterns)
     if not name_to_info:
         raise FileNotFoundError(f"model URL {url!r}: no model files found there")
-    if "config.json" not in name_to_info:
-        raise ValueError(f"model URL {url!r}: no config.json in {sorted(name_to_info)}")
+    if required not in name_to_info:
+        raise ValueError(f"model URL {url!r}: no {required} in {sorted(name_to_info)}")
     target = Path(cache_root).expanduser() / cache_key(url, storage_options, name_to_info)
     return build_dir_once(target, lambda tmp: download_files(fs, name_to_info, tmp))
 

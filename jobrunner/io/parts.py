@@ -55,6 +55,8 @@ REASONING_FIELDS = (pa.field("reasoning", pa.string()), pa.field("num_reasoning_
 TOOL_CALL_TYPE = pa.struct([("id", pa.string()), ("type", pa.string()),
                             ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
 TOOL_FIELDS = (pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)), pa.field("tool_call_warning", pa.string()))
+# Only in jobs with input.adapter_column: the LoRA adapter the row ran with (null: the base model).
+ADAPTER_FIELD = pa.field("adapter", pa.string())
 
 # Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
 TASK_FIELDS = {
@@ -68,14 +70,15 @@ TASK_FIELDS = {
 
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
-                  tools: bool = False, task: str = "generate") -> pa.Schema:
+                  tools: bool = False, task: str = "generate", adapter: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
     ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
-    ``embed``, ``classify`` or ``loglik``)."""
+    ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
-    for field in (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]:
+    extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]
+    for field in extra + ((ADAPTER_FIELD,) if adapter else ()):
         schema = schema.append(field)
     return schema
 

@@ -178,6 +178,7 @@ _ROLE_CHECKS = {
     "chat_template_kwargs_column": (_is_overrides, "a struct/map column or a JSON string column"),
     "tools_column": (lambda t: _is_string(t) or t.startswith(("list<", "large_list<")),
                      "a list<struct> column or a JSON string column"),
+    "adapter_column": (_is_string, "a string column"),
 }
 
 

@@ -41,6 +41,9 @@ LATENCY_COLUMNS = ("ttft_s", "itl_mean_s", "e2e_s", "queue_s")
 STRING_COLUMNS = ("finish_reason", "error")
 JSON_VALID_COLUMN = "json_valid"  # only in jobs whose rows can have a JSON schema
 REASONING_TOKENS_COLUMN = "num_reasoning_tokens"  # only in jobs with a reasoning parser
+ADAPTER_COLUMN = "adapter"  # only in jobs whose rows name a LoRA adapter (null: the base model)
+BASE_MODEL = "(base model)"  # how the report names rows that ran without an adapter
+ADAPTER_FIGURES = ("rows", "errors", *TOKEN_COLUMNS)  # per adapter, summed over the job
 SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
@@ -81,6 +84,8 @@ class MetricBatch:
     finish_reason_to_count: dict[str, int]
     json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # rows with json_valid true / false
     num_reasoning_tokens: int | None = None  # this batch's reasoning tokens; None: the part has no such column
+    # adapter (BASE_MODEL for none) -> ADAPTER_FIGURES of its rows; None: the part has no adapter column
+    adapter_figures: dict[str, list[int]] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -240,7 +245,7 @@ def _check_columns(schema: pa.Schema, path: str) -> None:
 
 def _optional_columns(schema: pa.Schema) -> list[str]:
     """Metric columns older parts (or jobs without JSON schemas) may lack."""
-    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN, REASONING_TOKENS_COLUMN)
+    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN, REASONING_TOKENS_COLUMN, ADAPTER_COLUMN)
             if schema.get_field_index(name) >= 0]
 
 
@@ -262,17 +267,32 @@ def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
     error = batch.column("error")
     finish_reason = batch.column("finish_reason")
     is_error = pc.or_(pc.is_valid(error), pc.fill_null(pc.equal(finish_reason, "error"), False))
+    tokens = {name: counts(name) for name in TOKEN_COLUMNS}
+    is_error = is_error.to_numpy(zero_copy_only=False)
     return MetricBatch(
-        **{name: counts(name) for name in TOKEN_COLUMNS},
+        **tokens,
         **{name: seconds(name) for name in (*LATENCY_COLUMNS, "finish_time_s")},
-        is_error=is_error.to_numpy(zero_copy_only=False),
+        is_error=is_error,
         error_to_count=_value_counts(error),
         finish_reason_to_count=_value_counts(finish_reason),
         json_valid_to_count=_value_counts(batch.column(JSON_VALID_COLUMN)) if JSON_VALID_COLUMN in batch.schema.names
         else {},
         num_reasoning_tokens=int(pc.sum(batch.column(REASONING_TOKENS_COLUMN)).as_py() or 0)
         if REASONING_TOKENS_COLUMN in batch.schema.names else None,
+        adapter_figures=_adapter_figures(batch.column(ADAPTER_COLUMN), is_error, tokens)
+        if ADAPTER_COLUMN in batch.schema.names else None,
     )
+
+
+def _adapter_figures(adapter: pa.Array, is_error: np.ndarray, tokens: dict[str, np.ndarray]
+                     ) -> dict[str, list[int]]:
+    """Per adapter (null: BASE_MODEL): rows, errors and the token counts of its rows."""
+    names = np.asarray(pc.fill_null(adapter, BASE_MODEL).to_pylist(), dtype=object)
+    out = {}
+    for name in sorted(set(names.tolist())):
+        mine = names == name
+        out[name] = [int(mine.sum()), int(is_error[mine].sum()), *(int(tokens[t][mine].sum()) for t in TOKEN_COLUMNS)]
+    return out
 
 
 def _value_counts(column: pa.Array) -> dict[str, int]:

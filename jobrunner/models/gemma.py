@@ -179,6 +179,8 @@ def layer_type_inv_freq(config, layer_type: str, head_dim: int) -> tuple[torch.T
 class GemmaForCausalLM(nn.Module):
     """Gemma 2 / Gemma 3 text: the decoder stack plus the (tied) LM head, with final logit soft-capping."""
 
+    lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
+
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
         self.shape = gemma_shape(config)

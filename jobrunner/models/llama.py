@@ -207,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
     embeddings are tied (then the tied head is free, and log-likelihoods can still be scored).
     """
 
+    lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
+
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
         self.shape = ModelShape.from_config(config)

@@ -33,6 +33,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
         "tokens": _tokens(folded, manifest),
+        "adapters": _adapters(folded),
         "time": time,
         "throughput": _throughput(folded, time),
         "latency_s": {name: values.summary() for name, values in folded.latencies.items()},
@@ -96,6 +97,19 @@ def _rows(folded: Folded) -> dict:
             # rows checked against a JSON schema (json_valid true or false); None: no row had a schema
             "json_checked": checked or None, "json_invalid": invalid if checked else None,
             "json_valid_rate": ratio(checked - invalid, checked) if checked else None}
+
+
+def _adapters(folded: Folded) -> dict | None:
+    """Per LoRA adapter (and the base model): rows, errors, input / cached / output tokens, prefix-cache hit
+    rate; None when the rows name no adapter (the job has no input.adapter_column)."""
+    if folded.adapter_figures is None:
+        return None
+    out = {}
+    for name, figures in sorted(folded.adapter_figures.items()):
+        rows, errors, prompt, cached, output = figures
+        out[name] = {"rows": rows, "errors": errors, "input_tokens": prompt, "cached_tokens": cached,
+                     "output_tokens": output, "prefix_cache_hit_rate": ratio(cached, prompt)}
+    return out
 
 
 def _tokens(folded: Folded, manifest: dict | None) -> dict:

@@ -42,6 +42,7 @@ class Folded:
     finish_reason_to_count: dict[str, int] = field(default_factory=dict)
     json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # json_valid true / false (no nulls)
     reasoning_tokens: int | None = None  # None: no part has the num_reasoning_tokens column
+    adapter_figures: dict[str, list[int]] | None = None  # adapter -> ADAPTER_FIGURES; None: no adapter column
     latencies: dict[str, LatencyValues] = field(
         default_factory=lambda: {name: LatencyValues() for name in LATENCY_COLUMNS})
     input_timeline: TokenTimeline = field(default_factory=TokenTimeline)
@@ -72,6 +73,11 @@ def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
     add_counts(folded.json_valid_to_count, batch.json_valid_to_count)
     if batch.num_reasoning_tokens is not None:
         folded.reasoning_tokens = (folded.reasoning_tokens or 0) + batch.num_reasoning_tokens
+    if batch.adapter_figures is not None:
+        folded.adapter_figures = folded.adapter_figures or {}
+        for name, figures in batch.adapter_figures.items():
+            total = folded.adapter_figures.setdefault(name, [0] * len(figures))
+            total[:] = [a + b for a, b in zip(total, figures, strict=True)]
     finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
     if finite.size:
         folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))

@@ -58,11 +58,19 @@ def _notes(reports: list[dict], bullet: str) -> list[str]:
     for label, report in zip(run_labels(reports), reports, strict=True):
         items = [f"error {kind}: {count:,} rows" for kind, count in report["rows"]["errors_by_kind"].items()]
         items += [finish_reasons_line(report)] if report["rows"].get("finish_reasons") else []
+        items += [_adapter_line(name, figures) for name, figures in (report.get("adapters") or {}).items()]
         items += [f"cost: {note}" for note in report["cost"]["notes"]]
         items += [f"warning: {warning}" for warning in report["warnings"]]
         if items:
             lines += ["", f"{label}:"] + [bullet + item for item in items]
     return lines
+
+
+def _adapter_line(name: str, figures: dict) -> str:
+    """One adapter's rows and tokens, e.g. ``adapter sql: 120 rows (1 error), 9,600 input / 3,840 output tokens``."""
+    errors = f" ({figures['errors']:,} errors)" if figures["errors"] else ""
+    return (f"adapter {name}: {figures['rows']:,} rows{errors}, {figures['input_tokens']:,} input "
+            f"({figures['cached_tokens']:,} cached) / {figures['output_tokens']:,} output tokens")
 
 
 def _differences(reports: list[dict], bullet: str) -> list[str]:

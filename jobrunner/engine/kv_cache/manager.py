@@ -116,11 +116,15 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash_block(parent, self._block_key(request, token_ids, i)))
 
-    def _block_key(self, request: Request, token_ids: list[int], i: int) -> tuple[int, ...]:
+    def _block_key(self, request: Request, token_ids: list[int], i: int) -> tuple[int | str, ...]:
         """Block ``i``'s tokens, as hashed and confirmed; a block rotated with another rope table than the first
-        (longrope's long one, engine/long_rope.py) leads with a negative marker no token id can equal."""
+        (longrope's long one, engine/long_rope.py) leads with a negative marker no token id can equal, a block
+        computed with a LoRA adapter with the adapter's marker (a string: equal to no token id nor rope marker),
+        so rows of different adapters never share a block (their K/V differ from the first adapted layer on)."""
         chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-        return (-request.rope_table, *chunk) if request.rope_table else chunk
+        if request.rope_table:
+            chunk = (-request.rope_table, *chunk)
+        return (f"adapter:{request.adapter_id}", *chunk) if request.adapter_id else chunk
 
     def check_integrity(self, live_requests: list[Request]) -> None:
         """Pool consistency plus: every block's ref count equals the number of live requests holding it."""
