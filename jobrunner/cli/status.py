@@ -80,6 +80,9 @@ def _eta(s: dict[str, Any]) -> str:
 
 
 def _workers_line(w: dict[str, Any]) -> str:
+    if w["count"] and not w["ids"]:
+        return (f"{w['count']} in run {w['run_index'] + 1} (driver heartbeat; ids and devices recorded at the next "
+                f"compaction)")
     if not w["count"]:
         return (f"none recorded for run {w['run_index'] + 1} yet (the manifest is compacted every so many commits); "
                 f"{w['recorded_all_runs']} over all runs")

@@ -38,7 +38,7 @@ def job_status(state: OutputState, now_s: float | None = None) -> dict[str, Any]
     return {"url": state.url, "job_name": mv.text(manifest, "job_name"), "state": phase,
             "phase": live["phase"] if live else None, "rows": rows, "live": live,
             "shards": mv.shard_counts(manifest), "tokens": tokens, "speed": speed,
-            "workers": _workers(manifest, phase), "lease": lease, "model": mv.model_info(manifest),
+            "workers": _workers(manifest, phase, live), "lease": lease, "model": mv.model_info(manifest),
             "started_at": mv.text(manifest, "started_at"), "finished_at": mv.text(manifest, "finished_at"),
             "run_count": manifest.get("run_count"), "commit_records_pending": state.num_commit_records}
 
@@ -138,8 +138,10 @@ def _tokens_total(manifest: dict) -> int:
     return sum(_int(s.get("num_output_tokens")) for s in shards if s.get("status") == "committed")
 
 
-def _workers(manifest: dict, phase: str) -> dict[str, Any]:
-    """Workers recorded for the latest run (ids `w<i>` in run 0, `r<k>w<i>` in run k)."""
+def _workers(manifest: dict, phase: str, live: dict | None = None) -> dict[str, Any]:
+    """Workers recorded for the latest run (ids `w<i>` in run 0, `r<k>w<i>` in run k); while a run is going, at
+    least the number of workers its driver's last heartbeat counted (`live`: before any shard is committed the
+    manifest names none)."""
     records = mv.workers(manifest)
     run_count = _int(manifest.get("run_count")) or 1
     current = manifest.get("current_run") if isinstance(manifest.get("current_run"), dict) else {}
@@ -152,7 +154,9 @@ def _workers(manifest: dict, phase: str) -> dict[str, Any]:
     committed_by = {wid for wid in committed_by if _of_run(wid, prefix)}
     devices = Counter(str(w.get("device") or "?") for w in latest.values())
     nodes = sorted({str(w.get("node") or w.get("node_ip") or "?") for w in latest.values()})
-    return {"run_index": index, "count": len(set(latest) | committed_by), "ids": sorted(set(latest) | committed_by),
+    ids = sorted(set(latest) | committed_by)
+    live_count = live["workers"] if live else None
+    return {"run_index": index, "count": max(len(ids), live_count or 0), "ids": ids, "live": live_count,
             "devices": dict(devices), "nodes": nodes, "recorded_all_runs": len(records)}
 
 

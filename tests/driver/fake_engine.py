@@ -15,6 +15,7 @@ Gauges with known values (the real engine's keys): `kv_blocks=[used, total]` rep
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -54,11 +55,12 @@ class FakeEngine:
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
                  fail_on: str | None = None, hang_on: str | None = None, stall_on: str | None = None,
                  bad_text_on: str | None = None, kv_blocks: tuple[int, int] = (0, 0),
-                 cached_prompt_tokens: int = 0) -> None:
+                 cached_prompt_tokens: int = 0, hold_file: str | None = None) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.step_delay_s, self.fail_on, self.hang_on = step_delay_s, fail_on, hang_on
         self.stall_on, self.bad_text_on = stall_on, bad_text_on
         self.kv_blocks, self.cached_prompt_tokens = tuple(kv_blocks), cached_prompt_tokens
+        self.hold_file, self._num_finished = hold_file, 0
         self.tokenizer = None
         self.device = "cpu"
         self.architecture = "FakeForTests"
@@ -96,11 +98,21 @@ class FakeEngine:
     def rebuild(self) -> FakeEngine:
         """A fresh engine with the same settings (what the worker asks for after a crash)."""
         return FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
-                          self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens)
+                          self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens,
+                          self.hold_file)
+
+    def _hold(self) -> None:
+        """After the first finished row, wait (at most 120 s) until `hold_file` exists: a test sees the job
+        mid-run, with rows done and rows left, however slowly the machine runs."""
+        deadline = time.monotonic() + 120.0
+        while self._num_finished and not os.path.exists(self.hold_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        if self.hold_file:
+            self._hold()
         now = time.perf_counter()
         finished = [self._finish(r, now) for r in self._waiting if r.error]
         self._waiting = [r for r in self._waiting if not r.error]
@@ -131,6 +143,7 @@ class FakeEngine:
         return finished + [self._finish(r, now) for r in done]
 
     def _finish(self, req: _Req, now: float) -> RequestOutput:
+        self._num_finished += 1
         req.metrics.finish_time = now
         req.metrics.num_output_tokens = len(req.output)
         text = " ".join(f"tok{t}" for t in req.output)
@@ -145,14 +158,16 @@ class FakeEngine:
 def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
                 load_delay_s: float = 0.0, stall_on: str | None = None, bad_text_on: str | None = None,
                 no_rebuild: bool = False, kv_blocks: tuple[int, int] = (0, 0),
-                cached_prompt_tokens: int = 0) -> FakeEngine:
+                cached_prompt_tokens: int = 0, hold_file: str | None = None) -> FakeEngine:
     """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load;
-    no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash)."""
+    no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash; hold_file: steps
+    wait after the first finished row until this file exists)."""
     time.sleep(load_delay_s)
     cls = _NoRebuildEngine if no_rebuild else FakeEngine
     return cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
                step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
-               bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens)
+               bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens,
+               hold_file=hold_file)
 
 
 class _NoRebuildEngine(FakeEngine):

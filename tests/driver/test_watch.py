@@ -94,7 +94,10 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     write_prompts(tmp_path / "in.parquet", 64)
     out = str(tmp_path / "out")
     # known gauges: 3 of 8 KV blocks in use; the first of each prompt's 4 words a prefix-cache hit
-    engine = {"factory_options": {**SLOW["factory_options"], "kv_blocks": [3, 8], "cached_prompt_tokens": 1}}
+    # and the engine waits after its first finished rows until `go` exists: the job stays mid-run until seen
+    hold = tmp_path / "go"
+    engine = {"factory_options": {**SLOW["factory_options"], "kv_blocks": [3, 8], "cached_prompt_tokens": 1,
+                                  "hold_file": str(hold)}}
     spec = fake_spec(str(tmp_path / "in.parquet"), out, engine=engine, sampling={"max_tokens": 24},
                      output={"lease_ttl_s": 6})  # a heartbeat (with the driver's live counts) every second
     spec["name"] = "watch-job"
@@ -115,6 +118,7 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
         if seen and running_status and set(k[0] for k in seen) >= set(WORKER_SERIES + JOB_SERIES):
             break
         time.sleep(0.5)
+    hold.touch()
     thread.join(timeout=240)
     assert box["result"].ok
 
@@ -137,7 +141,7 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     assert not status["lease"]["expired"] and status["rows"]["total"] == 64
     assert 0 < status["rows"]["done"] < 64 and status["speed"]["basis"] == "this run so far (driver heartbeat)"
     assert status["live"]["phase"] == "running" and status["live"]["rows_total"] == 64
-    assert status["workers"]["count"] >= 1
+    assert status["workers"]["count"] >= 1 and status["workers"]["live"] >= 1
     assert "state    running" in text and "lease    run " in text and "last heartbeat" in text
     _keep("status_running.txt", text)
 
@@ -155,20 +159,26 @@ def test_status_on_object_storage_running_and_finished(metrics_ray, s3_server, t
     bucket = new_bucket(s3_server)
     write_prompts(f"s3://{bucket}/in.parquet", 32, storage_options=opts)
     out = f"s3://{bucket}/out"
-    spec = fake_spec(f"s3://{bucket}/in.parquet", out, storage_options=opts, engine=SLOW,
+    hold = tmp_path / "go"  # the engine waits after its first finished rows until this exists: no race with status
+    engine = {"factory_options": {**SLOW["factory_options"], "hold_file": str(hold)}}
+    spec = fake_spec(f"s3://{bucket}/in.parquet", out, storage_options=opts, engine=engine,
                      sampling={"max_tokens": 16}, cluster={"num_workers": 1})
     thread, box = _start_job(spec)
     flag = ["--storage-options", json.dumps(opts)]
     running = None
-    while thread.is_alive() and running is None:
+    deadline = time.monotonic() + 180
+    while thread.is_alive() and running is None and time.monotonic() < deadline:
         code, text = _status(out, "--json", *flag)
         if code == 0 and json.loads(text)["state"] == "running" and json.loads(text)["rows"]["done"] > 0:
             running = json.loads(text)
         time.sleep(0.3)
+    hold.touch()
     thread.join(timeout=240)
     assert box["result"].ok
     assert running is not None and running["lease"]["host"] == socket.gethostname()
-    assert running["workers"]["ids"] == ["w0"]
+    assert 0 < running["rows"]["done"] < 32 and running["workers"]["count"] == running["workers"]["live"] == 1
+    code, text = _status(out, "--json", *flag)
+    assert code == 0 and json.loads(text)["workers"]["ids"] == ["w0"], text
     code, text = _status(out, *flag)
     assert code == 0 and "32/32 (100.0%)" in text and "complete" in text, text
 
