@@ -147,7 +147,30 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     keep = spec.output.keep_columns
     columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
     echo(f"required columns present: {', '.join(columns)}")
+    for line in _prompt_length_lines(spec, plan):
+        echo(line)
     echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
+
+
+def _prompt_length_lines(spec, plan) -> list[str]:
+    """validate's prompt-length lines (driver/length_check.py): the rows' prompts tokenized as a worker would,
+    against the context; skipped (with the reason) when the tokenizer is not on this machine."""
+    if spec.engine.factory or not plan.num_rows:
+        return []
+    from jobrunner.driver.length_check import check_prompt_lengths, describe, tokenizer_for_check
+    from jobrunner.models.preflight import ConfigUnavailable, preflight
+    from jobrunner.models.sources import ModelSourceError
+
+    tokenizer, why = tokenizer_for_check(spec.model.source)
+    if tokenizer is None:
+        return [why]
+    try:
+        check = preflight(spec.model.source, spec.engine.max_model_len)
+    except (ModelSourceError, ConfigUnavailable) as exc:
+        return [f"prompt lengths not checked: {exc}"]
+    if check is None or not check.context:
+        return ["prompt lengths not checked: the model's context is not known before its first load"]
+    return describe(check_prompt_lengths(spec, plan, tokenizer, check.context), plan.num_rows)
 
 
 @click.command()

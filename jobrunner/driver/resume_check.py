@@ -73,8 +73,12 @@ def _dotted(spec: dict[str, Any], key: str, default: Any) -> Any:
 
 
 def _both_default(old: Any, new: Any, missing: object) -> bool:
-    """A field absent on one side (a spec written by an older version) and None on the other is no change."""
-    return (old is missing and new is None) or (new is missing and old is None)
+    """A field absent on one side (a spec written by an older version) and unset on the other (None, or an
+    empty mapping / list such as ``model.adapters: {}``) is no change."""
+    def unset(value: Any) -> bool:
+        return value is None or (isinstance(value, (dict, list)) and not value)
+
+    return (old is missing and unset(new)) or (new is missing and unset(old))
 
 
 def _why(field: str) -> str:

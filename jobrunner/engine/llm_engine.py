@@ -21,6 +21,7 @@ from jobrunner.engine.long_rope import make_long_rope_switch
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.pooling import finish as finish_pooling
+from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
 from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
 from jobrunner.engine.sampling.noise import derive_seed
@@ -216,13 +217,10 @@ class LLMEngine:
         with the generation prompt; token-id lists are checked against the vocabulary.
         """
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            return text_or_chat_token_ids(self.tokenizer, prompt)
         items = list(prompt)
         if items and isinstance(items[0], dict):
-            text = self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=True,
-                                                      chat_template=self.chat_template,
-                                                      **(chat_template_kwargs or {}))
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return text_or_chat_token_ids(self.tokenizer, items, self.chat_template, chat_template_kwargs)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
         vocab = self.model.shape.vocab_size

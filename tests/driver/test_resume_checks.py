@@ -178,3 +178,13 @@ def test_task_and_pooling_are_part_of_the_resume_check():
     changed = spec_differences(old, {**old, "task": "embed", "embed": {"pooling": "mean", "normalize": "auto"},
                                      "input": {"completion_column": None}})
     assert [(f, new) for f, _, new in changed] == [("embed.pooling", "mean"), ("task", "embed")]
+
+
+def test_a_setting_added_later_with_an_empty_default_is_no_change():
+    """An output written before model.adapters existed resumes with today's spec, which has `adapters: {}`."""
+    from jobrunner.driver.resume_check import spec_differences
+
+    old = {"model": {"source": "m"}, "sampling": {}, "input": {}}
+    assert spec_differences(old, {**old, "model": {"source": "m", "adapters": {}}}) == []
+    changed = spec_differences(old, {**old, "model": {"source": "m", "adapters": {"a": "/x"}}})
+    assert [(f, new) for f, _, new in changed] == [("model.adapters.a", "/x")]
