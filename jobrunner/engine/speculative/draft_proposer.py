@@ -41,6 +41,8 @@ class DraftSeq:
     grammar = None
     eos_token_ids: tuple[int, ...] = ()
     rope_table = 0  # the draft model's first rope table, always (longrope's long one would only change proposals)
+    adapter_id = 0  # the draft model runs without LoRA adapters: its cached blocks are the base model's
+    pooling = None  # drafts are generated tokens, never a prefill-only (embed / score) request
 
     def __init__(self, request) -> None:
         self.request = request
@@ -75,6 +77,11 @@ class DraftSeq:
     @property
     def num_tokens(self) -> int:
         return self.request.num_tokens + len(self.drafts)
+
+    @property
+    def first_needed_position(self) -> int:
+        """A prefix-cache hit of the draft may cover every token but the last (drafts are generated)."""
+        return self.num_tokens - 1
 
 
 class DraftProposer:
