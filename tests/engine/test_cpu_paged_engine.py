@@ -59,6 +59,7 @@ def test_random_model_chunked_prefill_prefix_hits_and_preemption(hf_llama, token
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_smollm2_tokens_and_logprobs_match_the_torch_backend():
     if not DATA.exists():

@@ -15,6 +15,7 @@ NUM_PROMPTS, NUM_TOKENS = 4, 16
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(1200)
 def test_gemma3_270m_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM

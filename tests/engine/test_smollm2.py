@@ -10,7 +10,7 @@ from jobrunner.engine import EngineConfig, SamplingParams
 from tests.components import missing_component
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
-NUM_PROMPTS, NUM_TOKENS = 32, 48
+NUM_PROMPTS, NUM_TOKENS = 16, 48
 # transformers decodes the reference in left-padded batches: batch 1 took ~5 minutes of the suite's 15
 HF_BATCH = 32
 
@@ -49,7 +49,7 @@ def test_smollm2_greedy_matches_transformers(one_thread):
             if ref != out.output_token_ids:
                 mismatches.append(_near_tie_gap(hf, out.prompt_token_ids, ref, out.output_token_ids))
     print(f"exact: {NUM_PROMPTS - len(mismatches)}/{NUM_PROMPTS}; top-2 logit gaps at divergence: {mismatches}")
-    assert len(mismatches) <= NUM_PROMPTS * 0.05
+    assert len(mismatches) <= max(1, NUM_PROMPTS * 0.05)
     assert all(gap < 0.05 for gap in mismatches), "a divergence that does not follow a near-tie"
 
 

@@ -138,6 +138,7 @@ HELD_OUT = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(1200)
 def test_quantized_smollm2_perplexity_on_held_out_text() -> None:
     """The real embedded model, float32 vs int8 / int4 weights: perplexity on held-out text (GSM8K test
