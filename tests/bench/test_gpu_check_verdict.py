@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 spec = importlib.util.spec_from_file_location("gpu_check_verdict", SCRIPTS / "gpu_check_verdict.py")
 verdict_mod = importlib.util.module_from_spec(spec)
@@ -175,6 +177,7 @@ def test_results_plugin_writes_one_line_per_test_as_it_goes(tmp_path):
     assert "not on this image" in next(line["message"] for line in lines if line["outcome"] == "skipped")
 
 
+@pytest.mark.heavy  # both phases of scripts/gpu_check.sh in its CPU mode (~50 s): the verdict logic is tested above
 def test_both_phases_leave_at_most_eight_files_and_one_report(tmp_path):
     """The device tool returns at most 8 files from $OUT: the CPU-only mode of both phases (a tiny bench)
     leaves its logs packed, and the extra phase's report still holds the core's environment."""
