@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from jobrunner.driver.job import run_job
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
@@ -17,19 +16,8 @@ from jobrunner.io.report_reader import open_outputs
 from jobrunner.reports.build import build_report
 from jobrunner.reports.text import render_text
 from jobrunner.spec import spec_from_dict
-from tests.components import missing_component
 from tests.driver.helpers import read_manifest_file
-
-try:
-    import peft
-except ImportError:  # a promised test dependency (the [test] extra): a skip here, a failure under CI
-    peft = None
-
-
-@pytest.fixture(autouse=True)
-def _needs_peft() -> None:
-    if peft is None:
-        missing_component("peft is not installed (pip install peft): LoRA jobs need adapters")
+from tests.lora_adapters import save_random_adapter
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,14 +28,7 @@ ROWS = [("r0", "hello world", "sql"), ("r1", "hello world", "chat"), ("r2", "hel
 def _save_adapter(model_dir, out_dir, seed: int, **config) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)),
-                                peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    model.save_pretrained(str(out_dir))
+    save_random_adapter(AutoModelForCausalLM.from_pretrained(str(model_dir)), out_dir, seed, scale=0.5, **config)
 
 
 def test_rows_run_with_their_adapter(local_ray, tmp_path, tiny_llama_hf_dir):

@@ -16,19 +16,7 @@ from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.adapters import load_adapters_onto
 from jobrunner.engine.llm_engine import LLMEngine
 from jobrunner.models.loader import build_model, load_weights
-from tests.components import missing_component
-
-try:
-    import peft
-except ImportError:  # a promised test dependency (the [test] extra): a skip here, a failure under CI
-    peft = None
-
-
-@pytest.fixture(autouse=True)
-def _needs_peft() -> None:
-    if peft is None:
-        missing_component("peft is not installed (pip install peft): LoRA parity needs it")
-
+from tests.lora_adapters import save_random_adapter
 
 MAX_TOKENS = 5
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,23 +28,11 @@ ADAPTER_CONFIGS = {
 }
 
 
-def save_random_adapter(base, out_dir, seed: int, **config) -> torch.nn.Module:
-    """A peft LoRA of ``base`` with random A and B (B is zero at init), saved to ``out_dir``; the peft model."""
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    model.save_pretrained(str(out_dir))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
     base = make_hf_model("llama")
     root = tmp_path_factory.mktemp("lora")
-    peft_models = {name: save_random_adapter(base, root / name, seed, **cfg)
+    peft_models = {name: save_random_adapter(copy.deepcopy(base), root / name, seed, **cfg)
                    for seed, (name, cfg) in enumerate(ADAPTER_CONFIGS.items())}
     return base, peft_models, {name: str(root / name) for name in ADAPTER_CONFIGS}
 
