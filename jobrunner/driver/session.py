@@ -7,10 +7,46 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import ray
 
+from jobrunner.models.sources import cache_root
 from jobrunner.spec import JobSpec
+
+# Ray logs "Token authentication is enabled for this Ray cluster ..." on every ray.init that starts a local
+# instance or joins one with a token: a nightly log would carry it every night. It is let through once per
+# machine (a marker in jobrunner's cache); the warning that authentication is *disabled* always passes.
+_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+_TOKEN_NOTICE = "Token authentication is enabled"
+_TOKEN_MARKER = "ray-token-notice-shown"
+
+
+class TokenNoticeOnce(logging.Filter):
+    """Pass Ray's token-authentication-enabled notice the first time on this machine, then drop it."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(_TOKEN_NOTICE):
+            return True
+        if self.marker.exists():
+            return False
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text("Ray's token authentication notice was shown on this machine\n")
+        except OSError:
+            pass  # a read-only cache: the notice shows every time, as Ray would
+        return True
+
+
+def fold_token_notice(marker: Path | None = None) -> None:
+    """Install :class:`TokenNoticeOnce` on Ray's authentication logger (once per process)."""
+    logger = logging.getLogger(_TOKEN_LOGGER)
+    if not any(isinstance(f, TokenNoticeOnce) for f in logger.filters):
+        logger.addFilter(TokenNoticeOnce(marker or cache_root() / _TOKEN_MARKER))
 
 
 def _local_num_cpus(spec: JobSpec) -> int:
@@ -31,6 +67,7 @@ def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[bool]:
         return
     address = address or spec.cluster.address or os.environ.get("RAY_ADDRESS")
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True)
+    fold_token_notice()
     if address:
         ray.init(address=address, **quiet)
     else:

@@ -35,7 +35,8 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     good = [r for i, r in out.items() if i != bad_id]
     assert all(r["finish_reason"] in ("stop", "length") and r["generated_text"] is not None for r in good)
     # The content: the engine's own greedy output for the same chats, outside Ray and the driver.
-    expected = _reference_texts([messages[i] for i in range(10) if i != 3], max_tokens=8)
+    system = [{"role": "system", "content": spec.input.system_prompt}]
+    expected = _reference_texts([system + messages[i] for i in range(10) if i != 3], spec.sampling)
     good_ids = [sample.column("id")[i].as_py() for i in range(10) if i != 3]
     assert {i: out[i]["generated_text"] for i in good_ids} == dict(zip(good_ids, expected, strict=True))
     assert all(0 < r["num_output_tokens"] <= 8 and r["num_prompt_tokens"] > 0 for r in good)
@@ -57,8 +58,8 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     assert manifest["model"]["source"] == "smollm2-135m-instruct"
 
 
-def _reference_texts(chats: list, max_tokens: int) -> list[str]:
+def _reference_texts(chats: list, sampling) -> list[str]:
     engine = LLMEngine.from_source("smollm2-135m-instruct", dtype="float32",
                                    config=EngineConfig(device="cpu", max_num_seqs=32))
-    outputs = engine.generate(chats, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    outputs = engine.generate(chats, SamplingParams.from_dict(sampling.model_dump()))
     return [o.text for o in outputs]
