@@ -40,6 +40,7 @@ class WorkerActor:
     def __init__(self, spec_dict: dict[str, Any], worker_id: str, job_start_s: float) -> None:
         self.spec_dict, self.worker_id, self.job_start_s = spec_dict, worker_id, job_start_s
         self.started_s = _process_start_s()
+        self.init_s = time.time()  # the worker process is up and has imported this module
         self.runner: ShardRunner | None = None
         self.model: dict[str, Any] = {}
         self.metrics: WorkerMetrics | None = None
@@ -49,14 +50,20 @@ class WorkerActor:
         return True
 
     def load(self) -> dict[str, Any]:
-        """Build the engine; return the model as loaded and the worker's stats (with startup_s)."""
+        """Build the engine; return the model as loaded and the worker's stats (with startup_s and its
+        stages, `startup_stages_s`)."""
+        load_start = time.time()
         spec = JobSpec.model_validate(self.spec_dict)
+        imports_s = _import_engine() if not spec.engine.factory else 0.0
         engine = build_engine(spec)
         gpu_ids = ray.get_gpu_ids()
         device = str(getattr(engine, "device", "") or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
+        now = time.time()
         info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device,
-                "startup_s": round(time.time() - self.started_s, 3), **describe_hardware()}
+                "startup_s": round(now - self.started_s, 3), **describe_hardware(),
+                "startup_stages_s": startup_stages(self.started_s, self.init_s, load_start, now, imports_s,
+                                                   getattr(engine, "model_info", None))}
         self.model = describe_model(engine, spec)
         self.runner = ShardRunner(engine, spec, self.worker_id, self.job_start_s, info)
         self.metrics = WorkerMetrics.start(spec.name, self.worker_id, self.runner)  # Ray dashboard / Prometheus
@@ -82,6 +89,36 @@ class WorkerActor:
         self.metrics.stop()
         self.runner.stop()
         return stats
+
+
+def _import_engine() -> float:
+    """Import our engine and model loader (torch, transformers) now; the seconds it took (0 when already
+    imported in this process)."""
+    start = time.perf_counter()
+    import jobrunner.engine.llm_engine  # noqa: F401
+    import jobrunner.models.factory  # noqa: F401
+    import jobrunner.models.weights  # noqa: F401
+
+    return time.perf_counter() - start
+
+
+def startup_stages(process_s: float, init_s: float, load_s: float, end_s: float, imports_s: float,
+                   model_info: dict[str, Any] | None) -> dict[str, float]:
+    """A worker's start-up by stage, in seconds (they add up to its startup_s): ``process`` (the worker
+    process up and this module imported), ``wait`` (until the driver's `load` call arrives), ``imports``
+    (torch, transformers, the engine: the first engine import of a process), then the engine's own load stages
+    (model_source, build_model, load_weights, quantize, pack_weights, tokenizer, adapters, engine) and
+    ``other`` for what none of them counts. A custom engine (``engine.factory``) has ``load`` for its whole
+    build."""
+    stages = {"process": init_s - process_s, "wait": load_s - init_s}
+    loaded = model_info.get("load_stages_s") if isinstance(model_info, dict) else None
+    build = end_s - load_s
+    if isinstance(loaded, dict) and loaded:
+        named = {k: float(v) for k, v in loaded.items() if isinstance(v, (int, float))}
+        stages.update(imports=imports_s, **named, other=build - imports_s - sum(named.values()))
+    else:
+        stages["load"] = build
+    return {k: round(max(v, 0.0), 3) for k, v in stages.items()}
 
 
 def worker_resources(spec: JobSpec) -> dict[str, float]:

@@ -64,16 +64,20 @@ ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
     spec = with_absolute_output(spec)
+    planning = time.monotonic()
     previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it
     plan = plan_job(spec, previous.header)
     storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
+        loop.startup["plan_s"] = round(time.monotonic() - planning, 3)
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
         loop.progress.stage(describe_ray_start(spec, address))
+        ray_start = time.monotonic()
         with ray_session(spec, address) as joined:
+            loop.startup["ray_start_s"] = round(time.monotonic() - ray_start, 3)
             note_ray_driver(lease, local=not joined)  # a rerun can then ask the cluster whether this job ended
             return loop.run()
     finally:
@@ -108,6 +112,7 @@ class _JobLoop:
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
         self.watch = Watchdog(spec.cluster.job_stall_timeout_s)
         self.next_show = 0.0
+        self.startup: dict[str, Any] = {}  # plan_s, ray_start_s (run_job) and the workers' (pool.startup)
 
     # ---- top level ----------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -414,7 +419,8 @@ class _JobLoop:
         first = self.stats["first_commit_s"]
         self.book.finish_run(self.started_at, time.monotonic() - self.t0, finished, {
             "shards_committed": self.stats["commits"], "first_commit_s": None if first is None else round(first, 3),
-            "isolation": self.isolation.to_dict(), **({} if self.incremental is None else
+            "isolation": self.isolation.to_dict(), "startup": {**self.startup, "workers": self.pool.startup},
+            **({} if self.incremental is None else
                                                        {"incremental": self.incremental})})
         self.book.compact()
         result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,

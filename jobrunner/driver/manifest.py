@@ -138,7 +138,11 @@ def _as_bytes(keys: list[str]) -> np.ndarray:
 
 def record_worker(manifest: dict[str, Any], worker_id: str, stats: dict[str, Any]) -> None:
     """Store a worker's latest stats."""
-    manifest["workers"][worker_id] = {k: v for k, v in stats.items() if _is_plain(v)}
+    record = {k: v for k, v in stats.items() if _is_plain(v)}
+    stages = stats.get("startup_stages_s")
+    if isinstance(stages, dict):  # the worker's start-up by stage (driver/actor.startup_stages)
+        record["startup_stages_s"] = {str(k): v for k, v in stages.items() if isinstance(v, (int, float))}
+    manifest["workers"][worker_id] = record
 
 
 def _is_plain(value: Any) -> bool:

@@ -72,6 +72,9 @@ class WorkerPool:
         self.ever_ready = False
         self.last_error = ""
         self.removed_tokens = 0  # tokens sampled by workers of this run that are gone
+        # each worker's start-up as the driver saw it: seconds from its actor request to placed / ready /
+        # first output token (the first progress poll that reports one: within POLL_INTERVAL_S)
+        self.startup: dict[str, dict[str, float]] = {}
 
     # ---- size ---------------------------------------------------------------------------------------
     def start(self, count: int) -> None:
@@ -177,9 +180,11 @@ class WorkerPool:
 
     def on_placed(self, worker: Worker) -> None:
         worker.is_placed = True
+        self._note_startup(worker, "placed_s")
 
     def on_ready(self, worker: Worker) -> None:
         worker.is_ready = worker.is_placed = True
+        self._note_startup(worker, "ready_s")
         self.ever_ready = True
         self.start_failures = 0
 
@@ -235,6 +240,8 @@ class WorkerPool:
         worker.stall = str(reply.get("stall") or "")
         worker.live = dict(reply.get("shards") or {})
         worker.engine_tokens = max(worker.engine_tokens, int(reply.get("engine_tokens") or 0))
+        if worker.engine_tokens:
+            self._note_startup(worker, "first_token_s")
         return (worker.engine_tokens, sum(r for r, _ in worker.live.values())) > before
 
     def stalled(self) -> list[tuple[Worker, str, bool]]:
@@ -272,6 +279,10 @@ class WorkerPool:
         """Output tokens the engines of this run sampled so far, as they were produced (0 with engines that do
         not count them)."""
         return self.removed_tokens + sum(w.engine_tokens for w in self.workers)
+
+    def _note_startup(self, worker: Worker, stage: str) -> None:
+        seen = self.startup.setdefault(worker.worker_id, {})
+        seen.setdefault(stage, round(time.monotonic() - worker.started_at, 3))
 
     def startup_counts(self) -> tuple[int, int, int]:
         """(workers, placed, ready) now."""

@@ -9,6 +9,7 @@ from typing import Any
 from jobrunner.driver.actor import worker_resources
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
+from jobrunner.startup_view import describe_stages
 
 
 def describe_ray_start(spec: JobSpec, address: str | None) -> str:
@@ -34,5 +35,6 @@ def describe_ready(worker_id: str, info: dict[str, Any]) -> str:
     startup = stats.get("startup_s")
     after = f" after {startup:.1f}s" if isinstance(startup, (int, float)) else ""
     dtype = model.get("dtype_reason") or model.get("dtype")
-    return f"worker {worker_id} ready{after}" + (f" (dtype {dtype})" if dtype else "") + \
-        "; warming up (first engine steps)"
+    stages = describe_stages(stats.get("startup_stages_s") or {})
+    return f"worker {worker_id} ready{after}" + (f" ({stages})" if stages else "") + \
+        (f" (dtype {dtype})" if dtype else "") + "; warming up (first engine steps)"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobrunner.redaction import redact_text
+from jobrunner.startup_view import describe_startup, last_startup
 
 MAX_LISTED_FAILURES = 20
 LENGTH_WARN_SHARE = 0.05  # warn at the end of a run when more of its rows than this stopped at max_tokens
@@ -54,6 +55,8 @@ class JobResult:
                 f"{t['num_output_tokens']} output tokens, wall {self.manifest['wall_s']:.1f}s -> "
                 f"{self.output_url}")
         text += _incremental_line(self.manifest)
+        startup = describe_startup(last_startup(self.manifest))
+        text += f"\n  start-up: {startup}" if startup else ""
         for kind, count in self.top_errors:
             text += f"\n  {count} rows: {kind}"
         for warning in self.row_warnings():

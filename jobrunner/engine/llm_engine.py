@@ -100,15 +100,21 @@ class LLMEngine:
         adapters by name (``{name: source}``; sources fetched like the model's), for requests to name.
         """
         from jobrunner.models.factory import load_for_engine
+        from jobrunner.models.stopwatch import Stopwatch
 
         config = config or EngineConfig()
         model, tokenizer, eos_ids, info = load_for_engine(
             source, dtype=dtype if dtype != "auto" else config.dtype, device=config.device,
             quantization=quantization, max_model_len=config.max_model_len, **load_options)
+        clock = Stopwatch()
         if adapters:
             options = {k: load_options[k] for k in ("cache_dir", "storage_options") if k in load_options}
             load_adapters_onto(model, adapters, **options)
-        return cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template)
+            clock.mark("adapters")
+        engine = cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template)
+        clock.mark("engine")  # KV cache, attention library (compiled on a machine's first run), draft model
+        engine.model_info["load_stages_s"] = {**info.get("load_stages_s", {}), **clock.stages}
+        return engine
 
     # -- requests -------------------------------------------------------------------------------------------
 

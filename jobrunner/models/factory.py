@@ -111,15 +111,21 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
     """
     from jobrunner.models.sources import resolve_model_dir
+    from jobrunner.models.stopwatch import Stopwatch
     from jobrunner.models.weights import iter_safetensors, load_config, load_tokenizer
 
+    clock = Stopwatch()
     model_dir = resolve_model_dir(source, allow_pickle=allow_pickle, **source_options)
+    clock.mark("model_source")  # a cache hit, or the download / GGUF conversion
     config = load_config(model_dir)
     arch = check_architecture(config)
+    clock.mark("config")  # the first one in a process imports transformers' config modules (~1.4 s)
     dev = resolve_device(device)
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len))
+    clock.mark("build_model")
     load_weights(model, iter_safetensors(model_dir, allow_pickle=allow_pickle))
+    clock.mark("load_weights")
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
             "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
             "dtype_reason": describe_dtype_choice(dtype_choice)}
@@ -131,14 +137,19 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
         info["quant_layers"] = describe_quant_layers(info["quantization_report"])
+        clock.mark("quantize")
     if dev.type == "cpu":  # float32 linears on a packed weight where this CPU's capability says so
         from jobrunner.models.packed_linear import pack_linears
 
         num_packed, why = pack_linears(model)
         info["cpu_gemm"] = f"{why}; {num_packed} layers" if num_packed else why
+        clock.mark("pack_weights")  # the first run on a machine also compiles the GEMM library
     info.update(head_info(config, model_dir, model))
     tokenizer = load_tokenizer(model_dir)
-    return model, tokenizer, eos_token_ids(model_dir, tokenizer), info
+    eos_ids = eos_token_ids(model_dir, tokenizer)
+    clock.mark("tokenizer")
+    info["load_stages_s"] = clock.stages  # LLMEngine.from_source adds its own (adapters, engine)
+    return model, tokenizer, eos_ids, info
 
 
 def head_info(config, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from jobrunner.attention import AttentionMetadata
-from jobrunner.models.llama import Attention, ModelShape
+from jobrunner.models.llama import Attention, ModelShape, make_embedding
 from jobrunner.models.rope import RotaryEmbedding
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -194,7 +194,7 @@ class GemmaForCausalLM(nn.Module):
             shared = RotaryEmbedding(config, s.head_dim, positions)
             self.rotaries = nn.ModuleDict({t: shared for t in sorted(set(self.layer_types))})
         self.rotary = next(iter(self.rotaries.values()))  # the engine reads rotary.max_positions (same for all)
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = make_embedding(s.vocab_size, s.hidden_size)
         self.register_buffer("embed_scale", torch.empty(0), persistent=False)
         self.layers = nn.ModuleList(GemmaDecoderLayer(s, config, i) for i in range(s.num_layers))
         self.norm = GemmaRMSNorm(s.hidden_size, s.rms_norm_eps)

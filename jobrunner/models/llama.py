@@ -199,6 +199,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def make_embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; built on the meta device (models/loader.build_model), without its random
+    init: the first ``normal_`` on a meta tensor costs ~2.5 s (torch imports its compiler's decompositions for
+    it), a start-up cost for weights that are loaded right after."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus its head. ``forward`` returns the final (normed) hidden states; ``compute_logits``
     the LM head's logits; ``compute_scores`` a classifier's ``score`` head.
@@ -214,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.shape = ModelShape.from_config(config)
         s = self.shape
         self.rotary = RotaryEmbedding(config, s.head_dim, max_positions or s.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = make_embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         has_lm_head = s.head == "lm" or s.tie_word_embeddings

@@ -10,6 +10,7 @@ from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
 from jobrunner.reports.cost import cost_figures, goodput_cost, per_million, ratio, startup_cost
 from jobrunner.reports.fold import Folded, Slo, fold_batches
+from jobrunner.startup_view import describe_stages, last_startup
 
 REPORT_VERSION = 1
 
@@ -140,8 +141,13 @@ def _time(manifest: dict | None, folded: Folded) -> dict:
         wall, wall_source = (folded.max_finish_time_s or None), "last row finish time"
     prefill, decode = mv.engine_seconds(manifest)
     num_workers = len(mv.workers(manifest)) or None
+    startup = last_startup(manifest) or {}
+    first = (startup.get("workers") or {}).get(startup.get("first")) or {}
     return {"wall_s": wall, "wall_source": wall_source, "worker_seconds": mv.worker_seconds(manifest),
-            "startup_seconds": mv.startup_seconds(manifest),
+            "startup_seconds": mv.startup_seconds(manifest), "plan_s": startup.get("plan_s"),
+            "ray_start_s": startup.get("ray_start_s"), "first_ready_s": first.get("ready_s"),
+            "first_token_s": first.get("first_token_s"),
+            "startup_stages": describe_stages(startup.get("stages") or {}) or None,
             "num_workers": num_workers, "prefill_s": prefill, "decode_s": decode}
 
 

@@ -56,6 +56,15 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
     assert worker["num_prefill_tokens"] == worker["num_prompt_tokens"] - worker["num_cached_tokens"]
     assert worker["prefill_s"] > 0 and worker["decode_s"] > 0 and worker["steps"] > 0
     assert manifest["model"]["source"] == "smollm2-135m-instruct"
+    # start-up by stage (issue 29 item 8): every stage of our engine's load is named, and they add up
+    stages = worker["startup_stages_s"]
+    assert list(stages) == ["process", "wait", "imports", "model_source", "config", "build_model", "load_weights",
+                            "pack_weights", "tokenizer", "engine", "other"]
+    assert abs(sum(stages.values()) - worker["startup_s"]) < 0.05 and stages["load_weights"] > 0
+    seen = manifest["runs"][-1]["startup"]
+    assert seen["plan_s"] > 0 and set(seen["workers"]) == {"w0"}
+    assert 0 < seen["workers"]["w0"]["placed_s"] <= seen["workers"]["w0"]["ready_s"]
+    assert "start-up: planning" in result.summary() and "weights" in result.summary()
 
 
 def _reference_texts(chats: list, sampling) -> list[str]:

@@ -46,6 +46,15 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     assert report["time"]["startup_seconds"] == manifest["totals"]["startup_seconds"]
     assert report["cost"]["startup_usd"] == pytest.approx(startup * 3.6 / 3600)
     assert "of which start-up (actor start + model load)" in render_text([report])
+    # where the start-up went (a custom engine's build is one `load` stage), and what the driver saw
+    for w in workers.values():
+        assert list(w["startup_stages_s"]) == ["process", "wait", "load"]
+        assert abs(sum(w["startup_stages_s"].values()) - w["startup_s"]) < 0.05
+    seen = manifest["runs"][-1]["startup"]
+    assert set(seen["workers"]) == set(workers) and seen["plan_s"] > 0
+    assert all(0 < s["placed_s"] <= s["ready_s"] for s in seen["workers"].values())
+    assert report["time"]["first_ready_s"] == min(s["ready_s"] for s in seen["workers"].values())
+    assert "last run: first worker ready after" in render_text([report])
     assert manifest["model"]["architecture"] == "FakeForTests"
     assert (out / "_SUCCESS").exists() and not any((out / "_temporary").glob("**/*.parquet"))
     table = read_output(str(out))
