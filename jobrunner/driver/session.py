@@ -12,6 +12,7 @@ from pathlib import Path
 import ray
 
 from jobrunner.models.sources import cache_root
+from jobrunner.redaction import redacting_logger
 from jobrunner.spec import JobSpec
 
 # Ray logs "Token authentication is enabled for this Ray cluster ..." on every ray.init that starts a local
@@ -44,7 +45,7 @@ class TokenNoticeOnce(logging.Filter):
 
 def fold_token_notice(marker: Path | None = None) -> None:
     """Install :class:`TokenNoticeOnce` on Ray's authentication logger (once per process)."""
-    logger = logging.getLogger(_TOKEN_LOGGER)
+    logger = redacting_logger(_TOKEN_LOGGER)  # Ray's logger, its records also scrubbed like ours
     if not any(isinstance(f, TokenNoticeOnce) for f in logger.filters):
         logger.addFilter(TokenNoticeOnce(marker or cache_root() / _TOKEN_MARKER))
 
