@@ -57,13 +57,13 @@ class WorkerActor:
         imports_s = _import_engine() if not spec.engine.factory else 0.0
         engine = build_engine(spec)
         gpu_ids = ray.get_gpu_ids()
-        device = str(getattr(engine, "device", "") or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
+        device = str(engine.device or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
         now = time.time()
         info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device,
                 "startup_s": round(now - self.started_s, 3), **describe_hardware(),
                 "startup_stages_s": startup_stages(self.started_s, self.init_s, load_start, now, imports_s,
-                                                   getattr(engine, "model_info", None))}
+                                                   engine.model_info)}
         self.model = describe_model(engine, spec)
         self.runner = ShardRunner(engine, spec, self.worker_id, self.job_start_s, info)
         self.metrics = WorkerMetrics.start(spec.name, self.worker_id, self.runner)  # Ray dashboard / Prometheus

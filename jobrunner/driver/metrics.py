@@ -109,7 +109,7 @@ class WorkerMetrics:
         self.last["decoded"], self.last_t = decoded, now
         self._gauge("jobrunner_output_tokens_per_s", "Output tokens per second", rate)
         self._gauge("jobrunner_queue_depth", "Requests in the engine, not finished",
-                    float(getattr(self.runner.engine, "num_unfinished_requests", 0) or 0))
+                    float(self.runner.engine.num_unfinished_requests))
         blocks = _first(stats, "kv_num_blocks")
         self._gauge("jobrunner_kv_cache_usage", "Share of KV blocks in use",
                     _first(stats, "kv_blocks_used") / blocks if blocks else 0.0)

@@ -83,12 +83,6 @@ class PrefixChains:
         return self.num_blocks, np.fromiter(self.chains, np.uint64, len(self.chains))
 
 
-def block_size_of(engine: Any, spec: JobSpec) -> int:
-    """The engine's KV block size (the spec's, else the engine default 16)."""
-    config = getattr(engine, "config", None)
-    return int(getattr(config, "block_size", None) or getattr(spec.engine, "block_size", None) or 16)
-
-
 def merge_pieces(summaries: list[tuple[int, np.ndarray]]) -> tuple[int, np.ndarray]:
     """The chain summaries of a shard's pieces as one."""
     blocks = sum(n for n, _ in summaries)

@@ -29,7 +29,7 @@ from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
 from jobrunner.driver.pooled import job_pooling
-from jobrunner.driver.prefix_rows import PrefixChains, admission_order, block_size_of, read_shard_rows
+from jobrunner.driver.prefix_rows import PrefixChains, admission_order, read_shard_rows
 from jobrunner.driver.reasoning import choose_parser
 from jobrunner.driver.rows import (
     RowRequest,
@@ -120,11 +120,11 @@ class ShardRunner:
     def __init__(self, engine: Any, spec: JobSpec, worker_id: str, job_start_s: float, info: dict) -> None:
         self.engine, self.spec, self.worker_id = engine, spec, worker_id
         # built once; each row's overrides are applied to it (an embed / score job: its prefill-only parameters)
-        self.sampling = job_pooling(spec, getattr(engine, "model_info", None)) or job_sampling(spec)
+        self.sampling = job_pooling(spec, engine.model_info) or job_sampling(spec)
         # the reasoning parser the job names (auto: the one the model's chat template implies), built once
-        self.reasoning = choose_parser(spec.output.reasoning_parser, getattr(engine, "tokenizer", None),
+        self.reasoning = choose_parser(spec.output.reasoning_parser, engine.tokenizer,
                                        spec.input.chat_template)
-        self.tool_parser = choose_tool_parser(spec.output.tool_call_parser, getattr(engine, "tokenizer", None),
+        self.tool_parser = choose_tool_parser(spec.output.tool_call_parser, engine.tokenizer,
                                               spec.input.chat_template)
         self.job_start_s = job_start_s  # wall-clock (time.time) start of the job, for finish_time_s
         self.info = info  # node, device
@@ -283,6 +283,8 @@ class ShardRunner:
                 pass
         except Exception as exc:  # noqa: BLE001 - an engine beyond repair fails the shards in it, never hangs them
             self._fail_all(exc)
+            return
+        self.engine.close()  # stopped: nothing uses the engine after this thread
 
     def _iterate(self) -> bool:
         """Add rows, then one engine step (no lock held across engine calls); False once stopped."""
@@ -343,12 +345,10 @@ class ShardRunner:
 
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = _request_id(state, req)
-        kwargs = {"chat_template_kwargs": req.chat_template_kwargs} if req.chat_template_kwargs else {}
-        if req.adapter:  # only then: an engine without adapters need not know the keyword
-            kwargs["adapter"] = req.adapter
         try:
-            self._engine_call("add_request", lambda: self.engine.add_request(request_id, req.prompt, req.params,
-                                                                             **kwargs))
+            self._engine_call("add_request", lambda: self.engine.add_request(
+                request_id, req.prompt, req.params, chat_template_kwargs=req.chat_template_kwargs or None,
+                adapter=req.adapter or None))
         except Exception as exc:  # noqa: BLE001 - one bad row never fails a shard
             with self._cond:
                 if self._by_request.pop(request_id, None) is not None:
@@ -390,7 +390,7 @@ class ShardRunner:
             state.cost.rows_isolated += 1
         row["finish_time_s"] = time.time() - self.job_start_s
         if not getattr(out, "sample_index", 0) and row.get("error") is None:
-            state.chains.add(getattr(out, "prompt_token_ids", None), block_size_of(self.engine, self.spec),
+            state.chains.add(getattr(out, "prompt_token_ids", None), self.engine.block_size,
                              req.adapter)
         samples = self._samples.setdefault(out.request_id, [])
         samples.append(row)

@@ -35,6 +35,18 @@ from jobrunner.engine.stopping import check_stop, final_text
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
+def free_device_memory() -> None:
+    """Collect garbage and empty the CUDA cache allocator (a no-op on CPU)."""
+    import gc
+
+    gc.collect()
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a device that cannot even free its cache fails the next build
+        pass
+
+
 class LLMEngine:
     """Our continuous-batching engine over one model on one device.
 
@@ -292,6 +304,27 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished + len(self._rejected)
+
+    @property
+    def block_size(self) -> int:
+        """KV cache block size in tokens."""
+        return self.config.block_size
+
+    # -- after a failure (the worker engine contract: engine/contract.py) -------------------------------------
+
+    def rebuild(self) -> LLMEngine:
+        """A fresh engine over the weights (and draft model) this one holds: empty queues, a new KV cache.
+        This engine's KV cache and runner are let go first; it is not used afterwards."""
+        args = (self.model, self.tokenizer, self.config, self.eos_token_ids, self.model_info)
+        draft = self.draft
+        self.close()
+        return LLMEngine(*args, chat_template=self.chat_template, draft=draft)
+
+    def close(self) -> None:
+        """Drop the KV cache, runner, scheduler and speculator (and free the device's cached memory); the
+        model, tokenizer and draft model stay with whoever holds them."""
+        self.runner = self.kv_manager = self.scheduler = self.speculator = None
+        free_device_memory()
 
     # -- the loop ----------------------------------------------------------------------------------------------
 

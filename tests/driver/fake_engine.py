@@ -63,14 +63,17 @@ class FakeEngine:
         self.hold_file, self._num_finished = hold_file, 0
         self.tokenizer = None
         self.device = "cpu"
-        self.architecture = "FakeForTests"
+        self.model_info = {"architecture": "FakeForTests"}
+        self.block_size = 16
+        self.closed = False
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._ids: set[str] = set()
         self._stats = FakeStats(kv_blocks_used=self.kv_blocks[0], kv_num_blocks=self.kv_blocks[1])
         self.max_seen_unfinished = 0
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, *, chat_template_kwargs=None,
+                    adapter=None) -> None:
         if request_id in self._ids:
             raise ValueError(f"duplicate request id {request_id!r}")
         self._ids.add(request_id)
@@ -100,6 +103,9 @@ class FakeEngine:
         return FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
                           self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens,
                           self.hold_file)
+
+    def close(self) -> None:
+        self.closed = True
 
     def _hold(self) -> None:
         """After the first finished row, wait (at most 120 s) until `hold_file` exists: a test sees the job
@@ -171,6 +177,7 @@ def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, han
 
 
 class _NoRebuildEngine(FakeEngine):
-    """A custom engine that cannot rebuild itself (as the worker's engine before in-process isolation)."""
+    """A custom engine that cannot rebuild itself: the worker closes it and loads one anew after a crash."""
 
-    rebuild = None
+    def rebuild(self) -> FakeEngine:
+        raise NotImplementedError("this engine is built anew, never rebuilt")

@@ -23,7 +23,7 @@ class SecretEngine(FakeEngine):
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
         if "REJECT" in text:
             raise ValueError(f"upstream refused the request: {{'token': '{self.api_key}-rj'}}")
-        super().add_request(request_id, prompt, params)
+        super().add_request(request_id, prompt, params, **kwargs)
         if "ROWERR" in text:
             self._waiting[-1].error = (f'upstream error {{"api_key": "{self.api_key}-q1"}}, '
                                        f"'token': '{self.api_key}-q2', \"password\":\"{self.api_key}-q3\"")

@@ -79,10 +79,10 @@ class _HangingAdd(FakeEngine):
         super().__init__(**kw)
         self.release = threading.Event()
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, **kwargs) -> None:
         if "HANG" in prompt:
             self.release.wait()
-        super().add_request(request_id, prompt, params)
+        super().add_request(request_id, prompt, params, **kwargs)
 
 
 def test_a_hung_add_request_holds_no_lock_and_is_reported(tmp_path):
