@@ -229,6 +229,20 @@ class EngineSpec(_EngineFields):
     factory_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the custom factory."
     )
+    backend: Literal["jobrunner", "vllm"] = Field(
+        default="jobrunner",
+        description="The engine each worker runs: jobrunner (ours) or vllm (vLLM's engine in its own process, "
+        "from the Python engine.vllm_python names).",
+    )
+    vllm_python: str | None = Field(
+        default=None, description="backend vllm: the Python that has vLLM (default $JOBRUNNER_VLLM_PYTHON, else "
+        "the worker's own)."
+    )
+    vllm_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="backend vllm: vLLM engine arguments no jobrunner setting covers (e.g. tensor_parallel_size), "
+        "checked against vLLM's own names by validate.",
+    )
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -461,6 +475,19 @@ class JobSpec(_Spec):
         if self.model.adapters and self.engine.factory is None and self.engine.use_cuda_graphs:
             raise ValueError("engine.use_cuda_graphs is not supported with model.adapters (docs/engine.md, LoRA "
                              "adapters)")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> JobSpec:
+        """engine.backend vllm: every setting that has no vLLM equivalent is refused here, by name."""
+        if self.engine.backend == "vllm":
+            from jobrunner.vllm_backend.mapping import unmapped_settings
+
+            problems = unmapped_settings(self)
+            if problems:
+                raise ValueError("engine.backend vllm: " + "; ".join(problems))
+        elif self.engine.vllm_options or self.engine.vllm_python:
+            raise ValueError("engine.vllm_options / engine.vllm_python apply to engine.backend vllm only")
         return self
 
     @property

@@ -31,6 +31,10 @@ def build_engine(spec: JobSpec) -> WorkerEngine:
         engine = factory(spec, **spec.engine.factory_options)
         check_worker_engine(engine, f"engine.factory {spec.engine.factory!r}")
         return engine
+    if spec.engine.backend == "vllm":
+        from jobrunner.vllm_backend.build import build_vllm_engine
+
+        return build_vllm_engine(spec)
     from jobrunner.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(**engine_config_kwargs(spec))

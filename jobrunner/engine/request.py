@@ -52,6 +52,8 @@ class RequestMetrics:
     prompt_shared: bool = False  # this sample's prompt KV was forked from sample 0 (count prompt tokens once)
     num_draft_tokens: int = 0      # speculative decoding: tokens drafted for this sample and verified
     num_accepted_tokens: int = 0   # of those, accepted (each saved one decode step)
+    mean_itl_s: float | None = None  # an engine that keeps only its first and last token times (vLLM) gives
+    # the mean gap directly: (last - first) / (output tokens - 1)
 
     @property
     def queue_s(self) -> float | None:
@@ -73,7 +75,7 @@ class RequestMetrics:
     @property
     def itl_mean_s(self) -> float | None:
         gaps = self.itl_s
-        return sum(gaps) / len(gaps) if gaps else None
+        return sum(gaps) / len(gaps) if gaps else self.mean_itl_s
 
     def to_dict(self) -> dict[str, float | int | None]:
         """The flat metric fields written with every output row."""

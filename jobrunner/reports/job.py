@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from jobrunner.io.layout import REPORT_FILES
 from jobrunner.io.report_reader import open_outputs, write_report_files
-from jobrunner.redaction import redact_text, redacting_logger
+from jobrunner.redaction import redact_text
 from jobrunner.reports.build import build_report
 from jobrunner.reports.fold import Slo
-
-logger = redacting_logger(__name__)
 
 
 def load_report(output_url: str, storage_options: dict | None = None, worker_hour_usd: float | None = None,
@@ -21,8 +19,8 @@ def write_job_report(output_url: str, storage_options: dict | None = None,
                      worker_hour_usd: float | None = None) -> dict:
     """Write _report/report.json and _report/report.html under `output_url`; return the report (or {"error": ...}).
 
-    Called by the driver when a job ends. It never raises: a report problem is logged and returned as
-    {"error": message} so that it cannot hide the job's own result.
+    Called when a job ends. It never raises: a report problem is returned as {"error": message} (the caller
+    says it, once) so that it cannot hide the job's own result.
     """
     from jobrunner.reports.html import render_html
     from jobrunner.reports.text import render_json
@@ -33,8 +31,6 @@ def write_job_report(output_url: str, storage_options: dict | None = None,
         paths = write_report_files(output_url, {json_key: render_json([report]), html_key: render_html([report])},
                                    storage_options)
     except Exception as exc:  # noqa: BLE001 - a report must never fail the job
-        message = redact_text(f"{type(exc).__name__}: {exc}")
-        logger.warning("%s", redact_text(f"jobrunner report for {output_url} not written: {message}"))
-        return {"error": message}
+        return {"error": redact_text(f"{type(exc).__name__}: {exc}")}
     report["files"] = paths
     return report

@@ -1,0 +1,1 @@
+"""`engine.backend: vllm`: vLLM's engine behind the worker engine contract, in its own process."""

