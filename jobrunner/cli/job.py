@@ -43,8 +43,22 @@ def _check_model(spec) -> str:
         described = check_model_source(spec.model.source)
     except ModelSourceError as exc:
         raise _error(f"model.source: {exc}") from None
+    if spec.engine.backend == "vllm":
+        return described + _check_vllm(spec)
     return described + _check_model_config(spec) + _check_draft_source(spec.engine.speculative) + \
         _check_adapter_sources(spec.model.adapters)
+
+
+def _check_vllm(spec) -> str:
+    """'; engine: vLLM 0.32.0 at PYTHON (it checks the architecture at load)': vLLM is there for the Python
+    workers will use, and engine.vllm_options are vLLM's own names."""
+    from jobrunner.vllm_backend.mapping import describe_vllm, vllm_python
+
+    try:
+        return f"; engine: {describe_vllm(vllm_python(spec), spec.engine.vllm_options)} (vLLM checks the " \
+               "architecture when it loads the model)"
+    except ValueError as exc:
+        raise _error(str(exc)) from None
 
 
 def _check_model_config(spec) -> str:

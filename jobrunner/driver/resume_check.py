@@ -20,8 +20,9 @@ from jobrunner.spec import JobSpec
 
 MAX_SHOWN = 20  # differing fields listed in a message
 # engine settings that change which tokens a row gets: batch-invariant (deterministic) rows differ in bits from
-# default-mode rows, so one output must not mix the two (its promise is byte-identical datasets on rerun)
-RESUME_ENGINE_DEFAULTS = {"deterministic": False}
+# default-mode rows, so one output must not mix the two (its promise is byte-identical datasets on rerun); and
+# one output is written by one engine (jobrunner or vllm), so its report describes that engine
+RESUME_ENGINE_DEFAULTS = {"deterministic": False, "backend": "jobrunner"}
 # what kind of rows the output holds (text, embeddings, scores) and how embeddings were pooled; absent: a spec
 # written before embed / score jobs, which generated
 RESUME_TASK_DEFAULTS = {"task": "generate", "embed.pooling": "auto", "embed.normalize": "auto"}

@@ -3,6 +3,7 @@ equivalent (refused, naming them), and where vLLM's Python is."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,3 +102,24 @@ def vllm_env(spec: Any) -> dict[str, str]:
     defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(cpus),
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30))) if space else "4"}
     return {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+def describe_vllm(python: str, options: dict[str, Any], timeout_s: float = 180.0) -> str:
+    """'vLLM 0.32.0 at PYTHON' after checking ``options`` (engine.vllm_options) against vLLM's own engine
+    argument names; ValueError naming what is wrong (no vLLM there, an unknown option)."""
+    problem = vllm_problem(python)
+    if problem:
+        raise ValueError(problem)
+    probe = ("import dataclasses, json, vllm\nfrom vllm import EngineArgs\n"
+             "names = [f.name for f in dataclasses.fields(EngineArgs)]\n"
+             "print(json.dumps({'version': vllm.__version__, 'names': names}))")
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout_s, check=True)
+        found = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        raise ValueError(f"engine.backend vllm: could not ask {python} for vLLM's settings: {exc}") from None
+    unknown = sorted(set(options) - set(found["names"]))
+    if unknown:
+        raise ValueError(f"engine.vllm_options: {', '.join(unknown)} not among vLLM {found['version']}'s engine "
+                         "arguments (vllm.EngineArgs)")
+    return f"vLLM {found['version']} at {python}"

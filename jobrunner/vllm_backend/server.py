@@ -66,12 +66,15 @@ def _metrics(stats) -> dict:
     return {n: getattr(stats, n, None) for n in names}
 
 
-def _finished(output) -> dict:
+def _finished(output, completions: dict) -> dict:
+    """A finished request with every sample: with n > 1 vLLM hands back, each step, only the samples that
+    changed in it, so ``completions`` (index -> latest CompletionOutput) holds the ones seen earlier."""
     return {
         "id": output.request_id,
         "prompt_token_ids": list(output.prompt_token_ids or []),
         "samples": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
-                     "finish_reason": c.finish_reason, "logprobs": _logprobs(c.logprobs)} for c in output.outputs],
+                     "finish_reason": c.finish_reason, "logprobs": _logprobs(c.logprobs)}
+                    for _, c in sorted(completions.items())],
         "prompt_logprobs": _logprobs(output.prompt_logprobs),
         "metrics": _metrics(getattr(output, "metrics", None)),
         "num_cached_tokens": getattr(output, "num_cached_tokens", None) or 0,
@@ -84,7 +87,7 @@ class Server:
     def __init__(self) -> None:
         self.engine = None
         self.unfinished: set[str] = set()
-        self.seen: dict[str, int] = {}  # request id -> output tokens seen so far
+        self.samples: dict[str, dict] = {}  # request id -> {sample index: its latest CompletionOutput}
         self.stats = {"steps": 0, "step_s": 0.0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                       "num_output_tokens": 0, "num_requests": 0, "num_sampled_tokens": 0}
 
@@ -125,14 +128,15 @@ class Server:
         self.stats["step_s"] += spent
         finished, sampled = [], 0
         for output in outputs:
-            count = sum(len(c.token_ids) for c in output.outputs)  # tokens so far (cumulative outputs)
-            sampled += count - self.seen.get(output.request_id, 0)
-            self.seen[output.request_id] = count
+            completions = self.samples.setdefault(output.request_id, {})
+            for c in output.outputs:
+                sampled += len(c.token_ids) - (len(completions[c.index].token_ids) if c.index in completions else 0)
+                completions[c.index] = c
             if not output.finished:
                 continue
-            self.seen.pop(output.request_id, None)
+            self.samples.pop(output.request_id, None)
             self.unfinished.discard(output.request_id)
-            record = _finished(output)
+            record = _finished(output, completions)
             self.stats["num_prompt_tokens"] += len(record["prompt_token_ids"])
             self.stats["num_cached_tokens"] += record["num_cached_tokens"]
             self.stats["num_output_tokens"] += sum(len(s["token_ids"]) for s in record["samples"])
