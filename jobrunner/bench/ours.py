@@ -48,7 +48,13 @@ def build_engine(options: EngineOptions, prefix_caching: bool):
 
 
 def release(engine) -> None:
-    """Drop an engine's model and KV cache now (the caller must drop its own reference too)."""
+    """Drop an engine's model and KV cache now (the caller must drop its own reference too); an engine of
+    another backend is closed."""
+    from jobrunner.engine.llm_engine import LLMEngine
+
+    if not isinstance(engine, LLMEngine):
+        engine.close()
+        return
     device = engine.device
     engine.runner = engine.model = engine.kv_manager = engine.scheduler = None
     gc.collect()
@@ -57,11 +63,14 @@ def release(engine) -> None:
 
 
 def warm_up(engine) -> None:
-    """A few short requests of synthetic tokens (they share no prefix with the real prompts)."""
-    vocab = engine.model.shape.vocab_size
+    """A few short requests of synthetic tokens (they share no prefix with the real prompts), through the
+    worker engine contract (any backend)."""
     params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = [[(7 * i + 13 * k + 3) % vocab for i in range(24)] for k in range(WARMUP_PROMPTS)]
-    engine.generate(prompts, params)
+    prompts = [[(7 * i + 13 * k + 3) % 1000 + 100 for i in range(24)] for k in range(WARMUP_PROMPTS)]
+    for k, ids in enumerate(prompts):
+        engine.add_request(f"warm-up-{k}", ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bool, name: str,
@@ -70,17 +79,18 @@ def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bo
     ``progress(finished, tokens_sampled, done=False)`` is called after every step when given. ``profile``:
     time the steps' parts too (:class:`~jobrunner.engine.profile.StepProfiler`, result ``extra["profile"]``)."""
     warm_up(engine)
+    device = torch.device(str(engine.device))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     before = dict(engine.stats().to_dict())
-    reset_peak_memory(engine.device)
-    sync(engine.device)
+    reset_peak_memory(device)
+    sync(device)
     if progress is not None and hasattr(progress, "begin"):
         progress.begin()
     profiler = StepProfiler(engine) if profile else contextlib.nullcontext()
     start = time.perf_counter()
     with profiler:
         outputs = _run_steps(engine, token_ids, params, progress)
-    sync(engine.device)
+    sync(device)
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(len(outputs), sum(len(o.output_token_ids) for o in outputs), done=True)
@@ -90,7 +100,7 @@ def run_ours(engine, token_ids: list[list[int]], max_tokens: int, ignore_eos: bo
         num_cached_tokens=sum(o.metrics.num_cached_tokens for o in outputs),
         num_output_tokens=sum(len(o.output_token_ids) for o in outputs),
         num_errors=sum(o.finish_reason == "error" for o in outputs),
-        memory=peak_memory(engine.device),
+        memory=peak_memory(device),
         extra={"engine_stats": stats_delta(before, engine.stats().to_dict()),
                "first_error": next((o.error for o in outputs if o.finish_reason == "error"), None),
                **({"profile": profiler.summary(seconds)} if profile else {})},

@@ -11,10 +11,12 @@ HEADER = ("run", "seconds", "prompt tok", "cached", "output tok", "out tok/s", "
 
 def render_text(result: dict[str, Any]) -> str:
     """The workload line, one table row per run, the ratios and our engine's prefill/decode split."""
-    rows = [_row(label, result[key]) for key, label in RUNS if result.get(key)]
+    base = _baseline_label(result)
+    rows = [_row(base if key == "baseline" else label, result[key]) for key, label in RUNS if result.get(key)]
     lines = [_workload_line(result["workload"]), *_table([HEADER, *rows])]
     if result.get("ratio") is not None:
-        lines.append(f"ours / hf: output tokens/s x{result['ratio']:.2f}, "
+        short = "vllm" if base.startswith("vllm") else "hf"
+        lines.append(f"ours / {short}: output tokens/s x{result['ratio']:.2f}, "
                      f"total tokens/s x{result['total_tokens_ratio']:.2f}")
     if result.get("prefix_caching"):
         p = result["prefix_caching"]
@@ -59,6 +61,14 @@ def _workload_line(w: dict[str, Any]) -> str:
             f"{w['max_tokens']} ({stop}), model {w['model']} {w['dtype']} on {w['device']}, quantization "
             f"{w['quantization']}, max_num_seqs {w['max_num_seqs']}, attention "
             f"{w.get('attention_backend', 'torch')}")
+
+
+def _baseline_label(result: dict[str, Any]) -> str:
+    """'hf generate', or 'vllm 0.32.0' for bench --engine jobrunner,vllm."""
+    base = result.get("baseline") or {}
+    if base.get("name") == "vllm":
+        return f"vllm {base.get('vllm_version') or ''}".strip()
+    return "hf generate"
 
 
 def _row(label: str, run: dict[str, Any]) -> tuple[str, ...]:

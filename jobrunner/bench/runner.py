@@ -23,7 +23,9 @@ class BenchOptions:
     ignore_eos: bool = False
     prefix_caching: bool = True
     compare_prefix_caching: bool = False
-    baseline: str = "none"                # "hf" or "none"
+    baseline: str = "none"                # "hf", "vllm" (bench --engine jobrunner,vllm) or "none"
+    vllm_python: str | None = None        # the Python that has vLLM (baseline "vllm")
+    vllm_eager: bool = False              # vLLM without its compile step (faster start, slower steps)
     baseline_batch_size: int | None = None  # None: pick from a pilot
     raw_prompts: bool = False
     profile: bool = False                 # time attention / GEMMs / other ops / host work per step
@@ -36,6 +38,7 @@ class _Prepared:
     model_info: dict[str, Any]
     device: torch.device
     eos_ids: tuple[int, ...]
+    max_model_len: int
     attention_backend: str  # the backend the steps ran through (after any fall-back)
 
 
@@ -48,7 +51,48 @@ def run_bench(options: BenchOptions, rows: list[PromptRow], log=print) -> dict[s
         _, runs["ours_no_prefix_caching"] = _ours_leg(options, False, rows, prep, "ours_no_prefix_caching", log)
     if options.baseline == "hf":
         runs["baseline"] = _run_hf(options, prep, log)
+    elif options.baseline == "vllm":
+        runs["baseline"] = _run_vllm(options, prep, log)
     return _assemble(options, prep, runs)
+
+
+def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
+    """vLLM's engine (its own process, engine.backend vllm's path) on the same token ids, dtype and batching,
+    bound to every core as its CPU docs ask; its start-up (and compile, unless eager) is outside the timing."""
+    import os
+
+    from jobrunner.models.sources import resolve_model_dir
+    from jobrunner.vllm_backend.engine import VllmEngine
+    from jobrunner.vllm_backend.mapping import vllm_problem
+
+    python = options.vllm_python or ""
+    problem = vllm_problem(python)
+    if problem:
+        raise ValueError(problem)
+    cores = os.cpu_count() or 1
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+           "OMP_NUM_THREADS": str(cores), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = {k: v for k, v in env.items() if k not in os.environ}
+    e = options.engine
+    args = {"model": str(resolve_model_dir(e.model)), "dtype": prep.model_info.get("dtype", "float32"), "seed": 0,
+            "enforce_eager": options.vllm_eager, "max_num_seqs": e.max_num_seqs,
+            "max_num_batched_tokens": e.max_num_batched_tokens, "enable_prefix_caching": options.prefix_caching,
+            "max_model_len": prep.max_model_len}
+    log(f"vllm: starting vLLM at {python} ({'eager' if options.vllm_eager else 'compiling: 1-2 minutes on CPU'})")
+    started = time.perf_counter()
+    engine = VllmEngine(python, args, None, {"dtype": args["dtype"]}, env=env)
+    load_s = time.perf_counter() - started
+    try:
+        log(f"vllm: vLLM {engine.model_info.get('vllm_version')} ready after {load_s:.0f}s; "
+            f"{len(prep.token_ids)} prompts x up to {options.max_tokens} tokens")
+        result = run_ours(engine, prep.token_ids, options.max_tokens, options.ignore_eos, "vllm",
+                          progress=BenchProgress("vllm", len(prep.token_ids), log))
+    finally:
+        engine.close()
+    result.extra.update(vllm_version=engine.model_info.get("vllm_version"), load_s=round(load_s, 1),
+                        eager=options.vllm_eager)
+    result.memory = {}  # this process's peak RSS says nothing of vLLM's own process
+    return result
 
 
 def _ours_leg(options: BenchOptions, prefix_caching: bool, rows: list[PromptRow], prep: _Prepared | None,
@@ -99,7 +143,7 @@ def _prepare(engine, rows: list[PromptRow], options: BenchOptions) -> _Prepared:
     token_ids = tokenize_all(engine, rows, options.raw_prompts)
     kept, dropped = fit_to_context(token_ids, options.max_tokens, engine.max_model_len)
     return _Prepared(kept, dropped, dict(engine.model_info), engine.device, tuple(engine.eos_token_ids),
-                     engine.runner.backend.name)
+                     engine.max_model_len, engine.runner.backend.name)
 
 
 def _run_hf(options: BenchOptions, prep: _Prepared, log) -> RunResult:

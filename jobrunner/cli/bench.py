@@ -41,6 +41,13 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.option("--baseline", type=click.Choice(["hf", "none"]), default="none", show_default=True,
               help="hf: also run transformers' generate on the same token ids and report the ratio (minutes "
                    "on CPU); none: our engine only.")
+@click.option("--engine", "engines", default="jobrunner", show_default=True,
+              help="jobrunner, or jobrunner,vllm: also run vLLM's engine (its own process, the Python of "
+                   "--vllm-python) on the same token ids and report the ratio.")
+@click.option("--vllm-python", default=None,
+              help="The Python that has vLLM (default $JOBRUNNER_VLLM_PYTHON, else ./.venv-vllm/bin/python).")
+@click.option("--vllm-eager", is_flag=True,
+              help="Run vLLM without its compile step (starts in ~20 s instead of 1-2 minutes; slower steps).")
 @click.option("--baseline-batch-size", type=click.IntRange(min=1), default=None,
               help="Static batch size of the HF baseline (default: the best of 8/16/32 on a short pilot).")
 @click.option("--raw-prompts", is_flag=True, help="Send 'prompt' text as is instead of as a single-turn chat.")
@@ -88,7 +95,8 @@ def _engine_option(flag: str, name: str, **kwargs):
               help="Only time a GEMM in float32 and bfloat16 on this CPU and say what `dtype: auto` chooses "
                    "(from the CPU capability, never from this timing) and whether the timing agrees.")
 def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eos: bool, no_prefix_caching: bool,
-          compare_prefix_caching: bool, baseline: str, baseline_batch_size: int | None, raw_prompts: bool,
+          compare_prefix_caching: bool, baseline: str, engines: str, vllm_python: str | None, vllm_eager: bool,
+          baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
           quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
@@ -137,10 +145,11 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     if quant_schemes is not None:
         _compare_quantization(engine, rows, quant_schemes, quality_texts, batch_sizes, raw_prompts, as_json)
         return
+    baseline = _engines_baseline(engines, baseline)
     options = BenchOptions(engine=engine, max_tokens=max_tokens, ignore_eos=ignore_eos,
                            prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
                            baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts,
-                           profile=profile)
+                           profile=profile, vllm_python=_vllm_python(vllm_python), vllm_eager=vllm_eager)
     try:
         result = run_bench(options, rows, log=lambda msg: echo(msg, err=True))
     except ValueError as exc:  # bad model source, no chat template, nothing fits the context, ...
@@ -254,3 +263,27 @@ def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, ba
 
 
 COMMANDS = [bench]
+
+
+def _engines_baseline(engines: str, baseline: str) -> str:
+    """--engine jobrunner[,vllm] as the run's baseline ("vllm" or the --baseline given)."""
+    names = [n.strip() for n in engines.split(",") if n.strip()]
+    unknown = sorted(set(names) - {"jobrunner", "vllm"})
+    if unknown or "jobrunner" not in names:
+        raise click.UsageError(f"--engine {engines!r}: jobrunner or jobrunner,vllm (our engine makes the token ids "
+                               "both run)")
+    if "vllm" not in names:
+        return baseline
+    if baseline != "none":
+        raise click.UsageError("--engine jobrunner,vllm runs vLLM as the baseline: drop --baseline")
+    return "vllm"
+
+
+def _vllm_python(given: str | None) -> str:
+    import os
+    from pathlib import Path
+
+    from jobrunner.vllm_backend.mapping import VLLM_PYTHON_ENV
+
+    local = Path(".venv-vllm/bin/python")
+    return given or os.environ.get(VLLM_PYTHON_ENV) or (str(local.resolve()) if local.exists() else "python3")
