@@ -82,10 +82,16 @@ def price_and_source(manifest: dict | None, cli_price: float | None) -> tuple[fl
 
 
 def model_info(manifest: dict | None) -> dict:
-    """source, dtype (and why: dtype_reason), quantization, architecture of the model (None where unknown)."""
+    """source, dtype (and why: dtype_reason), quantization, architecture of the model (None where unknown), and
+    the engine that ran it: ``engine`` 'jobrunner' (outputs written before other backends say nothing) or
+    'vllm 0.32.0'."""
     model = (manifest or {}).get("model")
     model = model if isinstance(model, dict) else {}
-    return {key: text(model, key) for key in ("source", "dtype", "dtype_reason", "quantization", "architecture")}
+    info = {key: text(model, key) for key in ("source", "dtype", "dtype_reason", "quantization", "architecture")}
+    backend = text(model, "backend") or "jobrunner"
+    version = text(model, "vllm_version") if backend == "vllm" else None
+    info["engine"] = f"{backend} {version}" if version else backend
+    return info
 
 
 def task_info(manifest: dict | None) -> dict:

@@ -97,6 +97,7 @@ FIGURES: list[Figure] = [
     Figure("run", "model", ("run", "model", "source"), fmt_text, False),
     Figure("run", "quantization", ("run", "model", "quantization"), fmt_text, False),
     Figure("run", "dtype", ("run", "model", "dtype"), fmt_text, False),
+    Figure("run", "engine", ("run", "model", "engine"), fmt_text, False),
     Figure("run", "dtype chosen", ("run", "model", "dtype_reason"), fmt_text, False),
     Figure("run", "date", ("run", "date"), fmt_text, False),
     Figure("run", "hardware", ("run", "hardware", "summary"), fmt_text, False),

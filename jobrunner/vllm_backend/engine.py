@@ -95,7 +95,11 @@ class VllmEngine:
         return reply
 
     def _death(self) -> str:
-        code = self._proc.poll()
+        """Why the pipe ended: its end of file comes as the process dies, a moment before it can be reaped."""
+        try:
+            code = self._proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            code = None
         where = f"; its log: {self.log_path}" if self.log_path else ""
         return f"the vLLM engine process exited (status {code}){where}" if code is not None else \
             f"the vLLM engine process stopped answering{where}"

@@ -102,3 +102,10 @@ def test_an_output_is_resumed_only_by_the_engine_that_wrote_it():
     assert ("engine.backend", "jobrunner", "vllm") in spec_differences(old, new)
     assert not [d for d in spec_differences(old, {**new, "engine": {"backend": "jobrunner"}})
                 if d[0] == "engine.backend"]
+
+
+def test_reports_name_the_engine_that_wrote_an_output():
+    from jobrunner.reports.manifest_view import model_info
+
+    assert model_info({"model": {"backend": "vllm", "vllm_version": "0.32.0"}})["engine"] == "vllm 0.32.0"
+    assert model_info({"model": {"source": "x"}})["engine"] == "jobrunner"  # outputs from before backends
