@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,18 +47,11 @@ def build_engine(options: EngineOptions, prefix_caching: bool):
 
 
 def release(engine) -> None:
-    """Drop an engine's model and KV cache now (the caller must drop its own reference too); an engine of
-    another backend is closed."""
-    from jobrunner.engine.llm_engine import LLMEngine
-
-    if not isinstance(engine, LLMEngine):
-        engine.close()
-        return
-    device = engine.device
-    engine.runner = engine.model = engine.kv_manager = engine.scheduler = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    """Drop an engine's model and KV cache now, through the engine contract's ``close`` (the caller must drop
+    its own reference too)."""
+    if hasattr(engine, "model"):
+        engine.model = None  # our engine: its weights go with it (close keeps them for a rebuild)
+    engine.close()
 
 
 def warm_up(engine) -> None:

@@ -38,23 +38,23 @@ def test_the_enabled_notice_shows_once_per_machine(tmp_path, caplog, notice_logg
     assert marker.exists()
 
 
-def test_a_later_process_on_the_same_machine_does_not_show_it(tmp_path, caplog, notice_logger):
+def _logged_on_a_machine_that_showed_it(tmp_path, caplog, warn, times: int) -> list[str]:
+    """What Ray's ``warn`` logs ``times`` times in a process after the notice was shown on this machine."""
     marker = tmp_path / "ray-token-notice-shown"
     marker.write_text("shown\n")
     fold_token_notice(marker)
     with caplog.at_level(logging.WARNING, logger=_TOKEN_LOGGER):
-        ray_auth._warn_token_auth_enabled()
-    assert _messages(caplog) == []
+        for _ in range(times):
+            warn()
+    return _messages(caplog)
+
+
+def test_a_later_process_on_the_same_machine_does_not_show_it(tmp_path, caplog, notice_logger):
+    assert _logged_on_a_machine_that_showed_it(tmp_path, caplog, ray_auth._warn_token_auth_enabled, 1) == []
 
 
 def test_the_disabled_warning_always_shows(tmp_path, caplog, notice_logger):
-    marker = tmp_path / "ray-token-notice-shown"
-    marker.write_text("shown\n")
-    fold_token_notice(marker)
-    with caplog.at_level(logging.WARNING, logger=_TOKEN_LOGGER):
-        ray_auth._warn_token_auth_disabled()
-        ray_auth._warn_token_auth_disabled()
-    shown = _messages(caplog)
+    shown = _logged_on_a_machine_that_showed_it(tmp_path, caplog, ray_auth._warn_token_auth_disabled, 2)
     assert len(shown) == 2 and all(m.startswith("Token authentication is disabled") for m in shown)
 
 
