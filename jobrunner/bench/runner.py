@@ -63,7 +63,7 @@ def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
 
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.vllm_backend.engine import VllmEngine
-    from jobrunner.vllm_backend.mapping import vllm_problem
+    from jobrunner.vllm_backend.mapping import cpu_preload, vllm_problem
 
     python = options.vllm_python or ""
     problem = vllm_problem(python)
@@ -72,6 +72,8 @@ def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
     cores = os.cpu_count() or 1
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
            "OMP_NUM_THREADS": str(cores), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if prep.device.type == "cpu" and cpu_preload(python):
+        env["LD_PRELOAD"] = cpu_preload(python)  # tcmalloc + libiomp5, as vLLM's CPU docs ask
     env = {k: v for k, v in env.items() if k not in os.environ}
     e = options.engine
     args = {"model": str(resolve_model_dir(e.model)), "dtype": prep.model_info.get("dtype", "float32"), "seed": 0,
@@ -90,7 +92,7 @@ def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
     finally:
         engine.close()
     result.extra.update(vllm_version=engine.model_info.get("vllm_version"), load_s=round(load_s, 1),
-                        eager=options.vllm_eager)
+                        eager=options.vllm_eager, preload=env.get("LD_PRELOAD") or os.environ.get("LD_PRELOAD", ""))
     result.memory = {}  # this process's peak RSS says nothing of vLLM's own process
     return result
 

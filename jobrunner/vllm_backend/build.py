@@ -39,9 +39,11 @@ def build_vllm_engine(spec: Any) -> VllmEngine:
             "dtype": dtype, "device": device.type, "quantization": spec.model.quantization,
             "dtype_choice": choice, "dtype_reason": describe_dtype_choice(choice)}
     log = os.path.join(tempfile.gettempdir(), f"jobrunner-vllm-{os.getpid()}.log")
+    env = vllm_env(spec, python, device.type)
     engine = VllmEngine(python, engine_args(spec, str(model_dir), dtype),
-                        tokenizer, info, chat_template=spec.input.chat_template, env=vllm_env(spec), log_path=log)
+                        tokenizer, info, chat_template=spec.input.chat_template, env=env, log_path=log)
     clock.mark("engine")  # vLLM's process: its imports, the weights, its KV cache (and compile, if asked)
     engine.model_info["load_stages_s"] = clock.stages
     engine.model_info["vllm_log"] = log
+    engine.model_info["vllm_preload"] = env.get("LD_PRELOAD") or os.environ.get("LD_PRELOAD", "")
     return engine

@@ -93,15 +93,41 @@ def vllm_problem(python: str, timeout_s: float = 60.0) -> str | None:
     return None
 
 
-def vllm_env(spec: Any) -> dict[str, str]:
+def vllm_env(spec: Any, python: str | None = None, device: str = "cpu") -> dict[str, str]:
     """Environment defaults for vLLM's CPU build in a worker (each kept where the environment sets it): one
     process (no separate engine-core process), no core kept back for it, as many OpenMP threads as the worker
-    has CPUs, the KV cache in GiB from engine.kv_cache_memory_bytes (else 4)."""
+    has CPUs, the KV cache in GiB from engine.kv_cache_memory_bytes (else 4), and on CPU the allocator and
+    OpenMP runtime its docs ask to preload (``cpu_preload``)."""
     cpus = max(1, int(spec.cluster.num_cpus_per_worker))
     space = spec.engine.kv_cache_memory_bytes
     defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(cpus),
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30))) if space else "4"}
+    preload = cpu_preload(python) if python and device == "cpu" else ""
+    if preload:
+        defaults["LD_PRELOAD"] = preload
     return {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                 "/usr/local/lib")
+
+
+def cpu_preload(python: str, lib_dirs: tuple[str, ...] | None = None) -> str:
+    """The LD_PRELOAD value vLLM's CPU docs ask for, from what is installed: tcmalloc (the system's
+    ``libtcmalloc_minimal.so.4``, package libtcmalloc-minimal4) and the Intel OpenMP runtime that vllm-cpu
+    installs into its venv (``<venv>/lib/libiomp5.so``). Each is added only where its file exists; "" when
+    neither does (vLLM then runs with glibc's allocator and its torch's OpenMP, slower but correct)."""
+    found = []
+    for folder in lib_dirs or TCMALLOC_DIRS:
+        candidate = os.path.join(folder, "libtcmalloc_minimal.so.4")
+        if os.path.isfile(candidate):
+            found.append(candidate)
+            break
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    iomp = os.path.join(venv, "lib", "libiomp5.so")
+    if os.path.isfile(iomp):
+        found.append(iomp)
+    return ":".join(found)
 
 
 def describe_vllm(python: str, options: dict[str, Any], timeout_s: float = 180.0) -> str:

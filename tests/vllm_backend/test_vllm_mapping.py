@@ -11,7 +11,7 @@ from jobrunner.driver.resume_check import spec_differences
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.spec import spec_from_dict
 from jobrunner.vllm_backend.engine import vllm_sampling
-from jobrunner.vllm_backend.mapping import engine_args, unmapped_settings, vllm_env
+from jobrunner.vllm_backend.mapping import cpu_preload, engine_args, unmapped_settings, vllm_env
 
 
 def _spec(tmp_path, engine=None, model=None, **top):
@@ -73,6 +73,27 @@ def test_the_cpu_environment_follows_the_worker(tmp_path, monkeypatch):
                               "VLLM_CPU_KVCACHE_SPACE": "2"}
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the operator's environment wins
     assert "OMP_NUM_THREADS" not in vllm_env(spec)
+
+
+def test_cpu_preload_names_the_libraries_that_exist(tmp_path, monkeypatch):
+    venv, system = tmp_path / "venv", tmp_path / "syslib"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    system.mkdir()
+    python = str(venv / "bin" / "python")
+    assert cpu_preload(python, (str(system),)) == ""  # neither installed: nothing preloaded
+    (system / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    assert cpu_preload(python, (str(system),)) == str(system / "libtcmalloc_minimal.so.4")
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    both = f"{system / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
+    assert cpu_preload(python, (str(system),)) == both
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr("jobrunner.vllm_backend.mapping.TCMALLOC_DIRS", (str(system),))
+    spec = _spec(tmp_path)
+    assert vllm_env(spec, python, "cpu")["LD_PRELOAD"] == both
+    assert "LD_PRELOAD" not in vllm_env(spec, python, "cuda")  # GPU builds need neither
+    monkeypatch.setenv("LD_PRELOAD", "/x.so")  # the operator's environment wins
+    assert "LD_PRELOAD" not in vllm_env(spec, python, "cpu")
 
 
 def test_every_sampling_field_has_a_vllm_counterpart():
