@@ -20,6 +20,7 @@ from jobrunner.models.loader import build_model, load_weights  # noqa: E402
 from jobrunner.models.moe import Router, SparseMoeBlock  # noqa: E402
 from jobrunner.quant import quantize_model  # noqa: E402
 from jobrunner.quant.apply import QUANTIZED_LINEARS  # noqa: E402
+from jobrunner.quant.dispatch import CROSSOVER_ENV, dispatch_for  # noqa: E402
 from jobrunner.quant.primitives import quantize_int8_per_channel  # noqa: E402
 
 TEXTS = CORPUS[:4]
@@ -88,12 +89,18 @@ def test_int8_moe_stays_close_to_float(arch, tokenizer):
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_int4_moe_engine_computes_the_dequantized_model(arch, tokenizer):
+def test_int4_moe_engine_computes_the_dequantized_model(arch, tokenizer, monkeypatch):
     """transformers' model given our dequantized int4 weights (experts stacked back) gives our quantized
     engine's log-probabilities, within the CPU kernel's bf16 rounding of activations (as for dense models):
     median ~0.007 nats here, while the quantization itself moves them ~0.3. That rounding may flip a router's
     top-k choice where two experts nearly tie, which moves that one token more (measured: one token of 129
-    per arch, up to 0.63): at most 2 such tokens are allowed."""
+    per arch, up to 0.63): at most 2 such tokens are allowed.
+
+    Weight-only int4 on every CPU: with int8 dot-product hardware (VNNI, AMX) int4 layers run W4A8 above 16
+    tokens, whose per-token int8 activations are part of the scheme, not of the dequantized model (median
+    0.026, up to 0.9 nats here on an AMX Xeon; W4A8 is checked in test_int4_int8.py)."""
+    if "int4_int8" in dispatch_for("cpu").max_kernel_tokens:
+        monkeypatch.setenv(CROSSOVER_ENV, "int4_int8=0")
     hf = make_hf_moe(arch)
     model = _model(hf)
     quantize_model(model, "int4")
