@@ -23,11 +23,12 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimit
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
-                 max_model_len: int = 8192, head_dim: int = 64) -> AttentionBackend:
+                 max_model_len: int = 8192, head_dim: int = 64, dtype=None) -> AttentionBackend:
     """The backend called ``name`` (``auto`` here is ``torch``; the model runner resolves ``auto`` first).
     Raises ``RuntimeError`` if ``triton`` or ``cpu_paged`` can't run here.
 
-    ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table.
+    ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table;
+    ``dtype`` (the model's) lets ``cpu_paged`` choose where bf16 prompt chunks run.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -41,7 +42,7 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
     if name == "cpu_paged":
         from jobrunner.attention.cpu_paged import make_cpu_paged_backend
 
-        return make_cpu_paged_backend(device, head_dim)
+        return make_cpu_paged_backend(device, head_dim, dtype)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

@@ -86,6 +86,7 @@ class AttentionBackend(ABC):
     name: str = "?"
     supports_layer_windows: bool = False  # builds per-window views for StepLayout.layer_windows
     supports_softcap: bool = False        # forward takes ``softcap`` (attention logit soft-capping)
+    chunk_route: str = ""                 # where long prompt chunks run, when a rule of the backend chose it
 
     @abstractmethod
     def build(self, layout: StepLayout, upload: StepUpload) -> AttentionMetadata:

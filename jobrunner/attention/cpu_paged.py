@@ -102,6 +102,14 @@ FAST_MIN_LANES = 8
 # JOBRUNNER_ATTENTION_SHARED=0 turns it off.
 SHARED_ENV = "JOBRUNNER_ATTENTION_SHARED"
 SHARED_MIN_KEYS = 128
+# bf16 on CPUs with AMX: prompt chunks of more than BF16_SDPA_MIN_QUERY tokens go to the torch groups, whose
+# bf16 SDPA multiplies on the matrix units (torch's CPU flash attention): 463 vs ~255 GFLOP/s for our fast
+# kernel (float32 arithmetic) on a 2-core Xeon with AMX; the long few-shot set's prompt steps' attention went
+# 604 -> 465 ms/step (docs/engine.md). Shorter chunks and the shared-prefix decodes stay on the fast kernel.
+# Chosen by capability (amx, where it was measured); JOBRUNNER_ATTENTION_BF16_SDPA=0 / 1 turns it off / on.
+BF16_SDPA_ENV = "JOBRUNNER_ATTENTION_BF16_SDPA"
+BF16_SDPA_MIN_QUERY = 64
+BF16_SDPA_CAPABILITIES = frozenset({"amx"})
 
 
 class CpuPagedMetadata(AttentionMetadata):
@@ -254,9 +262,28 @@ def shared_prefix_groups(layout: StepLayout) -> list[tuple[list[int], int]]:
     return groups
 
 
-def make_cpu_paged_backend(device, head_dim: int) -> CpuPagedBackend:
-    """The backend with its capability defaults, or ``RuntimeError`` saying why it cannot run here."""
+def bf16_chunks_to_sdpa() -> tuple[bool, str]:
+    """``(send long bf16 prompt chunks to torch's SDPA, why)``, from the capability and the setting."""
+    from jobrunner.quant.capability import detect_cpu_capability
+
+    setting = os.environ.get(BF16_SDPA_ENV, "").strip()
+    capability, _ = detect_cpu_capability()
+    if setting == "0":
+        return False, f"{BF16_SDPA_ENV}=0"
+    if setting != "1" and capability not in BF16_SDPA_CAPABILITIES:
+        return False, f"{capability}: bf16 prompt chunks on the fast kernel"
+    return True, f"{capability}: bf16 prompt chunks of more than {BF16_SDPA_MIN_QUERY} tokens on torch's SDPA"
+
+
+def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = None) -> CpuPagedBackend:
+    """The backend with its capability defaults (for ``dtype``: :func:`bf16_chunks_to_sdpa`), or
+    ``RuntimeError`` saying why it cannot run here."""
     reason = cpu_paged_unavailable_reason(device, head_dim)
     if reason:
         raise RuntimeError(reason)
-    return CpuPagedBackend(native_library())
+    backend = CpuPagedBackend(native_library())
+    if dtype == torch.bfloat16 and backend.fast_min_query and backend.native_max_query is None:
+        use, backend.chunk_route = bf16_chunks_to_sdpa()
+        if use:
+            backend.native_max_query = BF16_SDPA_MIN_QUERY
+    return backend

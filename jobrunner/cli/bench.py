@@ -82,8 +82,8 @@ def _engine_option(flag: str, name: str, **kwargs):
               help="Only time one linear layer of each SmolLM2 shape on every quantized path at --batch-sizes "
                    "token counts (microseconds).")
 @click.option("--gemm-paths", is_flag=True,
-              help="Microseconds of each float32 GEMM path (F.linear, our packed kernel, oneDNN) per SmolLM2 "
-                   "layer shape at --batch-sizes rows (jobrunner.bench.gemm_paths).")
+              help="Microseconds of each GEMM path (F.linear, our packed kernel, oneDNN) per SmolLM2 layer shape "
+                   "at --batch-sizes rows, in --dtype (auto = float32; jobrunner.bench.gemm_paths).")
 @click.option("--lora-steps", is_flag=True,
               help="Only time engine steps of 16 rows on --model with 4 random rank-16 LoRA adapters: rows "
                    "without an adapter, all on one adapter, and mixed over the 4 (jobrunner.bench.lora_steps).")
@@ -121,7 +121,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
             echo(line)
         return
     if gemm_paths:
-        _gemm_paths(batch_sizes, as_json)
+        _gemm_paths(batch_sizes, dtype, as_json)
         return
     if lora_steps:
         _lora_steps(model, dtype, device, as_json)
@@ -175,10 +175,13 @@ def _calibrate_dtype(as_json: bool) -> None:
         echo(json.dumps(result))
 
 
-def _gemm_paths(batch_sizes: str, as_json: bool) -> None:
+def _gemm_paths(batch_sizes: str, dtype: str, as_json: bool) -> None:
+    import torch
+
     from jobrunner.bench.gemm_paths import gemm_table, render_gemm_table
 
-    records = gemm_table(_batch_sizes(batch_sizes))
+    chosen = torch.bfloat16 if dtype == "bfloat16" else torch.float16 if dtype == "float16" else torch.float32
+    records = gemm_table(_batch_sizes(batch_sizes), dtype=chosen)
     for line in render_gemm_table(records):
         echo(line)
     if as_json:

@@ -146,7 +146,8 @@ class ModelRunner:
         s = self.model.shape
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
-                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim)
+                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim,
+                               dtype=self.model.dtype)
         except RuntimeError as exc:  # triton / cpu_paged where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
@@ -158,6 +159,8 @@ class ModelRunner:
                "attention_backend_requested": self.requested_backend}
         if self.attention_notes:
             out["attention_notes"] = list(self.attention_notes)
+        if self.backend.chunk_route:
+            out["attention_chunks"] = self.backend.chunk_route
         out.update(self.steps.stats())
         return out
 

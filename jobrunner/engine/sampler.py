@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from jobrunner.engine.request import Request
-from jobrunner.engine.sampling import filters, penalties, to_device
+from jobrunner.engine.sampling import filters, penalties, row_argmax, to_device
 from jobrunner.engine.sampling.grammar_masks import DeviceGrammarMasks
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
@@ -90,7 +90,7 @@ class Sampler:
         self.penalty_state.apply(logits, rows, reqs, repetition, presence, frequency)
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         with_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k > 0]
         without_k = [i for i, r in enumerate(requests) if not r.params.is_greedy and r.params.top_k == 0]
         groups = ((with_k, True), (without_k, False))

