@@ -111,3 +111,21 @@ def test_no_compiler_means_torch_ops(monkeypatch):
         assert fused_ops.silu_mul(torch.randn(2, 8)) is None
     finally:
         fused_ops._library.cache_clear()
+
+
+def test_bf16_vector_lanes_and_the_scalar_tail_agree_bit_for_bit(capability):
+    """Rows of 17 equal values: 16 run in the vector lanes, the 17th in the scalar tail; every output of a row has
+    the same bits, for ordinary values and NaN, infinities, -0 and bf16 denormals."""
+    specials = [0.0, -0.0, 1.0, -2.5, 90.0, -90.0, 1e-39, -1e-39, 3.3e38, float("inf"), -float("inf"),
+                float("nan"), 0.0078125, -7.0]
+    col = torch.tensor(specials).bfloat16()[:, None]
+    gate_up = torch.cat([col.expand(-1, 17), col.flip(0).expand(-1, 17)], dim=1).contiguous()
+    with torch.no_grad():
+        out = fused_ops.silu_mul(gate_up).view(torch.int16)
+        x = col.expand(-1, 17).contiguous()
+        add = col.flip(0).expand(-1, 17).contiguous()
+        weight = torch.full((17,), 1.5).bfloat16()
+        normed, total = fused_ops.rms_norm(x, weight, 1e-5, add)
+        plain, _ = fused_ops.rms_norm(x, weight, 1e-5)
+    for result in (out, normed.view(torch.int16), total.view(torch.int16), plain.view(torch.int16)):
+        assert torch.equal(result, result[:, :1].expand_as(result)), result

@@ -7,13 +7,73 @@
    - jr_silu_mul: silu(gate) * up of a fused gate|up projection.
    Tensors are float32 or bfloat16 (bf16 = 1), rows contiguous (row strides given where views are allowed).
    Arithmetic is float32; a row's result depends on that row alone (batch-invariant). Built without floating-
-   point contraction so products round as torch's do. */
+   point contraction so products round as torch's do. The bf16 norm and SiLU*up run 16 lanes at a time with the
+   scalar code's operations (bit-identical, NaN / inf / denormals included: tested against the scalar build);
+   SiLU*up of 64 x 1,536 bf16 went 70 -> 50 us on a 2-core Xeon (AVX-512). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "jr_numerics.h"
 
+
+/* 16 lanes through GCC vector extensions (AVX-512: one zmm; AVX2: two ymm): each lane runs the scalar code's
+   very operations (no contraction in this file), so the vector and scalar paths give the same bits. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f vload_bf16(const uint16_t *p) {
+  v16h h;
+  memcpy(&h, p, sizeof h);
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+static inline v16f vload_f32(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+
+/* to_bf16 lane by lane: round to nearest even, NaN kept quiet */
+static inline void vstore_bf16(uint16_t *p, v16f x) {
+  const v16u u = (v16u)x;
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+  const v16u bits = (v16u)(((v16i)((u >> 16) | 64u) & nan) | ((v16i)rounded & ~nan));
+  const v16h h = __builtin_convertvector(bits, v16h);
+  memcpy(p, &h, sizeof h);
+}
+
+static inline v16f vround_bf16(v16f x) {
+  const v16u u = (v16u)x;
+  const v16u rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+  const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+  return (v16f)(((v16i)(((u >> 16) | 64u) << 16) & nan) | ((v16i)rounded & ~nan));
+}
+
+static inline v16f vsplat(float x) { return (v16f){0} + x; }
+
+static inline v16f vselect(v16i m, v16f a, v16f b) { return (v16f)(((v16i)a & m) | ((v16i)b & ~m)); }
+
+/* exp_neg (jr_numerics.h) lane by lane */
+static inline v16f vexp_neg(v16f x) {
+  x = vselect(x < -87.0f, vsplat(-87.0f), x);
+  const v16f n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
+  const v16f r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  v16f p = vsplat(1.3981999507e-3f);
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return p * (v16f)e;
+}
+
+static inline v16f vsilu(v16f g) {
+  const v16f ag = (v16f)((v16i)g & 0x7fffffff);  /* fabsf */
+  const v16f e = vexp_neg(-ag);
+  return vselect(g >= 0.0f, g, g * e) / (1.0f + e);
+}
 
 static void load_row(const void *p, int64_t at, int64_t n, int bf16, float *dst) {
   if (bf16) {
@@ -58,17 +118,29 @@ static void norm_row_f32(const float *restrict x, const float *restrict add, flo
 
 static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict add, uint16_t *restrict sum_out,
                           uint16_t *restrict out, const uint16_t *restrict w, int64_t n, float eps, float *restrict r) {
+  int64_t i = 0;
   if (add) {
-    for (int64_t i = 0; i < n; i++) {
+    for (; i + 16 <= n; i += 16) {
+      const v16f s = vround_bf16(vload_bf16(x + i) + vload_bf16(add + i));
+      vstore_bf16(sum_out + i, s);
+      memcpy(r + i, &s, sizeof s);
+    }
+    for (; i < n; i++) {
       const uint16_t s = to_bf16(from_bf16(x[i]) + from_bf16(add[i]));
       sum_out[i] = s;
       r[i] = from_bf16(s);
     }
   } else {
-    for (int64_t i = 0; i < n; i++) r[i] = from_bf16(x[i]);
+    for (; i + 16 <= n; i += 16) {
+      const v16f v = vload_bf16(x + i);
+      memcpy(r + i, &v, sizeof v);
+    }
+    for (; i < n; i++) r[i] = from_bf16(x[i]);
   }
   const float inv = 1.0f / sqrtf(sum_squares(r, n) / (float)n + eps);
-  for (int64_t i = 0; i < n; i++) out[i] = to_bf16(from_bf16(w[i]) * round_bf16(r[i] * inv));
+  for (i = 0; i + 16 <= n; i += 16)
+    vstore_bf16(out + i, vload_bf16(w + i) * vround_bf16(vload_f32(r + i) * inv));
+  for (; i < n; i++) out[i] = to_bf16(from_bf16(w[i]) * round_bf16(r[i] * inv));
 }
 
 /* out = norm(x (+ add)); with add, x + add is also written to sum_out. n <= 32768. */
@@ -139,7 +211,10 @@ int jr_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t I, int64_t
     if (bf16) {
       const uint16_t *g = (const uint16_t *)gate_up + t * 2 * I, *u = g + I;
       uint16_t *o = (uint16_t *)out + t * I;
-      for (int64_t i = 0; i < I; i++) o[i] = to_bf16(round_bf16(silu(from_bf16(g[i]))) * from_bf16(u[i]));
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16)
+        vstore_bf16(o + i, vround_bf16(vsilu(vload_bf16(g + i))) * vload_bf16(u + i));
+      for (; i < I; i++) o[i] = to_bf16(round_bf16(silu(from_bf16(g[i]))) * from_bf16(u[i]));
     } else {
       const float *g = (const float *)gate_up + t * 2 * I, *u = g + I;
       float *o = (float *)out + t * I;
