@@ -27,6 +27,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 import traceback
 
@@ -156,7 +157,26 @@ def _is_request_error(exc: Exception) -> bool:
     return isinstance(exc, (ValueError, TypeError)) or "VLLMClientError" in names
 
 
+PARENT_CHECK_S = 1.0
+
+
+def watch_parent(parent: int, interval_s: float = PARENT_CHECK_S) -> threading.Thread:
+    """End this process once ``parent`` (the worker) is gone: its pipe closing ends the read loop, but a step
+    that hangs inside vLLM never reads again, and an orphaned engine would hold its cores and memory forever."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    thread = threading.Thread(target=watch, name="jobrunner-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> int:
+    watch_parent(os.getppid())
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "wb")  # the protocol's channel
     os.dup2(2, 1)  # everything else printed to stdout (vLLM's logs) goes to stderr
