@@ -1,6 +1,6 @@
 """The driver's guarantees with engine.backend vllm, for real (Ray, vLLM's CPU build): a row that kills the vLLM
-process is isolated as an error row while the rest of its shard commits, and a driver killed mid-job is resumed by
-the same command without recomputing a committed shard."""
+process is isolated as an error row while the rest of its shard commits (with a JSON schema that every other row
+meets), and a driver killed mid-job is resumed by the same command without recomputing a committed shard."""
 
 from __future__ import annotations
 
@@ -87,14 +87,19 @@ def _spec(tmp_path, python: str, rows_per_shard: int, **extra) -> dict:
 
 
 def test_a_row_that_kills_vllm_is_isolated(local_ray, tmp_path):
+    """Also a JSON schema through vLLM's structured outputs: every row that ran is valid for it."""
     python = _poison_python(tmp_path, vllm_python_or_skip())
     ids = _prompts(tmp_path / "in.parquet", 4, poison=2)
-    result = run_job(spec_from_dict(_spec(tmp_path, python, 4)), show_progress=False)
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    data = _spec(tmp_path, python, 4, sampling={"json_schema": schema})
+    result = run_job(spec_from_dict(data), show_progress=False)
     assert result.ok, result.summary()
     rows = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
     assert sorted(rows) == ids
     assert rows["v02"]["finish_reason"] == "error" and "vLLM engine process exited" in rows["v02"]["error"]
     assert all(rows[i]["finish_reason"] in ("stop", "length") and rows[i]["num_output_tokens"] > 0
+               for i in ids if i != "v02")
+    assert all(rows[i]["json_valid"] is True and rows[i]["generated_text"].strip() in ('"yes"', '"no"')
                for i in ids if i != "v02")
     isolation = read_manifest_file(tmp_path / "out")["runs"][-1]["isolation"]
     # the worker closed the dead vLLM process and started another (an engine rebuild) for each crash
