@@ -264,15 +264,11 @@ def shared_prefix_groups(layout: StepLayout) -> list[tuple[list[int], int]]:
 
 def bf16_chunks_to_sdpa() -> tuple[bool, str]:
     """``(send long bf16 prompt chunks to torch's SDPA, why)``, from the capability and the setting."""
-    from jobrunner.quant.capability import detect_cpu_capability
+    from jobrunner.quant.capability import capability_switch
 
-    setting = os.environ.get(BF16_SDPA_ENV, "").strip()
-    capability, _ = detect_cpu_capability()
-    if setting == "0":
-        return False, f"{BF16_SDPA_ENV}=0"
-    if setting != "1" and capability not in BF16_SDPA_CAPABILITIES:
-        return False, f"{capability}: bf16 prompt chunks on the fast kernel"
-    return True, f"{capability}: bf16 prompt chunks of more than {BF16_SDPA_MIN_QUERY} tokens on torch's SDPA"
+    return capability_switch(BF16_SDPA_ENV, BF16_SDPA_CAPABILITIES,
+                             f"bf16 prompt chunks of more than {BF16_SDPA_MIN_QUERY} tokens on torch's SDPA",
+                             "bf16 prompt chunks on the fast kernel")
 
 
 def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = None) -> CpuPagedBackend:

@@ -72,8 +72,9 @@ def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
     cores = os.cpu_count() or 1
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
            "OMP_NUM_THREADS": str(cores), "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if prep.device.type == "cpu" and cpu_preload(python):
-        env["LD_PRELOAD"] = cpu_preload(python)  # tcmalloc + libiomp5, as vLLM's CPU docs ask
+    preload = cpu_preload(python) if prep.device.type == "cpu" else ""
+    if preload:
+        env["LD_PRELOAD"] = preload  # tcmalloc + libiomp5, as vLLM's CPU docs ask
     env = {k: v for k, v in env.items() if k not in os.environ}
     e = options.engine
     args = {"model": str(resolve_model_dir(e.model)), "dtype": prep.model_info.get("dtype", "float32"), "seed": 0,

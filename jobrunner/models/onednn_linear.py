@@ -20,12 +20,10 @@ the reordered copy).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from jobrunner.quant.capability import detect_cpu_capability
+from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 ONEDNN_ENV = "JOBRUNNER_ONEDNN_LINEAR"
 # capabilities where the reordered weight beat F.linear at decode row counts (1-256 rows, every SmolLM2 layer
@@ -41,16 +39,13 @@ def onednn_bf16_supported() -> bool:
 
 def onednn_bf16_choice() -> tuple[bool, str]:
     """``(use it, why)`` for bf16 linears on this CPU, from the capability and ``JOBRUNNER_ONEDNN_LINEAR``."""
-    setting = os.environ.get(ONEDNN_ENV, "").strip()
-    capability, _ = detect_cpu_capability()
-    if setting == "0":
-        return False, f"{ONEDNN_ENV}=0"
-    if setting != "1" and capability not in DEFAULT_ON:
-        return False, f"{capability}: bf16 F.linear (oneDNN's reordered weights are the default on " \
-                      f"{', '.join(sorted(DEFAULT_ON))})"
-    if not onednn_bf16_supported():
+    use, why = capability_switch(ONEDNN_ENV, DEFAULT_ON, "bf16 GEMM on oneDNN-reordered weights",
+                                 f"bf16 F.linear (oneDNN's reordered weights are the default on "
+                                 f"{', '.join(sorted(DEFAULT_ON))})")
+    if use and not onednn_bf16_supported():
+        capability, _ = detect_cpu_capability()
         return False, f"{capability}: bf16 F.linear (this torch has no oneDNN bf16 kernels for this CPU)"
-    return True, f"{capability}: bf16 GEMM on oneDNN-reordered weights"
+    return use, why
 
 
 class OneDnnLinear(nn.Module):

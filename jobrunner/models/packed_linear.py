@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from jobrunner.quant.capability import detect_cpu_capability
+from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 PACKED_ENV = "JOBRUNNER_PACKED_GEMM"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "packed_gemm.c"
@@ -57,16 +56,14 @@ def packed_library() -> ctypes.CDLL | str:
 
 def packed_gemm_choice() -> tuple[bool, str]:
     """``(use it, why)`` for this CPU, from the capability and ``JOBRUNNER_PACKED_GEMM`` (never a timing)."""
-    setting = os.environ.get(PACKED_ENV, "").strip()
-    capability, forced = detect_cpu_capability()
-    if setting == "0":
-        return False, f"{PACKED_ENV}=0"
-    if setting != "1" and capability not in DEFAULT_ON:
-        return False, f"{capability}: F.linear (the packed kernel is the default on {', '.join(sorted(DEFAULT_ON))})"
+    use, why = capability_switch(PACKED_ENV, DEFAULT_ON, "packed float32 GEMM",
+                                 f"F.linear (the packed kernel is the default on {', '.join(sorted(DEFAULT_ON))})")
+    if not use:
+        return False, why
     lib = packed_library()
     if isinstance(lib, str):
         return False, lib
-    return True, f"{capability}: packed float32 GEMM ({lib.jr_gemm_panel_width()}-column panels)"
+    return True, f"{why} ({lib.jr_gemm_panel_width()}-column panels)"
 
 
 def pack_weight(weight: torch.Tensor, panel_width: int) -> torch.Tensor:

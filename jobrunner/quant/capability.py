@@ -33,3 +33,15 @@ def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
             return "avx512_bf16", False
         return ("avx512_vnni" if torch.cpu._is_vnni_supported() else "avx512"), False
     return (base if base in CPU_CAPABILITIES else "default"), False
+
+
+def capability_switch(env: str, default_on: frozenset[str], on_text: str, off_text: str) -> tuple[bool, str]:
+    """``(on, why)`` for a path chosen by capability alone: ``$env`` = ``0`` turns it off, ``1`` on, otherwise it
+    is on for the capabilities in ``default_on``. ``on_text`` / ``off_text`` follow ``"<capability>: "``."""
+    setting = os.environ.get(env, "").strip()
+    capability, _ = detect_cpu_capability()
+    if setting == "0":
+        return False, f"{env}=0"
+    if setting != "1" and capability not in default_on:
+        return False, f"{capability}: {off_text}"
+    return True, f"{capability}: {on_text}"

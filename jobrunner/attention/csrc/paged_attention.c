@@ -102,25 +102,43 @@ static inline void dot4(const float *restrict q, const float *const k[4], int64_
 }
 #endif
 
+
+/* Vectors of VL lanes (GCC vector extensions), shared by the decode tile's softmax and the fast path below. */
 #if defined(__AVX512F__)
-/* exp_neg (jr_numerics.h) on 16 lanes: the same clamp, reduction and polynomial, as fused multiply-adds */
-static inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 big = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504089f), big), big);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+#define VL 16
+#define NV 2
+#elif defined(__AVX2__)
+#define VL 8
+#define NV 1
+#else
+#define VL 4
+#define NV 1
 #endif
+#define ITEM_LANES (VL * NV)
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static inline vf ldv(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void stv(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* exp(x) lane-wise for x <= 0 (the same reduction and polynomial as exp_neg) */
+static inline vf vexp_neg(vf x) {
+  x = vmax(x, splat(-87.0f));
+  const vf n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
+  const vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  vf p = splat(1.3981999507e-3f);
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * (vf)e;
+}
 
 /* One query vector against keys lo .. hi - 1 of a tile (lo < hi). st: [acc[D], max, sum]. Not inlined: the
    decode and the prompt paths must run the very same instructions for a query. */
@@ -142,7 +160,7 @@ __attribute__((noinline)) static void attend_tile(const float *restrict q, const
     const __m512 sv = _mm512_maskz_loadu_ps(m, s);
     const float tmax = _mm512_mask_reduce_max_ps(m, sv);
     mx = tmax > mx ? tmax : mx;
-    _mm512_mask_storeu_ps(s, m, exp_neg16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+    _mm512_mask_storeu_ps(s, m, (__m512)vexp_neg((vf)_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
   }
   const float alpha = exp_neg(st[D] - mx);
 #else
@@ -405,42 +423,6 @@ static void fold_split(const Args *a, const Item *first, int64_t num_parts, cons
    broadcast once for the NV registers; the online softmax runs lane-wise (no horizontal reduction anywhere);
    the output is kept transposed, acc[D][ITEM_LANES], and updated with each value element broadcast: every
    arithmetic instruction works on a full register of query vectors. */
-#if defined(__AVX512F__)
-#define VL 16
-#define NV 2
-#elif defined(__AVX2__)
-#define VL 8
-#define NV 1
-#else
-#define VL 4
-#define NV 1
-#endif
-#define ITEM_LANES (VL * NV)
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-
-static inline vf ldv(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void stv(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-
-/* exp(x) lane-wise for x <= 0 (the same reduction and polynomial as exp_neg) */
-static inline vf vexp_neg(vf x) {
-  x = vmax(x, splat(-87.0f));
-  const vf n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-  const vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  vf p = splat(1.3981999507e-3f);
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)e;
-}
-
 /* one tile of n (<= TILE) keys, rows k / v with stride rs, against the item's lanes. mask: some lane's
    position or window hides some key of the tile (else every key is visible to every lane) */
 static void fast_tile(const float *restrict qt, const float *restrict k, const float *restrict v, int64_t rs,
