@@ -289,4 +289,5 @@ def _vllm_python(given: str | None) -> str:
     from jobrunner.vllm_backend.mapping import VLLM_PYTHON_ENV
 
     local = Path(".venv-vllm/bin/python")
-    return given or os.environ.get(VLLM_PYTHON_ENV) or (str(local.resolve()) if local.exists() else "python3")
+    # absolute, not resolved: a venv's python is a symlink to the base interpreter, which has no vLLM
+    return given or os.environ.get(VLLM_PYTHON_ENV) or (str(local.absolute()) if local.exists() else "python3")

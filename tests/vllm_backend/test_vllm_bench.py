@@ -46,3 +46,23 @@ def test_both_engines_on_the_same_token_ids(tmp_path):
 def test_engine_option_errors(tmp_path, extra, message):
     result = CliRunner().invoke(main, ["bench", "--prompts", str(_prompts(tmp_path)), *extra])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_the_default_vllm_python_keeps_the_venv(tmp_path, monkeypatch):
+    """``./.venv-vllm/bin/python`` is a symlink to the base interpreter: following it would leave the venv
+    (and its vLLM) behind, so the default is the link's absolute path, not its target."""
+    from jobrunner.cli.bench import _vllm_python
+    from jobrunner.vllm_backend.mapping import VLLM_PYTHON_ENV
+
+    base = tmp_path / "base" / "python3"
+    base.parent.mkdir()
+    base.write_text("")
+    venv_bin = tmp_path / "work" / ".venv-vllm" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(base)
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    assert _vllm_python(None) == str(venv_bin / "python")
+    assert _vllm_python("/opt/v/bin/python") == "/opt/v/bin/python"
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "/env/python")
+    assert _vllm_python(None) == "/env/python"
