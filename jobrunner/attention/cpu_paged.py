@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from jobrunner.attention.amx_prefill import AMX_MIN_QUERY, AmxPromptAttention, amx_chunk_route
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
@@ -128,6 +129,8 @@ class CpuPagedMetadata(AttentionMetadata):
         self.torch_groups = torch_groups
         self.num_shared = num_shared  # groups of decodes reading their shared prefix blocks once
         self.shared = (t["cp_goff"], t["cp_grows"], t["cp_glen"], t["cp_kstart"])
+        self.amx_rows: tuple[torch.Tensor, ...] = ()  # long bf16 chunks for the AMX kernel: start, len, seq, tables
+        self.amx_num_rows = self.amx_max_blocks = self.amx_padded_keys = 0
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -150,18 +153,11 @@ class CpuPagedBackend(AttentionBackend):
         self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
         self.share_prefixes = os.environ.get(SHARED_ENV, "1").strip() != "0"
+        self.amx: AmxPromptAttention | None = None  # long bf16 chunks on the AMX kernel (make_cpu_paged_backend)
 
     def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
         native, long_chunks = _split_rows(layout, self.native_max_query)
-        max_blocks = max((-(-n // layout.block_size) for n in native.seq_lens), default=1)
-        upload.add("cp_start", native.query_starts)
-        upload.add("cp_len", native.query_lens)
-        upload.add("cp_seq", native.seq_lens)
-        tables: list[int] = []
-        for table in native.block_tables:
-            row = table[:max_blocks]
-            tables += row + [0] * (max_blocks - len(row))
-        upload.add("cp_tables", tables)
+        max_blocks = _queue_rows(upload, "cp", native)
         shared = shared_prefix_groups(native) if self.fast_min_query and self.share_prefixes else []
         offsets, members, lengths, key_start = [0], [], [], [0] * native.num_rows
         for rows, length in shared:
@@ -174,9 +170,17 @@ class CpuPagedBackend(AttentionBackend):
         upload.add("cp_grows", members or [0])
         upload.add("cp_glen", lengths or [0])
         upload.add("cp_kstart", key_start or [0])
-        torch_meta = TORCH_BACKEND.build(long_chunks, upload) if long_chunks.num_rows else None
+        on_amx = bool(long_chunks.num_rows) and self.amx is not None and not layout.smallest_window
+        if on_amx:
+            amx_blocks = _queue_rows(upload, "am", long_chunks)
+        torch_meta = TORCH_BACKEND.build(long_chunks, upload) if long_chunks.num_rows and not on_amx else None
         meta = CpuPagedMetadata(self, upload.flush(), native, max_blocks,
                                 torch_meta.groups if torch_meta else [], len(shared))
+        if on_amx:
+            t = upload.flush()
+            meta.amx_rows = (t["am_start"], t["am_len"], t["am_seq"], t["am_tables"])
+            meta.amx_num_rows, meta.amx_max_blocks = long_chunks.num_rows, amx_blocks
+            meta.amx_padded_keys = sum(-(-n // 32) * 32 for n in long_chunks.seq_lens)
         if layout.layer_windows is not None:
             meta.layer_views = layer_views(layout, {w: _window_view(meta, torch_meta, layout, w)
                                                     for w in layout.windows})
@@ -195,6 +199,9 @@ class CpuPagedBackend(AttentionBackend):
             self._native(q, k_cache, v_cache, out, meta, scale)
         if meta.torch_groups:
             attend_groups(q, k_cache, v_cache, out, meta.torch_groups, meta.block_size, scale)
+        if meta.amx_num_rows:
+            self.amx(q, k_cache, v_cache, out, meta.amx_rows, meta.amx_max_blocks, meta.amx_num_rows,
+                     meta.amx_padded_keys, meta.block_size, scale)
         return out
 
     def _native(self, q, k_cache, v_cache, out, meta: CpuPagedMetadata, scale: float) -> None:
@@ -206,6 +213,21 @@ class CpuPagedBackend(AttentionBackend):
                      *(x.data_ptr() for x in meta.shared))
         if rc:
             raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
+
+
+def _queue_rows(upload: StepUpload, prefix: str, rows: StepLayout) -> int:
+    """Queue ``rows``' query starts, lengths, sequence lengths and block tables (each padded to the longest)
+    as ``<prefix>_start`` / ``_len`` / ``_seq`` / ``_tables``; returns the tables' width in blocks."""
+    max_blocks = max((-(-n // rows.block_size) for n in rows.seq_lens), default=1)
+    upload.add(f"{prefix}_start", rows.query_starts)
+    upload.add(f"{prefix}_len", rows.query_lens)
+    upload.add(f"{prefix}_seq", rows.seq_lens)
+    tables: list[int] = []
+    for table in rows.block_tables:
+        row = table[:max_blocks]
+        tables += row + [0] * (max_blocks - len(row))
+    upload.add(f"{prefix}_tables", tables)
+    return max_blocks
 
 
 def _window_view(meta: CpuPagedMetadata, torch_meta: AttentionMetadata | None, layout: StepLayout,
@@ -279,6 +301,11 @@ def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = No
         raise RuntimeError(reason)
     backend = CpuPagedBackend(native_library())
     if dtype == torch.bfloat16 and backend.fast_min_query and backend.native_max_query is None:
+        use_amx, amx_why = amx_chunk_route(head_dim)
+        if use_amx:
+            backend.amx, backend.chunk_route = AmxPromptAttention(), amx_why
+            backend.native_max_query = AMX_MIN_QUERY
+            return backend
         use, backend.chunk_route = bf16_chunks_to_sdpa()
         if use:
             backend.native_max_query = BF16_SDPA_MIN_QUERY

@@ -43,6 +43,7 @@ class AttentionGroup:
     causal: bool = False              # a chunk starting at position 0: plain causal attention, no mask
     repeat_mask: bool = False         # mask is [Q, L]-shaped: repeat it n_rep times along the query axis
     tile_mask: bool = False           # mask is [G, 1, Q, L]: tile it n_rep times along the query axis
+    prefix_len: int = 0               # a chunk after a cached prefix (CPU): keys before it, seen by every query
 
 
 class TorchMetadata(AttentionMetadata):
@@ -159,6 +160,8 @@ def _chunk_group(offset: int, q_len: int, seq_len: int, blocks: torch.Tensor, bl
     index = torch.arange(offset, offset + q_len, device=device)
     if start == 0 and (window is None or seq_len <= window):
         return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, causal=True)
+    if device.type == "cpu" and (window is None or seq_len <= window):
+        return AttentionGroup(1, q_len, padded_len, index, blocks, None, index, prefix_len=start)
     rows = torch.arange(start, seq_len, device=device)[:, None]
     keys = torch.arange(padded_len, device=device)[None, :]
     mask = keys <= rows      # [Q, L] causal with offset
@@ -202,6 +205,11 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
     G, Q, L = g.num_seqs, g.query_len, g.kv_len
     if g.causal:
         return _attend_causal(q, k_blocks, v_blocks, g, num_kv_heads, head_dim, scale, softcap)
+    if g.prefix_len:
+        if softcap is None:
+            return _attend_after_prefix(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale)
+        if g.mask is None:  # soft-capping needs the scores: the causal-with-offset mask, built once per step
+            g.mask, g.repeat_mask = _offset_causal_mask(g.prefix_len, Q, L, q.device), True
     # q: [G*Q, H, D] -> [G, Hkv, n_rep*Q, D] (query head h uses kv head h // n_rep)
     qg = q.index_select(0, g.query_index).view(G, Q, num_kv_heads, n_rep, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(G, num_kv_heads, n_rep * Q, head_dim)
@@ -218,6 +226,43 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
     # [G, Hkv, n_rep*Q, D] -> [G*Q, H*D]
     og = og.view(G, num_kv_heads, n_rep, Q, head_dim).permute(0, 3, 1, 2, 4)
     return og.reshape(G * Q, num_kv_heads * n_rep * head_dim)
+
+
+def _offset_causal_mask(start: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[Q, L]``: query i (at position start + i) sees keys 0 .. start + i."""
+    rows = torch.arange(start, start + q_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def _attend_after_prefix(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n_rep: int,
+                         head_dim: int, scale: float) -> torch.Tensor:
+    """A prompt chunk after ``g.prefix_len`` cached keys, as two mask-free flash-attention calls merged by
+    their log-sum-exps: every query against the whole prefix (no mask: the kernel runs dense tiles; grouped-
+    query attention folded into the query axis), and the chunk against its own keys (causal: the kernel skips
+    the upper triangle). One call with a causal-with-offset mask cost 1.4x the two on a 2-core Xeon with AMX
+    (bf16, 240 queries after 1,040 cached keys, 9 / 3 heads of 64): a mask is read per score and no tile is
+    skipped. The merge is in float32; each part's output is rounded to the query dtype once before it."""
+    Q, P, H = g.query_len, g.prefix_len, num_kv_heads * n_rep
+    kg = k_blocks.index_select(0, g.block_ids).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
+    vg = v_blocks.index_select(0, g.block_ids).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
+    rows = q.index_select(0, g.query_index)                                                   # [Q, H, D]
+    q_fold = rows.view(Q, num_kv_heads, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, n_rep * Q,
+                                                                                        head_dim)
+    out_a, lse_a = _FLASH_CPU(q_fold, kg[:, :, :P], vg[:, :, :P], 0.0, False, scale=scale)
+    own_k = kg[:, :, P:].repeat_interleave(n_rep, dim=1)                                       # [1, H, Q, D]
+    own_v = vg[:, :, P:].repeat_interleave(n_rep, dim=1)
+    out_b, lse_b = _FLASH_CPU(rows.transpose(0, 1).unsqueeze(0), own_k, own_v, 0.0, True, scale=scale)
+    # both as [H, Q, ...] (head h = kv head * n_rep + r)
+    out_a, lse_a = out_a.reshape(H, Q, head_dim), lse_a.reshape(H, Q)
+    out_b, lse_b = out_b.reshape(H, Q, head_dim), lse_b.reshape(H, Q)
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    merged = (out_a.float() * w_a[..., None] + out_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
+    return merged.to(q.dtype).transpose(0, 1).reshape(Q, H * head_dim)
+
+
+# torch's CPU flash attention with its log-sum-exp ([B, H, Q] float32): (out, lse)
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, head_dim: int,

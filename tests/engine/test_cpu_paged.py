@@ -195,10 +195,11 @@ def test_defaults_follow_the_builds_vector_width(capability):
 def test_bf16_prompt_chunks_go_to_sdpa_on_amx(monkeypatch, forced, setting, dtype, expected):
     """bf16 on AMX: chunks of more than 64 tokens on torch's SDPA (its bf16 flash attention), shorter ones and the
     shared-prefix decodes on the fast kernel; the rule is the capability's (a forced avx512_bf16 build runs on an
-    AVX-512 CPU only)."""
+    AVX-512 CPU only). With the AMX kernel off: where it runs it takes these chunks first (test_amx_attention)."""
     if not HAS_AVX512:
         pytest.skip("the forced AVX-512 builds run on an AVX-512 CPU only")
     monkeypatch.setenv(CAPABILITY_ENV, forced)
+    monkeypatch.setenv("JOBRUNNER_ATTENTION_AMX", "0")
     monkeypatch.setenv(cpu_paged.BF16_SDPA_ENV, setting)
     backend = make_backend("cpu_paged", 9, 3, 16, CPU, head_dim=64, dtype=dtype)
     assert backend.native_max_query == expected and backend.fast_min_query == cpu_paged.FAST_MIN_QUERY

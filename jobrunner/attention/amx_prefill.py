@@ -1,0 +1,101 @@
+"""bf16 prompt chunks on the AMX matrix units, straight from the paged KV cache (``csrc/amx_attention.c``).
+
+On a CPU with AMX, the ``cpu_paged`` backend sends bf16 prompt chunks of more than ``AMX_MIN_QUERY`` tokens
+here instead of to torch's SDPA (which needed each row's keys gathered out of the cache and, after a cached
+prefix, a mask it reads per score without skipping a tile). The kernel's layout and arithmetic are in its
+header: scores and softmax in float32, P in bf16 into the second product, as torch's CPU flash attention
+does for bf16. Outside deterministic mode only (``engine.deterministic`` keeps every row on the exact kernel).
+
+Chosen by capability (``amx``); ``JOBRUNNER_ATTENTION_AMX=0`` turns it off (long chunks then take torch's SDPA
+as before). A CPU without AMX, a compiler without ``-mamx-tile``, a head_dim that is not a multiple of 32, or
+an OS that refuses the tile state: :func:`amx_unavailable_reason` says why and the SDPA route stays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+AMX_ENV = "JOBRUNNER_ATTENTION_AMX"
+AMX_MIN_QUERY = 64
+SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_attention.c"
+FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.jr_amx_prompt_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P] * 8 + [_I] * 6 + [ctypes.c_float, _P, _I]
+    lib.jr_amx_workspace_bytes.restype = _I
+    lib.jr_amx_workspace_bytes.argtypes = [_P, _I, _I, _I]
+    lib.jr_amx_ready.restype = ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    from jobrunner.quant.native import open_library
+
+    lib = open_library("amx_attention", SOURCE, "AMX prompt attention", _declare, extra_flags=FLAGS)
+    if not isinstance(lib, str) and not lib.jr_amx_ready():
+        return "AMX prompt attention unavailable (the OS refused the AMX tile state)"
+    return lib
+
+
+def amx_unavailable_reason(head_dim: int) -> str | None:
+    """Why the AMX kernel cannot run here (``None`` when it can): capability, head_dim, build, OS."""
+    from jobrunner.quant.capability import detect_cpu_capability
+
+    capability, _ = detect_cpu_capability()
+    if capability != "amx":
+        return f"AMX prompt attention needs a CPU with AMX (capability {capability})"
+    if head_dim % 32:
+        return f"AMX prompt attention needs head_dim % 32 == 0 (got {head_dim})"
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def amx_chunk_route(head_dim: int) -> tuple[bool, str]:
+    """``(send long bf16 prompt chunks to the AMX kernel, why)``: the capability rule and the setting, then
+    whether the kernel can run here at all."""
+    from jobrunner.quant.capability import capability_switch
+
+    use, why = capability_switch(AMX_ENV, frozenset({"amx"}),
+                                 f"bf16 prompt chunks of more than {AMX_MIN_QUERY} tokens on the AMX kernel",
+                                 "bf16 prompt chunks off the AMX kernel")
+    if not use:
+        return False, why
+    reason = amx_unavailable_reason(head_dim)
+    return (False, reason) if reason else (True, why)
+
+
+class AmxPromptAttention:
+    """The kernel with its reusable workspace (the staged keys and values of one call's rows)."""
+
+    def __init__(self) -> None:
+        lib = _library()
+        if isinstance(lib, str):
+            raise RuntimeError(lib)
+        self.fn = lib.jr_amx_prompt_attention
+        self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                 rows: tuple[torch.Tensor, ...], max_blocks: int, num_rows: int, padded_keys: int,
+                 block_size: int, scale: float) -> None:
+        """Write the attention of ``num_rows`` prompt chunks into ``out`` ``[T, H * D]``; ``rows`` are int64
+        query_start, query_len, seq_len and block tables ``[rows * max_blocks]``; ``padded_keys`` the sum of
+        the rows' key counts rounded up to 32 (sizes the workspace)."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        need = padded_keys * num_kv_heads * head_dim * 2  # the staged bf16 values
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=torch.uint8)
+        start, length, seq, tables = rows
+        rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
+                     length.data_ptr(), seq.data_ptr(), tables.data_ptr(), max_blocks, num_rows, num_heads,
+                     num_kv_heads, head_dim, block_size, scale, self.workspace.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"AMX prompt attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")

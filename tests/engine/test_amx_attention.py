@@ -1,0 +1,133 @@
+"""bf16 prompt chunks on the AMX kernel (attention/csrc/amx_attention.c) against attention computed directly in
+float64 and against torch's SDPA route, on a CPU with AMX (skipped elsewhere: the kernel is built only there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_torch_prefix_chunks import _reference, _step
+
+from jobrunner.attention import StepUpload, amx_prefill, cpu_paged
+from jobrunner.attention.cpu_paged import make_cpu_paged_backend
+from jobrunner.attention.torch_backend import TORCH_BACKEND
+from jobrunner.quant.capability import CAPABILITY_ENV
+
+REASON = amx_prefill.amx_unavailable_reason(64)
+needs_amx = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def _run(backend, layout, slots, q, k, v, k_cache, v_cache, scale):
+    upload = StepUpload(q.device)
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    return backend.forward(q, k, v, k_cache, v_cache, meta, scale), meta, k_cache, v_cache
+
+
+@needs_amx
+@pytest.mark.parametrize("head_dim,num_kv_heads,n_rep,block_size", [
+    (64, 3, 3, 16), (64, 2, 1, 32), (64, 1, 4, 16), (128, 2, 2, 16), (32, 2, 3, 32)])
+def test_amx_chunks_match_direct_attention(head_dim, num_kv_heads, n_rep, block_size):
+    """Chunks from position 0 and after cached prefixes (lengths off every tile size, one crossing many
+    blocks), D = 64 (the output kept in tiles) and other head sizes (the general path): the error is that of
+    torch's bf16 SDPA on the same rows, within a small factor."""
+    rows = [(0, 65), (40, 100), (1040, 240), (17, 129), (0, 300), (333, 77)]
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, block_size, num_kv_heads, head_dim, n_rep,
+                                                     torch.bfloat16, seed=head_dim + n_rep)
+    scale = head_dim ** -0.5
+    backend = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16)
+    assert backend.amx is not None and "AMX" in backend.chunk_route
+    out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, scale)
+    assert meta.amx_num_rows == len(rows) and not meta.torch_groups  # every row > 64 tokens took the kernel
+    want = _reference(layout, q, k_written, v_written, n_rep, scale)
+    sdpa, *_ = _run(TORCH_BACKEND, layout, slots, q, k, v, k_cache, v_cache, scale)
+    err, sdpa_err = (out.double() - want).abs(), (sdpa.double() - want).abs()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert err.mean().item() < 2.5 * sdpa_err.mean().item()
+    assert err.max().item() < 4 * sdpa_err.max().item() + 1e-2
+
+
+@needs_amx
+def test_amx_rows_beside_decodes_and_short_chunks():
+    """One step of decodes, a short chunk (the fast kernel) and long chunks (the AMX kernel): each row's output
+    from its own path, all against the direct reference."""
+    rows = [(50, 1), (700, 1), (20, 12), (64, 80), (0, 96)]
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 3, 64, 3, torch.bfloat16, seed=5)
+    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16)
+    out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert meta.amx_num_rows == 2 and meta.num_rows == 3
+    want = _reference(layout, q, k_written, v_written, 3, 0.125)
+    assert (out.double() - want).abs().max().item() < 3e-2
+
+
+@pytest.mark.parametrize("forced,setting,dtype,amx", [
+    ("amx", "", torch.bfloat16, True), ("amx", "0", torch.bfloat16, False), ("amx", "", torch.float32, False),
+    ("avx512_bf16", "", torch.bfloat16, False)])
+def test_the_amx_route_is_chosen_by_capability(monkeypatch, forced, setting, dtype, amx):
+    """On AMX, bf16 chunks of more than 64 tokens take the AMX kernel (JOBRUNNER_ATTENTION_AMX=0: torch's SDPA
+    as before); never for float32 or without AMX."""
+    if forced == "amx" and REASON is not None:
+        pytest.skip(REASON)
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("the forced AVX-512 builds run on an AVX-512 CPU only")
+    monkeypatch.setenv(CAPABILITY_ENV, forced)
+    monkeypatch.setenv(amx_prefill.AMX_ENV, setting)
+    backend = make_cpu_paged_backend("cpu", 64, dtype)
+    assert (backend.amx is not None) == amx
+    if amx:
+        assert backend.native_max_query == amx_prefill.AMX_MIN_QUERY and "AMX kernel" in backend.chunk_route
+    elif dtype == torch.bfloat16 and forced == "amx":
+        assert backend.native_max_query == cpu_paged.BF16_SDPA_MIN_QUERY and "SDPA" in backend.chunk_route
+
+
+def test_the_amx_route_says_why_not(monkeypatch):
+    monkeypatch.setenv(CAPABILITY_ENV, "avx2")
+    assert "needs a CPU with AMX" in amx_prefill.amx_unavailable_reason(64)
+    if REASON is None:
+        monkeypatch.setenv(CAPABILITY_ENV, "amx")
+        assert "head_dim % 32" in amx_prefill.amx_unavailable_reason(48)
+
+
+@needs_amx
+def test_engine_with_amx_chunks_matches_the_sdpa_route(monkeypatch, tokenizer):
+    """A bf16 engine (random Llama with 64-dim heads) whose prompts share a long prefix and are prefilled in
+    chunks: with the AMX route on, its chunks run on the kernel (counted), and every row's greedy tokens and
+    first-token logprob agree with the SDPA route's within bf16 noise."""
+    from helpers import run_checked
+    from tiny import CORPUS, make_hf_model
+
+    from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
+    from jobrunner.models.loader import build_model, load_weights
+
+    hf = make_hf_model("llama", hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    # ~140-token shared header, own parts of ~100 tokens (chunks after a cached prefix), two unrelated prompts
+    shared = " ".join(CORPUS[:4])
+    prompts = [f"{shared} {' '.join(CORPUS[4 + 3 * i:7 + 3 * i])}" for i in range(6)] + [
+        " ".join(CORPUS[30:36]), " ".join(CORPUS[40:44])]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    calls = {"n": 0}
+    real_call = amx_prefill.AmxPromptAttention.__call__
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(amx_prefill.AmxPromptAttention, "__call__", counted)
+    outs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(amx_prefill.AMX_ENV, setting)
+        model = build_model(hf.config, torch.bfloat16, torch.device("cpu"))
+        load_weights(model, hf.state_dict().items())
+        engine = LLMEngine(model, tokenizer, EngineConfig(max_num_batched_tokens=160, max_num_seqs=8,
+                                                          num_kv_blocks=256, attention_backend="cpu_paged",
+                                                          speculative="off"),
+                           eos_token_ids=[tokenizer.eos_token_id])
+        assert (engine.runner.backend.amx is not None) == (setting == "1")
+        outs[setting] = run_checked(engine, prompts, params)
+        assert engine.stats().num_cached_tokens > 0
+        if setting == "1":
+            assert calls["n"] > 0
+    same = sum(outs["1"][k].output_token_ids == outs["0"][k].output_token_ids for k in outs["0"])
+    assert same >= len(prompts) - 1
+    first = [abs(outs["1"][k].logprobs[0].logprob - outs["0"][k].logprobs[0].logprob) for k in outs["0"]]
+    assert max(first) < 0.1
