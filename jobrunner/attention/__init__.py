@@ -42,7 +42,7 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
     if name == "cpu_paged":
         from jobrunner.attention.cpu_paged import make_cpu_paged_backend
 
-        return make_cpu_paged_backend(device, head_dim, dtype)
+        return make_cpu_paged_backend(device, head_dim, dtype, num_heads, num_kv_heads, block_size)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

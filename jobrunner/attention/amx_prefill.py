@@ -30,6 +30,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.jr_amx_prompt_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_P] * 8 + [_I] * 6 + [ctypes.c_float, _P, _I]
+    dec = lib.jr_amx_decode_attention
+    dec.restype = ctypes.c_int
+    dec.argtypes = [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I]
     lib.jr_amx_workspace_bytes.restype = _I
     lib.jr_amx_workspace_bytes.argtypes = [_P, _I, _I, _I]
     lib.jr_amx_ready.restype = ctypes.c_int
@@ -72,6 +75,25 @@ def amx_chunk_route(head_dim: int) -> tuple[bool, str]:
     return (False, reason) if reason else (True, why)
 
 
+AMX_DECODE_ENV = "JOBRUNNER_ATTENTION_AMX_DECODE"
+AMX_DECODE_MODES = ("all", "ungrouped", "0")
+
+
+def amx_decode_route(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str:
+    """Which bf16 decodes take the AMX kernel where prompt chunks do: ``"ungrouped"`` (the default), ``"all"``
+    (decodes sharing a cached prefix too, losing their grouping) or ``""`` (none: ``JOBRUNNER_ATTENTION_AMX_DECODE
+    =0``, or a shape the decode kernel does not take: head_dim 64, at most 16 query heads per kv head, blocks
+    of a multiple of 16 tokens)."""
+    import os
+
+    mode = os.environ.get(AMX_DECODE_ENV, "").strip() or "ungrouped"
+    if mode not in AMX_DECODE_MODES:
+        raise ValueError(f"{AMX_DECODE_ENV}={mode!r}: expected one of {', '.join(AMX_DECODE_MODES)}")
+    fits = head_dim == 64 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and \
+        num_heads // num_kv_heads <= 16 and block_size > 0 and block_size % 16 == 0
+    return mode if mode != "0" and fits else ""
+
+
 class AmxPromptAttention:
     """The kernel with its reusable workspace (the staged keys and values of one call's rows)."""
 
@@ -80,6 +102,7 @@ class AmxPromptAttention:
         if isinstance(lib, str):
             raise RuntimeError(lib)
         self.fn = lib.jr_amx_prompt_attention
+        self.decode_fn = lib.jr_amx_decode_attention
         self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -99,3 +122,14 @@ class AmxPromptAttention:
                      num_kv_heads, head_dim, block_size, scale, self.workspace.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"AMX prompt attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               rows: tuple[torch.Tensor, ...], max_blocks: int, num_rows: int, block_size: int, scale: float) -> None:
+        """Write the attention of ``num_rows`` decodes (one query token each) into ``out``; ``rows`` are int64
+        query_start, seq_len and block tables ``[rows * max_blocks]``."""
+        start, seq, tables = rows
+        rc = self.decode_fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
+                            seq.data_ptr(), tables.data_ptr(), max_blocks, num_rows, q.shape[1], k_cache.shape[1],
+                            q.shape[2], block_size, scale, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"AMX decode attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from jobrunner.attention.amx_prefill import AMX_MIN_QUERY, AmxPromptAttention, amx_chunk_route
+from jobrunner.attention.amx_prefill import AMX_MIN_QUERY, AmxPromptAttention, amx_chunk_route, amx_decode_route
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
@@ -131,6 +131,8 @@ class CpuPagedMetadata(AttentionMetadata):
         self.shared = (t["cp_goff"], t["cp_grows"], t["cp_glen"], t["cp_kstart"])
         self.amx_rows: tuple[torch.Tensor, ...] = ()  # long bf16 chunks for the AMX kernel: start, len, seq, tables
         self.amx_num_rows = self.amx_max_blocks = self.amx_padded_keys = 0
+        self.amx_decodes: tuple[torch.Tensor, ...] = ()  # decodes for the AMX kernel: start, seq, tables
+        self.amx_num_decodes = self.amx_decode_blocks = 0
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -154,11 +156,19 @@ class CpuPagedBackend(AttentionBackend):
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
         self.share_prefixes = os.environ.get(SHARED_ENV, "1").strip() != "0"
         self.amx: AmxPromptAttention | None = None  # long bf16 chunks on the AMX kernel (make_cpu_paged_backend)
+        self.amx_decode = ""  # "all" / "ungrouped": bf16 decodes on the AMX kernel too ("": none)
 
     def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
         native, long_chunks = _split_rows(layout, self.native_max_query)
-        max_blocks = _queue_rows(upload, "cp", native)
         shared = shared_prefix_groups(native) if self.fast_min_query and self.share_prefixes else []
+        decodes = None
+        if self.amx_decode and not layout.smallest_window:  # decodes on the AMX kernel (grouped ones stay)
+            grouped = {row for rows, _ in shared for row in rows} if self.amx_decode == "ungrouped" else set()
+            native, decodes = _partition(native, lambda i: native.query_lens[i] == 1 and i not in grouped)
+            shared = shared_prefix_groups(native) if grouped else []  # row indices of the rows left
+            if decodes.num_rows:
+                amx_dec_blocks = _queue_rows(upload, "ad", decodes)
+        max_blocks = _queue_rows(upload, "cp", native)
         offsets, members, lengths, key_start = [0], [], [], [0] * native.num_rows
         for rows, length in shared:
             members += rows
@@ -176,6 +186,10 @@ class CpuPagedBackend(AttentionBackend):
         torch_meta = TORCH_BACKEND.build(long_chunks, upload) if long_chunks.num_rows and not on_amx else None
         meta = CpuPagedMetadata(self, upload.flush(), native, max_blocks,
                                 torch_meta.groups if torch_meta else [], len(shared))
+        if decodes is not None and decodes.num_rows:
+            t = upload.flush()
+            meta.amx_decodes = (t["ad_start"], t["ad_seq"], t["ad_tables"])
+            meta.amx_num_decodes, meta.amx_decode_blocks = decodes.num_rows, amx_dec_blocks
         if on_amx:
             t = upload.flush()
             meta.amx_rows = (t["am_start"], t["am_len"], t["am_seq"], t["am_tables"])
@@ -202,6 +216,9 @@ class CpuPagedBackend(AttentionBackend):
         if meta.amx_num_rows:
             self.amx(q, k_cache, v_cache, out, meta.amx_rows, meta.amx_max_blocks, meta.amx_num_rows,
                      meta.amx_padded_keys, meta.block_size, scale)
+        if meta.amx_num_decodes:
+            self.amx.decode(q, k_cache, v_cache, out, meta.amx_decodes, meta.amx_decode_blocks,
+                            meta.amx_num_decodes, meta.block_size, scale)
         return out
 
     def _native(self, q, k_cache, v_cache, out, meta: CpuPagedMetadata, scale: float) -> None:
@@ -243,10 +260,15 @@ def _window_view(meta: CpuPagedMetadata, torch_meta: AttentionMetadata | None, l
 
 def _split_rows(layout: StepLayout, native_max_query: int | None) -> tuple[StepLayout, StepLayout]:
     """The step's rows for the native kernel, and the long prompt chunks for the torch groups (same flat batch)."""
+    return _partition(layout, lambda i: native_max_query is not None and layout.query_lens[i] > native_max_query)
+
+
+def _partition(layout: StepLayout, moved) -> tuple[StepLayout, StepLayout]:
+    """``(rows kept, rows for which moved(index) is true)``, each a layout over the same flat batch."""
     parts = tuple(StepLayout([], [], [], [], layout.num_tokens, layout.block_size, sliding_window=layout.sliding_window,
                              layer_windows=layout.layer_windows) for _ in range(2))
-    for row in zip(layout.query_starts, layout.query_lens, layout.seq_lens, layout.block_tables):
-        part = parts[native_max_query is not None and row[1] > native_max_query]
+    for i, row in enumerate(zip(layout.query_starts, layout.query_lens, layout.seq_lens, layout.block_tables)):
+        part = parts[bool(moved(i))]
         for values, value in zip((part.query_starts, part.query_lens, part.seq_lens, part.block_tables), row):
             values.append(value)
     return parts
@@ -293,9 +315,10 @@ def bf16_chunks_to_sdpa() -> tuple[bool, str]:
                              "bf16 prompt chunks on the fast kernel")
 
 
-def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = None) -> CpuPagedBackend:
-    """The backend with its capability defaults (for ``dtype``: :func:`bf16_chunks_to_sdpa`), or
-    ``RuntimeError`` saying why it cannot run here."""
+def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = None, num_heads: int = 0,
+                           num_kv_heads: int = 0, block_size: int = 0) -> CpuPagedBackend:
+    """The backend with its capability defaults (for ``dtype``: :func:`bf16_chunks_to_sdpa`; with the heads and
+    block size given, whether decodes take the AMX kernel), or ``RuntimeError`` saying why it cannot run here."""
     reason = cpu_paged_unavailable_reason(device, head_dim)
     if reason:
         raise RuntimeError(reason)
@@ -305,6 +328,7 @@ def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = No
         if use_amx:
             backend.amx, backend.chunk_route = AmxPromptAttention(), amx_why
             backend.native_max_query = AMX_MIN_QUERY
+            backend.amx_decode = amx_decode_route(head_dim, num_heads, num_kv_heads, block_size)
             return backend
         use, backend.chunk_route = bf16_chunks_to_sdpa()
         if use:

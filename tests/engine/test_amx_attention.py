@@ -131,3 +131,62 @@ def test_engine_with_amx_chunks_matches_the_sdpa_route(monkeypatch, tokenizer):
     assert same >= len(prompts) - 1
     first = [abs(outs["1"][k].logprobs[0].logprob - outs["0"][k].logprobs[0].logprob) for k in outs["0"]]
     assert max(first) < 0.1
+
+
+@needs_amx
+@pytest.mark.parametrize("n_rep,block_size", [(3, 16), (1, 32), (4, 16), (16, 16)])
+def test_amx_decodes_match_direct_attention(monkeypatch, n_rep, block_size):
+    """Decodes on the AMX kernel (every context length around the 16- and 32-key steps, and long ones) beside
+    prompt chunks in one step: each against the direct reference, within bf16 noise of the exact kernel."""
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "all")
+    rows = [(n, 1) for n in (0, 1, 14, 15, 16, 17, 30, 31, 32, 33, 63, 64, 65, 100, 517)] + [(40, 5), (0, 70)]
+    num_kv_heads = 2
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, block_size, num_kv_heads, 64, n_rep, torch.bfloat16,
+                                                     seed=11 + n_rep)
+    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
+    assert backend.amx_decode == "all"
+    out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert meta.amx_num_decodes == 15 and meta.amx_num_rows == 1 and meta.num_rows == 1
+    want = _reference(layout, q, k_written, v_written, n_rep, 0.125)
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
+    exact = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
+    ref_out, ref_meta, *_ = _run(exact, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert ref_meta.amx_num_decodes == 0
+    err, exact_err = (out.double() - want).abs(), (ref_out.double() - want).abs()
+    assert torch.isfinite(out).all()
+    assert err.max().item() < 3 * exact_err.max().item() + 1e-2
+    assert err.mean().item() < 3 * exact_err.mean().item()
+
+
+@needs_amx
+def test_grouped_decodes_stay_on_the_grouping_kernel_by_default(monkeypatch):
+    """By default ("ungrouped") decodes sharing a cached prefix keep the grouped fast kernel (it reads the
+    shared keys once for the group) and the others take the AMX kernel; "all" sends every decode."""
+    monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
+    layout, slots, q, k, v, k_cache, v_cache = _step([(300, 1), (200, 1), (20, 1)], 16, 3, 64, 3, torch.bfloat16)
+    layout.block_tables[1][:10] = layout.block_tables[0][:10]  # rows 0 and 1 share 160 cached keys
+    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 9, 3, 16)
+    assert backend.amx_decode == "ungrouped"
+    upload = StepUpload(q.device)
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    assert meta.num_shared == 1 and meta.num_rows == 2 and meta.amx_num_decodes == 1
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "all")
+    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 9, 3, 16)
+    upload = StepUpload(q.device)
+    upload.add("slot_mapping", slots)
+    meta = backend.build(layout, upload)
+    assert meta.num_shared == 0 and meta.num_rows == 0 and meta.amx_num_decodes == 3
+
+
+def test_the_decode_route_takes_only_shapes_it_fits(monkeypatch):
+    monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
+    assert amx_prefill.amx_decode_route(64, 9, 3, 16) == "ungrouped"
+    assert amx_prefill.amx_decode_route(128, 32, 8, 16) == ""   # head_dim 128: the exact kernel
+    assert amx_prefill.amx_decode_route(64, 64, 2, 16) == ""    # 32 query heads per kv head
+    assert amx_prefill.amx_decode_route(64, 9, 3, 8) == ""      # blocks of 8
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
+    assert amx_prefill.amx_decode_route(64, 9, 3, 16) == ""
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "some")
+    with pytest.raises(ValueError, match="JOBRUNNER_ATTENTION_AMX_DECODE"):
+        amx_prefill.amx_decode_route(64, 9, 3, 16)

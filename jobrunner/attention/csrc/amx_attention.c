@@ -408,3 +408,164 @@ int jr_amx_prompt_attention(const void *q, const void *k_cache, const void *v_ca
   }
   return 0;
 }
+
+
+/* ---- Decodes (one query token per row), D = 64 ----
+   A decode's work for one kv head is its n_rep query heads (lanes 0 .. R - 1 of one 16-lane block). Scores
+   are computed keys x lanes as above (K straight from the cache, Q^T built once); the product with V runs
+   the other way round, O = P V, so V needs no transposing: its rows are only paired (two keys' values
+   interleaved, which permutes the output dimensions in a fixed way, undone when writing), and P's R rows are
+   gathered from the score layout. The output stays in tmm4-7 with the lazy maximum. */
+
+/* output dimension of tile t (0 .. 3), column n (0 .. 15) after the pairing of two 32-dimension halves */
+static inline int64_t paired_dim(int64_t t, int64_t n) { return 32 * (t / 2) + (n / 4) * 8 + (t % 2) * 4 + n % 4; }
+
+static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
+  const int64_t H = a->H, R = H / a->Hkv, pos = a->seq[row] - 1, bs = a->bs, stride = a->Hkv * 64 * 2;
+  const int64_t *table = a->tables + row * a->max_blocks;
+  const uint16_t *qrow = a->q + (a->qstart[row] * H + kvh * R) * 64;
+  uint32_t qt[2 * 256] __attribute__((aligned(64)));     /* Q^T: 2 x [16 dimension pairs][16 lanes] */
+  float s[KB * LANES] __attribute__((aligned(64)));      /* S^T, then P^T: [32 keys][16 lanes] */
+  uint16_t pa[LANES * KB] __attribute__((aligned(64)));  /* P: [16 lanes][32 keys] (rows >= R zero) */
+  uint16_t vb[4 * 16 * 32] __attribute__((aligned(64))); /* V paired: 4 x [16 key pairs][16 dims x 2] */
+  float o[4 * LANES * 16] __attribute__((aligned(64)));
+  memset(qt, 0, sizeof qt);
+  memset(pa, 0, sizeof pa);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t w = 0; w < 32; w++) qt[(w / 16) * 256 + (w % 16) * 16 + r] = ((const uint32_t *)(qrow + r * 64))[w];
+  const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i gather_idx = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k0 = 0; k0 <= pos; k0 += KB) {
+    const int64_t seen = pos + 1 - k0 < KB ? pos + 1 - k0 : KB;  /* keys of this step the query sees */
+    for (int64_t key = k0 + KB; key < k0 + 2 * KB && key <= pos; key++) {  /* the next step's rows, on their way */
+      const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
+      _mm_prefetch((const char *)(a->k + at), _MM_HINT_T0);
+      _mm_prefetch((const char *)(a->k + at + 32), _MM_HINT_T0);
+      _mm_prefetch((const char *)(a->v + at), _MM_HINT_T0);
+      _mm_prefetch((const char *)(a->v + at + 32), _MM_HINT_T0);
+    }
+    for (int64_t half = 0; half < 2; half++) {
+      const int64_t key = k0 + 16 * half;
+      if (key > pos) {
+        memset(s + half * 16 * LANES, 0, sizeof(float) * 16 * LANES);
+        continue;
+      }
+      const uint16_t *kr = a->k + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
+      _tile_zero(2);
+      _tile_loadd(0, qt, 64);
+      _tile_loadd(1, kr, stride);
+      _tile_dpbf16ps(2, 1, 0);
+      _tile_loadd(0, qt + 256, 64);
+      _tile_loadd(1, kr + 32, stride);
+      _tile_dpbf16ps(2, 1, 0);
+      _tile_stored(2, s + half * 16 * LANES, 64);
+    }
+    /* V's rows in pairs (zero past the last key: P is 0 there, and 0 x a stale NaN would not be) */
+    for (int64_t p = 0; p < 16; p++) {
+      __m512i lo[2], hi[2];
+      for (int64_t h = 0; h < 2; h++) {
+        const int64_t key = k0 + 2 * p + h;
+        if (key <= pos) {
+          const uint16_t *vr = a->v + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
+          lo[h] = _mm512_loadu_si512((const void *)vr);
+          hi[h] = _mm512_loadu_si512((const void *)(vr + 32));
+        } else {
+          lo[h] = hi[h] = _mm512_setzero_si512();
+        }
+      }
+      _mm512_store_si512((__m512i *)(vb + 0 * 512 + p * 32), _mm512_unpacklo_epi16(lo[0], lo[1]));
+      _mm512_store_si512((__m512i *)(vb + 1 * 512 + p * 32), _mm512_unpackhi_epi16(lo[0], lo[1]));
+      _mm512_store_si512((__m512i *)(vb + 2 * 512 + p * 32), _mm512_unpacklo_epi16(hi[0], hi[1]));
+      _mm512_store_si512((__m512i *)(vb + 3 * 512 + p * 32), _mm512_unpackhi_epi16(hi[0], hi[1]));
+    }
+    __m512 mx = ninf;
+    for (int64_t j = 0; j < seen; j++) mx = _mm512_max_ps(mx, _mm512_load_ps(s + j * LANES));
+    const __m512 cand = _mm512_mul_ps(mx, cv);
+    const __mmask16 grow = _mm512_cmp_ps_mask(cand, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+    if (grow) {
+      const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+      const __m512 moved = _mm512_mask_mov_ps(m, grow, cand);
+      if (grow & had) {
+        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grow & had,
+                                                exp2_kept(grow & had, _mm512_sub_ps(m, moved)));
+        l = _mm512_mul_ps(l, alpha);
+        _tile_stored(4, o, 64);
+        _tile_stored(5, o + 256, 64);
+        _tile_stored(6, o + 512, 64);
+        _tile_stored(7, o + 768, 64);
+        /* o rows are lanes: scale lane r's row of each tile by alpha[r] */
+        float al[LANES];
+        _mm512_storeu_ps(al, alpha);
+        for (int64_t t = 0; t < 4; t++)
+          for (int64_t r = 0; r < LANES; r++) {
+            float *orow = o + t * 256 + r * 16;
+            _mm512_store_ps(orow, _mm512_mul_ps(_mm512_load_ps(orow), _mm512_set1_ps(al[r])));
+          }
+        _tile_loadd(4, o, 64);
+        _tile_loadd(5, o + 256, 64);
+        _tile_loadd(6, o + 512, 64);
+        _tile_loadd(7, o + 768, 64);
+      }
+      m = moved;
+    }
+    const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < KB; j++) {
+      const __m512 p = exp2_kept(j < seen ? 0xffff : 0, _mm512_fmadd_ps(_mm512_load_ps(s + j * LANES), cv, negm));
+      sum = _mm512_add_ps(sum, p);
+      _mm512_store_ps(s + j * LANES, p);
+    }
+    l = _mm512_add_ps(l, sum);
+    for (int64_t r = 0; r < R; r++) {  /* P's rows: lane r's 32 probabilities */
+      const __m512 p0 = _mm512_i32gather_ps(gather_idx, s + r, 4);
+      const __m512 p1 = _mm512_i32gather_ps(gather_idx, s + 16 * LANES + r, 4);
+      _mm512_store_si512((__m512i *)(pa + r * KB), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    _tile_loadd(2, pa, 64);
+    _tile_loadd(3, vb, 64);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, vb + 512, 64);
+    _tile_dpbf16ps(5, 2, 3);
+    _tile_loadd(3, vb + 1024, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, vb + 1536, 64);
+    _tile_dpbf16ps(7, 2, 3);
+  }
+  _tile_stored(4, o, 64);
+  _tile_stored(5, o + 256, 64);
+  _tile_stored(6, o + 512, 64);
+  _tile_stored(7, o + 768, 64);
+  float lv[LANES];
+  _mm512_storeu_ps(lv, l);
+  for (int64_t r = 0; r < R; r++) {
+    uint16_t *dst = a->out + (a->qstart[row] * H + kvh * R + r) * 64;
+    const float inv = lv[r] > 0.0f ? 1.0f / lv[r] : 0.0f;
+    for (int64_t t = 0; t < 4; t++)
+      for (int64_t n = 0; n < 16; n++) dst[paired_dim(t, n)] = to_bf16(o[t * 256 + r * 16 + n] * inv);
+  }
+}
+
+/* Decode rows (query_len 1): returns 0; 1 bad shape (D must be 64, at most 16 query heads per kv head,
+   block_size % 16 == 0); 3 AMX refused by the OS. Arguments as jr_amx_prompt_attention's (no workspace). */
+int jr_amx_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *query_start, const int64_t *seq_len, const int64_t *tables,
+                            int64_t max_blocks, int64_t num_rows, int64_t H, int64_t Hkv, int64_t D,
+                            int64_t block_size, float scale, int64_t threads) {
+  if (D != 64 || H % Hkv || H / Hkv > LANES || block_size % 16) return 1;
+  if (!amx_permitted()) return 3;
+  const Args a = {q, k_cache, v_cache, out, query_start, NULL, seq_len, tables, max_blocks, H, Hkv, D,
+                  block_size, scale, NULL, NULL};
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t i = 0; i < num_rows * Hkv; i++) decode_unit(&a, i / Hkv, i % Hkv);
+    _tile_release();
+  }
+  return 0;
+}
