@@ -6,6 +6,11 @@ then greedy rows take the argmax and the others go through temperature, min-p, t
 draw whose noise is a hash of (row seed, output position, token id) (:mod:`jobrunner.engine.sampling.noise`):
 no generator objects, no per-row launches, and a row's text depends only on its own seed. Everything the
 host needs (tokens, and logprobs when asked) comes back in one device->host transfer.
+
+A call whose rows are all plain greedy (:func:`plain_greedy`: nothing reads float32 logits) on CPU skips the
+float32 copy: the native row argmax (:mod:`jobrunner.engine.sampling.argmax`) runs on the model's float32 or
+bf16 logits, the same indices (bf16 widens to float32 exactly; the argmax is exact, so deterministic mode is
+unaffected). ``JOBRUNNER_NATIVE_ARGMAX=0``, another device or a missing compiler keep the float32 path.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from jobrunner.engine.request import Request
 from jobrunner.engine.sampling import filters, penalties, row_argmax, to_device
+from jobrunner.engine.sampling.argmax import native_row_argmax
 from jobrunner.engine.sampling.grammar_masks import DeviceGrammarMasks
 from jobrunner.engine.sampling.logprobs import LogprobEntry, gather_logprobs, unpack
 from jobrunner.engine.sampling.noise import keys_tensor, row_key
@@ -43,6 +49,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
+        if logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
+            tokens = native_row_argmax(logits)   # None: another dtype or layout, or no native library
+            if tokens is not None:
+                return SamplerOutput(tokens.tolist(), [None] * len(requests))
         logits = logits.float()
         k_max = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
         logprobs = torch.log_softmax(logits, dim=-1) if k_max is not None else None
@@ -61,13 +71,13 @@ class Sampler:
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
         if biased:
             penalties.apply_logit_bias(logits, biased, [requests[i].params.logit_bias for i in biased])
-        early = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        early = [i for i, r in enumerate(requests) if _before_min_tokens(r)]
         if early:
             penalties.apply_banned_tokens(logits, early, [_stop_ids(requests[i]) for i in early])
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if penalized:
             self._penalize(logits, penalized, requests)
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
+        constrained = [i for i, r in enumerate(requests) if _constrained(r)]
         if constrained:
             self.grammar_masks.apply(logits, constrained, [requests[i] for i in constrained])
 
@@ -116,6 +126,23 @@ class Sampler:
                                              any(r.params.top_p < 1.0 for r in sub))
             tokens[index] = picked
         return tokens
+
+
+def plain_greedy(request: Request) -> bool:
+    """Whether ``request``'s next token is the argmax of its raw logits, with nothing else read from them: greedy,
+    no logprobs, and none of :meth:`Sampler._process`'s steps applies (logit bias, min_tokens not yet reached,
+    penalties, an active grammar). Such rows need no float32 copy of the logits."""
+    p = request.params
+    return (p.is_greedy and p.logprobs is None and not p.logit_bias and not p.has_penalties
+            and not _before_min_tokens(request) and not _constrained(request))
+
+
+def _before_min_tokens(request: Request) -> bool:
+    return request.num_output_tokens < request.params.min_tokens
+
+
+def _constrained(request: Request) -> bool:
+    return request.grammar is not None and not request.grammar.is_terminated
 
 
 def _stop_ids(request: Request) -> list[int]:
