@@ -62,6 +62,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] * 4)
     lib.jr_fast_lanes.restype = ctypes.c_int
+    lib.jr_write_kv.restype = ctypes.c_int
+    lib.jr_write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                + [ctypes.c_int64] * 3)
 
 
 def native_library() -> ctypes.CDLL | str:
@@ -150,6 +153,7 @@ class CpuPagedBackend(AttentionBackend):
     def __init__(self, lib: ctypes.CDLL, native_max_query: int | None = None, fast_min_query: int | None = None
                  ) -> None:
         self.fn = lib.jr_paged_attention
+        self.write_fn = lib.jr_write_kv
         self.lanes = int(lib.jr_fast_lanes())
         wide = self.lanes >= FAST_MIN_LANES and os.environ.get(FAST_ENV, "1").strip() != "0"
         self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
@@ -201,7 +205,7 @@ class CpuPagedBackend(AttentionBackend):
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.dtype not in DTYPES or k_cache.dtype != q.dtype:
             raise TypeError(f"cpu_paged attention: float32 or bfloat16 q and cache, got {q.dtype}, {k_cache.dtype}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -220,6 +224,20 @@ class CpuPagedBackend(AttentionBackend):
             self.amx.decode(q, k_cache, v_cache, out, meta.amx_decodes, meta.amx_decode_blocks,
                             meta.amx_num_decodes, meta.block_size, scale)
         return out
+
+    def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+        """:func:`write_kv` as one C loop of row copies where the rows allow it (a token's heads contiguous,
+        the caches contiguous, the same dtype), else torch's index_copy_."""
+        row = k_cache.shape[1] * k_cache.shape[2]
+        if (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.dtype != v.dtype or k.dim() != 3
+                or k.stride()[1:] != (k.shape[2], 1) or v.stride()[1:] != (v.shape[2], 1)
+                or k.shape[1] * k.shape[2] != row or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+                or slots.dtype != torch.int64 or not slots.is_contiguous()):
+            write_kv(k, v, k_cache, v_cache, slots)
+            return
+        if self.write_fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                         v_cache.data_ptr(), slots.data_ptr(), k.shape[0], row, k.element_size()):
+            raise RuntimeError("cpu_paged: a negative KV cache slot")
 
     def _native(self, q, k_cache, v_cache, out, meta: CpuPagedMetadata, scale: float) -> None:
         start, length, seq, tables = meta.rows

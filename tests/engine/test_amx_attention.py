@@ -190,3 +190,25 @@ def test_the_decode_route_takes_only_shapes_it_fits(monkeypatch):
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "some")
     with pytest.raises(ValueError, match="JOBRUNNER_ATTENTION_AMX_DECODE"):
         amx_prefill.amx_decode_route(64, 9, 3, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_kv_write_matches_index_copy(dtype):
+    """cpu_paged writes a step's keys and values (views of the fused qkv projection) with one C loop: the
+    same cache as torch's index_copy_, for views and for a contiguous fallback case."""
+    from jobrunner.attention.base import write_kv
+
+    reason = cpu_paged.cpu_paged_unavailable_reason("cpu", 64)
+    if reason:
+        pytest.skip(reason)
+    backend = make_cpu_paged_backend("cpu", 64, dtype)
+    qkv = torch.randn(7, (4 + 2 * 2) * 64).to(dtype)
+    k = qkv[:, 256:384].view(7, 2, 64)
+    v = qkv[:, 384:].view(7, 2, 64)
+    slots = torch.tensor([5, 0, 17, 3, 30, 31, 8])
+    for key, value in ((k, v), (k.contiguous(), v.clone())):
+        k_cache, v_cache = torch.zeros(32, 2, 64, dtype=dtype), torch.zeros(32, 2, 64, dtype=dtype)
+        backend._write_kv(key, value, k_cache, v_cache, slots)
+        k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        write_kv(key, value, k_ref, v_ref, slots)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -718,3 +718,20 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
 
 /* the build's vector width in floats (16 AVX-512, 8 AVX2, 4 otherwise) */
 int jr_fast_lanes(void) { return VL; }
+
+/* This step's keys and values into their cache slots: row t of k / v (row stride ks / vs elements, each row
+   `row` contiguous elements of `size` bytes: a view of the fused qkv projection) to slot slots[t] of k_cache /
+   v_cache (`row` elements per slot). A plain copy, for the one torch index_copy_ per tensor it replaces (a
+   kernel launch's worth of overhead each, twice per layer). */
+int jr_write_kv(const void *k, const void *v, int64_t ks, int64_t vs, void *k_cache, void *v_cache,
+                const int64_t *slots, int64_t n, int64_t row, int64_t size) {
+  const char *kb = (const char *)k, *vb = (const char *)v;
+  char *kc = (char *)k_cache, *vc = (char *)v_cache;
+  const size_t bytes = (size_t)(row * size);
+  for (int64_t t = 0; t < n; t++) {
+    if (slots[t] < 0) return 1;
+    memcpy(kc + slots[t] * row * size, kb + t * ks * size, bytes);
+    memcpy(vc + slots[t] * row * size, vb + t * vs * size, bytes);
+  }
+  return 0;
+}
