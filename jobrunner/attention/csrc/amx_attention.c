@@ -28,8 +28,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "jr_numerics.h"
-
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define LANES 16      /* query lanes per tile */
@@ -162,6 +160,14 @@ static inline __m512 exp2_kept(__mmask16 keep, __m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* lane i's query (D bf16 = D / 2 words at src) into column i of Q^T ([D / 32][16 pairs][16 lanes] words) */
+static inline void scatter_query(uint32_t *qt, const uint16_t *src, int64_t i, int64_t D) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64,
+                                                        48, 32, 16, 0), _mm512_set1_epi32((int32_t)i));
+  for (int64_t c = 0; c < D / 32; c++)
+    _mm512_i32scatter_epi32(qt + c * 256, idx, _mm512_loadu_si512((const void *)(src + c * 32)), 4);
 }
 
 #define LAZY 8.0f  /* the running maximum moves only when a score passes it by 2^8 (so P <= 256) */
@@ -333,10 +339,10 @@ static void attend_span(const Args *a, int64_t row, int64_t kvh, int64_t b0, int
   int32_t pos[LANES] __attribute__((aligned(64)));
   for (int64_t b = b0; b < b1; b++) {
     const int64_t l0 = b * LANES, nl = lanes - l0 < LANES ? lanes - l0 : LANES;
+    if (nl < LANES) memset(qt, 0, sizeof(uint32_t) * D / 2 * LANES);   /* padding lanes: zero queries */
     for (int64_t i = 0; i < LANES; i++) {
       const int64_t lane = l0 + i, t = lane / n_rep, h = kvh * n_rep + lane % n_rep;
-      const uint32_t *src = (const uint32_t *)(a->q + ((a->qstart[row] + t) * H + h) * D);
-      for (int64_t w = 0; w < D / 2; w++) qt[(w / 16) * 256 + (w % 16) * 16 + i] = i < nl ? src[w] : 0;
+      if (i < nl) scatter_query(qt, a->q + ((a->qstart[row] + t) * H + h) * D, i, D);
       pos[i] = i < nl ? (int32_t)(first + t) : -1;   /* a padding lane sees no key */
     }
     const __m512i posv = _mm512_load_si512((const __m512i *)pos);
@@ -350,10 +356,16 @@ static void attend_span(const Args *a, int64_t row, int64_t kvh, int64_t b0, int
     float inv[LANES];
     _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
                                                _mm512_set1_ps(1.0f), l));
-    for (int64_t i = 0; i < nl; i++) {
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    for (int64_t i = 0; i < nl; i++) {  /* lane i's column of acc, 32 dimensions at a time */
       const int64_t lane = l0 + i, t = lane / n_rep, h = kvh * n_rep + lane % n_rep;
       uint16_t *o = a->out + ((a->qstart[row] + t) * H + h) * D;
-      for (int64_t d = 0; d < D; d++) o[d] = to_bf16(acc[d * LANES + i] * inv[i]);
+      const __m512 li = _mm512_set1_ps(inv[i]);
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 lo = _mm512_mul_ps(_mm512_i32gather_ps(column, acc + d * LANES + i, 4), li);
+        const __m512 hi = _mm512_mul_ps(_mm512_i32gather_ps(column, acc + (d + 16) * LANES + i, 4), li);
+        _mm512_storeu_si512((void *)(o + d), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
     }
   }
 }
@@ -417,8 +429,8 @@ int jr_amx_prompt_attention(const void *q, const void *k_cache, const void *v_ca
    interleaved, which permutes the output dimensions in a fixed way, undone when writing), and P's R rows are
    gathered from the score layout. The output stays in tmm4-7 with the lazy maximum. */
 
-/* output dimension of tile t (0 .. 3), column n (0 .. 15) after the pairing of two 32-dimension halves */
-static inline int64_t paired_dim(int64_t t, int64_t n) { return 32 * (t / 2) + (n / 4) * 8 + (t % 2) * 4 + n % 4; }
+/* After the pairing (unpacklo / unpackhi of two keys' rows, within 128-bit lanes), column n (0 .. 15) of
+   output tile t (0 .. 3) is dimension 32 (t / 2) + 8 (n / 4) + 4 (t % 2) + n % 4. */
 
 static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
   const int64_t H = a->H, R = H / a->Hkv, pos = a->seq[row] - 1, bs = a->bs, stride = a->Hkv * 64 * 2;
@@ -431,8 +443,7 @@ static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
   float o[4 * LANES * 16] __attribute__((aligned(64)));
   memset(qt, 0, sizeof qt);
   memset(pa, 0, sizeof pa);
-  for (int64_t r = 0; r < R; r++)
-    for (int64_t w = 0; w < 32; w++) qt[(w / 16) * 256 + (w % 16) * 16 + r] = ((const uint32_t *)(qrow + r * 64))[w];
+  for (int64_t r = 0; r < R; r++) scatter_query(qt, qrow + r * 64, r, 64);
   const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i gather_idx = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
   __m512 m = ninf, l = _mm512_setzero_ps();
@@ -542,11 +553,18 @@ static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
   _tile_stored(7, o + 768, 64);
   float lv[LANES];
   _mm512_storeu_ps(lv, l);
+  /* the pairing undone: dimensions 0-15 of a half are tile t's columns 0-3, t + 1's 0-3, t's 4-7, t + 1's 4-7 */
+  const __m512i unpair_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i unpair_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int64_t r = 0; r < R; r++) {
     uint16_t *dst = a->out + (a->qstart[row] * H + kvh * R + r) * 64;
-    const float inv = lv[r] > 0.0f ? 1.0f / lv[r] : 0.0f;
-    for (int64_t t = 0; t < 4; t++)
-      for (int64_t n = 0; n < 16; n++) dst[paired_dim(t, n)] = to_bf16(o[t * 256 + r * 16 + n] * inv);
+    const __m512 inv = _mm512_set1_ps(lv[r] > 0.0f ? 1.0f / lv[r] : 0.0f);
+    for (int64_t t = 0; t < 4; t += 2) {  /* tiles t, t + 1 hold dimensions 32 (t / 2) .. + 31, in fours */
+      const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + t * 256 + r * 16), inv);
+      const __m512 y = _mm512_mul_ps(_mm512_load_ps(o + (t + 1) * 256 + r * 16), inv);
+      const __m512 first = _mm512_permutex2var_ps(x, unpair_lo, y), second = _mm512_permutex2var_ps(x, unpair_hi, y);
+      _mm512_storeu_si512((void *)(dst + 32 * (t / 2)), (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    }
   }
 }
 
