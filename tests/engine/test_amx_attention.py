@@ -49,13 +49,13 @@ def test_amx_chunks_match_direct_attention(head_dim, num_kv_heads, n_rep, block_
 
 @needs_amx
 def test_amx_rows_beside_decodes_and_short_chunks():
-    """One step of decodes, a short chunk (the fast kernel) and long chunks (the AMX kernel): each row's output
-    from its own path, all against the direct reference."""
+    """One step of decodes (the exact kernel: no heads given, so no AMX decode route), a short chunk and long
+    chunks (the AMX kernel): each row's output from its own path, all against the direct reference."""
     rows = [(50, 1), (700, 1), (20, 6), (64, 80), (0, 96)]
     layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 3, 64, 3, torch.bfloat16, seed=5)
     backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16)
     out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
-    assert meta.amx_num_rows == 2 and meta.num_rows == 3
+    assert meta.amx_num_rows == 3 and meta.num_rows == 2
     want = _reference(layout, q, k_written, v_written, 3, 0.125)
     assert (out.double() - want).abs().max().item() < 3e-2
 
@@ -146,7 +146,7 @@ def test_amx_decodes_match_direct_attention(monkeypatch, n_rep, block_size):
     backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
     assert backend.amx_decode == "all"
     out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
-    assert meta.amx_num_decodes == 15 and meta.amx_num_rows == 1 and meta.num_rows == 1
+    assert meta.amx_num_decodes == 15 and meta.amx_num_rows == 2 and meta.num_rows == 0
     want = _reference(layout, q, k_written, v_written, n_rep, 0.125)
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
     exact = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
