@@ -32,7 +32,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [_P] * 8 + [_I] * 6 + [ctypes.c_float, _P, _I]
     dec = lib.jr_amx_decode_attention
     dec.restype = ctypes.c_int
-    dec.argtypes = [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I]
+    dec.argtypes = [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I, _P, _P, _P]
     lib.jr_amx_workspace_bytes.restype = _I
     lib.jr_amx_workspace_bytes.argtypes = [_P, _I, _I, _I]
     lib.jr_amx_ready.restype = ctypes.c_int
@@ -76,17 +76,17 @@ def amx_chunk_route(head_dim: int) -> tuple[bool, str]:
 
 
 AMX_DECODE_ENV = "JOBRUNNER_ATTENTION_AMX_DECODE"
-AMX_DECODE_MODES = ("all", "ungrouped", "0")
+AMX_DECODE_MODES = ("grouped", "all", "0")
 
 
 def amx_decode_route(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str:
-    """Which bf16 decodes take the AMX kernel where prompt chunks do: ``"ungrouped"`` (the default), ``"all"``
-    (decodes sharing a cached prefix too, losing their grouping) or ``""`` (none: ``JOBRUNNER_ATTENTION_AMX_DECODE
-    =0``, or a shape the decode kernel does not take: head_dim 64, at most 16 query heads per kv head, blocks
-    of a multiple of 16 tokens)."""
+    """Whether bf16 decodes take the AMX kernel where prompt chunks do: ``"grouped"`` (the default: decodes that
+    share a cached prefix read it once per group), ``"all"`` (each row reads all its keys) or ``""`` (none:
+    ``JOBRUNNER_ATTENTION_AMX_DECODE=0``, or a shape the decode kernel does not take: head_dim 64, at most 16
+    query heads per kv head, blocks of a multiple of 16 tokens)."""
     import os
 
-    mode = os.environ.get(AMX_DECODE_ENV, "").strip() or "ungrouped"
+    mode = os.environ.get(AMX_DECODE_ENV, "").strip() or "grouped"
     if mode not in AMX_DECODE_MODES:
         raise ValueError(f"{AMX_DECODE_ENV}={mode!r}: expected one of {', '.join(AMX_DECODE_MODES)}")
     fits = head_dim == 64 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and \
@@ -124,12 +124,16 @@ class AmxPromptAttention:
             raise RuntimeError(f"AMX prompt attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               rows: tuple[torch.Tensor, ...], max_blocks: int, num_rows: int, block_size: int, scale: float) -> None:
+               rows: tuple[torch.Tensor, ...], max_blocks: int, num_rows: int, num_groups: int, block_size: int,
+               scale: float) -> None:
         """Write the attention of ``num_rows`` decodes (one query token each) into ``out``; ``rows`` are int64
-        query_start, seq_len and block tables ``[rows * max_blocks]``."""
-        start, seq, tables = rows
+        query_start, seq_len, block tables ``[rows * max_blocks]``, then the ``num_groups`` groups sharing
+        cached keys (member offsets, members, shared keys; see ``cpu_paged._queue_groups``)."""
+        start, seq, tables, group_off, group_rows, group_len = rows
         rc = self.decode_fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
                             seq.data_ptr(), tables.data_ptr(), max_blocks, num_rows, q.shape[1], k_cache.shape[1],
-                            q.shape[2], block_size, scale, torch.get_num_threads())
+                            q.shape[2], block_size, scale, torch.get_num_threads(), num_groups,
+                            group_off.data_ptr(), group_rows.data_ptr(), group_len.data_ptr())
         if rc:
-            raise RuntimeError(f"AMX decode attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")
+            raise RuntimeError(f"AMX decode attention failed (code {rc}: 1 bad shape, 2 out of memory, "
+                               "3 AMX refused by the OS)")

@@ -135,7 +135,7 @@ class CpuPagedMetadata(AttentionMetadata):
         self.amx_rows: tuple[torch.Tensor, ...] = ()  # long bf16 chunks for the AMX kernel: start, len, seq, tables
         self.amx_num_rows = self.amx_max_blocks = self.amx_padded_keys = 0
         self.amx_decodes: tuple[torch.Tensor, ...] = ()  # decodes for the AMX kernel: start, seq, tables
-        self.amx_num_decodes = self.amx_decode_blocks = 0
+        self.amx_num_decodes = self.amx_decode_blocks = self.amx_decode_groups = 0
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -160,18 +160,19 @@ class CpuPagedBackend(AttentionBackend):
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
         self.share_prefixes = os.environ.get(SHARED_ENV, "1").strip() != "0"
         self.amx: AmxPromptAttention | None = None  # long bf16 chunks on the AMX kernel (make_cpu_paged_backend)
-        self.amx_decode = ""  # "all" / "ungrouped": bf16 decodes on the AMX kernel too ("": none)
+        self.amx_decode = ""  # "grouped" / "all": bf16 decodes on the AMX kernel too ("": none)
 
     def build(self, layout: StepLayout, upload: StepUpload) -> CpuPagedMetadata:
         native, long_chunks = _split_rows(layout, self.native_max_query)
         shared = shared_prefix_groups(native) if self.fast_min_query and self.share_prefixes else []
         decodes = None
-        if self.amx_decode and not layout.smallest_window:  # decodes on the AMX kernel (grouped ones stay)
-            grouped = {row for rows, _ in shared for row in rows} if self.amx_decode == "ungrouped" else set()
-            native, decodes = _partition(native, lambda i: native.query_lens[i] == 1 and i not in grouped)
-            shared = shared_prefix_groups(native) if grouped else []  # row indices of the rows left
+        if self.amx_decode and not layout.smallest_window:  # decodes on the AMX kernel, shared prefixes grouped
+            native, decodes = _partition(native, lambda i: native.query_lens[i] == 1)
+            shared = shared_prefix_groups(native) if shared else []  # row indices of the rows left
             if decodes.num_rows:
                 amx_dec_blocks = _queue_rows(upload, "ad", decodes)
+                groups = shared_prefix_groups(decodes) if self.amx_decode == "grouped" else []
+                _queue_groups(upload, "ag", groups)
         max_blocks = _queue_rows(upload, "cp", native)
         offsets, members, lengths, key_start = [0], [], [], [0] * native.num_rows
         for rows, length in shared:
@@ -192,8 +193,9 @@ class CpuPagedBackend(AttentionBackend):
                                 torch_meta.groups if torch_meta else [], len(shared))
         if decodes is not None and decodes.num_rows:
             t = upload.flush()
-            meta.amx_decodes = (t["ad_start"], t["ad_seq"], t["ad_tables"])
+            meta.amx_decodes = (t["ad_start"], t["ad_seq"], t["ad_tables"], t["ag_off"], t["ag_rows"], t["ag_len"])
             meta.amx_num_decodes, meta.amx_decode_blocks = decodes.num_rows, amx_dec_blocks
+            meta.amx_decode_groups = len(groups)
         if on_amx:
             t = upload.flush()
             meta.amx_rows = (t["am_start"], t["am_len"], t["am_seq"], t["am_tables"])
@@ -222,7 +224,7 @@ class CpuPagedBackend(AttentionBackend):
                      meta.amx_padded_keys, meta.block_size, scale)
         if meta.amx_num_decodes:
             self.amx.decode(q, k_cache, v_cache, out, meta.amx_decodes, meta.amx_decode_blocks,
-                            meta.amx_num_decodes, meta.block_size, scale)
+                            meta.amx_num_decodes, meta.amx_decode_groups, meta.block_size, scale)
         return out
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
@@ -263,6 +265,19 @@ def _queue_rows(upload: StepUpload, prefix: str, rows: StepLayout) -> int:
         tables += row + [0] * (max_blocks - len(row))
     upload.add(f"{prefix}_tables", tables)
     return max_blocks
+
+
+def _queue_groups(upload: StepUpload, prefix: str, groups: list[tuple[list[int], int]]) -> None:
+    """Queue groups of rows sharing cached keys (:func:`shared_prefix_groups`) as ``<prefix>_off`` (member
+    offsets, one more than the groups), ``_rows`` (members) and ``_len`` (shared keys per group)."""
+    offsets, members, lengths = [0], [], []
+    for rows, length in groups:
+        members += rows
+        offsets.append(len(members))
+        lengths.append(length)
+    upload.add(f"{prefix}_off", offsets)
+    upload.add(f"{prefix}_rows", members or [0])
+    upload.add(f"{prefix}_len", lengths or [0])
 
 
 def _window_view(meta: CpuPagedMetadata, torch_meta: AttentionMetadata | None, layout: StepLayout,

@@ -159,29 +159,39 @@ def test_amx_decodes_match_direct_attention(monkeypatch, n_rep, block_size):
 
 
 @needs_amx
-def test_grouped_decodes_stay_on_the_grouping_kernel_by_default(monkeypatch):
-    """By default ("ungrouped") decodes sharing a cached prefix keep the grouped fast kernel (it reads the
-    shared keys once for the group) and the others take the AMX kernel; "all" sends every decode."""
+@pytest.mark.parametrize("n_rep", [3, 4, 16])
+def test_grouped_decodes_read_their_shared_keys_once(monkeypatch, n_rep):
+    """Decodes sharing cached blocks (groups larger than one tile of lanes, and a lone row) on the AMX kernel,
+    grouped by default: the same outputs as the exact kernel within bf16 noise, and the groups counted."""
     monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
-    layout, slots, q, k, v, k_cache, v_cache = _step([(300, 1), (200, 1), (20, 1)], 16, 3, 64, 3, torch.bfloat16)
-    layout.block_tables[1][:10] = layout.block_tables[0][:10]  # rows 0 and 1 share 160 cached keys
-    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 9, 3, 16)
-    assert backend.amx_decode == "ungrouped"
-    upload = StepUpload(q.device)
-    upload.add("slot_mapping", slots)
-    meta = backend.build(layout, upload)
-    assert meta.num_shared == 1 and meta.num_rows == 2 and meta.amx_num_decodes == 1
+    rows = [(300, 1), (200, 1), (290, 1), (250, 1), (180, 1), (333, 1), (240, 1), (20, 1), (160, 1), (170, 1)]
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 2, 64, n_rep, torch.bfloat16, seed=n_rep)
+    for i in range(1, 7):  # rows 0-6 share their first 10 blocks (160 keys) with row 0: a group of 7
+        layout.block_tables[i][:10] = layout.block_tables[0][:10]
+    layout.block_tables[9][:9] = layout.block_tables[8][:9]  # rows 8 and 9: 144 shared keys
+    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    assert backend.amx_decode == "grouped"
+    # the reference reads the cache through each row's table, so shared blocks count for every member
+    out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert meta.amx_num_decodes == len(rows) and meta.amx_decode_groups == 2 and meta.num_rows == 0
+    want = _reference(layout, q, k_written, v_written, n_rep, 0.125)
+    monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
+    exact = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    ref_out, ref_meta, *_ = _run(exact, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert ref_meta.num_shared == 2
+    err, exact_err = (out.double() - want).abs(), (ref_out.double() - want).abs()
+    assert err.max().item() < 3 * exact_err.max().item() + 1e-2
+    assert err.mean().item() < 3 * exact_err.mean().item()
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "all")
-    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 9, 3, 16)
-    upload = StepUpload(q.device)
-    upload.add("slot_mapping", slots)
-    meta = backend.build(layout, upload)
-    assert meta.num_shared == 0 and meta.num_rows == 0 and meta.amx_num_decodes == 3
+    ungrouped = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    all_out, all_meta, *_ = _run(ungrouped, layout, slots, q, k, v, k_cache, v_cache, 0.125)
+    assert all_meta.amx_decode_groups == 0
+    assert (all_out.double() - want).abs().max().item() < 3 * exact_err.max().item() + 1e-2
 
 
 def test_the_decode_route_takes_only_shapes_it_fits(monkeypatch):
     monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
-    assert amx_prefill.amx_decode_route(64, 9, 3, 16) == "ungrouped"
+    assert amx_prefill.amx_decode_route(64, 9, 3, 16) == "grouped"
     assert amx_prefill.amx_decode_route(128, 32, 8, 16) == ""   # head_dim 128: the exact kernel
     assert amx_prefill.amx_decode_route(64, 64, 2, 16) == ""    # 32 query heads per kv head
     assert amx_prefill.amx_decode_route(64, 9, 3, 8) == ""      # blocks of 8

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -432,26 +433,42 @@ int jr_amx_prompt_attention(const void *q, const void *k_cache, const void *v_ca
 /* After the pairing (unpacklo / unpackhi of two keys' rows, within 128-bit lanes), column n (0 .. 15) of
    output tile t (0 .. 3) is dimension 32 (t / 2) + 8 (n / 4) + 4 (t % 2) + n % 4. */
 
-static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
-  const int64_t H = a->H, R = H / a->Hkv, pos = a->seq[row] - 1, bs = a->bs, stride = a->Hkv * 64 * 2;
-  const int64_t *table = a->tables + row * a->max_blocks;
-  const uint16_t *qrow = a->q + (a->qstart[row] * H + kvh * R) * 64;
+/* An online-softmax state of up to 16 decode lanes: the output in the paired layout of tiles tmm4-7
+   ([4][16 lanes][16]), the running maximum (base 2) and sum per lane */
+typedef struct {
+  float o[4 * LANES * 16] __attribute__((aligned(64)));
+  float m[LANES], l[LANES];
+} DecodeState;
+
+static void fresh_state(DecodeState *st) {
+  memset(st->o, 0, sizeof st->o);
+  for (int64_t i = 0; i < LANES; i++) {
+    st->m[i] = -INFINITY;
+    st->l[i] = 0.0f;
+  }
+}
+
+/* Keys k_lo .. k_hi - 1 (k_lo a multiple of 16; every key seen by every lane) of kv head kvh through `table`,
+   for lanes 0 .. nl - 1 whose queries are at qrows[i], continuing the state st */
+static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const uint16_t *const *qrows, int64_t nl,
+                        int64_t k_lo, int64_t k_hi, DecodeState *st) {
+  const int64_t pos = k_hi - 1, bs = a->bs, stride = a->Hkv * 64 * 2;
   uint32_t qt[2 * 256] __attribute__((aligned(64)));     /* Q^T: 2 x [16 dimension pairs][16 lanes] */
   float s[KB * LANES] __attribute__((aligned(64)));      /* S^T, then P^T: [32 keys][16 lanes] */
   uint16_t pa[LANES * KB] __attribute__((aligned(64)));  /* P: [16 lanes][32 keys] (rows >= R zero) */
   uint16_t vb[4 * 16 * 32] __attribute__((aligned(64))); /* V paired: 4 x [16 key pairs][16 dims x 2] */
-  float o[4 * LANES * 16] __attribute__((aligned(64)));
+  float *o = st->o;
   memset(qt, 0, sizeof qt);
   memset(pa, 0, sizeof pa);
-  for (int64_t r = 0; r < R; r++) scatter_query(qt, qrow + r * 64, r, 64);
+  for (int64_t r = 0; r < nl; r++) scatter_query(qt, qrows[r], r, 64);
   const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i gather_idx = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-  __m512 m = ninf, l = _mm512_setzero_ps();
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t k0 = 0; k0 <= pos; k0 += KB) {
+  __m512 m = _mm512_loadu_ps(st->m), l = _mm512_loadu_ps(st->l);
+  _tile_loadd(4, o, 64);
+  _tile_loadd(5, o + 256, 64);
+  _tile_loadd(6, o + 512, 64);
+  _tile_loadd(7, o + 768, 64);
+  for (int64_t k0 = k_lo; k0 <= pos; k0 += KB) {
     const int64_t seen = pos + 1 - k0 < KB ? pos + 1 - k0 : KB;  /* keys of this step the query sees */
     for (int64_t key = k0 + KB; key < k0 + 2 * KB && key <= pos; key++) {  /* the next step's rows, on their way */
       const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
@@ -532,7 +549,7 @@ static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
       _mm512_store_ps(s + j * LANES, p);
     }
     l = _mm512_add_ps(l, sum);
-    for (int64_t r = 0; r < R; r++) {  /* P's rows: lane r's 32 probabilities */
+    for (int64_t r = 0; r < nl; r++) {  /* P's rows: lane r's 32 probabilities */
       const __m512 p0 = _mm512_i32gather_ps(gather_idx, s + r, 4);
       const __m512 p1 = _mm512_i32gather_ps(gather_idx, s + 16 * LANES + r, 4);
       _mm512_store_si512((__m512i *)(pa + r * KB), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -551,14 +568,19 @@ static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
   _tile_stored(5, o + 256, 64);
   _tile_stored(6, o + 512, 64);
   _tile_stored(7, o + 768, 64);
-  float lv[LANES];
-  _mm512_storeu_ps(lv, l);
+  _mm512_storeu_ps(st->m, m);
+  _mm512_storeu_ps(st->l, l);
+}
+
+/* lanes 0 .. nl - 1 of st, normalised, to their output rows outs[i] (bf16, 64 dimensions) */
+static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t nl) {
+  const float *o = st->o;
   /* the pairing undone: dimensions 0-15 of a half are tile t's columns 0-3, t + 1's 0-3, t's 4-7, t + 1's 4-7 */
   const __m512i unpair_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i unpair_hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int64_t r = 0; r < R; r++) {
-    uint16_t *dst = a->out + (a->qstart[row] * H + kvh * R + r) * 64;
-    const __m512 inv = _mm512_set1_ps(lv[r] > 0.0f ? 1.0f / lv[r] : 0.0f);
+  for (int64_t r = 0; r < nl; r++) {
+    uint16_t *dst = outs[r];
+    const __m512 inv = _mm512_set1_ps(st->l[r] > 0.0f ? 1.0f / st->l[r] : 0.0f);
     for (int64_t t = 0; t < 4; t += 2) {  /* tiles t, t + 1 hold dimensions 32 (t / 2) .. + 31, in fours */
       const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + t * 256 + r * 16), inv);
       const __m512 y = _mm512_mul_ps(_mm512_load_ps(o + (t + 1) * 256 + r * 16), inv);
@@ -568,22 +590,93 @@ static void decode_unit(const Args *a, int64_t row, int64_t kvh) {
   }
 }
 
-/* Decode rows (query_len 1): returns 0; 1 bad shape (D must be 64, at most 16 query heads per kv head,
-   block_size % 16 == 0); 3 AMX refused by the OS. Arguments as jr_amx_prompt_attention's (no workspace). */
+/* decode row `row` for kv head kvh: its R query heads as lanes, its keys from key_start (a group's shared
+   keys already in `shared`, lanes laid out as [member][R]: this row is member `member`) or from 0 */
+static void decode_row(const Args *a, int64_t row, int64_t kvh, int64_t key_start, const DecodeState *shared,
+                       int64_t member) {
+  const int64_t H = a->H, R = H / a->Hkv;
+  const uint16_t *qrows[LANES];
+  uint16_t *outs[LANES];
+  for (int64_t r = 0; r < R; r++) {
+    qrows[r] = a->q + (a->qstart[row] * H + kvh * R + r) * 64;
+    outs[r] = a->out + (a->qstart[row] * H + kvh * R + r) * 64;
+  }
+  DecodeState st;
+  fresh_state(&st);
+  if (shared) {  /* this row's lanes of the group's state, as lanes 0 .. R - 1 */
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t i = member * R + r;
+      for (int64_t t = 0; t < 4; t++) memcpy(st.o + t * 256 + r * 16, shared->o + t * 256 + i * 16, 64);
+      st.m[r] = shared->m[i];
+      st.l[r] = shared->l[i];
+    }
+  }
+  if (key_start < a->seq[row]) decode_keys(a, a->tables + row * a->max_blocks, kvh, qrows, R, key_start, a->seq[row], &st);
+  write_decode(&st, outs, R);
+}
+
+/* Decode rows (query_len 1), R = H / Hkv query heads each. Groups of rows that share a cached prefix
+   (group_off [G + 1] into group_rows, indices into the rows; group_len [G] shared keys, whole blocks) have
+   those keys read once for the group: its rows' lanes 16 // R rows to a tile, the state handed to each row,
+   which goes on with its own keys. Returns 0; 1 bad shape (D must be 64, at most 16 query heads per kv head,
+   block_size % 16 == 0); 2 out of memory; 3 AMX refused by the OS. */
 int jr_amx_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                             const int64_t *query_start, const int64_t *seq_len, const int64_t *tables,
                             int64_t max_blocks, int64_t num_rows, int64_t H, int64_t Hkv, int64_t D,
-                            int64_t block_size, float scale, int64_t threads) {
+                            int64_t block_size, float scale, int64_t threads, int64_t num_groups,
+                            const int64_t *group_off, const int64_t *group_rows, const int64_t *group_len) {
   if (D != 64 || H % Hkv || H / Hkv > LANES || block_size % 16) return 1;
   if (!amx_permitted()) return 3;
+  const int64_t R = H / Hkv, per = LANES / R;  /* rows per tile of lanes */
   const Args a = {q, k_cache, v_cache, out, query_start, NULL, seq_len, tables, max_blocks, H, Hkv, D,
                   block_size, scale, NULL, NULL};
+  int64_t group_of[num_rows > 0 ? num_rows : 1], member_of[num_rows > 0 ? num_rows : 1];
+  int64_t block_base[num_groups + 1];
+  for (int64_t r = 0; r < num_rows; r++) group_of[r] = -1;
+  block_base[0] = 0;
+  for (int64_t g = 0; g < num_groups; g++) {
+    const int64_t n = group_off[g + 1] - group_off[g];
+    for (int64_t m = 0; m < n; m++) {
+      group_of[group_rows[group_off[g] + m]] = g;
+      member_of[group_rows[group_off[g] + m]] = m;
+    }
+    block_base[g + 1] = block_base[g] + (n + per - 1) / per;
+  }
+  DecodeState *states = NULL;
+  if (block_base[num_groups] > 0) {
+    states = aligned_alloc(64, sizeof(DecodeState) * (size_t)(block_base[num_groups] * Hkv));
+    if (!states) return 2;
+  }
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < block_base[num_groups] * Hkv; u++) {  /* each group's shared keys, a tile of lanes */
+      const int64_t blk = u / Hkv, kvh = u % Hkv;
+      int64_t g = 0;
+      while (block_base[g + 1] <= blk) g++;
+      const int64_t n = group_off[g + 1] - group_off[g], m0 = (blk - block_base[g]) * per;
+      const int64_t members = n - m0 < per ? n - m0 : per;
+      const uint16_t *qrows[LANES];
+      for (int64_t m = 0; m < members; m++)
+        for (int64_t r = 0; r < R; r++)
+          qrows[m * R + r] = (const uint16_t *)q + (query_start[group_rows[group_off[g] + m0 + m]] * H + kvh * R + r) * 64;
+      DecodeState *st = states + u;
+      fresh_state(st);
+      decode_keys(&a, tables + group_rows[group_off[g]] * max_blocks, kvh, qrows, members * R, 0, group_len[g], st);
+    }
 #pragma omp for schedule(dynamic, 2)
-    for (int64_t i = 0; i < num_rows * Hkv; i++) decode_unit(&a, i / Hkv, i % Hkv);
+    for (int64_t i = 0; i < num_rows * Hkv; i++) {
+      const int64_t row = i / Hkv, kvh = i % Hkv, g = group_of[row];
+      if (g < 0) {
+        decode_row(&a, row, kvh, 0, NULL, 0);
+      } else {
+        const int64_t m = member_of[row];
+        decode_row(&a, row, kvh, group_len[g], states + (block_base[g] + m / per) * Hkv + kvh, m % per);
+      }
+    }
     _tile_release();
   }
+  free(states);
   return 0;
 }
