@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,3 +130,151 @@ def test_bf16_vector_lanes_and_the_scalar_tail_agree_bit_for_bit(capability):
         plain, _ = fused_ops.rms_norm(x, weight, 1e-5)
     for result in (out, normed.view(torch.int16), total.view(torch.int16), plain.view(torch.int16)):
         assert torch.equal(result, result[:, :1].expand_as(result)), result
+
+
+# A bit-exact model of the bf16 paths in numpy float32 (one IEEE rounding per operation, as the C code without
+# contraction): to_bf16 / from_bf16 of jr_numerics.h, the norm's 16 partial sums, exp_neg's polynomial.
+
+def _to_bf16(f):
+    u = np.asarray(f, np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16(h):
+    return (np.asarray(h, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _round_bf16(f):
+    return _from_bf16(_to_bf16(f))
+
+
+def _ref_rms_norm(x, w, eps, add=None):
+    r = _from_bf16(x)
+    total = None
+    if add is not None:
+        total = _to_bf16(r + _from_bf16(add))
+        r = _from_bf16(total)
+    rows, n = r.shape
+    vec = n - n % 16
+    out = np.empty((rows, n), np.uint16)
+    for t in range(rows):
+        part = np.zeros(16, np.float32)
+        for i in range(0, vec, 16):
+            part = part + r[t, i:i + 16] * r[t, i:i + 16]
+        for j, i in enumerate(range(vec, n)):
+            part[j] = part[j] + r[t, i] * r[t, i]
+        ss = np.float32(0)
+        for j in range(16):
+            ss = np.float32(ss + part[j])
+        inv = np.float32(1) / np.sqrt(ss / np.float32(n) + np.float32(eps))
+        out[t] = _to_bf16(_from_bf16(w) * _round_bf16(r[t] * inv))
+    return out, total
+
+
+def _ref_silu_mul(gate_up):
+    f32 = np.float32
+    g, u = np.split(_from_bf16(gate_up), 2, axis=-1)
+    x = -np.abs(g)
+    x = np.where(x < f32(-87), f32(-87), x)
+    n = (x * f32(1.44269504089) + f32(12582912.0)) - f32(12582912.0)
+    r = (x - n * f32(0.693145751953125)) - n * f32(1.428606765330187e-06)
+    p = np.full_like(r, f32(1.3981999507e-3))
+    for c in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1, 1.0, 1.0):
+        p = p * r + f32(c)
+    e = p * ((n.astype(np.int32) + 127) << 23).view(np.float32)
+    silu = np.where(g >= 0, g, g * e) / (f32(1) + e)
+    return _to_bf16(_round_bf16(silu) * u)
+
+
+def _ref_rotary(x, cos, sin):
+    xf, c, s = _from_bf16(x), _from_bf16(cos)[:, None, :], _from_bf16(sin)[:, None, :]
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    a, b = _round_bf16(x1 * c[..., :half]), _round_bf16(-x2 * s[..., :half])
+    p, r = _round_bf16(x2 * c[..., half:]), _round_bf16(x1 * s[..., half:])
+    return np.concatenate([_to_bf16(a + b), _to_bf16(p + r)], axis=-1)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _bf16(bits):
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def _assert_same_bits(got, want):
+    """Equal bits, NaN where the model has NaN (which of two NaNs meeting in one operation comes out is the
+    compiler's operand order, in the C code as anywhere)."""
+    got_nan, want_nan = (got & 0x7FFF) > 0x7F80, (want & 0x7FFF) > 0x7F80
+    assert np.array_equal(got_nan, want_nan)
+    assert np.array_equal(got[~got_nan], want[~want_nan]), np.argwhere((got != want) & ~got_nan)[:5]
+
+
+# Rows of ordinary values, each but the first with a few lanes of one kind: values that are or make denormals
+# (the fast bf16 path must notice and redo the row), zeros, NaN, infinities, values that overflow.
+SPECIAL_KINDS = [[], [1e-39], [-3e-40, 5e-41], [1.2e-38], [-1.5e-38], [1e-20], [0.0, -0.0], [float("nan")],
+                 [float("inf")], [-float("inf")], [3e38], [1e-30, -2e-37]]
+
+
+def _rows_with_specials(rows, n, gen, scale=2.0):
+    x = torch.randn(rows, n, generator=gen).mul(scale)
+    for t in range(1, rows):
+        kind = SPECIAL_KINDS[t % len(SPECIAL_KINDS)]
+        at = torch.randperm(n, generator=gen)[:3]  # inside the 16-lane vectors or in the tail, per row
+        x[t, at] = torch.tensor(kind * 3)[:3] if kind else x[t, at]
+    return _bits(x.bfloat16())
+
+
+@pytest.mark.parametrize("n", [576, 120, 64])
+def test_bf16_norm_is_bit_exact_with_special_lanes(capability, n):
+    gen = torch.Generator().manual_seed(n)
+    rows = 2 * len(SPECIAL_KINDS)
+    x, add = _rows_with_specials(rows, n, gen), _rows_with_specials(rows, n, gen)
+    add[::3] = _to_bf16(-_from_bf16(x[::3]) * np.float32(0.999))  # sums that cancel to tiny values
+    w = _bits(torch.randn(n, generator=gen).bfloat16())
+    tiny_w, small_w = w.copy(), w.copy()  # small weights times small values: denormals
+    tiny_w[5], small_w[6], x[0, 5], x[0, 6] = _to_bf16([1e-30, 1e-18, 1e-9, 1e-21])
+    with torch.no_grad(), np.errstate(all="ignore"):
+        for a, weight in ((None, w), (add, w), (None, tiny_w), (add, tiny_w), (None, small_w)):
+            out, total = fused_ops.rms_norm(_bf16(x), _bf16(weight), 1e-5, None if a is None else _bf16(a))
+            want_out, want_total = _ref_rms_norm(x, weight, 1e-5, a)
+            _assert_same_bits(_bits(out), want_out)
+            if a is not None:
+                _assert_same_bits(_bits(total), want_total)
+
+
+@pytest.mark.parametrize("inter", [1536, 120, 72])
+def test_bf16_silu_mul_is_bit_exact_with_special_lanes(capability, inter):
+    gen = torch.Generator().manual_seed(inter)
+    rows = 2 * len(SPECIAL_KINDS)
+    gate_up = np.concatenate([_rows_with_specials(rows, inter, gen, 6.0), _rows_with_specials(rows, inter, gen)], 1)
+    with torch.no_grad(), np.errstate(all="ignore"):
+        got = fused_ops.silu_mul(_bf16(gate_up))
+        _assert_same_bits(_bits(got), _ref_silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 80), (2, 1, 34)])
+def test_bf16_rotary_is_bit_exact_with_special_lanes(capability, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    rows = 2 * len(SPECIAL_KINDS)
+    qkv = _rows_with_specials(rows, (heads + 2 * kv_heads) * head_dim, gen, 1.0)
+    half = head_dim // 2
+    for t in range(1, rows):  # both values of a rotated pair special too (else the other product hides it)
+        kind = SPECIAL_KINDS[t % len(SPECIAL_KINDS)]
+        if kind:
+            at = (t % heads) * head_dim + t % half
+            qkv[t, [at, at + half]] = _to_bf16(np.float32(kind[0]) * np.float32([1, -0.75]))
+    angle = torch.rand(rows, head_dim // 2, generator=gen).mul(100).repeat(1, 2)
+    cos, sin = _bits(angle.cos().bfloat16()), _bits(angle.sin().bfloat16())
+    cos[0, :4], sin[5, 7] = 0, _to_bf16(1e-38)  # exact zeros; a tiny sine (its token on the exact path)
+    t = _bf16(qkv)
+    q = t[:, :heads * head_dim].view(rows, heads, head_dim)
+    k = t[:, heads * head_dim:(heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    with torch.no_grad(), np.errstate(all="ignore"):
+        want = _ref_rotary(qkv[:, :(heads + kv_heads) * head_dim].reshape(rows, heads + kv_heads, head_dim), cos, sin)
+        assert fused_ops.rotary_(q, k, _bf16(cos)[:, None, :], _bf16(sin)[:, None, :])
+    got = _bits(t)
+    _assert_same_bits(got[:, :(heads + kv_heads) * head_dim].reshape(want.shape), want)
+    assert np.array_equal(got[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
