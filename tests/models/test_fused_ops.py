@@ -212,16 +212,17 @@ def _assert_same_bits(got, want):
     assert np.array_equal(got[~got_nan], want[~want_nan]), np.argwhere((got != want) & ~got_nan)[:5]
 
 
-# Rows of ordinary values, each but the first with a few lanes of one kind: values that are or make denormals
+# Rows of ordinary values, all but the first two with a few lanes of one kind: values that are or make denormals
 # (the fast bf16 path must notice and redo the row), zeros, NaN, infinities, values that overflow.
 SPECIAL_KINDS = [[], [1e-39], [-3e-40, 5e-41], [1.2e-38], [-1.5e-38], [1e-20], [0.0, -0.0], [float("nan")],
                  [float("inf")], [-float("inf")], [3e38], [1e-30, -2e-37]]
 
 
 def _rows_with_specials(rows, n, gen, scale=2.0):
+    """Rows 2p and 2p + 1 get kind p (the norm runs rows in pairs): the first pair is clean."""
     x = torch.randn(rows, n, generator=gen).mul(scale)
-    for t in range(1, rows):
-        kind = SPECIAL_KINDS[t % len(SPECIAL_KINDS)]
+    for t in range(2, rows):
+        kind = SPECIAL_KINDS[t // 2 % len(SPECIAL_KINDS)]
         at = torch.randperm(n, generator=gen)[:3]  # inside the 16-lane vectors or in the tail, per row
         x[t, at] = torch.tensor(kind * 3)[:3] if kind else x[t, at]
     return _bits(x.bfloat16())
@@ -230,12 +231,15 @@ def _rows_with_specials(rows, n, gen, scale=2.0):
 @pytest.mark.parametrize("n", [576, 120, 64])
 def test_bf16_norm_is_bit_exact_with_special_lanes(capability, n):
     gen = torch.Generator().manual_seed(n)
-    rows = 2 * len(SPECIAL_KINDS)
+    rows = 2 * len(SPECIAL_KINDS) + 1
     x, add = _rows_with_specials(rows, n, gen), _rows_with_specials(rows, n, gen)
     add[::3] = _to_bf16(-_from_bf16(x[::3]) * np.float32(0.999))  # sums that cancel to tiny values
     w = _bits(torch.randn(n, generator=gen).bfloat16())
     tiny_w, small_w = w.copy(), w.copy()  # small weights times small values: denormals
-    tiny_w[5], small_w[6], x[0, 5], x[0, 6] = _to_bf16([1e-30, 1e-18, 1e-9, 1e-21])
+    tiny_w[5], small_w[6], x[0, 5], x[-1, 6] = _to_bf16([1e-30, 1e-18, 1e-9, 1e-21])  # in clean rows
+    big = _bits(torch.randn(2, n, generator=gen).mul(1e8).bfloat16())  # a denormal sum, r * inv then 0
+    x, add = np.concatenate([x, big]), np.concatenate([add, _to_bf16(-_from_bf16(big) * np.float32(0.5))])
+    x[-2:, 7], add[-2:, 7] = _to_bf16(1.2e-38), _to_bf16(-1.0e-38)
     with torch.no_grad(), np.errstate(all="ignore"):
         for a, weight in ((None, w), (add, w), (None, tiny_w), (add, tiny_w), (None, small_w)):
             out, total = fused_ops.rms_norm(_bf16(x), _bf16(weight), 1e-5, None if a is None else _bf16(a))
@@ -248,7 +252,7 @@ def test_bf16_norm_is_bit_exact_with_special_lanes(capability, n):
 @pytest.mark.parametrize("inter", [1536, 120, 72])
 def test_bf16_silu_mul_is_bit_exact_with_special_lanes(capability, inter):
     gen = torch.Generator().manual_seed(inter)
-    rows = 2 * len(SPECIAL_KINDS)
+    rows = 2 * len(SPECIAL_KINDS) + 1
     gate_up = np.concatenate([_rows_with_specials(rows, inter, gen, 6.0), _rows_with_specials(rows, inter, gen)], 1)
     with torch.no_grad(), np.errstate(all="ignore"):
         got = fused_ops.silu_mul(_bf16(gate_up))
@@ -258,11 +262,11 @@ def test_bf16_silu_mul_is_bit_exact_with_special_lanes(capability, inter):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 80), (2, 1, 34)])
 def test_bf16_rotary_is_bit_exact_with_special_lanes(capability, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
-    rows = 2 * len(SPECIAL_KINDS)
+    rows = 2 * len(SPECIAL_KINDS) + 1
     qkv = _rows_with_specials(rows, (heads + 2 * kv_heads) * head_dim, gen, 1.0)
     half = head_dim // 2
-    for t in range(1, rows):  # both values of a rotated pair special too (else the other product hides it)
-        kind = SPECIAL_KINDS[t % len(SPECIAL_KINDS)]
+    for t in range(2, rows):  # both values of a rotated pair special too (else the other product hides it)
+        kind = SPECIAL_KINDS[t // 2 % len(SPECIAL_KINDS)]
         if kind:
             at = (t % heads) * head_dim + t % half
             qkv[t, [at, at + half]] = _to_bf16(np.float32(kind[0]) * np.float32([1, -0.75]))

@@ -227,76 +227,6 @@ static void norm_row_bf16(const uint16_t *restrict x, const uint16_t *restrict a
   for (; i < n; i++) out[i] = to_bf16(wf[i] * round_bf16(r[i] * inv));
 }
 
-#ifdef JR_NATIVE_BF16
-/* norm_row_bf16 on the fast path, 32 lanes a step; 1 where the row must be redone. wf must be finite with no
-   nonzero value under 2^-60: then w * round(t) is normal wherever t = r * inv is at least 2^-60, and a NaN or an
-   inf anywhere in the row (x, add, their sum, inv) shows up in t. */
-static int norm_row_bf16_native(const uint16_t *restrict x, const uint16_t *restrict add,
-                                uint16_t *restrict sum_out, uint16_t *restrict out, const float *restrict wf,
-                                int64_t n, float eps, float *restrict r) {
-  v16u low_sum = LOW_NONE, low_t = LOW_NONE, high_t = {0};
-  v16f part = {0};
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    v16f v0 = vload_bf16(x + i), v1 = vload_bf16(x + i + 16);
-    if (add) {
-      v0 = v0 + vload_bf16(add + i);
-      v1 = v1 + vload_bf16(add + i + 16);
-      low_sum = track_low(track_low(low_sum, v0), v1);
-      const __m512i h = cvt2_bf16(v0, v1);
-      _mm512_storeu_si512(sum_out + i, h);
-      v0 = widen_lo(h);
-      v1 = widen_hi(h);
-    }
-    vstore_f32(r + i, v0);
-    vstore_f32(r + i + 16, v1);
-    part += v0 * v0;
-    part += v1 * v1;
-  }
-  if (i + 16 <= n) {
-    v16f v = vload_bf16(x + i);
-    if (add) {
-      v = v + vload_bf16(add + i);
-      low_sum = track_low(low_sum, v);
-      const __m256i h = cvt_bf16(v);
-      _mm256_storeu_si256((__m256i *)(sum_out + i), h);
-      v = widen_lo(_mm512_castsi256_si512(h));
-    }
-    vstore_f32(r + i, v);
-    part += v * v;
-    i += 16;
-  }
-  for (int j = 0; i < n; i++, j++) {  /* the tail in scalar code, exact */
-    r[i] = from_bf16(x[i]);
-    if (add) {
-      sum_out[i] = to_bf16(r[i] + from_bf16(add[i]));
-      r[i] = from_bf16(sum_out[i]);
-    }
-    part[j] += r[i] * r[i];
-  }
-  float ss = 0.0f;
-  for (int j = 0; j < 16; j++) ss += part[j];
-  const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-  for (i = 0; i + 32 <= n; i += 32) {
-    const v16f t0 = vload_f32(r + i) * inv, t1 = vload_f32(r + i + 16) * inv;
-    low_t = track_low(track_low(low_t, t0), t1);
-    high_t = track_high(track_high(high_t, t0), t1);
-    const __m512i h = cvt2_bf16(t0, t1);
-    _mm512_storeu_si512(out + i, cvt2_bf16(vload_f32(wf + i) * widen_lo(h), vload_f32(wf + i + 16) * widen_hi(h)));
-  }
-  if (i + 16 <= n) {
-    const v16f t = vload_f32(r + i) * inv;
-    low_t = track_low(low_t, t);
-    high_t = track_high(high_t, t);
-    const v16f o = vload_f32(wf + i) * widen_lo(_mm512_castsi256_si512(cvt_bf16(t)));
-    _mm256_storeu_si256((__m256i *)(out + i), cvt_bf16(o));
-    i += 16;
-  }
-  for (; i < n; i++) out[i] = to_bf16(wf[i] * round_bf16(r[i] * inv));
-  return below(low_sum, MIN_NORMAL) || below(low_t, TWO_M60) || not_finite(high_t) || !isfinite(inv);
-}
-#endif
-
 /* Threads only for calls with enough work: an OpenMP region costs ~1.5 us with 2 warm threads (and ~0.3 us even
    on one thread, so none is entered below the bar), a row of these ops 0.1-0.4 us at 576 wide. */
 #define PARALLEL(threads, work) ((threads) > 1 && (work) > 16384)
@@ -310,20 +240,119 @@ struct norm_args {
   int fast;
 };
 
-static void norm_row(const struct norm_args *a, int bf16, int64_t t) {
-  const int64_t n = a->n, at = t * n;
+#ifdef JR_NATIVE_BF16
+/* norm_row_bf16 of rows t .. t + R - 1 on the fast path, 32 lanes a step, R = 2: two rows in lockstep (a row's
+   sum of squares and rsqrt are a long dependent chain); 1 where the rows must be redone. The weight must be finite
+   with no nonzero value under 2^-60: then w * round(t) is normal wherever t = r * inv is at least 2^-60, and a NaN
+   or an inf anywhere in a row (x, add, their sum, inv) shows up in t. */
+static inline __attribute__((always_inline)) int norm_rows_bf16_native(const struct norm_args *a, int64_t t,
+                                                                       const int R, float *const r[2]) {
+  const int64_t n = a->n;
+  const float *wf = a->w;
+  const uint16_t *x[2], *add[2];
+  uint16_t *sum_out[2], *out[2];
+  for (int k = 0; k < R; k++) {
+    x[k] = (const uint16_t *)a->x + (t + k) * n;
+    add[k] = a->add ? (const uint16_t *)a->add + (t + k) * n : NULL;
+    sum_out[k] = a->add ? (uint16_t *)a->sum_out + (t + k) * n : NULL;
+    out[k] = (uint16_t *)a->out + (t + k) * n;
+  }
+  v16u low_sum = LOW_NONE, low_t = LOW_NONE, high_t = {0};
+  v16f part[2] = {{0}, {0}};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < R; k++) {
+      v16f v0 = vload_bf16(x[k] + i), v1 = vload_bf16(x[k] + i + 16);
+      if (a->add) {
+        v0 = v0 + vload_bf16(add[k] + i);
+        v1 = v1 + vload_bf16(add[k] + i + 16);
+        low_sum = track_low(track_low(low_sum, v0), v1);
+        const __m512i h = cvt2_bf16(v0, v1);
+        _mm512_storeu_si512(sum_out[k] + i, h);
+        v0 = widen_lo(h);
+        v1 = widen_hi(h);
+      }
+      vstore_f32(r[k] + i, v0);
+      vstore_f32(r[k] + i + 16, v1);
+      part[k] += v0 * v0;
+      part[k] += v1 * v1;
+    }
+  }
+  const int64_t vec = i + 16 <= n ? i + 16 : i;  /* a last 16 lanes, then the scalar tail */
+  float inv[2];
+  for (int k = 0; k < R; k++) {
+    if (vec > i) {
+      v16f v = vload_bf16(x[k] + i);
+      if (a->add) {
+        v = v + vload_bf16(add[k] + i);
+        low_sum = track_low(low_sum, v);
+        const __m256i h = cvt_bf16(v);
+        _mm256_storeu_si256((__m256i *)(sum_out[k] + i), h);
+        v = widen_lo(_mm512_castsi256_si512(h));
+      }
+      vstore_f32(r[k] + i, v);
+      part[k] += v * v;
+    }
+    for (int64_t j = vec; j < n; j++) {  /* exact */
+      r[k][j] = from_bf16(x[k][j]);
+      if (a->add) {
+        sum_out[k][j] = to_bf16(r[k][j] + from_bf16(add[k][j]));
+        r[k][j] = from_bf16(sum_out[k][j]);
+      }
+      part[k][j - vec] += r[k][j] * r[k][j];
+    }
+    float ss = 0.0f;
+    for (int j = 0; j < 16; j++) ss += part[k][j];
+    inv[k] = 1.0f / sqrtf(ss / (float)n + a->eps);
+  }
+  for (i = 0; i + 32 <= n; i += 32) {
+    for (int k = 0; k < R; k++) {
+      const v16f t0 = vload_f32(r[k] + i) * inv[k], t1 = vload_f32(r[k] + i + 16) * inv[k];
+      low_t = track_low(track_low(low_t, t0), t1);
+      high_t = track_high(track_high(high_t, t0), t1);
+      const __m512i h = cvt2_bf16(t0, t1);
+      _mm512_storeu_si512(out[k] + i,
+                          cvt2_bf16(vload_f32(wf + i) * widen_lo(h), vload_f32(wf + i + 16) * widen_hi(h)));
+    }
+  }
+  int redo = 0;
+  for (int k = 0; k < R; k++) {
+    if (vec > i) {
+      const v16f t = vload_f32(r[k] + i) * inv[k];
+      low_t = track_low(low_t, t);
+      high_t = track_high(high_t, t);
+      const v16f o = vload_f32(wf + i) * widen_lo(_mm512_castsi256_si512(cvt_bf16(t)));
+      _mm256_storeu_si256((__m256i *)(out[k] + i), cvt_bf16(o));
+    }
+    for (int64_t j = vec; j < n; j++) out[k][j] = to_bf16(wf[j] * round_bf16(r[k][j] * inv[k]));
+    redo |= !isfinite(inv[k]);
+  }
+  return redo || below(low_sum, MIN_NORMAL) || below(low_t, TWO_M60) || not_finite(high_t);
+}
+#endif
+
+/* rows 2p and 2p + 1 (if there is one) */
+static void norm_pair(const struct norm_args *a, int bf16, int64_t p, int64_t rows) {
+  const int64_t n = a->n, t = 2 * p, nr = t + 1 < rows ? 2 : 1;
   if (!bf16) {
-    norm_row_f32((const float *)a->x + at, a->add ? (const float *)a->add + at : NULL,
-                 a->add ? (float *)a->sum_out + at : NULL, (float *)a->out + at, a->w, n, a->eps);
+    for (int64_t k = 0; k < nr; k++) {
+      const int64_t at = (t + k) * n;
+      norm_row_f32((const float *)a->x + at, a->add ? (const float *)a->add + at : NULL,
+                   a->add ? (float *)a->sum_out + at : NULL, (float *)a->out + at, a->w, n, a->eps);
+    }
     return;
   }
-  const uint16_t *x = (const uint16_t *)a->x + at, *add = a->add ? (const uint16_t *)a->add + at : NULL;
-  uint16_t *sum_out = a->add ? (uint16_t *)a->sum_out + at : NULL, *out = (uint16_t *)a->out + at;
-  float r[n];
+  float r0[n], r1[n];  /* the rows as rounded */
+  float *const r[2] = {r0, r1};
 #ifdef JR_NATIVE_BF16
-  if (a->fast && !norm_row_bf16_native(x, add, sum_out, out, a->w, n, a->eps, r)) return;
+  if (a->fast && (nr == 2 ? !norm_rows_bf16_native(a, t, 2, r) : !norm_rows_bf16_native(a, t, 1, r))) return;
 #endif
-  norm_row_bf16(x, add, sum_out, out, a->w, n, a->eps, r);
+  (void)r;
+  for (int64_t k = 0; k < nr; k++) {
+    const int64_t at = (t + k) * n;
+    norm_row_bf16((const uint16_t *)a->x + at, a->add ? (const uint16_t *)a->add + at : NULL,
+                  a->add ? (uint16_t *)a->sum_out + at : NULL, (uint16_t *)a->out + at, a->w, n, a->eps, r0);
+  }
 }
 
 /* out = norm(x (+ add)); with add, x + add is also written to sum_out. n <= 32768. */
@@ -339,14 +368,15 @@ int jr_rms_norm(const void *x, const void *add, void *sum_out, void *out, const 
     for (; i < n; i++) wf[i] = from_bf16(w[i]);
     a.w = wf;
 #ifdef JR_NATIVE_BF16
-    a.fast = bf16_tame(w, n, 0x2180, 0x7f7f);  /* finite, no nonzero value under 2^-60 (norm_row_bf16_native) */
+    a.fast = bf16_tame(w, n, 0x2180, 0x7f7f);  /* finite, nothing nonzero under 2^-60 (norm_rows_bf16_native) */
 #endif
   }
+  const int64_t pairs = (rows + 1) / 2;
   if (PARALLEL(threads, rows * n)) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < rows; t++) norm_row(&a, (int)bf16, t);
+    for (int64_t p = 0; p < pairs; p++) norm_pair(&a, (int)bf16, p, rows);
   } else {
-    for (int64_t t = 0; t < rows; t++) norm_row(&a, (int)bf16, t);
+    for (int64_t p = 0; p < pairs; p++) norm_pair(&a, (int)bf16, p, rows);
   }
   return 0;
 }
