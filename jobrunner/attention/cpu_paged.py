@@ -168,7 +168,7 @@ class CpuPagedBackend(AttentionBackend):
         decodes = None
         if self.amx_decode and not layout.smallest_window:  # decodes on the AMX kernel, shared prefixes grouped
             native, decodes = _partition(native, lambda i: native.query_lens[i] == 1)
-            shared = shared_prefix_groups(native) if shared else []  # row indices of the rows left
+            shared = []  # the native kernel's groups are of decodes, and they all left
             if decodes.num_rows:
                 amx_dec_blocks = _queue_rows(upload, "ad", decodes)
                 groups = shared_prefix_groups(decodes) if self.amx_decode == "grouped" else []
