@@ -428,8 +428,9 @@ static void rotate_head_bf16(uint16_t *restrict x, const float *restrict c, cons
 
 #ifdef JR_NATIVE_BF16
 /* rotate_head_bf16 on the fast path (its inputs checked by bf16_tame) */
-static inline __attribute__((always_inline)) void rotate_head_bf16_native(uint16_t *restrict x, const float *restrict c, const float *restrict s,
-                                    int64_t half) {
+static inline __attribute__((always_inline)) void rotate_head_bf16_native(uint16_t *restrict x,
+                                                                         const float *restrict c,
+                                                                         const float *restrict s, int64_t half) {
   int64_t i = 0;
   for (; i + 16 <= half; i += 16) {
     const v16f x1 = vload_bf16(x + i), x2 = vload_bf16(x + half + i);
@@ -553,7 +554,8 @@ static int silu_row_bf16_native(const uint16_t *restrict g, const uint16_t *rest
     silu_mul32(o + i, sv[0], sv[1], u + i, &low, &high);
     silu_mul32(o + i + 32, sv[2], sv[3], u + i + 32, &low, &high);
   }
-  for (; i + 32 <= I; i += 32) silu_mul32(o + i, vsilu(vload_bf16(g + i)), vsilu(vload_bf16(g + i + 16)), u + i, &low, &high);
+  for (; i + 32 <= I; i += 32)
+    silu_mul32(o + i, vsilu(vload_bf16(g + i)), vsilu(vload_bf16(g + i + 16)), u + i, &low, &high);
   if (i + 16 <= I) {
     const v16f s = vsilu(vload_bf16(g + i));
     const v16f p = widen_lo(_mm512_castsi256_si512(cvt_bf16(s))) * vload_bf16(u + i);
