@@ -9,15 +9,17 @@
    outputs do not overlap inputs (but for rotary's, in place).
    Arithmetic is float32; a row's result depends on that row alone (batch-invariant). Built without floating-
    point contraction so products round as torch's do. All three run 16 lanes at a time with the scalar code's
-   operations: bit-identical to it, NaN / inf / denormals included (tested against the scalar tail and the torch
-   ops), except for which of two NaNs meeting in one product or sum comes out (the compiler orders the operands
-   of a commutative operation; that was never fixed and differs between -march builds).
+   operations: bit-identical to it, NaN / inf / denormals included (tested against the scalar tail, a numpy model
+   and the torch ops), except for which of two NaNs meeting in one product or sum comes out (the compiler orders
+   the operands of a commutative operation; that was never fixed and differs between -march builds).
 
    bf16 rounding: the exact path rounds in integer operations (to_bf16 of jr_numerics.h, lane by lane). Where
    the build targets AVX512_BF16, a fast path rounds 32 lanes per vcvtne2ps2bf16, which gives to_bf16's bits
    for every input but a denormal (flushed to zero); it makes sure no value it rounds is denormal (or NaN / inf)
    and otherwise redoes the row (rotary: the token) on the exact path, so the results are the exact path's.
-   Threads only where the work pays for an OpenMP region (PARALLEL). */
+   Threads only where the work pays for an OpenMP region (PARALLEL). bf16, 64 rows, 2-core Xeon with
+   AVX512_BF16, 2 threads, called from C: rms_norm + add of 576 26 -> 6.3 us, SiLU*up of 1,536 46 -> 27 us,
+   rotary of 12 heads x 64 14 -> 5.7 us (2,048 rows: 418 -> 200, 1,509 -> 908, 418 -> 181 us). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
