@@ -171,6 +171,29 @@ static inline void scatter_query(uint32_t *qt, const uint16_t *src, int64_t i, i
     _mm512_i32scatter_epi32(qt + c * 256, idx, _mm512_loadu_si512((const void *)(src + c * 32)), 4);
 }
 
+/* D = 64: S^T of keys k0 .. k0 + 31 (those below `end`; the rest zero, masked by the caller) against Q^T (qt)
+   into s [32 keys][16 lanes], 16 keys (one cache block's rows) at a time in tmm2 (tmm0 Q^T, tmm1 K) */
+static inline void scores_d64(const Args *a, const int64_t *table, int64_t kvh, int64_t end, int64_t k0,
+                              const uint32_t *qt, float *s) {
+  const int64_t bs = a->bs, stride = a->Hkv * 64 * 2;
+  for (int64_t half = 0; half < 2; half++) {
+    const int64_t key = k0 + 16 * half;
+    if (key >= end) {  /* past the row's keys (and its block table) */
+      memset(s + half * 16 * LANES, 0, sizeof(float) * 16 * LANES);
+      continue;
+    }
+    const uint16_t *kr = a->k + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
+    _tile_zero(2);
+    _tile_loadd(0, qt, 64);
+    _tile_loadd(1, kr, stride);
+    _tile_dpbf16ps(2, 1, 0);
+    _tile_loadd(0, qt + 256, 64);
+    _tile_loadd(1, kr + 32, stride);
+    _tile_dpbf16ps(2, 1, 0);
+    _tile_stored(2, s + half * 16 * LANES, 64);
+  }
+}
+
 #define LAZY 8.0f  /* the running maximum moves only when a score passes it by 2^8 (so P <= 256) */
 
 /* One block of 16 lanes for D = 64 with the output kept in four tiles (tmm4-7) for the whole key loop:
@@ -180,7 +203,6 @@ static inline void scatter_query(uint32_t *qt, const uint16_t *src, int64_t i, i
 static void attend_block_d64(const Args *a, const int64_t *table, int64_t kvh, int64_t seq, const uint16_t *vt,
                              const uint32_t *qt, __m512i posv, int64_t last, int64_t lowest, float *acc,
                              __m512 *l_out) {
-  const int64_t bs = a->bs, stride = a->Hkv * 64 * 2;
   const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -192,22 +214,7 @@ static void attend_block_d64(const Args *a, const int64_t *table, int64_t kvh, i
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t k0 = 0; k0 <= last; k0 += KB) {
-    for (int64_t half = 0; half < 2; half++) {  /* S^T, 16 keys (one cache block's rows) at a time, in tmm2 */
-      const int64_t key = k0 + 16 * half;
-      if (key >= seq) {  /* past the row's keys (and its block table): masked anyway */
-        memset(s + half * 16 * LANES, 0, sizeof(float) * 16 * LANES);
-        continue;
-      }
-      const uint16_t *kr = a->k + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
-      _tile_zero(2);
-      _tile_loadd(0, qt, 64);
-      _tile_loadd(1, kr, stride);
-      _tile_dpbf16ps(2, 1, 0);
-      _tile_loadd(0, qt + 256, 64);
-      _tile_loadd(1, kr + 32, stride);
-      _tile_dpbf16ps(2, 1, 0);
-      _tile_stored(2, s + half * 16 * LANES, 64);
-    }
+    scores_d64(a, table, kvh, seq, k0, qt, s);
     const int masked = k0 + KB - 1 > lowest;
     __mmask16 valid[KB];
     __m512 mx = ninf;
@@ -452,7 +459,7 @@ static void fresh_state(DecodeState *st) {
    for lanes 0 .. nl - 1 whose queries are at qrows[i], continuing the state st */
 static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const uint16_t *const *qrows, int64_t nl,
                         int64_t k_lo, int64_t k_hi, DecodeState *st) {
-  const int64_t pos = k_hi - 1, bs = a->bs, stride = a->Hkv * 64 * 2;
+  const int64_t pos = k_hi - 1, bs = a->bs;
   uint32_t qt[2 * 256] __attribute__((aligned(64)));     /* Q^T: 2 x [16 dimension pairs][16 lanes] */
   float s[KB * LANES] __attribute__((aligned(64)));      /* S^T, then P^T: [32 keys][16 lanes] */
   uint16_t pa[LANES * KB] __attribute__((aligned(64)));  /* P: [16 lanes][32 keys] (rows >= R zero) */
@@ -477,22 +484,7 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
       _mm_prefetch((const char *)(a->v + at), _MM_HINT_T0);
       _mm_prefetch((const char *)(a->v + at + 32), _MM_HINT_T0);
     }
-    for (int64_t half = 0; half < 2; half++) {
-      const int64_t key = k0 + 16 * half;
-      if (key > pos) {
-        memset(s + half * 16 * LANES, 0, sizeof(float) * 16 * LANES);
-        continue;
-      }
-      const uint16_t *kr = a->k + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
-      _tile_zero(2);
-      _tile_loadd(0, qt, 64);
-      _tile_loadd(1, kr, stride);
-      _tile_dpbf16ps(2, 1, 0);
-      _tile_loadd(0, qt + 256, 64);
-      _tile_loadd(1, kr + 32, stride);
-      _tile_dpbf16ps(2, 1, 0);
-      _tile_stored(2, s + half * 16 * LANES, 64);
-    }
+    scores_d64(a, table, kvh, pos + 1, k0, qt, s);
     /* V's rows in pairs (zero past the last key: P is 0 there, and 0 x a stale NaN would not be) */
     for (int64_t p = 0; p < 16; p++) {
       __m512i lo[2], hi[2];
