@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
+from jobrunner.quant.capability import capability_key
 
 FUSED_ENV = "JOBRUNNER_FUSED_OPS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
@@ -46,13 +46,8 @@ def fused_library() -> ctypes.CDLL | str:
     is detected once per value of ``JOBRUNNER_CPU_CAPABILITY``)."""
     if os.environ.get(FUSED_ENV, "1").strip() == "0":
         return f"{FUSED_ENV}=0"
-    return _library(_capability_key(os.environ.get(CAPABILITY_ENV, "")))
+    return _library(capability_key())
 
-
-@functools.cache
-def _capability_key(_forced_setting: str) -> str:
-    capability, forced = detect_cpu_capability()
-    return f"{capability}:{forced}"
 
 
 def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:

@@ -9,6 +9,7 @@ machine.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,3 +46,15 @@ def capability_switch(env: str, default_on: frozenset[str], on_text: str, off_te
     if setting != "1" and capability not in default_on:
         return False, f"{capability}: {off_text}"
     return True, f"{capability}: {on_text}"
+
+
+def capability_key() -> str:
+    """``"<capability>:<forced>"`` for keying a per-capability cache of native libraries; detected once per value
+    of ``JOBRUNNER_CPU_CAPABILITY`` (cheap to ask on every op)."""
+    return _capability_key(os.environ.get(CAPABILITY_ENV, ""))
+
+
+@functools.cache
+def _capability_key(_forced_setting: str) -> str:
+    capability, forced = detect_cpu_capability()
+    return f"{capability}:{forced}"

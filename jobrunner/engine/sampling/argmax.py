@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from jobrunner.engine.sampling import row_argmax
-from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
+from jobrunner.quant.capability import capability_key
 
 ARGMAX_ENV = "JOBRUNNER_NATIVE_ARGMAX"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "row_argmax.c"
@@ -47,13 +47,8 @@ def argmax_library() -> ctypes.CDLL | str:
     ``JOBRUNNER_CPU_CAPABILITY``."""
     if os.environ.get(ARGMAX_ENV, "1").strip() == "0":
         return f"{ARGMAX_ENV}=0"
-    return _library(_capability_key(os.environ.get(CAPABILITY_ENV, "")))
+    return _library(capability_key())
 
-
-@functools.cache
-def _capability_key(_forced_setting: str) -> str:
-    capability, forced = detect_cpu_capability()
-    return f"{capability}:{forced}"
 
 
 def native_row_argmax(x: torch.Tensor) -> torch.Tensor | None:
