@@ -23,12 +23,13 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimit
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
-                 max_model_len: int = 8192, head_dim: int = 64, dtype=None) -> AttentionBackend:
+                 max_model_len: int = 8192, head_dim: int = 64, dtype=None, cache_dtype=None) -> AttentionBackend:
     """The backend called ``name`` (``auto`` here is ``torch``; the model runner resolves ``auto`` first).
     Raises ``RuntimeError`` if ``triton`` or ``cpu_paged`` can't run here.
 
     ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table;
-    ``dtype`` (the model's) lets ``cpu_paged`` choose where bf16 prompt chunks run.
+    ``dtype`` (the model's) lets ``cpu_paged`` choose where bf16 prompt chunks run; ``cache_dtype`` (the KV
+    cache's, when it differs: fp8, :mod:`.kv_quant`) keeps it off the AMX kernels, which read bf16 caches only.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -42,7 +43,7 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
     if name == "cpu_paged":
         from jobrunner.attention.cpu_paged import make_cpu_paged_backend
 
-        return make_cpu_paged_backend(device, head_dim, dtype, num_heads, num_kv_heads, block_size)
+        return make_cpu_paged_backend(device, head_dim, dtype, num_heads, num_kv_heads, block_size, cache_dtype)
     from jobrunner.attention.torch_backend import TORCH_BACKEND
 
     return TORCH_BACKEND

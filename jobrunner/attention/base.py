@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jobrunner.attention.kv_quant import is_fp8, write_fp8_kv
 from jobrunner.attention.upload import StepUpload
 
 
@@ -80,7 +81,8 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes a step's K/V into the paged cache and attends over it.
 
-    Cache of one layer: ``[num_slots, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset).
+    Cache of one layer: ``[num_slots, num_kv_heads, head_dim]`` (slot = block_id * block_size + offset); an fp8
+    cache's rows are ``head_dim + 4`` wide, codes then a float32 scale (:mod:`jobrunner.attention.kv_quant`).
     """
 
     name: str = "?"
@@ -129,6 +131,10 @@ def layer_views(layout: StepLayout, by_window: dict) -> list | None:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V at their cache slots (one index_copy_ each: a single kernel on CUDA)."""
+    """Store this step's K/V at their cache slots (one index_copy_ each: a single kernel on CUDA); an fp8 cache
+    quantizes them first (:mod:`jobrunner.attention.kv_quant`)."""
+    if is_fp8(k_cache.dtype):
+        write_fp8_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)

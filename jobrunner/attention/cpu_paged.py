@@ -6,7 +6,9 @@ its fixed reduction order are described there), so a decode step reads each cach
 layer and copies nothing. One call per layer covers the whole step: decodes (query heads of one kv head
 folded, online softmax over the row's blocks, split-K over fixed partitions when there are fewer (row, kv
 head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
-(flash-style key tiles, causal by position), sliding windows, float32 and bfloat16.
+(flash-style key tiles, causal by position), sliding windows, float32 and bfloat16, and fp8 caches
+(``engine.kv_cache_dtype``: every tile's codes widened times their row scales where the kernel loads it; the
+AMX kernels read bf16 caches only, so an fp8 cache never takes them).
 
 Per-layer windows (``StepLayout.layer_windows``, Gemma 2/3): the window is an argument of each kernel call, so
 the step's rows are uploaded once and each distinct window gets a view that differs only in that argument (and
@@ -46,6 +48,7 @@ NATIVE_ENV = "JOBRUNNER_ATTENTION_NATIVE"
 FAST_ENV = "JOBRUNNER_ATTENTION_FAST"  # 0: the portable build's choice everywhere (exact kernel + SDPA for long chunks)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's kv_fp8 codes (0: q's dtype)
 
 
 @functools.cache
@@ -60,7 +63,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.jr_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 3
-                   + [ctypes.c_void_p] * 4)
+                   + [ctypes.c_void_p] * 4 + [ctypes.c_int64])
     lib.jr_fast_lanes.restype = ctypes.c_int
     lib.jr_write_kv.restype = ctypes.c_int
     lib.jr_write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
@@ -208,8 +211,11 @@ class CpuPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuPagedMetadata, scale: float) -> torch.Tensor:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if q.dtype not in DTYPES or k_cache.dtype != q.dtype:
-            raise TypeError(f"cpu_paged attention: float32 or bfloat16 q and cache, got {q.dtype}, {k_cache.dtype}")
+        if q.dtype not in DTYPES or (k_cache.dtype != q.dtype and k_cache.dtype not in FP8_FORMATS):
+            raise TypeError(f"cpu_paged attention: float32 or bfloat16 q and a cache of q's dtype or fp8, got "
+                            f"{q.dtype}, {k_cache.dtype}")
+        if k_cache.dtype in FP8_FORMATS and (meta.amx_num_rows or meta.amx_num_decodes):
+            raise TypeError("cpu_paged attention: the AMX kernels read bf16 caches only, not fp8")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu_paged attention: the layer's cache views must be contiguous")
         q = q.contiguous()
@@ -247,7 +253,7 @@ class CpuPagedBackend(AttentionBackend):
                      length.data_ptr(), seq.data_ptr(), tables.data_ptr(), meta.max_blocks, meta.num_rows,
                      q.shape[1], k_cache.shape[1], q.shape[2], meta.block_size, meta.window, DTYPES[q.dtype],
                      scale, torch.get_num_threads(), self.fast_min_query or 0, meta.num_shared,
-                     *(x.data_ptr() for x in meta.shared))
+                     *(x.data_ptr() for x in meta.shared), FP8_FORMATS.get(k_cache.dtype, 0))
         if rc:
             raise RuntimeError(f"cpu_paged attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
 
@@ -349,21 +355,27 @@ def bf16_chunks_to_sdpa() -> tuple[bool, str]:
 
 
 def make_cpu_paged_backend(device, head_dim: int, dtype: torch.dtype | None = None, num_heads: int = 0,
-                           num_kv_heads: int = 0, block_size: int = 0) -> CpuPagedBackend:
+                           num_kv_heads: int = 0, block_size: int = 0,
+                           cache_dtype: torch.dtype | None = None) -> CpuPagedBackend:
     """The backend with its capability defaults (for ``dtype``: :func:`bf16_chunks_to_sdpa`; with the heads and
-    block size given, whether decodes take the AMX kernel), or ``RuntimeError`` saying why it cannot run here."""
+    block size given, whether decodes take the AMX kernel), or ``RuntimeError`` saying why it cannot run here.
+    ``cache_dtype`` (default ``dtype``): an fp8 cache keeps every row off the AMX kernels, which read bf16 caches
+    only (the native kernel widens fp8 tiles itself; ``chunk_route`` says so)."""
     reason = cpu_paged_unavailable_reason(device, head_dim)
     if reason:
         raise RuntimeError(reason)
     backend = CpuPagedBackend(native_library())
+    fp8 = cache_dtype in FP8_FORMATS
     if dtype == torch.bfloat16 and backend.fast_min_query and backend.native_max_query is None:
         use_amx, amx_why = amx_chunk_route(head_dim)
-        if use_amx:
+        if use_amx and not fp8:
             backend.amx, backend.chunk_route = AmxPromptAttention(), amx_why
             backend.native_max_query = AMX_MIN_QUERY
             backend.amx_decode = amx_decode_route(head_dim, num_heads, num_kv_heads, block_size)
             return backend
         use, backend.chunk_route = bf16_chunks_to_sdpa()
+        if use_amx:  # the AMX kernels read bf16 caches only: an fp8 cache takes the native kernel (and SDPA)
+            backend.chunk_route = f"fp8 KV cache, so not the AMX kernels (bf16 caches only); {backend.chunk_route}"
         if use:
             backend.native_max_query = BF16_SDPA_MIN_QUERY
     return backend

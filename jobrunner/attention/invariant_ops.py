@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
+from jobrunner.attention.kv_quant import read_slots
 from jobrunner.attention.upload import StepUpload
 
 KV_CHUNK = 128   # keys per reduction step (fixed: part of the arithmetic every token gets)
@@ -144,7 +145,7 @@ def attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     denom = torch.zeros_like(m)
     acc = torch.zeros(units, num_kv_heads, padded, head_dim, device=q.device)
     for c, (n, slots) in enumerate(zip(g.active, g.chunk_slots)):
-        keys = k_cache.index_select(0, slots).view(n, KV_CHUNK, num_kv_heads, head_dim)
+        keys = read_slots(k_cache, slots, torch.float32).view(n, KV_CHUNK, num_kv_heads, head_dim)
         s = torch.matmul(qg[:n], keys.permute(0, 2, 3, 1).float()) * scale          # [n, Hkv, R, KV_CHUNK]
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
@@ -156,7 +157,7 @@ def attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         m_new = torch.maximum(m[:n], s.amax(dim=-1, keepdim=True))
         alpha = torch.exp(m[:n] - m_new)
         p = torch.exp(s - m_new)
-        values = v_cache.index_select(0, slots).view(n, KV_CHUNK, num_kv_heads, head_dim)
+        values = read_slots(v_cache, slots, torch.float32).view(n, KV_CHUNK, num_kv_heads, head_dim)
         denom[:n] = denom[:n] * alpha + p.sum(dim=-1, keepdim=True)
         acc[:n] = acc[:n] * alpha + torch.matmul(p, values.permute(0, 2, 1, 3).float())
         m[:n] = m_new

@@ -14,6 +14,9 @@ one set of groups (their masks) is built per distinct window; each layer takes i
 logit soft-capping (``softcap``, Gemma 2) cannot go through ``scaled_dot_product_attention``: those calls
 compute scores, cap, mask and softmax (in float32, then back to the query dtype, as transformers' eager
 attention does) explicitly.
+
+An fp8 KV cache (``engine.kv_cache_dtype``): each group gathers its blocks' bytes (codes and per-row scales) and
+dequantizes them into the query dtype before SDPA (:class:`~jobrunner.attention.kv_quant.BlockReader`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
+from jobrunner.attention.kv_quant import BlockReader
 from jobrunner.attention.torch_short_rows import is_short_row, short_row_index, short_row_mask
 from jobrunner.attention.upload import StepUpload
 
@@ -139,8 +143,8 @@ def attend_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     n_rep = num_heads // num_kv_heads
-    k_blocks = k_cache.view(-1, block_size * num_kv_heads * head_dim)  # [num_blocks, block elements]
-    v_blocks = v_cache.view(-1, block_size * num_kv_heads * head_dim)
+    k_blocks = BlockReader(k_cache, block_size)  # whole blocks, dequantized as gathered where the cache is fp8
+    v_blocks = BlockReader(v_cache, block_size)
     for g in groups:
         out.index_copy_(0, g.out_index, _attend_group(q, k_blocks, v_blocks, g, num_kv_heads, n_rep, head_dim, scale,
                                                       softcap))
@@ -213,8 +217,8 @@ def _attend_group(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, n
     # q: [G*Q, H, D] -> [G, Hkv, n_rep*Q, D] (query head h uses kv head h // n_rep)
     qg = q.index_select(0, g.query_index).view(G, Q, num_kv_heads, n_rep, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(G, num_kv_heads, n_rep * Q, head_dim)
-    kg = k_blocks.index_select(0, g.block_ids).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
-    vg = v_blocks.index_select(0, g.block_ids).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
+    kg = k_blocks.gather(g.block_ids, q.dtype).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
+    vg = v_blocks.gather(g.block_ids, q.dtype).view(G, L, num_kv_heads, head_dim).transpose(1, 2)
     if g.repeat_mask:  # once per step, not per layer: the group is shared by every layer
         g.mask, g.repeat_mask = g.mask.repeat(n_rep, 1)[None, None], False
     if g.tile_mask:
@@ -243,8 +247,8 @@ def _attend_after_prefix(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads:
     (bf16, 240 queries after 1,040 cached keys, 9 / 3 heads of 64): a mask is read per score and no tile is
     skipped. The merge is in float32; each part's output is rounded to the query dtype once before it."""
     Q, P, H = g.query_len, g.prefix_len, num_kv_heads * n_rep
-    kg = k_blocks.index_select(0, g.block_ids).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
-    vg = v_blocks.index_select(0, g.block_ids).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
+    kg = k_blocks.gather(g.block_ids, q.dtype).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
+    vg = v_blocks.gather(g.block_ids, q.dtype).view(1, -1, num_kv_heads, head_dim)[:, :P + Q].transpose(1, 2)
     rows = q.index_select(0, g.query_index)                                                   # [Q, H, D]
     q_fold = rows.view(Q, num_kv_heads, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, n_rep * Q,
                                                                                         head_dim)
@@ -272,8 +276,8 @@ def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, 
     Q, L = g.query_len, g.kv_len
     # index_select, not narrow(int(query_index[0])): reading the offset back would sync the device every layer
     qg = q.index_select(0, g.query_index).transpose(0, 1).unsqueeze(0)                # [1, H, Q, D]
-    kg = k_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
-    vg = v_blocks.index_select(0, g.block_ids).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    kg = k_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    vg = v_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
     if softcap is None:
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sees keys 0..i (the padded keys past the chunk sit right of every query)

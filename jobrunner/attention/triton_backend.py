@@ -4,7 +4,8 @@ See :mod:`jobrunner.attention.triton_kernels` for the kernel. Per step the host 
 context lengths, the block tables and the tiles (row, first query token) — a few small integer arrays that
 go to the device with the runner's own inputs in one copy. On CPU the same kernel runs under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported): slow, but it is how the tests check
-it against the ``torch`` backend.
+it against the ``torch`` backend. An fp8 KV cache is read in place too (codes upcast in registers, per-row
+scales applied to scores and weights: :mod:`jobrunner.attention.triton_kernels`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
 from jobrunner.attention.block_tables import DeviceBlockTables
+from jobrunner.attention.kv_quant import is_fp8, scales_of
 from jobrunner.attention.upload import StepUpload
 
 DECODE_BLOCK_M = 16     # query rows per tile when every row of the step decodes one token (tl.dot needs >= 16)
@@ -122,6 +124,7 @@ class TritonBackend(AttentionBackend):
         from jobrunner.attention.triton_kernels import paged_attention_kernel
 
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scales, v_scales = _scales(k_cache, v_cache)
         q = q.contiguous()  # the kernel assumes unit stride along head_dim (a no-op after rotary)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -129,16 +132,28 @@ class TritonBackend(AttentionBackend):
         out = alloc(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         grid = (meta.tile_row.shape[0], num_kv_heads)
         paged_attention_kernel[grid](
-            q, k_cache, v_cache, out,
+            q, k_cache, v_cache, out, k_scales, v_scales,
             meta.query_start, meta.seq_lens, meta.table_rows, meta.block_table, meta.tile_row, meta.tile_start,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), out.stride(0), meta.block_table.stride(0),
+            v_cache.stride(1), out.stride(0), meta.block_table.stride(0), k_scales.stride(0), k_scales.stride(1),
             scale,
             N_REP=self.n_rep, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=meta.block_m,
             BLOCK_N=self.block_n, TOKENS_PER_TILE=self.tokens_per_tile(meta.block_m),
             BLOCK_SIZE=self.block_size, DOT_FP32=q.dtype == torch.float32 or _interpreted(),
+            KV_SCALED=is_fp8(k_cache.dtype),
         )
         return out
+
+
+def _scales(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row scales of fp8 caches (``[slots, Hkv, 1]`` float32 views; K and V laid out alike), else the
+    caches themselves as placeholders the kernel never reads."""
+    if not is_fp8(k_cache.dtype):
+        return k_cache, v_cache
+    k_scales, v_scales = scales_of(k_cache), scales_of(v_cache)
+    if k_scales.stride() != v_scales.stride():
+        raise ValueError("triton attention: the K and V caches of an fp8 layer must be laid out alike")
+    return k_scales, v_scales
 
 
 def _interpreted() -> bool:

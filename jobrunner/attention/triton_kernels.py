@@ -11,6 +11,11 @@ with the online softmax of FlashAttention. Block tables are rows of a persistent
 (``table_row[row]`` says which one; see :mod:`jobrunner.attention.block_tables`). Causality is a comparison
 of positions; nothing is gathered into a copy and no mask tensor exists. Keys past a tile's last query
 position are never loaded.
+
+An fp8 cache (``KV_SCALED``; :mod:`jobrunner.attention.kv_quant`): keys and values are loaded as fp8 codes and
+upcast in registers to the query dtype (exact: every e4m3 / e5m2 value is a bf16 and an fp16 value); each key's
+scale multiplies its score column after ``q . k``, and each value's scale its probability column before
+``p . v``, so no dequantized tile is ever formed.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import triton.language as tl
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,                  # q: [T, H, D]; k/v cache: [slots, Hkv, D]; o: [T, H * D]
+    q_ptr, k_ptr, v_ptr, o_ptr,                  # q: [T, H, D]; k/v cache: [slots, Hkv, D (+4)]; o: [T, H * D]
+    ks_ptr, vs_ptr,                              # fp8 cache: per-row float32 scales [slots, Hkv] (else unused)
     query_start_ptr, seq_len_ptr, table_row_ptr, block_table_ptr, tile_row_ptr, tile_start_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_bt,
+    stride_ss, stride_sh,                        # the scales' slot and head strides (in floats; K's = V's)
     scale,
     N_REP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,                      # products in float32 (float32 caches; Triton's interpreter)
+    KV_SCALED: tl.constexpr,                     # fp8 codes with per-row scales
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,8 +76,10 @@ def paged_attention_kernel(
         if DOT_FP32:  # exact float32 (no TF32 rounding); also the interpreter, whose bf16 dot is wrong
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * qk_scale                                   # [BLOCK_M, BLOCK_N]
+        if KV_SCALED:
+            s = s * tl.load(ks_ptr + slot * stride_ss + kv_head * stride_sh, mask=n_ok, other=0.0)[None, :]
         s = tl.where(n_ok[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
         # every row sees key 0 in the first block, so m_new is finite from the first iteration on
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -77,10 +87,13 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        pw = p                                             # the weights, times each value row's scale (fp8)
+        if KV_SCALED:
+            pw = p * tl.load(vs_ptr + slot * stride_ss + kv_head * stride_sh, mask=n_ok, other=0.0)[None, :]
         if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(pw, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(pw.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     acc = acc / l_i[:, None]

@@ -30,6 +30,9 @@ class EngineConfig:
     Fields made with ``setting(...)`` are the job spec's ``engine:`` keys (:mod:`jobrunner.engine.settings`):
     a new user setting is one such field here; plain fields are internal.
 
+    ``kv_cache_dtype``: ``auto`` (the model's dtype) or an fp8 format (:mod:`jobrunner.attention.kv_quant`: codes
+    plus a float32 scale per (token, kv head); every attention backend reads it, the AMX kernels excepted).
+
     ``deterministic``: batch-invariant execution (:mod:`jobrunner.engine.invariant`): a row's tokens depend
     only on its prompt, settings and seed, never on ``max_num_seqs``, ``max_num_batched_tokens``, chunked
     prefill, prefix-cache hits, preemption or what else is batched with it (docs/engine.md, *Deterministic
@@ -51,6 +54,10 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.85, description="Fraction of free GPU memory for the KV cache.",
                                             gt=0.0, le=1.0)
     num_kv_blocks: int | None = setting(None, description="Exact number of KV blocks.", ge=1)
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = setting(
+        "auto", description="KV-cache element type: auto (the model's dtype) or fp8_e4m3 / fp8_e5m2 (fp8 codes with "
+        "a float32 scale per token and kv head: about half the bytes, so nearly twice the blocks in the same memory "
+        "and half the bytes decode attention reads; docs/engine.md).")
     enable_prefix_caching: bool = setting(True, description="Reuse KV blocks of shared prefixes.")
     max_model_len: int | None = setting(None, description="Cap on prompt + output tokens.", ge=1)
     device: str = setting("auto", description="auto, cpu or cuda.")

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from jobrunner.attention.kv_quant import cache_dtype
 from jobrunner.engine.adapters import (
     adapter_workspace_bytes,
     check_engine_with_adapters,
@@ -79,7 +80,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
                                   self.config.max_num_seqs, self.max_model_len,
                                   attention_backend=self.config.attention_backend,
-                                  max_num_tokens=self.config.max_num_batched_tokens)
+                                  max_num_tokens=self.config.max_num_batched_tokens,
+                                  kv_cache_dtype=self.config.kv_cache_dtype)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         self._request_ids: dict[str, int] = {}  # request id -> samples not yet handed back
         self._rejected: list[Request] = []
@@ -512,7 +514,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        dtype = self.model.dtype
+        dtype = cache_dtype(cfg.kv_cache_dtype, self.model.dtype)  # fp8: about half the bytes, so ~2x the blocks
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
         if self.draft is not None:  # every block has a draft-model block beside it: the budget holds both
             per_block += self.draft.kv_bytes_per_block(cfg.block_size)

@@ -25,6 +25,7 @@ from jobrunner.attention import (
     make_backend,
     make_step_runner,
 )
+from jobrunner.attention.kv_quant import cache_dtype, kv_bytes_per_block, row_width
 from jobrunner.engine.pooling import collect
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
@@ -45,7 +46,8 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]``.
+    """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]`` (of the model's
+    dtype, or with ``kv_cache_dtype`` an fp8 format: rows ``head_dim + 4`` wide, :mod:`jobrunner.attention.kv_quant`).
 
     ``attention_backend``: ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`;
     ``auto`` is ``cpu_paged`` for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or
@@ -58,7 +60,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
-                 attention_backend: str = "auto", max_num_tokens: int = 2048) -> None:
+                 attention_backend: str = "auto", max_num_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
@@ -82,9 +84,11 @@ class ModelRunner:
         self.block_size = block_size
         s = model.shape
         total_blocks = num_blocks + (decode_graphs != "off")
+        self.kv_cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
-        self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, s.head_dim,
-                                    dtype=model.dtype, device=device)
+        width = row_width(s.head_dim, self.kv_cache_dtype)  # fp8: head_dim codes + a float32 scale (kv_quant)
+        self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, width,
+                                    dtype=self.kv_cache_dtype, device=device)
         self.sampler = Sampler(device, seed)
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
@@ -147,7 +151,7 @@ class ModelRunner:
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim,
-                               dtype=self.model.dtype)
+                               dtype=self.model.dtype, cache_dtype=self.kv_cache_dtype)
         except RuntimeError as exc:  # triton / cpu_paged where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
@@ -156,7 +160,8 @@ class ModelRunner:
     def stats(self) -> dict:
         """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
         out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
-               "attention_backend_requested": self.requested_backend}
+               "attention_backend_requested": self.requested_backend,
+               "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch.")}
         if self.attention_notes:
             out["attention_notes"] = list(self.attention_notes)
         if self.backend.chunk_route:
@@ -171,9 +176,9 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV block (all layers, K and V) in a cache of ``dtype`` (an fp8 cache's scales included)."""
         s = model.shape
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        return s.num_layers * 2 * block_size * s.num_kv_heads * s.head_dim * itemsize
+        return kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, block_size, dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

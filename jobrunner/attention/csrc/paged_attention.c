@@ -16,7 +16,9 @@
    When a step has fewer decode (row, kv head) pairs than threads, long decodes are split into one item per
    partition (split-K) whose states are folded afterwards in the same left-to-right order.
    Arithmetic in float32; bf16 inputs are widened on load and the output rounded to nearest even, as torch
-   rounds. The loops are written so that the compiler vectorizes them for the -march of the build. */
+   rounds. An fp8 cache (kv_fp8 1: e4m3fn, 2: e5m2; jobrunner/attention/kv_quant.py) has rows of D codes and
+   a float32 scale (D + 4 bytes per slot and kv head); load_tile, the one place that reads the cache, widens a
+   tile's codes times their row's scale into float32 (every path below then runs as for bf16). The loops are written so that the compiler vectorizes them for the -march of the build. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,6 +38,7 @@ typedef struct {
   void *out;
   const int64_t *query_start, *query_len, *seq_len, *tables;
   int64_t max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, bf16;
+  int64_t kv_fp8;  /* 0: the cache holds q's dtype; 1 / 2: fp8 e4m3fn / e5m2 codes with per-row scales */
   float scale;
   int64_t fast_min_query;  /* rows with at least this many query tokens take the fast path (0: none do) */
   /* decode rows sharing cached prefix blocks (may be 0 groups): group g's rows are group_rows[group_off[g] ..
@@ -278,11 +281,70 @@ static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst,
   for (; d < D; d++) dst[d] = from_bf16(src[d]);
 }
 
+/* fp8 code -> the fp16 bits of the same value (e5m2: exactly its top byte; e4m3fn: exponent bias 7 instead of
+   15, so the half is 2^-8 times the value: the caller's scale carries the 2^8). Codes never hold NaN: writes
+   clamp (kv_quant.py). */
+static inline uint16_t fp8_half_bits(uint16_t x, int64_t fmt) {
+  return fmt == 2 ? (uint16_t)(x << 8) : (uint16_t)(((x & 0x7f) << 7) | ((x & 0x80) << 8));
+}
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  union { uint32_t u; float f; } v;
+  if (e == 0) {  /* zero or subnormal: m * 2^-24 */
+    v.f = (float)m * 5.9604644775390625e-8f;
+    v.u |= sign;
+  } else {
+    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  }
+  return v.f;
+}
+
+/* D fp8 codes of one row times the row's scale (the float32 after its codes), widened to float32; F16C
+   converts 16 (AVX-512) or 8 (AVX2) halves per instruction */
+static inline void widen_fp8(const uint8_t *restrict src, int64_t fmt, float *restrict dst, int64_t D) {
+  float scale;
+  memcpy(&scale, src + D, sizeof scale);
+  if (fmt == 1) scale *= 256.0f;
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; d + 16 <= D; d += 16) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d)));
+    w = fmt == 2 ? _mm256_slli_epi16(w, 8)
+                 : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                   _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(w), sv));
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (; d + 8 <= D; d += 8) {
+    __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + d)));
+    w = fmt == 2 ? _mm_slli_epi16(w, 8)
+                 : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
+                                _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(w), sv));
+  }
+#endif
+  for (; d < D; d++) dst[d] = half_to_float(fp8_half_bits(src[d], fmt)) * scale;
+}
+
 /* Keys k0 .. k0 + n - 1 of kv head kvh of a row: pointers into the cache when they are contiguous float32
    rows of one block, else widened / gathered into buf ([2][TILE][D]). Returns the row stride. */
 static int64_t load_tile(const Args *a, const int64_t *table, int64_t kvh, int64_t k0, int64_t n, float *buf,
                          const float **k, const float **v) {
   const int64_t D = a->head_dim, bs = a->block_size, row = a->num_kv_heads * D;
+  if (a->kv_fp8) {  /* rows of D codes + 4 scale bytes */
+    const int64_t rb = a->num_kv_heads * (D + 4);
+    for (int64_t j = 0; j < n; j++) {
+      const int64_t p = k0 + j, at = (table[p / bs] * bs + p % bs) * rb + kvh * (D + 4);
+      widen_fp8((const uint8_t *)a->k_cache + at, a->kv_fp8, buf + j * D, D);
+      widen_fp8((const uint8_t *)a->v_cache + at, a->kv_fp8, buf + (TILE + j) * D, D);
+    }
+    *k = buf;
+    *v = buf + TILE * D;
+    return D;
+  }
   if (!a->bf16 && (k0 % bs) + n <= bs) {
     const int64_t slot = table[k0 / bs] * bs + k0 % bs;
     *k = (const float *)a->k_cache + slot * row + kvh * D;
@@ -348,7 +410,10 @@ static void run_partition(const Args *a, const Item *it, int64_t c, int64_t n_re
     if (k0 + TILE < hi && (k0 + TILE) % a->block_size == 0) {  /* next tile starts a new block */
       const int64_t next = k0 + TILE, rows = hi - next < TILE ? hi - next : TILE, bs = a->block_size;
       const int64_t at = ((table[next / bs] * bs) * a->num_kv_heads + it->kvh) * D;
-      if (a->bf16)  /* bf16 rows are half as long: prefetch_rows steps 16 floats = 32 bf16 at a time */
+      if (a->kv_fp8)  /* rows of D + 4 bytes (a multiple of 4): offset and strides in floats */
+        prefetch_rows((const float *)a->k_cache + at / D * (D + 4) / 4, (const float *)a->v_cache + at / D * (D + 4) / 4,
+                      rows, a->num_kv_heads * (D + 4) / 4, (D + 4) / 4);
+      else if (a->bf16)  /* bf16 rows are half as long: prefetch_rows steps 16 floats = 32 bf16 at a time */
         prefetch_rows((const float *)((const uint16_t *)a->k_cache + at),
                       (const float *)((const uint16_t *)a->v_cache + at), rows, a->num_kv_heads * D / 2, D / 2);
       else
@@ -649,14 +714,15 @@ int jr_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t window, int64_t bf16, float scale, int64_t threads,
                        int64_t fast_min_query, int64_t num_groups, const int64_t *group_off,
-                       const int64_t *group_rows, const int64_t *group_len, const int64_t *key_start) {
+                       const int64_t *group_rows, const int64_t *group_len, const int64_t *key_start,
+                       int64_t kv_fp8) {
   float *states = NULL;
   if (num_groups > 0) {
     states = malloc(sizeof(float) * (size_t)(2 * num_rows * num_heads * (head_dim + 2)));
     if (!states) return 2;
   }
   const Args a = {q, k_cache, v_cache, out, query_start, query_len, seq_len, tables, max_blocks, num_heads,
-                  num_kv_heads, head_dim, block_size, window, bf16, scale, fast_min_query, num_groups, group_off,
+                  num_kv_heads, head_dim, block_size, window, bf16, kv_fp8, scale, fast_min_query, num_groups, group_off,
                   group_rows, group_len, num_groups > 0 ? key_start : NULL, states,
                   states ? states + num_rows * num_heads * (head_dim + 2) : NULL};
   if (head_dim % 16 || num_heads % num_kv_heads) {
