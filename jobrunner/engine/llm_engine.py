@@ -265,7 +265,7 @@ class LLMEngine:
         adapter_id, error = self._adapter_id(adapter)
         if error:
             raise ValueError(error)
-        logits = sequence_logits(self.model, token_ids, adapter_id)[:-1]
+        logits = sequence_logits(self.model, token_ids, adapter_id, self.runner.kv_cache_dtype)[:-1]
         targets = torch.tensor(token_ids[1:], device=logits.device)
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
 
@@ -285,7 +285,7 @@ class LLMEngine:
 
         if len(token_ids) > self.model.rotary.max_positions:
             return f"prompt has {len(token_ids)} tokens; too long to score for prompt_logprobs"
-        logits = sequence_logits(self.model, token_ids, samples[0].adapter_id)
+        logits = sequence_logits(self.model, token_ids, samples[0].adapter_id, self.runner.kv_cache_dtype)
         entries = prompt_logprob_entries(logits, token_ids, k)
         values = [None if e is None else self._token_texts.entry(e) for e in entries]
         for request in samples:

@@ -281,11 +281,13 @@ static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst,
   for (; d < D; d++) dst[d] = from_bf16(src[d]);
 }
 
-/* fp8 code -> the fp16 bits of the same value (e5m2: exactly its top byte; e4m3fn: exponent bias 7 instead of
-   15, so the half is 2^-8 times the value: the caller's scale carries the 2^8). Codes never hold NaN: writes
-   clamp (kv_quant.py). */
+/* fp8 code -> the fp16 bits of the same value. e5m2: exactly its top byte. e4m3fn: the code's bits one place
+   lower, sign kept (an arithmetic shift of code << 8, then bit 14 cleared): exponent bias 7 instead of 15, so
+   the half is 2^-8 times the value and the caller's scale carries the 2^8. Subnormal codes land on subnormal
+   halves, exactly. Codes never hold NaN: writes clamp (kv_quant.py). */
 static inline uint16_t fp8_half_bits(uint16_t x, int64_t fmt) {
-  return fmt == 2 ? (uint16_t)(x << 8) : (uint16_t)(((x & 0x7f) << 7) | ((x & 0x80) << 8));
+  const int16_t top = (int16_t)(uint16_t)(x << 8);
+  return fmt == 2 ? (uint16_t)top : (uint16_t)((uint16_t)(top >> 1) & 0xbfffu);
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -310,19 +312,15 @@ static inline void widen_fp8(const uint8_t *restrict src, int64_t fmt, float *re
 #if defined(__AVX512F__)
   const __m512 sv = _mm512_set1_ps(scale);
   for (; d + 16 <= D; d += 16) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d)));
-    w = fmt == 2 ? _mm256_slli_epi16(w, 8)
-                 : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                   _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d))), 8);
+    if (fmt == 1) w = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xbfff));
     _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(w), sv));
   }
 #elif defined(__AVX2__) && defined(__F16C__)
   const __m256 sv = _mm256_set1_ps(scale);
   for (; d + 8 <= D; d += 8) {
-    __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + d)));
-    w = fmt == 2 ? _mm_slli_epi16(w, 8)
-                 : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                                _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + d))), 8);
+    if (fmt == 1) w = _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16((short)0xbfff));
     _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(w), sv));
   }
 #endif
