@@ -1,4 +1,5 @@
-"""engine.attention_backend / engine.use_cuda_graphs: validated in the spec and passed on to EngineConfig."""
+"""engine.attention_backend / engine.use_cuda_graphs / engine.kv_cache_dtype: validated in the spec and passed on
+to EngineConfig."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def test_attention_backend_reaches_the_engine_config():
 def test_unknown_attention_backend_is_named():
     with pytest.raises(SpecError, match=r"engine\.attention_backend"):
         _spec(attention_backend="flash")
+
+
+def test_kv_cache_dtype_reaches_the_engine_config_and_a_bad_one_is_named():
+    assert engine_config_kwargs(_spec())["kv_cache_dtype"] == "auto"
+    assert EngineConfig(**engine_config_kwargs(_spec(kv_cache_dtype="fp8_e4m3"))).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SpecError, match=r"engine\.kv_cache_dtype: Input should be 'auto', 'fp8_e4m3' or 'fp8_e5m2'"):
+        _spec(kv_cache_dtype="fp8")
 
 
 def test_speculative_setting_reaches_the_engine_config():

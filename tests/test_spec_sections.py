@@ -67,7 +67,8 @@ def test_every_engine_setting_reaches_the_engine_config():
     values = {"max_num_seqs": 3, "max_num_batched_tokens": 99, "block_size": 8, "kv_cache_memory_bytes": 1 << 20,
               "gpu_memory_utilization": 0.5, "num_kv_blocks": 7, "enable_prefix_caching": False,
               "max_model_len": 256, "device": "cpu", "attention_backend": "torch", "use_cuda_graphs": True,
-              "deterministic": True, "speculative": "ngram", "num_speculative_tokens": 3, "draft_quantization": "int4"}
+              "deterministic": True, "speculative": "ngram", "num_speculative_tokens": 3, "draft_quantization": "int4",
+              "kv_cache_dtype": "fp8_e5m2"}
     assert set(values) == {s.name for s in settings_of(EngineConfig)}, "a new setting: add it to this test"
     config = EngineConfig(**engine_config_kwargs(_spec(engine=values, model={"dtype": "float32"})))
     assert {k: getattr(config, k) for k in values} == values and config.dtype == "float32"

@@ -46,7 +46,7 @@ def unmapped_settings(spec: Any) -> list[str]:
         problems.append("engine.draft_quantization: only ngram speculation is mapped to vLLM")
     if e.device not in ("auto", "cpu", "cuda"):
         problems.append(f"engine.device {e.device}: vLLM runs on the device its build is for")
-    ours = set(SAME_SETTINGS.values()) | {"model", "dtype", "quantization", "seed", "enforce_eager",
+    ours = set(SAME_SETTINGS.values()) | {"model", "dtype", "quantization", "seed", "enforce_eager", "kv_cache_dtype",
                                           "speculative_config", "tokenizer", "skip_tokenizer_init"}
     for name in sorted(set(e.vllm_options) & ours):
         problems.append(f"engine.vllm_options.{name}: set by jobrunner from the spec (use the job's own setting)")
@@ -65,6 +65,8 @@ def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0) -> dict[st
         if value is None or (ours == "block_size" and value == OUR_BLOCK_SIZE):
             continue  # unset (or our default block size): vLLM's own default
         args[theirs] = value
+    if e.kv_cache_dtype != "auto":  # the same names; vLLM scales its fp8 cache its own way (per tensor)
+        args["kv_cache_dtype"] = e.kv_cache_dtype
     quantization = QUANTIZATION.get(spec.model.quantization)
     if quantization:
         args["quantization"] = quantization

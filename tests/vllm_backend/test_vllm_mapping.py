@@ -63,6 +63,9 @@ def test_defaults_leave_vllm_its_own_block_size_and_run_eager(tmp_path):
     args = engine_args(_spec(tmp_path), "/m", "float32")
     assert "block_size" not in args and args["enforce_eager"] is True and "speculative_config" not in args
     assert engine_args(_spec(tmp_path, engine={"block_size": 64}), "/m", "float32")["block_size"] == 64
+    assert "kv_cache_dtype" not in args  # auto: vLLM's own default (the model's dtype)
+    fp8 = _spec(tmp_path, engine={"kv_cache_dtype": "fp8_e4m3"})
+    assert unmapped_settings(fp8) == [] and engine_args(fp8, "/m", "bfloat16")["kv_cache_dtype"] == "fp8_e4m3"
 
 
 def test_the_cpu_environment_follows_the_worker(tmp_path, monkeypatch):
