@@ -3,8 +3,9 @@
 Builds OUR model directly on the device (``jobrunner.models.loader.build_model``), fills it with N(0, 0.02)
 weights and unit norms, and runs random token-id prompts through ``LLMEngine`` (greedy). Output lengths are
 drawn at random (uniform in ``[1, --output-len]``, seeded) and reached through ``max_tokens`` (random weights
-make EOS meaningless). Each run is ``[quantization:]backend[+graphs]`` — e.g. ``torch``, ``triton+graphs``,
-``fp8:triton+graphs``, ``int8:triton+graphs``, ``int4:triton+graphs`` (the engine's quantization names) —
+make EOS meaningless). Each run is ``[quantization:]backend[+graphs][+fp8kv]`` — e.g. ``torch``, ``triton+graphs``,
+``fp8:triton+graphs``, ``int8:triton+graphs``, ``int4:triton+graphs`` (the engine's quantization names),
+``triton+graphs+fp8kv`` (``engine.kv_cache_dtype: fp8_e4m3``: half the KV bytes a decode step reads) —
 or ``hf`` (the same workload through transformers' continuous-batching ``generate_batch`` on an HF model
 with random weights) or ``parity`` (32 greedy tokens at head_dim 128 against transformers, bf16 then float32,
 each token's logprob also compared teacher-forced with transformers' (``max_logprob_diff_teacher_forced``),
@@ -57,7 +58,7 @@ MIN_TIMED_S = 10.0  # a run's timed loop gets at least this long, even when its 
 # the core phase answers what decides defaults (parity, the bf16 graphs run, eager) in a few minutes of device
 # time; the extra phase (transformers, quantized schemes, kernel A/B) runs in a later call if time is left
 CORE_RUNS = "parity,triton+graphs,torch"
-EXTRA_RUNS = "hf,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
+EXTRA_RUNS = "hf,triton+graphs+fp8kv,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
 RUN_SETS = {"core": CORE_RUNS, "extra": EXTRA_RUNS, "all": f"{CORE_RUNS},{EXTRA_RUNS}"}
 DEFAULT_RUNS = "all"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -235,10 +236,14 @@ def steady_decode(engine, prompts: list[list[int]], steps: int, deadline: float)
             "timed_out": time.perf_counter() > deadline}
 
 
-def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str, Any]) -> dict[str, Any]:
+def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str, Any],
+                    kv_cache_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The floor of one decode step of ``rows`` rows at ``mean_context`` tokens: the larger of its bytes (every
-    weight once, each row's KV) over the measured bandwidth and its FLOPs (2 per weight per row, plus
-    attention's 4 per key per head dim) over the measured GEMM rate; which of the two binds; tokens/s at it."""
+    weight once, each row's KV in a cache of ``kv_cache_dtype``, default the model's) over the measured bandwidth
+    and its FLOPs (2 per weight per row, plus attention's 4 per key per head dim) over the measured GEMM rate;
+    which of the two binds; tokens/s at it."""
+    from jobrunner.attention.kv_quant import kv_bytes_per_block
+
     s = model.shape
     weight_bytes = weight_count = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -249,7 +254,7 @@ def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str,
     if s.tie_word_embeddings:
         weight_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
         weight_count += model.lm_head.weight.numel()
-    kv_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * model.norm.weight.element_size()
+    kv_per_token = kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, 1, kv_cache_dtype or model.dtype)
     step_bytes = weight_bytes + rows * mean_context * kv_per_token
     step_flops = 2 * weight_count * rows + 4 * rows * mean_context * s.num_heads * s.head_dim * s.num_layers
     bytes_s, flops_s = step_bytes / ceilings["bytes_per_s"], step_flops / ceilings["bf16_flop_per_s"]
@@ -261,13 +266,14 @@ def decode_roofline(model, rows: float, mean_context: float, ceilings: dict[str,
             "bytes_per_s": ceilings["bytes_per_s"], "bf16_flop_per_s": ceilings["bf16_flop_per_s"]}
 
 
-def parse_run(run: str) -> tuple[str, str, bool]:
-    """``[quant:]backend[+graphs]`` -> (quantization, attention backend, CUDA graphs)."""
+def parse_run(run: str) -> tuple[str, str, bool, str]:
+    """``[quant:]backend[+graphs][+fp8kv]`` -> (quantization, attention backend, CUDA graphs, KV-cache dtype)."""
     quant, _, rest = run.rpartition(":")
-    backend, _, graphs = rest.partition("+")
-    if backend not in ("torch", "triton", "auto") or graphs not in ("", "graphs"):
-        raise ValueError(f"run {run!r}: expected [quant:](torch|triton|auto)[+graphs] or hf")
-    return quant or "none", backend, graphs == "graphs"
+    backend, *flags = rest.split("+")
+    known = set(flags) <= {"graphs", "fp8kv"} and len(set(flags)) == len(flags)
+    if backend not in ("torch", "triton", "auto") or not known:
+        raise ValueError(f"run {run!r}: expected [quant:](torch|triton|auto)[+graphs][+fp8kv] or hf")
+    return quant or "none", backend, "graphs" in flags, "fp8_e4m3" if "fp8kv" in flags else "auto"
 
 
 def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
@@ -278,8 +284,9 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
     from jobrunner.engine.llm_engine import LLMEngine
 
     device = torch.device(args.device)
-    quant, backend, graphs = parse_run(run)
-    result: dict[str, Any] = {"run": run, "quantization": quant, "attention_backend": backend, "cuda_graphs": graphs}
+    quant, backend, graphs, kv_dtype = parse_run(run)
+    result: dict[str, Any] = {"run": run, "quantization": quant, "attention_backend": backend, "cuda_graphs": graphs,
+                              "kv_cache_dtype": kv_dtype}
     setup_start = t0 = time.perf_counter()
     model = build_random_model(make_config(args.tiny), torch.bfloat16, device)
     result["build_s"] = round(time.perf_counter() - t0, 2)
@@ -294,7 +301,7 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
     reset_peak_memory(device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=False, device=str(device), use_cuda_graphs=graphs,
-                          attention_backend=backend,
+                          attention_backend=backend, kv_cache_dtype=kv_dtype,
                           # steady mode: one token per row per step, the roofline's unit (no speculation)
                           **({"speculative": "off"} if args.steady_steps else {}),
                           kv_cache_memory_bytes=256 * 2**20 if device.type == "cpu" else None)
@@ -318,7 +325,7 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
         # the rows a decode step really had (the batch drains as requests finish), not the configured maximum
         rows = result["num_decode_tokens"] / max(result["steps"], 1)
         context = args.input_len + sum(lengths) / len(lengths) / 2
-    roof = decode_roofline(model, rows, context, args.ceilings)
+    roof = decode_roofline(model, rows, context, args.ceilings, engine.runner.kv_cache_dtype)
     result["roofline"] = roof
     if result.get("decode_tokens_per_s"):
         result["roofline_share"] = float(f"{result['decode_tokens_per_s'] / roof['roofline_decode_tokens_per_s']:.4g}")

@@ -7,6 +7,7 @@ import importlib.util
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -78,6 +79,25 @@ def test_steady_decode_times_full_batch_decode_steps_only():
 def test_the_phases_name_their_runs():
     assert gpu_bench._runs("core") == ["parity", "triton+graphs", "torch"]
     assert gpu_bench._runs("extra")[0] == "hf" and "quant-kernels" in gpu_bench._runs("extra")
+    assert "triton+graphs+fp8kv" in gpu_bench._runs("extra")  # opt-in: the extra phase only
+
+
+def test_runs_parse_with_an_fp8_kv_cache():
+    assert gpu_bench.parse_run("triton+graphs+fp8kv") == ("none", "triton", True, "fp8_e4m3")
+    assert gpu_bench.parse_run("int8:torch") == ("int8", "torch", False, "auto")
+    for bad in ("triton+fp8", "triton+graphs+graphs", "flash+graphs"):
+        with pytest.raises(ValueError, match="expected"):
+            gpu_bench.parse_run(bad)
+
+
+def test_an_fp8_kv_run_reads_fp8_blocks_and_its_roofline_counts_them():
+    args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "torch+fp8kv", "--steady-steps", "3",
+                                 "--num-prompts", "3", "--input-len", "20"])
+    args.ceilings = gpu_bench.measure_ceilings(torch.device("cpu"), tiny=True)
+    result = gpu_bench.run_engine("torch+fp8kv", args, gpu_bench.RunBudget(60.0, time.perf_counter() + 60.0))
+    assert result["runner"]["kv_cache_dtype"] == "float8_e4m3fn" and result["num_decode_tokens"] == 9
+    # tiny shape: 2 layers x (K, V) x 2 kv heads x (16 codes + a 4-byte scale), against 16 x 2 bytes in bf16
+    assert result["roofline"]["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
     assert gpu_bench._runs("all") == gpu_bench._runs("core") + gpu_bench._runs("extra")
     assert gpu_bench._runs("torch, hf") == ["torch", "hf"]
 
