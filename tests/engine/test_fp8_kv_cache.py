@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from test_cpu_paged import _backend, _layout, capability  # noqa: F401 - capability is a fixture
+from tiny import engine_from_hf
 
 from jobrunner.attention import StepUpload, make_backend
 from jobrunner.attention.kv_quant import (
@@ -29,6 +30,7 @@ from jobrunner.attention.kv_quant import (
     write_fp8_kv,
 )
 from jobrunner.attention.torch_backend import TORCH_BACKEND
+from jobrunner.engine import SamplingParams
 from tests.triton_child import in_child, interpreted_fixture, run_in_interpreter_child
 
 CPU = torch.device("cpu")
@@ -174,3 +176,20 @@ def test_triton_reads_the_fp8_cache_in_place(interpreted, fmt, block_size, num_h
     triton.block_n = 32  # several key iterations per row
     got, want = _attend_fp8(triton, layout, slots, q, k, v, cache)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_engine_steps_over_an_fp8_cache(interpreted, hf_llama, tokenizer):
+    """The engine on the triton backend with an fp8 cache, through the fixed-shape step path (what CUDA graphs
+    replay) with prefix-cache hits: the torch backend's tokens over the same fp8 cache, no fall-back."""
+    shared = "You are a careful assistant. Answer the question step by step. "
+    prompts = [shared + "Then what?", shared + "And after that", "Hi", shared + "Why?"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    settings = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=40, num_kv_blocks=64,
+                    kv_cache_dtype="fp8_e4m3")
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer, attention_backend="torch",
+                                                        **settings).generate(prompts, params)]
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton", static_decode=True, **settings)
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.runner.stats()
+    assert stats["attention_backend"] == "triton" and stats["attention_fallbacks"] == 0
+    assert stats["kv_cache_dtype"] == "float8_e4m3fn" and engine.stats().num_cached_tokens > 0
