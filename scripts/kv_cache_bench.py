@@ -4,7 +4,7 @@ Each configuration attends ``--rows`` decode rows of ``--context`` keys each (th
 the pool, as after some churn) with the SmolLM2-135M head shape (9 query heads, 3 kv heads, head_dim 64) by
 default. ``--layers`` caches are attended one after the other, as a step's layers are (one layer's cache alone
 can sit in a large last-level cache; a model's do not), and the best of ``--repeats`` such passes is kept (a busy
-machine only adds time); times are per layer. Routes: ``cpu_paged`` (the
+machine only adds time; the cases take turns, round after round); times are per layer. Routes: ``cpu_paged`` (the
 native kernel; bf16 on AMX CPUs also as ``cpu_paged+amx``, its default there), ``torch`` (gather + SDPA).
 Cache dtypes: the model dtype (``auto``) and the fp8 formats of ``engine.kv_cache_dtype``.
 
@@ -70,31 +70,42 @@ def _backend(route: str, heads: int, kv_heads: int, head_dim: int, block_size: i
     return backend
 
 
-def time_one(route: str, kv: str, args: argparse.Namespace) -> dict:
-    """Best seconds of one layer's decode attention for ``route`` over a ``kv`` cache."""
-    model_dtype = getattr(torch, args.dtype)
-    layout, slots, num_blocks = _layout(args.rows, args.context, args.block_size)
-    caches = [_cache(num_blocks * args.block_size, args.kv_heads, args.head_dim, model_dtype, kv)
-              for _ in range(args.layers)]
-    backend = _backend(route, args.heads, args.kv_heads, args.head_dim, args.block_size, model_dtype, kv)
-    if "+amx" in route and not backend.amx_decode:
-        return {"route": route, "kv_cache_dtype": kv, "skipped": "no AMX decode route on this CPU"}
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(args.rows, args.heads, args.head_dim, generator=gen).to(model_dtype)
-    k, v = (torch.randn(args.rows, args.kv_heads, args.head_dim, generator=gen).to(model_dtype) for _ in range(2))
-    upload = StepUpload(CPU)
-    upload.add("slot_mapping", slots)
-    meta = backend.build(layout, upload)
-    best = float("inf")
-    for _ in range(args.repeats):
+class Case:
+    """One (route, cache dtype): its backend, step metadata, inputs and ``--layers`` caches, built once."""
+
+    def __init__(self, route: str, kv: str, args: argparse.Namespace) -> None:
+        model_dtype = getattr(torch, args.dtype)
+        layout, slots, num_blocks = _layout(args.rows, args.context, args.block_size)
+        self.route, self.kv, self.scale = route, kv, args.head_dim ** -0.5
+        self.backend = _backend(route, args.heads, args.kv_heads, args.head_dim, args.block_size, model_dtype, kv)
+        self.skipped = "+amx" in route and not self.backend.amx_decode
+        self.caches = [] if self.skipped else [
+            _cache(num_blocks * args.block_size, args.kv_heads, args.head_dim, model_dtype, kv)
+            for _ in range(args.layers)]
+        gen = torch.Generator().manual_seed(1)
+        self.q = torch.randn(args.rows, args.heads, args.head_dim, generator=gen).to(model_dtype)
+        self.k, self.v = (torch.randn(args.rows, args.kv_heads, args.head_dim, generator=gen).to(model_dtype)
+                          for _ in range(2))
+        upload = StepUpload(CPU)
+        upload.add("slot_mapping", slots)
+        self.meta = self.backend.build(layout, upload)
+        self.best = float("inf")
+        width = row_width(args.head_dim, cache_dtype(kv, model_dtype))
+        self.kv_bytes = 2 * args.rows * args.context * args.kv_heads * width * cache_dtype(kv, model_dtype).itemsize
+
+    def time_pass(self) -> None:
+        """One step's worth: every layer's attention in turn; keeps the best per-layer time."""
         start = time.perf_counter()
-        for cache in caches:
-            backend.forward(q, k, v, cache[0], cache[1], meta, args.head_dim ** -0.5)
-        best = min(best, (time.perf_counter() - start) / len(caches))
-    cache = caches[0]
-    kv_bytes = 2 * args.rows * args.context * args.kv_heads * cache.shape[-1] * cache.element_size()
-    return {"route": route, "kv_cache_dtype": kv, "ms": round(best * 1e3, 3), "kv_mib_read": round(kv_bytes / 2**20, 1),
-            "gib_per_s": round(kv_bytes / best / 2**30, 2)}
+        for cache in self.caches:
+            self.backend.forward(self.q, self.k, self.v, cache[0], cache[1], self.meta, self.scale)
+        self.best = min(self.best, (time.perf_counter() - start) / len(self.caches))
+
+    def result(self) -> dict:
+        if self.skipped:
+            return {"route": self.route, "kv_cache_dtype": self.kv, "skipped": "no AMX decode route on this CPU"}
+        return {"route": self.route, "kv_cache_dtype": self.kv, "ms": round(self.best * 1e3, 3),
+                "kv_mib_read": round(self.kv_bytes / 2**20, 1),
+                "gib_per_s": round(self.kv_bytes / self.best / 2**30, 2)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,11 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    for route in args.routes.split(","):
-        for kv in args.kv.split(","):
-            if "+amx" in route and kv != "auto":
-                continue  # the AMX kernels read bf16 caches only
-            print(json.dumps(time_one(route, kv, args)), flush=True)
+    cases = [Case(route, kv, args) for route in args.routes.split(",") for kv in args.kv.split(",")
+             if "+amx" not in route or kv == "auto"]  # the AMX kernels read bf16 caches only
+    for _ in range(args.repeats):  # rounds over every case in turn: a noisy neighbour slows them all alike
+        for case in cases:
+            if not case.skipped:
+                case.time_pass()
+    for case in cases:
+        print(json.dumps(case.result()), flush=True)
 
 
 if __name__ == "__main__":
