@@ -158,10 +158,12 @@ class ModelRunner:
             return make_backend("torch", s.num_heads, s.num_kv_heads, self.block_size, self.device)
 
     def stats(self) -> dict:
-        """Which attention backend runs, its fallbacks, and the fixed-shape path's counters."""
+        """Which attention backend runs, its fallbacks, the KV cache's dtype where it is not the model's, and the
+        fixed-shape path's counters."""
         out = {"attention_backend": self.backend.name, "attention_fallbacks": self.num_attention_fallbacks,
-               "attention_backend_requested": self.requested_backend,
-               "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch.")}
+               "attention_backend_requested": self.requested_backend}
+        if self.kv_cache_dtype != self.model.dtype:  # an fp8 cache (engine.kv_cache_dtype)
+            out["kv_cache_dtype"] = str(self.kv_cache_dtype).removeprefix("torch.")
         if self.attention_notes:
             out["attention_notes"] = list(self.attention_notes)
         if self.backend.chunk_route:

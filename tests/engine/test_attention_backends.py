@@ -167,7 +167,7 @@ def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenize
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton")
     assert engine.runner.stats() == {"attention_backend": "torch", "attention_fallbacks": 1,
-                                     "attention_backend_requested": "triton"}
+                                     "attention_backend_requested": "triton"}  # (+ kv_cache_dtype when fp8)
     assert "needs CUDA" in caplog.text
     out = engine.generate(["one two three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].output_token_ids) == 3
@@ -175,9 +175,11 @@ def test_triton_without_cuda_falls_back_to_torch(monkeypatch, hf_llama, tokenize
 
 @pytest.mark.skipif(IN_CHILD or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT")
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_kernel_compiles_for_hopper_without_a_gpu(block_m):
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp8e5"])
+def test_kernel_compiles_for_hopper_without_a_gpu(block_m, cache):
     """The interpreter skips Triton's compiler; compile to PTX for sm_90 (no GPU needed) to catch what only
-    the compiler rejects. bf16, head_dim 128, GQA 4: the Llama-3-8B decode (16) and prompt-chunk (64) tiles."""
+    the compiler rejects. bf16, head_dim 128, GQA 4: the Llama-3-8B decode (16) and prompt-chunk (64) tiles,
+    over a bf16 cache and over fp8 caches (e4m3 / e5m2 codes with float32 row scales: engine.kv_cache_dtype)."""
     triton = require_import("triton", "a [test] dependency on Linux: compiles our kernels to PTX")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -185,8 +187,9 @@ def test_kernel_compiles_for_hopper_without_a_gpu(block_m):
     from jobrunner.attention.triton_kernels import paged_attention_kernel as kernel
 
     consts = dict(N_REP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=64, TOKENS_PER_TILE=block_m // 4,
-                  BLOCK_SIZE=16, DOT_FP32=False)
-    pointer = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16"}
+                  BLOCK_SIZE=16, DOT_FP32=False, KV_SCALED=cache != "bf16")
+    pointer = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16", "ks_ptr": "*fp32",
+               "vs_ptr": "*fp32"}
     signature = {name: "constexpr" if name in consts else pointer.get(name) or (
         "*i64" if name.endswith("_ptr") else "fp32" if name == "scale" else "i32") for name in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature,
