@@ -79,7 +79,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
                                   self.config.max_num_seqs, self.max_model_len,
                                   attention_backend=self.config.attention_backend,
-                                  max_num_tokens=self.config.max_num_batched_tokens)
+                                  max_num_tokens=self.config.max_num_batched_tokens,
+                                  split_decode=self.config.split_decode)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         self._request_ids: dict[str, int] = {}  # request id -> samples not yet handed back
         self._rejected: list[Request] = []

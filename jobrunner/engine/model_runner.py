@@ -50,6 +50,8 @@ class ModelRunner:
     ``attention_backend``: ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`;
     ``auto`` is ``cpu_paged`` for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or
     ``cpu_paged`` backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
+    ``split_decode``: the triton backend's split-K decode mode, off | auto | on
+    (:mod:`jobrunner.attention.split_decode`).
     ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
     fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
     scratch block past ``num_blocks``, and the backend's fixed-shape runner takes the steps it fits (torch:
@@ -58,7 +60,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
-                 attention_backend: str = "auto", max_num_tokens: int = 2048) -> None:
+                 attention_backend: str = "auto", max_num_tokens: int = 2048, split_decode: str = "off") -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
@@ -89,6 +91,7 @@ class ModelRunner:
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.split_decode = split_decode  # the triton backend's split-K decode mode (attention/split_decode.py)
         self.deterministic = False  # set by engine.invariant.make_deterministic: fall back to the invariant twin
         limits = None
         if decode_graphs != "off":
@@ -147,7 +150,7 @@ class ModelRunner:
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim,
-                               dtype=self.model.dtype)
+                               dtype=self.model.dtype, split_decode=self.split_decode)
         except RuntimeError as exc:  # triton / cpu_paged where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
@@ -161,6 +164,7 @@ class ModelRunner:
             out["attention_notes"] = list(self.attention_notes)
         if self.backend.chunk_route:
             out["attention_chunks"] = self.backend.chunk_route
+        out.update(self.backend.counters())
         out.update(self.steps.stats())
         return out
 
