@@ -37,6 +37,7 @@ import torch
 
 from jobrunner.attention.base import StepLayout
 from jobrunner.attention.graph_capture import WeightsGuard, capture_graph, drop_graphs_if_weights_moved
+from jobrunner.attention.input_patch import patch_input_ids
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
 
@@ -66,8 +67,9 @@ class StepGraphs:
         max_tokens = self.token_buckets[-1]
         width = backend.tables.max_blocks
         max_tiles = max_tokens + max_num_seqs   # a tile holds at least one token: tiles <= tokens + rows
-        # tokens x3 + sample rows; row arrays; tiles; block-table updates (at most every entry of every row)
-        size = 4 * max_tokens + 3 * (max_num_seqs + 1) + 2 * max_tiles + 3 * max_num_seqs * width
+        # tokens x3 + sample rows + input sources (late readback); row arrays; tiles; block-table updates (at most
+        # every entry of every row)
+        size = 5 * max_tokens + 3 * (max_num_seqs + 1) + 2 * max_tiles + 3 * max_num_seqs * width
         self.ints = torch.zeros(size, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: set[tuple[int, int, int]] = set()
@@ -132,7 +134,9 @@ class StepGraphs:
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
         meta, t = self._fill(layout, (lists.input_ids, lists.positions, lists.slots, lists.sample_rows), bucket,
-                             rows, block_m, key[2])
+                             rows, block_m, key[2], lists.input_sources)
+        if lists.input_sources is not None:  # outside the graph: ids the previous step left on the device
+            patch_input_ids(t["input_ids"], t["input_sources"], lists.source_tokens)
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(t, meta)[:num_tokens], t["sample_rows"]
@@ -145,7 +149,8 @@ class StepGraphs:
         self.num_replays += 1
         return entry[1][:num_tokens], t["sample_rows"]
 
-    def _fill(self, layout, lists, bucket: int, rows: int, block_m: int, segments: int = 0):
+    def _fill(self, layout, lists, bucket: int, rows: int, block_m: int, segments: int = 0,
+              input_sources: list[int] | None = None):
         input_ids, positions, slots, sample_rows = lists
         pad = bucket - layout.num_tokens
         scratch = self.scratch_block * self.block_size
@@ -156,6 +161,8 @@ class StepGraphs:
         num_tiles = bucket // self.backend.tokens_per_tile(block_m) + rows
         self.backend.add_arrays(layout, upload, block_m, num_rows=rows, num_tiles=num_tiles)
         upload.add("sample_rows", sample_rows)
+        if input_sources is not None:  # last: the graphs never read it (variable offsets are fine)
+            upload.add("input_sources", input_sources + [-1] * pad)
         t = upload.flush(self.ints)
         self.backend.tables.apply(t)
         return TritonMetadata(self.backend, t, bucket, block_m, covers_all_tokens=False, num_segments=segments), t

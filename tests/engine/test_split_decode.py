@@ -192,6 +192,26 @@ def test_interp_engine_split_through_the_step_graph_twin_matches_torch(interpret
     assert stats["split_decode"] == "on" and 0 < stats["split_decode_steps"] < engine.stats().steps
 
 
+def test_interp_late_readback_through_the_step_graph_twin(interpreted, hf_llama, tokenizer):
+    """Late readback on the triton fixed-shape path (the ids patched into the persistent buffer outside the
+    graph), split-K on: the synchronous torch engine's tokens, rows stopping on tokens the host reads late."""
+    prompts = ["The quick brown fox jumps over the lazy dog.", "Hi", "Why is the sky blue?", "One two"]
+    settings = dict(block_size=16, max_num_seqs=3, max_num_batched_tokens=64, num_kv_blocks=32, max_model_len=128,
+                    speculative="off")
+    free = engine_from_hf(hf_llama, tokenizer, **settings).generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                             stop_token_ids=[o.output_token_ids[3 + i]]) for i, o in enumerate(free)]
+    want = [o.output_token_ids for o in engine_from_hf(hf_llama, tokenizer, **settings).generate(prompts, params)]
+    engine = engine_from_hf(hf_llama, tokenizer, attention_backend="triton", static_decode=True,
+                            split_decode="on", late_readback="always", **settings)
+    engine.runner.backend.segment_keys, engine.runner.backend.max_segments = 32, 4
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.stats()
+    assert stats.num_late_steps > 0 and stats.num_late_discarded_tokens > 0
+    assert stats.num_fixed_shape_steps == stats.steps and engine.runner.stats()["attention_fallbacks"] == 0
+
+
 @pytest.mark.skipif(IN_CHILD or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT")
 def test_split_kernels_compile_for_hopper_without_a_gpu():
     """Compile both kernels to PTX for sm_90 (no GPU needed): bf16, head_dim 128, GQA 4 (Llama-3-8B)."""
