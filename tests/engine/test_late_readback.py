@@ -172,3 +172,21 @@ def test_a_placeholder_without_its_step_is_refused(hf_llama, tokenizer):
     request.block_ids = [0]
     with pytest.raises(RuntimeError, match="still on the device"):
         engine.runner._layout([ScheduledRequest(request, 1, 4)], None)
+
+
+def test_grammar_rows_are_read_at_once(hf_llama, tokenizer):
+    """Structured output needs each token on the host before the next mask: while a grammar row runs, its steps
+    are read at once; plain rows before and after it run late; every row's tokens as the synchronous path's."""
+    pytest.importorskip("xgrammar")
+    settings = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=5, choice=["red fox", "blue dog", "green"]),
+              SamplingParams(max_tokens=20, temperature=0.7, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)]
+    prompts = PROMPTS[:4]
+    want = engine_from_hf(hf_llama, tokenizer, speculative="off", **settings).generate(prompts, params)
+    engine = engine_from_hf(hf_llama, tokenizer, speculative="off", late_readback="always", **settings)
+    got = engine.generate(prompts, params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert got[1].text in ("red fox", "blue dog", "green") and got[1].finish_reason == "stop"
+    assert 0 < engine.stats().num_late_steps < engine.stats().steps
