@@ -133,6 +133,7 @@ class StepGraphs:
             drop_graphs_if_weights_moved(self)  # recaptured over the weights as they are now
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
+        self.backend.num_split_steps += key[2] > 0
         meta, t = self._fill(layout, (lists.input_ids, lists.positions, lists.slots, lists.sample_rows), bucket,
                              rows, block_m, key[2], lists.input_sources)
         if lists.input_sources is not None:  # outside the graph: ids the previous step left on the device

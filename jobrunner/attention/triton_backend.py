@@ -96,7 +96,6 @@ class TritonBackend(AttentionBackend):
         if self.split_decode == "auto" and not use_split_decode(num_rows, self.num_kv_heads, longest,
                                                                self.segment_keys, self.target_programs):
             return 0
-        self.num_split_steps += 1
         return self.max_segments if fixed else -(-longest // self.segment_keys)
 
     def counters(self) -> dict:
@@ -158,6 +157,7 @@ class TritonBackend(AttentionBackend):
         tensors = upload.flush()
         self.tables.apply(tensors)
         segments = self.num_segments(layout, layout.num_rows, fixed=False)
+        self.num_split_steps += segments > 0
         return TritonMetadata(self, tensors, layout.num_tokens, block_m, True, segments)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
