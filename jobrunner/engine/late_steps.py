@@ -11,7 +11,7 @@ One call of :meth:`LateSteps.step`, with step N launched and unread:
 3. launch step N+1 (its decode rows take step N's ids on the device) and set its rows' computed tokens;
 4. read step N (the copy has run while the host did 2-3): placeholders give way to tokens, stops are checked,
    finished rows are freed and handed back; a row that stopped at N ran in N+1 for nothing and its token is
-   dropped when N+1 is read;
+   dropped when N+1 is read (not read at all when every row of N+1 has ended);
 5. hold step N+1 unread, its sampled rows ending in a placeholder — unless one of its rows must be read at once
    (:func:`~jobrunner.engine.readback.can_read_late`), then read it now.
 """
@@ -36,6 +36,7 @@ class LateSteps:
     def step(self) -> list[RequestOutput]:
         """One engine step; the outputs of requests that finished in the step read by it."""
         engine = self.engine
+        stats = engine.stats()
         finished: list[RequestOutput] = []
         scheduler = engine.scheduler
         if self.pending is not None and (scheduler.may_preempt() or (self.strict and scheduler.waiting)):
@@ -50,12 +51,13 @@ class LateSteps:
         for s in sched.scheduled:
             s.request.num_computed_tokens = s.start + s.num_new_tokens
         finished += self.settle()
-        if all(can_read_late(s.request) for s in sched.scheduled):
+        if all(s.request.is_finished for s in sched.scheduled):  # every row ended at N: nothing left to read
+            stats.num_late_discarded_tokens += len(launched.requests)
+        elif all(can_read_late(s.request) for s in sched.scheduled):
             self._hold(sched, launched)
         else:
             finished += self._read(sched, launched)
         t2 = time.perf_counter()
-        stats = engine.stats()
         stats.schedule_s += t1 - t0
         stats.record_step(t2 - t1, launched.num_prefill_tokens, launched.num_decode_tokens)
         stats.num_fixed_shape_steps += launched.fixed_shape

@@ -44,6 +44,10 @@ def _run(hf, tokenizer, params, **settings):
     return engine, run_checked(engine, PROMPTS, params)
 
 
+def o_max(params: list[SamplingParams], key: str) -> int:
+    return params[int(key[1:])].max_tokens
+
+
 def _same(late: dict, sync: dict, exact: bool = False) -> None:
     assert late.keys() == sync.keys()
     for key, want in sync.items():
@@ -76,7 +80,12 @@ def test_late_readback_gives_the_synchronous_outputs(hf_llama, tokenizer, static
     _same(late, sync)
     assert {sync[f"r{i}"].finish_reason for i in (0, 1, 4, 6)} == {"stop"}      # stops the host saw late
     stats, sync_stats = late_engine.stats(), sync_engine.stats()
-    assert stats.num_late_steps > 0 and stats.num_late_discarded_tokens > 0
+    # one step for nothing per row that stopped on what it generated before its last allowed token; none for
+    # rows that reached max_tokens (not scheduled while their last token is on its way)
+    assert stats.num_late_steps > 0
+    early = [k for k, o in sync.items() if o.finish_reason == "stop" and len(o.output_token_ids) < o_max(params, k)]
+    assert stats.num_late_discarded_tokens == len(early) > 0
+    assert late_engine._late.pending is None          # nothing left held once every request is out
     assert sync_stats.num_late_steps == 0 and stats.num_cached_tokens == sync_stats.num_cached_tokens > 0
     assert stats.num_output_tokens == sync_stats.num_output_tokens
     assert stats.num_sampled_tokens == sync_stats.num_sampled_tokens          # dropped tokens are not counted
@@ -190,3 +199,19 @@ def test_grammar_rows_are_read_at_once(hf_llama, tokenizer):
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert got[1].text in ("red fox", "blue dog", "green") and got[1].finish_reason == "stop"
     assert 0 < engine.stats().num_late_steps < engine.stats().steps
+
+
+def test_a_request_preempted_before_its_stop_was_read_finishes_from_the_waiting_queue():
+    from jobrunner.engine.kv_cache.manager import KVCacheManager
+    from jobrunner.engine.request import RequestStatus
+    from jobrunner.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(8, 4)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=2, num_kv_blocks=8), kv)
+    request = Request("a", [1, 2, 3], SamplingParams(), 0.0)
+    scheduler.add(request)
+    scheduler.schedule()
+    assert scheduler.running == [request] and request.block_ids
+    scheduler._preempt(scheduler.running.pop(), scheduler.schedule())
+    scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+    assert not scheduler.waiting and not scheduler.running and kv.pool.num_free_blocks == 8
