@@ -12,7 +12,9 @@ each token's logprob also compared teacher-forced with transformers' (``max_logp
 for torch/triton attention with and without CUDA graphs; ``rows_full_match`` is the share of rows equal to
 transformers' on every token) or ``quant-kernels`` (scripts/gpu_quant_bench.py: quantized linears per layer
 shape and batch; opt-in Triton paths included; engine runs use them with ``JOBRUNNER_TRITON_QUANT=1`` in the
-environment). ``scripts/gpu_check_verdict.py`` judges these numbers. Every run gets a fresh
+environment) or ``decode-ab`` (scripts/gpu_decode_ab.py: split-K decode attention and one-step-late readback,
+each off and on, kernel and engine; reported, not judged). ``scripts/gpu_check_verdict.py`` judges these numbers.
+Every run gets a fresh
 model and a share of the wall-clock budget; a run past its deadline stops early and is marked
 ``timed_out``. A run's share counts from the end of its set-up (model build, quantization, graph capture,
 warm-up: reported apart as ``setup_s``), so a slow set-up never leaves the timed loop without time; parity
@@ -58,7 +60,8 @@ MIN_TIMED_S = 10.0  # a run's timed loop gets at least this long, even when its 
 # the core phase answers what decides defaults (parity, the bf16 graphs run, eager) in a few minutes of device
 # time; the extra phase (transformers, quantized schemes, kernel A/B) runs in a later call if time is left
 CORE_RUNS = "parity,triton+graphs,torch"
-EXTRA_RUNS = "hf,triton+graphs+fp8kv,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels"
+EXTRA_RUNS = ("hf,triton+graphs+fp8kv,fp8:triton+graphs,int8:triton+graphs,int4:triton+graphs,quant-kernels,"
+              "decode-ab")
 RUN_SETS = {"core": CORE_RUNS, "extra": EXTRA_RUNS, "all": f"{CORE_RUNS},{EXTRA_RUNS}"}
 DEFAULT_RUNS = "all"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -352,6 +355,20 @@ def run_quant_kernels(args: argparse.Namespace, budget: RunBudget) -> dict[str, 
         return {"run": "quant-kernels", **json.load(f)}
 
 
+def run_decode_ab(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
+    """scripts/gpu_decode_ab.py: split-K decode attention and one-step-late readback, off vs on (reported)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_decode_ab.py")
+    spec = importlib.util.spec_from_file_location("gpu_decode_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench = SimpleNamespace(LLAMA3_8B=LLAMA3_8B, build_random_model=build_random_model, make_config=make_config,
+                            random_prompts=random_prompts, IdsOnlyTokenizer=IdsOnlyTokenizer)
+    return module.run(args, budget.timed_deadline(), bench)
+
+
 def run_parity(args: argparse.Namespace, budget: RunBudget) -> dict[str, Any]:
     """Greedy tokens at head_dim 128: each (attention backend, CUDA graphs) combination vs transformers.
 
@@ -541,8 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default=DEFAULT_RUNS,
                    help="core, extra, all, or a comma list of [quantization:](torch|triton)[+graphs], hf "
                    "(transformers), parity "
-                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off) or "
-                   "quant-kernels (scripts/gpu_quant_bench.py)")
+                   "(bf16 greedy tokens at head_dim 128 vs transformers, per backend and graphs on/off), "
+                   "quant-kernels (scripts/gpu_quant_bench.py) or decode-ab (scripts/gpu_decode_ab.py)")
     p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of all timed runs")
     p.add_argument("--steady-steps", type=int, default=0,
                    help="time this many decode steps at a fixed batch (every prompt prefilled first) in every "
@@ -565,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs):
         budget = RunBudget((end - time.perf_counter()) / (len(runs) - i), end)
         try:
-            special = {"hf": run_hf, "parity": run_parity, "quant-kernels": run_quant_kernels}
+            special = {"hf": run_hf, "parity": run_parity, "quant-kernels": run_quant_kernels,
+                       "decode-ab": run_decode_ab}
             result = special[run](args, budget) if run in special else run_engine(run, args, budget)
         except Exception as exc:  # record and go on with the next run
             result = {"run": run, "error": f"{type(exc).__name__}: {exc}",

@@ -18,7 +18,8 @@
 #          reported apart as setup_s): triton+graphs and torch eager, each against its roofline
 # extra (BENCH_S 300): scripts/gpu_bench.py --runs extra -> $OUT/gpu_bench_extra.json: transformers' continuous
 #          batching, fp8/int8/int4 runs of the 8B shape (output lengths uniform in [1, 256], drained), the
-#          quantized-linear kernels (scripts/gpu_quant_bench.py)
+#          quantized-linear kernels (scripts/gpu_quant_bench.py), the decode A/B of split-K attention and
+#          one-step-late readback (scripts/gpu_decode_ab.py; reported, not judged)
 # verdict scripts/gpu_check_verdict.py merges everything in $OUT into ONE $OUT/gpu_check.json: verdict_core
 #          (the core checks) and verdict (all checks) pass|fail|incomplete, per-check results (thresholds in
 #          that script's docstring); run after each phase, so an extra phase adds to the core's file

@@ -41,6 +41,7 @@ MIN_ROOFLINE_SHARE = 0.5         # the bf16 run's decode rate as a share of its 
 CORE_CHECKS = ("gpu_tests", "paths_as_named", "bf16_parity_32_tokens", "graphs_faster_than_eager",
                "roofline_share_llama3_8b")
 QUANT_RUNS = ("fp8", "int8", "int4")
+DECODE_AB_RUN = "decode-ab"   # split-K decode and late readback off vs on (scripts/gpu_decode_ab.py): reported
 
 
 def read_stages(out: str) -> dict[str, dict[str, int]]:
@@ -183,7 +184,7 @@ def check_paths(runs: dict[str, Any]) -> dict[str, Any]:
     threshold = "each run's backend and CUDA graphs as named; no attention fallback, no capture failure"
     problems, seen = [], 0
     for name, run in runs.items():
-        if name in (HF_RUN, "quant-kernels") or "error" in run:
+        if name in (HF_RUN, "quant-kernels", DECODE_AB_RUN) or "error" in run:
             continue
         if name == "parity":
             for dtype in ("bfloat16", "float32"):
@@ -216,6 +217,20 @@ def quant_info(runs: dict[str, Any]) -> dict[str, Any]:
             tok = _tok(run)
             out[name] = {"output_tokens_per_s": tok, "vs_bf16": round(tok / base, 3) if tok and base else None}
     return _check("info" if out else "missing", out, None, "reported, not judged", judged=False)
+
+
+def decode_ab_info(runs: dict[str, Any]) -> dict[str, Any]:
+    """The decode A/B (opt-in paths, not judged): split-K's kernel speed-ups, each engine variant's step time and
+    whether late readback kept every token."""
+    run = runs.get(DECODE_AB_RUN)
+    if not run:
+        return _check("missing", None, None, "the decode-ab run did not run", judged=False)
+    if "error" in run:
+        return _check("info", None, None, run["error"], judged=False)
+    kernel = {f"{k['rows']}x{k['context']}": k.get("split_speedup") for k in run.get("kernel", [])}
+    engine = {name: {k: v.get(k) for k in ("step_ms", "tokens_equal_synchronous", "late_steps", "error")
+                     if k in v} for name, v in (run.get("engine") or {}).get("variants", {}).items()}
+    return _check("info", {"split_speedup": kernel, "engine": engine}, None, "reported, not judged", judged=False)
 
 
 def check_roofline(runs: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +266,7 @@ def build_report(out: str, cpu_only: bool = False) -> dict[str, Any]:
         "fp8_vs_bf16_batch_256": check_ratio(runs, f"fp8:{BF16_RUN}", BF16_RUN, MIN_FP8_VS_BF16),
         "quantized_runs": quant_info(runs),
         "roofline_share_llama3_8b": check_roofline(runs),
+        "decode_ab": decode_ab_info(runs),
     }
     if cpu_only:  # no CUDA: the thresholds judge GPU numbers only
         for check in checks.values():

@@ -23,13 +23,16 @@ __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "FixedShapeLimit
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, device, max_num_seqs: int = 256,
-                 max_model_len: int = 8192, head_dim: int = 64, dtype=None, cache_dtype=None) -> AttentionBackend:
+                 max_model_len: int = 8192, head_dim: int = 64, dtype=None, split_decode: str = "off",
+                 cache_dtype=None) -> AttentionBackend:
     """The backend called ``name`` (``auto`` here is ``torch``; the model runner resolves ``auto`` first).
     Raises ``RuntimeError`` if ``triton`` or ``cpu_paged`` can't run here.
 
     ``max_num_seqs`` (rows per step) and ``max_model_len`` size the triton backend's device block table;
-    ``dtype`` (the model's) lets ``cpu_paged`` choose where bf16 prompt chunks run; ``cache_dtype`` (the KV
-    cache's, when it differs: fp8, :mod:`.kv_quant`) keeps it off the AMX kernels, which read bf16 caches only.
+    ``dtype`` (the model's) lets ``cpu_paged`` choose where bf16 prompt chunks run; ``split_decode``
+    (off | auto | on) is the triton backend's split-K decode mode (:mod:`.split_decode`); ``cache_dtype`` (the KV
+    cache's, when it differs: fp8, :mod:`.kv_quant`) keeps ``cpu_paged`` off the AMX kernels, which read bf16
+    caches only.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -39,7 +42,8 @@ def make_backend(name: str, num_heads: int, num_kv_heads: int, block_size: int, 
         reason = triton_unavailable_reason(device)
         if reason:
             raise RuntimeError(reason)
-        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_num_seqs, max_model_len)
+        return TritonBackend(num_heads, num_kv_heads, block_size, device, max_num_seqs, max_model_len,
+                             split_decode=split_decode)
     if name == "cpu_paged":
         from jobrunner.attention.cpu_paged import make_cpu_paged_backend
 

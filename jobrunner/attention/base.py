@@ -103,6 +103,10 @@ class AttentionBackend(ABC):
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Store k, v at ``meta.slot_mapping`` and attend. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
 
+    def counters(self) -> dict:
+        """What the backend counts for the runner's stats (the triton backend: its split-K decode steps)."""
+        return {}
+
     def release(self, key: Hashable) -> None:  # noqa: B027 - optional hook: stateless backends keep nothing
         """Forget the per-row state kept for ``key`` (a finished sequence); stateless backends keep none."""
 

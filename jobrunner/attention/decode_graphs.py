@@ -35,6 +35,7 @@ import torch
 
 from jobrunner.attention.base import StepLayout
 from jobrunner.attention.graph_capture import WeightsGuard, capture_graph, drop_graphs_if_weights_moved
+from jobrunner.attention.input_patch import patch_input_ids
 from jobrunner.attention.torch_backend import AttentionGroup, TorchMetadata
 
 log = logging.getLogger(__name__)
@@ -151,13 +152,22 @@ class DecodeGraphs:
         shape = self.shape_for(rows)
         if shape is None:
             return None
-        hidden = self.run(rows, shape)
-        return hidden, torch.tensor(lists.sample_rows, dtype=torch.long, device=self.device)
+        late = None if lists.input_sources is None else (lists.input_sources, lists.source_tokens)
+        hidden = self.run(rows, shape, late)
+        return hidden, _to_device(lists.sample_rows, self.device)
 
-    def run(self, rows: list[DecodeRow], shape: tuple[int, int]) -> torch.Tensor:
-        """Hidden states ``[len(rows), hidden]`` of one decode step padded to ``shape`` (see :meth:`shape_for`)."""
+    def run(self, rows: list[DecodeRow], shape: tuple[int, int],
+            late: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states ``[len(rows), hidden]`` of one decode step padded to ``shape`` (see :meth:`shape_for`).
+
+        ``late``: (per row, the row of the tensor whose id it reads, or -1; that tensor: ids the previous step
+        left on the device), patched into the input ids before the forward (late readback: engine/readback.py).
+        """
         batch, blocks = shape
         self._fill(rows, batch, blocks)
+        if late is not None:
+            sources, tokens = late
+            patch_input_ids(self.input_ids[:len(rows)], _to_device(sources, self.device), tokens)
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(batch, blocks)[:len(rows)]
@@ -178,12 +188,12 @@ class DecodeGraphs:
         lens = [r.position + 1 for r in rows] + [1] * pad
         table = [r.block_ids + [0] * (blocks - len(r.block_ids)) for r in rows]   # padding blocks are masked
         table += [[self.scratch_block] + [0] * (blocks - 1)] * pad
-        packed = torch.tensor([ids, positions, slots, lens], dtype=torch.long).to(self.device)
+        packed = _to_device([ids, positions, slots, lens], self.device)
         self.input_ids[:batch].copy_(packed[0])
         self.positions[:batch].copy_(packed[1])
         self.slots[:batch].copy_(packed[2])
         self.context_lens[:batch].copy_(packed[3])
-        self.block_table[:batch, :blocks].copy_(torch.tensor(table, dtype=torch.long).to(self.device))
+        self.block_table[:batch, :blocks].copy_(_to_device(table, self.device))
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The fixed-shape forward: one attention group of ``batch`` rows over ``blocks`` blocks each."""
@@ -206,6 +216,13 @@ class DecodeGraphs:
         return {"graphs_captured": len(self.graphs), "graph_replays": self.num_replays,
                 "static_eager_steps": self.num_eager_static, "graph_warmup_s": self.warmup_s,
                 "graph_weight_moves": self.weights.num_moves}
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a long tensor on ``device``, copied without making the host wait for queued work
+    (a blocking copy would stall the host behind the previous step: no overlap with late readback)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def _batch_buckets(max_num_seqs: int) -> tuple[int, ...]:

@@ -6,7 +6,9 @@ lengths, block tables, the tile list) and its grid depends only on how many tile
 *token bucket* ``T`` (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to ``max_num_batched_tokens``), its rows to
 ``min(max_num_seqs, T)`` and its tile list to ``T / tokens_per_tile + rows`` (padding tiles return at once).
 Context length needs no bucket: the kernel loops over each row's own keys. One graph is captured per
-(token bucket, tile height) — the tile height is small for decode-only steps, larger with a prompt chunk.
+(token bucket, tile height, segments) — the tile height is small for decode-only steps, larger with a prompt
+chunk; segments is 0, or for a decode-only step the backend runs split-K (:mod:`.split_decode`) the most
+segments a row can have (the grid is fixed; segments past a row's keys and padding rows return at once).
 
 All inputs live in one persistent int64 buffer that the step's single host->device copy lands in (the
 arrays of one bucket always sit at the same offsets; the variable-size block-table updates come last and
@@ -16,7 +18,8 @@ so their attention output is zero and nothing reads them.
 
 Every graph is captured up front by :meth:`StepGraphs.warm_up` (called when the runner is built on CUDA, so
 before any timed step): each token bucket with the prompt-chunk tile height, and the buckets a decode-only
-step can reach (up to ``max_num_seqs`` tokens) with the decode tile height. A warm-up capture runs an all-padding
+step can reach (up to ``max_num_seqs`` tokens) with the decode tile height (unsplit, and split-K where the
+backend may split them). A warm-up capture runs an all-padding
 step (no tile, K/V to the scratch block): nothing a request owns is touched. A step needing a graph the
 warm-up did not make (more than ``MAX_GRAPHS``) still captures it on first use.
 
@@ -34,6 +37,7 @@ import torch
 
 from jobrunner.attention.base import StepLayout
 from jobrunner.attention.graph_capture import WeightsGuard, capture_graph, drop_graphs_if_weights_moved
+from jobrunner.attention.input_patch import patch_input_ids
 from jobrunner.attention.triton_backend import TritonBackend, TritonMetadata
 from jobrunner.attention.upload import PinnedStaging, StepUpload
 
@@ -63,11 +67,12 @@ class StepGraphs:
         max_tokens = self.token_buckets[-1]
         width = backend.tables.max_blocks
         max_tiles = max_tokens + max_num_seqs   # a tile holds at least one token: tiles <= tokens + rows
-        # tokens x3 + sample rows; row arrays; tiles; block-table updates (at most every entry of every row)
-        size = 4 * max_tokens + 3 * (max_num_seqs + 1) + 2 * max_tiles + 3 * max_num_seqs * width
+        # tokens x3 + sample rows + input sources (late readback); row arrays; tiles; block-table updates (at most
+        # every entry of every row)
+        size = 5 * max_tokens + 3 * (max_num_seqs + 1) + 2 * max_tiles + 3 * max_num_seqs * width
         self.ints = torch.zeros(size, dtype=torch.long, device=self.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.failed: set[tuple[int, int]] = set()
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[tuple[int, int, int]] = set()
         self.pool = None
         self.weights = WeightsGuard(model)  # graphs dropped when the weights move after capture
         self.num_replays = 0
@@ -75,13 +80,21 @@ class StepGraphs:
         self.num_capture_failures = 0
         self.warmup_s: float | None = None
 
-    def warm_up_keys(self) -> list[tuple[int, int]]:
-        """The (token bucket, tile height) of every graph :meth:`warm_up` captures, smallest first."""
-        chunk_m, decode_m = self.backend.block_m(2), self.backend.block_m(1)
-        keys = [(b, decode_m) for b in self.token_buckets if b <= self.max_num_seqs]
+    def warm_up_keys(self) -> list[tuple[int, int, int]]:
+        """The (token bucket, tile height, segments) of every graph :meth:`warm_up` captures, smallest first:
+        decode-only buckets unsplit (unless the backend always splits) and split where it may split."""
+        backend = self.backend
+        chunk_m, decode_m = backend.block_m(2), backend.block_m(1)
+        decode = [b for b in self.token_buckets if b <= self.max_num_seqs]
+        keys = [(b, decode_m, 0) for b in decode if backend.split_decode != "on" or backend.fixed_tiles]
+        keys += [(b, decode_m, backend.max_segments) for b in decode if backend.may_split(self._rows(b))]
         if chunk_m != decode_m:
-            keys += [(b, chunk_m) for b in self.token_buckets if b >= 2]
+            keys += [(b, chunk_m, 0) for b in self.token_buckets if b >= 2]
         return sorted(keys)[:MAX_GRAPHS]
+
+    def _rows(self, bucket: int) -> int:
+        """Rows of a bucket's grid (row arrays are padded to this)."""
+        return min(self.max_num_seqs, bucket)
 
     def warm_up(self) -> int:
         """Capture every graph of :meth:`warm_up_keys` now (once; later calls do nothing); how many exist after.
@@ -93,12 +106,12 @@ class StepGraphs:
             return len(self.graphs)
         start = time.perf_counter()
         empty = StepLayout([], [], [], [], 0, self.block_size, row_keys=[])
-        for bucket, block_m in self.warm_up_keys():
-            if (bucket, block_m) in self.graphs:
+        for key in self.warm_up_keys():
+            if key in self.graphs:
                 continue
-            rows = min(self.max_num_seqs, bucket)
-            meta, t = self._fill(empty, ([], [], [], []), bucket, rows, block_m)
-            if self._try_capture((bucket, block_m), t, meta) is None:
+            bucket, block_m, segments = key
+            meta, t = self._fill(empty, ([], [], [], []), bucket, self._rows(bucket), block_m, segments)
+            if self._try_capture(key, t, meta) is None:
                 break
         self.warmup_s = time.perf_counter() - start
         return len(self.graphs)
@@ -114,14 +127,17 @@ class StepGraphs:
             return None
         bucket = self.token_buckets[i]
         block_m = self.backend.block_m(layout.max_query_len)
-        key = (bucket, block_m)
+        rows = self._rows(bucket)
+        key = (bucket, block_m, self.backend.num_segments(layout, rows, fixed=True))
         if self.capture:
             drop_graphs_if_weights_moved(self)  # recaptured over the weights as they are now
         if self.capture and key not in self.graphs and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
             return None
-        rows = min(self.max_num_seqs, bucket)
+        self.backend.num_split_steps += key[2] > 0
         meta, t = self._fill(layout, (lists.input_ids, lists.positions, lists.slots, lists.sample_rows), bucket,
-                             rows, block_m)
+                             rows, block_m, key[2], lists.input_sources)
+        if lists.input_sources is not None:  # outside the graph: ids the previous step left on the device
+            patch_input_ids(t["input_ids"], t["input_sources"], lists.source_tokens)
         if not self.capture:
             self.num_eager_static += 1
             return self._forward(t, meta)[:num_tokens], t["sample_rows"]
@@ -134,7 +150,8 @@ class StepGraphs:
         self.num_replays += 1
         return entry[1][:num_tokens], t["sample_rows"]
 
-    def _fill(self, layout, lists, bucket: int, rows: int, block_m: int):
+    def _fill(self, layout, lists, bucket: int, rows: int, block_m: int, segments: int = 0,
+              input_sources: list[int] | None = None):
         input_ids, positions, slots, sample_rows = lists
         pad = bucket - layout.num_tokens
         scratch = self.scratch_block * self.block_size
@@ -145,9 +162,11 @@ class StepGraphs:
         num_tiles = bucket // self.backend.tokens_per_tile(block_m) + rows
         self.backend.add_arrays(layout, upload, block_m, num_rows=rows, num_tiles=num_tiles)
         upload.add("sample_rows", sample_rows)
+        if input_sources is not None:  # last: the graphs never read it (variable offsets are fine)
+            upload.add("input_sources", input_sources + [-1] * pad)
         t = upload.flush(self.ints)
         self.backend.tables.apply(t)
-        return TritonMetadata(self.backend, t, bucket, block_m, covers_all_tokens=False), t
+        return TritonMetadata(self.backend, t, bucket, block_m, covers_all_tokens=False, num_segments=segments), t
 
     def _forward(self, t: dict[str, torch.Tensor], meta: TritonMetadata) -> torch.Tensor:
         return self.model(t["input_ids"], t["positions"], meta, self.kv_cache)

@@ -24,6 +24,7 @@ import torch
 
 from jobrunner.attention.base import AttentionBackend, StepLayout
 from jobrunner.attention.decode_graphs import DecodeGraphs
+from jobrunner.attention.input_patch import patch_input_ids
 from jobrunner.attention.step_graphs import StepGraphs
 from jobrunner.attention.torch_backend import TorchBackend
 from jobrunner.attention.triton_backend import TritonBackend
@@ -41,6 +42,10 @@ class StepLists:
     positions: list[int]      # the model's rope rows: the position (+ the long table's offset: models/rope.py)
     slots: list[int]          # cache slot each token's K/V goes to
     sample_rows: list[int]    # flat index of every token a row samples from
+    # late readback (engine/readback.py): per token, the row of ``source_tokens`` (ids the previous step sampled,
+    # still on the device) whose id replaces the placeholder in ``input_ids``; -1 where input_ids holds the id
+    input_sources: list[int] | None = None
+    source_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,8 +89,12 @@ class StepRunner:
         upload.add("positions", lists.positions)
         upload.add("slot_mapping", lists.slots)
         upload.add("sample_rows", lists.sample_rows)
+        if lists.input_sources is not None:
+            upload.add("input_sources", lists.input_sources)
         meta = self.backend.build(layout, upload)  # adds the backend's arrays, then one copy for all
         t = upload.flush()
+        if lists.input_sources is not None:
+            patch_input_ids(t["input_ids"], t["input_sources"], lists.source_tokens)
         return StepForward(self.model(t["input_ids"], t["positions"], meta, self.kv_cache), t["sample_rows"], False)
 
     def warm_up(self) -> int:

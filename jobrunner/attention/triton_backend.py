@@ -17,6 +17,13 @@ import torch
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
 from jobrunner.attention.block_tables import DeviceBlockTables
 from jobrunner.attention.kv_quant import is_fp8, scales_of
+from jobrunner.attention.split_decode import (
+    check_split_mode,
+    segment_keys_for,
+    split_decode_attention,
+    target_programs,
+    use_split_decode,
+)
 from jobrunner.attention.upload import StepUpload
 
 DECODE_BLOCK_M = 16     # query rows per tile when every row of the step decodes one token (tl.dot needs >= 16)
@@ -40,7 +47,7 @@ class TritonMetadata(AttentionMetadata):
     """Device arrays of one step for :func:`~jobrunner.attention.triton_kernels.paged_attention_kernel`."""
 
     def __init__(self, backend: TritonBackend, tensors: dict[str, torch.Tensor], num_tokens: int,
-                 block_m: int, covers_all_tokens: bool) -> None:
+                 block_m: int, covers_all_tokens: bool, num_segments: int = 0) -> None:
         self.backend = backend
         self.slot_mapping = tensors["slot_mapping"]
         self.query_start = tensors["query_start"]    # [B + 1]
@@ -52,6 +59,7 @@ class TritonMetadata(AttentionMetadata):
         self.num_tokens = num_tokens
         self.block_m = block_m
         self.covers_all_tokens = covers_all_tokens   # False: padding tokens exist, their output must be zeros
+        self.num_segments = num_segments             # > 0: a decode-only step run split-K over this many segments
 
 
 class TritonBackend(AttentionBackend):
@@ -60,10 +68,18 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, device: torch.device,
-                 max_num_seqs: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N) -> None:
+                 max_num_seqs: int = 256, max_model_len: int = 8192, block_n: int = BLOCK_N,
+                 split_decode: str = "off", segment_keys: int | None = None) -> None:
         self.n_rep = num_heads // num_kv_heads
+        self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.block_n = block_n
+        # split-K decode (jobrunner/attention/split_decode.py): off | auto | on, its segment and the grid it fills
+        self.split_decode = check_split_mode(split_decode)
+        self.segment_keys = segment_keys or segment_keys_for(block_size, block_n, max_model_len)
+        self.max_segments = -(-max_model_len // self.segment_keys)
+        self.target_programs = target_programs(device)
+        self.num_split_steps = 0
         self.fixed_tiles = False  # deterministic mode: one tile height for every step (one compiled kernel)
         # twice the running batch: rows of requests that pause a step or two keep their synced tables
         self.tables = DeviceBlockTables(max(2 * max_num_seqs, 64), -(-max_model_len // block_size) + 1, device)
@@ -72,6 +88,30 @@ class TritonBackend(AttentionBackend):
         """Query rows per tile: small when the step only decodes, larger when it holds prompt chunks."""
         rows = DECODE_BLOCK_M if max_query_len <= 1 and not self.fixed_tiles else CHUNK_BLOCK_M
         return max(rows, _next_pow2(self.n_rep))
+
+    def num_segments(self, layout: StepLayout, num_rows: int, fixed: bool) -> int:
+        """Segments of a split-K launch for this step (0: the unsplit kernel). ``num_rows``: the grid's rows;
+        ``fixed``: a fixed-shape (CUDA graph) step, whose grid has the most segments any row can have."""
+        if self.split_decode == "off" or layout.max_query_len != 1 or self.fixed_tiles:
+            return 0  # deterministic mode (fixed_tiles): a row's reduction order must not depend on the batch
+        longest = max(layout.seq_lens)
+        if self.split_decode == "auto" and not use_split_decode(num_rows, self.num_kv_heads, longest,
+                                                               self.segment_keys, self.target_programs):
+            return 0
+        return self.max_segments if fixed else -(-longest // self.segment_keys)
+
+    def counters(self) -> dict:
+        """The split-K mode and how many steps ran split (nothing while it is off)."""
+        if self.split_decode == "off":
+            return {}
+        return {"split_decode": self.split_decode, "split_decode_steps": self.num_split_steps}
+
+    def may_split(self, num_rows: int) -> bool:
+        """Whether a decode-only step with a grid of ``num_rows`` rows can run split-K (its graph is worth having)."""
+        if self.fixed_tiles:
+            return False
+        return self.split_decode == "on" or (
+            self.split_decode == "auto" and num_rows * self.num_kv_heads < self.target_programs)
 
     def tokens_per_tile(self, block_m: int) -> int:
         return block_m // self.n_rep
@@ -118,7 +158,9 @@ class TritonBackend(AttentionBackend):
         self.add_arrays(layout, upload, block_m)
         tensors = upload.flush()
         self.tables.apply(tensors)
-        return TritonMetadata(self, tensors, layout.num_tokens, block_m, True)
+        segments = self.num_segments(layout, layout.num_rows, fixed=False)
+        self.num_split_steps += segments > 0
+        return TritonMetadata(self, tensors, layout.num_tokens, block_m, True, segments)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
         from jobrunner.attention.triton_kernels import paged_attention_kernel
@@ -130,6 +172,11 @@ class TritonBackend(AttentionBackend):
         num_kv_heads = k.shape[1]
         alloc = torch.empty if meta.covers_all_tokens else torch.zeros
         out = alloc(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        dot_fp32 = q.dtype == torch.float32 or _interpreted()
+        if meta.num_segments:
+            split_decode_attention(q, k_cache, v_cache, out, meta, self.n_rep, meta.block_m, self.block_n,
+                                   self.block_size, self.segment_keys, scale, dot_fp32)
+            return out
         grid = (meta.tile_row.shape[0], num_kv_heads)
         paged_attention_kernel[grid](
             q, k_cache, v_cache, out, k_scales, v_scales,
@@ -139,8 +186,7 @@ class TritonBackend(AttentionBackend):
             scale,
             N_REP=self.n_rep, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=meta.block_m,
             BLOCK_N=self.block_n, TOKENS_PER_TILE=self.tokens_per_tile(meta.block_m),
-            BLOCK_SIZE=self.block_size, DOT_FP32=q.dtype == torch.float32 or _interpreted(),
-            KV_SCALED=is_fp8(k_cache.dtype),
+            BLOCK_SIZE=self.block_size, DOT_FP32=dot_fp32, KV_SCALED=is_fp8(k_cache.dtype),
         )
         return out
 

@@ -3,7 +3,8 @@
 Paths: ``F.linear`` (torch: MKL's sgemm through addmm in float32, oneDNN in bfloat16), ``packed`` (ours, float32
 only, :mod:`jobrunner.models.packed_linear`, built for this CPU whether or not its capability chooses it),
 ``onednn`` (``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by ``mkldnn._reorder_linear_weight``;
-in bfloat16 on CPUs where oneDNN has bf16 kernels: avx512_bf16 / AMX). The calls of every path are interleaved one by
+in bfloat16 on CPUs where oneDNN has bf16 kernels: avx512_bf16 / AMX), ``amx`` (ours, bf16 on AMX CPUs,
+:mod:`jobrunner.models.amx_linear`; the engine takes it up to 128 rows). The calls of every path are interleaved one by
 one and the best of N is kept: on a loaded machine the minimum is the least disturbed call. The relative
 error against F.linear is reported too. What the engine runs is :func:`packed_gemm_choice`'s answer, from the
 capability alone: this table is how that rule was checked on a machine, not an input to it.
@@ -34,7 +35,24 @@ def gemm_paths(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     if torch.backends.mkldnn.is_available() and bf16_ok:
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         paths["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], "")
+    amx = _amx_path(weight)
+    if amx is not None:
+        paths["amx"] = amx
     return paths
+
+
+def _amx_path(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Our AMX GEMM (:mod:`jobrunner.models.amx_linear`) for a bf16 weight, where this CPU runs it."""
+    from jobrunner.models import amx_linear
+
+    if weight.dtype != torch.bfloat16 or not amx_linear.amx_packable(*weight.shape):
+        return None
+    if torch.backends.cpu.get_cpu_capability().lower() != "avx512" or not torch.cpu._is_amx_tile_supported():
+        return None
+    if isinstance(amx_linear._library(), str):
+        return None
+    packed = amx_linear.amx_pack(weight)
+    return lambda x: amx_linear.amx_linear(x, packed, None)
 
 
 @torch.no_grad()

@@ -84,10 +84,25 @@ class EngineConfig:
         "none", description="Quantization applied when loading the draft model (engine.speculative = a model "
         "source); as model.quantization.")
     draft_every_step: bool = False  # internal (tests, benchmarks): verify draft-model drafts every decode step
+    # internal until a GPU check has passed: the triton backend's split-K decode, off | auto | on
+    # (jobrunner/attention/split_decode.py; the GPU check's extra phase runs the A/B)
+    split_decode: str = "off"
+    # internal until a GPU check has passed: sampled ids read one step late, off | cuda | always (always: on the
+    # CPU too, for tests; engine/readback.py, docs/engine.md "One-step-late readback")
+    late_readback: str = "off"
+    # with late_readback: read the last step first whenever a request waits to be admitted, so admission (and the
+    # prefix-cache hits it finds) is the synchronous path's exactly; overlap then only once all are admitted
+    late_readback_strict: bool = False
 
     def __post_init__(self) -> None:
         check_speculative(self.speculative, self.num_speculative_tokens)
         check_settings(self)  # bounds and choices as declared above (the job spec checks the same)
+        if self.split_decode not in SPLIT_DECODE_MODES:
+            raise ValueError(f"EngineConfig.split_decode must be {'|'.join(SPLIT_DECODE_MODES)}, "
+                             f"got {self.split_decode!r}")
+        if self.late_readback not in LATE_READBACK_MODES:
+            raise ValueError(f"EngineConfig.late_readback must be {'|'.join(LATE_READBACK_MODES)}, "
+                             f"got {self.late_readback!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
 
@@ -102,6 +117,8 @@ class EngineConfig:
 
 
 SPECULATIVE_MODES = ("off", "auto", "ngram")
+SPLIT_DECODE_MODES = ("off", "auto", "on")  # as jobrunner.attention.split_decode.SPLIT_MODES (no torch here)
+LATE_READBACK_MODES = ("off", "cuda", "always")
 
 
 def is_draft_source(mode: str) -> bool:

@@ -18,11 +18,13 @@ from jobrunner.engine.adapters import (
 )
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
+from jobrunner.engine.late_steps import LateSteps
 from jobrunner.engine.long_rope import make_long_rope_switch
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.pooling import finish as finish_pooling
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
+from jobrunner.engine.readback import late_readback_on
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
 from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
 from jobrunner.engine.sampling.noise import derive_seed
@@ -81,6 +83,7 @@ class LLMEngine:
                                   self.config.max_num_seqs, self.max_model_len,
                                   attention_backend=self.config.attention_backend,
                                   max_num_tokens=self.config.max_num_batched_tokens,
+                                  split_decode=self.config.split_decode,
                                   kv_cache_dtype=self.config.kv_cache_dtype)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         self._request_ids: dict[str, int] = {}  # request id -> samples not yet handed back
@@ -96,6 +99,9 @@ class LLMEngine:
         self.speculator = make_speculator(self._speculative_mode(), self.config.num_speculative_tokens,
                                           self.config.max_num_seqs, self.max_model_len, self.device.type,
                                           self, num_blocks)
+        # one-step-late readback (engine/late_steps.py): None keeps every step synchronous
+        late = late_readback_on(self.config.late_readback, self.device, self.speculator is not None)
+        self._late = LateSteps(self, self.config.late_readback_strict) if late else None
 
     def _speculative_mode(self) -> str:
         """``auto`` stays off on the fixed-shape (graph) decode path: a draft step leaves it for an eager step,
@@ -325,7 +331,7 @@ class LLMEngine:
     def close(self) -> None:
         """Drop the KV cache, runner, scheduler and speculator (and free the device's cached memory); the
         model, tokenizer and draft model stay with whoever holds them."""
-        self.runner = self.kv_manager = self.scheduler = self.speculator = None
+        self.runner = self.kv_manager = self.scheduler = self.speculator = self._late = None
         free_device_memory()
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -334,6 +340,10 @@ class LLMEngine:
         """Run one scheduling step; return the outputs of requests that finished in it."""
         finished = [self._finish_output(r) for r in self._rejected]
         self._rejected = []
+        if self._late is not None:  # ids read one step late (engine/late_steps.py)
+            finished += self._late.step()
+            self._record_kv_usage()
+            return finished
         t0 = time.perf_counter()
         if self.speculator is not None:  # drafts for decoding requests (speculative/); the scheduler reads them
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
@@ -351,16 +361,31 @@ class LLMEngine:
         finished += self._update_from_output(sched, result, t2)
         if self.speculator is not None:  # finished / preempted requests give back their draft-model KV
             self.speculator.settle(self.scheduler.running)
+        self._record_kv_usage()
+        return finished
+
+    def _record_kv_usage(self) -> None:
         used = self.kv_manager.pool.num_used_blocks
         self._stats.kv_blocks_used = used
         self._stats.kv_peak_blocks_used = max(self._stats.kv_peak_blocks_used, used)
-        return finished
 
     def _update_from_output(self, sched: SchedulerOutput, result, now: float) -> list[RequestOutput]:
+        """A step read at once: its rows' computed tokens, then its output (:meth:`_apply_output`)."""
+        for s in sched.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_new_tokens
+        return self._apply_output(sched, result, now)
+
+    def _apply_output(self, sched: SchedulerOutput, result, now: float) -> list[RequestOutput]:
+        """Append each row's sampled token(s), check stops, finish what ended (pooling rows: their result).
+
+        A step read late (engine/late_steps.py) may hold rows that ended with the step before: their token is
+        dropped; a row's placeholder (its token was on the device) gives way to the token here."""
         finished = []
         for s in sched.scheduled:
             request = s.request
-            request.num_computed_tokens = s.start + s.num_new_tokens
+            if request.is_finished:  # late readback: it ended with the previous step's token
+                self._stats.num_late_discarded_tokens += request.key in result.sampled
+                continue
             if request.pooling is not None:
                 if s.completes:
                     finished.append(self._finish_pooling(request, now))
@@ -368,6 +393,10 @@ class LLMEngine:
             token = result.sampled.get(request.key)
             if token is None:
                 continue
+            read_late = request.num_pending_tokens > 0
+            if read_late:
+                request.output_token_ids.pop()   # the placeholder (PENDING_TOKEN)
+                request.num_pending_tokens, request.ends_with_pending = 0, False
             verified = result.speculative.get(request.key) if result.speculative else None
             if verified is not None:  # accepted drafts keep their KV; the rest is trimmed below
                 request.num_computed_tokens += verified.num_accepted
@@ -385,6 +414,8 @@ class LLMEngine:
             else:
                 if s.draft:
                     self.kv_manager.trim(request, request.num_tokens)
+                if read_late:  # as the synchronous path registers it when the next step is scheduled
+                    self.kv_manager.register_computed(request)
         return finished
 
     def _finish_pooling(self, request: Request, now: float) -> RequestOutput:

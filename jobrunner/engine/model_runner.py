@@ -12,7 +12,6 @@ deterministic mode) and the step is recomputed eagerly; never a crashed job.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -27,22 +26,14 @@ from jobrunner.attention import (
 )
 from jobrunner.attention.kv_quant import cache_dtype, kv_bytes_per_block, row_width
 from jobrunner.engine.pooling import collect
+from jobrunner.engine.readback import DeviceTokens, LaunchedStep, StepResult
+from jobrunner.engine.request import PENDING_TOKEN
 from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jobrunner.engine.speculative.verify import verify_drafts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    sampled: dict[tuple[str, int], int]            # Request.key -> new token (rows that reached their end)
-    logprobs: dict[tuple[str, int], LogprobEntry]  # Request.key -> (token, logprob, top alternatives), if asked
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    fixed_shape: bool = False          # ran through a fixed-shape path (a CUDA graph replay, or its eager twin)
-    speculative: dict | None = None    # Request.key -> VerifiedDraft, rows that verified drafts (speculative/)
 
 
 class ModelRunner:
@@ -52,6 +43,8 @@ class ModelRunner:
     ``attention_backend``: ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`;
     ``auto`` is ``cpu_paged`` for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or
     ``cpu_paged`` backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
+    ``split_decode``: the triton backend's split-K decode mode, off | auto | on
+    (:mod:`jobrunner.attention.split_decode`).
     ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
     fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
     scratch block past ``num_blocks``, and the backend's fixed-shape runner takes the steps it fits (torch:
@@ -60,7 +53,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
-                 attention_backend: str = "auto", max_num_tokens: int = 2048, kv_cache_dtype: str = "auto") -> None:
+                 attention_backend: str = "auto", max_num_tokens: int = 2048, split_decode: str = "off",
+                 kv_cache_dtype: str = "auto") -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
         self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
@@ -93,6 +87,7 @@ class ModelRunner:
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.split_decode = split_decode  # the triton backend's split-K decode mode (attention/split_decode.py)
         self.deterministic = False  # set by engine.invariant.make_deterministic: fall back to the invariant twin
         limits = None
         if decode_graphs != "off":
@@ -151,7 +146,8 @@ class ModelRunner:
         try:
             return make_backend(name, s.num_heads, s.num_kv_heads, self.block_size, self.device,
                                max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, head_dim=s.head_dim,
-                               dtype=self.model.dtype, cache_dtype=self.kv_cache_dtype)
+                               dtype=self.model.dtype, split_decode=self.split_decode,
+                               cache_dtype=self.kv_cache_dtype)
         except RuntimeError as exc:  # triton / cpu_paged where it cannot run: the tested torch path instead
             self.num_attention_fallbacks += 1
             log.warning("attention backend %r unavailable (%s); using torch", name, exc)
@@ -168,6 +164,7 @@ class ModelRunner:
             out["attention_notes"] = list(self.attention_notes)
         if self.backend.chunk_route:
             out["attention_chunks"] = self.backend.chunk_route
+        out.update(self.backend.counters())
         out.update(self.steps.stats())
         return out
 
@@ -196,6 +193,25 @@ class ModelRunner:
             sampled, logprobs = self._sample(step.hidden, step.sample_rows, sampling)
         num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
         return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, step.fixed_shape, verified)
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, previous: DeviceTokens | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device and start its ids' copy to the host; read them
+        with :meth:`LaunchedStep.read` (late readback: engine/readback.py). A decode row whose input is a
+        placeholder (its token still on the device) reads it from ``previous``, the last launched step's ids."""
+        layout, lists = self._layout(sched.scheduled, previous)
+        step = self._forward_with_adapters(sched.scheduled, layout, lists)
+        self._pool(sched.scheduled, step.hidden, layout.query_starts)
+        sampling = [s for s in sched.scheduled if s.samples]
+        if any(s.draft for s in sampling):
+            raise ValueError("a launched step verifies no drafts (speculative decoding reads every step at once)")
+        sample = None
+        if sampling:
+            logits = self.model.compute_logits(step.hidden.index_select(0, step.sample_rows))
+            sample = self.sampler.sample_on_device(logits, [s.request for s in sampling])
+        num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
+        return LaunchedStep(sample, [s.request for s in sampling], sched.num_tokens - num_decode, num_decode,
+                            step.fixed_shape)
 
     def _forward_with_adapters(self, scheduled: list[ScheduledRequest], layout: StepLayout,
                                lists: StepLists) -> StepForward:
@@ -253,8 +269,9 @@ class ModelRunner:
         logprobs = {r.key: e for r, e in zip(requests, out.logprobs) if e is not None}
         return sampled, logprobs
 
-    def _layout(self, scheduled: list[ScheduledRequest]):
-        """The step's StepLayout and its flat lists (input ids, positions, cache slots, sampling rows)."""
+    def _layout(self, scheduled: list[ScheduledRequest], previous: DeviceTokens | None = None):
+        """The step's StepLayout and its flat lists (input ids, positions, cache slots, sampling rows); a decode
+        of a placeholder takes its id from ``previous`` on the device (:func:`_input_sources`)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -284,7 +301,10 @@ class ModelRunner:
             if s.samples:
                 sample_rows.extend(range(offset + n - 1 - len(s.draft), offset + n))
         layout.num_tokens = len(input_ids)
-        return layout, StepLists(input_ids, positions, slots, sample_rows)
+        lists = StepLists(input_ids, positions, slots, sample_rows)
+        if PENDING_TOKEN in input_ids:
+            lists.input_sources, lists.source_tokens = _input_sources(scheduled, input_ids, previous)
+        return layout, lists
 
 
 def _effective_window(window: int | None, max_model_len: int) -> int | None:
@@ -315,6 +335,24 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]
         out.extend(range(base + p, base + block_end))
         p = block_end
     return out
+
+
+def _input_sources(scheduled: list[ScheduledRequest], input_ids: list[int], previous: DeviceTokens | None
+                   ) -> tuple[list[int], torch.Tensor]:
+    """Per token, the row of ``previous.tokens`` a placeholder input reads (-1 elsewhere); placeholders in
+    ``input_ids`` become 0 (patched on the device). Only a decode's one input can be a placeholder."""
+    sources = [-1] * len(input_ids)
+    offset = 0
+    for s in scheduled:
+        if input_ids[offset] == PENDING_TOKEN:
+            if previous is None or s.request.key not in previous.index_of or s.num_new_tokens != 1:
+                raise RuntimeError(f"request {s.request.key}: its input token is still on the device, but not "
+                                   "in the previous step's ids")
+            sources[offset], input_ids[offset] = previous.index_of[s.request.key], 0
+        offset += s.num_new_tokens + len(s.draft)
+    if PENDING_TOKEN in input_ids:
+        raise RuntimeError("a placeholder token inside a prompt chunk: only a decode reads a token late")
+    return sources, previous.tokens
 
 
 def _is_decode(s: ScheduledRequest) -> bool:

@@ -24,6 +24,10 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+# The id a sampled token has on the host while the token itself is still on the device (late readback,
+# engine/readback.py): a request's last output token, until the engine reads the step that sampled it.
+PENDING_TOKEN = -1
+
 # One table from finished status to the user-facing finish reason.
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -186,6 +190,10 @@ class Request:
         self.grammar = None                # a structured-output matcher (engine/sampling/structured.py)
         self.detok = None                  # incremental detokenizer state (stop strings)
         self.draft_token_ids: list[int] = []  # speculative tokens to verify in the next step (engine/speculative)
+        # late readback (engine/readback.py): output_token_ids ends with this many PENDING_TOKENs (0 or 1), and
+        # whether the request ends with that token whatever it is (its length limit): not scheduled meanwhile
+        self.num_pending_tokens = 0
+        self.ends_with_pending = False
         self.spec = None                   # the n-gram drafter's per-request state
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         # a prefill-only request (engine/pooling.py): finishes once its tokens are computed, samples nothing

@@ -5,7 +5,8 @@ min_tokens, penalties; :mod:`jobrunner.engine.sampling.penalties`), then grammar
 then greedy rows take the argmax and the others go through temperature, min-p, top-k, top-p and a Gumbel-max
 draw whose noise is a hash of (row seed, output position, token id) (:mod:`jobrunner.engine.sampling.noise`):
 no generator objects, no per-row launches, and a row's text depends only on its own seed. Everything the
-host needs (tokens, and logprobs when asked) comes back in one device->host transfer.
+host needs (tokens, and logprobs when asked) comes back in one device->host transfer: at once
+(:meth:`Sampler.sample`), or one step late (:meth:`Sampler.sample_on_device`, engine/readback.py).
 
 A call whose rows are all plain greedy (:func:`plain_greedy`: nothing reads float32 logits) on CPU skips the
 float32 copy: the native row argmax (:mod:`jobrunner.engine.sampling.argmax`) runs on the model's float32 or
@@ -34,6 +35,30 @@ class SamplerOutput:
     logprobs: list[LogprobEntry | None]   # per row; None where the request did not ask
 
 
+@dataclass
+class DeviceSample:
+    """One call's picks before the host reads them: what :func:`host_output` turns into a SamplerOutput."""
+
+    tokens: torch.Tensor                # [N] int64, on the logits' device
+    packed: torch.Tensor | None = None  # [N, 2 + 2 k_max] float64 (token, logprob, top-k), when a row asked
+    k_max: int | None = None
+
+    def host_tensor(self) -> torch.Tensor:
+        """The one tensor the host needs (``packed`` when logprobs were asked, else ``tokens``)."""
+        return self.tokens if self.packed is None else self.packed
+
+
+def host_output(sample: DeviceSample, host: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """The :class:`SamplerOutput` of ``sample`` from ``host``: its :meth:`~DeviceSample.host_tensor` on the host."""
+    if sample.packed is None:
+        return SamplerOutput(host.tolist(), [None] * len(requests))
+    packed = host.tolist()
+    token_ids = [int(row[0]) for row in packed]
+    entries = [None if r.params.logprobs is None else unpack(t, row[1:], r.params.logprobs, sample.k_max)
+               for r, t, row in zip(requests, token_ids, packed)]
+    return SamplerOutput(token_ids, entries)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -49,22 +74,24 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: ``[N, vocab]`` for ``requests`` (row i is request i's next-token distribution)."""
+        sample = self.sample_on_device(logits, requests)
+        return host_output(sample, sample.host_tensor(), requests)
+
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> DeviceSample:
+        """The picks of :meth:`sample`, left on the logits' device (nothing waits for them here)."""
         if logits.device.type == "cpu" and all(plain_greedy(r) for r in requests):
             tokens = native_row_argmax(logits)   # None: another dtype or layout, or no native library
             if tokens is not None:
-                return SamplerOutput(tokens.tolist(), [None] * len(requests))
+                return DeviceSample(tokens)
         logits = logits.float()
         k_max = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
         logprobs = torch.log_softmax(logits, dim=-1) if k_max is not None else None
         self._process(logits, requests)
         tokens = self._pick(logits, requests)
         if logprobs is None:
-            return SamplerOutput(tokens.tolist(), [None] * len(requests))
-        packed = torch.cat([tokens[:, None].double(), gather_logprobs(logprobs, tokens, k_max)], dim=1).tolist()
-        token_ids = [int(row[0]) for row in packed]
-        entries = [None if r.params.logprobs is None else unpack(t, row[1:], r.params.logprobs, k_max)
-                   for r, t, row in zip(requests, token_ids, packed)]
-        return SamplerOutput(token_ids, entries)
+            return DeviceSample(tokens)
+        packed = torch.cat([tokens[:, None].double(), gather_logprobs(logprobs, tokens, k_max)], dim=1)
+        return DeviceSample(tokens, packed, k_max)
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Logits processors and grammar masks, in place, only on the rows that use them."""

@@ -95,6 +95,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.ends_with_pending:  # late readback: it stops at the token on its way, nothing to compute
+                i += 1
+                continue
             if self.long_rope is not None and self.long_rope.must_recompute(request):
                 self._recompute(self.running.pop(i))  # admitted again below, on the long table
                 continue
@@ -158,10 +161,19 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished and release its blocks (it must be running)."""
+        """Mark finished and release its blocks (it must be running, or preempted with a token read late)."""
         request.status = status
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:  # late readback: preempted while the token that stops it was still on the device
+            self.waiting.remove(request)
         self.kv.free(request)
+
+    def may_preempt(self) -> bool:
+        """Whether the running requests could need more blocks than are free to compute every token they hold
+        (then a step might preempt: late readback reads the last step first, as the synchronous path would)."""
+        need = sum(max(0, self.kv.num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.running)
+        return need > self.kv.pool.num_free_blocks
 
     def abort_waiting(self, request: Request) -> None:
         self.waiting.remove(request)

@@ -33,6 +33,8 @@ class EngineStats:
     num_draft_tokens: int = 0          # speculative decoding: draft tokens verified
     num_accepted_tokens: int = 0       # of those, accepted
     num_speculative_rows: int = 0      # (request, step) pairs that verified drafts
+    num_late_steps: int = 0            # steps whose ids were read one step late (late readback)
+    num_late_discarded_tokens: int = 0  # tokens of rows that had ended in the step before (read late: dropped)
     kv_num_blocks: int = 0
     kv_block_size: int = 0
     kv_blocks_used: int = 0

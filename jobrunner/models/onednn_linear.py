@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jobrunner.models.amx_linear import AMX_GEMM_MAX_ROWS, amx_gemm_choice, amx_linear, amx_pack, amx_packable
 from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 ONEDNN_ENV = "JOBRUNNER_ONEDNN_LINEAR"
@@ -51,13 +52,17 @@ def onednn_bf16_choice() -> tuple[bool, str]:
 class OneDnnLinear(nn.Module):
     """``nn.Linear``'s forward (bfloat16, CPU) on a weight reordered once for oneDNN; no row-major weight kept."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, amx: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             weight = linear.weight.detach().to(torch.bfloat16)
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                                  persistent=False)
+            # calls of up to AMX_GEMM_MAX_ROWS rows: the AMX GEMM's own packing (models/amx_linear.py)
+            use_amx = amx and amx_packable(self.out_features, self.in_features) and (
+                linear.bias is None or linear.bias.dtype == torch.bfloat16)
+            self.register_buffer("amx_packed", amx_pack(weight) if use_amx else None, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +72,10 @@ class OneDnnLinear(nn.Module):
             flat = flat.to(torch.bfloat16)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if self.amx_packed is not None and flat.shape[0] <= AMX_GEMM_MAX_ROWS:
+            out = amx_linear(flat, self.amx_packed, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
@@ -75,7 +83,8 @@ class OneDnnLinear(nn.Module):
         return self.in_features * self.out_features * 2
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn bf16"
+        amx = f", AMX GEMM up to {AMX_GEMM_MAX_ROWS} rows" if self.amx_packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn bf16{amx}"
 
 
 def reorder_bf16_linears(model: nn.Module) -> tuple[int, str]:
@@ -87,6 +96,8 @@ def reorder_bf16_linears(model: nn.Module) -> tuple[int, str]:
     swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
              and child.weight.device.type == "cpu"]
+    weight_bytes = sum(getattr(parent, name).weight.numel() * 2 for parent, name in swaps)
+    amx, amx_why = amx_gemm_choice(weight_bytes) if swaps else (False, "")
     for parent, name in swaps:  # one at a time: each old weight is freed as its layer is swapped
-        setattr(parent, name, OneDnnLinear(getattr(parent, name)))
-    return len(swaps), why
+        setattr(parent, name, OneDnnLinear(getattr(parent, name), amx=amx))
+    return len(swaps), f"{why}; {amx_why}" if swaps else why

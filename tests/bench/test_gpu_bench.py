@@ -114,3 +114,16 @@ def test_the_parity_reference_keeps_its_rope_in_float32_whatever_the_dtype(monke
     f32, bf16 = result["float32"]["torch"], result["bfloat16"]["torch"]
     assert f32["vs_transformers"]["rows_full_match"] == 1.0 and f32["max_logprob_diff_teacher_forced"] < 1e-3
     assert bf16["max_logprob_diff_teacher_forced"] < 0.15
+
+
+def test_decode_ab_runs_on_the_cpu_and_late_readback_keeps_the_tokens():
+    """The extra phase's decode A/B in the CPU smoke: no kernel part; late readback (always) against off on the
+    tiny model: the same tokens, steps really read late."""
+    args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "decode-ab"])
+    result = gpu_bench.run_decode_ab(args, gpu_bench.RunBudget(120.0, time.perf_counter() + 120.0))
+    assert "kernel" not in result
+    variants = result["engine"]["variants"]
+    assert list(variants) == ["split=off,late=off", "split=off,late=always"]
+    late = variants["split=off,late=always"]
+    assert late["tokens_equal_synchronous"] is True and late["late_steps"] > 0
+    assert variants["split=off,late=off"]["late_steps"] == 0 and late["step_ms"] > 0

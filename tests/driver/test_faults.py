@@ -79,6 +79,18 @@ def _worker_actor(worker_id: str):
     return None
 
 
+def _holds_unfinished_shard(actor, rows_per_shard: int = 8) -> bool:
+    """Whether the worker ``actor`` (None: not started) runs a shard with rows still unfinished, by its own
+    progress report."""
+    if actor is None:
+        return False
+    try:
+        shards = ray.get(actor.progress.remote(), timeout=10)["shards"]
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+    return any(rows < rows_per_shard for rows, _ in shards.values())
+
+
 def _run_in_thread(spec):
     box = {}
     thread = threading.Thread(target=lambda: box.update(result=run_job(spec, show_progress=False)))
@@ -94,8 +106,10 @@ def _assert_once(out, ids):
 def test_killed_worker_actor_shards_are_retried(cluster, tmp_path):
     ids, data = _spec(tmp_path)
     thread, box = _run_in_thread(spec_from_dict(data))
-    _wait_for(lambda: _committed(tmp_path / "out") and _worker_actor("w0") is not None)
-    ray.kill(_worker_actor("w0"), no_restart=True)  # mid-shard: w0 holds two shards at all times
+    # killed mid-shard: once a shard is committed and w0 itself reports a shard with rows still to do (on a
+    # loaded machine w0 may still be loading when w1 commits, or between two shards)
+    _wait_for(lambda: _committed(tmp_path / "out") and _holds_unfinished_shard(_worker_actor("w0")))
+    ray.kill(_worker_actor("w0"), no_restart=True)
     thread.join(timeout=240)
     assert box["result"].ok
     _assert_once(tmp_path / "out", ids)
@@ -166,7 +180,7 @@ def test_zombie_worker_never_publishes_a_second_part(cluster, tmp_path, monkeypa
 
     monkeypatch.setattr(ray, "kill", kill_all_but_the_zombie)
     thread, box = _run_in_thread(spec_from_dict(data))
-    _wait_for(lambda: _committed(out) and _worker_actor("w0") is not None)
+    _wait_for(lambda: _committed(out) and _holds_unfinished_shard(_worker_actor("w0")))
     actor = _worker_actor("w0")
     zombie["id"] = actor._actor_id
     pid = _worker_pid("w0")
@@ -243,7 +257,7 @@ def test_removed_node_mid_job(cluster, tmp_path):
     c, nodes = cluster
     ids, data = _spec(tmp_path)
     thread, box = _run_in_thread(spec_from_dict(data))
-    _wait_for(lambda: _committed(tmp_path / "out") and _worker_actor("w1") is not None)
+    _wait_for(lambda: _committed(tmp_path / "out") and _holds_unfinished_shard(_worker_actor("w1")))
     node_id = ray.get(_worker_actor("w1").ready.remote())["stats"]["node_id"]
     node = next(n for n in nodes if n.node_id == node_id)
     c.remove_node(node, allow_graceful=False)

@@ -193,3 +193,16 @@ def test_triton_engine_steps_over_an_fp8_cache(interpreted, hf_llama, tokenizer)
     stats = engine.runner.stats()
     assert stats["attention_backend"] == "triton" and stats["attention_fallbacks"] == 0
     assert stats["kv_cache_dtype"] == "float8_e4m3fn" and engine.stats().num_cached_tokens > 0
+
+
+@FORMATS
+def test_triton_split_decode_reads_the_fp8_cache_in_place(interpreted, fmt):
+    """Decode-only steps split-K (segments of 128 keys, rows of 1 to 5 segments) over an fp8 cache."""
+    rows = [(29, 1), (599, 1), (0, 1), (300, 1)]
+    layout, slots, num_blocks = _layout(rows, 16, random.Random(11))
+    q, k, v, cache = _fp8_inputs(layout, num_blocks * 16, 8, 2, 16, 11, fmt)
+    triton = make_backend("triton", 8, 2, 16, CPU, max_model_len=1024, split_decode="on")
+    triton.segment_keys = 128
+    got, want = _attend_fp8(triton, layout, slots, q, k, v, cache)
+    assert triton.num_split_steps == 1
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

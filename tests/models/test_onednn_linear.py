@@ -92,7 +92,7 @@ def test_only_bf16_linears_are_swapped_and_a_tied_embedding_keeps_its_table(monk
     with torch.no_grad():
         want = model["head"](model["proj"](x))
         num, why = reorder_bf16_linears(model)
-        assert num == 2 and why.endswith("bf16 GEMM on oneDNN-reordered weights")
+        assert num == 2 and "bf16 GEMM on oneDNN-reordered weights" in why
         assert isinstance(model["proj"], OneDnnLinear) and isinstance(model["head"], OneDnnLinear)
         assert type(model["f32"]) is torch.nn.Linear
         assert torch.equal(model["embed"].weight, table)
@@ -116,7 +116,8 @@ def test_an_engine_in_bf16_runs_the_reordered_layers(monkeypatch, tiny_llama_hf_
     engine, tokens = generate("1")
     kinds = {type(m).__name__ for name, m in engine.model.named_modules() if name.endswith("_proj")}
     assert kinds == {"OneDnnLinear"}
-    assert engine.model_info["cpu_gemm"].endswith("bf16 GEMM on oneDNN-reordered weights; 9 layers")
+    assert "bf16 GEMM on oneDNN-reordered weights" in engine.model_info["cpu_gemm"]
+    assert engine.model_info["cpu_gemm"].endswith("; 9 layers")
     plain, plain_tokens = generate("0")
     assert plain.model_info["cpu_gemm"] == f"{ONEDNN_ENV}=0"
     assert tokens == plain_tokens

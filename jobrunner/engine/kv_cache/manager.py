@@ -66,6 +66,11 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return True
 
+    def register_computed(self, request: Request) -> None:
+        """Register the request's full blocks of computed, known tokens in the prefix cache (late readback: a block
+        filled by a token read one step late is registered once the token is known)."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+
     def fork(self, request: Request, num_prompt_tokens: int) -> list[int]:
         """The blocks of ``request`` that sibling samples can share: the full prompt blocks.
 
@@ -97,10 +102,12 @@ class KVCacheManager:
         request.num_cached_blocks = 0
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
-        # Blocks that will be full once this step has run hold known tokens: register them now.
+        # Blocks that will be full once this step has run hold known tokens: register them now. A token still on
+        # the device (late readback) is not known yet: its block is registered at the request's next allocation.
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens_after_step // self.block_size
+        num_known = request.num_tokens - request.num_pending_tokens
+        num_full = min(num_tokens_after_step, num_known) // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         token_ids = request.all_token_ids

@@ -43,6 +43,7 @@ class DraftSeq:
     rope_table = 0  # the draft model's first rope table, always (longrope's long one would only change proposals)
     adapter_id = 0  # the draft model runs without LoRA adapters: its cached blocks are the base model's
     pooling = None  # drafts are generated tokens, never a prefill-only (embed / score) request
+    num_pending_tokens = 0  # every token is known on the host (late readback never runs with a speculator)
 
     def __init__(self, request) -> None:
         self.request = request
