@@ -22,7 +22,6 @@ import torch
 AMX_ENV = "JOBRUNNER_ATTENTION_AMX"
 AMX_MIN_QUERY = 1  # every chunk of 2+ tokens: from 2 tokens up as fast as the fast kernel or faster (2-core Xeon)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_attention.c"
-FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -40,12 +39,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
+    from jobrunner.quant.native import open_amx_library
 
-    lib = open_library("amx_attention", SOURCE, "AMX prompt attention", _declare, extra_flags=FLAGS)
-    if not isinstance(lib, str) and not lib.jr_amx_ready():
-        return "AMX prompt attention unavailable (the OS refused the AMX tile state)"
-    return lib
+    return open_amx_library("amx_attention", SOURCE, "AMX prompt attention", _declare, "jr_amx_ready")
 
 
 def amx_unavailable_reason(head_dim: int) -> str | None:

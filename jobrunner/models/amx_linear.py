@@ -34,7 +34,6 @@ AMX_GEMM_ENV = "JOBRUNNER_AMX_GEMM"
 AMX_GEMM_MAX_ROWS = 128        # calls with more rows take oneDNN (faster from ~256 rows: prompt chunks)
 AMX_GEMM_MAX_BYTES = 2 << 30   # keep the second (tile-packed) copy of the weights up to this many bytes
 SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_gemm.c"
-FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -48,12 +47,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
+    from jobrunner.quant.native import open_amx_library
 
-    lib = open_library("amx_gemm", SOURCE, "AMX GEMM", _declare, extra_flags=FLAGS)
-    if not isinstance(lib, str) and not lib.jr_amx_gemm_ready():
-        return "AMX GEMM unavailable (the OS refused the AMX tile state)"
-    return lib
+    return open_amx_library("amx_gemm", SOURCE, "AMX GEMM", _declare, "jr_amx_gemm_ready")
 
 
 def amx_gemm_choice(weight_bytes: int) -> tuple[bool, str]:

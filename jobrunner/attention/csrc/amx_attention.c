@@ -26,42 +26,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "jr_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define LANES 16      /* query lanes per tile */
 #define KB 32         /* keys per step: two 16-key score tiles, one 32-key P tile */
 #define MAX_D 256
 #define SPAN 4        /* lane blocks per phase-2 work unit */
 
-typedef struct {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands out the AMX tile state only on request (once per process) */
-static int amx_permitted(void) {
-  static int state = 0; /* 0 unknown, 1 yes, -1 no */
-  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-  return state == 1;
-}
-
-/* every tile 16 rows x 64 bytes; operands: Q^T (16 dimension pairs x 16 lanes), K (16 keys x 32 dims), S^T
-   (16 keys x 16 lanes, float32), P^T (16 key pairs x 16 lanes), V^T (16 dims x 32 keys), O^T (16 dims x 16
-   lanes, float32); which tile holds which is in score_tiles / value_tiles */
-static void configure_tiles(void) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int i = 0; i < 8; i++) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+/* tiles (jr_amx.h: all 16 rows x 64 bytes); operands: Q^T (16 dimension pairs x 16 lanes), K (16 keys x 32
+   dims), S^T (16 keys x 16 lanes, float32), P^T (16 key pairs x 16 lanes), V^T (16 dims x 32 keys), O^T (16 dims
+   x 16 lanes, float32); which tile holds which is in score_tiles / value_tiles */
 
 typedef struct {
   const uint16_t *q, *k, *v;

@@ -23,39 +23,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "jr_amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define ROW_BLOCK 256
 #ifndef PREFETCH
 #define PREFETCH 4 /* K tiles ahead (0: none) */
 #endif
-
-typedef struct {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands out the AMX tile state only on request (once per process) */
-static int amx_permitted(void) {
-  static int state = 0; /* 0 unknown, 1 yes, -1 no */
-  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-  return state == 1;
-}
-
-static void configure_tiles(void) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int i = 0; i < 8; i++) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 int jr_amx_gemm_ready(void) { return amx_permitted(); }
 
@@ -120,44 +93,24 @@ static void gemm_blocks(const uint16_t *x, int64_t ldx, const uint16_t *tail, in
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (two_m && two_n) {
-          for (int64_t kb = 0; kb < kt; kb++) {
-            if (PREFETCH && m == r0) { /* the first row pair streams the weights from memory: ask ahead */
-              for (int64_t line = 0; line < 1024; line += 64) {
-                _mm_prefetch((const char *)b0 + (kb + PREFETCH) * tile_bytes + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)b1 + (kb + PREFETCH) * tile_bytes + line, _MM_HINT_T0);
-              }
+        for (int64_t kb = 0; kb < kt; kb++) {  /* the branches are the same every step: predicted */
+          if (PREFETCH && m == r0) { /* the first row pair streams the weights from memory: ask ahead */
+            for (int64_t line = 0; line < 1024; line += 64) {
+              _mm_prefetch((const char *)b0 + (kb + PREFETCH) * tile_bytes + line, _MM_HINT_T0);
+              if (two_n) _mm_prefetch((const char *)b1 + (kb + PREFETCH) * tile_bytes + line, _MM_HINT_T0);
             }
-            _tile_loadd(4, a0 + kb * 32, lda0);
-            _tile_loadd(6, b0 + kb * tile_bytes, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, b1 + kb * tile_bytes, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, a1 + kb * 32, lda1);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
           }
-        } else if (two_n) {
-          for (int64_t kb = 0; kb < kt; kb++) {
-            _tile_loadd(4, a0 + kb * 32, lda0);
-            _tile_loadd(6, b0 + kb * tile_bytes, 64);
-            _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(4, a0 + kb * 32, lda0);
+          _tile_loadd(6, b0 + kb * tile_bytes, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_n) {
             _tile_loadd(7, b1 + kb * tile_bytes, 64);
             _tile_dpbf16ps(1, 4, 7);
           }
-        } else if (two_m) {
-          for (int64_t kb = 0; kb < kt; kb++) {
-            _tile_loadd(4, a0 + kb * 32, lda0);
-            _tile_loadd(6, b0 + kb * tile_bytes, 64);
-            _tile_dpbf16ps(0, 4, 6);
+          if (two_m) {
             _tile_loadd(5, a1 + kb * 32, lda1);
             _tile_dpbf16ps(2, 5, 6);
-          }
-        } else {
-          for (int64_t kb = 0; kb < kt; kb++) {
-            _tile_loadd(4, a0 + kb * 32, lda0);
-            _tile_loadd(6, b0 + kb * tile_bytes, 64);
-            _tile_dpbf16ps(0, 4, 6);
+            if (two_n) _tile_dpbf16ps(3, 5, 7);
           }
         }
         const int64_t rows0 = r1 - m < 16 ? r1 - m : 16, rows1 = two_m ? (r1 - m - 16 < 16 ? r1 - m - 16 : 16) : 0;
