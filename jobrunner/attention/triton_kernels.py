@@ -66,9 +66,28 @@ def paged_attention_kernel(
     last_token = tl.minimum(first + TOKENS_PER_TILE, q_len) - 1
     kv_end = prefix + last_token + 1                       # keys 0 .. kv_end - 1 are visible to the tile
     qk_scale = scale * 1.4426950408889634                  # exp(x) = exp2(x * log2(e))
-    for start in range(0, kv_end, BLOCK_N):
+    # every row sees key 0 in the first block, so the running maximum is finite from the first block on
+    m_i, l_i, acc = attend_key_range(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, 0, kv_end,
+                                     position, d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh, stride_ss,
+                                     stride_sh, qk_scale, BLOCK_N, BLOCK_SIZE, True, DOT_FP32, KV_SCALED)
+    acc = acc / l_i[:, None]
+    out = o_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def attend_key_range(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, key_lo, key_hi, position,
+                     d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh, stride_ss, stride_sh, qk_scale,
+                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+                     DOT_FP32: tl.constexpr, KV_SCALED: tl.constexpr):
+    """FlashAttention's online softmax of the tile's query rows ``q`` over keys ``key_lo .. key_hi - 1`` of one
+    row (its block ids at ``table``), ``BLOCK_N`` at a time: returns the updated running maximum ``m_i`` (base-2
+    exponents), sum ``l_i`` and unnormalised output ``acc``. ``CAUSAL``: a query row sees keys up to its
+    ``position``. The first block must hold a key every row sees (key 0 / a segment's first key), so the
+    maximum is finite from then on. Shared by the main kernel and the split-K decode kernel."""
+    for start in range(key_lo, key_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
+        n_ok = n < key_hi
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -78,10 +97,12 @@ def paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * qk_scale                                   # [BLOCK_M, BLOCK_N]
-        if KV_SCALED:
+        if KV_SCALED:                                      # fp8 codes: each key row's scale on its scores
             s = s * tl.load(ks_ptr + slot * stride_ss + kv_head * stride_sh, mask=n_ok, other=0.0)[None, :]
-        s = tl.where(n_ok[None, :] & (n[None, :] <= position[:, None]), s, float("-inf"))
-        # every row sees key 0 in the first block, so m_new is finite from the first iteration on
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= position[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -96,6 +117,4 @@ def paged_attention_kernel(
             pv = tl.dot(pw.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    acc = acc / l_i[:, None]
-    out = o_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
-    tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    return m_i, l_i, acc

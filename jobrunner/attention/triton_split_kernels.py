@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from jobrunner.attention.triton_kernels import attend_key_range
+
 
 @triton.jit
 def split_decode_kernel(
@@ -61,35 +63,10 @@ def split_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * 1.4426950408889634                # exp(x) = exp2(x * log2(e))
-    for start in range(seg_start, seg_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < seg_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        if KV_SCALED:
-            s = s * tl.load(ks_ptr + slot * stride_ss + kv_head * stride_sh, mask=n_ok, other=0.0)[None, :]
-        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))   # [BLOCK_M, BLOCK_N]
-        # the segment is not empty, so its first key is real: m_new is finite from the first iteration on
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        pw = p                                             # the weights, times each value row's scale (fp8)
-        if KV_SCALED:
-            pw = p * tl.load(vs_ptr + slot * stride_ss + kv_head * stride_sh, mask=n_ok, other=0.0)[None, :]
-        if DOT_FP32:
-            pv = tl.dot(pw, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(pw.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # the segment is not empty, so its first key is real; a decode sees every key before it (not causal)
+    m_i, l_i, acc = attend_key_range(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, seg_start,
+                                     seg_end, m, d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh, stride_ss,
+                                     stride_sh, qk_scale, BLOCK_N, BLOCK_SIZE, False, DOT_FP32, KV_SCALED)
     part = (row * num_heads + head) * num_segments + segment    # [BLOCK_M] index into m / l
     tl.store(part_m_ptr + part, m_i, mask=m_ok)
     tl.store(part_l_ptr + part, l_i, mask=m_ok)
