@@ -267,7 +267,10 @@ def submit(job_file: str, overrides: tuple[str, ...], address: str, wait: bool, 
         raise _error(exc) from None
     echo(job_id)
     if wait:
-        status = follow_job(client, job_id, sys.stdout)
+        try:
+            status = follow_job(client, job_id, sys.stdout)
+        except SubmitError as exc:
+            raise _error(exc) from None
         echo(f"Ray job {job_id} ended: {status}", err=True)
         if status != "SUCCEEDED":
             raise click.ClickException(f"Ray job {job_id} ended with status {status}")

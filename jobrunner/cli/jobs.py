@@ -87,14 +87,17 @@ def job_status(job_id: str, address: str, auth_token: str | None, as_json: bool)
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends; exit 1 unless it succeeded.")
 def job_logs(job_id: str, address: str, auth_token: str | None, follow: bool) -> None:
     """The driver logs of one Ray job."""
-    from jobrunner.driver.submit import follow_job
+    from jobrunner.driver.submit import SubmitError, follow_job
 
     client = _client(address, auth_token)
     if not follow:
         echo(_call(client, "cannot read the logs of", job_id, "get_job_logs"), nl=False)
         return
     _call(client, "cannot read", job_id, "get_job_status")  # an unknown id: a clear error, not a loop
-    status = follow_job(client, job_id, sys.stdout)
+    try:
+        status = follow_job(client, job_id, sys.stdout)
+    except SubmitError as exc:
+        raise click.ClickException(str(exc)) from None
     echo(f"Ray job {job_id} ended: {status}", err=True)
     if status != "SUCCEEDED":
         sys.exit(1)

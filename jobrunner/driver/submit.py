@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
+import string
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,11 @@ PYTHON_ENV = "JOBRUNNER_PYTHON"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 NO_AGENT = "No available agent to submit job"
 AGENT_WAIT_S = 180.0  # a new head's job agent can take minutes to come up on a busy small machine
+DROPPED_WAIT_S = 120.0  # how long a dashboard that drops or refuses to answer requests is retried
+# A dashboard that is up but dropped this request (busy, restarting, a proxy in between): worth another try.
+# "Connection refused" is not here: nothing listens at that address, most often a mistyped one.
+DROPPED = ("Connection aborted", "RemoteDisconnected", "Connection reset", "Read timed out",
+           "status code 502", "status code 503", "status code 504")
 
 
 class SubmitError(RuntimeError):
@@ -103,34 +110,85 @@ NOT_FOUND = (f"jobrunner submit: no Python on this Ray head can import jobrunner
              f"or pass --python /path/to/python (sent as {PYTHON_ENV}).")
 
 
+def new_submission_id() -> str:
+    """A fresh Ray submission id in Ray's own form (raysubmit_ and 16 letters or digits), made here so that a
+    submission whose answer was lost can be sent again without starting the job twice."""
+    alphabet = string.ascii_letters + string.digits
+    return "raysubmit_" + "".join(secrets.choice(alphabet) for _ in range(16))
+
+
 def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | None = None,
                working_dir: str | None = None, python: str | None = None) -> tuple[Any, str]:
-    """Submit; returns (client, Ray job id). SubmitError names the address (or the plain-text secrets)."""
+    """Submit; returns (client, Ray job id). SubmitError names the address (or the plain-text secrets).
+
+    The submission id is chosen here, so a request the dashboard dropped is sent again safely: if the first
+    try had reached the head, the retry is answered "already exists" and that job is the one returned — a job
+    is never started twice. A head whose job agent is still starting is waited for (AGENT_WAIT_S); dropped
+    connections and 502/503/504 answers are retried for DROPPED_WAIT_S.
+    """
     from ray.job_submission import JobSubmissionClient
 
     submission = build_submission(spec, working_dir, python)
+    submission_id = new_submission_id()
     token = find_auth_token(auth_token)
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    deadline = time.monotonic() + AGENT_WAIT_S
+    started = time.monotonic()
+    tries = 0
     while True:
+        tries += 1
+        client = None
         try:
             client = JobSubmissionClient(address, headers=headers)
-            return client, client.submit_job(**submission)
+            return client, client.submit_job(submission_id=submission_id, **submission)
         except Exception as exc:  # noqa: BLE001 - connection, HTTP and auth errors all end here
-            # A head that has just started answers this until its job agent is up: wait for it.
-            if NO_AGENT in str(exc) and time.monotonic() < deadline:
-                time.sleep(1.0)
+            text = str(exc)
+            if client is not None and tries > 1 and f"{submission_id} already exists" in text:
+                return client, submission_id  # an earlier try reached the head; only its answer was lost
+            waited_s = time.monotonic() - started
+            # A head that has just started answers NO_AGENT until its job agent is up: wait for it.
+            if (NO_AGENT in text and waited_s < AGENT_WAIT_S) or (is_dropped(text) and waited_s < DROPPED_WAIT_S):
+                time.sleep(min(1.0 * tries, 5.0))
                 continue
-            waited = f" (its job agent was not up after {AGENT_WAIT_S:.0f} s)" if NO_AGENT in str(exc) else ""
-            raise SubmitError(f"cannot submit to {address}{waited}: {redact_text(str(exc))}") from None
+            if NO_AGENT in text:
+                waited = f" (its job agent was not up after {AGENT_WAIT_S:.0f} s)"
+            elif is_dropped(text):
+                waited = f" (it dropped every request for {DROPPED_WAIT_S:.0f} s, {tries} tries)"
+            else:
+                waited = ""
+            raise SubmitError(f"cannot submit to {address}{waited}: {redact_text(text)}") from None
 
 
-def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0) -> str:
-    """Print the job's logs as they grow until it ends; return its final status (SUCCEEDED, FAILED, STOPPED)."""
+def is_dropped(text: str) -> bool:
+    """Whether an error's text says the dashboard was reached but dropped or refused to serve the request."""
+    return any(marker in text for marker in DROPPED)
+
+
+def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0,
+               lost_after_s: float | None = None) -> str:
+    """Print the job's logs as they grow until it ends; return its final status (SUCCEEDED, FAILED, STOPPED).
+
+    A dashboard that stops answering for a while (busy, restarting) is polled again; after `lost_after_s`
+    (default DROPPED_WAIT_S) without an answer a SubmitError says so and that the job may still be running.
+    """
+    lost_after_s = DROPPED_WAIT_S if lost_after_s is None else lost_after_s
     printed = 0
+    silent_since: float | None = None
     while True:
-        status = _status_name(client.get_job_status(job_id))
-        logs = client.get_job_logs(job_id)
+        try:
+            status = _status_name(client.get_job_status(job_id))
+            logs = client.get_job_logs(job_id)
+        except Exception as exc:  # noqa: BLE001 - connection and HTTP errors; the job runs on regardless
+            now = time.monotonic()
+            silent_since = silent_since or now
+            if now - silent_since >= lost_after_s:
+                address = getattr(client, "_address", "the Ray dashboard")
+                raise SubmitError(
+                    f"lost contact with {address} while following Ray job {job_id} (no answer for "
+                    f"{lost_after_s:.0f} s): {redact_text(str(exc))}. The job may still be running: "
+                    f"jobrunner jobs status {job_id} --address {address}") from None
+            time.sleep(poll_s)
+            continue
+        silent_since = None
         out.write(logs[printed:])
         out.flush()
         printed = len(logs)

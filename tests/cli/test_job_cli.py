@@ -136,3 +136,54 @@ def test_submit_runs_the_job_on_a_ray_head(ray_head, tmp_path):
     assert manifest["job_name"] == "submitted" and manifest["totals"]["rows"] == 24
     bad = CliRunner().invoke(main, ["submit", str(job), "--address", ray_head, "--auth-token", "wrong"])
     assert bad.exit_code == 1 and f"cannot submit to {ray_head}" in bad.output
+
+
+def _jobs_named(address: str, name: str) -> list[str]:
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address, headers={"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"})
+    return [job.submission_id for job in client.list_jobs() if (job.metadata or {}).get("jobrunner_job") == name]
+
+
+def test_submit_survives_a_dashboard_that_drops_requests_and_never_starts_a_job_twice(ray_head, tmp_path,
+                                                                                      monkeypatch):
+    """CI once failed on `cannot submit to ...: RemoteDisconnected` from a busy head. Dropped requests are sent
+    again under the same submission id: whether the head had acted on the first one or not, one job runs."""
+    from jobrunner.driver import submit as submit_module
+    from tests.cli.dropping_proxy import DroppingProxy, drop_first
+
+    job = _job(tmp_path, cluster={"num_workers": 1})
+    # The head acted on the first POST; only its answer was lost. The retry is told "already exists".
+    with DroppingProxy(ray_head, drop_first("POST", "/api/jobs/", "after")) as proxy:
+        result = CliRunner().invoke(main, ["submit", str(job), "--address", proxy.url, "--wait",
+                                           "--set", "name=answer-lost"])
+    assert result.exit_code == 0, result.output
+    job_id = result.output.splitlines()[0]
+    assert [action for method, _, action in proxy.seen if method == "POST"] == ["after", "forward"]
+    assert _jobs_named(ray_head, "answer-lost") == [job_id]
+    assert "3/3 shards committed, 24 rows" in result.output
+
+    # The first POST never reached the head: the retry starts the job, once.
+    with DroppingProxy(ray_head, drop_first("POST", "/api/jobs/", "before", count=2)) as proxy:
+        result = CliRunner().invoke(main, ["submit", str(job), "--address", proxy.url, "--wait",
+                                           "--set", "name=never-arrived", "--set", f"output.url={tmp_path / 'out2'}"])
+    assert result.exit_code == 0, result.output
+    assert [action for method, _, action in proxy.seen if method == "POST"] == ["before", "before", "forward"]
+    assert _jobs_named(ray_head, "never-arrived") == [result.output.splitlines()[0]]
+
+    # A dashboard that drops every submission: a clear error after the retry window, and no job.
+    monkeypatch.setattr(submit_module, "DROPPED_WAIT_S", 3.0)
+    with DroppingProxy(ray_head, drop_first("POST", "/api/jobs/", "before", count=10**6)) as proxy:
+        result = CliRunner().invoke(main, ["submit", str(job), "--address", proxy.url, "--set", "name=dropped"])
+    assert result.exit_code == 1
+    assert f"cannot submit to {proxy.url} (it dropped every request for 3 s" in result.output
+    assert _jobs_named(ray_head, "dropped") == []
+
+    # Following a job whose dashboard goes silent: an error that says the job may still run, not a hang.
+    with DroppingProxy(ray_head, drop_first("GET", f"/api/jobs/{job_id}", "before", count=10**6)) as proxy:
+        proxy.rule = (lambda rule: lambda method, path: None if len(proxy.seen) < 3 else rule(method, path))(
+            proxy.rule)  # the version check and the first status read pass; then silence
+        result = CliRunner().invoke(main, ["jobs", "logs", job_id, "--follow", "--address", proxy.url])
+    assert result.exit_code == 1, result.output
+    assert f"lost contact with {proxy.url} while following Ray job {job_id} (no answer for 3 s)" in result.output
+    assert f"jobrunner jobs status {job_id} --address {proxy.url}" in result.output
