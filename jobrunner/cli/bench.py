@@ -1,6 +1,7 @@
 """`jobrunner bench`: our engine's throughput on a prompt file (with --baseline hf: vs transformers' generate on
 the same prompts, in one process); --compare-quantization: schemes side by side (--quant-dispatch: per forced
-CPU capability, each in a fresh process); --quant-kernels: one linear layer per path; --calibrate-dtype: the
+CPU capability, each in a fresh process); --quant-kernels: one linear layer per path; --gemm-paths: each GEMM
+path; --kv-attention: decode attention per route and KV-cache dtype; --calibrate-dtype: the
 dtype check of a machine. The one entry point of every measurement in jobrunner/bench."""
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.option("--gemm-paths", is_flag=True,
               help="Microseconds of each GEMM path (F.linear, our packed kernel, oneDNN) per SmolLM2 layer shape "
                    "at --batch-sizes rows, in --dtype (auto = float32; jobrunner.bench.gemm_paths).")
+@click.option("--kv-attention", "kv_context", type=click.IntRange(min=1), default=None, metavar="CONTEXT",
+              help="Only time one layer's decode attention over CONTEXT keys per row, at --batch-sizes rows, per CPU "
+                   "route and KV-cache dtype (model dtype and fp8; --dtype auto = bfloat16; "
+                   "jobrunner.bench.kv_attention).")
 @click.option("--lora-steps", is_flag=True,
               help="Only time engine steps of 16 rows on --model with 4 random rank-16 LoRA adapters: rows "
                    "without an adapter, all on one adapter, and mixed over the 4 (jobrunner.bench.lora_steps).")
@@ -100,7 +105,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
           quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
-          gemm_paths: bool, lora_steps: bool, profile: bool, as_json: bool, calibrate_dtype: bool) -> None:
+          gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool, as_json: bool,
+          calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -123,12 +129,15 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     if gemm_paths:
         _gemm_paths(batch_sizes, dtype, as_json)
         return
+    if kv_context is not None:
+        _kv_attention(kv_context, batch_sizes, dtype, as_json)
+        return
     if lora_steps:
         _lora_steps(model, dtype, device, as_json)
         return
     if prompts_path is None:
-        raise click.UsageError("--prompts is required (unless --calibrate-dtype, --quant-kernels, --gemm-paths or "
-                               "--lora-steps)")
+        raise click.UsageError("--prompts is required (unless --calibrate-dtype, --quant-kernels, --gemm-paths, "
+                               "--kv-attention or --lora-steps)")
     if no_prefix_caching and compare_prefix_caching:
         raise click.UsageError("--compare-prefix-caching runs both; drop --no-prefix-caching")
     try:
@@ -186,6 +195,21 @@ def _gemm_paths(batch_sizes: str, dtype: str, as_json: bool) -> None:
         echo(line)
     if as_json:
         echo(json.dumps({"gemm_paths": records}))
+
+
+def _kv_attention(context: int, batch_sizes: str, dtype: str, as_json: bool) -> None:
+    import torch
+
+    from jobrunner.bench.kv_attention import KVShape, kv_attention_table, render_kv_attention
+
+    if dtype == "float16":
+        raise click.UsageError("--kv-attention measures the CPU routes: --dtype bfloat16 or float32 (auto = bfloat16)")
+    model_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    records = kv_attention_table(context, _batch_sizes(batch_sizes), model_dtype)
+    for line in render_kv_attention(records, model_dtype, KVShape()):
+        echo(line)
+    if as_json:
+        echo(json.dumps({"kv_attention": records}))
 
 
 def _lora_steps(model: str, dtype: str, device: str, as_json: bool) -> None:

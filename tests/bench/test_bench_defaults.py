@@ -44,4 +44,4 @@ def test_calibrate_dtype_reports_the_timing_and_the_capability_choice(monkeypatc
 def test_bench_needs_prompts_unless_calibrating() -> None:
     result = CliRunner().invoke(main, ["bench"])
     assert result.exit_code == 2 and ("--prompts is required (unless --calibrate-dtype, --quant-kernels, "
-                                        "--gemm-paths or --lora-steps)") in result.output
+                                        "--gemm-paths, --kv-attention or --lora-steps)") in result.output
