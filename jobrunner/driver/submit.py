@@ -146,21 +146,30 @@ def submit_job(spec: JobSpec | dict[str, Any], address: str, auth_token: str | N
                 return client, submission_id  # an earlier try reached the head; only its answer was lost
             waited_s = time.monotonic() - started
             # A head that has just started answers NO_AGENT until its job agent is up: wait for it.
-            if (NO_AGENT in text and waited_s < AGENT_WAIT_S) or (is_dropped(text) and waited_s < DROPPED_WAIT_S):
+            dropped = is_dropped(exc)
+            if (NO_AGENT in text and waited_s < AGENT_WAIT_S) or (dropped and waited_s < DROPPED_WAIT_S):
                 time.sleep(min(1.0 * tries, 5.0))
                 continue
             if NO_AGENT in text:
                 waited = f" (its job agent was not up after {AGENT_WAIT_S:.0f} s)"
-            elif is_dropped(text):
+            elif dropped:
                 waited = f" (it dropped every request for {DROPPED_WAIT_S:.0f} s, {tries} tries)"
             else:
                 waited = ""
             raise SubmitError(f"cannot submit to {address}{waited}: {redact_text(text)}") from None
 
 
-def is_dropped(text: str) -> bool:
-    """Whether an error's text says the dashboard was reached but dropped or refused to serve the request."""
-    return any(marker in text for marker in DROPPED)
+def is_dropped(exc: BaseException | str) -> bool:
+    """Whether an error says the dashboard was reached but dropped or refused to serve the request. Ray rewords
+    a dropped version check as "Failed to connect to Ray at address": the cause it chained is read too."""
+    seen: BaseException | str | None = exc
+    for _ in range(4):  # the error, then what it was raised from or during
+        if seen is None:
+            return False
+        if any(marker in str(seen) for marker in DROPPED):
+            return True
+        seen = None if isinstance(seen, str) else (seen.__cause__ or seen.__context__)
+    return False
 
 
 def follow_job(client: Any, job_id: str, out: TextIO, poll_s: float = 1.0,

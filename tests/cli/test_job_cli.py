@@ -163,12 +163,14 @@ def test_submit_survives_a_dashboard_that_drops_requests_and_never_starts_a_job_
     assert _jobs_named(ray_head, "answer-lost") == [job_id]
     assert "3/3 shards committed, 24 rows" in result.output
 
-    # The first POST never reached the head: the retry starts the job, once.
-    with DroppingProxy(ray_head, drop_first("POST", "/api/jobs/", "before", count=2)) as proxy:
+    # The first POST never reached the head (nor the first version check): the retry starts the job, once.
+    rules = [drop_first("GET", "/api/version", "before"), drop_first("POST", "/api/jobs/", "before", count=2)]
+    with DroppingProxy(ray_head, lambda method, path: rules[0](method, path) or rules[1](method, path)) as proxy:
         result = CliRunner().invoke(main, ["submit", str(job), "--address", proxy.url, "--wait",
                                            "--set", "name=never-arrived", "--set", f"output.url={tmp_path / 'out2'}"])
     assert result.exit_code == 0, result.output
     assert [action for method, _, action in proxy.seen if method == "POST"] == ["before", "before", "forward"]
+    assert ("GET", "/api/version", "before") in proxy.seen
     assert _jobs_named(ray_head, "never-arrived") == [result.output.splitlines()[0]]
 
     # A dashboard that drops every submission: a clear error after the retry window, and no job.
