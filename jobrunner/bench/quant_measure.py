@@ -47,11 +47,13 @@ def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float
 
 
 def score_texts(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> tuple[float, list[torch.Tensor]]:
-    """Perplexity over ``texts`` and the argmax token at every position of each (for top-1 agreement)."""
+    """Perplexity over ``texts`` and the argmax token at every position of each (for top-1 agreement); each text
+    is cut to :data:`MAX_PPL_TOKENS` tokens, or to the model's positions if it has fewer."""
     total_nll, total_tokens = 0.0, 0
     top1: list[torch.Tensor] = []
+    limit = min(MAX_PPL_TOKENS, model.rotary.max_positions)
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_PPL_TOKENS]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:limit]
         if len(ids) < 2:
             continue
         logits = sequence_logits(model, ids)[:-1]

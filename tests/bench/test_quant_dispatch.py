@@ -30,8 +30,9 @@ def test_measure_here_loads_dtypes_and_crossovers_per_config_and_scores_each(
     monkeypatch.setenv(CAPABILITY_ENV, "avx2")
     monkeypatch.delenv(CROSSOVER_ENV, raising=False)
     configs = ["float32:none", "bf16", "int4", "int4@int4=1", "bfloat16:int8/lm_head=int4"]
+    texts = [*TEXTS, "a text longer than the tiny model's 256 positions " * 30]  # scored on its first 256
     result = measure_here(str(tiny_llama_hf_dir), configs, [1], max_tokens=2, prompts=["hello there"], rounds=1,
-                          dtype="float32", texts=TEXTS)
+                          dtype="float32", texts=texts)
     assert result["dtype"] == {"float32:none": "float32", "bf16": "bfloat16", "int4": "float32",
                                "int4@int4=1": "float32", "bfloat16:int8/lm_head=int4": "bfloat16"}
     kernel_tokens = {name: d and d["max_kernel_tokens"] for name, d in result["dispatch"].items()}
@@ -42,7 +43,7 @@ def test_measure_here_loads_dtypes_and_crossovers_per_config_and_scores_each(
     assert list(quality) == configs and quality["float32:none"]["teacher_forced_top1_agreement"] == 1.0
     # the same int4 weights through another kernel (dequantized float32 tiles instead of the packed kernel)
     assert quality["int4@int4=1"]["perplexity"] == pytest.approx(quality["int4"]["perplexity"], rel=1e-3)
-    assert {q["num_tokens"] for q in quality.values()} == {_num_scored_tokens(tiny_llama_hf_dir, TEXTS)}
+    assert {q["num_tokens"] for q in quality.values()} == {_num_scored_tokens(tiny_llama_hf_dir, texts)}
     assert all(q["perplexity"] > 1 for q in quality.values())
 
 
@@ -140,12 +141,12 @@ def test_bench_cli_runs_the_dispatch_check_per_capability_in_a_fresh_process(tin
     assert scored == _num_scored_tokens(tiny_llama_hf_dir, TEXTS)
 
 
-def _num_scored_tokens(model_dir, texts: list[str]) -> int:
-    """Tokens that predict a next one: each text's token count less one (the scored positions)."""
+def _num_scored_tokens(model_dir, texts: list[str], max_positions: int = 256) -> int:
+    """Tokens that predict a next one: each text's token count (at most the tiny model's positions) less one."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) - 1 for t in texts)
+    return sum(min(len(tokenizer(t, add_special_tokens=False)["input_ids"]), max_positions) - 1 for t in texts)
 
 
 def test_bench_cli_times_one_layer_per_path() -> None:
