@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from jobrunner.engine.scoring import sequence_logits
+from jobrunner.models.onednn_linear import OneDnnLinear
 from jobrunner.models.packed_linear import PackedLinear
 from jobrunner.quant.apply import QUANTIZED_LINEARS
 
@@ -27,10 +28,11 @@ MAX_PPL_TOKENS = 512
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the linear weights (quantized or not) and of all unique parameters and buffers."""
+    """Bytes of the linear weights (quantized or not; a bf16 layer on oneDNN's reordered weight counts its 2 bytes
+    per weight) and of all unique parameters and buffers."""
     linear = 0
     for module in model.modules():
-        if isinstance(module, (*QUANTIZED_LINEARS, PackedLinear)):
+        if isinstance(module, (*QUANTIZED_LINEARS, PackedLinear, OneDnnLinear)):
             linear += module.weight_bytes()
         elif isinstance(module, torch.nn.Linear):
             linear += module.weight.numel() * module.weight.element_size()
@@ -45,11 +47,13 @@ def perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> float
 
 
 def score_texts(model: torch.nn.Module, tokenizer, texts: Sequence[str]) -> tuple[float, list[torch.Tensor]]:
-    """Perplexity over ``texts`` and the argmax token at every position of each (for top-1 agreement)."""
+    """Perplexity over ``texts`` and the argmax token at every position of each (for top-1 agreement); each text
+    is cut to :data:`MAX_PPL_TOKENS` tokens, or to the model's positions if it has fewer."""
     total_nll, total_tokens = 0.0, 0
     top1: list[torch.Tensor] = []
+    limit = min(MAX_PPL_TOKENS, model.rotary.max_positions)
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_PPL_TOKENS]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:limit]
         if len(ids) < 2:
             continue
         logits = sequence_logits(model, ids)[:-1]
@@ -65,6 +69,19 @@ def _top1_agreement(top1: list[torch.Tensor], reference: list[torch.Tensor]) -> 
     where one early flip cannot derail every later token (unlike :func:`agreement` on generations)."""
     same = sum(int((a == b).sum()) for a, b in zip(top1, reference, strict=True))
     return same / max(sum(len(a) for a in top1), 1)
+
+
+def quality_by_name(engines: dict[str, Any], texts: Sequence[str]) -> dict[str, dict[str, float | int]]:
+    """Perplexity of each engine's model on ``texts`` and its teacher-forced top-1 agreement with the first
+    engine's (one prefill per text, as :func:`measure_quantization` scores them)."""
+    out: dict[str, dict[str, float | int]] = {}
+    reference: list[torch.Tensor] | None = None
+    for name, engine in engines.items():
+        ppl, top1 = score_texts(engine.model, engine.tokenizer, texts)
+        reference = reference or top1
+        out[name] = {"perplexity": ppl, "teacher_forced_top1_agreement": _top1_agreement(top1, reference),
+                     "num_tokens": sum(len(t) for t in top1)}
+    return out
 
 
 def forced_decisions(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
@@ -234,37 +251,18 @@ def _add_ratios(rows: dict[str, dict[str, Any]], base: str) -> None:
 
 def engine_factory(source: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int | None = None,
                    max_num_batched_tokens: int | None = None) -> Callable[[str], Any]:
-    """A ``scheme -> LLMEngine`` function for :func:`measure_quantization` (prefix caching off).
+    """A ``name -> LLMEngine`` function for :func:`measure_quantization`, prefix caching and speculation off.
 
-    Schemes: ``none`` | ``int8`` | ``int4`` | ``fp8``; ``bf16``: unquantized in bfloat16, a control that shows how far
-    a float dtype change alone moves the numbers; ``int4/lm_head=int8``: per-layer overrides.
+    Names are :mod:`jobrunner.bench.quant_configs` configs: ``none`` | ``int8`` | ``int4`` | ``fp8`` | ``w8a8`` on
+    ``dtype``; ``bf16``: unquantized in bfloat16, a control that shows how far a float dtype change alone moves
+    the numbers; ``bfloat16:int4``: a dtype of its own; ``int4/lm_head=int8``: per-layer overrides;
+    ``int4@int4=8``: crossovers of its own.
     """
-    from jobrunner.engine import EngineConfig, LLMEngine
+    from jobrunner.bench.quant_configs import comparison_config, load_engine, parse_config
 
-    given = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}  # None: the default
-    config = EngineConfig(**{k: v for k, v in given.items() if v is not None}, enable_prefix_caching=False,
-                          device=device)
+    config = comparison_config(device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
-    def factory(scheme: str) -> Any:
-        if scheme == "bf16":
-            return LLMEngine.from_source(source, dtype="bfloat16", quantization="none", config=config)
-        if "/" not in scheme:
-            return LLMEngine.from_source(source, dtype=dtype, quantization=scheme, config=config)
-        return _engine_with_overrides(source, dtype, scheme, config)
+    def factory(name: str) -> Any:
+        return load_engine(source, parse_config(name, dtype), config)
 
     return factory
-
-
-def _engine_with_overrides(source: str, dtype: str, scheme: str, config: Any) -> Any:
-    """``"int4/lm_head=int8"``: the base scheme with per-layer overrides (not a job-spec value)."""
-    from jobrunner.engine import LLMEngine
-    from jobrunner.models.factory import load_for_engine
-    from jobrunner.quant.apply import quantize_model
-
-    base, _, rest = scheme.partition("/")
-    overrides = dict(item.split("=", 1) for item in rest.split("+") if item)
-    model, tokenizer, eos_ids, info = load_for_engine(source, dtype=dtype, device=config.device)
-    info["quantization"] = scheme
-    info["quantization_report"] = quantize_model(model, base, overrides=overrides).summary()
-    return LLMEngine(model, tokenizer, config, eos_ids, info)
-

@@ -1,8 +1,8 @@
 """`jobrunner bench`: our engine's throughput on a prompt file (with --baseline hf: vs transformers' generate on
-the same prompts, in one process); --compare-quantization: schemes side by side (--quant-dispatch: per forced
-CPU capability, each in a fresh process); --quant-kernels: one linear layer per path; --gemm-paths: each GEMM
-path; --kv-attention: decode attention per route and KV-cache dtype; --calibrate-dtype: the
-dtype check of a machine. The one entry point of every measurement in jobrunner/bench."""
+the same prompts, in one process); --compare-quantization: quantization configs side by side (--quant-dispatch:
+per forced CPU capability, each in a fresh process); --quant-kernels: one linear layer per path; --gemm-paths:
+each GEMM path; --kv-attention: decode attention per route and KV-cache dtype; --calibrate-dtype: the dtype check
+of a machine. The one entry point of every measurement in jobrunner/bench."""
 
 from __future__ import annotations
 
@@ -67,18 +67,24 @@ def _engine_option(flag: str, name: str, **kwargs):
                      "gain) or a draft model source (same tokenizer as --model).")
 @_engine_option("--attention-backend", "attention_backend",
                 type=click.Choice(["auto", "torch", "cpu_paged", "triton"]))
-@click.option("--compare-quantization", "quant_schemes", default=None, metavar="SCHEMES",
-              help="Instead of the baseline run: compare these schemes with 'none' (e.g. none,int8,int4; 'bf16' "
-                   "is an unquantized bfloat16 control): weight bytes, perplexity on --quality-texts, greedy "
-                   "agreement of 32 tokens on the prompts, output tokens/s at --batch-sizes.")
+@click.option("--compare-quantization", "quant_schemes", default=None, metavar="CONFIGS",
+              help="Instead of the baseline run: compare these configs with the first, unquantized one (e.g. "
+                   "none,int8,int4 on --dtype; float32:none,bfloat16:none,bfloat16:int4 for float controls side "
+                   "by side; 'bf16' = bfloat16:none; int4/lm_head=int8: per-layer overrides; int4@int4=8: its own "
+                   "crossovers): weight bytes, perplexity on --quality-texts, greedy agreement of 32 tokens on the "
+                   "prompts, output tokens/s at --batch-sizes (prefix caching and speculation off).")
 @click.option("--quality-texts", type=click.Path(dir_okay=False), default=None,
-              help="Held-out text for perplexity (.jsonl/.parquet; assistant turns, else the prompt text).")
+              help="Held-out text for perplexity and teacher-forced top-1 (.jsonl/.parquet; assistant turns, else "
+                   "the prompt text).")
+@click.option("--num-texts", type=click.IntRange(min=1), default=None,
+              help="Use the first N rows of --quality-texts (default: all).")
 @click.option("--batch-sizes", default="1,8,64", show_default=True,
               help="Batch sizes for --compare-quantization throughput.")
 @click.option("--quant-dispatch", "capabilities", default=None, metavar="CAPABILITIES",
-              help="With --compare-quantization: only output tokens/s per scheme and --batch-sizes, once per CPU "
-                   "capability (native,avx2: avx2 forces the kernels an AVX2-only CPU runs), each in a fresh "
-                   "process; no --quality-texts needed.")
+              help="With --compare-quantization (default none,int8,int4): output tokens/s per config and "
+                   "--batch-sizes, once per CPU capability (native, avx2: the kernels an AVX2-only CPU runs, "
+                   "torch/oneDNN/MKL capped too; or another forced one, e.g. avx512_vnni), each in a fresh process; "
+                   "with --quality-texts also perplexity and top-1 per capability.")
 @click.option("--quant-kernels", is_flag=True,
               help="Only time one linear layer of each SmolLM2 shape on every quantized path at --batch-sizes "
                    "token counts (microseconds).")
@@ -104,8 +110,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
-          quality_texts: str | None, batch_sizes: str, capabilities: str | None, quant_kernels: bool,
-          gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool, as_json: bool,
+          quality_texts: str | None, num_texts: int | None, batch_sizes: str, capabilities: str | None,
+          quant_kernels: bool, gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool, as_json: bool,
           calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
@@ -147,12 +153,13 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            speculative=speculative, attention_backend=attention_backend)
+    texts = _quality_texts(quality_texts, num_texts)
     if capabilities is not None:
-        _quant_dispatch(model, rows, quant_schemes or "none,int8,int4", capabilities, batch_sizes, max_tokens,
-                        raw_prompts, as_json)
+        _quant_dispatch(engine, rows, quant_schemes or "none,int8,int4", capabilities, batch_sizes, max_tokens,
+                        raw_prompts, texts, as_json)
         return
     if quant_schemes is not None:
-        _compare_quantization(engine, rows, quant_schemes, quality_texts, batch_sizes, raw_prompts, as_json)
+        _compare_quantization(engine, rows, quant_schemes, texts, batch_sizes, raw_prompts, as_json)
         return
     baseline = _engines_baseline(engines, baseline)
     options = BenchOptions(engine=engine, max_tokens=max_tokens, ignore_eos=ignore_eos,
@@ -233,32 +240,46 @@ def _batch_sizes(batch_sizes: str) -> list[int]:
     return sizes
 
 
-def _scheme_names(schemes: str) -> list[str]:
-    """``none,int8,int4``; a scheme may carry per-layer overrides (``int4/lm_head=int8``)."""
+def _scheme_names(schemes: str, dtype: str) -> list[str]:
+    """``none,int8,int4`` or ``float32:none,bfloat16:int4``: checked config names (jobrunner.bench.quant_configs)."""
+    from jobrunner.bench.quant_configs import parse_configs
+
     names = [s.strip().lower() for s in schemes.split(",") if s.strip()]
-    unknown = [s for s in names if s.split("/")[0] not in ("none", "int8", "int4", "fp8", "w8a8", "bf16")]
-    if unknown or not names or names[0] != "none":
-        raise click.BadParameter(f"{schemes!r}: a comma-separated list starting with none, of "
-                                 "none|int8|int4|fp8|w8a8|bf16 (a scheme may add per-layer overrides, "
-                                 "e.g. int4/lm_head=int8)",
-                                 param_hint="--compare-quantization")
+    try:
+        parse_configs(names, dtype)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--compare-quantization") from None
     return names
 
 
-def _quant_dispatch(model: str, rows, schemes: str, capabilities: str, batch_sizes: str, max_tokens: int,
-                    raw_prompts: bool, as_json: bool) -> None:
-    from jobrunner.bench.prompts import as_chat
-    from jobrunner.bench.quant_dispatch import render, run_dispatch
+def _quality_texts(path: str | None, num_texts: int | None) -> tuple[str, list[str]] | None:
+    """``(path, held-out texts)`` of the first ``num_texts`` rows of ``path``; None without a path."""
+    from jobrunner.bench.prompts import held_out_texts
+    from jobrunner.io.prompt_file import PromptFileError, read_prompts
 
-    names = _scheme_names(schemes)
-    caps = [c.strip() for c in capabilities.split(",") if c.strip()]
-    if not caps or any(c not in ("native", "avx2") for c in caps):
-        raise click.BadParameter(f"{capabilities!r}: native and/or avx2, comma-separated",
-                                 param_hint="--quant-dispatch")
+    if path is None:
+        return None
+    try:
+        return path, held_out_texts(read_prompts(path, num_texts))
+    except (PromptFileError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _quant_dispatch(engine, rows, schemes: str, capabilities: str, batch_sizes: str, max_tokens: int,
+                    raw_prompts: bool, texts: tuple[str, list[str]] | None, as_json: bool) -> None:
+    from jobrunner.bench.prompts import as_chat
+    from jobrunner.bench.quant_dispatch import check_capabilities, render, run_dispatch
+
+    names = _scheme_names(schemes, engine.dtype)
+    try:
+        caps = check_capabilities([c.strip() for c in capabilities.split(",") if c.strip()])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--quant-dispatch") from None
     prompts = [as_chat(row, raw=raw_prompts) for row in rows]
     try:
-        results = run_dispatch(model, names, _batch_sizes(batch_sizes), max_tokens, prompts, rounds=2,
-                               capabilities=caps, log=lambda msg: echo(msg, err=True))
+        results = run_dispatch(engine.model, names, _batch_sizes(batch_sizes), max_tokens, prompts, rounds=2,
+                               capabilities=caps, log=lambda msg: echo(msg, err=True), dtype=engine.dtype,
+                               texts=texts[1] if texts else None)
     except (RuntimeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     for capability, result in results.items():
@@ -267,23 +288,20 @@ def _quant_dispatch(model: str, rows, schemes: str, capabilities: str, batch_siz
         echo(json.dumps({"quant_dispatch": results}, default=str))
 
 
-def _compare_quantization(engine, rows, schemes: str, texts_path: str | None, batch_sizes: str,
+def _compare_quantization(engine, rows, schemes: str, texts: tuple[str, list[str]] | None, batch_sizes: str,
                           raw_prompts: bool, as_json: bool) -> None:
-    from jobrunner.bench.prompts import held_out_texts
     from jobrunner.bench.quality import run_quality
     from jobrunner.bench.quant_measure import to_markdown
-    from jobrunner.io.prompt_file import PromptFileError, read_prompts
 
-    names = _scheme_names(schemes)
-    if texts_path is None:
+    names = _scheme_names(schemes, engine.dtype)
+    if texts is None:
         raise click.UsageError("--compare-quantization needs --quality-texts (held-out text for perplexity)")
     sizes = _batch_sizes(batch_sizes)
     try:
-        texts = held_out_texts(read_prompts(texts_path))
-        result = run_quality(engine, rows, texts, names, sizes, raw_prompts)
-    except (PromptFileError, ValueError) as exc:
+        result = run_quality(engine, rows, texts[1], names, sizes, raw_prompts)
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    result["settings"]["quality_texts"] = texts_path
+    result["settings"]["quality_texts"] = texts[0]
     echo(to_markdown(result))
     if as_json:
         echo(json.dumps({"quantization": result}, default=str))

@@ -134,20 +134,35 @@ def test_bench_compare_quantization(tiny_llama_hf_dir: Path, tmp_path: Path) -> 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     data = _bench(tiny_llama_hf_dir, prompts, "--raw-prompts", "--dtype", "float32",  # exact self-agreement
-                  "--compare-quantization", "none,int8,int4",
-                  "--quality-texts", str(texts), "--batch-sizes", "1,2")
+                  "--compare-quantization", "none,bfloat16:none,int8,int4",
+                  "--quality-texts", str(texts), "--num-texts", "3", "--batch-sizes", "1,2")
     rows = data["quantization"]["schemes"]
-    assert list(rows) == ["none", "int8", "int4"]
+    assert list(rows) == ["none", "bfloat16:none", "int8", "int4"]
     assert rows["none"]["greedy_decision_agreement"]["agreement"] == 1.0
     sizes = [rows[s]["linear_weight_bytes"] for s in ("int4", "int8", "none")]
     assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    assert 2 * rows["bfloat16:none"]["linear_weight_bytes"] == rows["none"]["linear_weight_bytes"]  # bf16 control
     assert all(r["perplexity"] > 1 for r in rows.values()) and set(rows["int8"]["throughput"]) == {"1", "2"}
-    assert data["quantization"]["settings"]["num_texts"] == len(PROMPTS)
+    settings = data["quantization"]["settings"]
+    assert settings["num_texts"] == 3 and (settings["prefix_caching"], settings["speculative"]) == (False, "off")
+
+
+def test_comparison_engines_run_without_speculation_or_prefix_caching(tiny_llama_hf_dir: Path) -> None:
+    from jobrunner.bench.quant_measure import engine_factory
+
+    factory = engine_factory(str(tiny_llama_hf_dir), dtype="float32", device="cpu", max_num_seqs=4)
+    engine = factory("bf16@int8=1")  # unquantized: the crossover is accepted and moves nothing
+    assert (engine.config.speculative, engine.config.enable_prefix_caching, engine.config.max_num_seqs) == \
+        ("off", False, 4)
+    assert engine.model_info["dtype"] == "bfloat16" and engine.model_info.get("quant_dispatch") is None
 
 
 @pytest.mark.parametrize("extra, message", [
     (("--compare-quantization", "int8,none"), "starting with none"),
+    (("--compare-quantization", "bfloat16:int8,none"), "starting with none"),
     (("--compare-quantization", "none,int3"), "none|int8|int4|fp8|w8a8|bf16"),
+    (("--compare-quantization", "none,float8:int8"), "dtype 'float8'"),
+    (("--compare-quantization", "none,int4@int4=x"), "SCHEME=TOKENS"),
     (("--compare-quantization", "none,int8"), "--quality-texts"),
 ])
 def test_bench_compare_quantization_bad_options(tiny_llama_hf_dir: Path, jsonl: Path, extra, message) -> None:
