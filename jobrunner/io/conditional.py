@@ -8,14 +8,22 @@ version, or None when another writer got there first. How each store makes that 
   decides (412 Precondition Failed: someone else wrote). The version is the ETag.
 - Local disk (also NFS): no lock, so no process can block another, even one stopped (SIGSTOP) mid-write.
   Every write adds an immutable version file `<key>.v<N>` (N zero-padded): the writer reads the newest
-  version N, compares, writes a temporary file completely (fsync), then `os.link`s it to `<key>.v<N+1>`;
-  the link fails (EEXIST) for all but one writer of each number, and the file appears whole or not at all.
-  The current value is the highest N, and the version token is "N:<MD5 of the content>", so a writer that
-  resumes after being stopped holds an old N and loses (its compare fails, or its link finds N+1 taken).
-  After winning, the writer renames a second link of its file onto `<key>` itself (a mirror for readers
-  that open the key directly, so an in-place edit of `<key>` edits the newest version and changes its
-  token; each writer re-checks and repairs the mirror, but the version files decide) and
-  deletes all but the newest KEEP_VERSIONS version files. A plain `<key>` with no version files (written
+  version N, compares, writes a temporary file completely (fsync) whose name states its aim
+  (`<key>.tmp-<N+1>-<uuid>`, an *intent*), checks that no version N+1 or newer exists yet, then `os.link`s
+  it to `<key>.v<N+1>`; the link fails (EEXIST) for all but one writer of each number, and the file appears
+  whole or not at all. The current value is the highest N, and the version token is "N:<MD5 of the
+  content>", so a writer that resumes after being stopped holds an old N and loses (its compare fails, its
+  check sees a newer version, or its link finds N+1 taken). After winning, the writer renames a second link
+  of its file onto `<key>` itself (a mirror for readers that open the key directly, so an in-place edit of
+  `<key>` edits the newest version and changes its token; each writer re-checks and repairs the mirror, but
+  the version files decide) and deletes all but the newest KEEP_VERSIONS version files, never one that a
+  present intent aims at: a deleted number could otherwise be linked again by a writer stopped before its
+  link, which would then believe it had won. (The collector lists the intents again after choosing what to
+  delete, so an intent made while it was choosing is seen; the writer's check comes after its intent exists,
+  so a collection that missed it saw a newer version first, and the check sees that too.) A win is final: a
+  writer whose link succeeded never takes it back, however many versions land before it returns (the old
+  post-link check did, and a slow winner's write then counted as lost though others had built on it).
+  A plain `<key>` with no version files (written
   by the earlier flock scheme) reads as version 0 and its first swap creates `<key>.v1`, exclusively as any
   other. Where the filesystem has no hard links, version files are created with O_EXCL instead (a warning
   says a reader may then briefly see one partly written). Deleting the key means deleting `<key>` and
@@ -96,7 +104,8 @@ def _warn_once(storage: Storage) -> None:
 # Version files `<key>.v<N>` beside the key; `<key>` itself is a hard link to the newest one (a mirror for
 # readers that open the key directly: `jobrunner status`, reports, an operator's `cat`).
 _VERSION_DIGITS = 12
-_TMP_MARK = ".tmp-"  # `<key>.tmp-<uuid>`: a writer's file before it is linked as a version
+_TMP_MARK = ".tmp-"  # `<key>.tmp-<N>-<uuid>`: a writer's file before it is linked as version N (an intent);
+# `<key>.tmp-<uuid>`: a second name of a version on its way onto `<key>` (the mirror)
 _LINK_UNSUPPORTED = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS)
 KEEP_VERSIONS = 8  # version files kept by garbage collection (the newest and 7 before it)
 TMP_MAX_AGE_S = 600.0  # a writer's temporary file older than this is garbage (its writer stopped or died)
@@ -120,6 +129,17 @@ def _token(n: int, data: bytes) -> str:
 
 def _version_path(path: str, n: int) -> str:
     return f"{path}.v{n:0{_VERSION_DIGITS}d}"
+
+
+def _intent_target(tmp: str) -> int | None:
+    """The version number an intent file `<key>.tmp-<N>-<uuid>` aims at (None for a mirror's temporary name)."""
+    number, dash, _ = tmp.rpartition(_TMP_MARK)[2].partition("-")
+    return int(number) if dash and number.isdigit() else None
+
+
+def _intents(path: str) -> set[int]:
+    """The version numbers that writers' intent files beside `path` aim at, from a fresh listing."""
+    return {n for n in map(_intent_target, _scan(path)[1]) if n is not None}
 
 
 def _scan(path: str) -> tuple[list[int], list[str]]:
@@ -181,7 +201,7 @@ def _local_write_if(storage: Storage, rel: str, data: bytes, version: str | None
         return None
     target = 1 if current is None else current[0] + 1
     _step("compared")
-    tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+    tmp = f"{path}{_TMP_MARK}{target}-{uuid.uuid4().hex}"  # the intent: from now on `target` is not collected
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         os.write(fd, data)  # small (a lease): one write
@@ -189,6 +209,9 @@ def _local_write_if(storage: Storage, rel: str, data: bytes, version: str | None
     finally:
         os.close(fd)
     _step("written")
+    if max(_scan(path)[0], default=0) >= target:  # taken already (and perhaps collected before our intent)
+        _unlink_quietly(tmp)
+        return None
     try:
         won = _publish_version(path, tmp, target, data)
     except BaseException:
@@ -204,28 +227,23 @@ def _local_write_if(storage: Storage, rel: str, data: bytes, version: str | None
 
 
 def _publish_version(path: str, tmp: str, target: int, data: bytes) -> bool:
-    """Make `tmp` version `target`; False when another writer has (or may have) had that number."""
+    """Make `tmp` version `target`; False when another writer has had that number.
+
+    Our intent existed before our check found no version `target`, so `target` was never collected under us:
+    a successful link is a first one, final whatever lands after it."""
     final = _version_path(path, target)
     try:
         os.link(tmp, final)
     except FileExistsError:
         return False
-    except FileNotFoundError:  # our temporary file was collected (we were stopped for minutes): too late
+    except FileNotFoundError:  # our intent was collected as garbage (we were stopped for minutes): too late
         return False
     except OSError as exc:
         if exc.errno not in _LINK_UNSUPPORTED:
             raise
         return _publish_without_links(path, final, target, data)
     _fsync_dir(os.path.dirname(path))
-    # Garbage collection deletes number n only once it sees a version >= n + KEEP_VERSIONS, and the newest
-    # number never goes down; so if none is that high now, `target` was never taken and collected before
-    # our link, and we are its only writer. Otherwise (we were stopped long enough for KEEP_VERSIONS writes)
-    # we cannot tell: refuse (the caller re-reads; a refusal is always safe) and drop our file, which is
-    # garbage (older than KEEP_VERSIONS, so nobody reads it and a writer aiming at it fails either way).
-    if max(_scan(path)[0], default=0) < target + KEEP_VERSIONS:
-        return True
-    _unlink_quietly(final)
-    return False
+    return True
 
 
 def _publish_without_links(path: str, final: str, target: int, data: bytes) -> bool:
@@ -287,13 +305,14 @@ def _copy(src: str, dst: str) -> None:
 
 
 def _collect(path: str) -> None:
-    """Delete version files older than the newest KEEP_VERSIONS and temporary files older than TMP_MAX_AGE_S."""
+    """Delete temporary files older than TMP_MAX_AGE_S, then version files older than the newest
+    KEEP_VERSIONS that no present intent aims at.
+
+    Old temporary files go first: an intent stops protecting its number only once its file is gone, so its
+    writer, if it ever resumes, finds nothing to link. The intents are listed again after the versions: a
+    writer whose intent that listing misses made it before this one began, after the versions were listed,
+    hence after the version that dooms its number existed, and its own check then refuses it."""
     versions, tmps = _scan(path)
-    if versions:
-        top = max(versions)
-        for n in versions:
-            if n <= top - KEEP_VERSIONS:
-                _unlink_quietly(_version_path(path, n))
     now = time.time()
     for tmp in tmps:
         try:
@@ -301,6 +320,16 @@ def _collect(path: str) -> None:
                 _unlink_quietly(tmp)
         except FileNotFoundError:
             pass
+    if not versions:
+        return
+    top = max(versions)
+    doomed = [n for n in versions if n <= top - KEEP_VERSIONS]
+    if not doomed:
+        return
+    aimed_at = _intents(path)
+    for n in sorted(doomed):
+        if n not in aimed_at:
+            _unlink_quietly(_version_path(path, n))
 
 
 def _unlink_quietly(path: str) -> None:

@@ -116,27 +116,113 @@ def test_old_versions_are_collected_and_a_reader_racing_the_collection_retries(t
     assert data == f"later {keep - 1}".encode() and _number(version) == 30 + keep
 
 
-def test_a_writer_whose_number_was_taken_and_collected_while_it_paused_is_refused(tmp_path, monkeypatch):
-    """The stale writer's link succeeds (its number's file is gone), but a version KEEP_VERSIONS newer exists,
-    so it cannot know it was first: refused, and the newest version stays current."""
-    storage = Storage(str(tmp_path / "out"))
+def test_a_paused_writers_intent_keeps_its_number_from_collection_and_it_is_refused(tmp_path, monkeypatch):
+    """Paused after writing its intent (`<key>.tmp-2-<uuid>`), a writer's number is taken and would be
+    collected: the intent keeps version 2's file, the resumed writer's check sees newer versions and it is
+    refused without linking; the next write collects number 2."""
+    storage, out = Storage(str(tmp_path / "out")), tmp_path / "out"
     base = write_if(storage, LEASE, b"base", None)
     other = Storage(str(tmp_path / "out"))
+    keep = conditional.KEEP_VERSIONS
 
     def others_write_meanwhile(step):
         if step == "written":
             monkeypatch.setattr(conditional, "_test_hook", None)
+            assert [p.name.split("-")[1] for p in out.glob(f"{LEASE}.tmp-*")] == ["2"]  # the intent names 2
             current = base
-            for i in range(conditional.KEEP_VERSIONS + 1):
+            for i in range(keep + 1):
                 current = write_if(other, LEASE, f"other {i}".encode(), current)
-            assert not (tmp_path / "out" / f"{LEASE}.v{2:012d}").exists()  # number 2 taken, then collected
+            assert _versions(out) == [2, *range(keep + 2 - keep + 1, keep + 3)]  # 2 kept: an intent aims at it
 
     monkeypatch.setattr(conditional, "_test_hook", others_write_meanwhile)
     assert write_if(storage, LEASE, b"stale", base) is None
     data, version = read_versioned(storage, LEASE)
-    assert data == f"other {conditional.KEEP_VERSIONS}".encode() and _number(version) == conditional.KEEP_VERSIONS + 2
-    assert not (tmp_path / "out" / f"{LEASE}.v{2:012d}").exists()  # its link there was removed again
-    assert (tmp_path / "out" / LEASE).read_bytes() == data
+    assert data == f"other {keep}".encode() and _number(version) == keep + 2
+    assert (out / f"{LEASE}.v{2:012d}").read_bytes() == b"other 0"  # never linked over: the first writer's
+    assert not list(out.glob(f"{LEASE}.tmp-*")) and (out / LEASE).read_bytes() == data
+    write_if(storage, LEASE, b"next", version)
+    assert 2 not in _versions(out) and len(_versions(out)) == keep
+
+
+def test_a_writer_paused_before_its_intent_whose_number_was_collected_never_links_it_again(tmp_path,
+                                                                                          monkeypatch):
+    """Paused between its compare and its intent, a writer's number is taken and collected (no intent
+    protected it). Its link would succeed (the name is free): its check, made after its intent exists, sees
+    the newer versions and refuses it first."""
+    storage, out = Storage(str(tmp_path / "out")), tmp_path / "out"
+    base = write_if(storage, LEASE, b"base", None)
+    other = Storage(str(tmp_path / "out"))
+    keep = conditional.KEEP_VERSIONS
+
+    def others_write_meanwhile(step):
+        if step == "compared":
+            monkeypatch.setattr(conditional, "_test_hook", None)
+            current = base
+            for i in range(keep + 1):
+                current = write_if(other, LEASE, f"other {i}".encode(), current)
+            assert 2 not in _versions(out)  # number 2 taken, then collected
+            links.clear()  # from here on: the paused writer's own links
+
+    monkeypatch.setattr(conditional, "_test_hook", others_write_meanwhile)
+    links = []
+    real_link = conditional.os.link
+    monkeypatch.setattr(conditional.os, "link", lambda src, dst: links.append(dst) or real_link(src, dst))
+    assert write_if(storage, LEASE, b"stale", base) is None
+    assert links == [] and 2 not in _versions(out)
+    data, version = read_versioned(storage, LEASE)
+    assert data == f"other {keep}".encode() and _number(version) == keep + 2
+    assert not list(out.glob(f"{LEASE}.tmp-*"))
+
+
+def test_a_winner_slow_to_return_keeps_its_win(tmp_path, monkeypatch):
+    """The CI failure (test_racing_processes_lose_no_update, under load): a writer's link succeeded, and
+    before it returned KEEP_VERSIONS others wrote on top of its version. It used to take its win back (the
+    newest version was far ahead, so it could not tell it had been first) though the others had built on it:
+    its update was counted as lost and redone. A win is final now."""
+    storage, out = Storage(str(tmp_path / "out")), tmp_path / "out"
+    write_if(storage, LEASE, b"0", None)
+    other = Storage(str(tmp_path / "out"))
+    keep = conditional.KEEP_VERSIONS
+
+    real_fsync_dir = conditional._fsync_dir
+
+    def others_build_on_it(folder):  # right after its link (the directory's fsync that follows it)
+        monkeypatch.setattr(conditional, "_fsync_dir", real_fsync_dir)
+        real_fsync_dir(folder)
+        for _ in range(keep + 1):
+            data, current = read_versioned(other, LEASE)
+            assert write_if(other, LEASE, str(int(data) + 1).encode(), current) is not None
+
+    monkeypatch.setattr(conditional, "_fsync_dir", others_build_on_it)
+    data, version = read_versioned(storage, LEASE)
+    assert _number(write_if(storage, LEASE, b"1", version)) == 2  # its win, returned
+    data, version = read_versioned(storage, LEASE)
+    assert data == str(keep + 2).encode() and _number(version) == keep + 3  # every update counted once
+    assert len(_versions(out)) == keep and (out / LEASE).read_bytes() == data
+
+
+def test_collection_spares_numbers_that_intents_aim_at_and_drops_stale_intents_first(tmp_path):
+    storage, out = Storage(str(tmp_path / "out")), tmp_path / "out"
+    token = None
+    for i in range(12):
+        token = write_if(storage, LEASE, f"{i}".encode(), token)
+    keep = conditional.KEEP_VERSIONS
+    assert _versions(out) == list(range(12 - keep + 1, 13))
+    # intents aiming at 9 (young) and 10 (older than TMP_MAX_AGE_S); a mirror's temporary name aims at none
+    young, stale = out / f"{LEASE}.tmp-9-{'a' * 32}", out / f"{LEASE}.tmp-10-{'b' * 32}"
+    mirror_name = out / f"{LEASE}.tmp-{'1' * 32}"
+    for f in (young, stale, mirror_name):
+        f.write_bytes(b"x")
+    old = time.time() - conditional.TMP_MAX_AGE_S - 5
+    os.utime(stale, (old, old))
+    assert conditional._intents(str(out / LEASE)) == {9, 10}
+    for i in range(6):
+        token = write_if(storage, LEASE, f"more {i}".encode(), token)
+    assert _versions(out) == [9, *range(18 - keep + 1, 19)]  # 9 spared; 10 went once its stale intent did
+    assert not stale.exists() and young.exists() and mirror_name.exists()
+    young.unlink()
+    write_if(storage, LEASE, b"last", token)
+    assert _versions(out) == list(range(19 - keep + 1, 20))
 
 
 def test_racing_threads_one_winner_per_version(tmp_path):
