@@ -25,8 +25,9 @@ from tests.driver.helpers import new_bucket
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DEADLINE_S = 3.0
 # a storage call that is only slow must not pass it: under 4x CPU oversubscription an honest read of the input
-# through the proxy took more than 3 s
-IO_DEADLINE_S = 10.0
+# through the proxy took more than 3 s, and at load ~9 (CI beside a stress loop) more than 10 s. One attempt
+# per shard keeps the test's wait at one deadline.
+IO_DEADLINE_S = 30.0
 
 
 def _spec(input_url: str, output_url: str, options: dict | None = None, **sections) -> dict:
@@ -141,7 +142,7 @@ def test_a_storage_call_that_never_answers_fails_the_shard_naming_it(local_ray, 
     try:
         opts = {**s3_server["storage_options"], "endpoint_url": proxy.url}
         spec = _spec(f"s3://{bucket}/in/", f"s3://{bucket}/out", opts,
-                     cluster={"num_workers": 1, "io_timeout_s": IO_DEADLINE_S, "max_shard_attempts": 2})
+                     cluster={"num_workers": 1, "io_timeout_s": IO_DEADLINE_S, "max_shard_attempts": 1})
         result = run_job(spec_from_dict(spec), show_progress=False)
     finally:
         proxy.close()
@@ -149,10 +150,10 @@ def test_a_storage_call_that_never_answers_fails_the_shard_naming_it(local_ray, 
     error = next(iter(result.failed.values()))
     shard_id = next(iter(result.failed))
     if phase == "read":
-        assert (f"shard {shard_id}: reading input rows 0-200 of s3://{bucket}/in/in.parquet: no answer for 10 s "
+        assert (f"shard {shard_id}: reading input rows 0-200 of s3://{bucket}/in/in.parquet: no answer for 30 s "
                 "(cluster.io_timeout_s)") in error
     else:
-        assert f"shard {shard_id}: writing part (200 rows): no answer for 10 s (cluster.io_timeout_s)" in error
+        assert f"shard {shard_id}: writing part (200 rows): no answer for 30 s (cluster.io_timeout_s)" in error
 
 
 def test_poison_rows_on_two_workers_are_each_isolated_and_every_other_row_written_once(local_ray, tmp_path):
