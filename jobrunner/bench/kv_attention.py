@@ -37,23 +37,30 @@ class KVShape:
     layers: int = 24
 
 
-def _layout(rows: int, context: int, block_size: int, seed: int = 0) -> tuple[StepLayout, list[int], int]:
-    """``rows`` decodes at position ``context - 1`` over shuffled blocks; their slots; the pool's block count."""
-    per_row = -(-context // block_size)
-    num_blocks = rows * per_row + 1
+def decode_layout(seq_lens: Sequence[int], block_size: int, num_blocks: int, rng: random.Random
+                  ) -> tuple[StepLayout, list[int]]:
+    """One decode row per sequence length (its last position), each over its own blocks drawn from a pool of
+    ``num_blocks`` shuffled by ``rng`` (as after some churn); the layout and the new tokens' cache slots."""
     free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
+    rng.shuffle(free)
     layout = StepLayout([], [], [], [], 0, block_size)
     slots = []
-    for i in range(rows):
-        table = [free.pop() for _ in range(per_row)]
-        layout.query_starts.append(i)
+    for seq_len in seq_lens:
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        layout.query_starts.append(layout.num_tokens)
         layout.query_lens.append(1)
-        layout.seq_lens.append(context)
+        layout.seq_lens.append(seq_len)
         layout.block_tables.append(table)
         layout.num_tokens += 1
-        position = context - 1
+        position = seq_len - 1
         slots.append(table[position // block_size] * block_size + position % block_size)
+    return layout, slots
+
+
+def _layout(rows: int, context: int, block_size: int, seed: int = 0) -> tuple[StepLayout, list[int], int]:
+    """``rows`` decodes at position ``context - 1``; their slots; the pool's block count."""
+    num_blocks = rows * -(-context // block_size) + 1
+    layout, slots = decode_layout([context] * rows, block_size, num_blocks, random.Random(seed))
     return layout, slots, num_blocks
 
 

@@ -20,6 +20,7 @@ from jobrunner.attention.split_decode import (
 )
 from jobrunner.attention.torch_backend import TORCH_BACKEND
 from jobrunner.attention.triton_backend import TritonBackend
+from jobrunner.bench.kv_attention import decode_layout
 from jobrunner.engine import EngineConfig, SamplingParams
 from tests.triton_child import in_child, interpreted_fixture, run_in_interpreter_child
 
@@ -58,26 +59,9 @@ def test_segment_is_a_multiple_of_block_and_tile_and_bounds_the_segments():
         EngineConfig(split_decode="always")
 
 
-def _decode_layout(seq_lens: list[int], block_size: int, num_blocks: int, rng: random.Random):
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    layout = StepLayout([], [], [], [], 0, block_size)
-    slots = []
-    for seq_len in seq_lens:
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        layout.query_starts.append(layout.num_tokens)
-        layout.query_lens.append(1)
-        layout.seq_lens.append(seq_len)
-        layout.block_tables.append(table)
-        layout.num_tokens += 1
-        p = seq_len - 1
-        slots.append(table[p // block_size] * block_size + p % block_size)
-    return layout, slots
-
-
 def test_backend_chooses_segments_per_mode():
     rng = random.Random(0)
-    decode, _ = _decode_layout([30, 300, 5], 16, 64, rng)
+    decode, _ = decode_layout([30, 300, 5], 16, 64, rng)
     chunk = StepLayout([0], [7], [7], [[1]], 7, 16)
     backend = TritonBackend(8, 2, 16, torch.device("cpu"), max_model_len=1024, split_decode="auto", segment_keys=128)
     assert backend.max_segments == 8 and backend.target_programs == 256
@@ -85,7 +69,7 @@ def test_backend_chooses_segments_per_mode():
     assert backend.num_segments(decode, 3, fixed=True) == 8                   # a graph's grid: every segment
     assert backend.num_segments(decode, 128, fixed=False) == 0                # 256 programs: the GPU is full
     assert backend.num_segments(chunk, 1, fixed=False) == 0                   # a prompt chunk never splits
-    short, _ = _decode_layout([100, 20], 16, 64, rng)
+    short, _ = decode_layout([100, 20], 16, 64, rng)
     assert backend.num_segments(short, 2, fixed=False) == 0                   # one segment: no split
     backend.split_decode = "on"
     assert backend.num_segments(short, 2, fixed=False) == 1 and backend.num_segments(decode, 128, False) == 3
@@ -117,7 +101,7 @@ def test_interp_split_matches_torch_float32(interpreted, block_size, num_heads, 
     rng = random.Random(block_size + num_heads)
     torch.manual_seed(num_heads * 7 + block_size)
     head_dim, num_blocks = 16, 64
-    layout, slots = _decode_layout(LENGTHS, block_size, num_blocks, rng)
+    layout, slots = decode_layout(LENGTHS, block_size, num_blocks, rng)
     cache = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)
     q = torch.randn(layout.num_tokens, num_heads, head_dim)
     k = torch.randn(layout.num_tokens, num_kv_heads, head_dim)
@@ -133,7 +117,7 @@ def test_interp_split_matches_torch_float32(interpreted, block_size, num_heads, 
 
 def test_interp_split_bfloat16_within_tolerance(interpreted):
     rng = random.Random(9)
-    layout, slots = _decode_layout([300, 7, 129], 16, 48, rng)
+    layout, slots = decode_layout([300, 7, 129], 16, 48, rng)
     torch.manual_seed(9)
     cache = torch.randn(2, 48 * 16, 2, 16).bfloat16()
     q, k, v = (torch.randn(layout.num_tokens, h, 16).bfloat16() for h in (8, 2, 2))
@@ -150,7 +134,7 @@ def test_interp_fixed_grid_with_padding_rows_matches_the_unsplit_kernel(interpre
     from jobrunner.attention.triton_backend import TritonMetadata
 
     rng = random.Random(4)
-    layout, slots = _decode_layout([70, 3, 190], 16, 32, rng)
+    layout, slots = decode_layout([70, 3, 190], 16, 32, rng)
     torch.manual_seed(4)
     cache = torch.randn(2, 32 * 16, 2, 16)
     q = torch.randn(8, 4, 16)                                           # 3 real tokens, 5 padding tokens
