@@ -271,6 +271,13 @@ class ClusterSpec(_Spec):
     num_workers: int = Field(default=1, ge=1, description="Number of worker actors (one engine each).")
     num_gpus_per_worker: float = Field(default=0.0, ge=0.0, description="GPUs per worker; 0 = CPU worker.")
     num_cpus_per_worker: float = Field(default=1.0, gt=0.0, description="CPUs reserved per worker.")
+    worker_niceness: int = Field(
+        default=0, ge=0, le=19,
+        description="Scheduling niceness (Linux nice, 0-19) of the worker processes. Ray starts task and actor "
+        "workers at 15; a worker at 15 gets about 1/30 of a core beside each busy process of normal "
+        "priority on its node, so a shared or loaded node starves inference. 0 (the default) runs workers at "
+        "normal priority; raise it to let other work on shared nodes go first.",
+    )
     address: str | None = Field(
         default=None, description="Ray address to join (e.g. 'auto', 'ray://head:10001'); unset = local Ray."
     )

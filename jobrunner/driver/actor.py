@@ -20,6 +20,7 @@ from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
 from jobrunner.spec import JobSpec
 
+RAY_NICENESS_ENV = "RAY_worker_niceness"  # Ray's setting for the niceness of the worker processes it starts
 # run_shard x2 (the running shard and the prefetched one) + load + progress/stats polls.
 MAX_CONCURRENCY = 6
 
@@ -60,7 +61,8 @@ class WorkerActor:
         device = str(engine.device or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
         now = time.time()
         info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device,
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "niceness": os.getpriority(os.PRIO_PROCESS, 0), "device": device,
                 "startup_s": round(now - self.started_s, 3), **describe_hardware(),
                 "startup_stages_s": startup_stages(self.started_s, self.init_s, load_start, now, imports_s,
                                                    engine.model_info)}
@@ -141,5 +143,8 @@ def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: s
                                    name=f"jobrunner:{spec.name}:{run_token}:{worker_id}")
     if c.num_gpus_per_worker > 0:
         options["num_gpus"] = c.num_gpus_per_worker
+    # Ray renices its workers to 15 unless told otherwise (read by the worker process at start); env_vars merge
+    # with the job's runtime_env (a submitted job keeps its working_dir and variables)
+    options["runtime_env"] = {"env_vars": {RAY_NICENESS_ENV: str(c.worker_niceness)}}
     remote_cls = ray.remote(WorkerActor).options(**options)
     return remote_cls.remote(spec.model_dump(mode="json"), worker_id, job_start_s)

@@ -34,6 +34,7 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     workers = manifest["workers"]
     assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 for w in workers.values())
     assert sum(w["steps"] for w in workers.values()) > 0  # a worker ready late may have had no shard left
+    assert all(w["niceness"] == 0 for w in workers.values())  # not Ray's 15 (cluster.worker_niceness)
     # Worker-seconds count actor start + model load (startup_s), shown on their own line in reports.
     startup = sum(w["startup_s"] for w in workers.values())
     assert all(w["startup_s"] > 0 for w in workers.values())
@@ -293,3 +294,13 @@ def test_worker_replacements_are_limited_by_a_rate_not_a_total(local_ray, tmp_pa
     assert [w.worker_id for w in pool.workers] == ["w0", "w1"]
     for w in list(pool.workers):
         pool.remove(w, "test over")
+
+
+def test_workers_run_at_the_niceness_the_spec_asks(local_ray, tmp_path):
+    """Ray renices the workers it starts to 15 (a worker then gets ~1/30 of a core beside each busy process of
+    normal priority); cluster.worker_niceness sets it, here to 7, and the worker reports what it runs at."""
+    write_prompts(tmp_path / "in.parquet", 8)
+    spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
+                                    cluster={"num_workers": 1, "worker_niceness": 7}))
+    assert run_job(spec, show_progress=False).ok
+    assert [w["niceness"] for w in read_manifest_file(tmp_path / "out")["workers"].values()] == [7]
