@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -91,6 +93,10 @@ def ray_head(monkeypatch):
 
     Token mode is set here, not inherited: a local ``ray.init()`` earlier in the session (other tests) turns it
     on for the whole process, so without this the head checked tokens or not depending on test order.
+
+    The head has a temp dir of its own: Ray's job supervisor sends a job's driver to the cluster named in
+    ``<temp dir>/ray_current_cluster``, which in the shared /tmp/ray names whichever Ray started last on the
+    machine (CI once saw a submitted job's driver join another test process's cluster and fail its token check).
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -104,13 +110,14 @@ def ray_head(monkeypatch):
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     _refresh_ray_auth_state()
     port, agent_http, agent_grpc, metrics, runtime_env = free_ports(5)
+    temp_dir = tempfile.mkdtemp(prefix="jr-head-")  # short: Ray's socket paths must fit in 107 bytes
     try:
         # Every agent port chosen free: Ray's defaults (e.g. the job agent on 52365) are taken by any other Ray
         # on the machine, and then the head never gets a job agent ("No available agent to submit job").
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
             "dashboard_agent_listen_port": agent_http, "metrics_agent_port": agent_grpc,
-            "metrics_export_port": metrics, "runtime_env_agent_port": runtime_env})
+            "metrics_export_port": metrics, "runtime_env_agent_port": runtime_env, "temp_dir": temp_dir})
         try:
             yield f"http://127.0.0.1:{port}"
         finally:
@@ -122,6 +129,7 @@ def ray_head(monkeypatch):
             else:
                 os.environ[name] = value
         _refresh_ray_auth_state()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_submit_runs_the_job_on_a_ray_head(ray_head, tmp_path):
