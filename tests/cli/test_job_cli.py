@@ -94,11 +94,13 @@ def ray_head(monkeypatch):
     Token mode is set here, not inherited: a local ``ray.init()`` earlier in the session (other tests) turns it
     on for the whole process, so without this the head checked tokens or not depending on test order.
 
-    The head has a temp dir of its own: Ray's job supervisor sends a job's driver to the cluster named in
-    ``<temp dir>/ray_current_cluster``, which in the shared /tmp/ray names whichever Ray started last on the
-    machine (CI once saw a submitted job's driver join another test process's cluster and fail its token check).
+    The head has a temp dir of its own, with its GCS address in ``ray_current_cluster`` there: Ray's job
+    supervisor sends a job's driver to the cluster that file names, and without it to any Ray it finds running on
+    the machine (CI once saw a submitted job's driver join another test process's cluster and fail its token
+    check). ``Cluster`` does not write the file (``ray start --head`` does), and /tmp/ray's is shared.
     """
     import ray
+    from ray._private.utils import write_ray_address
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -118,6 +120,7 @@ def ray_head(monkeypatch):
             "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port,
             "dashboard_agent_listen_port": agent_http, "metrics_agent_port": agent_grpc,
             "metrics_export_port": metrics, "runtime_env_agent_port": runtime_env, "temp_dir": temp_dir})
+        write_ray_address(cluster.address, temp_dir)  # what `ray start --head` writes; Cluster does not
         try:
             yield f"http://127.0.0.1:{port}"
         finally:
