@@ -8,8 +8,7 @@ inside it and the parts of a step add up to the step exactly:
   ``host.inputs`` (the step's layout, the upload of its integer inputs, the backend's metadata) and
   ``host.outputs`` (appending tokens, stop checks, freeing blocks, finished outputs);
 * ``other``: the model forward (embedding, norms, rotary, activations, residual adds) and the sampler's math;
-* ``gemm``: every projection (q|k|v, o, gate|up, down, lm_head; whatever class quantization put there), with
-  the elementwise step a projection fuses into its product where it does (SiLU * up, the residual add);
+* ``gemm``: every projection (q|k|v, o, gate|up, down, lm_head; whatever class quantization put there);
 * ``attention``: each layer's attention call (the K/V write into the cache and the attention itself);
 * ``graph``: a CUDA-graph replay, which runs the whole model without Python (not split; absent on CPU).
 
@@ -32,9 +31,6 @@ CATEGORIES = ("attention", "gemm", "other", "host")
 HOST_PARTS = ("schedule", "inputs", "outputs", "rest")
 # the model's projection modules, by attribute name (jobrunner.models.llama)
 PROJECTIONS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"})
-# a projection's methods that fuse an elementwise step into the product (SiLU * up, the residual add): timed as
-# gemm, the fused step with them
-FUSED_PROJECTION_CALLS = ("silu_forward", "residual_forward")
 
 
 class _Clock:
@@ -105,9 +101,6 @@ class StepProfiler:
         for name, module in e.model.named_modules():
             if name.rsplit(".", 1)[-1] in PROJECTIONS:
                 self._hook(module, "gemm")
-                for fused in FUSED_PROJECTION_CALLS:  # called without the hooks (models/onednn_linear.py)
-                    if callable(getattr(module, fused, None)):
-                        self._wrap(module, fused, self.clock.timed("gemm", getattr(module, fused)))
             elif hasattr(module, "attend"):  # models.llama.Attention: its paged-attention call
                 self._wrap(module, "attend", self.clock.timed("attention", module.attend))
         return self

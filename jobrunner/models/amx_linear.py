@@ -43,17 +43,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.jr_amx_pack.argtypes = [_P, _P, _I, _I]
     lib.jr_amx_linear.restype = ctypes.c_int
     lib.jr_amx_linear.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
-    lib.jr_amx_linear_ex.restype = ctypes.c_int
-    lib.jr_amx_linear_ex.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _I]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     from jobrunner.quant.native import open_amx_library
 
-    # no contraction: the fused epilogues round as fused_ops.c and torch do (csrc/jr_vec16.h)
-    return open_amx_library("amx_gemm", SOURCE, "AMX GEMM", _declare, "jr_amx_gemm_ready",
-                            extra_flags=("-ffp-contract=off",))
+    return open_amx_library("amx_gemm", SOURCE, "AMX GEMM", _declare, "jr_amx_gemm_ready")
 
 
 def amx_gemm_choice(weight_bytes: int) -> tuple[bool, str]:
@@ -79,45 +75,26 @@ def amx_packable(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % 32 == 0 and out_features > 0 and in_features > 0
 
 
-def amx_pack(weight: torch.Tensor, halves: bool = False) -> torch.Tensor:
-    """The bf16 weight ``[out, in]`` in the kernel's tile layout (same size; see ``csrc/amx_gemm.c``).
-    ``halves``: a ``[first | second]`` weight (gate|up) whose halves' 16-column blocks are interleaved, so that
-    :func:`amx_linear` can fuse SiLU * up (``out % 32 == 0``)."""
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``[out, in]`` in the kernel's tile layout (same size; see ``csrc/amx_gemm.c``)."""
     lib = _library()
     if isinstance(lib, str):
         raise RuntimeError(lib)
     weight = weight.detach().to(torch.bfloat16).contiguous()
-    if halves:
-        n, k = weight.shape
-        if n % 32:
-            raise ValueError(f"AMX GEMM cannot interleave the halves of a weight of shape {tuple(weight.shape)}")
-        weight = weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k).contiguous()
     packed = torch.empty_like(weight)
     if lib.jr_amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape):
         raise ValueError(f"AMX GEMM cannot pack a weight of shape {tuple(weight.shape)}")
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, *, halves: bool = False,
-               silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [rows, in] @ W^T (+ bias)`` in bf16 from the packed weight; ``x`` bf16 with unit column stride.
-
-    ``halves``: the weight was packed with ``halves=True`` (the output is in the usual column order).
-    ``silu`` (needs ``halves``): ``silu(first) * second`` ``[rows, out / 2]``, with the bits of
-    :func:`jobrunner.models.fused_ops.silu_mul` on the plain product. ``residual`` (bf16 ``[rows, out]``, unit
-    column stride): ``residual + product``, with the bits of torch's bf16 add of the rounded product."""
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, in] @ W^T (+ bias)`` in bf16 from the packed weight; ``x`` bf16 with unit column stride."""
     rows, k = x.shape
     n = packed.shape[0]
-    out = torch.empty(rows, n // 2 if silu else n, dtype=torch.bfloat16)
-    if residual is not None and (residual.shape != (rows, n) or residual.dtype != torch.bfloat16
-                                 or residual.stride(1) != 1):
-        raise ValueError(f"AMX GEMM residual must be bf16 [{rows}, {n}] with unit column stride, "
-                         f"not {residual.dtype} {tuple(residual.shape)}")
-    rc = _library().jr_amx_linear_ex(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1], rows,
-                                     n, k, torch.get_num_threads(), int(halves), int(silu),
-                                     None if residual is None else residual.data_ptr(),
-                                     0 if residual is None else residual.stride(0))
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    rc = _library().jr_amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
+                                  torch.get_num_threads())
     if rc:
         raise RuntimeError(f"AMX GEMM refused a call of {rows} x {k} -> {n} (code {rc})")
     return out

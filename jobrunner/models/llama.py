@@ -156,31 +156,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # gate_up_proj's output is [gate | up] (its halves may be packed interleaved: models/onednn_linear.py)
-    gate_up_halves = True
-
     def __init__(self, shape: ModelShape, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size or shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, shape.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``down(silu(gate) * up)``, plus ``residual`` when given. Projections that can (the AMX GEMM at decode
-        row counts) fuse SiLU * up and the residual add into the product (same bits as the separate ops)."""
-        fused = getattr(self.gate_up_proj, "silu_forward", None)
-        act = fused(x) if fused is not None else None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = fused_ops.silu_mul(gate_up)
         if act is None:
-            gate_up = self.gate_up_proj(x)
-            act = fused_ops.silu_mul(gate_up)
-            if act is None:
-                gate, up = gate_up.split(self.intermediate_size, dim=-1)
-                act = nn.functional.silu(gate) * up
-        if residual is None:
-            return self.down_proj(act)
-        fused = getattr(self.down_proj, "residual_forward", None)
-        out = fused(act, residual) if fused is not None else None
-        return out if out is not None else residual + self.down_proj(act)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = nn.functional.silu(gate) * up
+        return self.down_proj(act)
 
 
 def make_mlp(shape: ModelShape, layer_index: int) -> nn.Module:
@@ -208,8 +196,6 @@ class DecoderLayer(nn.Module):
         else:
             x = x + h
             h = norm(x)
-        if type(self.mlp) is MLP:  # the residual add inside the MLP's last product where it can
-            return self.mlp(h, x)
         return x + self.mlp(h)
 
 

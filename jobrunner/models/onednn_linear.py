@@ -52,8 +52,7 @@ def onednn_bf16_choice() -> tuple[bool, str]:
 class OneDnnLinear(nn.Module):
     """``nn.Linear``'s forward (bfloat16, CPU) on a weight reordered once for oneDNN; no row-major weight kept."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, amx: bool = False,
-                 halves: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT, amx: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
@@ -63,10 +62,7 @@ class OneDnnLinear(nn.Module):
             # calls of up to AMX_GEMM_MAX_ROWS rows: the AMX GEMM's own packing (models/amx_linear.py)
             use_amx = amx and amx_packable(self.out_features, self.in_features) and (
                 linear.bias is None or linear.bias.dtype == torch.bfloat16)
-            # halves: a [gate | up] projection, packed so that the AMX GEMM can fuse SiLU * up (silu_forward)
-            self.amx_halves = bool(use_amx and halves and self.out_features % 32 == 0)
-            self.register_buffer("amx_packed", amx_pack(weight, self.amx_halves) if use_amx else None,
-                                 persistent=False)
+            self.register_buffer("amx_packed", amx_pack(weight) if use_amx else None, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,30 +73,10 @@ class OneDnnLinear(nn.Module):
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         if self.amx_packed is not None and flat.shape[0] <= AMX_GEMM_MAX_ROWS:
-            out = amx_linear(flat, self.amx_packed, self.bias, halves=self.amx_halves)
+            out = amx_linear(flat, self.amx_packed, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _amx_rows(self, x: torch.Tensor) -> bool:
-        """Whether the AMX GEMM takes ``x`` as it is: bf16 rows ``[rows, in]``, unit column stride, few rows."""
-        return (self.amx_packed is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
-                and x.shape[0] <= AMX_GEMM_MAX_ROWS)
-
-    def silu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(gate) * up`` of this [gate | up] projection of ``x`` in one pass (the AMX GEMM's epilogue), or
-        None where the separate ops must run (not packed by halves, too many rows, another layout)."""
-        if not self.amx_halves or not self._amx_rows(x):
-            return None
-        return amx_linear(x, self.amx_packed, self.bias, halves=True, silu=True)
-
-    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
-        """``residual + self(x)`` in one pass (the AMX GEMM's epilogue; torch's bits), or None where the separate
-        ops must run."""
-        if self.amx_halves or not self._amx_rows(x) or residual.dtype != torch.bfloat16 or residual.stride(1) != 1 \
-                or residual.shape != (x.shape[0], self.out_features):
-            return None
-        return amx_linear(x, self.amx_packed, self.bias, residual=residual)
 
     def weight_bytes(self) -> int:
         """Bytes of the weight it stands for."""
@@ -123,6 +99,5 @@ def reorder_bf16_linears(model: nn.Module) -> tuple[int, str]:
     weight_bytes = sum(getattr(parent, name).weight.numel() * 2 for parent, name in swaps)
     amx, amx_why = amx_gemm_choice(weight_bytes) if swaps else (False, "")
     for parent, name in swaps:  # one at a time: each old weight is freed as its layer is swapped
-        halves = name == "gate_up_proj" and getattr(parent, "gate_up_halves", False)
-        setattr(parent, name, OneDnnLinear(getattr(parent, name), amx=amx, halves=halves))
+        setattr(parent, name, OneDnnLinear(getattr(parent, name), amx=amx))
     return len(swaps), f"{why}; {amx_why}" if swaps else why

@@ -142,11 +142,10 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")  # the tile kernels' bu
 
 
 def open_amx_library(name: str, source: Path, what: str, declare: Callable[[ctypes.CDLL], None],
-                     ready: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | str:
-    """:func:`open_library` for a kernel on the AMX tiles (built with ``AMX_FLAGS`` plus ``extra_flags``), then
-    its ``ready`` function (declared by ``declare``) asks the OS for the tile state: the library, or why it
-    cannot run here."""
-    lib = open_library(name, source, what, declare, extra_flags=AMX_FLAGS + extra_flags)
+                     ready: str) -> ctypes.CDLL | str:
+    """:func:`open_library` for a kernel on the AMX tiles, then its ``ready`` function (declared by ``declare``)
+    asks the OS for the tile state: the library, or why it cannot run here."""
+    lib = open_library(name, source, what, declare, extra_flags=AMX_FLAGS)
     if not isinstance(lib, str) and not getattr(lib, ready)():
         return f"{what} unavailable (the OS refused the AMX tile state)"
     return lib

@@ -1,8 +1,7 @@
 """The AMX GEMM for bf16 linears at decode row counts (models/amx_linear.py, models/csrc/amx_gemm.c): against
 the exact product within bf16's error bound over row tails, bias, strided inputs and thread counts; rows
 independent of the rest of the call; the layer's choice by row count; the choice by forced capability, setting
-and model size; the fused epilogues (SiLU * up, the residual add) against the separate ops bit for bit, in the
-kernel and through the MLP; and an engine on a tiny model whose greedy tokens equal the oneDNN-only engine's."""
+and model size; and an engine on a tiny model whose greedy tokens equal the oneDNN-only engine's."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.models import amx_linear as amx
-from jobrunner.models import fused_ops
-from jobrunner.models.llama import MLP
 from jobrunner.models.onednn_linear import OneDnnLinear, onednn_bf16_supported, reorder_bf16_linears
 from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
 
@@ -68,84 +65,6 @@ def test_strided_rows_threads_and_batch_invariance():
         torch.set_num_threads(threads)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
-
-
-@needs_amx
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 128])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_epilogues_give_the_separate_ops_bits(rows, bias, threads):
-    """Halves-interleaved packing keeps the plain product; SiLU * up and the residual add in the epilogue give
-    the bits of fused_ops.silu_mul and torch's bf16 add on the plain product, special values included."""
-    torch.manual_seed(rows + 100 * bias)
-    n, k = 3072, 576
-    w, x = torch.randn(n, k).bfloat16() * 0.05, torch.randn(rows, k).bfloat16() * 4
-    x[0, :3] = torch.tensor([300.0, -300.0, 0.0])      # large gates: silu saturates to g and to -0
-    b = torch.randn(n).bfloat16() if bias else None
-    residual = torch.randn(rows, n).bfloat16()
-    residual[0, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-39])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        plain = amx.amx_linear(x, amx.amx_pack(w), b)
-        halves = amx.amx_pack(w, halves=True)
-        assert not torch.equal(halves, amx.amx_pack(w))  # the blocks did move
-        assert torch.equal(_bits(amx.amx_linear(x, halves, b, halves=True)), _bits(plain))
-        silu = amx.amx_linear(x, halves, b, halves=True, silu=True)
-        assert silu.shape == (rows, n // 2)
-        assert torch.equal(_bits(silu), _bits(fused_ops.silu_mul(plain)))
-        added = amx.amx_linear(x, amx.amx_pack(w), b, residual=residual)
-        assert torch.equal(_bits(added), _bits(residual + plain))
-    finally:
-        torch.set_num_threads(before)
-
-
-@needs_amx
-def test_fused_epilogue_calls_refuse_what_they_cannot_do():
-    w, x = torch.randn(48, 64).bfloat16(), torch.randn(4, 64).bfloat16()
-    with pytest.raises(ValueError, match="interleave the halves"):
-        amx.amx_pack(w, halves=True)                   # 48 columns: halves of 24, not whole blocks
-    packed = amx.amx_pack(w)
-    with pytest.raises(RuntimeError, match="refused"):
-        amx.amx_linear(x, packed, None, silu=True)     # SiLU needs a halves-packed weight
-    with pytest.raises(ValueError, match="residual must be bf16"):
-        amx.amx_linear(x, packed, None, residual=torch.zeros(4, 48))
-
-
-@needs_amx
-def test_the_mlp_fuses_silu_and_the_residual_with_the_same_bits():
-    """A Llama MLP on AMX-packed linears: gate|up packed by halves; at decode row counts its output (with the
-    residual) has the bits of the separate ops; above the row limit it takes oneDNN and the separate ops."""
-    torch.manual_seed(11)
-
-    class Shape:
-        hidden_size, intermediate_size = 576, 1536
-
-    mlp = MLP(Shape()).bfloat16()
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.normal_(0, 0.05)
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    reorder_bf16_linears(mlp)
-    assert mlp.gate_up_proj.amx_halves and not mlp.down_proj.amx_halves
-    calls = {"silu": 0, "residual": 0}
-    for name, method in (("silu", "silu_forward"), ("residual", "residual_forward")):
-        real = getattr(mlp.gate_up_proj if name == "silu" else mlp.down_proj, method)
-        setattr(mlp.gate_up_proj if name == "silu" else mlp.down_proj, method,
-                lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1) or _real(*a))
-    with torch.no_grad():
-        for rows in (1, 64, amx.AMX_GEMM_MAX_ROWS + 1):
-            x, residual = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
-            act = fused_ops.silu_mul(F.linear(x, gate_up.weight))
-            want = residual + F.linear(act, down.weight)
-            ours = residual + mlp.down_proj(fused_ops.silu_mul(mlp.gate_up_proj(x)))
-            assert torch.equal(_bits(mlp(x, residual)), _bits(ours))
-            assert ((mlp(x, residual).float() - want.float()).abs() <= 0.05 * want.float().abs() + 0.05).all()
-    assert calls == {"silu": 6, "residual": 6}        # 3 row counts x 2 calls; the last falls back inside
-
-
 @needs_amx
 def test_the_layer_takes_the_amx_gemm_up_to_its_row_limit(monkeypatch):
     torch.manual_seed(2)
@@ -155,7 +74,7 @@ def test_the_layer_takes_the_amx_gemm_up_to_its_row_limit(monkeypatch):
     calls = []
     real = amx.amx_linear
     monkeypatch.setattr("jobrunner.models.onednn_linear.amx_linear",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.no_grad():
         for rows in (1, amx.AMX_GEMM_MAX_ROWS, amx.AMX_GEMM_MAX_ROWS + 1):
             x = torch.randn(rows, 64).bfloat16()

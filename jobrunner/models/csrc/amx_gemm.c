@@ -17,16 +17,6 @@
    Rows are walked in blocks of ROW_BLOCK so that a block's activations stay in the core's L2 while the
    weights stream. Each output element's sum runs over K in the same order whatever M, N, the thread count or
    the row's position in the batch (a row's result does not depend on the other rows).
-
-   Fused epilogues (jr_amx_linear_ex), each giving the bits of the unfused ops:
-   - halves: a [first | second] weight (a gate|up projection) packed with its halves' column blocks interleaved
-     (block 2j = first-half block j, 2j + 1 = second-half block j; amx_linear.py permutes the rows before
-     jr_amx_pack), so that a thread's pair of blocks holds matching gate and up columns; the output keeps the
-     logical column order;
-   - silu (with halves): out [M, N / 2] = round(silu(gate)) * up of the rounded gate and up (fused_ops.c's
-     jr_silu_mul on this GEMM's output, without writing it);
-   - residual: out = round(round(x W^T + bias) + residual), torch's bf16 add of the rounded product.
-   Built without floating-point contraction (-ffp-contract=off), as fused_ops.c.
 */
 #include <immintrin.h>
 #include <omp.h>
@@ -34,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "jr_amx.h"
-#include "jr_vec16.h"
 
 #define ROW_BLOCK 256
 #ifndef PREFETCH
@@ -77,55 +66,6 @@ static inline __m512 bias_of(const uint16_t *bias, int64_t n0) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-/* store_rows plus a bf16 residual (row stride ldr, columns n0 ..): the product rounded, then torch's bf16 add */
-static inline void store_rows_residual(const float *c, int64_t rows, uint16_t *out, int64_t ldo, int64_t m0,
-                                       int64_t n0, __m512 bias, const uint16_t *res, int64_t ldr) {
-  for (int64_t r = 0; r < rows; r++) {
-    const __m256i d = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * 16), bias));
-    const v16f sum = vload_bf16((const uint16_t *)&d) + vload_bf16(res + (m0 + r) * ldr + n0);
-    vstore_bf16(out + (m0 + r) * ldo + n0, sum);
-  }
-}
-
-/* SiLU(gate) * up of a gate tile and its up tile (float32 sums), each first rounded as store_rows rounds, into
-   out's columns j0 .. j0 + 15 */
-static inline void store_rows_silu(const float *cg, const float *cu, int64_t rows, uint16_t *out, int64_t ldo,
-                                   int64_t m0, int64_t j0, __m512 bias_g, __m512 bias_u) {
-  for (int64_t r = 0; r < rows; r++) {
-    const __m256i g = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cg + r * 16), bias_g));
-    const __m256i u = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cu + r * 16), bias_u));
-    const v16f act = vround_bf16(vsilu(vload_bf16((const uint16_t *)&g))) * vload_bf16((const uint16_t *)&u);
-    vstore_bf16(out + (m0 + r) * ldo + j0, act);
-  }
-}
-
-/* what a call asks of its epilogue */
-struct epilogue {
-  int64_t half;         /* halves: N / 2 (block 2j + 1 is column half + 16 j); 0: blocks in column order */
-  int silu;             /* halves only: out [M, half] = silu(first) * second */
-  const uint16_t *res;  /* residual [M, N] added after rounding, or NULL */
-  int64_t ldr;
-};
-
-/* the logical output column of packed column block nb */
-static inline int64_t column_of(const struct epilogue *ep, int64_t nb) {
-  return ep->half ? (nb & 1 ? ep->half : 0) + 16 * (nb >> 1) : 16 * nb;
-}
-
-/* rows of C tile c (block nb) or, in silu mode, of the pair (cg: block nb, cu: block nb + 1) out */
-static inline void store_tile(const struct epilogue *ep, const float *c, const float *cu, int64_t rows,
-                              uint16_t *out, int64_t ldo, int64_t m0, int64_t nb, const uint16_t *bias) {
-  const int64_t n0 = column_of(ep, nb);
-  if (ep->silu) {
-    store_rows_silu(c, cu, rows, out, ldo, m0, 16 * (nb >> 1), bias_of(bias, n0), bias_of(bias, n0 + ep->half));
-  } else if (ep->res) {
-    store_rows_residual(c, rows, out, ldo, m0, n0, bias_of(bias, n0), ep->res, ep->ldr);
-  } else {
-    store_rows(c, rows, out, ldo, m0, n0, bias_of(bias, n0));
-  }
-}
-
-
 /* A tile row pointer of 16-row tile starting at row m (the padded tail copy when fewer than 16 rows remain) */
 static inline const uint16_t *a_rows(const uint16_t *x, int64_t ldx, const uint16_t *tail, int64_t tail_row,
                                      int64_t m) {
@@ -135,7 +75,7 @@ static inline const uint16_t *a_rows(const uint16_t *x, int64_t ldx, const uint1
 /* One thread's share: column blocks nb0 .. nb1 - 1, every row */
 static void gemm_blocks(const uint16_t *x, int64_t ldx, const uint16_t *tail, int64_t tail_row,
                         const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M,
-                        int64_t K, int64_t nb0, int64_t nb1, const struct epilogue *ep) {
+                        int64_t K, int64_t nb0, int64_t nb1) {
   const int64_t kt = K / 32, tile_bytes = 1024;
   float c[4][256] __attribute__((aligned(64)));
   for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
@@ -174,37 +114,31 @@ static void gemm_blocks(const uint16_t *x, int64_t ldx, const uint16_t *tail, in
           }
         }
         const int64_t rows0 = r1 - m < 16 ? r1 - m : 16, rows1 = two_m ? (r1 - m - 16 < 16 ? r1 - m - 16 : 16) : 0;
+        const __m512 bias0 = bias_of(bias, nb * 16), bias1 = two_n ? bias_of(bias, nb * 16 + 16) : bias0;
         _tile_stored(0, c[0], 64);
-        if (two_n) _tile_stored(1, c[1], 64);
-        if (two_m) _tile_stored(2, c[2], 64);
-        if (two_m && two_n) _tile_stored(3, c[3], 64);
-        if (ep->silu) { /* halves: the pair is always whole */
-          store_tile(ep, c[0], c[1], rows0, out, ldo, m, nb, bias);
-          if (two_m) store_tile(ep, c[2], c[3], rows1, out, ldo, m + 16, nb, bias);
-          continue;
+        store_rows(c[0], rows0, out, ldo, m, nb * 16, bias0);
+        if (two_n) {
+          _tile_stored(1, c[1], 64);
+          store_rows(c[1], rows0, out, ldo, m, nb * 16 + 16, bias1);
         }
-        store_tile(ep, c[0], NULL, rows0, out, ldo, m, nb, bias);
-        if (two_n) store_tile(ep, c[1], NULL, rows0, out, ldo, m, nb + 1, bias);
         if (two_m) {
-          store_tile(ep, c[2], NULL, rows1, out, ldo, m + 16, nb, bias);
-          if (two_n) store_tile(ep, c[3], NULL, rows1, out, ldo, m + 16, nb + 1, bias);
+          _tile_stored(2, c[2], 64);
+          store_rows(c[2], rows1, out, ldo, m + 16, nb * 16, bias0);
+          if (two_n) {
+            _tile_stored(3, c[3], 64);
+            store_rows(c[3], rows1, out, ldo, m + 16, nb * 16 + 16, bias1);
+          }
         }
       }
     }
   }
 }
 
-/* out = x[M, K] (row stride ldx) W^T + bias (bf16 [N] or NULL), W packed by jr_amx_pack (its halves interleaved
-   first when `halves`), with the epilogue asked: `silu` (needs halves) writes out [M, N / 2] = silu(first half) *
-   second half; `residual` (bf16 [M, N], row stride ldr; not with silu) is added after rounding. out's row stride
-   is ldo. Returns 0, or 1 for a shape or combination it does not take (N % 16, K % 32; halves: N % 32), 2 when
-   the OS refused the tile state. */
-int jr_amx_linear_ex(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                     int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t halves, int64_t silu,
-                     const uint16_t *residual, int64_t ldr) {
-  if (N % 16 || K % 32 || M < 0 || N <= 0 || (halves && N % 32) || (silu && (!halves || residual))) return 1;
-  if (M == 0) return 0;
-  const struct epilogue ep = {halves ? N / 2 : 0, (int)silu, residual, ldr};
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) W^T + bias (bf16 [N] or NULL); packed by jr_amx_pack.
+   Returns 0, or 1 for a shape it does not take (N % 16, K % 32), 2 when the OS refused the tile state. */
+int jr_amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  if (N % 16 || K % 32 || M <= 0 || N <= 0) return M == 0 ? 0 : 1;
   if (!amx_permitted()) return 2;
   /* rows of the last, partial 16-row tile, zero-padded (the tiles always load 16 rows) */
   const int64_t tail_row = M / 16 * 16;
@@ -225,16 +159,9 @@ int jr_amx_linear_ex(const uint16_t *x, int64_t ldx, const uint16_t *packed, con
     /* contiguous, even-sized shares of the column blocks (pairs stay whole) */
     const int64_t pairs = (blocks + 1) / 2, p0 = pairs * t / n, p1 = pairs * (t + 1) / n;
     const int64_t nb0 = 2 * p0, nb1 = 2 * p1 < blocks ? 2 * p1 : blocks;
-    if (nb0 < nb1) gemm_blocks(x, ldx, tail, tail_row, packed, bias, out, ldo, M, K, nb0, nb1, &ep);
+    if (nb0 < nb1) gemm_blocks(x, ldx, tail, tail_row, packed, bias, out, ldo, M, K, nb0, nb1);
     _tile_release();
   }
   free(tail);
   return 0;
-}
-
-/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) W^T + bias (bf16 [N] or NULL); packed by jr_amx_pack.
-   Returns 0, or 1 for a shape it does not take (N % 16, K % 32), 2 when the OS refused the tile state. */
-int jr_amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
-  return jr_amx_linear_ex(x, ldx, packed, bias, out, ldo, M, N, K, threads, 0, 0, NULL, 0);
 }
