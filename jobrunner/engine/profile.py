@@ -59,6 +59,12 @@ class _Clock:
         self.seconds[self.stack.pop()] += now - self.mark
         self.mark = now
 
+    def charge(self, label: str, seconds: float) -> None:
+        """Move ``seconds`` that the open region spent on ``label``'s work (timed by native code, e.g. the C
+        layer loop of ``models/layer_loop.py``) from that region to ``label``."""
+        self.seconds[label] += seconds
+        self.mark += seconds
+
     def timed(self, label: str, fn: Callable) -> Callable:
         """``fn`` inside a region called ``label``."""
         def wrapper(*args, **kwargs):
@@ -98,6 +104,7 @@ class StepProfiler:
             self._wrap(fixed, "run_step", self.clock.timed("graph", fixed.run_step))
         self._wrap(runner.sampler, "sample", self.clock.timed("other", runner.sampler.sample))
         self._hook(e.model, "other", counts=True)
+        self._wrap(e.model, "layer_loop_clock", self.clock)  # the C layer loop's own timers (models/layer_loop.py)
         for name, module in e.model.named_modules():
             if name.rsplit(".", 1)[-1] in PROJECTIONS:
                 self._hook(module, "gemm")

@@ -19,6 +19,7 @@ from torch import nn
 from jobrunner.attention import AttentionMetadata, paged_attention
 from jobrunner.models import fused_ops, phi3
 from jobrunner.models.heads import split_architecture
+from jobrunner.models.layer_loop import run_decode_layers
 from jobrunner.models.moe import MoeShape, SparseMoeBlock, moe_shape
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
@@ -242,6 +243,10 @@ class LlamaForCausalLM(nn.Module):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)  # the same cos/sin for every layer: gathered once
+        if x.is_cpu and x.dtype == torch.bfloat16:  # decode steps on AMX: every layer in one native call
+            hidden = run_decode_layers(self, x, rope, meta, kv_cache)
+            if hidden is not None:
+                return hidden
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x)

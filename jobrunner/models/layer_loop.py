@@ -1,0 +1,211 @@
+"""A decode step's decoder layers in one native call, on CPUs with AMX (``csrc/layer_loop.c``).
+
+On a small model a CPU decode step is ~11 native kernels per layer, each reached from Python (``nn.Module``
+calls, argument checks, ``ctypes``); sampled on SmolLM2-135M (64 rows, bf16, 2 cores) about a quarter of the
+main thread's time went there while the second core waited at the next parallel region. For the steps where
+every kernel of a layer is a native one, :func:`run_decode_layers` calls them back to back from C with the
+arguments the Python path would give them, so a step's hidden states are that path's bits (tested).
+
+It applies to a step when all of these hold, else the layers run in Python as before:
+
+* the model (once): a plain Llama-family decoder (Llama, Mistral without a window, Qwen2) with dense MLPs,
+  no q/k norms, no LoRA adapters attached, bf16, head_dim 64, every projection on the AMX GEMM
+  (``models/amx_linear.py``), the fused ops and the kernels built;
+* the step: decode rows only, all on the AMX decode kernel of the ``cpu_paged`` backend (bf16 KV cache, no
+  sliding window), at most ``AMX_GEMM_MAX_ROWS`` rows, rotary tables ``[rows, 1, head_dim]``.
+
+``JOBRUNNER_LAYER_LOOP=0`` turns it off. Under ``jobrunner bench --profile`` the C loop times its kernels
+itself (attention, GEMMs, other) and the profiler charges them (``engine/profile.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+LOOP_ENV = "JOBRUNNER_LAYER_LOOP"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_loop.c"
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_STAGES = ("input norm", "q|k|v projection", "rotary", "KV write", "decode attention", "o projection",
+           "post-attention norm", "gate|up projection", "SiLU * up", "down projection")
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("linear", "norm", "rotary", "silu", "write_kv", "decode")] + [
+        (name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers")] + [
+        ("eps", _F), ("scale", _F)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
+                                        "k_cache", "v_cache")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I), ("threads", _I)] + [
+        (name, _P) for name in ("x", "x0", "x1", "h", "qkv", "q", "attn", "o", "gate_up", "act", "down", "out",
+                                "cos", "sin", "slots", "start", "seq", "tables")] + [
+        (name, _I) for name in ("max_blocks", "block_size", "num_groups")] + [
+        (name, _P) for name in ("group_off", "group_rows", "group_len", "final_norm")]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    from jobrunner.quant.native import open_library
+
+    def declare(lib: ctypes.CDLL) -> None:
+        lib.jr_layer_loop.restype = ctypes.c_int
+        lib.jr_layer_loop.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ctypes.POINTER(_Step),
+                                      ctypes.POINTER(ctypes.c_double)]
+
+    return open_library("layer_loop", SOURCE, "layer loop", declare)
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def layer_loop_reason(model) -> str | None:
+    """Why ``model`` cannot run its decode steps' layers in the C loop (None: it can, given a step that fits)."""
+    from jobrunner.models import amx_linear, fused_ops
+    from jobrunner.models.llama import MLP, DecoderLayer, RMSNorm
+    from jobrunner.models.onednn_linear import OneDnnLinear
+
+    if os.environ.get(LOOP_ENV, "1").strip() == "0":
+        return f"{LOOP_ENV}=0"
+    s = model.shape
+    if s.architecture not in ARCHITECTURES or s.qk_norm or s.moe is not None or s.sliding_window is not None \
+            or s.layer_windows is not None or s.attn_logit_softcapping is not None or s.head_dim != 64:
+        return f"{s.architecture} (head_dim {s.head_dim}): not a plain Llama-family decoder with 64-dim heads"
+    if model.dtype != torch.bfloat16 or model.norm.weight.device.type != "cpu":
+        return "not a bf16 model on CPU"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if type(layer) is not DecoderLayer or type(mlp) is not MLP or any(type(n) is not RMSNorm for n in norms):
+            return "a layer that is not the plain decoder layer (wrapped or replaced)"
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(proj) is not OneDnnLinear or proj.amx_packed is None:
+                return "a projection not on the AMX GEMM"
+        if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
+            return "a bias outside q|k|v"
+    for lib in (amx_linear._library(), fused_ops.fused_library(), _library()):
+        if isinstance(lib, str):
+            return lib
+    return None
+
+
+class LayerLoop:
+    """The C loop's view of one model: kernels, shapes, per-layer weights (see the module doc)."""
+
+    def __init__(self, model) -> None:
+        from jobrunner.models import amx_linear, fused_ops
+        from jobrunner.models.amx_linear import AMX_GEMM_MAX_ROWS
+
+        s = model.shape
+        fused, gemm = fused_ops.fused_library(), amx_linear._library()
+        self.fn = _library().jr_layer_loop
+        self.model = _Model(linear=_address(gemm.jr_amx_linear), norm=_address(fused.jr_rms_norm),
+                            rotary=_address(fused.jr_rotary), silu=_address(fused.jr_silu_mul),
+                            hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                            inter=model.layers[0].mlp.intermediate_size, layers=s.num_layers,
+                            eps=s.rms_norm_eps, scale=model.layers[0].self_attn.scale)
+        self.max_rows = AMX_GEMM_MAX_ROWS
+        self.source = model
+        self.kernels_of: int | None = None  # id of the backend whose write / decode kernels are set
+        self.layers_of: tuple[int, int] | None = None  # (data_ptr, layer stride) of the KV cache the layers see
+        self.layers = (_Layer * s.num_layers)()
+        self.workspace = torch.empty(0, dtype=torch.bfloat16)
+
+    def applies(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor) -> bool:
+        """Whether this step fits the loop (module doc), from cheap checks of its tensors and metadata."""
+        from jobrunner.attention.cpu_paged import CpuPagedMetadata
+
+        if type(meta) is not CpuPagedMetadata or meta.num_rows or meta.torch_groups or meta.amx_num_rows:
+            return False
+        rows = x.shape[0]
+        if meta.amx_num_decodes != rows or not 0 < rows <= self.max_rows or meta.window or \
+                getattr(meta, "layer_views", None) is not None or meta.backend.amx is None:
+            return False
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or kv_cache.dtype != torch.bfloat16 or \
+                not kv_cache.is_contiguous() or meta.slot_mapping.dtype != torch.int64:
+            return False
+        cos, sin = rope
+        d = self.model.head_dim
+        return all(t.dtype == torch.bfloat16 and t.shape == (rows, 1, d) and t.is_contiguous() for t in (cos, sin))
+
+    def run(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor, clock=None) -> torch.Tensor:
+        """The final (normed) hidden states of the decode step whose embeddings are ``x``."""
+        self._bind(meta.backend, kv_cache)
+        m, rows = self.model, x.shape[0]
+        q_size, kv_size, inter = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.inter
+        widths = {"x0": m.hidden, "x1": m.hidden, "h": m.hidden, "qkv": q_size + 2 * kv_size, "q": q_size,
+                  "attn": q_size, "o": m.hidden, "gate_up": 2 * inter, "act": inter, "down": m.hidden}
+        need = rows * sum(widths.values()) + 32 * len(widths)  # each buffer 64-byte aligned
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(self.max_rows * sum(widths.values()) + 32 * len(widths),
+                                         dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        base = self.workspace.data_ptr()
+        at, buffers = -(-base // 64) * 64, {}
+        for name, width in widths.items():
+            buffers[name] = at
+            at += -(-rows * width * 2 // 64) * 64
+        start, seq, tables, group_off, group_rows, group_len = meta.amx_decodes
+        cos, sin = rope
+        step = _Step(rows=rows, threads=torch.get_num_threads(), x=x.data_ptr(), out=out.data_ptr(),
+                     cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
+                     start=start.data_ptr(), seq=seq.data_ptr(), tables=tables.data_ptr(),
+                     max_blocks=meta.amx_decode_blocks, block_size=meta.block_size,
+                     num_groups=meta.amx_decode_groups, group_off=group_off.data_ptr(),
+                     group_rows=group_rows.data_ptr(), group_len=group_len.data_ptr(),
+                     final_norm=self.source.norm.weight.data_ptr(), **buffers)
+        seconds = (ctypes.c_double * 3)() if clock is not None else None
+        rc = self.fn(ctypes.byref(m), self.layers, ctypes.byref(step), seconds)
+        if rc:
+            layer, stage = divmod(rc, 100)
+            what = "final norm" if layer > m.layers else _STAGES[stage - 1]
+            raise RuntimeError(f"layer loop: the {what} kernel of layer {layer - 1} refused its call (code {rc})")
+        if clock is not None:
+            clock.charge("attention", seconds[0])
+            clock.charge("gemm", seconds[1])
+        return out
+
+    def _bind(self, backend, kv_cache: torch.Tensor) -> None:
+        """Point the loop at this backend's KV-write and decode kernels and at this cache's layer views."""
+        if self.kernels_of != id(backend):
+            self.model.write_kv, self.model.decode = _address(backend.write_fn), _address(backend.amx.decode_fn)
+            self.kernels_of = id(backend)
+        key = (kv_cache.data_ptr(), kv_cache.stride(0))
+        if self.layers_of == key:
+            return
+        for i, layer in enumerate(self.source.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            self.layers[i] = _Layer(
+                in_norm=layer.input_layernorm.weight.data_ptr(),
+                post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                qkv=attn.qkv_proj.amx_packed.data_ptr(), qkv_bias=None if bias is None else bias.data_ptr(),
+                o=attn.o_proj.amx_packed.data_ptr(), gate_up=mlp.gate_up_proj.amx_packed.data_ptr(),
+                down=mlp.down_proj.amx_packed.data_ptr(), k_cache=kv_cache[i, 0].data_ptr(),
+                v_cache=kv_cache[i, 1].data_ptr())
+        self.layers_of = key
+
+
+def run_decode_layers(model, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """The model's final hidden states for this step through the C loop, or None where the layers must run in
+    Python (the model or the step does not fit: module doc). The model's verdict is kept on it."""
+    loop = model.__dict__.get("_layer_loop")
+    if loop is None:
+        reason = layer_loop_reason(model)
+        loop = model.__dict__["_layer_loop"] = reason if reason else LayerLoop(model)
+    if isinstance(loop, str) or model.lora is not None or torch.is_grad_enabled():
+        return None
+    if not loop.applies(x, rope, meta, kv_cache):
+        return None
+    return loop.run(x, rope, meta, kv_cache, model.__dict__.get("layer_loop_clock"))
