@@ -1,0 +1,130 @@
+"""Decode steps' layers in one native call (models/layer_loop.py): the Python path's bits, which steps and models
+take it, and its timers under the profiler. The loop itself runs on CPUs with AMX only (skipped elsewhere);
+the model checks run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_checked
+from tiny import CORPUS, make_hf_model
+
+from jobrunner.attention import amx_prefill
+from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
+from jobrunner.engine.profile import StepProfiler
+from jobrunner.models import layer_loop
+from jobrunner.models.loader import build_model, load_weights
+from jobrunner.models.onednn_linear import reorder_bf16_linears
+
+REASON = amx_prefill.amx_unavailable_reason(64)
+needs_amx = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+SHAPE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(hf, dtype=torch.bfloat16):
+    model = build_model(hf.config, dtype, torch.device("cpu"))
+    load_weights(model, hf.state_dict().items())
+    if dtype == torch.bfloat16:
+        reorder_bf16_linears(model)
+    return model
+
+
+def _engine(model, tokenizer):
+    return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=16, num_kv_blocks=256, attention_backend="cpu_paged",
+                                                    speculative="off"), eos_token_ids=[tokenizer.eos_token_id])
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = {"n": 0, "groups": 0}
+    real = layer_loop.LayerLoop.run
+
+    def run(self, x, rope, meta, *args, **kwargs):
+        calls["n"] += 1
+        calls["groups"] = max(calls["groups"], meta.amx_decode_groups)
+        return real(self, x, rope, meta, *args, **kwargs)
+
+    monkeypatch.setattr(layer_loop.LayerLoop, "run", run)
+    return calls
+
+
+@needs_amx
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q|k|v bias
+def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, arch):
+    """Greedy decodes of 14 prompts (six share a ~140-token header, so some decodes are grouped on their shared
+    blocks) with the loop on and off: the same tokens and the same logprobs, bit for bit; only decode-only
+    steps took the loop."""
+    hf = make_hf_model(arch, **SHAPE)
+    shared = " ".join(CORPUS[:4])
+    prompts = [f"{shared} {CORPUS[5 + i]}" for i in range(6)] + [" ".join(CORPUS[i:i + 3]) for i in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs, steps = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(layer_loop.LOOP_ENV, setting)
+        counted["n"] = 0
+        engine = _engine(_model(hf), tokenizer)
+        outs[setting] = run_checked(engine, prompts, params)
+        steps[setting] = counted["n"]
+        if setting == "1":
+            assert engine.stats().num_cached_tokens > 0 and counted["groups"] > 0  # shared blocks read once
+    assert steps["0"] == 0 and 0 < steps["1"] < 10 + 2  # decode-only steps only; prompt steps in Python
+    for key, out in outs["0"].items():
+        mine = outs["1"][key]
+        assert mine.output_token_ids == out.output_token_ids
+        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
+        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+
+
+@needs_amx
+def test_the_profiler_charges_the_loops_own_timers(monkeypatch, tokenizer, counted):
+    monkeypatch.delenv(layer_loop.LOOP_ENV, raising=False)
+    engine = _engine(_model(make_hf_model("llama", **SHAPE)), tokenizer)
+    for i in range(4):
+        engine.add_request(f"r{i}", CORPUS[i], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    with StepProfiler(engine) as profiler:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert counted["n"] > 0
+    assert "layer_loop_clock" not in vars(engine.model)  # detached
+    decode = profiler.summary()["by_step_kind"]["decode"]["ms_per_step"]
+    assert decode["attention"] > 0 and decode["gemm"] > 0 and decode["other"] > 0
+
+
+def test_models_the_loop_does_not_take_say_why(monkeypatch):
+    monkeypatch.delenv(layer_loop.LOOP_ENV, raising=False)
+    qwen3 = _model(make_hf_model("qwen3", hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64))
+    assert "not a plain Llama-family decoder" in layer_loop.layer_loop_reason(qwen3)
+    narrow = _model(make_hf_model("llama"))  # head_dim 16
+    assert "64-dim heads" in layer_loop.layer_loop_reason(narrow)
+    fp32 = _model(make_hf_model("llama", **SHAPE), torch.float32)
+    assert layer_loop.layer_loop_reason(fp32) == "not a bf16 model on CPU"
+    monkeypatch.setenv(layer_loop.LOOP_ENV, "0")
+    assert layer_loop.layer_loop_reason(fp32) == f"{layer_loop.LOOP_ENV}=0"
+
+
+@needs_amx
+def test_a_model_with_adapters_or_a_wrapped_layer_stays_in_python(monkeypatch, tokenizer, counted, tmp_path):
+    """LoRA adapters attached (as `lora_adapters:` does, after loading): every step in Python, the adapters
+    applied; a layer someone wrapped: refused with the reason."""
+    import copy
+
+    from jobrunner.engine.adapters import load_adapters_onto
+    from tests.lora_adapters import save_random_adapter
+
+    monkeypatch.delenv(layer_loop.LOOP_ENV, raising=False)
+    hf = make_hf_model("llama", **SHAPE)
+    save_random_adapter(copy.deepcopy(hf), tmp_path / "a", 0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = _model(hf)
+    assert layer_loop.layer_loop_reason(model) is None
+    load_adapters_onto(model, {"a": str(tmp_path / "a")})
+    engine = _engine(model, tokenizer)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(CORPUS[:3]):
+        engine.add_request(f"r{i}", prompt, params, adapter="a" if i == 0 else None)
+    done = [out for _ in range(20) for out in engine.step() if out.finished]
+    assert len(done) == 3 and not engine.has_unfinished_requests()
+    assert counted["n"] == 0
+    wrapped = _model(make_hf_model("llama", **SHAPE))
+    wrapped.layers[1].mlp = torch.nn.Sequential(wrapped.layers[1].mlp)
+    assert "not the plain decoder layer" in layer_loop.layer_loop_reason(wrapped)
