@@ -36,7 +36,8 @@ _STAGES = ("input norm", "q|k|v projection", "rotary", "KV write", "decode atten
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("linear", "norm", "rotary", "silu", "write_kv", "decode")] + [
+    _fields_ = [(name, _P) for name in ("linear", "norm", "rotary", "silu", "write_kv", "decode", "native",
+                                        "chunk")] + [
         (name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers")] + [
         ("eps", _F), ("scale", _F)]
 
@@ -46,12 +47,25 @@ class _Layer(ctypes.Structure):
                                         "k_cache", "v_cache")]
 
 
+class _Rows(ctypes.Structure):
+    _fields_ = [(name, _I) for name in ("num_rows", "max_blocks", "num_groups")] + [
+        (name, _P) for name in ("start", "len", "seq", "tables", "group_off", "group_rows", "group_len", "key_start")]
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I), ("threads", _I)] + [
         (name, _P) for name in ("x", "x0", "x1", "h", "qkv", "q", "attn", "o", "gate_up", "act", "down", "out",
-                                "cos", "sin", "slots", "start", "seq", "tables")] + [
-        (name, _I) for name in ("max_blocks", "block_size", "num_groups")] + [
-        (name, _P) for name in ("group_off", "group_rows", "group_len", "final_norm")]
+                                "cos", "sin", "slots")] + [
+        ("block_size", _I), ("fast_min_query", _I), ("decodes", _Rows), ("natives", _Rows), ("chunks", _Rows),
+        ("workspace", _P), ("final_norm", _P)]
+
+
+def _rows(num_rows: int, max_blocks: int, tensors: dict[str, torch.Tensor], num_groups: int = 0) -> _Rows:
+    """One attention kernel's rows (none: zeros, the tensors unread)."""
+    if not num_rows:
+        return _Rows()
+    return _Rows(num_rows=num_rows, max_blocks=max_blocks, num_groups=num_groups,
+                 **{name: t.data_ptr() for name, t in tensors.items()})
 
 
 @functools.cache
@@ -126,11 +140,11 @@ class LayerLoop:
         """Whether this step fits the loop (module doc), from cheap checks of its tensors and metadata."""
         from jobrunner.attention.cpu_paged import CpuPagedMetadata
 
-        if type(meta) is not CpuPagedMetadata or meta.num_rows or meta.torch_groups or meta.amx_num_rows:
+        if type(meta) is not CpuPagedMetadata or meta.torch_groups or meta.backend.amx is None:
             return False
         rows = x.shape[0]
-        if meta.amx_num_decodes != rows or not 0 < rows <= self.max_rows or meta.window or \
-                getattr(meta, "layer_views", None) is not None or meta.backend.amx is None:
+        if meta.num_tokens != rows or not 0 < rows <= self.max_rows or meta.window or \
+                getattr(meta, "layer_views", None) is not None:
             return False
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or kv_cache.dtype != torch.bfloat16 or \
                 not kv_cache.is_contiguous() or meta.slot_mapping.dtype != torch.int64:
@@ -156,14 +170,24 @@ class LayerLoop:
         for name, width in widths.items():
             buffers[name] = at
             at += -(-rows * width * 2 // 64) * 64
-        start, seq, tables, group_off, group_rows, group_len = meta.amx_decodes
         cos, sin = rope
+        amx = meta.backend.amx
+        if meta.amx_num_rows:  # the prompt kernel's staged values, as AmxPromptAttention.__call__ sizes them
+            need = meta.amx_padded_keys * m.kv_heads * m.head_dim * 2
+            if amx.workspace.numel() < need:
+                amx.workspace = torch.empty(need, dtype=torch.uint8)
+        decodes = _rows(meta.amx_num_decodes, meta.amx_decode_blocks, dict(zip(
+            ("start", "seq", "tables", "group_off", "group_rows", "group_len"), meta.amx_decodes)),
+            meta.amx_decode_groups)
+        natives = _rows(meta.num_rows, meta.max_blocks, dict(zip(
+            ("start", "len", "seq", "tables", "group_off", "group_rows", "group_len", "key_start"),
+            meta.rows + meta.shared)), meta.num_shared)
+        chunks = _rows(meta.amx_num_rows, meta.amx_max_blocks, dict(zip(("start", "len", "seq", "tables"),
+                                                                         meta.amx_rows)))
         step = _Step(rows=rows, threads=torch.get_num_threads(), x=x.data_ptr(), out=out.data_ptr(),
                      cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
-                     start=start.data_ptr(), seq=seq.data_ptr(), tables=tables.data_ptr(),
-                     max_blocks=meta.amx_decode_blocks, block_size=meta.block_size,
-                     num_groups=meta.amx_decode_groups, group_off=group_off.data_ptr(),
-                     group_rows=group_rows.data_ptr(), group_len=group_len.data_ptr(),
+                     block_size=meta.block_size, fast_min_query=meta.backend.fast_min_query or 0,
+                     decodes=decodes, natives=natives, chunks=chunks, workspace=amx.workspace.data_ptr(),
                      final_norm=self.source.norm.weight.data_ptr(), **buffers)
         seconds = (ctypes.c_double * 3)() if clock is not None else None
         rc = self.fn(ctypes.byref(m), self.layers, ctypes.byref(step), seconds)
@@ -179,7 +203,9 @@ class LayerLoop:
     def _bind(self, backend, kv_cache: torch.Tensor) -> None:
         """Point the loop at this backend's KV-write and decode kernels and at this cache's layer views."""
         if self.kernels_of != id(backend):
-            self.model.write_kv, self.model.decode = _address(backend.write_fn), _address(backend.amx.decode_fn)
+            m = self.model
+            m.write_kv, m.native = _address(backend.write_fn), _address(backend.fn)
+            m.decode, m.chunk = _address(backend.amx.decode_fn), _address(backend.amx.fn)
             self.kernels_of = id(backend)
         key = (kv_cache.data_ptr(), kv_cache.stride(0))
         if self.layers_of == key:

@@ -29,45 +29,67 @@ def _model(hf, dtype=torch.bfloat16):
     return model
 
 
-def _engine(model, tokenizer):
-    return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=16, num_kv_blocks=256, attention_backend="cpu_paged",
-                                                    speculative="off"), eos_token_ids=[tokenizer.eos_token_id])
+def _engine(model, tokenizer, **config):
+    config = {"max_num_seqs": 16, "num_kv_blocks": 256, "attention_backend": "cpu_paged", "speculative": "off",
+              **config}
+    return LLMEngine(model, tokenizer, EngineConfig(**config), eos_token_ids=[tokenizer.eos_token_id])
 
 
 @pytest.fixture
 def counted(monkeypatch):
-    calls = {"n": 0, "groups": 0}
+    """Calls of the loop, and the steps it ran by kind of attention row."""
+    calls = {"n": 0, "groups": 0, "decodes": 0, "natives": 0, "chunks": 0}
     real = layer_loop.LayerLoop.run
 
     def run(self, x, rope, meta, *args, **kwargs):
         calls["n"] += 1
         calls["groups"] = max(calls["groups"], meta.amx_decode_groups)
+        for kind, rows in (("decodes", meta.amx_num_decodes), ("natives", meta.num_rows),
+                           ("chunks", meta.amx_num_rows)):
+            calls[kind] += rows > 0
         return real(self, x, rope, meta, *args, **kwargs)
 
     monkeypatch.setattr(layer_loop.LayerLoop, "run", run)
     return calls
 
 
+CASES = {  # name: (engine config, environment, the kinds of attention rows the loop must have run)
+    "decodes": ({}, {}, {"decodes"}),
+    # prompts chunked into steps of <= 96 tokens: every step fits; chunks after cached prefixes
+    "chunked prefill": ({"max_num_batched_tokens": 96}, {}, {"decodes", "chunks"}),
+    # decodes on the native kernel (its shared-prefix groups)
+    "native decodes": ({}, {amx_prefill.AMX_DECODE_ENV: "0"}, {"natives"}),
+    # n-gram drafts: verify rows of several tokens beside decodes
+    "ngram": ({"speculative": "ngram"}, {}, {"decodes", "chunks"}),
+}
+
+
 @needs_amx
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q|k|v bias
-def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, arch):
+@pytest.mark.parametrize("arch,case", [("llama", name) for name in CASES] + [("qwen2", "chunked prefill")])
+def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, arch, case):
     """Greedy decodes of 14 prompts (six share a ~140-token header, so some decodes are grouped on their shared
-    blocks) with the loop on and off: the same tokens and the same logprobs, bit for bit; only decode-only
-    steps took the loop."""
+    blocks) with the loop on and off: the same tokens and the same logprobs, bit for bit, for each kind of
+    attention row the loop runs (qwen2: the q|k|v bias); steps over 128 tokens keep Python."""
+    config, env, kinds = CASES[case]
     hf = make_hf_model(arch, **SHAPE)
     shared = " ".join(CORPUS[:4])
     prompts = [f"{shared} {CORPUS[5 + i]}" for i in range(6)] + [" ".join(CORPUS[i:i + 3]) for i in range(8)]
+    if case == "ngram":  # text that repeats, so the n-gram index proposes drafts
+        prompts = [f"{p} {p}" for p in prompts[6:]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     outs, steps = {}, {}
     for setting in ("1", "0"):
         monkeypatch.setenv(layer_loop.LOOP_ENV, setting)
         counted["n"] = 0
-        engine = _engine(_model(hf), tokenizer)
+        engine = _engine(_model(hf), tokenizer, **config)
         outs[setting] = run_checked(engine, prompts, params)
         steps[setting] = counted["n"]
-        if setting == "1":
-            assert engine.stats().num_cached_tokens > 0 and counted["groups"] > 0  # shared blocks read once
-    assert steps["0"] == 0 and 0 < steps["1"] < 10 + 2  # decode-only steps only; prompt steps in Python
+    assert steps["0"] == 0 and steps["1"] > 0
+    assert {kind for kind in ("decodes", "natives", "chunks") if counted[kind]} == kinds
+    if case == "decodes":
+        assert counted["groups"] > 0  # shared blocks read once per group
     for key, out in outs["0"].items():
         mine = outs["1"][key]
         assert mine.output_token_ids == out.output_token_ids

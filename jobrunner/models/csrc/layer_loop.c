@@ -13,7 +13,10 @@
    Per layer (x: the residual stream, bf16 [rows, hidden]):
      h = norm(x) (layer 0), else x = x + down, h = norm(x)       jr_rms_norm (with the add: sum written aside)
      qkv = h Wqkv^T (+ bias); rotary on q, k in place            jr_amx_linear, jr_rotary
-     k, v -> cache slots; attn = decode attention(q)             jr_write_kv, jr_amx_decode_attention
+     k, v -> cache slots; attn = attention(q)                    jr_write_kv, then per kind of row:
+                                                                 jr_paged_attention (short chunks),
+                                                                 jr_amx_prompt_attention (chunks),
+                                                                 jr_amx_decode_attention (decodes)
      x = x + attn Wo^T, h = norm(x)                              jr_amx_linear, jr_rms_norm
      down = silu(gate) * up of h Wgu^T, times Wd^T               jr_amx_linear, jr_silu_mul, jr_amx_linear
    and after the last layer out = final_norm(x + down). The residual adds fold into the next norm (as the
@@ -41,9 +44,21 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          int64_t threads, int64_t num_groups, const int64_t *group_off, const int64_t *group_rows,
                          const int64_t *group_len);
 
+typedef int (*native_fn)(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *query_start,
+                         const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
+                         int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int64_t window, int64_t bf16, float scale, int64_t threads,
+                         int64_t fast_min_query, int64_t num_groups, const int64_t *group_off,
+                         const int64_t *group_rows, const int64_t *group_len, const int64_t *key_start,
+                         int64_t kv_fp8);
+typedef int (*chunk_fn)(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *query_start,
+                        const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
+                        int64_t num_rows, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                        void *workspace, int64_t threads);
+
 /* The model: kernels and shapes (fixed once built) */
 typedef struct {
-  void *linear, *norm, *rotary, *silu, *write_kv, *decode;
+  void *linear, *norm, *rotary, *silu, *write_kv, *decode, *native, *chunk;
   int64_t hidden, heads, kv_heads, head_dim, inter, layers;
   float eps, scale;
 } JrLoopModel;
@@ -54,7 +69,16 @@ typedef struct {
   void *k_cache, *v_cache;
 } JrLoopLayer;
 
-/* One step: rows, buffers (bf16, row-major, rows x the named width), rotary tables, slots, the decode rows */
+/* Rows of one attention kernel: query starts, query lengths (not for decodes), sequence lengths, block tables
+   [num_rows * max_blocks]; groups sharing cached blocks (offsets, members, shared keys; the native kernel's
+   also each row's first own key) */
+typedef struct {
+  int64_t num_rows, max_blocks, num_groups;
+  const int64_t *start, *len, *seq, *tables, *group_off, *group_rows, *group_len, *key_start;
+} JrLoopRows;
+
+/* One step: rows, buffers (bf16, row-major, rows x the named width), rotary tables, slots, and its rows on each
+   attention kernel: AMX decodes, the native kernel (short chunks), the AMX prompt kernel (chunks) */
 typedef struct {
   int64_t rows, threads;
   const void *x;          /* the embeddings [rows, hidden] (read only) */
@@ -62,11 +86,31 @@ typedef struct {
   void *h, *qkv, *q, *attn, *o, *gate_up, *act, *down, *out;
   const void *cos, *sin;  /* [rows, head_dim] */
   const int64_t *slots;
-  const int64_t *start, *seq, *tables;
-  int64_t max_blocks, block_size, num_groups;
-  const int64_t *group_off, *group_rows, *group_len;
+  int64_t block_size, fast_min_query;
+  JrLoopRows decodes, natives, chunks;
+  void *workspace;        /* the AMX prompt kernel's (sized by the caller) */
   const void *final_norm;
 } JrLoopStep;
+
+/* this layer's attention of every row into s->attn (each kernel writes its own rows); 0 or the failing kernel's rc */
+static int attend(const JrLoopModel *m, const JrLoopLayer *L, const JrLoopStep *s) {
+  const int64_t D = m->head_dim, th = s->threads;
+  const JrLoopRows *n = &s->natives, *c = &s->chunks, *d = &s->decodes;
+  if (n->num_rows && ((native_fn)m->native)(s->q, L->k_cache, L->v_cache, s->attn, n->start, n->len, n->seq,
+                                             n->tables, n->max_blocks, n->num_rows, m->heads, m->kv_heads, D,
+                                             s->block_size, 0, 1, m->scale, th, s->fast_min_query, n->num_groups,
+                                             n->group_off, n->group_rows, n->group_len, n->key_start, 0))
+    return 1;
+  if (c->num_rows && ((chunk_fn)m->chunk)(s->q, L->k_cache, L->v_cache, s->attn, c->start, c->len, c->seq,
+                                           c->tables, c->max_blocks, c->num_rows, m->heads, m->kv_heads, D,
+                                           s->block_size, m->scale, s->workspace, th))
+    return 1;
+  if (d->num_rows && ((decode_fn)m->decode)(s->q, L->k_cache, L->v_cache, s->attn, d->start, d->seq, d->tables,
+                                             d->max_blocks, d->num_rows, m->heads, m->kv_heads, D, s->block_size,
+                                             m->scale, th, d->num_groups, d->group_off, d->group_rows, d->group_len))
+    return 1;
+  return 0;
+}
 
 static inline double now(void) {
   struct timespec t;
@@ -90,7 +134,6 @@ int jr_layer_loop(const JrLoopModel *m, const JrLoopLayer *layers, const JrLoopS
   const rotary_fn rotary = (rotary_fn)m->rotary;
   const silu_fn silu = (silu_fn)m->silu;
   const write_kv_fn write_kv = (write_kv_fn)m->write_kv;
-  const decode_fn decode = (decode_fn)m->decode;
   const int64_t T = s->rows, th = s->threads, H = m->hidden, D = m->head_dim;
   const int64_t qn = m->heads * D, kvn = m->kv_heads * D, qkvn = qn + 2 * kvn, I = m->inter;
   double mark = seconds ? now() : 0.0;
@@ -114,10 +157,7 @@ int jr_layer_loop(const JrLoopModel *m, const JrLoopLayer *layers, const JrLoopS
     lap(seconds, OTHER, &mark);
     if (write_kv(qkv + qn, qkv + qn + kvn, qkvn, qkvn, L->k_cache, L->v_cache, s->slots, T, kvn, 2)) return err + 4;
     for (int64_t t = 0; t < T; t++) memcpy((uint16_t *)s->q + t * qn, qkv + t * qkvn, (size_t)qn * 2);
-    if (decode(s->q, L->k_cache, L->v_cache, s->attn, s->start, s->seq, s->tables, s->max_blocks, T, m->heads,
-               m->kv_heads, D, s->block_size, m->scale, th, s->num_groups, s->group_off, s->group_rows,
-               s->group_len))
-      return err + 5;
+    if (attend(m, L, s)) return err + 5;
     lap(seconds, ATTENTION, &mark);
     if (linear(s->attn, qn, L->o, NULL, s->o, H, T, H, qn, th)) return err + 6;
     lap(seconds, GEMM, &mark);
