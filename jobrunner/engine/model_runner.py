@@ -32,6 +32,7 @@ from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jobrunner.engine.speculative.verify import verify_drafts
+from jobrunner.models.huge_pages import empty_huge
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,11 @@ class ModelRunner:
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         width = row_width(s.head_dim, self.kv_cache_dtype)  # fp8: head_dim codes + a float32 scale (kv_quant)
-        self.kv_cache = torch.zeros(s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, width,
-                                    dtype=self.kv_cache_dtype, device=device)
+        shape = (s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, width)
+        if device.type == "cpu":  # read block by block every step: huge pages asked for before the zeros
+            self.kv_cache = empty_huge(*shape, dtype=self.kv_cache_dtype).zero_()
+        else:
+            self.kv_cache = torch.zeros(*shape, dtype=self.kv_cache_dtype, device=device)
         self.sampler = Sampler(device, seed)
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend

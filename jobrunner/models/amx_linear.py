@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from jobrunner.models.huge_pages import empty_huge
 from jobrunner.quant.capability import capability_switch
 
 AMX_GEMM_ENV = "JOBRUNNER_AMX_GEMM"
@@ -81,7 +82,7 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     if isinstance(lib, str):
         raise RuntimeError(lib)
     weight = weight.detach().to(torch.bfloat16).contiguous()
-    packed = torch.empty_like(weight)
+    packed = empty_huge(*weight.shape, dtype=torch.bfloat16)  # streamed every step: huge pages (models/huge_pages)
     if lib.jr_amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape):
         raise ValueError(f"AMX GEMM cannot pack a weight of shape {tuple(weight.shape)}")
     return packed

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jobrunner.models.huge_pages import empty_huge
 from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 PACKED_ENV = "JOBRUNNER_PACKED_GEMM"
@@ -72,7 +73,9 @@ def pack_weight(weight: torch.Tensor, panel_width: int) -> torch.Tensor:
     padded_n = -(-n // panel_width) * panel_width
     if padded_n != n:
         weight = torch.cat([weight, weight.new_zeros(padded_n - n, k)])
-    return weight.view(padded_n // panel_width, panel_width, k).transpose(1, 2).contiguous()
+    panels = weight.view(padded_n // panel_width, panel_width, k).transpose(1, 2)
+    packed = empty_huge(*panels.shape, dtype=weight.dtype)  # streamed every step: huge pages (models/huge_pages)
+    return packed.copy_(panels)
 
 
 class PackedLinear(nn.Module):
