@@ -83,8 +83,8 @@ class ModelRunner:
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         width = row_width(s.head_dim, self.kv_cache_dtype)  # fp8: head_dim codes + a float32 scale (kv_quant)
         shape = (s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, width)
-        if device.type == "cpu":  # read block by block every step: huge pages asked for before the zeros
-            self.kv_cache = empty_huge(*shape, dtype=self.kv_cache_dtype).zero_()
+        if device.type == "cpu":  # huge pages where JOBRUNNER_HUGE_PAGES=all asks (models/huge_pages.py)
+            self.kv_cache = empty_huge(*shape, dtype=self.kv_cache_dtype, kind="kv_cache").zero_()
         else:
             self.kv_cache = torch.zeros(*shape, dtype=self.kv_cache_dtype, device=device)
         self.sampler = Sampler(device, seed)

@@ -1,21 +1,29 @@
-"""Transparent huge pages for the large, long-lived CPU tensors a decode step streams: the KV cache and the
-AMX-packed weights.
+"""Transparent huge pages for the large, long-lived CPU tensors a decode step streams: the packed weights and,
+where asked for, the KV cache.
 
 A decode step reads its rows' keys and values block by block, scattered over the cache, and every packed weight
 once; with 4 KB pages that is a TLB miss every few cache lines. Linux backs memory with 2 MB pages where the
 process asks for them (``madvise(MADV_HUGEPAGE)``, what ``transparent_hugepage=madvise``, the usual default,
-waits for). :func:`advise_huge_pages` asks for a tensor's 2 MB-aligned interior; it must run before the
-memory is first written (already-backed pages stay small until the kernel's background collapse, if ever).
+waits for). :func:`advise_huge_pages` asks for a tensor's whole 2 MB pages; it must run before the memory is
+first written (already-backed pages stay small until the kernel's background collapse, if ever).
 
-Measured on the 2-core AMX Xeon (2026-12-05, ShareGPT 64 x 64, bf16, alternated): torch's
-``THP_MEM_ALLOC_ENABLE=1`` (every allocation of 2 MB and more) gave 1,034 / 1,026 vs 991 / 1,002 out tok/s, decode
-attention 13.6-13.8 vs 14.9 ms/step and decode GEMMs 18.4-18.6 vs 19.8-21.0, but slower prompt steps (their
-short-lived activations fault whole huge pages in every step); so only these two kinds of tensors ask. With
-that (the long few-shot set, 72 rows x ~1.25 k keys, ``--profile``, alternated): decode-step attention 35.1 /
-35.4 vs 38.2 / 40.1 ms, decode GEMMs 20.3 / 20.1 vs 23.7 / 22.6 ms (``JOBRUNNER_HUGE_PAGES=1`` vs ``0``).
+``JOBRUNNER_HUGE_PAGES``: ``weights`` (the default: the AMX-packed and float32-packed weights), ``all`` (the KV
+cache too), ``0`` (none). Measured on the 2-core AMX Xeon (2026-12-05):
 
-Off where it cannot apply (not Linux, not a CPU tensor, under 2 MB) or with ``JOBRUNNER_HUGE_PAGES=0``. A kernel
-set to ``never`` ignores the advice; nothing else changes.
+* the KV cache too (long few-shot set, 72 rows x ~1.25 k keys, ``--profile``, alternated): decode-step
+  attention 35.1 / 35.4 vs 38.2 / 40.1 ms, decode GEMMs 20.3 / 20.1 vs 23.7 / 22.6 ms; but the engine's start
+  went 2.9 -> 10.7-12.1 s for SmolLM2's default 2.1 GB cache: the kernel compacts memory to find free 2 MB
+  pages when the cache is zeroed (``compact_stall`` in /proc/vmstat), on a VM whose memory the page cache had
+  fragmented. That start-up is what a short job pays, so the cache asks only with ``all`` (long jobs on
+  nodes with free memory);
+* torch's ``THP_MEM_ALLOC_ENABLE=1`` (every allocation of 2 MB and more): faster decode steps, slower prompt
+  steps (their short-lived activations fault whole huge pages in every step);
+* the weights alone start as fast as before (2.8 s); each layer's packed weight is its own tensor and only
+  whole 2 MB pages inside one can be huge, so on SmolLM2 96 MB of its 330 MB get them (the LM head's 57 MB,
+  the gate|up projections).
+
+Off where it cannot apply (not Linux, not a CPU tensor, under 2 MB). A kernel set to ``never`` ignores the
+advice; nothing else changes.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import sys
 import torch
 
 HUGE_PAGES_ENV = "JOBRUNNER_HUGE_PAGES"
+HUGE_PAGES_SETTINGS = ("weights", "all", "0")
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -45,10 +54,18 @@ def _madvise():
     return fn
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask for huge pages under ``tensor``'s storage (its whole 2 MB pages); True where the kernel took the
-    advice. Call it before writing the tensor."""
-    if os.environ.get(HUGE_PAGES_ENV, "1").strip() == "0" or tensor.device.type != "cpu":
+def huge_pages_for(kind: str) -> bool:
+    """Whether ``kind`` (``"weights"`` or ``"kv_cache"``) asks for huge pages under ``JOBRUNNER_HUGE_PAGES``."""
+    setting = os.environ.get(HUGE_PAGES_ENV, "").strip() or "weights"
+    if setting not in HUGE_PAGES_SETTINGS:
+        raise ValueError(f"{HUGE_PAGES_ENV}={setting!r}: expected one of {', '.join(HUGE_PAGES_SETTINGS)}")
+    return setting == "all" or (setting == "weights" and kind == "weights")
+
+
+def advise_huge_pages(tensor: torch.Tensor, kind: str = "weights") -> bool:
+    """Ask for huge pages under ``tensor``'s storage (its whole 2 MB pages) where ``kind`` asks for them
+    (:func:`huge_pages_for`); True where the kernel took the advice. Call it before writing the tensor."""
+    if not huge_pages_for(kind) or tensor.device.type != "cpu":
         return False
     start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
@@ -59,8 +76,9 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return madvise(first, last - first, MADV_HUGEPAGE) == 0
 
 
-def empty_huge(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype)`` on CPU with huge pages asked for (:func:`advise_huge_pages`), unwritten."""
+def empty_huge(*shape: int, dtype: torch.dtype, kind: str = "weights") -> torch.Tensor:
+    """``torch.empty(shape, dtype)`` on CPU with huge pages asked for where ``kind`` asks
+    (:func:`advise_huge_pages`), unwritten."""
     tensor = torch.empty(*shape, dtype=dtype)
-    advise_huge_pages(tensor)
+    advise_huge_pages(tensor, kind)
     return tensor

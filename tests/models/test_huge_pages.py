@@ -41,17 +41,22 @@ def test_a_large_tensor_gets_the_advice_before_it_is_written(monkeypatch):
 def test_where_it_does_not_apply_nothing_is_asked(monkeypatch):
     monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV, raising=False)
     assert not huge_pages.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole 2 MB page
+    cache = huge_pages.empty_huge(8 << 20, dtype=torch.uint8, kind="kv_cache")  # the default: weights only
+    assert "hg" not in _vm_flags(-(-cache.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
     t = huge_pages.empty_huge(8 << 20, dtype=torch.uint8)
     assert not huge_pages.advise_huge_pages(t)
     assert "hg" not in _vm_flags(-(-t.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "some")
+    with pytest.raises(ValueError, match="expected one of weights, all, 0"):
+        huge_pages.huge_pages_for("weights")
 
 
 @linux
-def test_the_engines_cpu_kv_cache_asks_for_huge_pages(monkeypatch):
+def test_the_engines_cpu_kv_cache_asks_for_huge_pages_when_told(monkeypatch):
     from tests.engine.tiny import engine_from_hf, make_hf_model, make_tokenizer
 
-    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "all")
     engine = engine_from_hf(make_hf_model("llama"), make_tokenizer(), num_kv_blocks=2048)
     cache = engine.runner.kv_cache
     assert cache.untyped_storage().nbytes() >= 4 * huge_pages.HUGE and not cache.any()  # zeroed, as before
