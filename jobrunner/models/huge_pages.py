@@ -7,20 +7,24 @@ process asks for them (``madvise(MADV_HUGEPAGE)``, what ``transparent_hugepage=m
 waits for). :func:`advise_huge_pages` asks for a tensor's whole 2 MB pages; it must run before the memory is
 first written (already-backed pages stay small until the kernel's background collapse, if ever).
 
-``JOBRUNNER_HUGE_PAGES``: ``weights`` (the default: the AMX-packed and float32-packed weights), ``all`` (the KV
-cache too), ``0`` (none). Measured on the 2-core AMX Xeon (2026-12-05):
+``JOBRUNNER_HUGE_PAGES``: ``0`` (the default: none), ``weights`` (the AMX-packed and float32-packed weights),
+``all`` (the KV cache too). Opt-in because the kernel may have to compact memory to find free 2 MB pages, which
+a job pays at start-up. Measured on the 2-core AMX Xeon (2026-12-05):
 
 * the KV cache too (long few-shot set, 72 rows x ~1.25 k keys, ``--profile``, alternated): decode-step
   attention 35.1 / 35.4 vs 38.2 / 40.1 ms, decode GEMMs 20.3 / 20.1 vs 23.7 / 22.6 ms; but the engine's start
   went 2.9 -> 10.7-12.1 s for SmolLM2's default 2.1 GB cache: the kernel compacts memory to find free 2 MB
   pages when the cache is zeroed (``compact_stall`` in /proc/vmstat), on a VM whose memory the page cache had
-  fragmented. That start-up is what a short job pays, so the cache asks only with ``all`` (long jobs on
-  nodes with free memory);
+  fragmented;
 * torch's ``THP_MEM_ALLOC_ENABLE=1`` (every allocation of 2 MB and more): faster decode steps, slower prompt
   steps (their short-lived activations fault whole huge pages in every step);
-* the weights alone start as fast as before (2.8 s); each layer's packed weight is its own tensor and only
-  whole 2 MB pages inside one can be huge, so on SmolLM2 96 MB of its 330 MB get them (the LM head's 57 MB,
-  the gate|up projections).
+* the weights alone: each layer's packed weight is its own tensor and only whole 2 MB pages inside one can be
+  huge, so on SmolLM2 96 MB of its 330 MB get them (the LM head's 57 MB, the gate|up projections); decode
+  GEMMs 19.1 / 19.3 / 18.9 vs 20.1 / 20.2 / 18.9 ms/step (ShareGPT, alternated), the example job's weight
+  packing 0.2 -> 0.8 s.
+
+A long job on a node with free memory gains (``all``: ~8% of a long-context decode step); a short one, like the
+example job, would start slower than it gains.
 
 Off where it cannot apply (not Linux, not a CPU tensor, under 2 MB). A kernel set to ``never`` ignores the
 advice; nothing else changes.
@@ -36,7 +40,7 @@ import sys
 import torch
 
 HUGE_PAGES_ENV = "JOBRUNNER_HUGE_PAGES"
-HUGE_PAGES_SETTINGS = ("weights", "all", "0")
+HUGE_PAGES_SETTINGS = ("0", "weights", "all")
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -56,7 +60,7 @@ def _madvise():
 
 def huge_pages_for(kind: str) -> bool:
     """Whether ``kind`` (``"weights"`` or ``"kv_cache"``) asks for huge pages under ``JOBRUNNER_HUGE_PAGES``."""
-    setting = os.environ.get(HUGE_PAGES_ENV, "").strip() or "weights"
+    setting = os.environ.get(HUGE_PAGES_ENV, "").strip() or "0"
     if setting not in HUGE_PAGES_SETTINGS:
         raise ValueError(f"{HUGE_PAGES_ENV}={setting!r}: expected one of {', '.join(HUGE_PAGES_SETTINGS)}")
     return setting == "all" or (setting == "weights" and kind == "weights")

@@ -29,7 +29,7 @@ def _vm_flags(address: int) -> list[str]:
 
 @linux
 def test_a_large_tensor_gets_the_advice_before_it_is_written(monkeypatch):
-    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "weights")
     t = huge_pages.empty_huge(8 << 20, dtype=torch.uint8)
     first = -(-t.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE
     assert "hg" in _vm_flags(first)
@@ -39,16 +39,16 @@ def test_a_large_tensor_gets_the_advice_before_it_is_written(monkeypatch):
 
 @linux
 def test_where_it_does_not_apply_nothing_is_asked(monkeypatch):
-    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "weights")
     assert not huge_pages.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole 2 MB page
-    cache = huge_pages.empty_huge(8 << 20, dtype=torch.uint8, kind="kv_cache")  # the default: weights only
+    cache = huge_pages.empty_huge(8 << 20, dtype=torch.uint8, kind="kv_cache")  # weights only
     assert "hg" not in _vm_flags(-(-cache.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
-    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV)  # the default: none
     t = huge_pages.empty_huge(8 << 20, dtype=torch.uint8)
     assert not huge_pages.advise_huge_pages(t)
     assert "hg" not in _vm_flags(-(-t.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "some")
-    with pytest.raises(ValueError, match="expected one of weights, all, 0"):
+    with pytest.raises(ValueError, match="expected one of 0, weights, all"):
         huge_pages.huge_pages_for("weights")
 
 
