@@ -87,11 +87,14 @@ def _address(fn) -> int:
 def layer_loop_reason(model) -> str | None:
     """Why ``model`` cannot run its decode steps' layers in the C loop (None: it can, given a step that fits)."""
     from jobrunner.models import amx_linear, fused_ops
-    from jobrunner.models.llama import MLP, DecoderLayer, RMSNorm
     from jobrunner.models.onednn_linear import OneDnnLinear
 
     if os.environ.get(LOOP_ENV, "1").strip() == "0":
         return f"{LOOP_ENV}=0"
+    parts = getattr(model, "plain_parts", None)
+    if parts is None:
+        return f"{type(model).__name__}: not the Llama-family decoder"
+    DecoderLayer, MLP, RMSNorm = parts  # noqa: N806 (classes)
     s = model.shape
     if s.architecture not in ARCHITECTURES or s.qk_norm or s.moe is not None or s.sliding_window is not None \
             or s.layer_windows is not None or s.attn_logit_softcapping is not None or s.head_dim != 64:

@@ -227,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
     """
 
     lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
+    # the layer, MLP and norm classes whose work models/layer_loop.py knows (a wrapped one runs in Python)
+    plain_parts = (DecoderLayer, MLP, RMSNorm)
 
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
