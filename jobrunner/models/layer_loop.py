@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one native call, on CPUs with AMX (``csrc/layer_loop.c``).
+"""A step's decoder layers in one native call, on CPUs with AMX (``csrc/layer_loop.c``).
 
 On a small model a CPU decode step is ~11 native kernels per layer, each reached from Python (``nn.Module``
 calls, argument checks, ``ctypes``); sampled on SmolLM2-135M (64 rows, bf16, 2 cores) about a quarter of the
@@ -11,8 +11,10 @@ It applies to a step when all of these hold, else the layers run in Python as be
 * the model (once): a plain Llama-family decoder (Llama, Mistral without a window, Qwen2) with dense MLPs,
   no q/k norms, no LoRA adapters attached, bf16, head_dim 64, every projection on the AMX GEMM
   (``models/amx_linear.py``), the fused ops and the kernels built;
-* the step: decode rows only, all on the AMX decode kernel of the ``cpu_paged`` backend (bf16 KV cache, no
-  sliding window), at most ``AMX_GEMM_MAX_ROWS`` rows, rotary tables ``[rows, 1, head_dim]``.
+* the step: at most ``AMX_GEMM_MAX_ROWS`` tokens on the ``cpu_paged`` backend with its AMX kernels (bf16 KV
+  cache, no sliding window, nothing routed to torch's SDPA), rotary tables ``[rows, 1, head_dim]``. Its rows
+  take the kernels the backend routes them to: decodes the AMX decode kernel, chunks (speculative verify rows,
+  the tail of a chunked prompt) the AMX prompt kernel, short rows the native kernel.
 
 ``JOBRUNNER_LAYER_LOOP=0`` turns it off. Under ``jobrunner bench --profile`` the C loop times its kernels
 itself (attention, GEMMs, other) and the profiler charges them (``engine/profile.py``).
