@@ -189,24 +189,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = make_mlp(shape, layer_index)
 
-    def forward(self, x, pending, rope, meta, k_cache, v_cache):
-        """``(x, mlp_out)``: the residual stream after attention and the MLP's output, not yet added to it.
-        ``pending`` is the previous layer's such output (None for the first layer); each residual add runs in
-        the same pass as the norm after it (:func:`add_norm`)."""
-        h, x = add_norm(self.input_layernorm, x, pending)
-        h, x = add_norm(self.post_attention_layernorm, x, self.self_attn(h, rope, meta, k_cache, v_cache))
-        return x, self.mlp(h)
-
-
-def add_norm(norm: nn.Module, x: torch.Tensor, add: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + add), x + add)`` (``add`` None: ``(norm(x), x)``): the residual add and the norm in one pass
-    where the fused kernel runs, else the torch add and the norm (a wrapped norm, e.g. row tiling: its own)."""
-    if add is None:
-        return norm(x), x
-    if isinstance(norm, RMSNorm):
-        return norm.add_forward(x, add)
-    x = x + add
-    return norm(x), x
+    def forward(self, x, rope, meta, k_cache, v_cache):
+        h = self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm):  # residual add + norm in one pass (not when wrapped, e.g. row tiling)
+            h, x = norm.add_forward(x, h)
+        else:
+            x = x + h
+            h = norm(x)
+        return x + self.mlp(h)
 
 
 def make_embedding(num: int, dim: int) -> nn.Embedding:
@@ -258,10 +249,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = run_decode_layers(self, x, rope, meta, kv_cache)
             if hidden is not None:
                 return hidden
-        pending = None  # each layer's MLP output, added to x in the next norm's pass
         for i, layer in enumerate(self.layers):
-            x, pending = layer(x, pending, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
-        return add_norm(self.norm, x, pending)[0]
+            x = layer(x, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

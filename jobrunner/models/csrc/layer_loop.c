@@ -19,8 +19,9 @@
                                                                  jr_amx_decode_attention (decodes)
      x = x + attn Wo^T, h = norm(x)                              jr_amx_linear, jr_rms_norm
      down = silu(gate) * up of h Wgu^T, times Wd^T               jr_amx_linear, jr_silu_mul, jr_amx_linear
-   and after the last layer out = final_norm(x + down). Each residual add runs in the pass of the norm after it,
-   as in the Python path (models/llama.py: add_norm).
+   and after the last layer out = final_norm(x + down). The residual adds fold into the next norm (as the
+   Python path's post-attention add does); torch's bf16 add and the kernel's both round float32 sums to nearest
+   even, so the bits agree.
 
    Returns 0, or 100 * (layer + 1) + stage with stage 1 .. 10 the failing call in the order above (rc lost; the Python path says
    why when it reruns the step). `seconds` (NULL: not timed): attention, GEMM and other seconds added. */
