@@ -41,12 +41,13 @@ def test_a_large_tensor_gets_the_advice_before_it_is_written(monkeypatch):
 def test_where_it_does_not_apply_nothing_is_asked(monkeypatch):
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "weights")
     assert not huge_pages.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no whole 2 MB page
-    cache = huge_pages.empty_huge(8 << 20, dtype=torch.uint8, kind="kv_cache")  # weights only
-    assert "hg" not in _vm_flags(-(-cache.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    assert not huge_pages.advise_huge_pages(big, "kv_cache")  # weights only
+    assert huge_pages.huge_pages_for("weights") and not huge_pages.huge_pages_for("kv_cache")
     monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV)  # the default: none
-    t = huge_pages.empty_huge(8 << 20, dtype=torch.uint8)
-    assert not huge_pages.advise_huge_pages(t)
-    assert "hg" not in _vm_flags(-(-t.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE)
+    assert not huge_pages.advise_huge_pages(big) and not huge_pages.huge_pages_for("weights")
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "all")
+    assert huge_pages.huge_pages_for("kv_cache")
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "some")
     with pytest.raises(ValueError, match="expected one of 0, weights, all"):
         huge_pages.huge_pages_for("weights")
