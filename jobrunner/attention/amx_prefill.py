@@ -109,15 +109,20 @@ class AmxPromptAttention:
         the rows' key counts rounded up to 32 (sizes the workspace)."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]
-        need = padded_keys * num_kv_heads * head_dim * 2  # the staged bf16 values
-        if self.workspace.numel() < need:
-            self.workspace = torch.empty(need, dtype=torch.uint8)
+        workspace = self.workspace_for(padded_keys, num_kv_heads, head_dim)
         start, length, seq, tables = rows
         rc = self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), start.data_ptr(),
                      length.data_ptr(), seq.data_ptr(), tables.data_ptr(), max_blocks, num_rows, num_heads,
-                     num_kv_heads, head_dim, block_size, scale, self.workspace.data_ptr(), torch.get_num_threads())
+                     num_kv_heads, head_dim, block_size, scale, workspace.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError(f"AMX prompt attention failed (code {rc}: 1 bad shape, 3 AMX refused by the OS)")
+
+    def workspace_for(self, padded_keys: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """The workspace, grown to hold a call's staged bf16 values (``padded_keys`` as in ``__call__``)."""
+        need = padded_keys * num_kv_heads * head_dim * 2
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=torch.uint8)
+        return self.workspace
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                rows: tuple[torch.Tensor, ...], max_blocks: int, num_rows: int, num_groups: int, block_size: int,

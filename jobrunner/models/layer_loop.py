@@ -139,7 +139,13 @@ class LayerLoop:
         self.kernels_of: int | None = None  # id of the backend whose write / decode kernels are set
         self.layers_of: tuple[int, int] | None = None  # (data_ptr, layer stride) of the KV cache the layers see
         self.layers = (_Layer * s.num_layers)()
-        self.workspace = torch.empty(0, dtype=torch.bfloat16)
+        # the step's bf16 buffers, each up to max_rows rows of its width, 64-byte aligned, in one workspace
+        m = self.model
+        q_size, kv_size = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        self.widths = {"x0": m.hidden, "x1": m.hidden, "h": m.hidden, "qkv": q_size + 2 * kv_size, "q": q_size,
+                       "attn": q_size, "o": m.hidden, "gate_up": 2 * m.inter, "act": m.inter, "down": m.hidden}
+        self.workspace = torch.empty(self.max_rows * sum(self.widths.values()) + 32 * len(self.widths),
+                                     dtype=torch.bfloat16)
 
     def applies(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor) -> bool:
         """Whether this step fits the loop (module doc), from cheap checks of its tensors and metadata."""
@@ -162,25 +168,14 @@ class LayerLoop:
         """The final (normed) hidden states of the decode step whose embeddings are ``x``."""
         self._bind(meta.backend, kv_cache)
         m, rows = self.model, x.shape[0]
-        q_size, kv_size, inter = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.inter
-        widths = {"x0": m.hidden, "x1": m.hidden, "h": m.hidden, "qkv": q_size + 2 * kv_size, "q": q_size,
-                  "attn": q_size, "o": m.hidden, "gate_up": 2 * inter, "act": inter, "down": m.hidden}
-        need = rows * sum(widths.values()) + 32 * len(widths)  # each buffer 64-byte aligned
-        if self.workspace.numel() < need:
-            self.workspace = torch.empty(self.max_rows * sum(widths.values()) + 32 * len(widths),
-                                         dtype=torch.bfloat16)
         out = torch.empty_like(x)
-        base = self.workspace.data_ptr()
-        at, buffers = -(-base // 64) * 64, {}
-        for name, width in widths.items():
+        at, buffers = -(-self.workspace.data_ptr() // 64) * 64, {}
+        for name, width in self.widths.items():
             buffers[name] = at
             at += -(-rows * width * 2 // 64) * 64
         cos, sin = rope
         amx = meta.backend.amx
-        if meta.amx_num_rows:  # the prompt kernel's staged values, as AmxPromptAttention.__call__ sizes them
-            need = meta.amx_padded_keys * m.kv_heads * m.head_dim * 2
-            if amx.workspace.numel() < need:
-                amx.workspace = torch.empty(need, dtype=torch.uint8)
+        workspace = amx.workspace_for(meta.amx_padded_keys, m.kv_heads, m.head_dim)  # the prompt kernel's
         decodes = _rows(meta.amx_num_decodes, meta.amx_decode_blocks, dict(zip(
             ("start", "seq", "tables", "group_off", "group_rows", "group_len"), meta.amx_decodes)),
             meta.amx_decode_groups)
@@ -192,7 +187,7 @@ class LayerLoop:
         step = _Step(rows=rows, threads=torch.get_num_threads(), x=x.data_ptr(), out=out.data_ptr(),
                      cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
                      block_size=meta.block_size, fast_min_query=meta.backend.fast_min_query or 0,
-                     decodes=decodes, natives=natives, chunks=chunks, workspace=amx.workspace.data_ptr(),
+                     decodes=decodes, natives=natives, chunks=chunks, workspace=workspace.data_ptr(),
                      final_norm=self.source.norm.weight.data_ptr(), **buffers)
         seconds = (ctypes.c_double * 3)() if clock is not None else None
         rc = self.fn(ctypes.byref(m), self.layers, ctypes.byref(step), seconds)
