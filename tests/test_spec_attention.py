@@ -17,7 +17,7 @@ def _spec(**engine):
 
 def test_attention_backend_reaches_the_engine_config():
     kwargs = engine_config_kwargs(_spec())
-    assert kwargs["attention_backend"] == "auto" and kwargs["use_cuda_graphs"] is False
+    assert kwargs["attention_backend"] == "auto" and kwargs["use_cuda_graphs"] == "auto"
     config = EngineConfig(**engine_config_kwargs(_spec(attention_backend="triton", use_cuda_graphs=True)))
     assert config.attention_backend == "triton" and config.use_cuda_graphs is True
 

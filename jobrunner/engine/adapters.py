@@ -49,7 +49,7 @@ def check_engine_with_adapters(adapters: Any, config: EngineConfig, device: torc
     if config.deterministic:
         raise ValueError("engine.deterministic is not supported with model.adapters: the fixed row tiles of "
                          "deterministic mode would cut the per-adapter row groups of a step")
-    if config.use_cuda_graphs and device.type == "cuda":
+    if config.graphs_on(device.type):
         raise ValueError("engine.use_cuda_graphs is not supported with model.adapters: the rows of each adapter "
                          "change every step, which a CUDA graph cannot capture; run with use_cuda_graphs: false")
 

@@ -22,9 +22,10 @@ class EngineConfig:
     ``auto`` (``cpu_paged`` for float32 and bf16 on CPU, where it was measured faster on every benchmark
     workload; ``torch`` otherwise; see docs/engine.md).
 
-    ``use_cuda_graphs`` (opt-in, off by default until a GPU run has passed): on CUDA, fixed-shape steps replay
-    CUDA graphs (torch backend: decode-only steps, :mod:`jobrunner.attention.decode_graphs`; triton backend:
-    every step, :mod:`jobrunner.attention.step_graphs`); ignored on CPU. ``static_decode``: run the same
+    ``use_cuda_graphs`` (``auto`` = off for our engine until a GPU run has passed; :meth:`graphs_on`): on
+    CUDA, fixed-shape steps replay CUDA graphs (torch backend: decode-only steps,
+    :mod:`jobrunner.attention.decode_graphs`; triton backend: every step, :mod:`jobrunner.attention.step_graphs`);
+    ignored on CPU. ``static_decode``: run the same
     fixed-shape path without graphs, on any device (slower on CPU; tests use it to check that path).
 
     Fields made with ``setting(...)`` are the job spec's ``engine:`` keys (:mod:`jobrunner.engine.settings`):
@@ -66,9 +67,10 @@ class EngineConfig:
         "auto", description="Attention kernel: torch (runs anywhere), cpu_paged (native, reads the KV cache in "
         "place; CPU), triton (CUDA; both fall back to torch where they cannot run) or auto (cpu_paged for "
         "float32 / bf16 on CPU, else torch; docs/engine.md).")
-    use_cuda_graphs: bool = setting(
-        False, description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). Opt-in until a "
-        "GPU check has passed (docs/engine.md).")
+    use_cuda_graphs: bool | Literal["auto"] = setting(
+        "auto", description="On CUDA, replay fixed-shape steps from CUDA graphs (ignored on CPU). auto: on for "
+        "engine.backend vllm on CUDA (vLLM compiles and captures its graphs), off for our engine until a GPU check "
+        "has passed (docs/engine.md); true / false force it.")
     static_decode: bool = False
     seed: int = 0
     deterministic: bool = setting(
@@ -105,6 +107,19 @@ class EngineConfig:
                              f"got {self.late_readback!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.use_cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"EngineConfig.use_cuda_graphs must be true|false|auto, got {self.use_cuda_graphs!r}")
+
+    def graphs_on(self, device_type: str, backend: str = "jobrunner") -> bool:
+        """Whether steps replay CUDA graphs on ``device_type`` for ``backend`` (``jobrunner`` or ``vllm``).
+
+        Never off CUDA. ``auto``: on for vLLM (its graphs and compile are its tested GPU path), off for our
+        engine, whose graph paths stay opt-in until ``scripts/gpu_check.sh`` has passed on a GPU."""
+        if device_type != "cuda":
+            return False
+        if self.use_cuda_graphs == "auto":
+            return backend == "vllm"
+        return bool(self.use_cuda_graphs)
 
     @classmethod
     def from_dict(cls, values: dict) -> EngineConfig:

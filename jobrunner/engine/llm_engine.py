@@ -533,7 +533,7 @@ class LLMEngine:
     def _decode_graphs_mode(self) -> str:
         if self.adapters is not None:  # each step's per-adapter row groups: eager steps only (engine/adapters.py)
             return "off"
-        if self.device.type == "cuda" and self.config.use_cuda_graphs:
+        if self.config.graphs_on(self.device.type):
             if getattr(self.model.shape, "moe", None) is not None:
                 raise ValueError("engine.use_cuda_graphs is not supported for mixture-of-experts models: their "
                                  "expert grouping reads per-expert token counts on the host every step, which a "

@@ -40,8 +40,9 @@ def build_vllm_engine(spec: Any) -> VllmEngine:
             "dtype_choice": choice, "dtype_reason": describe_dtype_choice(choice)}
     log = os.path.join(tempfile.gettempdir(), f"jobrunner-vllm-{os.getpid()}.log")
     env = vllm_env(spec, python, device.type)
-    engine = VllmEngine(python, engine_args(spec, str(model_dir), dtype),
-                        tokenizer, info, chat_template=spec.input.chat_template, env=env, log_path=log)
+    engine = VllmEngine(python, engine_args(spec, str(model_dir), dtype, device=device.type),
+                        tokenizer, info, chat_template=spec.input.chat_template, env=env, log_path=log,
+                        device=device.type)
     clock.mark("engine")  # vLLM's process: its imports, the weights, its KV cache (and compile, if asked)
     engine.model_info["load_stages_s"] = clock.stages
     engine.model_info["vllm_log"] = log

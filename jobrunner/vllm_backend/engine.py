@@ -56,24 +56,26 @@ class VllmEngine:
 
     def __init__(self, python: str, engine_args: dict[str, Any], tokenizer: Any, model_info: dict[str, Any],
                  chat_template: str | None = None, env: dict[str, str] | None = None,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, device: str | None = None) -> None:
         self.python, self.engine_args, self.tokenizer = python, dict(engine_args), tokenizer
         self.chat_template, self.env, self.log_path = chat_template, env, log_path
         self.model_info = dict(model_info)
-        self.device = "cuda" if engine_args.get("device") == "cuda" else str(engine_args.get("device") or "cpu")
+        self.device = device or str(engine_args.get("device") or "cpu")  # vLLM's reply to start names its own
         self.block_size = int(engine_args.get("block_size") or 16)
         self._stats = VllmStats()
         self._pending: dict[str, tuple[float, int, SamplingParams]] = {}  # id -> (arrival, prompt tokens, params)
         self._rejected: list[RequestOutput] = []
         self._proc = self._spawn()
         reply = self._call({"op": "start", "engine_args": self.engine_args})
-        self.model_info.update(backend="vllm", vllm_version=reply.get("vllm_version"))
+        self.device = str(reply.get("device") or self.device)
+        self.model_info.update(backend="vllm", vllm_version=reply.get("vllm_version"), device=self.device)
         self.block_size = int(reply.get("block_size") or self.block_size)  # vLLM's own (prefix-aware chains)
         self.eos_token_ids = tuple(reply.get("eos_token_ids") or ())
 
     # ---- the process ------------------------------------------------------------------------------------
     def _spawn(self) -> subprocess.Popen:
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(self.env or {})}
+        env = {**os.environ, **(self.env or {})}
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.device == "cpu" else "1")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - held by Popen
         return subprocess.Popen([self.python, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log, env=env)

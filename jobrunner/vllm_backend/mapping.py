@@ -53,13 +53,15 @@ def unmapped_settings(spec: Any) -> list[str]:
     return problems
 
 
-def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0) -> dict[str, Any]:
+def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """vLLM ``EngineArgs`` keywords for this spec: the settings vLLM shares with ours (unset ones, and our
     default block size, leave vLLM's own defaults: its CPU attention wants blocks of 32 tokens), the
-    dtype our rule chose, eager unless ``engine.use_cuda_graphs`` (vLLM then compiles / captures graphs),
-    ngram speculation, and ``engine.vllm_options`` as written."""
+    dtype our rule chose, eager unless graphs are on (``engine.use_cuda_graphs``: ``auto`` = on CUDA, where vLLM
+    compiles and captures its graphs; off on CPU, where compiling costs minutes), ngram speculation, and
+    ``engine.vllm_options`` as written."""
     e = spec.engine
-    args: dict[str, Any] = {"model": model_dir, "dtype": dtype, "seed": seed, "enforce_eager": not e.use_cuda_graphs}
+    eager = not uses_graphs(e.use_cuda_graphs, device)
+    args: dict[str, Any] = {"model": model_dir, "dtype": dtype, "seed": seed, "enforce_eager": eager}
     for ours, theirs in SAME_SETTINGS.items():
         value = getattr(e, ours)
         if value is None or (ours == "block_size" and value == OUR_BLOCK_SIZE):
@@ -74,6 +76,14 @@ def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0) -> dict[st
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": e.num_speculative_tokens,
                                       "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     return {**args, **e.vllm_options}
+
+
+def uses_graphs(use_cuda_graphs: bool | str, device: str) -> bool:
+    """Whether vLLM runs with its CUDA graphs and compile: ``true`` forces them (vLLM's CPU build then compiles
+    too), ``false`` never, ``auto`` on CUDA only."""
+    if use_cuda_graphs == "auto":
+        return device == "cuda"
+    return bool(use_cuda_graphs)
 
 
 def vllm_python(spec: Any) -> str:
@@ -96,15 +106,20 @@ def vllm_problem(python: str, timeout_s: float = 60.0) -> str | None:
 
 
 def vllm_env(spec: Any, python: str | None = None, device: str = "cpu") -> dict[str, str]:
-    """Environment defaults for vLLM's CPU build in a worker (each kept where the environment sets it): one
-    process (no separate engine-core process), no core kept back for it, as many OpenMP threads as the worker
-    has CPUs, the KV cache in GiB from engine.kv_cache_memory_bytes (else 4), and on CPU the allocator and
-    OpenMP runtime its docs ask to preload (``cpu_preload``)."""
+    """Environment defaults for vLLM in a worker (each kept where the environment sets it). On CUDA, vLLM's
+    own engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: tokenising, scheduling and output handling
+    overlap the GPU's work). On CPU one process (the engine core would take a core of two from the model), no
+    core kept back for it, as many OpenMP threads as the worker has CPUs, the KV cache in GiB from
+    engine.kv_cache_memory_bytes (else 4), and the allocator and OpenMP runtime its docs ask to preload
+    (``cpu_preload``)."""
+    if device == "cuda":
+        return {k: v for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items() if k not in os.environ}
     cpus = max(1, int(spec.cluster.num_cpus_per_worker))
     space = spec.engine.kv_cache_memory_bytes
-    defaults = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(cpus),
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "OMP_NUM_THREADS": str(cpus),
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30))) if space else "4"}
-    preload = cpu_preload(python) if python and device == "cpu" else ""
+    preload = cpu_preload(python) if python else ""
     if preload:
         defaults["LD_PRELOAD"] = preload
     return {k: v for k, v in defaults.items() if k not in os.environ}

@@ -102,7 +102,7 @@ class Server:
         config = getattr(self.engine, "vllm_config", None)
         block_size = getattr(getattr(config, "cache_config", None), "block_size", None)
         return {"vllm_version": vllm.__version__, "eos_token_ids": [eos] if eos is not None else [],
-                "block_size": block_size}
+                "block_size": block_size, "device": _device_type()}
 
     def add(self, message: dict) -> dict:
         from vllm import SamplingParams
@@ -149,6 +149,16 @@ class Server:
         from vllm import EngineArgs
 
         return {"engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs))}
+
+
+def _device_type() -> str | None:
+    """The device vLLM's build runs on ("cuda", "cpu", ...), as its platform layer says (None if it cannot)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+    except Exception:  # noqa: BLE001 - a version without it: the caller keeps its own guess
+        return None
 
 
 def _is_request_error(exc: Exception) -> bool:

@@ -230,7 +230,13 @@ def test_device_block_tables_send_only_new_blocks():
 
 
 def test_attention_backend_is_validated():
-    assert EngineConfig().attention_backend == "auto" and EngineConfig().use_cuda_graphs is False
+    assert EngineConfig().attention_backend == "auto" and EngineConfig().use_cuda_graphs == "auto"
+    # auto: our engine's graphs stay off until a GPU check has passed; vLLM's are on (on CUDA only)
+    assert not EngineConfig().graphs_on("cuda") and EngineConfig().graphs_on("cuda", backend="vllm")
+    forced = EngineConfig(use_cuda_graphs=True)
+    assert not forced.graphs_on("cpu") and forced.graphs_on("cuda")
+    with pytest.raises(ValueError, match="use_cuda_graphs"):
+        EngineConfig(use_cuda_graphs="yes")
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
     assert make_backend("auto", 4, 2, 16, torch.device("cpu")).name == "torch"

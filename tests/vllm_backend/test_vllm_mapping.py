@@ -69,11 +69,12 @@ def test_defaults_leave_vllm_its_own_block_size_and_run_eager(tmp_path):
 
 
 def test_the_cpu_environment_follows_the_worker(tmp_path, monkeypatch):
-    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE"):
+    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(name, raising=False)
     spec = _spec(tmp_path, engine={"kv_cache_memory_bytes": 2 * 2**30}, cluster={"num_cpus_per_worker": 3})
-    assert vllm_env(spec) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "3",
-                              "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert vllm_env(spec) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                              "OMP_NUM_THREADS": "3", "VLLM_CPU_KVCACHE_SPACE": "2"}
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the operator's environment wins
     assert "OMP_NUM_THREADS" not in vllm_env(spec)
 
@@ -133,3 +134,18 @@ def test_reports_name_the_engine_that_wrote_an_output():
 
     assert model_info({"model": {"backend": "vllm", "vllm_version": "0.32.0"}})["engine"] == "vllm 0.32.0"
     assert model_info({"model": {"source": "x"}})["engine"] == "jobrunner"  # outputs from before backends
+
+
+def test_on_cuda_vllm_runs_its_graphs_and_its_engine_core_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    spec = _spec(tmp_path)
+    assert spec.engine.use_cuda_graphs == "auto"
+    assert engine_args(spec, "/m", "bfloat16", device="cuda")["enforce_eager"] is False  # auto: graphs + compile
+    assert engine_args(spec, "/m", "bfloat16", device="cpu")["enforce_eager"] is True  # compiling costs minutes
+    eager = _spec(tmp_path, engine={"use_cuda_graphs": False})
+    assert engine_args(eager, "/m", "bfloat16", device="cuda")["enforce_eager"] is True
+    forced = _spec(tmp_path, engine={"use_cuda_graphs": True})
+    assert engine_args(forced, "/m", "float32", device="cpu")["enforce_eager"] is False
+    assert vllm_env(spec, device="cuda") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # no CPU settings, no preload
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the operator's environment wins
+    assert vllm_env(spec, device="cuda") == {}
