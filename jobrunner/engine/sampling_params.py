@@ -13,6 +13,7 @@ MAX_N = 128            # samples per request
 MAX_LOGPROBS = 20      # top alternatives per token (OpenAI's limit)
 MAX_PENALTY = 2.0      # presence / frequency penalty range is [-2, 2] (OpenAI)
 MAX_LOGIT_BIAS = 100.0
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]: above it a sample is close to uniform noise
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class SamplingParams:
     """
 
     max_tokens: int = setting(16, description="Maximum number of generated tokens per row.", ge=1)
-    temperature: float = setting(1.0, description="Sampling temperature; 0 = greedy.", ge=0.0)
+    temperature: float = setting(1.0, description="Sampling temperature; 0 = greedy (0..2, as OpenAI).", ge=0.0,
+                                 le=MAX_TEMPERATURE)
     top_p: float = setting(1.0, description="Nucleus sampling probability mass.", gt=0.0, le=1.0)
     top_k: int = setting(0, description="Top-k sampling; 0 = off.", ge=0)
     min_p: float = setting(0.0, description="Drop tokens below min_p x the top probability.", ge=0.0, le=1.0)

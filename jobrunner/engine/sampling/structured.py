@@ -54,6 +54,58 @@ class GrammarUnavailable(ValueError):
     """Structured output was asked for but xgrammar is not installed."""
 
 
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # an optional extra: say so per request instead of failing the engine
+        raise GrammarUnavailable(
+            "structured output (json_schema/regex/choice) needs xgrammar: pip install 'jobrunner[structured]'"
+        ) from exc
+    return xgrammar
+
+
+def structured_grammar(params: SamplingParams):
+    """The grammar of ``params``' constraint (json_schema, regex or choice), built without a tokenizer.
+
+    The one place a constraint is checked: the worker's :class:`GrammarCompiler` compiles what this returns,
+    and ``jobrunner validate`` calls it on every row it reads (driver/row_check.py), so a schema the worker
+    would refuse is refused before any worker starts. ValueError names the field and xgrammar's reason;
+    :class:`GrammarUnavailable` when xgrammar is not installed.
+    """
+    xgr = _xgrammar()
+    if params.json_schema is not None:
+        check_schema_keywords(params.json_schema)
+        build = lambda: xgr.Grammar.from_ebnf(_json_schema_ebnf(xgr, params.json_schema))  # noqa: E731
+    elif params.regex is not None:
+        build = lambda: xgr.Grammar.from_regex(params.regex)  # noqa: E731
+    else:
+        # an EBNF alternation of string literals (JSON escapes are valid EBNF escapes)
+        rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        build = lambda: xgr.Grammar.from_ebnf(f"root ::= {rule}")  # noqa: E731
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses with a reason
+        raise ValueError(f"sampling parameter {_constrained_field(params)!r} is invalid or unsupported: "
+                         f"{_reason(exc)}") from None
+
+
+def _json_schema_ebnf(xgr, schema: dict) -> str:
+    # xgrammar (0.2.x) writes strings with minLength/maxLength as repeats of [^"\\\r\n], which lets raw
+    # control characters through (invalid JSON); give them the same character class as its plain strings
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _constrained_field(params: SamplingParams) -> str:
+    return "json_schema" if params.json_schema is not None else "regex" if params.regex is not None else "choice"
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its "[time] file.cc:line: " prefix, first line only."""
+    text = str(exc).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
+
+
 class Grammar:
     """One sample's grammar state: which tokens may come next, advanced by every accepted token."""
 
@@ -82,12 +134,7 @@ class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer and vocabulary (the model's, maybe padded)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        try:
-            import xgrammar
-        except ImportError as exc:  # an optional extra: say so per request instead of failing the engine
-            raise GrammarUnavailable(
-                "structured output (json_schema/regex/choice) needs xgrammar: pip install 'jobrunner[structured]'"
-            ) from exc
+        xgrammar = _xgrammar()
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=list(stop_token_ids) or None)
@@ -106,27 +153,12 @@ class GrammarCompiler:
         return lambda: Grammar(self._xgr.GrammarMatcher(compiled), self)
 
     def _compile(self, params: SamplingParams):
-        if params.json_schema is not None:
-            check_schema_keywords(params.json_schema)
-            field, compile_ = "json_schema", lambda: self.compiler.compile_grammar(
-                self._json_schema_ebnf(params.json_schema))
-        elif params.regex is not None:
-            field, compile_ = "regex", lambda: self.compiler.compile_regex(params.regex)
-        else:
-            # an EBNF alternation of string literals (JSON escapes are valid EBNF escapes)
-            rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
-            field, compile_ = "choice", lambda: self.compiler.compile_grammar(f"root ::= {rule}")
+        grammar = structured_grammar(params)  # ValueError naming the field: the row's error
         try:
-            return compile_()
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with a reason
-            reason = _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"sampling parameter {field!r} is invalid or unsupported: {reason}") from None
-
-    def _json_schema_ebnf(self, schema: dict) -> str:
-        # xgrammar (0.2.x) writes strings with minLength/maxLength as repeats of [^"\\\r\n], which lets raw
-        # control characters through (invalid JSON); give them the same character class as its plain strings
-        grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-        return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+            return self.compiler.compile_grammar(grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses with a reason
+            raise ValueError(f"sampling parameter {_constrained_field(params)!r} is invalid or unsupported: "
+                             f"{_reason(exc)}") from None
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
         """Set ``logits[r, j]`` to ``-inf`` in place where bit j of ``bitmask[r]`` is 0, for each r in ``rows``
