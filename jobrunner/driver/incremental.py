@@ -52,6 +52,9 @@ MAX_LISTED_FILES = 1000  # input files listed per run (those that gave rows or h
 MAX_RANGES = 8  # row ranges listed per file (the exact rows are the file's row order under _plan/)
 # fields an incremental run may change against the runs before it: the input grows (a dated folder, a limit)
 FREE_FIELDS = ("input.url", "input.limit")
+# said when done ids whose request changed are derived ids: most likely new rows that repeat an old file's name
+DERIVED_HINT = ("; these ids are derived ('<file-stem>:<row>'), so a new file named like an earlier one repeats "
+                "its ids: set input.id_column, or give each night's file its own name")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class IncrementalPlan:
     files_all_done: int = 0
     index_bytes: int = 0
     seconds: float = 0.0
+    derived_ids: bool = False  # no id column: rows are known as '<file-stem>:<row>'
 
     def describe(self) -> dict[str, Any]:
         """The manifest entry."""
@@ -77,7 +81,7 @@ class IncrementalPlan:
                 "done_ids": self.num_done_ids, "sources": self.sources, "changed_requests": self.num_changed,
                 "changed": self.changed, "unchecked": self.num_unchecked, "files": self.files,
                 "files_all_done": self.files_all_done, "index_bytes": self.index_bytes,
-                "plan_s": round(self.seconds, 3)}
+                "plan_s": round(self.seconds, 3), **({"derived_ids": True} if self.derived_ids else {})}
 
     def line(self) -> str:
         """One line for the operator."""
@@ -88,6 +92,7 @@ class IncrementalPlan:
             shown = ", ".join(repr(c["id"]) for c in self.changed[:5])
             text += (f"; {self.num_changed} done id(s) whose request changed since their output was written "
                      f"(skipped, not rerun: each id is done once; e.g. {shown})")
+            text += DERIVED_HINT if self.derived_ids else ""
         if self.num_unchecked:
             text += f"; {self.num_unchecked} done id(s) not checked for a changed request (output without fingerprints)"
         return text
@@ -139,7 +144,7 @@ def plan_incremental(spec: JobSpec, files: list[InputFile], storage: Storage, ke
     first = len(kept) if kept is not None else 0
     table.columns.shard_id = _new_ids(table.columns.shard_id, first, generation)
     result = _describe(files, scans, sources, len(done), done.nbytes, table)
-    result.seconds = time.monotonic() - started
+    result.seconds, result.derived_ids = time.monotonic() - started, id_column(spec) is None
     return _merged(kept, table), prefix, result
 
 

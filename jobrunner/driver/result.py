@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobrunner.driver.incremental import DERIVED_HINT
+from jobrunner.progress_view import Counts, duration
 from jobrunner.redaction import redact_text
 from jobrunner.startup_view import describe_startup, last_startup
 
@@ -25,6 +28,9 @@ class JobResult:
     finish_reasons: dict[str, int] = field(default_factory=dict)  # this run's rows by finish reason
     json_invalid: int = 0  # this run's rows whose text is not valid JSON for their schema
     max_tokens: int | None = None  # the job's sampling.max_tokens (named in the truncation warning)
+    started_s: float | None = None  # when the command started (time.monotonic): the summary's elapsed time
+    counts: Counts | None = None  # prompts / samples committed (progress_view.py)
+    token_kind: str = "out"  # the tokens the job's task counts: "out" (generate) or "in" (embed / score)
 
     @property
     def error_rate(self) -> float:
@@ -50,9 +56,14 @@ class JobResult:
 
     def _summary(self, failures: bool) -> str:
         t = self.manifest["totals"]
+        done = f"{t['rows']} rows" if self.counts is None else self.counts.text()
+        tokens = (f"{t['num_output_tokens']} output tokens" if self.token_kind == "out" else
+                  f"{t['num_prompt_tokens']} input tokens")
+        # the command's wall time, measured now (the summary is its last line), else the run's
+        wall = (f"elapsed {duration(time.monotonic() - self.started_s)}" if self.started_s is not None else
+                f"wall {self.manifest['wall_s']:.1f}s")
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
-                f"{t['rows']} rows, {t['num_errors']} row errors ({100 * self.error_rate:.1f}% of rows), "
-                f"{t['num_output_tokens']} output tokens, wall {self.manifest['wall_s']:.1f}s -> "
+                f"{done}, {t['num_errors']} error rows ({100 * self.error_rate:.1f}% of rows), {tokens}, {wall} -> "
                 f"{self.output_url}")
         text += _incremental_line(self.manifest)
         startup = describe_startup(last_startup(self.manifest))
@@ -123,4 +134,5 @@ def _incremental_line(manifest: dict[str, Any]) -> str:
         text += (f"\n  WARNING: {plan['changed_requests']} done id(s) have a changed request since their output "
                  f"row was written; skipped, not rerun (each id is done once; to redo them, write them to a new "
                  f"output or remove their rows): {shown}")
+        text += DERIVED_HINT if plan.get("derived_ids") else ""
     return text

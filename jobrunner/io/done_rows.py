@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from jobrunner.io.done_ids import DoneIds
 from jobrunner.io.fingerprints import request_fingerprints
-from jobrunner.io.ids import BATCH_ROWS
+from jobrunner.io.ids import BATCH_ROWS, ids_or_derived
 from jobrunner.io.reader import InputError, InputFile, _open_exact
 from jobrunner.io.storage import StorageError, retry
 from jobrunner.io.text_input import file_format, read_input_rows
@@ -96,13 +95,8 @@ def _scan_batch(scan: FileScan, skipped: np.ndarray, offset: int, table: pa.Tabl
 
 def row_ids(table: pa.Table, offset: int, stem: str, id_column: str | None) -> pa.Array:
     """The rows' ids as text: the id column's, or `<stem>:<row>` where there is none or it is null."""
-    values = table.column(id_column).combine_chunks() if id_column and id_column in table.column_names else None
-    if values is not None and values.null_count == 0:
-        return pc.cast(values, pa.large_string())
-    rows = pa.array(np.arange(offset, offset + table.num_rows, dtype=np.int64))
-    derived = pc.binary_join_element_wise(pa.scalar(stem, pa.large_string()),
-                                          pc.cast(rows, pa.large_string()), ":")
-    return derived if values is None else pc.coalesce(pc.cast(values, pa.large_string()), derived)
+    values = table.column(id_column) if id_column and id_column in table.column_names else None
+    return ids_or_derived(values, stem, offset, table.num_rows)
 
 
 def _batches(f: InputFile, storage_options: dict[str, Any], fmt: str,

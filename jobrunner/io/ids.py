@@ -73,6 +73,26 @@ def find_duplicate_ids(files: list[InputFile], source: Callable[[InputFile], IdS
     return _confirm(candidates, files, starts, source, limit)
 
 
+def derived_ids(stem: str, start: int, count: int) -> pa.Array:
+    """The ids `<stem>:<row>` of rows start..start+count-1 of a file: what a row without an id (no id column,
+    or a null id) is called in the output (driver/rows.py: row_id), as large strings."""
+    rows = pc.cast(pa.array(np.arange(start, start + count, dtype=np.int64)), pa.large_string())
+    text = pa.large_string()
+    return pc.binary_join_element_wise(pa.scalar(stem, text), rows, pa.scalar(":", text))
+
+
+def ids_or_derived(ids: pa.Array | pa.ChunkedArray | None, stem: str, start: int, count: int) -> pa.Array:
+    """The rows' output ids as large strings: each id as text, a null (or no ids at all) its derived id."""
+    if ids is None:
+        return derived_ids(stem, start, count)
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks() if ids.num_chunks != 1 else ids.chunk(0)
+    text = pc.cast(ids, pa.large_string())
+    if ids.null_count == 0:
+        return text
+    return pc.coalesce(text, derived_ids(stem, start, count))
+
+
 def hash_ids(ids: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """(64-bit hash of each non-null id as text, the ids' positions in `ids`)."""
     if isinstance(ids, pa.ChunkedArray):
