@@ -38,6 +38,8 @@ import functools
 import logging
 import re
 import sys
+import threading
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 REDACTED = "***"
@@ -46,11 +48,11 @@ REDACTED = "***"
 _SECRET_COMPONENTS = frozenset({
     "key", "keys", "secret", "secrets", "token", "pass", "password", "passwords", "passwd", "pwd", "passphrase",
     "credential", "credentials", "creds", "authorization", "auth", "dsn", "session", "signature", "sig", "sas",
-    "cookie", "private", "bearer",
+    "cookie", "private", "bearer", "pw", "pat", "passcode", "passkey", "otp",
 })
 # Substrings of the squashed key (lowercase, alphanumerics only) that mark a secret.
-_SECRET_SQUASHED = ("secret", "password", "passwd", "passphrase", "credential", "authorization",
-                    "connectionstring", "apikey", "accountkey", "accesskey", "privatekey", "signature")
+_SECRET_SQUASHED = ("secret", "password", "passwd", "passphrase", "passcode", "credential", "authorization",
+                    "connectionstring", "connstr", "apikey", "accountkey", "accesskey", "privatekey", "signature")
 # Endings of the squashed key that mark a secret written as one word (`accesstoken`, `apitoken`, `sentrydsn`);
 # a plural is a count (`maxtokens`).
 _SECRET_ENDINGS = ("token", "dsn")
@@ -77,6 +79,8 @@ _TOKEN_SHAPES = re.compile(
     r"|github_pat_[A-Za-z0-9_]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|xox[abposr]-[A-Za-z0-9\-]{10,}"
     r"|AIza[0-9A-Za-z_\-]{30,}|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})")
 _RANDOM_LOOKING = re.compile(r"^[A-Za-z0-9+/=_\-.~%]{24,}$")
+# A count or a ratio (`secret-adv: 3/6 shards committed`, `key=3`): no credential under any name.
+_COUNT = re.compile(r"\d[\d.,/%]*")
 _NOT_NAMES = ("Error", "Exception", "Warning")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
@@ -140,6 +144,11 @@ def redact_text(text: str) -> str:
     """`text` with URL credentials, secret-named pairs, bearer tokens and token-shaped strings replaced by `***`."""
     if not text:
         return text
+    return _redact_by_rules(_KNOWN.scrub(text))
+
+
+def _redact_by_rules(text: str) -> str:
+    """`text` redacted by name and shape alone (no known values)."""
     text = _URL.sub(_redact_url_match, text)
     text = _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     text = _TOKEN_SHAPES.sub(REDACTED, text)
@@ -147,9 +156,13 @@ def redact_text(text: str) -> str:
     return _redact_pairs(text)
 
 
-@functools.lru_cache(maxsize=4096)
 def redact_url(url: str) -> str:
     """`redact_text` of one URL, cached: shards of one input file share its URL."""
+    return _redact_url_cached(url, _KNOWN.generation)
+
+
+@functools.lru_cache(maxsize=4096)
+def _redact_url_cached(url: str, generation: int) -> str:  # generation: a new known secret is a new key
     return redact_text(url)
 
 
@@ -216,7 +229,7 @@ def _redact_pairs(text: str) -> str:
             out.append(text[m.start():m.start("value")])
             pos = m.start("value")
             continue
-        keep = value.startswith(REDACTED) or value.isdigit()
+        keep = value.startswith(REDACTED) or _COUNT.fullmatch(value) is not None
         out.append(m.group(0) if keep else f"{name}{m['eq']}{REDACTED}")
         pos = m.end()
     out.append(text[pos:])
@@ -248,6 +261,120 @@ def find_secrets(value: Any, path: str = "") -> list[str]:
 
 
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")  # ${env:NAME}, resolved where the spec is loaded
+
+
+# ---- secrets by value ------------------------------------------------------------------------------------
+MIN_SECRET_CHARS = 6  # a shorter value would cut ordinary words and numbers out of every text
+
+
+class KnownSecrets:
+    """The secret values this process knows (what the spec resolved: `${env:NAME}` values, credential-named
+    options, credential-looking values), cut from every text by value, whatever its shape or the name beside
+    it: an engine's `login refused for <key>` holds no name to go by. Values are only ever added (a process
+    runs one job; a worker gets the driver's values with its spec, `remember_secrets`); each is also known in
+    its URL-quoted and JSON-escaped forms."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+        self.generation = 0  # bumped on every change (redact_url's cache key)
+
+    def add(self, values: Iterable[str]) -> None:
+        """Know these values (and their quoted / escaped forms) from now on."""
+        new = {form for v in values if isinstance(v, str) for form in _forms(v)} - self._values
+        if not new:
+            return
+        with self._lock:
+            self._values |= new
+            # longest first: a value that contains another is cut whole
+            ordered = sorted(self._values, key=lambda v: (-len(v), v))
+            self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
+            self.generation += 1
+
+    def values(self) -> list[str]:
+        """The known values, sorted (what a worker is given)."""
+        return sorted(self._values)
+
+    def scrub(self, text: str) -> str:
+        """`text` with every known value replaced by `***`."""
+        pattern = self._pattern
+        return pattern.sub(REDACTED, text) if pattern is not None else text
+
+
+def _forms(value: str) -> set[str]:
+    """A secret as text may carry it: as is, URL-quoted (a password in a URL), JSON-escaped."""
+    import json
+    from urllib.parse import quote, quote_plus
+
+    value = value.strip()
+    if len(value) < MIN_SECRET_CHARS or REDACTED in value:
+        return set()
+    forms = {value, quote(value, safe=""), quote_plus(value), json.dumps(value)[1:-1]}
+    return {f for f in forms if len(f) >= MIN_SECRET_CHARS}
+
+
+_KNOWN = KnownSecrets()
+
+
+def remember_secrets(values: Iterable[str]) -> None:
+    """Cut these values from every text this process redacts from now on (`redact_text` and all above it)."""
+    _KNOWN.add(values)
+
+
+def known_secret_values() -> list[str]:
+    """Every secret value this process knows: what the driver hands its workers."""
+    return _KNOWN.values()
+
+
+def secret_values(value: Any, env_values: Iterable[str] = ()) -> set[str]:
+    """The secret values a plain structure (a spec as a dict) holds, to be cut by value wherever they show up:
+    `env_values` (what its `${env:NAME}` references resolved to), every string under a credential-named key,
+    and every piece that `redact_text` cuts from a string (a URL's password, a token, a connection string's
+    `Pwd=`). Values shorter than MIN_SECRET_CHARS are left to the rules by name and shape, and so are plain
+    lowercase words under a credential name (`key: testing`): cutting `default` from every text would hide
+    more than it protects."""
+    found = {v for v in env_values if isinstance(v, str)}
+    found |= {v for v in _secret_leaves(value, False) if _is_worth_knowing(v)}
+    return {v.strip() for v in found if len(v.strip()) >= MIN_SECRET_CHARS and REDACTED not in v}
+
+
+def _secret_leaves(value: Any, under_secret: bool) -> Iterable[str]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                yield from _cut_pieces(k)
+            yield from _secret_leaves(v, under_secret or (is_secret_key(k) and not _is_plain_number(v)))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _secret_leaves(v, under_secret)
+    elif isinstance(value, str):
+        if under_secret:
+            yield value
+        yield from _cut_pieces(value)
+
+
+def _cut_pieces(text: str) -> list[str]:
+    """The pieces of `text` that the rules by name and shape replace (what `redact_text` removes)."""
+    import difflib
+
+    if not text:
+        return []
+    redacted = _redact_by_rules(text)
+    if redacted == text:
+        return []
+    ops = difflib.SequenceMatcher(None, text, redacted, autojunk=False).get_opcodes()
+    pieces = [text[i1:i2] for tag, i1, i2, _, _ in ops if tag in ("replace", "delete")]
+    return pieces + [p.split(":", 1)[1] for p in pieces if ":" in p]  # a URL's `user:password`: the password
+
+
+def _is_worth_knowing(value: str) -> bool:
+    """A value to cut by value: not a plain lowercase word or a number (those stay to the name rules)."""
+    value = value.strip()
+    if value.isdigit() or value.lower() in ("true", "false", "none", "null"):
+        return False
+    plain_word = value.isalpha() and (value.islower() or value.isupper())
+    return not plain_word or len(value) >= 12
 
 
 def _has_literal(value: Any) -> bool:
@@ -290,3 +417,17 @@ def redacting_logger(name: str) -> logging.Logger:
     if not any(isinstance(f, RedactingFilter) for f in logger.filters):
         logger.addFilter(RedactingFilter())
     return logger
+
+
+def env_ref_values(value: Any) -> list[str]:
+    """What every `${env:NAME}` in a plain structure's strings stands for in this process (unset ones left
+    out: resolving them fails, naming the field)."""
+    import os
+
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in env_ref_values(item)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in env_ref_values(item)]
+    if isinstance(value, str):
+        return [os.environ[name] for name in ENV_REF.findall(value) if name in os.environ]
+    return []

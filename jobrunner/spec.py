@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from jobrunner.engine.config import EngineConfig, check_speculative
 from jobrunner.engine.sampling_params import SamplingParams
-from jobrunner.redaction import ENV_REF, find_secrets, redact, redact_text
+from jobrunner.redaction import (
+    ENV_REF,
+    env_ref_values,
+    find_secrets,
+    redact,
+    redact_text,
+    remember_secrets,
+    secret_values,
+)
 from jobrunner.spec_errors import describe_spec_errors
 from jobrunner.spec_sections import section_fields
 from jobrunner.url_templates import fill_spec_urls
@@ -509,6 +517,12 @@ class JobSpec(_Spec):
         data = self.model_dump(mode="json")
         return {k: v if k in USER_DATA_SECTIONS else redact(v) for k, v in data.items()}
 
+    def secret_values(self) -> set[str]:
+        """The secret values this spec holds (credential-named options, URL passwords, tokens: outside
+        USER_DATA_SECTIONS), to be cut by value from every text (jobrunner.redaction.secret_values)."""
+        data = self.model_dump(mode="json")
+        return secret_values({k: v for k, v in data.items() if k not in USER_DATA_SECTIONS})
+
 
 class SpecError(ValueError):
     """A job spec that cannot be loaded; the message names the file and field."""
@@ -592,8 +606,11 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), res
     """
     data, source = load_spec_data(path, overrides)
     if resolve_env:
+        remember_secrets(secret_values({}, env_ref_values(data)))  # before any error can quote them
         data = resolve_env_refs(data, source)
-    return spec_from_dict(data, source, overrides)
+    spec = spec_from_dict(data, source, overrides)
+    remember_secrets(spec.secret_values())  # cut by value from all this process writes or prints
+    return spec
 
 
 def load_spec_data(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, str]:

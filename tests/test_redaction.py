@@ -218,3 +218,48 @@ def test_credentials_beside_file_names_still_go():
     text = "jobs/key_typo.yaml: api_key: abc123 token=xyz password: hunter2"
     assert redact_text(text) == "jobs/key_typo.yaml: api_key: *** token=*** password: ***"
     assert redact_text("key: v") == "key: ***" and redact_text("session_token: v") == "session_token: ***"
+
+
+# ---- issue 47: more credential names, counts beside a credential word, secrets by value ---------------------
+@pytest.mark.parametrize("name", ["passcode", "conn_str", "connStr", "pat", "PAT", "url_pw", "db_pw", "hub_pass",
+                                  "otp", "passkey", "github_pat", "DB_PASSCODE"])
+def test_more_credential_names(name):
+    assert is_secret_key(name)
+    assert redact({name: SECRET}) == {name: REDACTED}
+    _assert_redacted(f"{name}={SECRET}")
+
+
+@pytest.mark.parametrize("name", ["pattern", "path", "include_stop_str_in_output", "power", "compat", "spot"])
+def test_words_that_only_contain_the_new_names_are_no_credentials(name):
+    assert not is_secret_key(name)
+
+
+@pytest.mark.parametrize("text", ["secret-adv: 3/6 shards committed, 8 rows", "secret-adv: 12 rows",
+                                  "token: 4.5%", "key=3"])
+def test_a_count_beside_a_credential_word_is_kept(text):
+    assert redact_text(text) == text
+
+
+def test_known_values_are_cut_whatever_their_shape_or_name():
+    from jobrunner.redaction import known_secret_values, remember_secrets
+
+    key, pw = "JRknownKey47abc", "JRknown/Pw 47+x"
+    remember_secrets([key, pw, "short"])
+    assert {key, pw} <= set(known_secret_values()) and "short" not in known_secret_values()
+    assert redact_text(f"login refused for credential {key} and {pw}") == "login refused for credential *** and ***"
+    assert redact_text("pw as URL https://h/x?q=JRknown%2FPw+47%2Bx and JSON \"JRknown/Pw 47+x\"") == \
+        'pw as URL https://h/x?q=*** and JSON "***"'
+    assert redact({"note": f"digits folded later: {key}"}) == {"note": "digits folded later: ***"}
+
+
+def test_secret_values_of_a_spec():
+    from jobrunner.redaction import secret_values
+
+    data = {"engine": {"factory_options": {
+        "api_key": "JRv1apiKey", "hub_pass": "JRv1hubPass", "conn_str": "Server=db;Uid=jr;Pwd=JRv1connPw",
+        "url": "https://jr:JRv1urlPw9@h.example.com/m", "model": "gpt-4o-mini", "key": "testing",
+        "token": "abc", "retries": 3, "bearer_note": "use Bearer JRv1bearerTok"}},
+        "input": {"url": "s3://bucket/in/"}}
+    found = secret_values(data, env_values=["JRv1fromEnv", "tiny"])
+    assert found == {"JRv1apiKey", "JRv1hubPass", "Server=db;Uid=jr;Pwd=JRv1connPw", "JRv1connPw",
+                     "jr:JRv1urlPw9", "JRv1urlPw9", "use Bearer JRv1bearerTok", "JRv1bearerTok", "JRv1fromEnv"}

@@ -18,11 +18,13 @@ from jobrunner.driver.hardware import describe_hardware
 from jobrunner.driver.metrics import WorkerMetrics
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
+from jobrunner.redaction import known_secret_values, redact_text, redacting_logger, remember_secrets
 from jobrunner.spec import JobSpec
 
 RAY_NICENESS_ENV = "RAY_worker_niceness"  # Ray's setting for the niceness of the worker processes it starts
 # run_shard x2 (the running shard and the prefetched one) + load + progress/stats polls.
 MAX_CONCURRENCY = 6
+log = redacting_logger(__name__)
 
 
 def _process_start_s() -> float:
@@ -38,7 +40,9 @@ def _process_start_s() -> float:
 class WorkerActor:
     """One engine per actor; the driver keeps up to two shards queued on it (see driver/worker.py)."""
 
-    def __init__(self, spec_dict: dict[str, Any], worker_id: str, job_start_s: float) -> None:
+    def __init__(self, spec_dict: dict[str, Any], worker_id: str, job_start_s: float,
+                 secret_values: tuple[str, ...] = ()) -> None:
+        remember_secrets(secret_values)  # the driver's known secrets: cut from every row error, log and record
         self.spec_dict, self.worker_id, self.job_start_s = spec_dict, worker_id, job_start_s
         self.started_s = _process_start_s()
         self.init_s = time.time()  # the worker process is up and has imported this module
@@ -56,7 +60,7 @@ class WorkerActor:
         load_start = time.time()
         spec = JobSpec.model_validate(self.spec_dict)
         imports_s = _import_engine() if not spec.engine.factory else 0.0
-        engine = build_engine(spec)
+        engine = _build_engine_redacted(spec)
         gpu_ids = ray.get_gpu_ids()
         device = str(engine.device or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
         now = time.time()
@@ -91,6 +95,22 @@ class WorkerActor:
         self.metrics.stop()
         self.runner.stop()
         return stats
+
+
+def _build_engine_redacted(spec: JobSpec) -> Any:
+    """build_engine, whose failure is re-raised with its text redacted: Ray writes a failed call's exception to
+    the worker's log and hands it to the driver before jobrunner sees it, and a factory's error may quote the
+    credentials it was given. The original traceback goes to the worker's log, redacted."""
+    try:
+        return build_engine(spec)
+    except Exception as exc:  # noqa: BLE001 - re-raised, redacted
+        log.warning("engine load failed", exc_info=True)
+        text = redact_text(str(exc))
+        try:
+            clean = type(exc)(text)
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+            clean = RuntimeError(f"{type(exc).__name__}: {text}")
+        raise clean from None
 
 
 def _import_engine() -> float:
@@ -147,4 +167,5 @@ def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: s
     # with the job's runtime_env (a submitted job keeps its working_dir and variables)
     options["runtime_env"] = {"env_vars": {RAY_NICENESS_ENV: str(c.worker_niceness)}}
     remote_cls = ray.remote(WorkerActor).options(**options)
-    return remote_cls.remote(spec.model_dump(mode="json"), worker_id, job_start_s)
+    return remote_cls.remote(spec.model_dump(mode="json"), worker_id, job_start_s,
+                             tuple(known_secret_values()))

@@ -52,7 +52,7 @@ from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
-from jobrunner.redaction import redact_text, redacting_logger
+from jobrunner.redaction import redact_text, redacting_logger, remember_secrets
 from jobrunner.spec import JobSpec
 
 log = redacting_logger(__name__)
@@ -63,6 +63,7 @@ ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts)."""
+    remember_secrets(spec.secret_values())  # cut by value from all the driver writes (load_spec did it for the CLI)
     spec = with_absolute_output(spec)
     planning = time.monotonic()
     previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it

@@ -50,3 +50,36 @@ def make_engine_with_credentials(spec, **credentials) -> FakeEngine:
     """Factory taking any named options, as a hosted client's would (`hub_pass`, `dsn`, `passphrase`, ...):
     they are only carried, so that a test can look for them in what the job writes and prints."""
     return FakeEngine(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512)
+
+
+class LoginEngine(FakeEngine):
+    """An engine double whose errors quote its credentials in free text, as a hosted client's may: a prompt
+    containing LOGIN finishes as an error row `login refused for credential <api_key> and <hub_pass>`; one
+    containing OPTIONS as an error row that prints every option it was built with (a dict repr)."""
+
+    def __init__(self, options: dict, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.options = options
+
+    def add_request(self, request_id: str, prompt, params, **kwargs) -> None:
+        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        super().add_request(request_id, prompt, params, **kwargs)
+        if "LOGIN" in text:
+            self._waiting[-1].error = (f"login refused for credential {self.options['api_key']} and "
+                                       f"{self.options['hub_pass']}")
+        elif "OPTIONS" in text:
+            self._waiting[-1].error = f"cannot connect with {self.options}"
+
+    def rebuild(self) -> LoginEngine:
+        """The same engine anew."""
+        return LoginEngine(self.options, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+
+
+def make_login_engine(spec, **options) -> LoginEngine:
+    """Factory for `engine.factory: tests.driver.secret_engine:make_login_engine` (symptom 12 of issue 47): any
+    options (api_key, hub_pass, passcode, conn_str, pat, url_pw, ...); `fail_load: true` makes the factory
+    itself raise, printing them."""
+    if options.get("fail_load"):
+        raise RuntimeError(f"login refused for credential {options.get('api_key')}; options {options}")
+    return LoginEngine(options, max_num_seqs=spec.engine.max_num_seqs,
+                       max_model_len=spec.engine.max_model_len or 512)
