@@ -133,7 +133,8 @@ def first_rows(files: list[InputFile], limit: int) -> list[InputFile]:
 
 def check_unique_ids(spec: JobSpec, files: list[InputFile]) -> None:
     """InputError naming the first repeated ids (file and row or line of both rows) when an id appears
-    twice: every input id must come out exactly once. Derived ids (no id column) are unique by
+    twice: every input id must come out exactly once. A null id counts as the id its row gets,
+    `<file-stem>:<row>`, so a real id equal to it is refused too. Derived ids (no id column) are unique by
     construction. Reads the id column once (io/ids.py: memory bounded at any row count)."""
     column = id_column(spec)
     if column is None:
@@ -147,16 +148,21 @@ def check_unique_ids(spec: JobSpec, files: list[InputFile]) -> None:
     if is_openai_batch(spec):
         raise InputError(f"the batch repeats a custom_id: {shown}{more}. Every custom_id must be unique in a "
                          "batch (OpenAI refuses such a file too); fix the input")
+    if any(any(d.derived) for d in dups):
+        raise InputError(f"input.id_column {column!r}: a null id's derived id is another row's id: {shown}{more}. A "
+                         "row with a null id is named '<file-stem>:<row>' (and made an error row), so no other row "
+                         "may carry that id; give the null ids values, or rename the other row")
     raise InputError(f"input.id_column {column!r} has duplicate ids: {shown}{more}. Every id must be unique "
                      "(each comes out exactly once); fix the input, or leave input.id_column unset to use "
                      "'<file-stem>:<row>' ids")
 
 
 def _describe_duplicate(dup: Duplicate, files: list[InputFile], spec: JobSpec) -> str:
-    def where(at: tuple[int, int]) -> str:
-        return row_location(files[at[0]], at[1], spec.input.storage_options, spec.input.format)
+    def where(at: tuple[int, int], derived: bool) -> str:
+        place = row_location(files[at[0]], at[1], spec.input.storage_options, spec.input.format)
+        return place + (" (a null id, derived)" if derived else "")
 
-    return f"{dup.row_id!r} at {where(dup.first)} and again at {where(dup.again)}"
+    return f"{dup.row_id!r} at {where(dup.first, dup.derived[0])} and again at {where(dup.again, dup.derived[1])}"
 
 
 def check_kept_columns(spec: JobSpec, files: list[InputFile]) -> None:

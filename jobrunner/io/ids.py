@@ -44,6 +44,7 @@ class Duplicate:
     row_id: str
     first: tuple[int, int]
     again: tuple[int, int]
+    derived: tuple[bool, bool] = (False, False)  # (first, again): a null id, whose derived id this is
 
 
 class IdSource(Protocol):
@@ -54,6 +55,22 @@ class IdSource(Protocol):
 
     def values(self, f: InputFile, rows: list[int]) -> dict[int, Any]:
         """Row in the file -> id, for a few rows."""
+
+
+class NullsDerived:
+    """An IdSource whose null ids read as the ids the output gives those rows, `<file-stem>:<row>` (a
+    derived id may equal a real one: the duplicate check must see it before any work)."""
+
+    def __init__(self, inner: IdSource) -> None:
+        self.inner = inner
+
+    def scan(self, f: InputFile) -> Iterator[tuple[int, pa.Array]]:
+        for offset, ids in self.inner.scan(f):
+            yield offset, ids_or_derived(ids, f.stem, offset, len(ids))
+
+    def values(self, f: InputFile, rows: list[int]) -> dict[int, Any]:
+        return {row: f"{f.stem}:{row}" if value is None else value
+                for row, value in self.inner.values(f, rows).items()}
 
 
 def find_duplicate_ids(files: list[InputFile], source: Callable[[InputFile], IdSource], limit: int = 10,

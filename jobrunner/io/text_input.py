@@ -11,6 +11,7 @@ rest runs. OpenAI batch files are always read line by line: each line is one req
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import hashlib
 import io
@@ -23,7 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 from fsspec.core import url_to_fs
 
-from jobrunner.io.ids import BATCH_ROWS, Duplicate, ParquetIds, find_duplicate_ids
+from jobrunner.io.ids import BATCH_ROWS, Duplicate, IdSource, NullsDerived, ParquetIds, find_duplicate_ids
 from jobrunner.io.reader import (
     PARQUET_SUFFIXES,
     ROW_ERROR,
@@ -217,12 +218,27 @@ def duplicate_input_ids(files: list[InputFile], storage_options: dict[str, Any],
 def find_input_duplicates(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
                           limit: int = 10) -> list[Duplicate]:
     """The first `limit` ids of `column` seen twice across the files (io/ids.py: bounded memory, hashes
-    confirmed as text), the earliest repeat first."""
+    confirmed as text), the earliest repeat first. A null id counts as the id its row gets in the output,
+    `<file-stem>:<row>`, so a real id equal to it is a duplicate too (`Duplicate.derived` says which side)."""
     parquet, text = ParquetIds(storage_options, column), _TextIds(storage_options, fmt, column)
+
+    def raw(f: InputFile) -> IdSource:
+        return parquet if file_format(f.url, fmt) == "parquet" else text
+
     try:
-        return find_duplicate_ids(files, lambda f: parquet if file_format(f.url, fmt) == "parquet" else text, limit)
+        found = find_duplicate_ids(files, lambda f: NullsDerived(raw(f)), limit)
+        return [_with_derived(d, files, raw) for d in found]
     except (OSError, StorageError, pa.ArrowInvalid) as exc:
         raise InputError(f"input: cannot read the id column {column!r} to check that ids are unique: {exc}") from None
+
+
+def _with_derived(dup: Duplicate, files: list[InputFile], raw: Any) -> Duplicate:
+    """The duplicate, saying which of its two rows has a null id (its id derived)."""
+    def is_null(at: tuple[int, int]) -> bool:
+        f = files[at[0]]
+        return raw(f).values(f, [at[1]]).get(at[1]) is None
+
+    return dataclasses.replace(dup, derived=(is_null(dup.first), is_null(dup.again)))
 
 
 class _TextIds:
