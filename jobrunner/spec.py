@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from jobrunner.engine.config import EngineConfig, check_speculative
 from jobrunner.engine.sampling_params import SamplingParams
@@ -26,7 +35,7 @@ from jobrunner.redaction import (
 )
 from jobrunner.spec_errors import describe_spec_errors
 from jobrunner.spec_sections import section_fields
-from jobrunner.url_templates import fill_spec_urls
+from jobrunner.url_templates import fill_spec_urls, template_values
 
 ENV_PREFIX = "env:"  # a spec passed in an environment variable (how `submit` ships it)
 # Sections that hold what the user generates, never credentials: a JSON schema with a `password` property or
@@ -465,6 +474,13 @@ class JobSpec(_Spec):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Workers and Ray address.")
     output: OutputSpec = Field(description="Output location and mode.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Cost settings for reports.")
+    _logical_date: str | None = PrivateAttr(default=None)  # the {date} this spec's URLs were filled with
+
+    @property
+    def logical_date(self) -> str:
+        """The night this run belongs to: the `{date}` its URLs were filled with when it was loaded
+        (`$JOBRUNNER_DATE`, else the UTC date then); the manifest records it and trends are keyed by it."""
+        return self._logical_date or template_values()["date"]
 
     @model_validator(mode="after")
     def _task_settings(self) -> JobSpec:
@@ -591,11 +607,14 @@ def spec_from_dict(data: Any, source: str = "<spec>", overrides: list[str] | tup
     every bad field, with a "did you mean" for misspelt keys."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a job spec must be a YAML mapping, got {type(data).__name__}")
-    data = fill_spec_urls(data, source, SpecError)  # {date}, {datetime}, {run_id} in input.url / output.url
+    values = template_values()  # one set per load: {date}, {datetime}, {run_id} in input.url / output.url
+    data = fill_spec_urls(data, source, SpecError, values)
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(redact_text(describe_spec_errors(JobSpec, exc, source, overrides))) from None
+    spec._logical_date = values["date"]
+    return spec
 
 
 def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), resolve_env: bool = True) -> JobSpec:

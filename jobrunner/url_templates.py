@@ -28,7 +28,9 @@ ENV_OVERRIDES = {"date": "JOBRUNNER_DATE", "datetime": "JOBRUNNER_DATETIME", "ru
 
 
 def template_values(now: dt.datetime | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The placeholder values for one spec load (environment overrides first)."""
+    """The placeholder values for one spec load (environment overrides first). ``date`` is also the run's
+    logical date, which the manifest records and the trend of a series of runs is keyed by (a night rerun
+    or backfilled with ``$JOBRUNNER_DATE`` lands on its own date, whatever the clock says)."""
     environ = os.environ if environ is None else environ
     now = now or dt.datetime.now(dt.timezone.utc)
     values = {"date": now.strftime("%Y-%m-%d"), "datetime": now.strftime("%Y-%m-%dT%H-%M-%SZ"),

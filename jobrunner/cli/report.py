@@ -64,7 +64,7 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
     Several OUTPUT_URLs (or a quoted glob of them) are shown side by side, with ratios against the first and
     the job-spec fields that differ; a glob, or --trend, shows them as a trend over run dates instead.
     """
-    from jobrunner.io.report_reader import ReportInputError, expand_output_urls
+    from jobrunner.io.report_reader import NothingCommittedYet, ReportInputError, expand_output_urls
     from jobrunner.reports import Slo, load_report
     from jobrunner.reports.compare import apply_labels
 
@@ -75,15 +75,19 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
     except ReportInputError as exc:
         raise click.ClickException(str(exc)) from None
     slo = Slo(ttft_s=slo_ttft_s, e2e_s=slo_e2e_s)
+    as_trend = globbed if trend is None else trend
     reports = []
     for url in urls:
         try:
             reports.append(load_report(url, storage_options, worker_hour_usd, slo))
+        except NothingCommittedYet as exc:  # a night still starting (or stopped before its first commit)
+            if not as_trend or len(urls) == 1 or labels:  # --label follows the URLs one to one
+                raise click.ClickException(str(exc)) from None
+            echo(f"warning: left out of the trend: {exc}", err=True)
         except (ValueError, OSError) as exc:  # ReportInputError, unreadable Parquet, storage errors
             message = str(exc) if url in str(exc) else f"{url}: {exc}"
             raise click.ClickException(message) from None
     apply_labels(reports, list(labels))
-    as_trend = globbed if trend is None else trend
     _emit(_render(reports, _format(fmt, out), as_trend), out, storage_options)
 
 

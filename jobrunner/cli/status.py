@@ -12,15 +12,20 @@ from jobrunner.cli.report import _storage_options
 
 
 @click.command()
-@click.argument("output_url")
+@click.argument("output_url", metavar="OUTPUT_URL|JOB_SPEC")
 @click.option("--storage-options", callback=_storage_options, default=None,
               help="JSON object of fsspec storage options (e.g. an S3 endpoint_url).")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
 def status(output_url: str, storage_options: dict | None, as_json: bool) -> None:
-    """Where the job writing OUTPUT_URL stands: reads _manifest.json, _commits/ and _lease.json, never a part."""
+    """Where the job writing OUTPUT_URL stands: reads _manifest.json, _commits/ and _lease.json, never a part.
+
+    A job spec (nightly.yaml) stands for its output.url, {date} filled as a run now would ($JOBRUNNER_DATE).
+    """
+    from jobrunner.cli.spec_output import output_of
     from jobrunner.io.report_reader import ReportInputError, read_output_state
     from jobrunner.reports.status import job_status
 
+    output_url, storage_options = output_of(output_url, storage_options)
     try:
         state = read_output_state(output_url, storage_options)
     except (ReportInputError, OSError) as exc:

@@ -74,7 +74,7 @@ def new_manifest(spec: JobSpec, shards: ShardTable) -> dict[str, Any]:
     """A fresh manifest header for a job whose shards are all pending (the shards live in `shards`)."""
     return {
         "format_version": MANIFEST_FORMAT_VERSION, "jobrunner_version": __version__, "job_name": spec.name,
-        "task": spec.task,
+        "task": spec.task, "logical_date": spec.logical_date,
         "spec": spec.redacted(), "model": _model_section(spec),
         "versions": versions(), "cost": {"worker_hour_usd": spec.cost.worker_hour_usd},
         "started_at": now_iso(), "finished_at": None, "wall_s": 0.0, "runs": [], "workers": {}, "totals": {},
@@ -111,7 +111,7 @@ def resume_manifest(old: dict[str, Any], spec: JobSpec, old_shards: ShardColumns
 def continued_header(old: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     """An earlier run's manifest header, ready for another run with `spec` (its shards live in the table)."""
     manifest = {k: v for k, v in old.items() if k not in ("shards", "shard_table")}
-    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None,
+    manifest.update(spec=spec.redacted(), versions=versions(), finished_at=None, logical_date=spec.logical_date,
                     format_version=MANIFEST_FORMAT_VERSION, cost={"worker_hour_usd": spec.cost.worker_hour_usd})
     return manifest
 

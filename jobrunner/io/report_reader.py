@@ -53,6 +53,11 @@ class ReportInputError(ValueError):
     """The output URL holds nothing a report can be built from (message says why, for the user)."""
 
 
+class NothingCommittedYet(ReportInputError):
+    """A job output whose shards are planned but none committed yet (running, or stopped before its first
+    commit); a trend skips it with a warning instead of failing."""
+
+
 @dataclass
 class JobOutputs:
     """Where a job's outputs are and what its manifest says; built by `open_outputs`."""
@@ -106,9 +111,20 @@ def open_outputs(url: str, storage_options: dict | None = None) -> JobOutputs:
     if manifest is not None and "shard_table" in manifest and not isinstance(manifest.get("shards"), dict):
         outputs.shards = _read_shard_table(url, storage_options, manifest)
     outputs.part_paths = _part_paths(outputs)
-    if not outputs.part_paths:
-        raise ReportInputError(_no_parts_message(outputs))
+    if not outputs.part_paths and not planned_nothing(outputs):
+        error = NothingCommittedYet if outputs.manifest is not None else ReportInputError
+        raise error(_no_parts_message(outputs))
     return outputs
+
+
+def planned_nothing(outputs: JobOutputs) -> bool:
+    """Whether the output's runs planned no shard at all (an incremental night with no new row, an empty
+    input): a valid output of zero rows, reported as such."""
+    if outputs.manifest is None:
+        return False
+    if outputs.shards is not None:
+        return len(outputs.shards) == 0
+    return outputs.manifest.get("shards") == {}
 
 
 def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 
-from jobrunner.io.report_reader import JobOutputs, iter_metric_batches
+from jobrunner.io.report_reader import JobOutputs, iter_metric_batches, planned_nothing
 from jobrunner.redaction import redact, redact_counts
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
@@ -23,6 +23,8 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     folded = fold_batches(iter_metric_batches(outputs, batch_rows), slo)
     price, price_source = mv.price_and_source(manifest, worker_hour_usd)
     time = _time(manifest, folded)
+    if planned_nothing(outputs):  # no worker was started: nothing was paid for
+        time.update(worker_seconds=time["worker_seconds"] or 0.0, num_workers=0)
     task = mv.task_info(manifest)
     cost = cost_figures(time["worker_seconds"], price, folded.input_tokens, folded.output_tokens,
                         time["prefill_s"], time["decode_s"], prefill_only=task["task"] != "generate")
@@ -65,7 +67,8 @@ def _run(outputs: JobOutputs, folded: Folded) -> dict:
         "task": mv.task_info(manifest),
         "jobrunner_version": mv.text(manifest, "jobrunner_version"),
         "started_at": started,
-        "date": started[:10] if started else None,
+        # the night the run belongs to ({date} / $JOBRUNNER_DATE when it ran); older manifests: its start date
+        "date": mv.text(manifest, "logical_date") or (started[:10] if started else None),
         "hardware": mv.hardware(manifest),
         "startup_end_s": folded.first_arrival_s,
         "spec": manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {},
@@ -186,6 +189,16 @@ def _charts(folded: Folded, wall_s: float | None) -> dict:
     }
 
 
+def _no_rows_warning(outputs: JobOutputs) -> str:
+    if not planned_nothing(outputs):
+        return "the outputs hold no rows"
+    plan = (outputs.manifest or {}).get("incremental")
+    if isinstance(plan, dict) and isinstance(plan.get("rows_input"), int):
+        return (f"nothing to do: the run took 0 of {plan['rows_input']:,} input rows "
+                f"({plan.get('rows_skipped', 0):,} done already); a valid output of 0 rows")
+    return "nothing to do: the run planned no shard (an empty input); a valid output of 0 rows"
+
+
 LENGTH_WARN_SHARE = 0.05  # more rows than this cut at max_tokens: a warning
 
 
@@ -210,7 +223,7 @@ def _warnings(outputs: JobOutputs, folded: Folded, time: dict) -> list[str]:
     if failed:
         warnings.append(f"{failed} shard(s) failed: their rows are not in this report")
     if folded.rows == 0:
-        warnings.append("the outputs hold no rows")
+        warnings.append(_no_rows_warning(outputs))
     elif folded.errors == folded.rows:
         warnings.append("every row failed: no latency, throughput or per-token cost to report")
     length = folded.finish_reason_to_count.get("length", 0)

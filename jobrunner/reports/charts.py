@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jobrunner.reports.svg import PALETTE, Band, Series, bar_chart, empty_chart, line_chart
+from collections.abc import Callable
+
+from jobrunner.reports.svg import PALETTE, Band, Series, bar_chart, empty_chart, line_chart, nice_ticks
 from jobrunner.reports.table import fmt_float, fmt_seconds, fmt_usd, run_labels
 
 LATENCY_TITLES = {"ttft_s": "Time to first token", "itl_mean_s": "Inter-token latency (row mean)",
@@ -20,8 +22,9 @@ def latency_cdf_chart(reports: list[dict], name: str) -> str:
     p99s = [r["latency_s"][name]["p99"] for r in reports if r["latency_s"][name]["p99"] is not None]
     if not p99s or max(p99s) <= 0:
         return empty_chart(title, "no latency recorded (every row failed?)")
-    return line_chart(title, series, "seconds (axis ends at the largest p99)", "rows at or below",
-                      _axis_seconds, lambda p: f"{p * 100:.0f}%", x_max=max(p99s), y_max=1.0)
+    unit, x_fmt = time_axis(max(p99s))
+    return line_chart(title, series, f"{unit} (axis ends at the largest p99)", "rows at or below",
+                      x_fmt, lambda p: f"{p * 100:.0f}%", x_max=max(p99s), y_max=1.0)
 
 
 def tokens_over_time_chart(reports: list[dict], which: str) -> str:
@@ -45,7 +48,8 @@ def tokens_over_time_chart(reports: list[dict], which: str) -> str:
     if not any(any(v > 0 for v in s.ys) for s in series):
         return empty_chart(title, f"no {which} tokens")
     walls = [r["time"]["wall_s"] for r in reports if r["time"]["wall_s"]]
-    return line_chart(title, series, "seconds since job start", "tokens/s", _axis_seconds,
+    unit, x_fmt = time_axis(max(walls) if walls else max(max(s.xs, default=0.0) for s in series))
+    return line_chart(title, series, f"{unit} since job start", "tokens/s", x_fmt,
                       lambda v: fmt_float(v, 0), x_max=max(walls) if walls else None, bands=bands)
 
 
@@ -61,8 +65,11 @@ def cost_chart(reports: list[dict]) -> str:
     return bar_chart(title, run_labels(reports), bars, fmt_usd)
 
 
-def _axis_seconds(value: float) -> str:
-    return "0" if value == 0 else fmt_seconds(value)
+def time_axis(high_s: float) -> tuple[str, Callable[[float], str]]:
+    """One unit for a whole time axis ending near `high_s` seconds: milliseconds when its last tick is below
+    1 s, else seconds; the unit is the axis label's, and the ticks are plain numbers in it."""
+    scale, unit = (1000.0, "milliseconds") if nice_ticks(high_s)[-1] < 1 else (1.0, "seconds")
+    return unit, lambda value: format(round(value * scale, 9), ",.6g")
 
 
 def all_charts(reports: list[dict]) -> list[str]:

@@ -186,7 +186,7 @@ def _bar(y: float, width: float, color: str, what: str, value: str) -> str:
 
 
 def point_chart(title: str, categories: list[str], series: list[Series], y_label: str,
-                y_fmt: Callable[[float], str]) -> str:
+                y_fmt: Callable[[float], str], x_label: str = "run date") -> str:
     """Values over evenly spaced categories (run dates), a line with a dot per point; None values are skipped."""
     known = [(s, [(x, y) for x, y in zip(s.xs, s.ys, strict=True) if y is not None]) for s in series]
     if not any(points for _, points in known):
@@ -195,7 +195,7 @@ def point_chart(title: str, categories: list[str], series: list[Series], y_label
     plot = _Plot(len(categories), nice_ticks(high)[-1])  # category i sits at i + 0.5: labels stay inside
     every = max(1, len(categories) // 8)  # at most ~8 date labels
     body = plot.axes([i + 0.5 for i in range(0, len(categories), every)], nice_ticks(high),
-                     lambda x: categories[int(x)], y_fmt, "run date", y_label)
+                     lambda x: categories[int(x)], y_fmt, x_label, y_label)
     for s, points in known:
         body.append(plot.polyline(Series(s.label, [x + 0.5 for x, _ in points], [y for _, y in points], s.color)))
         body += [f'<circle class="point" cx="{plot.x(x + 0.5)}" cy="{plot.y(y)}" r="3.5" fill="{s.color}">'

@@ -111,14 +111,15 @@ def test_trend_page_draws_a_dot_per_run_on_each_chart(trend_page: Path, tmp_path
     assert result.returncode == 0 and [line for line in result.stderr.splitlines()
                                        if PAGE_PROBLEM.search(line)] == []
     dom = result.stdout
-    assert dom.count('<svg class="chart"') == 4 and dom.count('<circle class="point"') == 4 * 5
-    assert "2026-11-25" in dom and "2026-11-29" in dom and "n/a" not in dom
+    # seven charts; JSON-valid share has no dot (no row had a schema), the six others one per night
+    assert dom.count('<svg class="chart"') == 7 and dom.count('<circle class="point"') == 6 * 5
+    assert "2026-11-25" in dom and "2026-11-29" in dom and dom.count("n/a") == 5  # JSON valid: no schema
     shot = artifacts_dir / "trend.png"
     shot.unlink(missing_ok=True)
-    result = _chromium(trend_page, tmp_path, f"--screenshot={shot}", "--window-size=1280,1100")
+    result = _chromium(trend_page, tmp_path, f"--screenshot={shot}", "--window-size=1280,1700")
     assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]
     from PIL import Image
 
     image = Image.open(shot).convert("RGB")
-    for color in PALETTE[:4]:  # each trend figure's line and dots are painted
+    for color in PALETTE[:4] + PALETTE[5:6]:  # each trend figure's line and dots are painted (6: black, as text)
         assert _pixels_near(image, color) > 150, color

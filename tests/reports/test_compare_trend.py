@@ -110,8 +110,9 @@ def test_a_glob_of_outputs_is_a_trend_by_run_date(tmp_path: Path) -> None:
     assert [p["error_rate"] > 0 for p in points] == [True, False, True, False, True]
     assert all(0 < p["prefix_cache_hit_rate"] < 1 for p in points)
     page = _report(f"{root}/*", "--format", "html")
-    assert page.count('<svg class="chart"') == 4 and page.count('<circle class="point"') == 4 * len(NIGHTS)
-    assert "5 runs from 2026-11-26T03:00:00+00:00 to 2026-11-30T03:00:00+00:00" in page
+    # 7 charts; JSON-valid share has no dot (no row had a schema), the other six one per night
+    assert page.count('<svg class="chart"') == 7 and page.count('<circle class="point"') == 6 * len(NIGHTS)
+    assert "no row had a JSON schema" in page and "5 runs from 2026-11-26 to 2026-11-30" in page
 
 
 def test_compare_overrides_the_glob_default_and_csv_has_a_row_per_run(tmp_path: Path) -> None:
