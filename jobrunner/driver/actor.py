@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import traceback
 from typing import Any
 
 import ray
@@ -18,13 +19,12 @@ from jobrunner.driver.hardware import describe_hardware
 from jobrunner.driver.metrics import WorkerMetrics
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
-from jobrunner.redaction import known_secret_values, redact_text, redacting_logger, remember_secrets
+from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
 from jobrunner.spec import JobSpec
 
 RAY_NICENESS_ENV = "RAY_worker_niceness"  # Ray's setting for the niceness of the worker processes it starts
 # run_shard x2 (the running shard and the prefetched one) + load + progress/stats polls.
 MAX_CONCURRENCY = 6
-log = redacting_logger(__name__)
 
 
 def _process_start_s() -> float:
@@ -100,16 +100,16 @@ class WorkerActor:
 def _build_engine_redacted(spec: JobSpec) -> Any:
     """build_engine, whose failure is re-raised with its text redacted: Ray writes a failed call's exception to
     the worker's log and hands it to the driver before jobrunner sees it, and a factory's error may quote the
-    credentials it was given. The original traceback goes to the worker's log, redacted."""
+    credentials it was given. The original traceback rides along as a note, redacted."""
     try:
         return build_engine(spec)
     except Exception as exc:  # noqa: BLE001 - re-raised, redacted
-        log.warning("engine load failed", exc_info=True)
         text = redact_text(str(exc))
         try:
             clean = type(exc)(text)
         except Exception:  # noqa: BLE001 - an exception type that takes other arguments
             clean = RuntimeError(f"{type(exc).__name__}: {text}")
+        clean.add_note(redact_text("".join(traceback.format_exception(exc))))
         raise clean from None
 
 
