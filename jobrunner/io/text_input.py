@@ -24,6 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 from fsspec.core import url_to_fs
 
+from jobrunner.io.csv_records import csv_shape
 from jobrunner.io.ids import BATCH_ROWS, Duplicate, IdSource, NullsDerived, ParquetIds, find_duplicate_ids
 from jobrunner.io.reader import (
     PARQUET_SUFFIXES,
@@ -199,11 +200,18 @@ def _is_temporal(t: pa.DataType) -> bool:
 
 
 def _csv_fast(data: bytes) -> pa.Table | None:
-    """pyarrow's CSV reader, or None when a record is malformed or holds bytes that are not UTF-8 (the
-    reader would make that column binary)."""
+    """pyarrow's CSV reader, or None when a record does not read strictly (io/csv_records.py: pyarrow lets an
+    unclosed quote swallow the rest of the file), the reader sees another number of records, or a record holds
+    bytes that are not UTF-8 (the reader would make that column binary)."""
+    shape = csv_shape(data)
+    if shape is None:
+        return None
+    num_records, multiline = shape
     try:
-        table = pacsv.read_csv(io.BytesIO(data))
+        table = pacsv.read_csv(io.BytesIO(data), parse_options=pacsv.ParseOptions(newlines_in_values=multiline))
     except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    if table.num_rows != num_records:
         return None
     return None if any(pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) for f in table.schema) \
         else table

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from jobrunner.io.csv_records import csv_records
 from jobrunner.io.reader import ROW_ERROR
 
 # The columns an OpenAI batch file becomes (ROW_ERROR: why a line is not a request, else null).
@@ -66,17 +67,10 @@ def json_object(raw: bytes, number: int) -> tuple[dict[str, Any], str | None, st
 
 def row_line_numbers(data: bytes, fmt: str) -> list[int]:
     """The line (from 1) each row of a text file starts on: rows skip blank lines, and a CSV row follows
-    its header and may span several lines."""
+    its header and may span several lines (io/csv_records.py: a bad record is a row on its first line)."""
     if fmt != "csv":
         return [number for number, _ in numbered_lines(data)]
-    reader = csv.reader(io.StringIO(data.decode("utf-8", errors="surrogateescape"), newline=""))
-    next(reader, None)
-    out, line = [], reader.line_num + 1
-    for record in reader:
-        if record:
-            out.append(line)
-        line = reader.line_num + 1
-    return out
+    return [r.line for r in csv_records(data.decode("utf-8", errors="surrogateescape"))][1:]
 
 
 # ---- JSONL -------------------------------------------------------------------------------------------------
@@ -165,28 +159,41 @@ def _a(kind: str) -> str:
 
 # ---- CSV ---------------------------------------------------------------------------------------------------
 def csv_by_line(data: bytes) -> pa.Table:
-    """A CSV file record by record: a record with bad bytes or the wrong number of fields is a row error
-    (naming its first line); the clean records are typed by pyarrow's CSV reader as usual."""
+    """A CSV file record by record, read strictly (io/csv_records.py): a record with bad quoting, bad bytes or
+    the wrong number of fields is a row error naming its first line (a bad quote keeps the cells before it and
+    swallows no later line); the clean records are typed by pyarrow's CSV reader as usual."""
     text = data.decode("utf-8", errors="surrogateescape")  # bad bytes survive as lone surrogates
-    reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, None)
-    if header is None:
+    records = csv_records(text)
+    header_record = next(records, None)
+    if header_record is None:
         return pa.table({ROW_ERROR: pa.array([], pa.string())})
+    header = header_record.cells
+    if header_record.error is not None:
+        raise ValueError(f"the header: {header_record.error}")
     if _has_bad_bytes(header):
         raise ValueError("the header line is not valid UTF-8")
-    records, errors, line = [], [], reader.line_num + 1
+    rows, errors = [], []
     null_rows: dict[int, list[int]] = {}  # column -> rows whose cell is left out (null)
-    for record in reader:
-        first, line = line, reader.line_num + 1
-        if not record:
-            continue
-        cells, error, bad = _clean_record(record, header, first)
+    for record in records:
+        if record.error is not None:
+            cells, bad = _kept_cells(record.cells, len(header))
+            error = record.error
+        else:
+            cells, error, bad = _clean_record(record.cells, header, record.line)
         for column in bad:
-            null_rows.setdefault(column, []).append(len(records))
-        records.append(cells)
+            null_rows.setdefault(column, []).append(len(rows))
+        rows.append(cells)
         errors.append(error)
-    table = _with_nulls(_typed_csv(header, records), null_rows)
+    table = _with_nulls(_typed_csv(header, rows), null_rows)
     return table.append_column(ROW_ERROR, pa.array(errors, pa.string()))
+
+
+def _kept_cells(cells: list[str], width: int) -> tuple[list[str], list[int]]:
+    """A bad record's trusted cells padded to the header's width, and the columns left out (null): those past
+    the trusted cells and those with bad bytes."""
+    kept = cells[:width] + [""] * (width - min(len(cells), width))
+    bad = [i for i in range(width) if i >= len(cells) or _has_bad_bytes(kept[i])]
+    return ["" if i in bad else c for i, c in enumerate(kept)], bad
 
 
 def _clean_record(record: list[str], header: list[str], line: int) -> tuple[list[str], str | None, list[int]]:
