@@ -99,6 +99,13 @@ class InputSpec(_Spec):
         description="Input file format; auto = by extension (.parquet/.parq, .jsonl/.ndjson/.json, .csv). "
         "openai_batch: OpenAI batch request lines (custom_id, method, url, body); set no column names.",
     )
+    openai_model_mismatch: Literal["error", "warn"] = Field(
+        default="error",
+        description="format openai_batch: what to do with a request line whose body.model is not the job's "
+        "model (model.source, or its last path part): error (the line is an error row, and validate refuses the "
+        "file) or warn (served by the job's model; validate names the lines, the result line's `model` says "
+        "which model answered). A line without body.model is always served.",
+    )
     prompt_column: str | None = Field(default=None, description="Column of raw-text prompts (string).")
     messages_column: str | None = Field(
         default=None,
@@ -225,6 +232,13 @@ _EngineFields = create_model("_EngineFields", __base__=_Spec, __module__=__name_
 
 class SamplingSpec(_SamplingFields):
     """Sampling defaults for every row (per-row overrides come from input.sampling_column)."""
+
+    @field_validator("logprobs", "prompt_logprobs", mode="before")
+    @classmethod
+    def _flag_is_no_alternatives(cls, value: Any) -> Any:
+        """``logprobs: true`` is OpenAI's chat flag: each token's own logprob, no alternatives (K = 0, as the
+        engine and an OpenAI batch line read it), never pydantic's int(True) = 1; false is off."""
+        return 0 if value is True else None if value is False else value
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> SamplingSpec:
@@ -587,8 +601,20 @@ def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise SpecError(redact_text(f"--set {pair!r}: {part!r} is set both as a value and a section"))
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+        node[leaf] = _override_value(pair, raw)
     return out
+
+
+def _override_value(pair: str, raw: str) -> Any:
+    """A `--set` value parsed as YAML; SpecError in one line naming the `--set` when it is not YAML."""
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(redact_text(f"--set {pair!r}: the value is not valid YAML ({problem}); write a list as "
+                                    "[a, b], a mapping as {k: v}, and put text that is not YAML in quotes")) from None
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

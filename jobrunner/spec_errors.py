@@ -29,8 +29,8 @@ def describe_spec_errors(model: type[BaseModel], exc: ValidationError, source: s
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
         pair = _override_for(loc, set_paths)
-        where = ".".join(loc) or "(top level)"
-        text = f"{where}: {_message(model, err, loc)}"
+        message = _message(model, err, loc)
+        text = f"{'.'.join(loc)}: {message}" if loc else message  # a spec-wide check's text names its fields
         lines.append(f"  --set {pair}: {text}" if pair else f"  {text}")
         from_set.append(pair is not None)
     if all(from_set):
@@ -52,13 +52,57 @@ def _override_for(loc: tuple[str, ...], set_paths: list[tuple[str, tuple[str, ..
 
 
 def _message(model: type[BaseModel], err: dict[str, Any], loc: tuple[str, ...]) -> str:
+    if err["type"] == "value_error":  # our own validators' text names the field already
+        return str(err.get("ctx", {}).get("error") or err["msg"])
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        shape = _section_shape(model, loc, err.get("input"))
+        if shape:
+            return shape
     if err["type"] != "extra_forbidden":
         return str(err["msg"])
     known = _known_keys(model, loc[:-1])
     if known is None:
         return "unknown field (not allowed)"
+    elsewhere = _sections_with(model, loc[-1], loc[:-1])
+    if elsewhere:
+        here = ".".join(loc[:-1]) or "the top level"
+        where = " or ".join(w or "the top level" for w in elsewhere)
+        path = ".".join(filter(None, (elsewhere[0], loc[-1])))
+        return f"unknown field in {here}; it belongs in {where}: write {path}"
     hint = did_you_mean(loc[-1], known)
     return "unknown field (not allowed)" + (hint or f"; known: {', '.join(known)}")
+
+
+def _section_shape(model: Any, loc: tuple[str, ...], given: Any) -> str | None:
+    """'expected a section like `model: {source: x}`, got the string x' for a scalar (or list) where a section
+    (a pydantic model) is expected; None when ``loc`` is not a section."""
+    section = _section_model(model, loc)
+    if section is None or not loc or isinstance(given, dict):
+        return None
+    first = next(iter(section.model_fields))
+    value = given if isinstance(given, (str, int, float)) and not isinstance(given, bool) else "..."
+    return (f"expected a section (a mapping) like `{loc[-1]}: {{{first}: {value}}}`, got "
+            f"{type(given).__name__} {given!r}")
+
+
+def _section_model(model: Any, loc: tuple[str, ...]) -> Any:
+    """The pydantic model of the section at ``loc`` (None when it is not one)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = field.annotation if field is not None else None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _sections_with(model: Any, key: str, exclude: tuple[str, ...], path: tuple[str, ...] = ()) -> list[str]:
+    """Dotted paths of the sections of ``model`` (at any depth) that have a field ``key``, except ``exclude``."""
+    found = []
+    if path != exclude and key in model.model_fields:
+        found.append(".".join(path))
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            found += _sections_with(sub, key, exclude, (*path, name))
+    return found
 
 
 def _known_keys(model: Any, section: tuple[str, ...]) -> list[str] | None:

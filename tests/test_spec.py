@@ -182,7 +182,7 @@ def test_dataset_generation_keys_validate():
     ({"n": 0}, r"sampling\.n: Input should be greater than or equal to 1"),
     ({"logprobs": 21}, r"sampling\.logprobs: Input should be less than or equal to 20"),
     # the engine's own checks (SamplingParams), run once on the whole section when the spec is read
-    ({"json_schema": "{not json"}, r"sampling: Value error, sampling parameter 'json_schema' is not valid JSON"),
+    ({"json_schema": "{not json"}, r"sampling: sampling parameter 'json_schema' is not valid JSON"),
     ({"json_schema": "[1]"}, r"'json_schema' must be a JSON schema object \(a mapping or its JSON text\), got \[1\]"),
     ({"regex": "a+", "choice": ["a"]}, r"'regex/choice' must be used alone \(at most one of json_schema, regex"),
     ({"choice": []}, r"'choice' must be a non-empty list of non-empty strings, got \(\)"),

@@ -37,7 +37,12 @@ def _check_model(spec) -> str:
     here, before any worker starts. A custom engine.factory may take any source: not checked then."""
     if spec.engine.factory:
         return f"{spec.model.source!r} (not checked: engine.factory {spec.engine.factory} builds the engine)"
+    from jobrunner.driver.chat_check import chat_template_problem
     from jobrunner.models.sources import ModelSourceError, check_model_source
+
+    chat_problem = chat_template_problem(spec)  # a base model given chat rows: refused before any worker
+    if chat_problem:
+        raise _error(chat_problem)
 
     try:
         described = check_model_source(spec.model.source)
@@ -130,9 +135,10 @@ def _bad_lines(f) -> str:  # noqa: ANN001 - an io.reader.InputFile
 def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check_ids: bool) -> None:
     """Check JOB_FILE, its model source (without loading weights), input (files, rows, shards, columns, unique
     ids) and output, without starting any worker."""
+    from jobrunner.cli.validate_rows import columns_line, row_lines
     from jobrunner.driver.manifest import ResumeError
     from jobrunner.driver.output import OutputError, describe_output, read_previous_output
-    from jobrunner.driver.plan import describe_empty, plan_job, required_columns
+    from jobrunner.driver.plan import describe_empty, plan_job
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
@@ -158,33 +164,13 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
             echo(f"  {describe_empty([f])}: empty, skipped")
             continue
         echo(f"  {f.url}: {f.num_rows} rows, {len(f.row_group_num_rows)} row group(s)" + _bad_lines(f))
-    keep = spec.output.keep_columns
-    columns = list(required_columns(spec).values()) + (["* (every input column)"] if keep == "*" else keep)
-    echo(f"required columns present: {', '.join(columns)}")
-    for line in _prompt_length_lines(spec, plan):
+    echo(columns_line(spec))
+    lines, refused = row_lines(spec, plan)  # cli/validate_rows.py: the rows a worker would refuse, prompt lengths
+    for line in lines:
         echo(line)
     echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
-
-
-def _prompt_length_lines(spec, plan) -> list[str]:
-    """validate's prompt-length lines (driver/length_check.py): the rows' prompts tokenized as a worker would,
-    against the context; skipped (with the reason) when the tokenizer is not on this machine."""
-    if spec.engine.factory or not plan.num_rows:
-        return []
-    from jobrunner.driver.length_check import check_prompt_lengths, describe, tokenizer_for_check
-    from jobrunner.models.preflight import ConfigUnavailable, preflight
-    from jobrunner.models.sources import ModelSourceError
-
-    tokenizer, why = tokenizer_for_check(spec.model.source)
-    if tokenizer is None:
-        return [why]
-    try:
-        check = preflight(spec.model.source, spec.engine.max_model_len)
-    except (ModelSourceError, ConfigUnavailable) as exc:
-        return [f"prompt lengths not checked: {exc}"]
-    if check is None or not check.context:
-        return ["prompt lengths not checked: the model's context is not known before its first load"]
-    return describe(check_prompt_lengths(spec, plan, tokenizer, check.context), plan.num_rows)
+    if refused:
+        raise _error(refused)
 
 
 @click.command()

@@ -24,7 +24,8 @@ _SAME_NAME = ("max_tokens", "temperature", "top_p", "n", "seed", "presence_penal
               "include_stop_str_in_output", "skip_special_tokens")
 _RENAMED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
             "max_completion_tokens": "max_tokens"}
-_IGNORED = ("model", "user", "metadata", "store", "service_tier")  # accepted, no effect on generation
+_IGNORED = ("model", "user", "metadata", "store", "service_tier")  # accepted, no effect on generation (model: checked
+# against the job's model by driver/rows.py, input.openai_model_mismatch)
 _HANDLED = {"chat": ("messages", "logprobs", "top_logprobs", "response_format", "chat_template_kwargs", "tools",
                      "tool_choice", "parallel_tool_calls"),
             "completions": ("prompt", "logprobs", "echo"),
@@ -41,6 +42,7 @@ class ParsedRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    model: str | None = None  # body.model as written (None: the line names no model)
 
 
 def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
@@ -52,8 +54,21 @@ def parse_request(method: Any, url: Any, body_text: Any) -> ParsedRequest:
         raise ValueError(f"url {url!r}: must be one of {', '.join(ENDPOINTS)}")
     endpoint = ENDPOINTS[url]
     body = _body(body_text)
-    if endpoint == "embeddings":
-        return _embedding_request(body)
+    parsed = _embedding_request(body) if endpoint == "embeddings" else _generation_request(endpoint, url, body)
+    model = body.get("model")
+    parsed.model = None if model is None or model == "" else str(model)
+    return parsed
+
+
+def model_mismatch(asked: str | None, source: str) -> str | None:
+    """Why a line's body.model is not the job's model (``source``: model.source), None when it names none or
+    the job's model: the source as written or its last path part (``org/name`` answers to ``name`` too)."""
+    if asked is None or asked in (source, source.rstrip("/").rsplit("/", 1)[-1]):
+        return None
+    return f"body.model {asked!r} is not the job's model {source!r}"
+
+
+def _generation_request(endpoint: str, url: str, body: dict[str, Any]) -> ParsedRequest:
     unknown = sorted(set(body) - set(_SAME_NAME) - set(_RENAMED) - set(_IGNORED) - set(_HANDLED[endpoint])
                      - {"stop", "logit_bias", "stream"})
     if unknown:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from jobrunner.driver.json_check import json_valid
-from jobrunner.driver.openai_batch import parse_request
+from jobrunner.driver.openai_batch import model_mismatch, parse_request
 from jobrunner.driver.pooled import output_task, result_columns, row_pooling
 from jobrunner.driver.tool_calls import (
     check_tools,
@@ -31,6 +31,7 @@ from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
 from jobrunner.io.text_input import read_input_rows
 from jobrunner.io.text_lines import OPENAI_COLUMNS
+from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
 
 OPENAI_ID_COLUMN = "custom_id"
@@ -194,7 +195,7 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
     try:
         req.adapter = _row_adapter(spec, row, rid)
         if is_openai_batch(spec):
-            _fill_openai(req, row, sampling)
+            _fill_openai(spec, req, row, sampling)
         else:
             req.chat_template_kwargs = _template_kwargs(spec, row, req.chat_template_kwargs)
             req.prompt = _prompt(spec, row)
@@ -208,9 +209,11 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
     return req
 
 
-def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams | PoolingParams) -> None:
+def _fill_openai(spec: JobSpec, req: RowRequest, row: dict[str, Any],
+                 sampling: SamplingParams | PoolingParams) -> None:
     parsed = parse_request(row.get("method"), row.get("url"), row.get("body"))
     req.endpoint, req.prompt = parsed.endpoint, parsed.prompt
+    _check_line_model(spec, parsed.model)
     embedding = isinstance(sampling, PoolingParams)  # a task embed job
     if (parsed.endpoint == "embeddings") != embedding:
         why = "a task embed job reads /v1/embeddings lines only" if embedding else \
@@ -224,6 +227,15 @@ def _fill_openai(req: RowRequest, row: dict[str, Any], sampling: SamplingParams 
     req.params = _params(sampling, parsed.overrides, None)
     if parsed.endpoint == "chat":
         _give_tools(req, parsed.tools, parsed.tool_choice)
+
+
+def _check_line_model(spec: JobSpec, asked: str | None) -> None:
+    """A line naming another model than the job's is refused (input.openai_model_mismatch: error, the default)
+    or served by the job's model (warn: validate names such lines; the result line's `model` says who answered)."""
+    why = model_mismatch(asked, spec.model.source)
+    if why and spec.input.openai_model_mismatch == "error":
+        raise ValueError(redact_text(f"{why}: name the job's model or none in the line, or set "
+                                     "input.openai_model_mismatch: warn to serve it with the job's model"))
 
 
 def _row_adapter(spec: JobSpec, row: dict[str, Any], rid: str) -> str | None:

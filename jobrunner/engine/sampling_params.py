@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -157,11 +158,31 @@ class SamplingParams:
 GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # at most one constrains a request's output
 
 
+# OpenAI's and vLLM's names of settings written otherwise here: an unknown key says what to write instead
+OTHER_NAMES = {"top_logprobs": "logprobs: K (the sampled token and its top K alternatives; logprobs: true is K 0)",
+               "max_completion_tokens": "max_tokens", "response_format": "json_schema (the schema itself)",
+               "guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+               "stop_sequences": "stop"}
+
+
 def _check_known(values: dict[str, Any]) -> None:
     known = {f.name for f in fields(SamplingParams)} - {"extra"}
     unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if not unknown:
+        return
+    hints = [_instead(name, known) for name in unknown]
+    if all(hints):
+        raise ValueError("; ".join(f"unknown sampling parameter {name!r}: {hint}" for name, hint in
+                                   zip(unknown, hints, strict=True)))
+    raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
+def _instead(name: Any, known: set[str]) -> str | None:
+    """'write X' for an OpenAI / vLLM name or a close misspelling of a known setting; None when neither."""
+    if name in OTHER_NAMES:
+        return f"write {OTHER_NAMES[name]}"
+    close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else None
 
 
 # the value types a setting's annotation names, how an error message says them, and the test for them

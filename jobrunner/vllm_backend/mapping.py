@@ -46,11 +46,18 @@ def unmapped_settings(spec: Any) -> list[str]:
         problems.append("engine.draft_quantization: only ngram speculation is mapped to vLLM")
     if e.device not in ("auto", "cpu", "cuda"):
         problems.append(f"engine.device {e.device}: vLLM runs on the device its build is for")
-    ours = set(SAME_SETTINGS.values()) | {"model", "dtype", "quantization", "seed", "enforce_eager", "kv_cache_dtype",
-                                          "speculative_config", "tokenizer", "skip_tokenizer_init"}
-    for name in sorted(set(e.vllm_options) & ours):
-        problems.append(f"engine.vllm_options.{name}: set by jobrunner from the spec (use the job's own setting)")
+    for name in sorted(set(e.vllm_options) & set(OWN_SETTING)):
+        problems.append(f"engine.vllm_options.{name}: set by jobrunner from the spec; use {OWN_SETTING[name]}")
     return problems
+
+
+# vLLM engine arguments jobrunner sets from the spec -> the job's own setting to use instead
+OWN_SETTING = {**{theirs: f"engine.{ours}" for ours, theirs in SAME_SETTINGS.items()},
+               "model": "model.source", "tokenizer": "model.source (its tokenizer comes with the model)",
+               "dtype": "model.dtype", "quantization": "model.quantization", "seed": "sampling.seed (per request)",
+               "enforce_eager": "engine.use_cuda_graphs (false = eager)", "kv_cache_dtype": "engine.kv_cache_dtype",
+               "speculative_config": "engine.speculative: ngram and engine.num_speculative_tokens",
+               "skip_tokenizer_init": "none: jobrunner tokenizes and detokenizes with the model's tokenizer"}
 
 
 def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0, device: str = "cpu") -> dict[str, Any]:

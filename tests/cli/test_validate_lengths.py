@@ -37,7 +37,7 @@ def test_rows_over_the_context_are_named(tiny_llama_hf_dir: Path, tmp_path: Path
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line.startswith(("prompt lengths", "WARNING"))]
     assert lines[0].startswith("prompt lengths (all 5 rows read): longest prompt ")
-    assert "(row 'r4')" in lines[0] and "of the 64-token context" in lines[0]
+    assert "longest prompt 1000+ tokens (row 'r4'; counted to past the context) of the 64-token context" in lines[0]
     assert lines[1].startswith("WARNING: 1 row(s) have a prompt of the whole context or more and will be error "
                                "rows (ids 'r4')")
     assert lines[2].startswith("WARNING: 1 row(s) cannot get sampling.max_tokens before the context ends "
