@@ -76,17 +76,19 @@ def read_tests(out: str) -> dict[str, Any]:
 
 
 def read_bench(out: str) -> dict[str, Any]:
-    """The core phase's ``gpu_bench.json`` with the extra phase's runs (``gpu_bench_extra.json``) added."""
+    """The core phase's ``gpu_bench.json`` with the parity stage's run (``gpu_parity.json``) and the extra
+    phase's runs (``gpu_bench_extra.json``) added."""
     try:
         bench = json.load(open(os.path.join(out, "gpu_bench.json")))
     except (OSError, ValueError) as exc:
         bench = {"error": f"{type(exc).__name__}: {exc}", "runs": {}}
-    try:
-        extra = json.load(open(os.path.join(out, "gpu_bench_extra.json")))
-    except (OSError, ValueError):
-        return bench
-    bench["runs"] = {**bench.get("runs", {}), **extra.get("runs", {})}
-    bench["extra"] = {k: v for k, v in extra.items() if k != "runs"}
+    for name, key in (("gpu_parity.json", "parity_stage"), ("gpu_bench_extra.json", "extra")):
+        try:
+            more = json.load(open(os.path.join(out, name)))
+        except (OSError, ValueError):
+            continue
+        bench["runs"] = {**bench.get("runs", {}), **more.get("runs", {})}
+        bench[key] = {k: v for k, v in more.items() if k != "runs"}
     return bench
 
 

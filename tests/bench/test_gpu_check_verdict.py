@@ -193,4 +193,30 @@ def test_both_phases_leave_at_most_eight_files_and_one_report(tmp_path):
     assert len(files) <= 8 and {"gpu_check.json", "logs_core.tar.gz", "logs_extra.tar.gz"} <= set(files), files
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["cpu_only"] and "torch" in report["environment"]
-    assert set(report["stages"]) == {"env_core", "tests", "bench_core", "env_extra", "bench_extra"}
+    assert set(report["stages"]) == {"probe_core", "env_core", "tests", "parity", "bench_core", "probe_extra",
+                                     "env_extra", "bench_extra"}
+    assert "parity" in report["bench"]["runs"]  # the parity stage's own file, merged
+
+
+def test_the_core_stage_limits_add_up_to_210_s_with_the_imports_and_verdicts():
+    """The core phase fits one 240 s device call with slack: every stage's default limit (the cold torch import
+    in the probe, four verdicts) adds up to at most 210 s, as the script's header says."""
+    import re
+
+    text = (SCRIPTS / "gpu_check.sh").read_text()
+    defaults = dict(re.findall(r'(\w+_S)="\$\{\1:-(\d+)\}"', text.split("case")[0] + text.split("core)")[1]
+                               .split(";;")[0]))
+    total = sum(int(defaults[k]) for k in ("PROBE_S", "ENV_S", "TESTS_S", "PARITY_S", "BENCH_S")) \
+        + 4 * int(defaults["VERDICT_S"])
+    assert total <= 210, defaults
+    assert re.search(r"#   total\s+" + str(total) + r"\b", text), "the header's budget table says another total"
+
+
+def test_a_split_parity_file_is_merged_into_the_core_report(tmp_path):
+    runs = {k: GOOD_RUNS[k] for k in ("triton+graphs", "torch")}
+    out = _stage_dir(tmp_path, runs, GOOD_TESTS)
+    report = verdict_mod.build_report(str(out))
+    assert report["checks"]["bf16_parity_32_tokens"]["status"] == "missing"  # the parity stage never ran
+    (tmp_path / "gpu_parity.json").write_text(json.dumps({"runs": {"parity": GOOD_RUNS["parity"]}}))
+    report = verdict_mod.build_report(str(out))
+    assert report["checks"]["bf16_parity_32_tokens"]["status"] == "pass"

@@ -197,10 +197,11 @@ def test_interp_late_readback_through_the_step_graph_twin(interpreted, hf_llama,
 
 
 @pytest.mark.skipif(IN_CHILD or os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT")
-@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp8e5"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "fp8e5", "fp32"])
 def test_split_kernels_compile_for_hopper_without_a_gpu(cache):
     """Compile both kernels to PTX for sm_90 (no GPU needed): bf16, head_dim 128, GQA 4 (Llama-3-8B), over a bf16
-    cache and over fp8 caches (codes with float32 row scales: engine.kv_cache_dtype)."""
+    cache and over fp8 caches (codes with float32 row scales: engine.kv_cache_dtype); and float32 throughout
+    (DOT_FP32), as the GPU check's float32 parity runs them."""
     from tests.components import require_import
 
     triton = require_import("triton", "a [test] dependency on Linux: compiles our kernels to PTX")
@@ -209,13 +210,15 @@ def test_split_kernels_compile_for_hopper_without_a_gpu(cache):
 
     from jobrunner.attention.triton_split_kernels import merge_segments_kernel, split_decode_kernel
 
+    fp32 = cache == "fp32"
+    act = "*fp32" if fp32 else "*bf16"
     cases = ((split_decode_kernel, dict(N_REP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, SEGMENT=512,
-                                        BLOCK_SIZE=16, DOT_FP32=False, KV_SCALED=cache != "bf16")),
+                                        BLOCK_SIZE=16, DOT_FP32=fp32, KV_SCALED=cache not in ("bf16", "fp32"))),
              (merge_segments_kernel, dict(HEAD_DIM=128, BLOCK_D=128, SEGMENT=512, BLOCK_S=16)))
     for kernel, consts in cases:
         floats = {"part_m_ptr", "part_l_ptr", "part_acc_ptr", "ks_ptr", "vs_ptr"}
         signature = {name: "constexpr" if name in consts else "*fp32" if name in floats else f"*{cache}"
-                     if name in ("k_ptr", "v_ptr") else "*bf16" if name in ("q_ptr", "o_ptr") else "*i64"
+                     if name in ("k_ptr", "v_ptr") else act if name in ("q_ptr", "o_ptr") else "*i64"
                      if name.endswith("_ptr") else "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
