@@ -110,9 +110,10 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
 
     Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
     """
+    from jobrunner.models.load_memory import LoadMemory
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.models.stopwatch import Stopwatch
-    from jobrunner.models.weights import iter_safetensors, load_config, load_tokenizer
+    from jobrunner.models.weights import Checkpoint, load_config, load_tokenizer
 
     clock = Stopwatch()
     model_dir = resolve_model_dir(source, allow_pickle=allow_pickle, **source_options)
@@ -122,22 +123,23 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     clock.mark("config")  # the first one in a process imports transformers' config modules (~1.4 s)
     dev = resolve_device(device)
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
-    model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len))
+    model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False)
     clock.mark("build_model")
-    load_weights(model, iter_safetensors(model_dir, allow_pickle=allow_pickle))
+    transform = _quantize_at_load(model, quantization, dev)
+    with LoadMemory(dev) as memory:  # each tensor made on the device as it is read; each layer quantized then
+        load_weights(model, Checkpoint(model_dir, allow_pickle=allow_pickle), device=dev, transform=transform)
     clock.mark("load_weights")
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
             "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
-            "dtype_reason": describe_dtype_choice(dtype_choice)}
-    if quantization != "none":
-        from jobrunner.quant import quantize_model
-
-        report = quantize_model(model, quantization)
+            "dtype_reason": describe_dtype_choice(dtype_choice), **load_memory_info(memory, model)}
+    if transform is not None:
+        report = transform.report
+        clock.stages["load_weights"] -= transform.session.seconds  # quantize-at-load ran inside the load
+        clock.stages["quantize"] = round(transform.session.seconds, 4)
         info["quantization_report"] = report.summary()
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
         info["quant_layers"] = describe_quant_layers(info["quantization_report"])
-        clock.mark("quantize")
     if dev.type == "cpu":  # linears on a packed / reordered weight where this CPU's capability says so
         from jobrunner.models.onednn_linear import reorder_bf16_linears
         from jobrunner.models.packed_linear import pack_linears
@@ -151,6 +153,29 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     clock.mark("tokenizer")
     info["load_stages_s"] = clock.stages  # LLMEngine.from_source adds its own (adapters, engine)
     return model, tokenizer, eos_ids, info
+
+
+def _quantize_at_load(model: torch.nn.Module, quantization: str, device: torch.device):
+    """The transform that quantizes each layer as it loads (quant/at_load.py), or None for ``none``."""
+    if quantization == "none":
+        return None
+    from jobrunner.quant.at_load import QuantizeAtLoad
+
+    return QuantizeAtLoad(model, quantization, device)
+
+
+def load_memory_info(memory, model: torch.nn.Module) -> dict[str, Any]:
+    """The manifest's load-memory keys: the weights' bytes as loaded (quantized or not), the load's peak host
+    anonymous memory and its rise over the start of the load, and on CUDA the device's peak allocated bytes."""
+    seen, weights = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            weights += tensor.numel() * tensor.element_size()
+    found = memory.to_dict()
+    return {"weights_bytes": weights, "load_host_anon_peak_bytes": found["host_anon_peak_bytes"],
+            "load_host_anon_rise_bytes": found["host_anon_rise_bytes"],
+            "load_device_peak_bytes": found["device_peak_bytes"]}
 
 
 def head_info(config, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Build our model for a Hugging Face config and load its weights (fusing q|k|v and gate|up on the fly)."""
+"""Build our model for a Hugging Face config and load its weights (fusing q|k|v and gate|up on the fly:
+:mod:`jobrunner.models.weight_map`), streamed tensor by tensor (:mod:`jobrunner.models.load_stream`)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -11,6 +11,7 @@ from jobrunner.models import moe
 from jobrunner.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from jobrunner.models.heads import split_architecture
 from jobrunner.models.llama import LlamaForCausalLM
+from jobrunner.models.load_stream import LoadTransform, stream_weights
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,17 +22,6 @@ SUPPORTED_ARCHITECTURES = (
     *moe.MOE_ARCHITECTURES,
     *GEMMA_ARCHITECTURES,  # Gemma2ForCausalLM, Gemma3ForCausalLM (text): jobrunner.models.gemma
 )
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen2-MoE
-    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
-}
 
 
 def check_architecture(config) -> str:
@@ -48,16 +38,23 @@ def check_architecture(config) -> str:
     return arch
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
-                ) -> LlamaForCausalLM:
-    """An uninitialised model on ``device`` (weights to be loaded, or randomly initialised by the caller)."""
+def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int | None = None, *,
+                materialize: bool = True) -> LlamaForCausalLM:
+    """Our model for ``config``, its parameters in ``dtype`` (set while on ``meta``: never a float32 copy first).
+
+    ``materialize=True``: uninitialised parameters on ``device`` (weights to be loaded, or randomly initialised
+    by the caller). ``materialize=False``: parameters stay on ``meta`` (no memory) for :func:`load_weights` to
+    make on ``device`` one by one as the checkpoint is read. Rope tables are built on ``device`` either way.
+    """
     arch = check_architecture(config)
     model_class = GemmaForCausalLM if split_architecture(arch)[0] in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
         model = model_class(config, max_positions)
-    model = model.to_empty(device=device).to(dtype=dtype)
-    if model.shape.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(dtype=dtype)  # on meta: changes the recorded dtype, allocates nothing
+    if materialize:
+        model = model.to_empty(device=device)
+        if model.shape.tie_word_embeddings:  # to_empty makes one tensor per registration: tie them again
+            model.lm_head.weight = model.embed_tokens.weight
     for module in model.modules():  # rope tables (Gemma: one per layer type, and its embedding scale) in float32
         if hasattr(module, "build_tables"):
             module.build_tables(device)
@@ -67,76 +64,23 @@ def build_model(config, dtype: torch.dtype, device: torch.device, max_positions:
     return model.eval()
 
 
-def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy Hugging Face-named tensors into ``model``; raise naming any parameter left unloaded."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    for name, tensor in named_tensors:
-        target = _target(model, name)
-        if target is None:
-            continue
-        param_name, part = target
-        param = params[param_name]
-        with torch.no_grad():
-            _slice(model, param_name, param, part).copy_(tensor.to(param.dtype))
-        loaded.add(param_name if part is None else f"{param_name}#{part}")
-    _check_all_loaded(model, params, loaded)
+def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                 device: torch.device | str | None = None, transform: LoadTransform | None = None) -> None:
+    """Copy Hugging Face-named tensors into ``model``; raise naming any parameter left unloaded.
+
+    A parameter still on ``meta`` is made on ``device`` (default: where the model's rope tables are, else the
+    CPU) when its first tensor arrives. ``transform``: a per-module / per-layer hook
+    (:class:`jobrunner.models.load_stream.LoadTransform`: quantize each layer as soon as it is loaded, or
+    build a pre-quantized checkpoint's modules from its own tensors). A
+    :class:`jobrunner.models.weights.Checkpoint` names its tensors up front, so each layer is handed over
+    the moment it is complete; a plain iterable's layers are handed over at the end.
+    """
+    stream_weights(model, named_tensors, torch.device(device) if device is not None else _home(model), transform)
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | tuple | None] | None:
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    if name == "lm_head.weight":
-        return None if model.shape.tie_word_embeddings or model.lm_head is None else ("lm_head.weight", None)
-    if name == "score.weight":
-        return ("score.weight", None) if getattr(model, "score", None) is not None else None
-    if model.shape.head == "none" and not name.startswith("model."):  # a bare decoder (AutoModel) checkpoint
-        name = "model." + name
-    if name.startswith("model.") and not name.startswith("model.layers."):
-        return name[len("model."):], None
-    match = _LAYER.match(name)
-    if not match:
-        return None
-    index, rest = match.groups()
-    expert = moe.checkpoint_target(rest)  # per-expert tensors, Mixtral's block_sparse_moe names
-    if expert is not None:
-        return f"layers.{index}.{expert[0]}", expert[1]
-    module, _, kind = rest.rpartition(".")
-    if module in _FUSED:
-        fused, part = _FUSED[module]
-        return f"layers.{index}.{fused}.{kind}", part
-    return f"layers.{index}.{rest}", None
-
-
-def _slice(model: LlamaForCausalLM, param_name: str, param: torch.Tensor, part: int | tuple | None
-           ) -> torch.Tensor:
-    if part is None:
-        return param
-    if isinstance(part, tuple):  # one expert of a stacked MoE tensor
-        return moe.expert_slice(param, part)
-    s = model.shape
-    if "qkv_proj" in param_name:
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
-    else:  # gate|up: the dense MLP's, or a shared expert's (its own intermediate size)
-        half = param.shape[0] // 2
-        bounds = [(0, half), (half, 2 * half)][part]
-    return param[bounds[0]:bounds[1]]
-
-
-def _check_all_loaded(model: LlamaForCausalLM, params: dict, loaded: set[str]) -> None:
-    missing = []
-    for name in params:
-        if name == "lm_head.weight" and model.shape.tie_word_embeddings:
-            continue
-        if "qkv_proj" in name:
-            parts = [f"{name}#{i}" for i in range(3)]
-        elif name.endswith(moe.STACKED):  # the stacked tensor whole, or every expert's part
-            parts = [] if name in loaded else [f"{name}#{p}" for p in moe.expert_parts(params[name], name)]
-        elif "gate_up_proj" in name:
-            parts = [f"{name}#{i}" for i in range(2)]
-        else:
-            parts = [name]
-        missing += [p for p in parts if p not in loaded and name not in loaded]  # or loaded whole (Phi-3)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {', '.join(missing[:5])}")
+def _home(model: torch.nn.Module) -> torch.device:
+    """Where the model's non-meta tensors are (a materialised model, or the rope tables of a meta one)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if not tensor.is_meta:
+            return tensor.device
+    return torch.device("cpu")

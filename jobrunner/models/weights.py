@@ -51,6 +51,34 @@ def iter_safetensors(
                 yield name, handle.get_tensor(name)
 
 
+class Checkpoint:
+    """A model directory's weights as ``(name, tensor)`` pairs that also names its tensors up front
+    (:meth:`names`, from the safetensors headers alone), so a streamed load knows when each layer is complete.
+
+    Tensors are memory-mapped views of the shard files (zero-copy: reading one costs page cache, not the
+    process's own memory). Pickle ``*.bin`` files (``allow_pickle``) have no names up front: :meth:`names`
+    is None and each file is unpickled whole, one at a time.
+    """
+
+    def __init__(self, model_dir: str | Path, *, allow_pickle: bool = False) -> None:
+        self.model_dir = Path(model_dir)
+        self.allow_pickle = allow_pickle
+        self.files = safetensors_files(self.model_dir)
+
+    def names(self) -> list[str] | None:
+        """Every tensor name in file order, or None for a pickle checkpoint."""
+        if not self.files:
+            return None
+        names: list[str] = []
+        for path in self.files:
+            with safe_open(str(path), framework="pt") as handle:
+                names += list(handle.keys())
+        return names
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.model_dir, allow_pickle=self.allow_pickle)
+
+
 def iter_pickle(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` from `pytorch_model*.bin` files, unpickling tensors only (weights_only=True)."""
     model_dir = Path(model_dir)

@@ -15,6 +15,7 @@ not ``nn.Linear`` and stay in the compute dtype.
 from __future__ import annotations
 
 import fnmatch
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -71,44 +72,102 @@ def quantize_model(model: torch.nn.Module, scheme: str, *, group_size: int | Non
     ``quantize_embeddings``: also store ``nn.Embedding`` tables quantized (shared with a tied head).
     ``capability``: force the CPU capability the kernels are chosen for (see :mod:`jobrunner.quant.dispatch`).
     Call it after the model is on its final device: int4 weights are packed for that device's kernel.
+    To quantize layer by layer while a model loads, use :class:`QuantSession` (``quant/at_load.py``).
     """
-    scheme = check_scheme(scheme)
-    if group_size is not None and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"group_size {group_size} not supported: expected one of {INT4_GROUP_SIZES}")
-    rules = {pattern: check_scheme(s) for pattern, s in (overrides or {}).items()}
-    head_policy = [p for p in INT4_INT8_LAYERS if p not in rules] if scheme == "int4" else []
-    rules.update({pattern: "int8" for pattern in head_policy})  # after the caller's patterns: theirs win
-    rules.update({pattern: "none" for pattern in skip})
-    requested_group = group_size or DEFAULT_GROUP_SIZE
-    report = QuantReport(scheme=scheme, group_size=requested_group if scheme == "int4" else None)
-    dispatch, scratch = None, DequantBuffer()
-    if scheme != "none":
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dispatch = dispatch_for(device, capability)
-        report.dispatch = dispatch.to_dict()
-    if scheme != "none":
-        _split_stacked(model)
-    report.model_bf16_bytes, report.model_bytes_before = _model_bytes(model)
-    tied = _tied_embeddings(model)
-    _smooth_for_w8a8(model, scheme, dispatch, rules, report)
-    shared = _shared_parameters(model)  # once, not per layer: a MoE model has thousands of expert linears
-    for name, linear in _linears(model):
-        layer_scheme = next((s for p, s in rules.items() if _matches(name, p)), scheme)
-        layer_scheme = "none" if scheme == "none" else layer_scheme
+    session = QuantSession(model, scheme, group_size=group_size, skip=skip, overrides=overrides,
+                           quantize_embeddings=quantize_embeddings, capability=capability)
+    session.quantize_under("")
+    return session.finish()
+
+
+class QuantSession:
+    """One quantization of one model, run part by part: :meth:`quantize_under` a module prefix (a decoder
+    layer the moment it is loaded), then :meth:`finish` (what is left, the tied embedding and head, the report).
+
+    Built on the model before its weights exist (on ``meta``, with ``device`` the one they will be loaded
+    on): the rules, the dispatch and the ties are settled from names and shapes alone.
+    """
+
+    def __init__(self, model: torch.nn.Module, scheme: str, *, group_size: int | None = None,
+                 skip: Iterable[str] = (), overrides: Mapping[str, str] | None = None,
+                 quantize_embeddings: bool = True, capability: str | None = None,
+                 device: torch.device | None = None) -> None:
+        scheme = check_scheme(scheme)
+        if group_size is not None and group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size {group_size} not supported: expected one of {INT4_GROUP_SIZES}")
+        rules = {pattern: check_scheme(s) for pattern, s in (overrides or {}).items()}
+        self.head_policy = tuple(p for p in INT4_INT8_LAYERS if p not in rules) if scheme == "int4" else ()
+        rules.update({pattern: "int8" for pattern in self.head_policy})  # after the caller's patterns: theirs win
+        rules.update({pattern: "none" for pattern in skip})
+        self.model, self.scheme, self.rules = model, scheme, rules
+        self.requested_group = group_size or DEFAULT_GROUP_SIZE
+        self.quantize_embeddings = quantize_embeddings
+        self.num_smoothed = 0  # MLPs whose down_proj input smoothing was folded (one note at the end)
+        self.done: set[str] = set()  # the linears handled (quantized, or kept in float by a rule)
+        self.seconds = 0.0  # spent quantizing (a streamed load reports it apart from reading the weights)
+        self.report = QuantReport(scheme=scheme, group_size=self.requested_group if scheme == "int4" else None)
+        self.dispatch, self.scratch = None, DequantBuffer()
+        if scheme != "none":
+            device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+            self.dispatch = dispatch_for(device, capability)
+            self.report.dispatch = self.dispatch.to_dict()
+        self.report.model_bf16_bytes, self.report.model_bytes_before = _model_bytes(model)
+        self.tied = _tied_embeddings(model)  # by name: a streamed load makes new tensors, ids change
+        shared = _shared_parameters(model)  # once, not per layer: a MoE model has thousands of expert linears
+        self.shared_linears = {name for name, linear in _linears(model) if id(linear.weight) in shared}
+
+    def quantize_under(self, prefix: str) -> None:
+        """Quantize the float linears under module ``prefix`` ("" = the whole model) and its embeddings, a
+        tied embedding after the head that shares it (its weight is the embedding's, so loaded with it)."""
+        start = time.perf_counter()
+        root = self.model.get_submodule(prefix) if prefix else self.model
+        if self.scheme != "none":
+            _split_stacked(root)
+        self.num_smoothed += _smooth_for_w8a8(self.model, self.scheme, self.dispatch, self.rules, prefix)
+        names = [name for name, _ in _linears(root, prefix)]
+        embeddings = [name for name, _ in _embeddings(root, prefix)]
+        names += [self.tied[e] for e in embeddings if e in self.tied and self.tied[e] not in names]
+        for name in names:  # by name: a layer's float weight is freed as soon as it is swapped
+            if name not in self.done:
+                self._quantize_linear(name, self.model.get_submodule(name))
+        if self.scheme != "none" and self.quantize_embeddings:
+            tied = {e: self.tied[e] for e in embeddings if e in self.tied}
+            _quantize_embeddings(self.model, tied, self._kept_float(), self.report, set(embeddings))
+        self.seconds += time.perf_counter() - start
+
+    def _quantize_linear(self, name: str, linear: torch.nn.Linear) -> None:
+        report = self.report
+        self.done.add(name)
+        layer_scheme = next((s for p, s in self.rules.items() if _matches(name, p)), self.scheme)
+        layer_scheme = "none" if self.scheme == "none" else layer_scheme
         report.linear_bf16_bytes += linear.weight.numel() * 2
-        report.layers.append(_quantize_one(model, name, linear, layer_scheme, requested_group, report,
-                                           (dispatch, scratch), id(linear.weight) in shared))
+        report.layers.append(_quantize_one(self.model, name, linear, layer_scheme, self.requested_group, report,
+                                           (self.dispatch, self.scratch), name in self.shared_linears))
+        del linear
         report.linear_bytes_after += report.layers[-1].bytes_after
-        if _is_skipped(name, tuple(head_policy)) and report.layers[-1].scheme == "int8":
+        if _is_skipped(name, self.head_policy) and report.layers[-1].scheme == "int8":
             report.notes.append(f"{name} {INT4_INT8_NOTE} (INT4_INT8_LAYERS: the int4 head cost ~5 "
                                 "points of perplexity; override with {'lm_head': 'int4'})")
-    if scheme != "none" and quantize_embeddings:
-        _quantize_embeddings(model, tied, tuple(p for p, s in rules.items() if s == "none"), report)
-    # plus the kernels' own weight copies that are not buffers (oneDNN's prepacked W8A8 weights)
-    report.model_bytes_after = _model_bytes(model)[1] + sum(
-        m.kernel_bytes() for m in model.modules() if isinstance(m, W8A8Linear))
-    report.scratch_bytes = scratch.nbytes()
-    return report
+
+    def _kept_float(self) -> tuple[str, ...]:
+        return tuple(p for p, s in self.rules.items() if s == "none")
+
+    def finish(self) -> QuantReport:
+        """Quantize what is left (layers never handed over, a tied head and its embedding); the report."""
+        start = time.perf_counter()
+        for name in [name for name, _ in _linears(self.model) if name not in self.done]:
+            self._quantize_linear(name, self.model.get_submodule(name))  # a layer kept in float stays float
+        if self.scheme != "none" and self.quantize_embeddings:
+            _quantize_embeddings(self.model, self.tied, self._kept_float(), self.report)
+        # plus the kernels' own weight copies that are not buffers (oneDNN's prepacked W8A8 weights)
+        self.report.model_bytes_after = _model_bytes(self.model)[1] + sum(
+            m.kernel_bytes() for m in self.model.modules() if isinstance(m, W8A8Linear))
+        self.report.scratch_bytes = self.scratch.nbytes()
+        if self.num_smoothed:
+            self.report.notes.append(f"{self.num_smoothed} MLPs: down_proj input smoothing folded into "
+                                     "gate_up_proj (data-free, see quant/smooth.py); their down_proj runs W8A8")
+        self.seconds += time.perf_counter() - start
+        return self.report
 
 
 def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, scheme: str, group_size: int,
@@ -143,12 +202,18 @@ def _tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
             if isinstance(mod, torch.nn.Embedding) and id(mod.weight) in linear_by_weight}
 
 
+def _embeddings(root: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Embedding]]:
+    """The float ``nn.Embedding`` tables under ``root`` (named from the model's root: ``prefix``)."""
+    return [(_join(prefix, n), m) for n, m in root.named_modules()
+            if type(m) is torch.nn.Embedding and m.weight.is_floating_point()]
+
+
 def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns: tuple[str, ...],
-                         report: QuantReport) -> None:
-    """int8 rows for every float embedding; one shared tensor with a tied int8 ``lm_head``."""
-    embeddings = [(n, m) for n, m in model.named_modules()
-                  if type(m) is torch.nn.Embedding and m.weight.is_floating_point()]
-    for name, emb in embeddings:
+                         report: QuantReport, only: set[str] | None = None) -> None:
+    """int8 rows for every float embedding (of ``only``, if given); one shared tensor with a tied int8 head."""
+    for name, emb in _embeddings(model):
+        if only is not None and name not in only:
+            continue
         if _is_skipped(name, patterns):
             report.notes.append(f"{name} kept in float (skip)")
             continue
@@ -198,20 +263,19 @@ def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entr
 
 
 def _smooth_for_w8a8(model: torch.nn.Module, scheme: str, dispatch: QuantDispatch | None,
-                     rules: Mapping[str, str], report: QuantReport) -> None:
+                     rules: Mapping[str, str], prefix: str = "") -> int:
     """Fold input smoothing into every MLP whose gate_up and down both become W8A8 (quant/smooth.py); their
     ``down_proj`` is then W8A8 too (marked ``SMOOTHED``) instead of int8 weight-only."""
     if scheme != "w8a8" or dispatch is None or dispatch.w8a8_kernel is None or not SMOOTH_DOWN_PROJ:
-        return
-    names = {n for n, _ in mlp_pairs(model) if all(
-        next((s for p, s in rules.items() if _matches(f"{n}.{c}", p)), scheme) == "w8a8"
+        return 0
+    root = model.get_submodule(prefix) if prefix else model
+    names = {_join(prefix, n) for n, _ in mlp_pairs(root) if all(
+        next((s for p, s in rules.items() if _matches(f"{_join(prefix, n)}.{c}", p)), scheme) == "w8a8"
         for c in ("gate_up_proj", "down_proj"))}
     done = smooth_mlps(model, names)
     for name in done:
         setattr(model.get_submodule(f"{name}.down_proj"), SMOOTHED, True)
-    if done:
-        report.notes.append(f"{len(done)} MLPs: down_proj input smoothing folded into gate_up_proj "
-                            "(data-free, see quant/smooth.py); their down_proj runs W8A8")
+    return len(done)
 
 
 def _w8a8_kernel(linear: torch.nn.Linear, dispatch: QuantDispatch | None) -> tuple[str, str | None]:
@@ -238,9 +302,14 @@ def _pick_group_size(linear: torch.nn.Linear, requested: int) -> tuple[int, str 
     return requested, problem
 
 
-def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    return [(name, mod) for name, mod in model.named_modules()
+def _linears(root: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Linear]]:
+    """The float ``nn.Linear`` layers under ``root`` (named from the model's root: ``prefix``)."""
+    return [(_join(prefix, name), mod) for name, mod in root.named_modules()
             if isinstance(mod, torch.nn.Linear) and mod.weight.is_floating_point()]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _matches(name: str, pattern: str) -> bool:
