@@ -38,11 +38,13 @@ def _check_model(spec) -> str:
     if spec.engine.factory:
         return f"{spec.model.source!r} (not checked: engine.factory {spec.engine.factory} builds the engine)"
     from jobrunner.driver.chat_check import chat_template_problem
+    from jobrunner.driver.row_check import job_constraint_problem
     from jobrunner.models.sources import ModelSourceError, check_model_source
 
-    chat_problem = chat_template_problem(spec)  # a base model given chat rows: refused before any worker
-    if chat_problem:
-        raise _error(chat_problem)
+    # a base model given chat rows, a schema the grammar refuses: every row an error row, refused before any worker
+    problem = chat_template_problem(spec) or job_constraint_problem(spec)
+    if problem:
+        raise _error(problem)
 
     try:
         described = check_model_source(spec.model.source)

@@ -95,6 +95,16 @@ def check_rows(spec: JobSpec, rows: RowsRead) -> RowCheck:
     return out
 
 
+def job_constraint_problem(spec: JobSpec) -> str | None:
+    """The job's own constraint (sampling.json_schema / regex / choice) built as the worker builds it: one line
+    when it is bad (every row would be an error row), None when it is fine or there is none."""
+    if not is_generating(spec) or all(getattr(spec.sampling, k) is None for k in ("json_schema", "regex", "choice")):
+        return None
+    check = _GrammarCheck(spec)
+    why = check.problem(job_sampling(spec))
+    return f"sampling: {why.removeprefix('bad sampling settings: ')}" if why else None
+
+
 def describe_refused(check: RowCheck, total_rows: int) -> str:
     """validate's error: how many rows read a worker would refuse, then one line per row (row id: why)."""
     read = f"{check.rows_read} of {total_rows} rows read" if check.rows_read < total_rows else \

@@ -175,3 +175,11 @@ def test_the_alias_gemma3_is_known_as_a_base_model() -> None:
 
     assert has_chat_template("gemma3-270m") is False
     assert has_chat_template("some-org/not-fetched") is None
+
+
+def test_a_job_schema_the_grammar_refuses_stops_run_before_any_worker(tiny_llama_hf_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    job = _sampling_rows(tmp_path, str(tiny_llama_hf_dir))
+    result = CliRunner().invoke(main, ["run", str(job), "--set", "sampling.json_schema={type: objekt}"])
+    assert (result.exit_code, result.output) == (1, "Error: sampling: sampling parameter 'json_schema' is invalid or "
+                                                    "unsupported: Unsupported type \"objekt\"\n")
