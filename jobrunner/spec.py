@@ -233,6 +233,23 @@ _EngineFields = create_model("_EngineFields", __base__=_Spec, __module__=__name_
 class SamplingSpec(_SamplingFields):
     """Sampling defaults for every row (per-row overrides come from input.sampling_column)."""
 
+    seed_per_row: bool | None = Field(
+        default=None,
+        description="With sampling.seed: each row samples with its own seed, a hash of sampling.seed and the "
+        "row's id, so identical prompts in different rows give different samples while a row gets the same seed "
+        "on every retry and resume (unset = true); false: every row uses sampling.seed itself (identical prompts, "
+        "identical samples). A seed a row asks for itself (input.sampling_column, an OpenAI batch line) is kept.",
+    )
+    seed_column: str | None = Field(
+        default=None,
+        description="An input column of per-row integer seeds (0..2**63-1), used as written; a null takes the "
+        "job's rule (sampling.seed, per row). Part of each row's request fingerprint.",
+    )
+
+    def engine_values(self) -> dict[str, Any]:
+        """The settings the engine takes (SamplingParams), without the driver's row-seed rules."""
+        return self.model_dump(exclude={"seed_per_row", "seed_column"})
+
     @field_validator("logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _flag_is_no_alternatives(cls, value: Any) -> Any:
@@ -245,7 +262,7 @@ class SamplingSpec(_SamplingFields):
         """The engine's own checks of the whole section, the one place they are written (at most one of
         json_schema / regex / choice, a json_schema that parses to an object, min_tokens within max_tokens, ...):
         a bad section fails here, before any worker starts, with the engine's message naming the field."""
-        SamplingParams.from_dict(self.model_dump())
+        SamplingParams.from_dict(self.engine_values())
         return self
 
 
@@ -520,6 +537,13 @@ class JobSpec(_Spec):
         if self.model.adapters and self.engine.factory is None and self.engine.use_cuda_graphs:
             raise ValueError("engine.use_cuda_graphs is not supported with model.adapters (docs/engine.md, LoRA "
                              "adapters)")
+        return self
+
+    @model_validator(mode="after")
+    def _seed_column_fits(self) -> JobSpec:
+        if self.sampling.seed_column and self.input.format == "openai_batch":
+            raise ValueError("sampling.seed_column does not apply to input.format openai_batch: a request line "
+                             "carries its own seed in its body")
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jobrunner.driver.manifest import RESUME_INPUT_KEYS, RESUME_SECTIONS, ResumeError
+from jobrunner.driver.row_seeds import seed_rule
 from jobrunner.driver.shards import ShardTable
 from jobrunner.io.shard_file import COMMITTED, ShardColumns
 from jobrunner.spec import JobSpec
@@ -58,6 +59,9 @@ def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list
         new_flat[f"engine.{key}"] = (new_spec.get("engine") or {}).get(key, default)
     for key, default in RESUME_TASK_DEFAULTS.items():
         old_flat[key], new_flat[key] = _dotted(old_spec, key, default), _dotted(new_spec, key, default)
+    # how rows were seeded (driver/row_seeds.py): a spec written before seed_per_row seeded every row alike
+    old_flat["sampling.seed_per_row"] = seed_rule(old_spec.get("sampling") or {})
+    new_flat["sampling.seed_per_row"] = seed_rule(new_spec.get("sampling") or {})
     missing = object()
     fields = sorted(set(old_flat) | set(new_flat))
     return [(f, old_flat.get(f, missing), new_flat.get(f, missing)) for f in fields

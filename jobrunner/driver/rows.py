@@ -18,6 +18,7 @@ import pyarrow as pa
 from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import model_mismatch, parse_request
 from jobrunner.driver.pooled import output_task, result_columns, row_pooling
+from jobrunner.driver.row_seeds import seeded
 from jobrunner.driver.tool_calls import (
     check_tools,
     forced_call_schema,
@@ -105,7 +106,8 @@ def request_columns(spec: JobSpec) -> list[str]:
         return list(OPENAI_COLUMNS)
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
-            inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, inp.adapter_column, ROW_ERROR]
+            inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, inp.adapter_column,
+            spec.sampling.seed_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -117,7 +119,7 @@ def fingerprint_roles(spec: JobSpec) -> dict[str, str]:
     inp = spec.input
     roles = {"prompt": inp.prompt_column, "messages": inp.messages_column, "sampling": inp.sampling_column,
              "system_prompt": inp.system_prompt_column, "chat_template_kwargs": inp.chat_template_kwargs_column,
-             "tools": inp.tools_column}
+             "tools": inp.tools_column, "seed": spec.sampling.seed_column}
     return {role: column for role, column in roles.items() if column}
 
 
@@ -202,7 +204,9 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
             if isinstance(sampling, PoolingParams):
                 req.params = row_pooling(spec, sampling, row)
                 return req
-            req.params = _params(sampling, _row_overrides(spec, row), spec.input.sampling_column)
+            overrides = _row_overrides(spec, row)
+            req.params = seeded(spec.sampling, _params(sampling, overrides, spec.input.sampling_column), row, rid,
+                                "seed" in overrides)
             _give_tools(req, _row_tools(spec, row), spec.input.tool_choice)
     except ValueError as exc:
         req.prompt, req.params, req.error = None, None, str(exc)
@@ -224,7 +228,8 @@ def _fill_openai(spec: JobSpec, req: RowRequest, row: dict[str, Any],
         return
     if parsed.chat_template_kwargs:
         req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), **parsed.chat_template_kwargs}
-    req.params = _params(sampling, parsed.overrides, None)
+    req.params = seeded(spec.sampling, _params(sampling, parsed.overrides, None), row, req.row_id,
+                        "seed" in parsed.overrides)
     if parsed.endpoint == "chat":
         _give_tools(req, parsed.tools, parsed.tool_choice)
 
@@ -336,7 +341,7 @@ def _row_overrides(spec: JobSpec, row: dict[str, Any]) -> dict[str, Any]:
 def job_sampling(spec: JobSpec) -> SamplingParams:
     """The job's sampling settings as the engine takes them, built once per job (the spec already checked them
     with the same call); a row's overrides are applied to it with :meth:`SamplingParams.with_overrides`."""
-    return SamplingParams.from_dict(spec.sampling.model_dump())
+    return SamplingParams.from_dict(spec.sampling.engine_values())
 
 
 def _params(base: SamplingParams, overrides: dict[str, Any], column: str | None) -> SamplingParams:
