@@ -7,6 +7,7 @@ from collections.abc import Callable
 from jobrunner.reports.svg import PALETTE, Band, Series, bar_chart, empty_chart, line_chart, nice_ticks
 from jobrunner.reports.table import fmt_float, fmt_seconds, fmt_usd, run_labels
 
+NO_ROWS = "0 rows: nothing to chart (the run had nothing to do, or nothing committed)"
 LATENCY_TITLES = {"ttft_s": "Time to first token", "itl_mean_s": "Inter-token latency (row mean)",
                   "e2e_s": "End-to-end latency", "queue_s": "Queue time"}
 
@@ -21,7 +22,7 @@ def latency_cdf_chart(reports: list[dict], name: str) -> str:
         series.append(Series(label, cdf["x"], cdf["p"], PALETTE[i % len(PALETTE)]))
     p99s = [r["latency_s"][name]["p99"] for r in reports if r["latency_s"][name]["p99"] is not None]
     if not p99s or max(p99s) <= 0:
-        return empty_chart(title, "no latency recorded (every row failed?)")
+        return empty_chart(title, NO_ROWS if _no_rows(reports) else "no latency recorded (every row failed?)")
     unit, x_fmt = time_axis(max(p99s))
     return line_chart(title, series, f"{unit} (axis ends at the largest p99)", "rows at or below",
                       x_fmt, lambda p: f"{p * 100:.0f}%", x_max=max(p99s), y_max=1.0)
@@ -46,7 +47,7 @@ def tokens_over_time_chart(reports: list[dict], which: str) -> str:
             name = "start-up" if len(reports) == 1 else f"{label}: start-up"
             bands.append(Band(0.0, startup, f"{name} {fmt_seconds(startup)}", color))
     if not any(any(v > 0 for v in s.ys) for s in series):
-        return empty_chart(title, f"no {which} tokens")
+        return empty_chart(title, NO_ROWS if _no_rows(reports) else f"no {which} tokens")
     walls = [r["time"]["wall_s"] for r in reports if r["time"]["wall_s"]]
     unit, x_fmt = time_axis(max(walls) if walls else max(max(s.xs, default=0.0) for s in series))
     return line_chart(title, series, f"{unit} since job start", "tokens/s", x_fmt,
@@ -61,8 +62,14 @@ def cost_chart(reports: list[dict]) -> str:
         ("blended", "usd_per_m_total", PALETTE[2]))]
     bars = [bar for bar in bars if any(value is not None for value in bar[1])]  # e.g. no input/output split
     if not bars:
-        return empty_chart(title, "no cost: give --worker-hour-usd (or cost.worker_hour_usd in the spec)")
+        return empty_chart(title, NO_ROWS if _no_rows(reports) else
+                           "no cost: give --worker-hour-usd (or cost.worker_hour_usd in the spec)")
     return bar_chart(title, run_labels(reports), bars, fmt_usd)
+
+
+def _no_rows(reports: list[dict]) -> bool:
+    """Whether no run has a row (a night with nothing to do): every chart is empty for that reason."""
+    return all(not (r.get("rows") or {}).get("total") for r in reports)
 
 
 def time_axis(high_s: float) -> tuple[str, Callable[[float], str]]:

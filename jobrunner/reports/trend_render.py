@@ -24,6 +24,7 @@ TITLES = {"date": "date", "label": "run", "rows": "rows", "usd_per_m_tokens": "$
 # why a chart has no dot at all
 NO_VALUES = {"json_valid_rate": "no row had a JSON schema (sampling.json_schema or a per-row schema)",
              "usd_per_m_tokens": "no cost: give --worker-hour-usd (or cost.worker_hour_usd in the spec)"}
+NOWRAP = ' style="white-space:nowrap"'  # a date or a run's name on one line
 X_LABEL = "night (logical date: {date} / $JOBRUNNER_DATE)"
 
 
@@ -90,8 +91,8 @@ def render_trend_html(reports: list[dict]) -> str:
     names = sorted({str(p["label"]).split(" [")[0] for p in points})
     title = f"jobrunner trend: {', '.join(names)} ({len(points)} runs)"
     head = "<tr>" + "".join(f"<th>{escape(TITLES[k])}</th>" for k in COLUMNS) + "</tr>"
-    body = "".join("<tr>" + "".join(f'<td class="num">{escape(c)}</td>' for c in _cells(p)) + "</tr>"
-                   for p in points)
+    body = "".join("<tr>" + "".join(f'<td class="num"{NOWRAP if k in ("date", "label") else ""}>{escape(c)}</td>'
+                                    for k, c in zip(COLUMNS, _cells(p), strict=True)) + "</tr>" for p in points)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>"
             f"<h1>{escape(title)}</h1><div class=\"sub\">{escape(_subtitle(points))}</div>"

@@ -85,6 +85,8 @@ def test_a_night_with_nothing_to_do_writes_an_empty_report_and_a_dated_manifest(
     assert "nothing to do: the run took 0 of 24 input rows (24 done already); a valid output of 0 rows" in \
         report["warnings"]
     assert load_report(str(night))["time"]["worker_seconds"] == 0
+    page = (night / "_report" / "report.html").read_text()
+    assert page.count("0 rows: nothing to chart") == 7 and "every row failed?" not in page and "no cost:" not in page
 
 
 def test_the_trend_is_four_nights_in_logical_date_order(nights) -> None:
