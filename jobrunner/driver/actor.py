@@ -102,7 +102,7 @@ def _build_engine_redacted(spec: JobSpec) -> Any:
     the worker's log and hands it to the driver before jobrunner sees it, and a factory's error may quote the
     credentials it was given. The original traceback rides along as a note, redacted."""
     try:
-        return build_engine(spec)
+        return build_engine(spec, worker_log_dir())
     except Exception as exc:  # noqa: BLE001 - re-raised, redacted
         text = redact_text(str(exc))
         try:
@@ -111,6 +111,16 @@ def _build_engine_redacted(spec: JobSpec) -> Any:
             clean = RuntimeError(f"{type(exc).__name__}: {text}")
         clean.add_note(redact_text("".join(traceback.format_exception(exc))))
         raise clean from None
+
+
+def worker_log_dir() -> str | None:
+    """This worker's Ray log folder (where Ray writes its `worker-*.out` / `.err`), None outside Ray: an engine
+    process of its own (vLLM) logs there, so its log is kept, and removed, with the worker logs."""
+    try:
+        node = ray._private.worker._global_node  # no public API names the session's log folder
+        return node.get_logs_dir_path() if node is not None else None
+    except Exception:  # noqa: BLE001 - another Ray version: fall back to the temp folder
+        return None
 
 
 def _import_engine() -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from jobrunner.engine.contract import WorkerEngine, check_worker_engine
@@ -19,9 +20,10 @@ def engine_config_kwargs(spec: JobSpec) -> dict[str, Any]:
     return {**{s.name: getattr(spec.engine, s.name) for s in settings_of(EngineConfig)}, "dtype": spec.model.dtype}
 
 
-def build_engine(spec: JobSpec) -> WorkerEngine:
+def build_engine(spec: JobSpec, log_dir: str | None = None) -> WorkerEngine:
     """The engine for one worker (loaded once per worker); a custom one (``engine.factory``) must meet the
-    worker engine contract (jobrunner/engine/contract.py), or the load fails naming what it lacks."""
+    worker engine contract (jobrunner/engine/contract.py), or the load fails naming what it lacks. ``log_dir``:
+    the worker's log folder, where an engine in a process of its own (vLLM) writes its log."""
     if spec.engine.factory:
         module_name, _, func_name = spec.engine.factory.partition(":")
         try:
@@ -34,7 +36,7 @@ def build_engine(spec: JobSpec) -> WorkerEngine:
     if spec.engine.backend == "vllm":
         from jobrunner.vllm_backend.build import build_vllm_engine
 
-        return build_vllm_engine(spec)
+        return build_vllm_engine(spec, log_dir)
     from jobrunner.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(**engine_config_kwargs(spec))
@@ -72,4 +74,5 @@ def rebuild_engine(engine: WorkerEngine, spec: JobSpec) -> tuple[WorkerEngine, b
         return engine.rebuild(), False
     except NotImplementedError:
         engine.close()
-        return build_engine(spec), True
+        log_path = getattr(engine, "log_path", None)  # the new engine's log beside the old one's
+        return build_engine(spec, os.path.dirname(log_path) if log_path else None), True

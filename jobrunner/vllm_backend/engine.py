@@ -102,7 +102,7 @@ class VllmEngine:
             code = self._proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             code = None
-        where = f"; its log: {self.log_path}" if self.log_path else ""
+        where = f"; its log: {self.log_path}{log_tail(self.log_path)}" if self.log_path else ""
         return f"the vLLM engine process exited (status {code}){where}" if code is not None else \
             f"the vLLM engine process stopped answering{where}"
 
@@ -177,6 +177,25 @@ class VllmEngine:
             except (VllmError, subprocess.TimeoutExpired):
                 self._proc.kill()
                 self._proc.wait()
+
+
+LOG_TAIL_LINES = 8  # lines of vLLM's log quoted when its process dies (a traceback's last frames and cause)
+LOG_TAIL_CHARS = 1200
+
+
+def log_tail(path: str, num_lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_CHARS) -> str:
+    """`; it ended with: <last lines> ` of a log (joined by ` | `), or "" when it cannot be read or is empty: why
+    vLLM died, in the error the user sees, not only in a file of a worker's node."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16 * max_chars))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()][-num_lines:]
+    tail = " | ".join(lines)
+    return f"; it ended with: {tail[-max_chars:]}" if tail else ""
 
 
 def _is_token_ids(prompt: Any) -> bool:
