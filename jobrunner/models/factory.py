@@ -108,12 +108,17 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
                     **source_options: Any) -> tuple[torch.nn.Module, Any, list[int], dict[str, Any]]:
     """Resolve ``source``, build our model, load its weights, quantize if asked.
 
+    A pre-quantized checkpoint (a ``quantization_config`` in its config.json: compressed-tensors FP8, GPTQ, AWQ;
+    :mod:`jobrunner.quant.prequantized`) is loaded as it is: ``quantization`` ``none`` or the scheme that runs
+    it (``fp8`` / ``int4``), any other is refused naming both.
+
     Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
     """
     from jobrunner.models.load_memory import LoadMemory
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.models.stopwatch import Stopwatch
     from jobrunner.models.weights import Checkpoint, load_config, load_tokenizer
+    from jobrunner.quant.prequantized import read_checkpoint_quant, resolve_scheme
 
     clock = Stopwatch()
     model_dir = resolve_model_dir(source, allow_pickle=allow_pickle, **source_options)
@@ -123,19 +128,26 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     clock.mark("config")  # the first one in a process imports transformers' config modules (~1.4 s)
     dev = resolve_device(device)
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
+    found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # pre-quantized, or None
+    quantization = resolve_scheme(quantization, found)  # the checkpoint's own; a conflicting spec refused
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False)
     clock.mark("build_model")
-    transform = _quantize_at_load(model, quantization, dev)
+    checkpoint = Checkpoint(model_dir, allow_pickle=allow_pickle)
+    transform = _prequantized_load(model, found, checkpoint, dev) if found else \
+        _quantize_at_load(model, quantization, dev)
     with LoadMemory(dev) as memory:  # each tensor made on the device as it is read; each layer quantized then
-        load_weights(model, Checkpoint(model_dir, allow_pickle=allow_pickle), device=dev, transform=transform)
+        load_weights(model, checkpoint, device=dev, transform=transform)
     clock.mark("load_weights")
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
             "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
             "dtype_reason": describe_dtype_choice(dtype_choice), **load_memory_info(memory, model)}
+    if found is not None:  # recorded from the checkpoint's config.json, never guessed (a line: the manifest's)
+        info["checkpoint_quantization"] = found.describe()
     if transform is not None:
         report = transform.report
-        clock.stages["load_weights"] -= transform.session.seconds  # quantize-at-load ran inside the load
-        clock.stages["quantize"] = round(transform.session.seconds, 4)
+        seconds = transform.session.seconds if found is None else 0.0  # pre-quantized: built as read
+        clock.stages["load_weights"] -= seconds  # quantize-at-load ran inside the load
+        clock.stages["quantize"] = round(seconds, 4)
         info["quantization_report"] = report.summary()
         info["quant_dispatch"] = report.dispatch  # which kernel runs for how many tokens on this machine
         info["quant_kernels"] = describe_dispatch(report.dispatch)  # the same as one string, for the manifest
@@ -153,6 +165,16 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     clock.mark("tokenizer")
     info["load_stages_s"] = clock.stages  # LLMEngine.from_source adds its own (adapters, engine)
     return model, tokenizer, eos_ids, info
+
+
+def _prequantized_load(model: torch.nn.Module, found, checkpoint, device: torch.device):
+    """The transform that builds a pre-quantized checkpoint's layers from its own tensors (models/prequantized)."""
+    from jobrunner.models.prequantized import PrequantizedLoad
+
+    names = checkpoint.names()
+    if names is None:
+        raise ValueError(f"pre-quantized checkpoint ({found.describe()}): load it from *.safetensors files")
+    return PrequantizedLoad(model, found, names, device)
 
 
 def _quantize_at_load(model: torch.nn.Module, quantization: str, device: torch.device):
