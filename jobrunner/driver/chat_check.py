@@ -36,7 +36,8 @@ def chat_template_problem(spec: JobSpec) -> str | None:
     settings = chat_settings(spec)
     if not settings or not lacks_chat_template(spec):
         return None
-    return f"{' and '.join(settings)} make every row a chat, but {no_template(spec)}"
+    verb = "makes" if len(settings) == 1 else "make"
+    return f"{' and '.join(settings)} {verb} every row a chat, but {no_template(spec)}"
 
 
 def no_template(spec: JobSpec) -> str:

@@ -153,7 +153,7 @@ def test_chat_rows_for_a_model_without_a_chat_template_are_refused_in_one_line(b
     data = tmp_path / "chat.parquet"
     pq.write_table(pa.table({"id": ["m1"], "messages": [json.dumps([{"role": "user", "content": "hi"}])]}), data)
     job = _spec(tmp_path, str(base_model_dir), url=str(data), messages_column="messages", id_column="id")
-    expected = (f"Error: input.messages_column make every row a chat, but model.source {str(base_model_dir)!r} is a "
+    expected = (f"Error: input.messages_column makes every row a chat, but model.source {str(base_model_dir)!r} is a "
                 "base model without a chat template: give it raw text (input.prompt_column, no system prompt or "
                 "tools), set input.chat_template, or use an instruction-tuned model\n")
     for command in ("validate", "run"):  # before any worker (run would start Ray after the model check)
