@@ -418,6 +418,14 @@ class OutputSpec(_Spec):
     keep_columns: list[str] | Literal["*"] = Field(
         default_factory=list, description="Input columns copied to output rows; '*' = every input column."
     )
+    dedupe: Literal["none", "prompts"] = Field(
+        default="none",
+        description="prompts: a row whose request (prompt or messages, per-row sampling, system prompt, tools: "
+        "its request fingerprint) repeats an earlier row's (files in order, rows in order) is not generated; it "
+        "is written as a row of its own with finish_reason 'duplicate' and dedupe_of = the first row's id (every "
+        "id still comes out once; the counts are in the manifest's dedupe and the report). none: every row is "
+        "generated.",
+    )
     format: Literal["parquet", "messages"] = Field(
         default="parquet",
         description="parquet: the output rows; messages: also a `messages` column, the input chat with the "

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
+from jobrunner.driver.dedupe import publish_duplicates
 from jobrunner.driver.isolation import IsolationCost
 from jobrunner.driver.metrics import JobMetrics
 from jobrunner.driver.output import open_output, read_previous_output
@@ -71,6 +72,7 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
     storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
+        publish_duplicates(spec, plan.files, storage, manifest)  # output.dedupe prompts, before any worker
         loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
         loop.startup["plan_s"] = round(time.monotonic() - planning, 3)
         if not len(loop.queue):  # everything already committed: no need for Ray

@@ -53,6 +53,7 @@ class RowRequest:
     forced_tool: bool = False  # tool_choice required / named: the reply is one call's JSON
     adapter: str | None = None  # the LoRA adapter it runs with (input.adapter_column; None: the base model)
     num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
+    dedupe_of: str | None = None  # output.dedupe prompts: the earlier row it repeats (error says so; not generated)
 
 
 def is_openai_batch(spec: JobSpec) -> bool:
@@ -95,9 +96,9 @@ def has_adapters(spec: JobSpec) -> bool:
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
     columns with a reasoning parser, the tool-call columns where rows can carry tools, an embed / score job's
-    result columns, ``adapter`` where rows name an adapter)."""
+    result columns, ``adapter`` where rows name an adapter, ``dedupe_of`` with output.dedupe prompts)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
-                         output_task(spec), has_adapters(spec))
+                         output_task(spec), has_adapters(spec), spec.output.dedupe == "prompts")
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -369,7 +370,12 @@ def pooled_row(spec: JobSpec, req: RowRequest, out: Any) -> dict[str, Any]:
 
 
 def error_row(req: RowRequest) -> dict[str, Any]:
-    """The output row of a row that never reached the engine (one row, whatever n was asked)."""
+    """The output row of a row that never reached the engine (one row, whatever n was asked): an error row, or
+    a duplicate's row (finish_reason 'duplicate', no error)."""
+    if req.dedupe_of is not None:
+        return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "duplicate",
+                "error": None, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
+                "sample_index": 0, "prompt_shared": False, "adapter": req.adapter, "dedupe_of": req.dedupe_of}
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
             "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
             "sample_index": 0, "prompt_shared": False, "adapter": req.adapter}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobrunner.driver.deadlines import call_with_deadline
+from jobrunner.driver.dedupe import DuplicateRows
 from jobrunner.driver.engine_factory import rebuild_engine
 from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
@@ -145,6 +146,7 @@ class ShardRunner:
         self._stats = self._merged_stats()
         self._tokens = self._num_tokens()
         self._output = Storage(spec.output.url, spec.output.storage_options)
+        self._duplicates = DuplicateRows(spec, self._output)  # output.dedupe prompts (driver/dedupe.py)
         threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True).start()
 
     # ---- caller side ---------------------------------------------------------------------------------
@@ -197,7 +199,7 @@ class ShardRunner:
         for row_index, error in undecodable.items():
             rid = row_id_or_none(table, id_column(self.spec), row_index) or f"{shard.file_stem}:{row_index}"
             requests.append(RowRequest(row_id=rid, row_index=row_index, error=error))
-        return requests
+        return self._duplicates.mark(shard.file_url, requests)  # output.dedupe prompts: not generated
 
     def _request_columns(self) -> list[str]:
         return request_columns(self.spec)  # the OpenAI batch columns for input.format openai_batch

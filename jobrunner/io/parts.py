@@ -57,6 +57,9 @@ TOOL_CALL_TYPE = pa.struct([("id", pa.string()), ("type", pa.string()),
 TOOL_FIELDS = (pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)), pa.field("tool_call_warning", pa.string()))
 # Only in jobs with input.adapter_column: the LoRA adapter the row ran with (null: the base model).
 ADAPTER_FIELD = pa.field("adapter", pa.string())
+# Only with output.dedupe = prompts: the id of the earlier row whose request this row repeats (finish_reason
+# 'duplicate', not generated); null for every generated row.
+DEDUPE_FIELD = pa.field("dedupe_of", pa.string())
 
 # Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
 TASK_FIELDS = {
@@ -70,15 +73,17 @@ TASK_FIELDS = {
 
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
-                  tools: bool = False, task: str = "generate", adapter: bool = False) -> pa.Schema:
+                  tools: bool = False, task: str = "generate", adapter: bool = False,
+                  dedupe: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
     ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
-    ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter)."""
+    ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter, ``dedupe_of`` with
+    output.dedupe prompts)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
     extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]
-    for field in extra + ((ADAPTER_FIELD,) if adapter else ()):
+    for field in extra + ((ADAPTER_FIELD,) if adapter else ()) + ((DEDUPE_FIELD,) if dedupe else ()):
         schema = schema.append(field)
     return schema
 
