@@ -272,17 +272,19 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def _attend_causal(q, k_blocks, v_blocks, g: AttentionGroup, num_kv_heads: int, head_dim: int,
                    scale: float, softcap: float | None = None) -> torch.Tensor:
     # A whole prompt (or its first chunk) of one request: the causal kernel skips the upper triangle, which
-    # an explicit mask cannot. Padded keys past the chunk sit right of every query, so causality hides them.
+    # an explicit mask cannot. The gathered whole blocks are cut to the chunk's own Q keys, so the call is
+    # square (Q x Q): CUDA's flash kernel takes is_causal only when the query and key lengths are equal, and
+    # would otherwise leave the call to a slower kernel; the padded keys were masked anyway.
     Q, L = g.query_len, g.kv_len
     # index_select, not narrow(int(query_index[0])): reading the offset back would sync the device every layer
     qg = q.index_select(0, g.query_index).transpose(0, 1).unsqueeze(0)                # [1, H, Q, D]
-    kg = k_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
-    vg = v_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim).transpose(1, 2)
+    kg = k_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim)[:, :Q].transpose(1, 2)
+    vg = v_blocks.gather(g.block_ids, q.dtype).view(1, L, num_kv_heads, head_dim)[:, :Q].transpose(1, 2)
     if softcap is None:
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sees keys 0..i (the padded keys past the chunk sit right of every query)
+    else:  # query i sees keys 0..i
         n_rep = qg.shape[1] // num_kv_heads
-        causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(Q, device=q.device)[:, None]
+        causal = torch.arange(Q, device=q.device)[None, :] <= torch.arange(Q, device=q.device)[:, None]
         og = softcapped_attention(qg, kg.repeat_interleave(n_rep, dim=1), vg.repeat_interleave(n_rep, dim=1),
                                   causal, scale, softcap)
     return og.squeeze(0).transpose(0, 1).reshape(Q, -1)                                  # [Q, H*D]

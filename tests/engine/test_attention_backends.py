@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import engine_from_hf
 
 from jobrunner.attention import StepLayout, StepUpload, make_backend
@@ -246,3 +247,31 @@ def test_attention_backend_is_validated():
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
     assert make_backend("auto", 4, 2, 16, torch.device("cpu")).name == "torch"
+
+
+def test_a_prompt_from_position_zero_is_one_square_causal_sdpa_call(monkeypatch):
+    """A whole prompt of 21 tokens in 16-token blocks: the keys are cut to the prompt (21 x 21, not 21 x 32),
+    the shape CUDA's flash kernel takes with is_causal; the rows equal plain causal attention over the prompt."""
+    from jobrunner.attention import torch_backend as tb
+
+    torch.manual_seed(0)
+    block_size, q_len, heads, kv_heads, dim = 16, 21, 4, 2, 8
+    k_cache, v_cache = torch.randn(4 * block_size, kv_heads, dim), torch.randn(4 * block_size, kv_heads, dim)
+    q = torch.randn(q_len, heads, dim)
+    blocks = torch.tensor([2, 0])  # the prompt's keys: block 2 then block 0
+    group = tb._chunk_group(0, q_len, q_len, blocks, block_size, torch.device("cpu"))
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(qg, kg, vg, **kwargs):
+        calls.append((qg.shape[-2], kg.shape[-2], kwargs.get("is_causal")))
+        return real(qg, kg, vg, **kwargs)
+
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention", spy)
+    out = torch.zeros(q_len, heads * dim)
+    tb.attend_groups(q, k_cache, v_cache, out, [group], block_size, scale=0.3)
+    assert calls == [(q_len, q_len, True)]
+    keys = torch.cat([k_cache[32:48], k_cache[0:16]])[:q_len].repeat_interleave(2, dim=1).transpose(0, 1)
+    values = torch.cat([v_cache[32:48], v_cache[0:16]])[:q_len].repeat_interleave(2, dim=1).transpose(0, 1)
+    want = real(q.transpose(0, 1), keys, values, is_causal=True, scale=0.3).transpose(0, 1).reshape(q_len, -1)
+    torch.testing.assert_close(out, want)
