@@ -38,6 +38,7 @@ from jobrunner.driver.prefix_dealing import fresh_tasks
 from jobrunner.driver.prefix_rows import merge_pieces
 from jobrunner.driver.prefix_stats import publish_prefix_plan
 from jobrunner.driver.progress import Progress
+from jobrunner.driver.progress_counts import CommittedCounts, Snapshot, entry_progress, result_progress, snapshot
 from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
 from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
@@ -53,6 +54,7 @@ from jobrunner.io.lease import Lease
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
+from jobrunner.progress_view import Counts, counts_of, job_n, token_kind
 from jobrunner.redaction import redact_text, redacting_logger, remember_secrets
 from jobrunner.spec import JobSpec
 
@@ -62,18 +64,21 @@ PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at onc
 ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is split (pieces, crashes, stalls: 1)
 
 
-def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True) -> JobResult:
-    """Run a job to the end (validating input and output before any worker starts)."""
+def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True,
+            started_s: float | None = None) -> JobResult:
+    """Run a job to the end (validating input and output before any worker starts). `started_s`: when the
+    command started (time.monotonic; default now), for the elapsed time the progress and the summary give."""
     remember_secrets(spec.secret_values())  # cut by value from all the driver writes (load_spec did it for the CLI)
     spec = with_absolute_output(spec)
     planning = time.monotonic()
+    started_s = planning if started_s is None else started_s
     previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it
     plan = plan_job(spec, previous.header)
     storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         publish_duplicates(spec, plan.files, storage, manifest)  # output.dedupe prompts, before any worker
-        loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress)
+        loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress, started_s)
         loop.startup["plan_s"] = round(time.monotonic() - planning, 3)
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
@@ -89,8 +94,8 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
 
 class _JobLoop:
     def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any], lease: Lease,
-                 show_progress: bool) -> None:
-        self.spec, self.storage, self.lease = spec, storage, lease
+                 show_progress: bool, started_s: float) -> None:
+        self.spec, self.storage, self.lease, self.started_s = spec, storage, lease, started_s
         self.shards: ShardTable = plan.shards
         self.runs = ShardRuns(self.shards)  # the shards handed out, until committed or failed
         self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self.runs.hand_out, spec.cluster.num_workers,
@@ -100,16 +105,15 @@ class _JobLoop:
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
         self.pool = WorkerPool(spec, self.run_index, self.wall_t0, uuid.uuid4().hex[:8])
-        self.run_tokens = 0
         self.finish_reasons: Counter = Counter()  # this run's committed rows by finish reason
         self.json_invalid = 0  # this run's committed rows whose text is not schema-valid JSON
-        # Output rows: n per input row (per-row overrides of n make this an estimate); an incremental run adds
-        # the rows it takes to those its output holds already
-        total = plan.num_rows * spec.sampling.n if plan.incremental is None else \
-            self.book.committed_rows + plan.incremental.rows_taken * spec.sampling.n
+        # prompts (the shards' input rows, earlier runs' committed ones too) and samples: n per prompt
+        self.counted = CommittedCounts(self.shards)
+        self.n, self.kind = job_n(spec.task, spec.sampling.n), token_kind(spec.task)
         self.incremental = None if plan.incremental is None else plan.incremental.describe()
-        self.progress = Progress(total, self.book.committed_rows, enabled=show_progress)
-        self.metrics = JobMetrics(spec.name, total)  # Ray dashboard / Prometheus
+        counts = self._committed_counts()
+        self.progress = Progress(counts, enabled=show_progress, started_s=started_s, kind=self.kind)
+        self.metrics = JobMetrics(spec.name, counts.samples_total)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
@@ -124,22 +128,23 @@ class _JobLoop:
             if len(self.queue):
                 count = min(self.spec.cluster.num_workers, len(self.queue))
                 self.progress.stage(describe_placing(self.spec, count))
-                self._note_live("starting workers", self.book.committed_rows, 0)
+                self._note_live("starting workers", Snapshot(self._committed_counts(), 0))
                 self.pool.start(count)
                 self.watch.event("the workers were started")
                 self._loop()
-        except BaseException:
+        except BaseException as exc:
             # LeaseLost (or any abort): queued publishes never start; one in flight meets the fence
             self.publisher.shutdown(wait=True, cancel_futures=True)
-            self.progress.close()
+            self.progress.close(self._committed_counts(), stopped="interrupted" if isinstance(
+                exc, KeyboardInterrupt) else type(exc).__name__)
             raise
         finally:
             self.publisher.shutdown(wait=True)
             for worker_id, stats in self.pool.stop_all().items():
                 self.book.record_worker(worker_id, stats)
         self._collect_published()
-        rows, tokens = self._progress_counts()
-        self.progress.close(rows, tokens)
+        final = self._snapshot()
+        self.progress.close(final.counts, final.tokens)
         return self._finish()
 
     def _loop(self) -> None:
@@ -375,7 +380,7 @@ class _JobLoop:
         self.book.add_chains(run.chains, self.spec.engine.block_size)
         self.runs.committed(run)
         self.watch.event(f"shard {run.shard_id} committed")
-        self.run_tokens += run.record["num_output_tokens"]
+        self.counted.add(run.record)
         for result in run.results:
             self.finish_reasons.update(result.finish_reasons)
             self.json_invalid += result.json_invalid
@@ -388,26 +393,44 @@ class _JobLoop:
         if time.monotonic() < self.next_show:
             return
         self.next_show = time.monotonic() + 0.2
-        rows, tokens = self._progress_counts()
-        self.progress.update(rows, tokens)
-        self.metrics.update(rows, self.book.num_errors, tokens, len(self.pool.workers))
-        self._note_live("running", rows, tokens)
+        snap = self._snapshot()
+        self.progress.update(snap.counts, snap.tokens, snap.in_flight)
+        self.metrics.update(snap.counts.samples_done, self.book.num_errors, snap.tokens if self.kind == "out" else 0,
+                            len(self.pool.workers))
+        self._note_live("running", snap)
 
-    def _note_live(self, phase: str, rows: int, tokens: int) -> None:
-        """This run's progress for the lease's next heartbeat (`jobrunner status` reads it mid-run)."""
-        self.lease.live = {"phase": phase, "run_index": self.run_index, "rows_done": rows,
-                           "rows_total": self.progress.total, "output_tokens_this_run": tokens,
+    def _note_live(self, phase: str, snap: Snapshot) -> None:
+        """This run's progress for the lease's next heartbeat (`jobrunner status` reads it mid-run): the
+        counts, tokens and ETA the live log shows (progress_view.py), and the rows / output tokens that
+        older readers take."""
+        eta = self.progress.eta_s()
+        self.lease.live = {"phase": phase, "run_index": self.run_index, "counts": snap.counts.to_dict(),
+                           "tokens_this_run": snap.tokens, "token_kind": self.kind,
+                           "tokens_per_s": round(self.progress.tokens_per_s(), 1),
+                           "eta_s": None if eta is None else round(eta, 1),
+                           "rows_done": snap.counts.samples_done, "rows_total": snap.counts.samples_total,
+                           "output_tokens_this_run": snap.tokens if self.kind == "out" else 0,
                            "workers": len(self.pool.workers), "at": mf.now_iso()}
 
-    def _progress_counts(self) -> tuple[int, int]:
-        """Rows done (committed, being published, finished pieces, finished inside running shards) and output
-        tokens of this run (the larger of what finished rows hold and what the engines report produced)."""
-        live_rows, live_tokens = self.pool.live_rows_tokens()
-        publishing = sum(int(run.record["rows"]) for run in self.runs.publishing())
-        pieces = sum(r.rows for run in self.runs.open() if run.state is not ShardState.PUBLISHING
-                     for r in run.results)
-        rows = self.book.committed_rows + publishing + pieces + live_rows
-        return rows, max(self.run_tokens + live_tokens, self.pool.tokens_produced())
+    def _committed_counts(self) -> Counts:
+        """Prompts / samples committed, with the publishes that finished (their commit records are written:
+        `jobrunner status` counts them, and a rerun keeps them)."""
+        published = [entry_progress(run.record) for run in self.runs.publishing()
+                     if run.publish.done() and not run.publish.cancelled() and run.publish.exception() is None]
+        return counts_of(self.counted.prompts + sum(p.prompts for p in published), self.counted.prompts_total,
+                         self.counted.samples + sum(p.samples for p in published), self.n)
+
+    def _snapshot(self) -> Snapshot:
+        """Counts now: committed, being published, finished pieces and rows finished inside running shards;
+        tokens of this run (output: the larger of what finished rows hold and what the engines sampled)."""
+        finished = self.pool.live_progress()
+        for run in self.runs.publishing():
+            finished = finished.plus(entry_progress(run.record))
+        for run in self.runs.open():
+            for result in run.results if run.state is not ShardState.PUBLISHING else ():
+                finished = finished.plus(result_progress(result))
+        expected = float((self.spec.sampling.max_tokens or 0) * self.n)
+        return snapshot(self.counted, finished, self.n, self.kind, self.pool.tokens_produced(), expected)
 
     def _finish(self) -> JobResult:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
@@ -429,7 +452,8 @@ class _JobLoop:
         result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds(), finish_reasons=dict(self.finish_reasons),
-                           json_invalid=self.json_invalid, max_tokens=self.spec.sampling.max_tokens)
+                           json_invalid=self.json_invalid, max_tokens=self.spec.sampling.max_tokens,
+                           started_s=self.started_s, counts=self._committed_counts(), token_kind=self.kind)
         if finished:  # the OpenAI result files whatever the error budget: they say which requests failed
             finish_job_files(self.spec, self.storage, self.shards.committed_parts())
         if finished and not result.over_error_budget:
@@ -450,6 +474,7 @@ def _shard_entry(results: list[ShardResult], run: ShardRun) -> tuple[dict[str, A
             kinds[kind] = kinds.get(kind, 0) + n
     entry: dict[str, Any] = {key: sum(getattr(r, key) for r in results) for key in
                              ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")}
+    entry["num_samples"] = sum(r.samples or r.rows for r in results)  # an error row counts as its n
     entry.update(worker_id=results[-1].worker_id, attempts=run.attempts, failures=run.failures,
                  infra_failures=run.infra_failures, seconds=round(sum(r.seconds for r in results), 3),
                  part=parts[0], parts=parts)
