@@ -1,4 +1,5 @@
-"""`jobrunner status OUTPUT_URL`: rows done, errors, speed, ETA, workers and lease of a running or finished job."""
+"""`jobrunner status OUTPUT_URL`: prompts / samples done, errors, speed, ETA, workers and lease of a running or finished
+job."""
 
 from __future__ import annotations
 
@@ -35,26 +36,35 @@ def status(output_url: str, storage_options: dict | None, as_json: bool) -> None
 
 
 def render_status(s: dict[str, Any]) -> str:
-    """The status as aligned `key  value` lines."""
-    rows, speed = s["rows"], s["speed"]
+    """The status as aligned `key  value` lines, in the words and numbers of the run's own log
+    (jobrunner/progress_view.py)."""
+    from jobrunner.progress_view import counts_from_dict
+
+    rows, counts = s["rows"], counts_from_dict(s.get("counts"))
     share = "n/a" if rows["error_share"] is None else f"{100 * rows['error_share']:.1f}%"
-    if rows["total"]:
-        pct = f"{100 * rows['done'] / rows['total']:.1f}%"
-    else:
-        pct = "complete" if s["state"] == "complete" else "planning: no shard recorded yet"
     lines = [("output", s["url"]), ("job", f"{s['job_name'] or 'n/a'} (model {s['model']['source'] or 'n/a'}, "
                                            f"dtype {s['model']['dtype'] or 'n/a'})"),
-             ("state", _state_line(s)),
-             ("rows", f"{rows['done']:,}/{rows['total']:,} ({pct}), {rows['errors']:,} errors ({share})"
-                      + (" [live, from the driver's heartbeat]" if s.get("live") else "")),
+             ("state", _state_line(s)), ("done", _done_line(s, counts)),
+             ("errors", f"{rows['errors']:,} error rows ({share} of the rows written)"),
              ("shards", ", ".join(f"{n} {k}" for k, n in sorted(s["shards"].items())) or "none"),
              ("tokens", f"prompt {s['tokens']['prompt']:,} (cached {s['tokens']['cached']:,}), "
                         f"output {s['tokens']['output']:,}"),
-             ("speed", _speed_line(speed)), ("ETA", _eta(s)), ("workers", _workers_line(s["workers"])),
+             ("speed", _speed_line(s["speed"], counts)), ("ETA", _eta(s)), ("workers", _workers_line(s["workers"])),
              ("lease", _lease_line(s["lease"]))]
     lines += [("error", f"{count:,} x {kind}") for kind, count in rows["top_error_kinds"].items()]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def _done_line(s: dict[str, Any], counts: Any) -> str:
+    """'prompts 13/40 · samples 39/120 (33%) [the driver's count, 4 s ago]', or '... committed (33%)'."""
+    if counts is None or not counts.prompts_total:
+        return "complete" if s["state"] == "complete" else "planning: no shard recorded yet"
+    live = s.get("live")
+    if not live:
+        return counts.text("" if counts.is_done else "committed")
+    age = "" if live.get("age_s") is None else f", {live['age_s']:,.0f} s ago"
+    return counts.text() + f" [the driver's count{age}: committed rows and rows finished in running shards]"
 
 
 def _state_line(s: dict[str, Any]) -> str:
@@ -70,30 +80,36 @@ def _state_line(s: dict[str, Any]) -> str:
     return line + f", started {s.get('started_at') or 'n/a'}, run {s.get('run_count') or 'n/a'}"
 
 
-def _speed_line(speed: dict[str, Any]) -> str:
-    if speed["output_tokens_per_s"] is None:
+def _speed_line(speed: dict[str, Any], counts: Any) -> str:
+    if speed["tokens_per_s"] is None:
         return speed["basis"]
-    return (f"{speed['output_tokens_per_s']:,.1f} output tok/s, {speed['rows_per_s']:,.2f} rows/s "
-            f"({speed['basis']}, {speed['elapsed_s']:,.0f} s)")
+    unit = "prompts" if counts is not None and counts.shows_samples else "rows"
+    tokens = f"{speed['tokens_per_s']:,.1f} {speed['token_kind']} tok/s"
+    if speed.get("tokens_window_s"):  # the driver's rate, as its log shows it
+        tokens += f" (the driver's, over its last {speed['tokens_window_s']:.0f} s)"
+    return f"{tokens}, {speed['prompts_per_s']:,.2f} {unit}/s ({speed['basis']}, {speed['elapsed_s']:,.0f} s)"
 
 
 def _eta(s: dict[str, Any]) -> str:
+    from jobrunner.progress_view import duration
+
     eta = s["speed"]["eta_s"]
     if eta is None:
-        return "n/a" if s["state"] != "running" else "n/a (no row committed in this run yet)"
-    return "done" if eta == 0 else f"{eta:,.0f} s"
+        return "n/a" if s["state"] != "running" else "n/a (no row done in this run yet)"
+    if eta == 0:
+        return "done" if s["state"] == "complete" or not s.get("live") else "any moment"
+    return duration(eta) + (" (the driver's estimate, less the time since)" if s.get("live") else "")
 
 
 def _workers_line(w: dict[str, Any]) -> str:
+    run = f"run {w['run_index'] + 1}"
     if w["count"] and not w["ids"]:
-        return (f"{w['count']} in run {w['run_index'] + 1} (driver heartbeat; ids and devices recorded at the next "
-                f"compaction)")
+        return f"{w['count']} in {run} (named once they commit a shard)"
     if not w["count"]:
-        return (f"none recorded for run {w['run_index'] + 1} yet (the manifest is compacted every so many commits); "
-                f"{w['recorded_all_runs']} over all runs")
+        return f"none in {run} yet (workers are named once they commit a shard); {w['recorded_all_runs']} over all runs"
     devices = ", ".join(f"{n} x {d}" for d, n in sorted(w["devices"].items()))
-    where = f" ({devices}) on {', '.join(w['nodes'])}" if devices else " (devices recorded at the next compaction)"
-    return f"{w['count']} in run {w['run_index'] + 1}: {', '.join(w['ids'])}{where}"
+    where = f" ({devices}) on {', '.join(w['nodes'])}" if devices else " (devices not recorded yet)"
+    return f"{w['count']} in {run}: {', '.join(w['ids'])}{where}"
 
 
 def _lease_line(lease: dict[str, Any] | None) -> str:

@@ -312,4 +312,5 @@ def mark_run_start(manifest: dict[str, Any], started_at: str) -> None:
     totals = manifest.get("totals") or {}
     manifest["current_run"] = {"run_index": int(manifest.get("run_count") or 1) - 1, "started_at": started_at,
                                "rows_at_start": int(totals.get("rows") or 0),
-                               "output_tokens_at_start": int(totals.get("num_output_tokens") or 0)}
+                               "output_tokens_at_start": int(totals.get("num_output_tokens") or 0),
+                               "prompt_tokens_at_start": int(totals.get("num_prompt_tokens") or 0)}

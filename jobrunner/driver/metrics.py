@@ -97,7 +97,7 @@ class WorkerMetrics:
     def sample(self) -> None:
         """Read the engine's stats and the running shards' progress; update every worker series."""
         stats = self.runner.stats()
-        live_rows = sum(rows for rows, _ in self.runner.progress()["shards"].values())
+        live_rows = sum(done[0] for done in self.runner.progress()["shards"].values())  # rows (ShardProgress)
         now = time.monotonic()
         self._count_up("jobrunner_rows_done", "Rows finished", self.rows_returned + live_rows, "rows")
         tokens_in = _first(stats, "num_prompt_tokens", "num_prefill_tokens")

@@ -32,6 +32,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver.actor import start_worker, worker_resources
+from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.tasks import Task
 from jobrunner.spec import PROGRESS_POLL_S, JobSpec
 
@@ -56,7 +57,7 @@ class Worker:
     poll_sent: float = 0.0  # when poll_ref was sent (monotonic): its age is the worker's silence
     stalled_s: float = 0.0  # how long its current engine call has not returned (from the last poll)
     stall: str = ""  # what it was doing then, naming its shards
-    live: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)  # (shard, row_start) -> rows, tokens
+    live: dict[tuple[str, int], ShardProgress] = field(default_factory=dict)  # (shard, row_start) -> its counts
     engine_tokens: int = 0  # output tokens its engine sampled so far (last poll)
 
 
@@ -235,14 +236,14 @@ class WorkerPool:
             reply = ray.get(ref, timeout=0)
         except (RayActorError, RayTaskError, GetTimeoutError):
             return False
-        before = (worker.engine_tokens, sum(r for r, _ in worker.live.values()))
+        before = (worker.engine_tokens, sum(p.rows for p in worker.live.values()))
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
         worker.stall = str(reply.get("stall") or "")
-        worker.live = dict(reply.get("shards") or {})
+        worker.live = {key: ShardProgress(*value) for key, value in (reply.get("shards") or {}).items()}
         worker.engine_tokens = max(worker.engine_tokens, int(reply.get("engine_tokens") or 0))
         if worker.engine_tokens:
             self._note_startup(worker, "first_token_s")
-        return (worker.engine_tokens, sum(r for r, _ in worker.live.values())) > before
+        return (worker.engine_tokens, sum(p.rows for p in worker.live.values())) > before
 
     def stalled(self) -> list[tuple[Worker, str, bool]]:
         """Busy workers past the progress deadline, with why and whether the engine itself reported the
@@ -264,16 +265,16 @@ class WorkerPool:
                 out.append((w, f"{what}; cluster.progress_timeout_s={limit:g}", True))
         return out
 
-    def live_rows_tokens(self) -> tuple[int, int]:
-        """Rows and output tokens finished inside shards still running (from the last polls; a poll answered
-        before a shard returned no longer counts it, so a returned shard is never counted twice)."""
-        rows = tokens = 0
+    def live_progress(self) -> ShardProgress:
+        """Rows, prompts, samples and tokens finished inside shards still running (from the last polls; a poll
+        answered before a shard returned no longer counts it, so a returned shard is never counted twice)."""
+        total = ShardProgress()
         for w in self.workers:
             running = {(t.shard_id, t.row_start) for t in w.tasks.values()}
-            for key, (r, t) in w.live.items():
+            for key, done in w.live.items():
                 if tuple(key) in running:
-                    rows, tokens = rows + r, tokens + t
-        return rows, tokens
+                    total = total.plus(done)
+        return total
 
     def tokens_produced(self) -> int:
         """Output tokens the engines of this run sampled so far, as they were produced (0 with engines that do

@@ -62,9 +62,9 @@ class JobResult:
         # the command's wall time, measured now (the summary is its last line), else the run's
         wall = (f"elapsed {duration(time.monotonic() - self.started_s)}" if self.started_s is not None else
                 f"wall {self.manifest['wall_s']:.1f}s")
+        errors = f"{t['num_errors']} error row{'' if t['num_errors'] == 1 else 's'}"
         text = (f"{self.manifest['job_name']}: {t['shards_committed']}/{t['shards_total']} shards committed, "
-                f"{done}, {t['num_errors']} error rows ({100 * self.error_rate:.1f}% of rows), {tokens}, {wall} -> "
-                f"{self.output_url}")
+                f"{done}, {errors} ({100 * self.error_rate:.1f}% of rows), {tokens}, {wall} -> {self.output_url}")
         text += _incremental_line(self.manifest)
         startup = describe_startup(last_startup(self.manifest))
         text += f"\n  start-up: {startup}" if startup else ""

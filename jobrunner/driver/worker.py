@@ -31,6 +31,7 @@ from jobrunner.driver.isolation import IsolationCost, Isolator, Suspect
 from jobrunner.driver.part_build import part_table, unbuildable_row
 from jobrunner.driver.pooled import job_pooling
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order, read_shard_rows
+from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.reasoning import choose_parser
 from jobrunner.driver.rows import (
     RowRequest,
@@ -79,6 +80,9 @@ class _ShardState:
     in_flight: int = 0  # taken from to_add, not yet complete
     rows: list[dict[str, Any]] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_prompts: int = 0  # input rows done (progress_view.py: the unit of progress)
+    num_samples: int = 0  # samples done: a row's n, also when it ended as one error row
+    num_prompt_tokens: int = 0  # prompt tokens of the rows done (embed / score progress counts these)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     phase: str = "reading"
@@ -113,6 +117,7 @@ class ShardResult:
     prefix_chains: tuple = (0, None)  # (cacheable KV blocks, distinct block chains): driver/prefix_rows.py
     finish_reasons: dict[str, int] = field(default_factory=dict)  # finish reason -> rows (samples)
     json_invalid: int = 0  # rows whose text is not valid JSON for their schema (json_valid false)
+    samples: int = 0  # samples done: an error row counts as its n (0 from an older worker: its rows)
 
 
 class ShardRunner:
@@ -175,7 +180,9 @@ class ShardRunner:
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
         state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None]))
-        state.rows = [error_row(r) for r in requests if r.error is not None]
+        for req in requests:
+            if req.error is not None:
+                self._count_done(state, [error_row(req)], req)
         state.phase = "generating"
         self._enqueue(state)
         state.done.wait()
@@ -239,17 +246,19 @@ class ShardRunner:
             row_end=state.shard.row_end, error_kinds=error_kinds(rows),
             isolation={} if state.cost.is_empty else state.cost.to_dict(), prefix_chains=state.chains.summary(),
             finish_reasons=dict(Counter(str(r.get("finish_reason")) for r in rows)),
-            json_invalid=sum(r.get("json_valid") is False for r in rows))
+            json_invalid=sum(r.get("json_valid") is False for r in rows), samples=state.num_samples)
 
     def progress(self) -> dict[str, Any]:
-        """{"shards": {(shard_id, row_start): (rows finished, output tokens)} for shards not yet returned,
+        """{"shards": {(shard_id, row_start): ShardProgress (rows, tokens, prompts, samples)} for shards not
+        yet returned,
         "stalled_s": seconds the current engine call has not returned (0 when none runs), "stall": what the
         worker was doing then, naming its shards, "engine_tokens": output tokens the engines sampled since
         this worker loaded, finished rows or not (None when the engine does not count them)}. Never waits for
         the engine: the driver's tokens/s counts tokens as they are produced."""
         with self._cond:
-            shards = {(s.shard.shard_id, s.shard.row_start): (len(s.rows), s.num_output_tokens)
-                      for s in self._active.values()}
+            shards = {(s.shard.shard_id, s.shard.row_start): ShardProgress(
+                len(s.rows), s.num_output_tokens, s.num_prompts, s.num_samples, s.num_prompt_tokens)
+                for s in self._active.values()}
             call = self._call
             stalled_s = time.monotonic() - call[1] if call is not None else 0.0
             stall = self._engine_doing(f"engine {call[0]} has not returned for {stalled_s:.0f} s") if call else ""
@@ -355,7 +364,7 @@ class ShardRunner:
             with self._cond:
                 if self._by_request.pop(request_id, None) is not None:
                     req.error = f"engine rejected the request: {exc}"
-                    self._complete(state, [error_row(req)])
+                    self._complete(state, [error_row(req)], req)
 
     def _after_step(self, outputs: list[Any]) -> None:
         """Take the finished samples; a token computed or a row finished is progress."""
@@ -400,17 +409,25 @@ class ShardRunner:
         if req.num_finished < (getattr(out, "num_samples", None) or req.params.n):
             return
         del self._by_request[out.request_id], self._samples[out.request_id]
-        self._complete(state, samples)
+        self._complete(state, samples, req)
 
-    def _complete(self, state: _ShardState, rows: list[dict[str, Any]]) -> None:
+    def _complete(self, state: _ShardState, rows: list[dict[str, Any]], req: RowRequest) -> None:
         """A row's request is complete (its output rows, or its error row)."""
-        state.rows.extend(rows)
-        state.num_output_tokens += sum(int(r.get("num_output_tokens") or 0) for r in rows)
+        self._count_done(state, rows, req)
         state.in_flight -= 1
         if state.is_complete:
             if state in self._queue:
                 self._queue.remove(state)
             state.done.set()
+
+    def _count_done(self, state: _ShardState, rows: list[dict[str, Any]], req: RowRequest) -> None:
+        """A done row's output rows into its shard, counted: one prompt, its n samples (an error row too)."""
+        state.rows.extend(rows)
+        state.num_output_tokens += sum(int(r.get("num_output_tokens") or 0) for r in rows)
+        state.num_prompt_tokens += prompt_tokens_once(rows)
+        state.num_prompts += 1
+        asked = getattr(req.params, "n", None) or getattr(self.sampling, "n", None) or 1
+        state.num_samples += max(len(rows), int(asked))
 
     # ---- in-process isolation -----------------------------------------------------------------------
     def _on_engine_failure(self, reason: str) -> None:
@@ -424,7 +441,7 @@ class ShardRunner:
                 req.num_finished = 0
             for (state, req), text in self._isolator.on_failure(failed, reason) if failed else ():
                 req.error = text
-                self._complete(state, [error_row(req)])
+                self._complete(state, [error_row(req)], req)
             if self._isolator.is_broken:
                 raise RuntimeError(f"the engine failed {self._isolator.failures_in_a_row} times in a row with "
                                    f"no row finishing in between; last: {reason}")

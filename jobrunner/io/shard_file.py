@@ -29,7 +29,8 @@ STATUS_VALUES = ("pending", "committed", "failed")  # status codes 0, 1, 2
 PENDING, COMMITTED, FAILED = 0, 1, 2
 COUNT_COLUMNS = ("rows", "num_errors", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
                  "attempts", "failures", "infra_failures",
-                 "part_bytes")  # the bytes of a committed shard's parts, summed (a resume checks them; 0: unknown)
+                 "part_bytes",  # the bytes of a committed shard's parts, summed (a resume checks them; 0: unknown)
+                 "num_samples")  # samples done, an error row counting as its n (progress_view.py; 0: unknown)
 CODED_COLUMNS = ("file", "worker_id", "error")
 # Entry keys with a column of their own (everything else an entry carries is kept in `extra`).
 COLUMN_KEYS = frozenset(("shard_id", "status", "file", "row_start", "row_end", "seconds", "part", "parts",

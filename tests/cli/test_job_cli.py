@@ -60,7 +60,7 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     first = runner.invoke(main, ["run", str(job), "--no-progress"])
     manifest = read_manifest_file(tmp_path / "out")
     assert first.exit_code == 1 and manifest["totals"]["shards_committed"] == 3
-    assert "1 row errors (4.2% of rows)" in first.output
+    assert "1 error row (4.2% of rows)" in first.output
     assert ("4.2% of rows are errors (output.max_error_rate=0.02); top errors: engine crashed on this row: "
             "RuntimeError: fake engine failure (1)") in first.output
     assert "higher output.max_error_rate (nothing is recomputed)" in first.output
@@ -72,7 +72,7 @@ def test_run_over_error_budget_exits_1_then_overwrite_succeeds(tmp_path):
     clear = "engine.factory_options.fail_on=null"
     second = runner.invoke(main, ["run", str(job), "--no-progress", "--set", clear, "--set", "output.mode=overwrite"])
     assert second.exit_code == 0, second.output
-    assert "3/3 shards committed, 24 rows" in second.output
+    assert "3/3 shards committed, rows 24/24 (100%)" in second.output
     assert (tmp_path / "out" / "_SUCCESS").exists()
     assert (tmp_path / "out" / "_report" / "report.json").exists()
     assert (tmp_path / "out" / "_report" / "report.html").exists()
@@ -142,7 +142,7 @@ def test_submit_runs_the_job_on_a_ray_head(ray_head, tmp_path):
     assert result.exit_code == 0, result.output
     job_id = result.output.splitlines()[0]
     assert job_id.startswith("raysubmit_")
-    assert "3/3 shards committed, 24 rows" in result.output
+    assert "3/3 shards committed, rows 24/24 (100%)" in result.output
     manifest = read_manifest_file(tmp_path / "out")
     assert manifest["job_name"] == "submitted" and manifest["totals"]["rows"] == 24
     bad = CliRunner().invoke(main, ["submit", str(job), "--address", ray_head, "--auth-token", "wrong"])
@@ -172,7 +172,7 @@ def test_submit_survives_a_dashboard_that_drops_requests_and_never_starts_a_job_
     job_id = result.output.splitlines()[0]
     assert [action for method, _, action in proxy.seen if method == "POST"] == ["after", "forward"]
     assert _jobs_named(ray_head, "answer-lost") == [job_id]
-    assert "3/3 shards committed, 24 rows" in result.output
+    assert "3/3 shards committed, rows 24/24 (100%)" in result.output
 
     # The first POST never reached the head (nor the first version check): the retry starts the job, once.
     rules = [drop_first("GET", "/api/version", "before"), drop_first("POST", "/api/jobs/", "before", count=2)]

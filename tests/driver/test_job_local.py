@@ -124,7 +124,7 @@ def test_poison_row_is_isolated_and_error_budget_decides_the_exit(local_ray, tmp
     assert not result.ok and not result.failed
     assert "3.1% of rows are errors (output.max_error_rate=0.01)" in result.failure_message()
     assert "engine crashed on this row: RuntimeError: fake engine failure (1)" in result.failure_message()
-    assert "1 row errors (3.1% of rows)" in result.summary()
+    assert "1 error row (3.1% of rows)" in result.summary()
     assert not (out / "_SUCCESS").exists()
     assert sorted(p.name for p in (out / "parts").iterdir()) == sorted(
         p.rsplit("/", 1)[-1] for e in manifest["shards"].values() for p in e["parts"])

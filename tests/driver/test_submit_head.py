@@ -97,7 +97,7 @@ def test_submit_on_a_token_head_without_jobrunner_on_path(token_head, tmp_path, 
     result = CliRunner().invoke(main, ["submit", str(tmp_path / "job.yaml"), "--address", url, "--wait",
                                        "--auth-token", token])
     assert result.exit_code == 0, result.output
-    assert "2/2 shards committed, 16 rows" in result.output
+    assert "2/2 shards committed, rows 16/16 (100%)" in result.output
     import ray._raylet  # the entrypoint ran the head's own Ray Python, found without PATH
 
     assert f"running with {Path(ray._raylet.__file__).resolve().parents[4]}/bin/python" in result.output

@@ -63,15 +63,20 @@ def test_a_running_output(tmp_path: Path, frozen_clock: float) -> None:
     assert status["state"] == "running" and status["rows"]["total"] == 160 and status["rows"]["done"] == 60
     assert status["rows"]["errors"] == 3 and status["rows"]["error_share"] == 3 / 60
     assert status["rows"]["top_error_kinds"] == {"prompt too long": 2, "engine rejected": 1}
-    # this run: 40 rows and 800 output tokens in 40 s; 100 rows left at 1 row/s
-    assert status["speed"] == {"basis": "this run so far (committed shards)", "elapsed_s": 40.0, "rows_per_s": 1.0,
-                               "output_tokens_per_s": 20.0, "eta_s": 100.0}
+    assert status["counts"] == {"prompts_done": 30, "prompts_total": 80, "samples_done": 60, "samples_total": 160,
+                                "n": 2}
+    # this run: 20 prompts (40 rows) and 800 output tokens in 40 s; 50 prompts left at 0.5 prompts/s
+    assert status["speed"] == {"basis": "this run so far (committed shards)", "elapsed_s": 40.0, "prompts_per_s": 0.5,
+                               "tokens_per_s": 20.0, "tokens_window_s": None, "token_kind": "out", "eta_s": 100.0}
     assert status["workers"]["ids"] == ["r1w0", "r1w1"] and status["commit_records_pending"] == 1
     assert status["lease"]["generation"] == 7 and status["lease"]["heartbeat_age_s"] == 5.0
     assert status["lease"]["expires_in_s"] == 55.0 and not status["lease"]["expired"]
     result = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    assert "60/160 (37.5%), 3 errors (5.0%)" in result.output
+    assert "done     prompts 30/80 · samples 60/160 committed (37%)\n" in result.output
+    assert "errors   3 error rows (5.0% of the rows written)" in result.output
+    assert "speed    20.0 out tok/s, 0.50 prompts/s (this run so far (committed shards), 40 s)" in result.output
+    assert "ETA      1m40s\n" in result.output
     assert f"run abc123 on head-1 (pid 4242), generation 7, last heartbeat {_iso(now - 5)} (5 s ago)" in result.output
     assert "error    2 x prompt too long" in result.output
 
@@ -87,11 +92,14 @@ def test_a_running_drivers_heartbeat_counts_rows_inside_running_shards(tmp_path:
              "ttl_s": 60, "progress": progress}
     status = job_status(read_output_state(_output(tmp_path / "out", now, lease)), now_s=now)
     assert (status["rows"]["done"], status["rows"]["total"], status["tokens"]["output"]) == (100, 160, 2400)
-    # this run: 80 rows and 2,000 tokens in the 30 s from its start to the heartbeat; 60 rows left
-    assert status["speed"] == {"basis": "this run so far (driver heartbeat)", "elapsed_s": 30.0,
-                               "rows_per_s": 80 / 30, "output_tokens_per_s": 2000 / 30, "eta_s": 22.5}
+    # an older driver's heartbeat (rows only): 50 prompts; this run 40 prompts and 2,000 tokens in the 30 s from
+    # its start to the heartbeat; 30 prompts left
+    assert status["speed"] == {"basis": "this run so far (the driver's count)", "elapsed_s": 30.0,
+                               "prompts_per_s": 40 / 30, "tokens_per_s": 2000 / 30, "tokens_window_s": None,
+                               "token_kind": "out", "eta_s": 22.5}
     text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
-    assert "100/160 (62.5%), 3 errors (5.0%) [live, from the driver's heartbeat]" in text
+    assert ("prompts 50/80 · samples 100/160 (62%) [the driver's count, 10 s ago: committed rows and rows "
+            "finished in running shards]") in text
     assert "2 in run 2: r1w0, r1w1" in text and ", run 2" in text  # one run number: 1-based everywhere
     starting = {**progress, "phase": "starting workers", "rows_done": 60, "output_tokens_this_run": 0}
     (tmp_path / "out" / "_lease.json").write_text(json.dumps({**lease, "progress": starting}))
@@ -118,3 +126,44 @@ def test_a_dead_drivers_lease_is_stale_and_an_old_lease_format_still_reads(tmp_p
     assert result.exit_code == 0 and json.loads(result.output)["state"] == "stale"
     text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
     assert "stale: the lease expired" in text and f"last heartbeat {_iso(now - 600)} (600 s ago), n/a" in text
+
+
+def test_status_shows_the_counts_and_eta_of_the_drivers_log(tmp_path: Path, frozen_clock: float) -> None:
+    """The heartbeat carries what the driver's log line said (progress_view.py): status prints the same
+    counts, and the ETA the driver gave less the time since."""
+    now = frozen_clock
+    counts = {"prompts_done": 13, "prompts_total": 80, "samples_done": 26, "samples_total": 160, "n": 2}
+    progress = {"phase": "running", "run_index": 1, "counts": counts, "tokens_this_run": 900, "token_kind": "out",
+                "eta_s": 50.0, "tokens_per_s": 41.5, "rows_done": 26, "rows_total": 160, "output_tokens_this_run": 900,
+                "workers": 1, "at": _iso(now - 12)}
+    lease = {"run_id": "abc123", "host": "head-1", "pid": 4242, "generation": 7, "heartbeat_at": _iso(now - 12),
+             "ttl_s": 60, "progress": progress}
+    status = job_status(read_output_state(_output(tmp_path / "out", now, lease)), now_s=now)
+    # the committed shards hold more than the heartbeat had seen: counts never go back
+    assert status["counts"] == {"prompts_done": 30, "prompts_total": 80, "samples_done": 60, "samples_total": 160,
+                                "n": 2}
+    assert status["speed"]["eta_s"] == 38.0 and status["counts_basis"] == "the driver's count"
+    text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "prompts 30/80 · samples 60/160 (37%) [the driver's count, 12 s ago" in text
+    assert "ETA      38s (the driver's estimate, less the time since)" in text
+    assert ("speed    41.5 out tok/s (the driver's, over its last 30 s), 0.71 prompts/s (this run so far (the driver's "
+            "count), 28 s)") in text
+
+
+def test_a_stopped_embed_output_counts_committed_rows_and_input_tokens(tmp_path: Path, frozen_clock: float) -> None:
+    now = frozen_clock
+    root = Path(_output(tmp_path / "out", now, None))
+    manifest = json.loads((root / "_manifest.json").read_text())
+    manifest.update(spec={"task": "embed", "sampling": {"n": 2}}, wall_s=10.0)  # n is generation's only
+    for shard in ("s0", "s1"):
+        manifest["shards"][shard]["rows"] = 10  # one row (an embedding) per prompt
+    (root / "_manifest.json").write_text(json.dumps(manifest))
+    record = json.loads((root / "_commits" / "s2.json").read_text())
+    (root / "_commits" / "s2.json").write_text(json.dumps({**record, "rows": 10}))
+    status = job_status(read_output_state(str(root)), now_s=now)
+    assert status["state"] == "incomplete" and status["counts"]["n"] == 1
+    assert status["speed"]["token_kind"] == "in" and status["speed"]["tokens_per_s"] == 60.0  # 600 prompt tokens
+    text = CliRunner().invoke(main, ["status", str(root)]).output
+    assert "done     rows 30/80 committed (37%)\n" in text
+    assert "60.0 in tok/s, 3.00 rows/s (whole job (its runs' wall time), 10 s)" in text
+    assert "compacted" not in text and "compaction" not in text
