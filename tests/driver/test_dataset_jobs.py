@@ -170,7 +170,8 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     fs.pipe_file(f"{bucket}/in/batch.jsonl", ("\n".join(lines) + "\n").encode())
     spec = spec_from_dict(_spec(tiny_llama_hf_dir, {"url": f"s3://{bucket}/in/batch.jsonl",
                                                     "format": "openai_batch", "chat_template": TAG_TEMPLATE,
-                                                    "chat_template_kwargs": {"tag": "Q: "}},
+                                                    "chat_template_kwargs": {"tag": "Q: "},
+                                                    "openai_model_mismatch": "warn"},  # chat-n names model x
                                 f"s3://{bucket}/out", storage_options=opts, output={"keep_columns": "*"}))
     result = run_job(spec, show_progress=False)
     assert result.ok, result.summary()
@@ -180,6 +181,7 @@ def test_openai_batch_in_and_out_on_s3(local_ray, s3_server, tiny_llama_hf_dir):
     # in input order; the line that is not JSON shows no custom_id: null, its message names the line
     assert [e["custom_id"] for e in errors] == [None, "unknown-field", "bad-url", "bad-n", "too-long"]
     chat = ChatCompletion.model_validate(outputs[0]["response"]["body"])
+    assert chat.model == str(tiny_llama_hf_dir)  # model x asked, the job's model answered (warn: served)
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == sum(
         len(c.logprobs.content) for c in chat.choices)
     assert all(len(t.top_logprobs) == 2 for c in chat.choices for t in c.logprobs.content)
@@ -235,7 +237,8 @@ def test_validate_openai_batch_file_and_duplicate_custom_ids(tmp_path):
     lines = [json.dumps(r) for r in BATCH[:3]] + [json.dumps({**BATCH[2], "body": {"prompt": "again"}})]
     (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "c.jsonl").write_text("\n".join(lines[:3]) + "\n")
-    job = {"name": "v", "input": {"url": str(tmp_path / "b.jsonl"), "format": "openai_batch"},
+    job = {"name": "v", "input": {"url": str(tmp_path / "b.jsonl"), "format": "openai_batch",
+                                  "openai_model_mismatch": "warn"},  # BATCH's chat-n names model x
            "output": {"url": str(tmp_path / "out")}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     runner = CliRunner()

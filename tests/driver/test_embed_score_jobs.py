@@ -142,7 +142,8 @@ def test_openai_batch_embeddings(tmp_path, tiny_llama_hf_dir):
     from jobrunner.io.reader import ROW_INDEX
 
     bodies = {"e0": ("/v1/embeddings", {"input": "hello world"}),
-              "e1": ("/v1/embeddings", {"input": ["the quick brown fox"], "model": "x", "encoding_format": "float"}),
+              "e1": ("/v1/embeddings", {"input": ["the quick brown fox"], "encoding_format": "float",
+                                        "model": tiny_llama_hf_dir.name}),  # the source's last part names it too
               "e2": ("/v1/embeddings", {"input": ["a", "b"]}),
               "e3": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})}
     spec = spec_from_dict(_spec(tiny_llama_hf_dir, tmp_path / "out", "embed",
