@@ -418,13 +418,15 @@ class OutputSpec(_Spec):
     keep_columns: list[str] | Literal["*"] = Field(
         default_factory=list, description="Input columns copied to output rows; '*' = every input column."
     )
-    dedupe: Literal["none", "prompts"] = Field(
+    dedupe: Literal["none", "prompts", "outputs"] = Field(
         default="none",
         description="prompts: a row whose request (prompt or messages, per-row sampling, system prompt, tools: "
         "its request fingerprint) repeats an earlier row's (files in order, rows in order) is not generated; it "
         "is written as a row of its own with finish_reason 'duplicate' and dedupe_of = the first row's id (every "
-        "id still comes out once; the counts are in the manifest's dedupe and the report). none: every row is "
-        "generated.",
+        "id still comes out once; the counts are in the manifest's dedupe and the report). outputs: every row "
+        "is generated and carries output_fingerprint (a hash of its text); when the last shard commits, the "
+        "samples whose text a smaller (id, sample_index) already has are listed in _plan/dedupe-outputs.parquet "
+        "and counted in the manifest's dedupe. none: neither.",
     )
     format: Literal["parquet", "messages"] = Field(
         default="parquet",

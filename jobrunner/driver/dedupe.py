@@ -1,4 +1,5 @@
-"""`output.dedupe: prompts`: rows whose request repeats an earlier row's are written, not generated.
+"""`output.dedupe`: prompts (rows whose request repeats an earlier row's are written, not generated) and
+outputs (samples whose text repeats an earlier sample's are listed and counted).
 
 The driver finds them at planning (io/prompt_dupes.py: one pass over the input's request columns, the same
 request fingerprint every output row carries) and stores the list under the output before any worker starts;
@@ -7,7 +8,11 @@ their own (driver/rows.py `error_row`: finish_reason `duplicate`, `dedupe_of` th
 tokens). Each input id still comes out exactly once, in the shard that holds it, so commits, retries and resume
 are unchanged; the list depends only on the input, so every run and worker reads the same one. The manifest's
 `dedupe` says how many rows, distinct prompts and duplicates the plan saw; the committed rows' finish reasons
-(manifest totals and the report) count the `duplicate` rows written.
+(the run summary and the report) count the `duplicate` rows written.
+
+Outputs (io/output_dupes.py): rows are generated as usual and carry `output_fingerprint`; when the last shard
+commits, the driver lists the duplicate samples over every committed part and counts them in the manifest's
+`dedupe` (recomputed by every run that finishes, so a resumed job counts all its rows).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import threading
 from typing import Any
 
 from jobrunner.driver.rows import RowRequest, fingerprint_roles, fingerprint_salt, id_column
+from jobrunner.io.output_dupes import find_output_duplicates, write_output_duplicates
 from jobrunner.io.prompt_dupes import find_prompt_duplicates, read_duplicates, write_duplicates
 from jobrunner.io.reader import InputFile
 from jobrunner.io.storage import Storage
@@ -33,6 +39,17 @@ def publish_duplicates(spec: JobSpec, files: list[InputFile], storage: Storage, 
                                    fingerprint_roles(spec), fingerprint_salt(spec))
     write_duplicates(storage, found)
     manifest[DEDUPE_KEY] = {"mode": "prompts", **found.describe()}
+
+
+def mark_duplicate_outputs(spec: JobSpec, storage: Storage, part_keys: list[str],
+                           manifest: dict[str, Any]) -> None:
+    """List the job's duplicate samples under the output and count them in the manifest (every shard
+    committed: `part_keys` are their parts)."""
+    if spec.output.dedupe != "outputs":
+        return
+    found = find_output_duplicates(storage, part_keys)
+    write_output_duplicates(storage, found)
+    manifest[DEDUPE_KEY] = found.describe()
 
 
 class DuplicateRows:

@@ -27,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from jobrunner.driver import manifest as mf
-from jobrunner.driver.dedupe import publish_duplicates
+from jobrunner.driver.dedupe import mark_duplicate_outputs, publish_duplicates
 from jobrunner.driver.isolation import IsolationCost
 from jobrunner.driver.metrics import JobMetrics
 from jobrunner.driver.output import open_output, read_previous_output
@@ -436,6 +436,8 @@ class _JobLoop:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         failed = self.book.failed_shards()
         finished = not failed and not len(self.queue) and not len(self.runs) and self.error is None
+        if finished:  # output.dedupe outputs: the duplicate samples over every committed part (driver/dedupe.py)
+            mark_duplicate_outputs(self.spec, self.storage, self.shards.committed_parts(), self.book.manifest)
         never_started = self.queue.drain_fresh()
         if self.error is not None:  # left pending, with the reason, for a resume
             self.shards.mark_not_run(never_started, f"not run: {self.error}")

@@ -96,9 +96,10 @@ def has_adapters(spec: JobSpec) -> bool:
 def job_output_schema(spec: JobSpec) -> pa.Schema:
     """The output row schema of this job (format, ``json_valid`` where rows can have a schema, the reasoning
     columns with a reasoning parser, the tool-call columns where rows can carry tools, an embed / score job's
-    result columns, ``adapter`` where rows name an adapter, ``dedupe_of`` with output.dedupe prompts)."""
+    result columns, ``adapter`` where rows name an adapter, ``dedupe_of`` / ``output_fingerprint`` with
+    output.dedupe prompts / outputs)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
-                         output_task(spec), has_adapters(spec), spec.output.dedupe == "prompts")
+                         output_task(spec), has_adapters(spec), spec.output.dedupe)
 
 
 def request_columns(spec: JobSpec) -> list[str]:

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from jobrunner.io.decode import positions_of
 from jobrunner.io.layout import PARTS_DIR, attempt_part_key, part_key
+from jobrunner.io.output_dupes import OUTPUT_FINGERPRINT, output_fingerprints
 from jobrunner.io.reader import ROW_INDEX, map_files
 from jobrunner.io.storage import Storage, StorageError, retry
 from jobrunner.redaction import redact_text
@@ -60,6 +61,9 @@ ADAPTER_FIELD = pa.field("adapter", pa.string())
 # Only with output.dedupe = prompts: the id of the earlier row whose request this row repeats (finish_reason
 # 'duplicate', not generated); null for every generated row.
 DEDUPE_FIELD = pa.field("dedupe_of", pa.string())
+# Only with output.dedupe = outputs: a 64-bit hash of generated_text (null without text), io/output_dupes.py.
+OUTPUT_FINGERPRINT_FIELD = pa.field(OUTPUT_FINGERPRINT, pa.int64())
+_DEDUPE_FIELDS = {"prompts": (DEDUPE_FIELD,), "outputs": (OUTPUT_FINGERPRINT_FIELD,)}
 
 # Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
 TASK_FIELDS = {
@@ -74,16 +78,16 @@ TASK_FIELDS = {
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
                   tools: bool = False, task: str = "generate", adapter: bool = False,
-                  dedupe: bool = False) -> pa.Schema:
+                  dedupe: str = "none") -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
     ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
     ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter, ``dedupe_of`` with
-    output.dedupe prompts)."""
+    output.dedupe prompts, ``output_fingerprint`` with output.dedupe outputs)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
     extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]
-    for field in extra + ((ADAPTER_FIELD,) if adapter else ()) + ((DEDUPE_FIELD,) if dedupe else ()):
+    for field in extra + ((ADAPTER_FIELD,) if adapter else ()) + _DEDUPE_FIELDS.get(dedupe, ()):
         schema = schema.append(field)
     return schema
 
@@ -98,6 +102,9 @@ def rows_to_table(rows: list[dict[str, Any]], kept: pa.Table | None = None,
     """
     columns = {f.name: pa.array([_cell(r, f.name) for r in rows], f.type) for f in schema}
     table = pa.table(columns, schema=schema)
+    if OUTPUT_FINGERPRINT in schema.names:  # output.dedupe outputs: each text's hash, from the column
+        index = schema.get_field_index(OUTPUT_FINGERPRINT)
+        table = table.set_column(index, schema.field(index), output_fingerprints(table.column("generated_text")))
     if kept is None or kept.num_columns <= 1:
         return table
     indices = pa.array(positions_of(kept, [r[ROW_INDEX] for r in rows]), pa.int64())

@@ -89,3 +89,36 @@ def test_without_dedupe_every_row_is_generated_and_there_is_no_column(local_ray,
     table = read_output(str(out))
     assert "dedupe_of" not in table.column_names
     assert np.all(np.array(table.column("finish_reason").to_pylist()) == "length")
+
+
+def test_duplicate_outputs_are_listed_and_counted(local_ray, tmp_path):
+    """output.dedupe outputs: every row generated, each with output_fingerprint; the samples whose text a
+    smaller (id, sample_index) has are listed under _plan/ and counted in the manifest, also after a resume."""
+    from jobrunner.io.output_dupes import OUTPUT_DUPLICATES_KEY
+    from jobrunner.io.storage import Storage
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    ids = [f"r{i}" for i in range(8)]
+    over = [json.dumps({"max_tokens": 2 if i % 3 else 3}) for i in range(8)]  # two texts: r0, r3, r6 the longer
+    pq.write_table(pa.table({"id": ids, "prompt": [f"q {i}" for i in range(8)], "topic": ["t"] * 8, "over": over}),
+                   folder / "in.parquet", row_group_size=4)
+    out = tmp_path / "out"
+    data = fake_spec(str(folder), str(out), output={"dedupe": "outputs"})
+    data["input"].update(rows_per_shard=4, sampling_column="over")
+    spec = spec_from_dict(data)
+    assert run_job(spec, show_progress=False).ok
+    table = read_output(str(out))
+    texts = dict(zip(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()),
+                     table.column("generated_text").to_pylist(), strict=True))
+    prints = dict(zip(texts, table.column("output_fingerprint").to_pylist(), strict=True))
+    assert len(texts) == 8 and len(set(texts.values())) == 2 and len(set(prints.values())) == 2
+    listed = pq.read_table(str(out / OUTPUT_DUPLICATES_KEY)).to_pylist()
+    first = {"tok0 tok1 tok2": ("r0", 0), "tok0 tok1": ("r1", 0)}
+    assert sorted((d["id"], d["sample_index"]) for d in listed) == sorted(k for k in texts if k not in first.values())
+    assert all((d["dedupe_of"], d["dedupe_of_sample"]) == first[texts[(d["id"], d["sample_index"])]] for d in listed)
+    expected = {"mode": "outputs", "samples": 8, "distinct_outputs": 2, "duplicate_outputs": 6}
+    assert read_manifest_file(out)["dedupe"] == expected
+    assert run_job(spec, show_progress=False).ok  # a resume with nothing to do counts the same
+    assert read_manifest_file(out)["dedupe"] == expected
+    assert Storage(str(out)).exists(OUTPUT_DUPLICATES_KEY)
