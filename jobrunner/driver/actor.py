@@ -79,9 +79,11 @@ class WorkerActor:
         """The model and the worker's stats (after `load`)."""
         return {"model": self.model, "stats": self.runner.stats() if self.runner else {}}
 
-    def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None) -> ShardResult:
-        """Generate one shard (or piece) and write it to the attempt's temporary key."""
-        result = self.runner.run_shard(shard, attempt_id, error_text)
+    def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None,
+                  one_at_a_time: bool = False) -> ShardResult:
+        """Generate one shard (or piece) and write it to the attempt's temporary key (one_at_a_time: a hang's
+        suspects, one row in the engine at a time)."""
+        result = self.runner.run_shard(shard, attempt_id, error_text, one_at_a_time)
         self.metrics.on_shard(result)
         return result
 

@@ -45,6 +45,7 @@ from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.shard_run import INFRA_LOSSES_PER_SHARD, ShardRun, ShardRuns, ShardState, judge_loss, worker_cap
 from jobrunner.driver.shards import ShardTable
+from jobrunner.driver.suspects import cut
 from jobrunner.driver.tasks import Task, TaskQueue, retry_delay
 from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
@@ -215,6 +216,9 @@ class _JobLoop:
     def _worker_lost(self, worker: Worker, error: str, stalled: bool = False, crash: str | None = None) -> None:
         """Requeue a lost worker's tasks, blamed or not (driver/tasks.py, shard_run.judge_loss), and drop it."""
         log.warning("worker %s lost: %s", worker.worker_id, redact_text(error))
+        suspects = worker.suspects if stalled and crash is None else {}  # a hung call: the rows in its engine
+        alone_in_engine = sum(len(rows) for rows in suspects.values()) == 1
+        counted: set[int] = set()  # runs charged this restart (the job's count takes it once)
         held = self.pool.remove(worker, error)
         for run in {id(t.run): t.run for _, t in held}.values():
             run.workers_lost += 1
@@ -235,6 +239,9 @@ class _JobLoop:
                                 f"infrastructure losses); last: worker {worker.worker_id}: {error}")
             elif verdict.action == "requeue":  # error rows: they never touched the engine
                 self.queue.put(task)
+            elif suspects:
+                self._narrow(task, suspects.get((task.shard_id, task.row_start), []), alone_in_engine,
+                             f"worker {worker.worker_id}: {error}", counted)
             elif not verdict.blamed:
                 task.alone = True
                 self.queue.put(task)
@@ -247,20 +254,43 @@ class _JobLoop:
                 else:
                     self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
 
-    def _isolate(self, task: Task, reason: str) -> None:
-        """A task that fails alone: split it, or (one row, or past the restart caps) make its rows error rows."""
+    def _narrow(self, task: Task, positions: list[int], alone_in_engine: bool, reason: str,
+                counted: set[int]) -> None:
+        """A task of a worker whose engine call hung, cut around the rows it had in the engine
+        (driver/suspects.py): innocent rows run as usual, the suspects alone and one at a time."""
+        found = cut(task, positions, alone_in_engine)
+        if found is None:  # none of its rows was in the engine: innocent of the hang
+            self.queue.put(task)
+            return
+        if id(task.run) not in counted:
+            self.runs.count_restart(task.run, None if counted else self.isolation)
+            counted.add(id(task.run))
+        task.run.num_pieces += len(found.pieces) - 1
+        for piece in (found.before, found.after):
+            if piece is not None:
+                self.queue.put(piece)
+        self._isolate(found.suspects, reason, culprit=found.culprit)
+
+    def _isolate(self, task: Task, reason: str, culprit: bool | None = None) -> None:
+        """A task that fails alone: split it, or (one row, or past the restart caps) make its rows error rows.
+        `culprit` (a hang's suspects, driver/suspects.py): True makes the row an error row, False queues the
+        suspects to run one at a time; None (a death) bisects."""
         c, run = self.spec.cluster, task.run
         capped = (f"cluster.max_isolation_restarts_per_shard={c.max_isolation_restarts_per_shard}"
                   if run.isolation.model_loads >= c.max_isolation_restarts_per_shard else
                   f"cluster.max_isolation_restarts={c.max_isolation_restarts}"
                   if self.isolation.model_loads >= c.max_isolation_restarts else None)
-        if task.num_rows <= 1 or capped:
+        is_culprit = task.num_rows <= 1 if culprit is None else culprit
+        if is_culprit or capped:
             log.warning("shard %s rows %d-%d crash their worker: %s", task.shard_id, task.row_start, task.row_end,
                         redact_text(reason))
-            task.error_text = (f"engine crashed on this row: {reason}" if task.num_rows <= 1 else
+            task.error_text = (f"engine crashed on this row: {reason}" if is_culprit else
                                f"engine crashed on one of rows {task.row_start}-{task.row_end}, not isolated "
                                f"further ({capped} reached): {reason}")
-            task.alone = False
+            task.alone = task.one_at_a_time = False
+            self.queue.put(task)
+            return
+        if culprit is not None:  # a hang's suspects: alone, one row in the engine at a time
             self.queue.put(task)
             return
         run.num_pieces += 1
@@ -281,7 +311,7 @@ class _JobLoop:
         self.lease.check()  # a driver that lost the output starts no attempt (not even a temporary part)
         piece = self.shards.shard(task.run.row, task.row_start, task.row_end)
         attempt_id = f"{task.shard_id}-r{task.row_start}-{uuid.uuid4().hex[:8]}"
-        ref = worker.actor.run_shard.remote(piece, attempt_id, task.error_text)
+        ref = worker.actor.run_shard.remote(piece, attempt_id, task.error_text, task.one_at_a_time)
         self.pool.assign(worker, ref, task)
         self.runs.started(task, ref)
 

@@ -57,6 +57,7 @@ class Worker:
     poll_sent: float = 0.0  # when poll_ref was sent (monotonic): its age is the worker's silence
     stalled_s: float = 0.0  # how long its current engine call has not returned (from the last poll)
     stall: str = ""  # what it was doing then, naming its shards
+    suspects: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # a hung call's rows in the engine
     live: dict[tuple[str, int], ShardProgress] = field(default_factory=dict)  # (shard, row_start) -> its counts
     engine_tokens: int = 0  # output tokens its engine sampled so far (last poll)
 
@@ -239,6 +240,7 @@ class WorkerPool:
         before = (worker.engine_tokens, sum(p.rows for p in worker.live.values()))
         worker.stalled_s = float(reply.get("stalled_s") or 0.0)
         worker.stall = str(reply.get("stall") or "")
+        worker.suspects = {tuple(key): list(rows) for key, rows in (reply.get("suspects") or {}).items()}
         worker.live = {key: ShardProgress(*value) for key, value in (reply.get("shards") or {}).items()}
         worker.engine_tokens = max(worker.engine_tokens, int(reply.get("engine_tokens") or 0))
         if worker.engine_tokens:

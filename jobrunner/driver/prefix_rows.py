@@ -28,17 +28,19 @@ from jobrunner.spec import JobSpec
 CHAIN_MASK = (1 << 63) - 1
 
 
-def read_shard_rows(spec: JobSpec, shard: Shard, output: Storage) -> tuple[pa.Table, list[str]]:
-    """A shard's input rows and kept column names: a row range, or (a prefix-grouped file) the rows at the
-    shard's positions of the planned row order."""
+def read_shard_rows(spec: JobSpec, shard: Shard, output: Storage) -> tuple[pa.Table, list[str], dict[int, int] | None]:
+    """A shard's input rows, kept column names, and each row's position in the shard (ROW_INDEX -> position;
+    None for a row range, where a row's position is its row): a row range, or (a prefix-grouped file) the
+    rows at the shard's positions of the planned row order."""
     if shard.order_key is None:
-        return read_shard_input(spec, shard.file_url, shard.row_start, shard.row_end, shard.pin)
+        return (*read_shard_input(spec, shard.file_url, shard.row_start, shard.row_end, shard.pin), None)
     offset = shard.order_offset
     rows = read_positions(output, shard.order_key, offset + shard.row_start, offset + shard.row_end)
     inp, keep = spec.input, spec.output.keep_columns
     wanted = None if keep == "*" else list(dict.fromkeys(request_columns(spec) + keep))
     table = read_rows_at(shard.file_url, inp.storage_options, inp.format, rows, wanted, shard.pin)
-    return table, kept_columns(spec, table.column_names)
+    positions = {int(row): shard.row_start + i for i, row in enumerate(rows.tolist())}
+    return table, kept_columns(spec, table.column_names), positions
 
 
 def admission_order(spec: JobSpec, requests: list[RowRequest]) -> list[RowRequest]:

@@ -134,10 +134,12 @@ class ShardRuns:
         self.by_row.pop(run.row, None)
 
     # ---- isolation -----------------------------------------------------------------------------------
-    def count_restart(self, run: ShardRun, job_cost: IsolationCost) -> None:
-        """A worker died (or hung) running the shard's rows alone: one more model load spent isolating them."""
+    def count_restart(self, run: ShardRun, job_cost: IsolationCost | None) -> None:
+        """A worker died (or hung) running the shard's rows alone: one more model load spent isolating them
+        (`job_cost` None: the job's count has this restart already, charged to another shard)."""
         run.isolation.model_loads += 1
-        job_cost.model_loads += 1
+        if job_cost is not None:
+            job_cost.model_loads += 1
         if run.isolating_since is None:
             run.isolating_since = time.monotonic()
 

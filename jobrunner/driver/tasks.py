@@ -4,7 +4,9 @@ Blame, in one paragraph. An engine exception (or an engine stepping without prog
 the worker, which rebuilds its engine from the weights it holds (driver/isolation.py): the driver sees a
 normal result. What the worker cannot survive reaches the driver: an infrastructure failure (actor killed,
 node lost, an engine call that never returns) costs the task nothing but a place in the queue; it then runs
-alone on its worker, since a row that kills its process looks the same from outside. A death (or a hang, or
+alone on its worker, since a row that kills its process looks the same from outside. An engine call that
+hangs is narrowed first: the worker's poll names the rows its engine held, and only those run again as
+suspects, alone and one at a time (driver/suspects.py). A death (or a hang, or
 an engine the worker gave up on) while running alone is the task's fault: after two deaths of a whole shard
 (a node can die under a healthy shard), or one of a piece, the task is split in halves, each run alone,
 until the killing row is isolated; a single such row becomes an error row carrying the reason, and every
@@ -57,6 +59,7 @@ class Task:
     infra_failures: int = 0
     error_text: str | None = None  # set: write its rows as error rows (an isolated poison row)
     is_piece: bool = False  # a half from bisection: its rows are already suspects
+    one_at_a_time: bool = False  # suspects of a hang: run alone, one row in the engine at a time (driver/suspects.py)
     run: Any = None  # its shard's ShardRun (driver/shard_run.py); None only in tests of the queue
 
     @property

@@ -45,6 +45,7 @@ from jobrunner.driver.rows import (
     to_request,
 )
 from jobrunner.driver.shards import Shard
+from jobrunner.driver.suspects import SUSPECTS_AFTER_S, in_flight
 from jobrunner.driver.tool_calls import choose_tool_parser
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
 from jobrunner.io.parts import write_attempt_part
@@ -89,6 +90,8 @@ class _ShardState:
     cost: IsolationCost = field(default_factory=IsolationCost)
     chains: PrefixChains = field(default_factory=PrefixChains)  # its prompts' KV block chains
     fingerprints: dict[int, int] = field(default_factory=dict)  # row -> request fingerprint (output column)
+    one_at_a_time: bool = False  # a hang's suspects: one row in the engine at a time (driver/suspects.py)
+    positions: dict[int, int] | None = None  # row -> position in the shard (None: the same number)
 
     @property
     def is_complete(self) -> bool:
@@ -155,13 +158,15 @@ class ShardRunner:
         threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True).start()
 
     # ---- caller side ---------------------------------------------------------------------------------
-    def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None) -> ShardResult:
+    def run_shard(self, shard: Shard, attempt_id: str = "a0", error_text: str | None = None,
+                  one_at_a_time: bool = False) -> ShardResult:
         """Read and generate one shard (or a piece of one: its row range), write the rows to the attempt's
         temporary key and return the summary; blocks until then.
 
         error_text: the rows are known to crash the worker (isolated by the driver); they become error rows
-        with this text and never reach the engine."""
-        state = _ShardState(shard=shard)
+        with this text and never reach the engine. one_at_a_time: the rows are suspects of a hang (the
+        driver runs them alone): they enter the engine one by one, in position order (driver/suspects.py)."""
+        state = _ShardState(shard=shard, one_at_a_time=one_at_a_time)
         with self._cond:
             self._active[id(state)] = state
         try:
@@ -174,12 +179,15 @@ class ShardRunner:
         started, shard, limit = time.monotonic(), state.shard, self.spec.cluster.io_timeout_s
         where = f"shard {shard.shard_id}: reading input rows {shard.row_start}-{shard.row_end} of " \
                 f"{redact_text(shard.file_url)}"
-        table, keep = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output), limit, where)
+        table, keep, state.positions = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output),
+                                                          limit, where)
         requests = self._requests(shard, table)
         state.fingerprints = row_fingerprints(self.spec, table)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
-        state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None]))
+        state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None])
+                             if not state.one_at_a_time else sorted((r for r in requests if r.error is None),
+                                                                    key=lambda r: _position(state, r)))
         for req in requests:
             if req.error is not None:
                 self._count_done(state, [error_row(req)], req)
@@ -263,7 +271,9 @@ class ShardRunner:
             stalled_s = time.monotonic() - call[1] if call is not None else 0.0
             stall = self._engine_doing(f"engine {call[0]} has not returned for {stalled_s:.0f} s") if call else ""
             tokens = self._stats.get("num_sampled_tokens")
-            return {"shards": shards, "stalled_s": stalled_s, "stall": stall,
+            # a hung call: the rows in the engine are the suspects (driver/suspects.py)
+            suspects = in_flight(self._by_request.values()) if stalled_s >= SUSPECTS_AFTER_S else {}
+            return {"shards": shards, "stalled_s": stalled_s, "stall": stall, "suspects": suspects,
                     "engine_tokens": tokens if isinstance(tokens, int) else None}
 
     def _engine_doing(self, what: str) -> str:
@@ -348,6 +358,8 @@ class ShardRunner:
             if not state.to_add:
                 self._queue.popleft()
                 continue
+            if state.one_at_a_time and state.in_flight:
+                break  # its next row waits for this one
             req = state.to_add.popleft()
             state.in_flight += 1
             self._by_request[_request_id(state, req)] = (state, req)
@@ -487,6 +499,10 @@ class ShardRunner:
                     state.done.set()
             self._queue.clear()
             self._by_request.clear()
+
+
+def _position(state: _ShardState, req: RowRequest) -> int:
+    return req.row_index if state.positions is None else state.positions.get(req.row_index, req.row_index)
 
 
 def _request_id(state: _ShardState, req: RowRequest) -> str:
