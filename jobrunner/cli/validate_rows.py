@@ -34,8 +34,8 @@ def row_lines(spec: JobSpec, plan) -> tuple[list[str], str | None]:  # noqa: ANN
     check = check_rows(spec, rows)
     read = f"{check.rows_read} of {plan.num_rows}" if check.rows_read < plan.num_rows else f"all {plan.num_rows}"
     lines = [f"rows checked as a worker reads them ({read} rows, {time.perf_counter() - started:.2f}s): "
-             f"{len(check.refused) or 'none'} would be error rows", *check.notes]
-    refused = {rid for rid, _ in check.refused}
+             f"{len(check.refused) or 'none'} with a setting a worker refuses", *check.notes]
+    refused = {rid for rid, _ in check.refused + check.no_prompt}
     lines += _prompt_length_lines(spec, plan, [r for r in rows.requests if r.row_id not in refused],
                                   len(rows.requests))
     return lines, describe_refused(check, plan.num_rows) if check.refused else None

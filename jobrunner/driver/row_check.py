@@ -8,7 +8,8 @@ and each constrained request's grammar is built by the engine's own function
 /v1/chat/completions line for a base model, naming the row, instead of the worker writing an error row after
 loading the model. At most ``MAX_ROWS`` rows are read (the first rows of each file in turn). Lines that could
 not be read at all and null ids are not counted here: validate lists the bad lines on their own, and an id is
-the id check's business.
+the id check's business; a row whose data has no usable prompt (null, messages that do not parse) is warned
+about, as a bad line is, not refused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from jobrunner.spec import JobSpec
 
 MAX_ROWS = 5_000
 SHOWN_ROWS = 10
+# A row's own data that is not a prompt (a null prompt, messages that do not parse): an error row like a bad
+# line, warned about, not refused; every other reason is a setting (per-row or the job's) a worker refuses.
+DATA_ERRORS = ("prompt column ", "messages column ")
 
 
 @dataclass
@@ -52,6 +56,7 @@ class RowCheck:
 
     rows_read: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)
+    no_prompt: list[tuple[str, str]] = field(default_factory=list)  # (row id, why): error rows, not refused
     notes: list[str] = field(default_factory=list)
 
 
@@ -86,8 +91,12 @@ def check_rows(spec: JobSpec, rows: RowsRead) -> RowCheck:
         if why is None and chat_refused and is_chat_prompt(req.prompt):
             why = f"a chat ({req.endpoint or 'messages'}) row, but {no_template(spec)}"
         if why:
-            out.refused.append((req.row_id, why))
+            (out.no_prompt if why.startswith(DATA_ERRORS) else out.refused).append((req.row_id, why))
     out.notes.extend(grammars.notes)
+    if out.no_prompt:
+        rid, why = out.no_prompt[0]
+        out.notes.append(f"WARNING: {len(out.no_prompt)} row(s) have no usable prompt and will be error rows "
+                         f"({_ids([i for i, _ in out.no_prompt])}); row {rid!r}: {why}")
     if rows.other_model:
         out.notes.append(f"WARNING: {len(rows.other_model)} line(s) name another model than {spec.model.source!r} "
                          f"in body.model ({_ids(rows.other_model)}); they are served by the job's model "

@@ -183,3 +183,15 @@ def test_a_job_schema_the_grammar_refuses_stops_run_before_any_worker(tiny_llama
     result = CliRunner().invoke(main, ["run", str(job), "--set", "sampling.json_schema={type: objekt}"])
     assert (result.exit_code, result.output) == (1, "Error: sampling: sampling parameter 'json_schema' is invalid or "
                                                     "unsupported: Unsupported type \"objekt\"\n")
+
+
+def test_a_row_without_a_prompt_is_warned_about_not_refused(tiny_llama_hf_dir: Path, tmp_path: Path) -> None:
+    """A null prompt is the row's data, like a bad line: an error row in the run, a WARNING in validate."""
+    data = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": ["hi", None, "there"]}), data)
+    job = _spec(tmp_path, str(tiny_llama_hf_dir), url=str(data), prompt_column="prompt", id_column="id")
+    result = CliRunner().invoke(main, ["validate", str(job)])
+    assert result.exit_code == 0, result.output
+    assert ("WARNING: 1 row(s) have no usable prompt and will be error rows (ids 'b'); row 'b': prompt column "
+            "'prompt' is null or empty") in result.output.splitlines()
+    assert "prompt lengths (all 3 rows read): longest prompt " in result.output
