@@ -35,6 +35,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         "report_version": REPORT_VERSION,
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
+        "dedupe": (manifest or {}).get("dedupe"),  # output.dedupe: the plan's / the outputs' counts (driver/dedupe.py)
         "tokens": _tokens(folded, manifest),
         "adapters": _adapters(folded),
         "time": time,

@@ -58,12 +58,23 @@ def _notes(reports: list[dict], bullet: str) -> list[str]:
     for label, report in zip(run_labels(reports), reports, strict=True):
         items = [f"error {kind}: {count:,} rows" for kind, count in report["rows"]["errors_by_kind"].items()]
         items += [finish_reasons_line(report)] if report["rows"].get("finish_reasons") else []
+        items += [dedupe_line(report["dedupe"])] if report.get("dedupe") else []
         items += [_adapter_line(name, figures) for name, figures in (report.get("adapters") or {}).items()]
         items += [f"cost: {note}" for note in report["cost"]["notes"]]
         items += [f"warning: {warning}" for warning in report["warnings"]]
         if items:
             lines += ["", f"{label}:"] + [bullet + item for item in items]
     return lines
+
+
+def dedupe_line(dedupe: dict) -> str:
+    """``output.dedupe``'s counts: ``dedupe prompts: 5 of 10 rows repeat an earlier row's prompt (5 distinct),
+    not generated`` or ``dedupe outputs: 6 of 8 samples repeat an earlier sample's text (2 distinct)``."""
+    if dedupe.get("mode") == "outputs":
+        return (f"dedupe outputs: {dedupe.get('duplicate_outputs', 0):,} of {dedupe.get('samples', 0):,} samples "
+                f"repeat an earlier sample's text ({dedupe.get('distinct_outputs', 0):,} distinct)")
+    return (f"dedupe prompts: {dedupe.get('duplicate_prompts', 0):,} of {dedupe.get('rows', 0):,} rows repeat an "
+            f"earlier row's prompt ({dedupe.get('distinct_prompts', 0):,} distinct), not generated")
 
 
 def _adapter_line(name: str, figures: dict) -> str:

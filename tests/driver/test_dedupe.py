@@ -76,6 +76,11 @@ def test_duplicates_are_written_not_generated_each_id_once(local_ray, tmp_path):
     assert "error" not in report, report
     saved = json.loads((out / "_report" / "report.json").read_text())
     assert saved["rows"]["finish_reasons"] == {"duplicate": 5, "length": 5}
+    assert saved["dedupe"] == manifest["dedupe"]
+    from jobrunner.reports.text import dedupe_line
+
+    assert dedupe_line(saved["dedupe"]) == ("dedupe prompts: 5 of 10 rows repeat an earlier row's prompt "
+                                            "(5 distinct), not generated")
     # a rerun (resume) has nothing to do and changes nothing
     again = run_job(spec, show_progress=False)
     assert again.ok and {r["id"]: r["dedupe_of"] for r in read_output(str(out)).to_pylist()} == \
@@ -119,6 +124,10 @@ def test_duplicate_outputs_are_listed_and_counted(local_ray, tmp_path):
     assert all((d["dedupe_of"], d["dedupe_of_sample"]) == first[texts[(d["id"], d["sample_index"])]] for d in listed)
     expected = {"mode": "outputs", "samples": 8, "distinct_outputs": 2, "duplicate_outputs": 6}
     assert read_manifest_file(out)["dedupe"] == expected
+    from jobrunner.reports.text import dedupe_line
+
+    assert dedupe_line(write_job_report(str(out))["dedupe"]) == \
+        "dedupe outputs: 6 of 8 samples repeat an earlier sample's text (2 distinct)"
     assert run_job(spec, show_progress=False).ok  # a resume with nothing to do counts the same
     assert read_manifest_file(out)["dedupe"] == expected
     assert Storage(str(out)).exists(OUTPUT_DUPLICATES_KEY)
