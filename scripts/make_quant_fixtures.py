@@ -139,7 +139,8 @@ def make_gptq(base: Path, out: Path, group: int, asym: bool) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    config = QuantizeConfig(bits=4, group_size=group, desc_act=False, sym=not asym)
+    # act_group_aware (a quantization-time order, not a layout) needs groups: off for one group per channel
+    config = QuantizeConfig(bits=4, group_size=group, desc_act=False, sym=not asym, act_group_aware=group > 0)
     model = GPTQModel.load(str(base), config, device="cpu")
     model.quantize(CALIBRATION, batch_size=1, tokenizer=tokenizer)
     model.save(str(out))
@@ -149,37 +150,48 @@ def make_gptq(base: Path, out: Path, group: int, asym: bool) -> None:
 
 def make_awq(base: Path, out: Path) -> None:
     """gptqmodel's AWQ: 4-bit, group 128, zero points, GEMM layout."""
-    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     config = QuantizeConfig(bits=4, group_size=128, quant_method="awq", format="gemm")
     model = GPTQModel.load(str(base), config, device="cpu")
-    model.quantize(CALIBRATION, batch_size=1, tokenizer=tokenizer)
+    # the default AWQ backend for GEMM is the CUDA kernel ("AWQ: CUDA is not available"): the torch one packs on CPU
+    model.quantize(CALIBRATION, batch_size=1, tokenizer=tokenizer, backend=BACKEND.TORCH)
     model.save(str(out))
     tokenizer.save_pretrained(str(out))
     _record(out, "gptqmodel", {"format": "AWQ 4-bit, group 128, zero points, GEMM layout"})
 
 
 def make_reference(model_dir: Path) -> None:
-    """transformers' own loading of ``model_dir`` on CPU in float32: greedy tokens and teacher-forced top-1."""
+    """transformers' own loading of ``model_dir`` on CPU in float32: greedy tokens and teacher-forced top-1.
+
+    compressed-tensors FP8 runs its dynamic per-token activation quantization (fake-quantized) in forward, as a
+    GPU would: that top-1 is kept as ``teacher_top1_activations_quantized``; ``greedy`` and ``teacher_top1``
+    are then taken with it switched off (``quantization_enabled = False``): the dequantized model, which is what
+    our CPU path computes (weight-only; docs/quantization.md)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, device_map="cpu").eval()
-    greedy = []
+    teacher = tokenizer(TEACHER_TEXT, add_special_tokens=False, return_tensors="pt").input_ids
+    reference = {"loaded_by": _versions("transformers", "torch", "compressed-tensors", "gptqmodel", "optimum"),
+                 "model_class": type(model).__name__, "teacher_token_ids": teacher[0].tolist()}
     with torch.no_grad():
+        quantized_inputs = [m for m in model.modules() if getattr(getattr(m, "quantization_scheme", None),
+                                                                   "input_activations", None)]
+        if quantized_inputs:
+            reference["teacher_top1_activations_quantized"] = model(teacher).logits[0].argmax(-1).tolist()
+            for module in quantized_inputs:
+                module.quantization_enabled = False
+        greedy = []
         for prompt in PROMPTS:
             ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
             out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None,
                                  pad_token_id=tokenizer.pad_token_id)
             greedy.append({"prompt_token_ids": ids[0].tolist(), "output_token_ids": out[0, ids.shape[1]:].tolist()})
-        teacher = tokenizer(TEACHER_TEXT, add_special_tokens=False, return_tensors="pt").input_ids
-        top1 = model(teacher).logits[0].argmax(-1).tolist()
-    reference = {"loaded_by": _versions("transformers", "torch", "compressed-tensors", "gptqmodel"),
-                 "model_class": type(model).__name__, "greedy": greedy,
-                 "teacher_token_ids": teacher[0].tolist(), "teacher_top1": top1}
+        reference.update(greedy=greedy, teacher_top1=model(teacher).logits[0].argmax(-1).tolist())
     (model_dir / "reference.json").write_text(json.dumps(reference) + "\n")
 
 

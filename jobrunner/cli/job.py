@@ -82,7 +82,10 @@ def _check_model_config(spec) -> str:
         return f" (config not checked: {exc}; each worker downloads and checks it)"
     if check is None:
         return " (its architecture is checked when the alias is converted, on first load)"
-    return "\n  " + check.describe(spec.model.dtype, spec.model.quantization)
+    try:
+        return "\n  " + check.describe(spec.model.dtype, spec.model.quantization)
+    except ValueError as exc:  # model.quantization conflicts with a pre-quantized checkpoint's own
+        raise _error(str(exc)) from None
 
 
 def _check_adapter_sources(adapters: dict[str, str]) -> str:

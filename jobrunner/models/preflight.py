@@ -38,14 +38,22 @@ class ModelCheck:
     num_params: int
     context: int  # the tokens a sequence may hold in a worker (prompt + output)
     where: str  # where the config was read
+    checkpoint_quant: Any = None  # a pre-quantized checkpoint's format (quant.prequantized.CheckpointQuant)
 
     def describe(self, dtype: str, quantization: str) -> str:
-        """One line for ``validate``: architecture, size, context."""
+        """One line for ``validate``: architecture, size, context (and a pre-quantized checkpoint's format).
+        ``ValueError`` when ``quantization`` conflicts with the checkpoint's own."""
+        found = self.checkpoint_quant
+        if found is not None:
+            from jobrunner.quant.prequantized import resolve_scheme
+
+            quantization = resolve_scheme(quantization, found)
         stored = quantization if quantization != "none" else dtype
         widths = [("bfloat16", 2), ("float32", 4)] if stored == "auto" else [(stored, BYTES_PER_WEIGHT[stored])]
         sizes = " or ".join(f"{self.num_params * width / 1e9:.2f} GB as {name}" for name, width in widths)
+        loaded = f"; pre-quantized checkpoint: {found.describe()}, loaded as it is" if found is not None else ""
         return (f"{self.architecture}, {self.num_params / 1e6:,.1f} M parameters (weights: {sizes}), context "
-                f"{self.context:,} tokens; config read from {self.where}, nothing else downloaded")
+                f"{self.context:,} tokens{loaded}; config read from {self.where}, nothing else downloaded")
 
 
 def preflight(source: str, max_model_len: int | None = None, revision: str | None = None,
@@ -88,10 +96,12 @@ def check_config(config: Any, max_model_len: int | None, where: str = "config.js
     import torch
 
     from jobrunner.models.loader import build_model, check_architecture
+    from jobrunner.quant.prequantized import read_checkpoint_quant
 
     try:
         arch = check_architecture(config)
         model = build_model(config, torch.float32, torch.device("meta"), None)
+        found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # refused as a load would
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ModelSourceError(f"{where}: {exc}") from None
     num_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
@@ -99,7 +109,8 @@ def check_config(config: Any, max_model_len: int | None, where: str = "config.js
     if max_model_len is not None and limit and max_model_len > limit:
         raise ModelSourceError(f"engine.max_model_len={max_model_len} is longer than the model's "
                                f"max_position_embeddings={limit} ({where}); set it to {limit} or less")
-    return ModelCheck(arch, num_params, min(limit, max_model_len) if max_model_len and limit else limit, where)
+    return ModelCheck(arch, num_params, min(limit, max_model_len) if max_model_len and limit else limit, where,
+                      found)
 
 
 def _config_from_text(text: str, source: str) -> Any:

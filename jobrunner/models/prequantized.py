@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from jobrunner.models.weight_map import Part, target
-from jobrunner.quant.dispatch import dispatch_for
+from jobrunner.quant.dispatch import CPU_CROSSOVERS, dispatch_for
 from jobrunner.quant.prequantized import CheckpointQuant, build_fp8, build_int4
 from jobrunner.quant.report import LayerQuant, QuantReport
 from jobrunner.quant.tiled import DequantBuffer
@@ -36,7 +36,7 @@ class PrequantizedLoad:
         self.modules = quantized_modules(model, quant, names)
         self.report = QuantReport(scheme=quant.scheme, group_size=quant.group_size,
                                   notes=[f"pre-quantized checkpoint: {quant.describe()}"],
-                                  dispatch=self.dispatch.to_dict())
+                                  dispatch=_dispatch_record(self.dispatch, quant.scheme))
 
     def replaces(self, module_name: str, module: torch.nn.Module) -> bool:
         """The linears the checkpoint stores quantized."""
@@ -86,6 +86,16 @@ class PrequantizedLoad:
         report.model_bf16_bytes = report.model_bytes_before = report.model_bytes_after + sum(
             layer.bytes_before - layer.bytes_after for layer in report.layers if layer.scheme != "none")
         report.scratch_bytes = self.scratch.nbytes()
+
+
+def _dispatch_record(dispatch, scheme: str) -> dict:
+    """The dispatch as the manifest records it, for the layers built here: pre-quantized int4 layers never take
+    the W4A8 path (:class:`~jobrunner.quant.prequantized.ExactInt4Linear`), so it is left out."""
+    record = dispatch.to_dict()
+    limits = record["max_kernel_tokens"]
+    if scheme == "int4" and dispatch.device_type == "cpu" and limits.pop("int4_int8", 0) > limits["int4"]:
+        limits["int4"] = max(limits["int4"], CPU_CROSSOVERS[dispatch.compute_dtype == torch.bfloat16]["int4"])
+    return record
 
 
 def quantized_modules(model: torch.nn.Module, quant: CheckpointQuant, names: Iterable[str]) -> set[str]:

@@ -4,7 +4,9 @@
 in float32 on CPU: a GPTQ / AWQ float16 scale is not a bfloat16 value, and rounding it would make our model
 differ from the checkpoint's. The CPU packed kernel then runs in float32 (activations and scales); the batch
 path dequantizes tiles exactly (``(q - 8) * scale + zero``, every term exact in float32). Its W4A8 batch path
-(int8 activations) stays off: it is not the checkpoint's arithmetic. On CUDA tinygemm reads bfloat16 pairs,
+(int8 activations) stays off: it is not the checkpoint's arithmetic. Above the packed kernel's token count the
+tiles are dequantized into the machine's compute dtype (:mod:`jobrunner.quant.dispatch`: bfloat16 on CPUs with
+bf16 hardware), as for every quantized layer. On CUDA tinygemm reads bfloat16 pairs,
 so there the scales are rounded to bfloat16 (relative error <= 2^-9), as for our own int4.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from jobrunner.quant.dispatch import QuantDispatch
+from jobrunner.quant.dispatch import CPU_CROSSOVERS, QuantDispatch
 from jobrunner.quant.fp8 import Fp8Linear, fp8_shape_problem
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
 from jobrunner.quant.kernels import INT4_GROUP_SIZES, int4_mm, int4_shape_problem
@@ -30,7 +32,10 @@ class ExactInt4Linear(Int4WeightOnlyLinear):
         super().__init__(q, scales_and_zeros, group_size, bias, dispatch, scratch, act_dtype)
         if not q.is_cuda:
             self.scales_and_zeros = scales_and_zeros.to(torch.float32).contiguous()
-            self.int8 = None  # W4A8 quantizes activations: not the checkpoint's model
+            if self.int8 is not None:  # W4A8 quantizes activations: not the checkpoint's model. Without it
+                self.int8 = None  # the packed kernel keeps the sizes it wins at on this CPU (as for int4 alone)
+                self.small_batch_max_tokens = max(self.small_batch_max_tokens, CPU_CROSSOVERS[
+                    self.dispatch.compute_dtype == torch.bfloat16]["int4"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
