@@ -114,6 +114,50 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device, seed: i
     return model
 
 
+class RandomCheckpoint:
+    """A random checkpoint of ``config`` in Hugging Face's tensor names, made on ``device`` one tensor at a time
+    as the loader reads it (matrices ~ N(0, 0.02), 1-D parameters = 1): what a real model's safetensors shards
+    give the streamed loader, without weights on disk. It names its tensors up front (:meth:`names`, from
+    transformers' model built on ``meta``), so quantize-at-load quantizes each layer as soon as it is complete."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            reference = LlamaForCausalLM(config)
+        self.shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
+        self.dtype, self.device, self.seed = dtype, device, seed
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def __iter__(self):
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        for name, shape in self.shapes.items():
+            tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if len(shape) == 1:
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+            yield name, tensor
+
+
+def load_random_model(config, dtype: torch.dtype, device: torch.device, quant: str = "none", seed: int = 0):
+    """Our model through the job's load path: built on ``meta`` in ``dtype``, each parameter made on the device
+    as the (random) checkpoint streams in, quantized layer by layer at load unless ``quant`` is none (the float
+    model never whole on the device). Returns ``(model, quant report or None)``."""
+    from jobrunner.models.loader import build_model, load_weights
+
+    model = build_model(config, dtype, device, materialize=False)
+    transform = None
+    if quant != "none":
+        from jobrunner.quant.at_load import QuantizeAtLoad
+
+        transform = QuantizeAtLoad(model, quant, device)
+    load_weights(model, RandomCheckpoint(config, dtype, device, seed), device=device, transform=transform)
+    return model, (transform.report if transform is not None else None)
+
+
 def load_memory(model, device: torch.device) -> dict[str, Any]:
     """The model's weight bytes and the peak memory its build took (CUDA: max allocated since the reset before
     the build; a float32 detour would show as ~2x the weights), with their ratio."""
@@ -307,16 +351,11 @@ def run_engine(run: str, args: argparse.Namespace, budget: RunBudget) -> dict[st
                               "kv_cache_dtype": kv_dtype}
     setup_start = t0 = time.perf_counter()
     reset_peak_memory(device)
-    model = build_random_model(make_config(args.tiny), torch.bfloat16, device)
+    model, report = load_random_model(make_config(args.tiny), torch.bfloat16, device, quant)  # quantized at load
+    sync(device)
     result["build_s"] = round(time.perf_counter() - t0, 2)
     result["load_memory"] = load_memory(model, device)
-    if quant != "none":
-        from jobrunner.quant import quantize_model
-
-        t0 = time.perf_counter()
-        report = quantize_model(model, quant)
-        sync(device)
-        result["quantize_s"] = round(time.perf_counter() - t0, 2)
+    if report is not None:
         result["quant_summary"] = report.summary()
     reset_peak_memory(device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -433,7 +472,7 @@ def reference_model(master, device: torch.device, dtype: torch.dtype):
 
 def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device: torch.device,
                 deadline: float, max_new: int = PARITY_TOKENS,
-                combos: tuple[tuple[str, bool], ...] = PARITY_COMBOS) -> dict[str, Any]:
+                runs: tuple[tuple[str, bool], ...] = PARITY_COMBOS) -> dict[str, Any]:
     from jobrunner.engine import EngineConfig, SamplingParams
     from jobrunner.engine.llm_engine import LLMEngine
     from jobrunner.models.loader import build_model, load_weights
@@ -447,7 +486,7 @@ def _parity_one(hf, config, prompts: list[list[int]], dtype: torch.dtype, device
         reference.append(out[0, len(ids):].tolist())
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True, logprobs=0)
     combos: dict[str, Any] = {}
-    for backend, graphs in combos:
+    for backend, graphs in runs:
         if time.perf_counter() > deadline:
             break
         model = build_model(config, dtype, device)

@@ -77,7 +77,8 @@ def test_steady_decode_times_full_batch_decode_steps_only():
 
 
 def test_the_phases_name_their_runs():
-    assert gpu_bench._runs("core") == ["parity", "triton+graphs", "torch"]
+    assert gpu_bench._runs("core") == ["triton+graphs", "torch"]  # parity: gpu_check.sh's own stage
+    assert gpu_bench._runs("all")[0] == "parity"
     assert gpu_bench._runs("extra")[0] == "hf" and "quant-kernels" in gpu_bench._runs("extra")
     assert "triton+graphs+fp8kv" in gpu_bench._runs("extra")  # opt-in: the extra phase only
 
@@ -98,7 +99,7 @@ def test_an_fp8_kv_run_reads_fp8_blocks_and_its_roofline_counts_them():
     assert result["runner"]["kv_cache_dtype"] == "float8_e4m3fn" and result["num_decode_tokens"] == 9
     # tiny shape: 2 layers x (K, V) x 2 kv heads x (16 codes + a 4-byte scale), against 16 x 2 bytes in bf16
     assert result["roofline"]["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
-    assert gpu_bench._runs("all") == gpu_bench._runs("core") + gpu_bench._runs("extra")
+    assert gpu_bench._runs("all") == ["parity"] + gpu_bench._runs("core") + gpu_bench._runs("extra")
     assert gpu_bench._runs("torch, hf") == ["torch", "hf"]
 
 
@@ -127,3 +128,24 @@ def test_decode_ab_runs_on_the_cpu_and_late_readback_keeps_the_tokens():
     late = variants["split=off,late=always"]
     assert late["tokens_equal_synchronous"] is True and late["late_steps"] > 0
     assert variants["split=off,late=off"]["late_steps"] == 0 and late["step_ms"] > 0
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_the_bench_model_is_built_through_the_streamed_loader(quant):
+    """The 8B-shaped model of the GPU check goes the job's way (here the tiny shape on CPU): built on meta in
+    bf16, each tensor made as the random checkpoint streams in (norms 1, matrices N(0, 0.02)), quantized layer by
+    layer at load; nothing left on meta, and the same tensors as the whole-model build for the same seed."""
+    config = gpu_bench.make_config(True)
+    model, report = gpu_bench.load_random_model(config, torch.bfloat16, torch.device("cpu"), quant, seed=3)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert not any(t.is_meta for t in tensors)
+    assert (report is None) == (quant == "none")
+    if report is not None:
+        assert report.summary()["layers"]["int8"] == 9 and not report.summary()["fallbacks"]
+    norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    memory = gpu_bench.load_memory(model, torch.device("cpu"))
+    assert memory["weights_mib"] > 0 and memory["cuda_max_allocated_mib"] is None
+    if quant == "none":
+        embed = model.embed_tokens.weight.float()
+        assert embed.dtype == torch.float32 and 0.015 < embed.std().item() < 0.025
