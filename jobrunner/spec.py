@@ -544,7 +544,7 @@ class JobSpec(_Spec):
         if self.model.adapters and self.engine.deterministic:
             raise ValueError("engine.deterministic is not supported with model.adapters (docs/engine.md, LoRA "
                              "adapters)")
-        if self.model.adapters and self.engine.factory is None and self.engine.use_cuda_graphs:
+        if self.model.adapters and self.engine.factory is None and self.engine.use_cuda_graphs is True:
             raise ValueError("engine.use_cuda_graphs is not supported with model.adapters (docs/engine.md, LoRA "
                              "adapters)")
         return self
@@ -667,7 +667,10 @@ def spec_from_dict(data: Any, source: str = "<spec>", overrides: list[str] | tup
     every bad field, with a "did you mean" for misspelt keys."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: a job spec must be a YAML mapping, got {type(data).__name__}")
-    values = template_values()  # one set per load: {date}, {datetime}, {run_id} in input.url / output.url
+    try:
+        values = template_values()  # one set per load: {date}, {datetime}, {run_id} in input.url / output.url
+    except ValueError as exc:  # a $JOBRUNNER_DATE that is not YYYY-MM-DD
+        raise SpecError(f"{source}: {exc}") from None
     data = fill_spec_urls(data, source, SpecError, values)
     try:
         spec = JobSpec.model_validate(data)

@@ -38,7 +38,20 @@ def template_values(now: dt.datetime | None = None, environ: Mapping[str, str] |
     for name, variable in ENV_OVERRIDES.items():
         if environ.get(variable):
             values[name] = environ[variable]
+    if environ.get(ENV_OVERRIDES["date"]):
+        check_date(values["date"])
     return values
+
+
+def check_date(value: str) -> None:
+    """ValueError naming $JOBRUNNER_DATE unless ``value`` is a calendar date written YYYY-MM-DD: it names the
+    night's folder and orders the trend, so ``2026-12-4`` (which sorts after ``2026-12-10``) is refused."""
+    try:
+        ok = dt.date.fromisoformat(value).isoformat() == value
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"${ENV_OVERRIDES['date']}={value!r}: write the night's date as YYYY-MM-DD (e.g. 2026-12-04)")
 
 
 def has_placeholders(url: str) -> bool:

@@ -43,3 +43,13 @@ def test_an_unknown_placeholder_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="unknown placeholder"):
         fill_url("x/{nope}", template_values(NOW, environ={}), "f")
 
+
+
+@pytest.mark.parametrize("bad", ["2026-12-4", "2026-13-01", "20261204", "tonight"])
+def test_a_logical_date_not_written_yyyy_mm_dd_is_refused(monkeypatch, bad):
+    """$JOBRUNNER_DATE names the night's folder and orders the trend: '2026-12-4' would sort after '2026-12-10'."""
+    with pytest.raises(ValueError, match=r"JOBRUNNER_DATE=.*YYYY-MM-DD"):
+        template_values(NOW, environ={"JOBRUNNER_DATE": bad})
+    monkeypatch.setenv("JOBRUNNER_DATE", bad)
+    with pytest.raises(SpecError, match=r"<spec>: \$JOBRUNNER_DATE="):
+        spec_from_dict(_spec("in.parquet", "out/{date}"))
