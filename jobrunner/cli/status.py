@@ -84,7 +84,7 @@ def _speed_line(speed: dict[str, Any], counts: Any) -> str:
     if speed["tokens_per_s"] is None:
         return speed["basis"]
     unit = "prompts" if counts is not None and counts.shows_samples else "rows"
-    tokens = f"{speed['tokens_per_s']:,.1f} {speed['token_kind']} tok/s"
+    tokens = f"{speed['tokens_per_s']:,.1f} {speed['tokens_kind']} tok/s"
     if speed.get("tokens_window_s"):  # the driver's rate, as its log shows it
         tokens += f" (the driver's, over its last {speed['tokens_window_s']:.0f} s)"
     return f"{tokens}, {speed['prompts_per_s']:,.2f} {unit}/s ({speed['basis']}, {speed['elapsed_s']:,.0f} s)"

@@ -435,7 +435,7 @@ class _JobLoop:
         older readers take."""
         eta = self.progress.eta_s()
         self.lease.live = {"phase": phase, "run_index": self.run_index, "counts": snap.counts.to_dict(),
-                           "tokens_this_run": snap.tokens, "token_kind": self.kind,
+                           "tokens_this_run": snap.tokens, "tokens_kind": self.kind,
                            "tokens_per_s": round(self.progress.tokens_per_s(), 1),
                            "eta_s": None if eta is None else round(eta, 1),
                            "rows_done": snap.counts.samples_done, "rows_total": snap.counts.samples_total,

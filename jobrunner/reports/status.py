@@ -66,12 +66,12 @@ def _live(lease: dict | None, now_s: float) -> dict[str, Any] | None:
     if not isinstance(progress, dict):
         return None
     at_s = _epoch(progress.get("at"))
-    kind = progress.get("token_kind") if progress.get("token_kind") in ("in", "out") else "out"
+    kind = progress.get("tokens_kind") if progress.get("tokens_kind") in ("in", "out") else "out"
     tokens = progress.get("tokens_this_run", progress.get("output_tokens_this_run"))
     return {"phase": str(progress.get("phase") or "running"), "rows_done": _int(progress.get("rows_done")),
             "rows_total": _int(progress.get("rows_total")), "counts": counts_from_dict(progress.get("counts")),
             "output_tokens_this_run": _int(progress.get("output_tokens_this_run")),
-            "tokens_this_run": _int(tokens), "token_kind": kind,
+            "tokens_this_run": _int(tokens), "tokens_kind": kind,
             "eta_s": mv.number(progress, "eta_s"), "tokens_per_s": mv.number(progress, "tokens_per_s"),
             "age_s": None if at_s is None else max(now_s - at_s, 0.0),
             "workers": _int(progress.get("workers")), "at": progress.get("at")}
@@ -149,7 +149,7 @@ def _speed(manifest: dict, counts: Counts, phase: str, now_s: float, live: dict 
     from committed shards and this run's pace), else over the job's wall time."""
     current = _current_run(manifest)
     started_s = _epoch(current.get("started_at"))
-    kind = live["token_kind"] if live else token_kind(_task(manifest))
+    kind = live["tokens_kind"] if live else token_kind(_task(manifest))
     if phase == "running" and started_s is not None:
         until_s = (_epoch(live["at"]) if live else None) or now_s
         elapsed = max(until_s - started_s, 1e-6)
@@ -166,14 +166,14 @@ def _speed(manifest: dict, counts: Counts, phase: str, now_s: float, live: dict 
         window = live is not None and live["tokens_per_s"] is not None
         return {"basis": basis, "elapsed_s": round(elapsed, 1), "prompts_per_s": max(prompts_now, 0) / elapsed,
                 "tokens_per_s": live["tokens_per_s"] if window else max(tokens_now, 0) / elapsed,
-                "tokens_window_s": RATE_WINDOW_S if window else None, "token_kind": kind,
+                "tokens_window_s": RATE_WINDOW_S if window else None, "tokens_kind": kind,
                 "eta_s": None if eta is None else round(eta, 1)}
     wall = mv.number(manifest, "wall_s")
     if not wall:
         return {"basis": "unknown (no wall time recorded)", "elapsed_s": None, "prompts_per_s": None,
-                "tokens_per_s": None, "tokens_window_s": None, "token_kind": kind, "eta_s": None}
+                "tokens_per_s": None, "tokens_window_s": None, "tokens_kind": kind, "eta_s": None}
     return {"basis": "whole job (its runs' wall time)", "elapsed_s": wall, "prompts_per_s": counts.prompts_done / wall,
-            "tokens_per_s": _tokens_total(manifest, kind) / wall, "tokens_window_s": None, "token_kind": kind,
+            "tokens_per_s": _tokens_total(manifest, kind) / wall, "tokens_window_s": None, "tokens_kind": kind,
             "eta_s": 0.0 if counts.is_done else None}
 
 

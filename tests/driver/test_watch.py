@@ -139,7 +139,7 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
     status, text = running_status
     assert status["lease"]["run_id"] and status["lease"]["heartbeat_age_s"] is not None
     assert not status["lease"]["expired"] and status["rows"]["total"] == 64
-    assert 0 < status["rows"]["done"] < 64 and status["speed"]["basis"] == "this run so far (driver heartbeat)"
+    assert 0 < status["rows"]["done"] < 64 and status["speed"]["basis"] == "this run so far (the driver's count)"
     assert status["live"]["phase"] == "running" and status["live"]["rows_total"] == 64
     assert status["workers"]["count"] >= 1 and status["workers"]["live"] >= 1
     assert "state    running" in text and "lease    run " in text and "last heartbeat" in text
@@ -147,11 +147,13 @@ def test_metrics_and_status_while_a_job_runs(metrics_ray, tmp_path):
 
     code, text = _status(out)
     assert code == 0, text
-    assert "complete (_SUCCESS written)" in text and "64/64 (100.0%), 0 errors (0.0%)" in text
+    assert "complete (_SUCCESS written)" in text and "done     rows 64/64 (100%)\n" in text
+    assert "errors   0 error rows (0.0% of the rows written)" in text
     assert "lease    none" in text and "ETA      done" in text
     _keep("status_finished.txt", text)
     final = json.loads(_status(out, "--json")[1])
-    assert final["tokens"]["output"] == 64 * 24 and final["speed"]["output_tokens_per_s"] > 0
+    assert final["tokens"]["output"] == 64 * 24 and final["speed"]["tokens_per_s"] > 0
+    assert final["speed"]["tokens_kind"] == "out" and final["counts"]["prompts_done"] == 64
 
 
 def test_status_on_object_storage_running_and_finished(metrics_ray, s3_server, tmp_path):
@@ -180,7 +182,7 @@ def test_status_on_object_storage_running_and_finished(metrics_ray, s3_server, t
     code, text = _status(out, "--json", *flag)
     assert code == 0 and json.loads(text)["workers"]["ids"] == ["w0"], text
     code, text = _status(out, *flag)
-    assert code == 0 and "32/32 (100.0%)" in text and "complete" in text, text
+    assert code == 0 and "rows 32/32 (100%)" in text and "complete" in text, text
 
 
 def test_status_names_what_is_missing(tmp_path):

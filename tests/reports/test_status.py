@@ -67,7 +67,7 @@ def test_a_running_output(tmp_path: Path, frozen_clock: float) -> None:
                                 "n": 2}
     # this run: 20 prompts (40 rows) and 800 output tokens in 40 s; 50 prompts left at 0.5 prompts/s
     assert status["speed"] == {"basis": "this run so far (committed shards)", "elapsed_s": 40.0, "prompts_per_s": 0.5,
-                               "tokens_per_s": 20.0, "tokens_window_s": None, "token_kind": "out", "eta_s": 100.0}
+                               "tokens_per_s": 20.0, "tokens_window_s": None, "tokens_kind": "out", "eta_s": 100.0}
     assert status["workers"]["ids"] == ["r1w0", "r1w1"] and status["commit_records_pending"] == 1
     assert status["lease"]["generation"] == 7 and status["lease"]["heartbeat_age_s"] == 5.0
     assert status["lease"]["expires_in_s"] == 55.0 and not status["lease"]["expired"]
@@ -96,7 +96,7 @@ def test_a_running_drivers_heartbeat_counts_rows_inside_running_shards(tmp_path:
     # its start to the heartbeat; 30 prompts left
     assert status["speed"] == {"basis": "this run so far (the driver's count)", "elapsed_s": 30.0,
                                "prompts_per_s": 40 / 30, "tokens_per_s": 2000 / 30, "tokens_window_s": None,
-                               "token_kind": "out", "eta_s": 22.5}
+                               "tokens_kind": "out", "eta_s": 22.5}
     text = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
     assert ("prompts 50/80 · samples 100/160 (62%) [the driver's count, 10 s ago: committed rows and rows "
             "finished in running shards]") in text
@@ -133,7 +133,7 @@ def test_status_shows_the_counts_and_eta_of_the_drivers_log(tmp_path: Path, froz
     counts, and the ETA the driver gave less the time since."""
     now = frozen_clock
     counts = {"prompts_done": 13, "prompts_total": 80, "samples_done": 26, "samples_total": 160, "n": 2}
-    progress = {"phase": "running", "run_index": 1, "counts": counts, "tokens_this_run": 900, "token_kind": "out",
+    progress = {"phase": "running", "run_index": 1, "counts": counts, "tokens_this_run": 900, "tokens_kind": "out",
                 "eta_s": 50.0, "tokens_per_s": 41.5, "rows_done": 26, "rows_total": 160, "output_tokens_this_run": 900,
                 "workers": 1, "at": _iso(now - 12)}
     lease = {"run_id": "abc123", "host": "head-1", "pid": 4242, "generation": 7, "heartbeat_at": _iso(now - 12),
@@ -162,7 +162,7 @@ def test_a_stopped_embed_output_counts_committed_rows_and_input_tokens(tmp_path:
     (root / "_commits" / "s2.json").write_text(json.dumps({**record, "rows": 10}))
     status = job_status(read_output_state(str(root)), now_s=now)
     assert status["state"] == "incomplete" and status["counts"]["n"] == 1
-    assert status["speed"]["token_kind"] == "in" and status["speed"]["tokens_per_s"] == 60.0  # 600 prompt tokens
+    assert status["speed"]["tokens_kind"] == "in" and status["speed"]["tokens_per_s"] == 60.0  # 600 prompt tokens
     text = CliRunner().invoke(main, ["status", str(root)]).output
     assert "done     rows 30/80 committed (37%)\n" in text
     assert "60.0 in tok/s, 3.00 rows/s (whole job (its runs' wall time), 10 s)" in text
