@@ -13,11 +13,13 @@ from jobrunner.spec import JobSpec
 
 def engine_config_kwargs(spec: JobSpec) -> dict[str, Any]:
     """EngineConfig keyword arguments: every engine setting of the spec (the keys are EngineConfig's own
-    fields, jobrunner.spec_sections) and the model's dtype."""
+    fields, jobrunner.spec_sections), the model's dtype and a fractional worker's share of its GPU."""
     from jobrunner.engine.config import EngineConfig
     from jobrunner.engine.settings import settings_of
 
-    return {**{s.name: getattr(spec.engine, s.name) for s in settings_of(EngineConfig)}, "dtype": spec.model.dtype}
+    gpus = spec.cluster.num_gpus_per_worker  # a fractional worker plans on its share of the card
+    return {**{s.name: getattr(spec.engine, s.name) for s in settings_of(EngineConfig)}, "dtype": spec.model.dtype,
+            **({"gpu_share": gpus} if 0 < gpus < 1 else {})}
 
 
 def build_engine(spec: JobSpec, log_dir: str | None = None) -> WorkerEngine:

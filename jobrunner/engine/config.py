@@ -12,9 +12,11 @@ from jobrunner.engine.settings import check_settings, setting
 class EngineConfig:
     """How the engine batches, caches and where it runs.
 
-    Memory for the KV cache: on CPU ``kv_cache_memory_bytes`` (default 2 GiB); on CUDA a fraction
-    ``gpu_memory_utilization`` of the memory left free after the weights are loaded. ``num_kv_blocks``
-    overrides both (tests use it to force preemption).
+    Memory for the KV cache: on CPU ``kv_cache_memory_bytes`` (default 2 GiB); on CUDA what is left of
+    ``gpu_memory_utilization`` x ``gpu_share`` x the card's total memory once the weights, a measured step's
+    activation peak and the CUDA graphs' pool are taken out (:mod:`jobrunner.engine.memory_plan`).
+    ``gpu_share`` (internal; the driver sets it from ``cluster.num_gpus_per_worker`` below 1) is this engine's
+    fraction of the card. ``num_kv_blocks`` overrides both (tests use it to force preemption).
 
     ``attention_backend``: ``torch`` (gather + SDPA, runs anywhere), ``cpu_paged`` (native code reading the
     paged cache in place; CPU only, falls back to torch with a warning where it cannot build), ``triton`` (one
@@ -52,8 +54,11 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(2048, description="Token budget of one engine step.", ge=1)
     block_size: int = setting(16, description="Tokens per KV-cache block.", ge=1)
     kv_cache_memory_bytes: int | None = setting(None, description="KV-cache size on CPU.", ge=1)
-    gpu_memory_utilization: float = setting(0.85, description="Fraction of free GPU memory for the KV cache.",
-                                            gt=0.0, le=1.0)
+    gpu_memory_utilization: float = setting(
+        0.85, description="Share of the GPU's total memory this engine may use: weights, a measured step's "
+        "activations, CUDA graphs and the KV cache (which gets what is left). A worker with num_gpus_per_worker "
+        "below 1 gets this share of its fraction of the card (docs/engine.md).", gt=0.0, le=1.0)
+    gpu_share: float = 1.0  # internal: this engine's fraction of its GPU (cluster.num_gpus_per_worker, if < 1)
     num_kv_blocks: int | None = setting(None, description="Exact number of KV blocks.", ge=1)
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = setting(
         "auto", description="KV-cache element type: auto (the model's dtype) or fp8_e4m3 / fp8_e5m2 (fp8 codes with "
@@ -105,6 +110,8 @@ class EngineConfig:
         if self.late_readback not in LATE_READBACK_MODES:
             raise ValueError(f"EngineConfig.late_readback must be {'|'.join(LATE_READBACK_MODES)}, "
                              f"got {self.late_readback!r}")
+        if not 0.0 < self.gpu_share <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_share must be in (0, 1], got {self.gpu_share!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.use_cuda_graphs not in (True, False, "auto"):

@@ -20,9 +20,17 @@ from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.late_steps import LateSteps
 from jobrunner.engine.long_rope import make_long_rope_switch
+from jobrunner.engine.memory_plan import (
+    MemoryPlan,
+    estimate_activation_bytes,
+    model_bytes,
+    plan_cpu,
+    plan_from_numbers,
+)
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.pooling import finish as finish_pooling
+from jobrunner.engine.profile_run import profile_step
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
 from jobrunner.engine.readback import late_readback_on
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
@@ -73,6 +81,7 @@ class LLMEngine:
         record_adapters(self.adapters, self.model_info)
         # speculative = a model source: the draft model (loaded here unless given), its KV beside ours
         self.draft = prepare_draft(self.config, model, tokenizer, self.model_info, draft)
+        self.memory_plan: MemoryPlan | None = None  # how the memory was shared out (None: num_kv_blocks given)
         num_blocks = self._num_kv_blocks()
         bs = self.config.block_size
         model_len = self.config.max_model_len or model.shape.max_position_embeddings
@@ -542,20 +551,44 @@ class LLMEngine:
         return "static" if self.config.static_decode else "off"
 
     def _num_kv_blocks(self) -> int:
+        """Blocks for the KV cache, from the memory plan (engine/memory_plan.py), recorded in model_info."""
         cfg = self.config
-        if cfg.num_kv_blocks:
-            return cfg.num_kv_blocks
         dtype = cache_dtype(cfg.kv_cache_dtype, self.model.dtype)  # fp8: about half the bytes, so ~2x the blocks
         per_block = ModelRunner.bytes_per_block(self.model, cfg.block_size, dtype)
         if self.draft is not None:  # every block has a draft-model block beside it: the budget holds both
             per_block += self.draft.kv_bytes_per_block(cfg.block_size)
-        if self.device.type == "cuda":  # the adapters' weights are on the device already: not free
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
-            budget -= adapter_workspace_bytes(self.adapters, self.model, cfg.max_num_batched_tokens)
-        else:
-            budget = cfg.kv_cache_memory_bytes or 2 * 1024**3
-        return max(1, budget // per_block)
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        plan = self._cuda_memory_plan(per_block) if self.device.type == "cuda" else plan_cpu(
+            weights_bytes=model_bytes(self.model), activations_bytes=self._activation_estimate(cfg.max_num_seqs),
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, kv_bytes_per_block=per_block)
+        self.memory_plan = plan
+        self.model_info.update(plan.to_info())
+        return plan.num_kv_blocks
+
+    def _activation_estimate(self, num_seqs: int, num_tokens: int | None = None) -> int:
+        s = self.model.shape
+        return estimate_activation_bytes(s, num_tokens or self.config.max_num_batched_tokens, num_seqs,
+                                         torch.empty(0, dtype=self.model.dtype).element_size())
+
+    def _cuda_memory_plan(self, per_block: int) -> MemoryPlan:
+        """Weights as allocated, one profile step's peak, the graphs' pool (estimated as one decode step at
+        ``max_num_seqs`` rows), then the KV cache from ``gpu_memory_utilization`` x share x the card's total."""
+        cfg = self.config
+        free_device_memory()  # the load's freed blocks (a quantized layer's float copy) back to the card
+        weights = torch.cuda.memory_allocated(self.device)
+        shape = self.model.shape
+        model_len = min(cfg.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+        activations = profile_step(self.model, cfg, self.device, model_len).peak_bytes
+        free_device_memory()  # the profile step's cache and activations: not held by anyone now
+        graphs = self._activation_estimate(cfg.max_num_seqs, cfg.max_num_seqs) \
+            if self._decode_graphs_mode() == "cuda" else 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return plan_from_numbers(
+            device=str(self.device), total_bytes=total, free_bytes=free, utilization=cfg.gpu_memory_utilization,
+            share=cfg.gpu_share, weights_bytes=weights, activations_bytes=activations, graphs_bytes=graphs,
+            kv_bytes_per_block=per_block,  # the adapters' weights are allocated already: in `weights`
+            other_bytes=adapter_workspace_bytes(self.adapters, self.model, cfg.max_num_batched_tokens))
 
 
 def _progress(total: int):

@@ -68,7 +68,9 @@ class Int4WeightOnlyLinear(torch.nn.Module):
         problem = int4_shape_problem(linear.out_features, linear.in_features, group_size, device)
         if problem is not None:
             raise ValueError(f"int4 cannot take {linear}: {problem}")
-        q, scales_and_zeros = quantize_int4_groupwise(linear.weight, group_size)
+        # CPU: codes at a byte each (packed by row blocks); tinygemm's CUDA packing reads int32 codes
+        codes = torch.int32 if device.type == "cuda" else torch.uint8
+        q, scales_and_zeros = quantize_int4_groupwise(linear.weight, group_size, codes)
         return cls(q, scales_and_zeros, group_size, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     @property

@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from jobrunner.quant.primitives import row_chunks
+
 # Which kernel runs for how many tokens is decided per machine in jobrunner.quant.dispatch.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -74,7 +76,11 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
         q = q.to(torch.int32)
         nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
         return torch.ops.aten._convert_weight_to_int4pack(nibbles, cuda_inner_k_tiles(q.shape[1]))
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    # CPU: the packed rows of a 64-row block depend on those rows alone, so pack by blocks of rows (int32
+    # copies of a chunk, not of the whole weight: a streamed quantized load keeps its peak near the layer)
+    parts = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[rows].to(torch.int32).contiguous(), 2)
+             for rows in row_chunks(*q.shape)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,

@@ -16,6 +16,15 @@ INT8_MAX = 127
 ZERO_POINT = 128  # u8 codes = int8 codes + 128 (oneDNN's fast int8 path takes u8 activations)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
+# Quantizers work on this many weights at a time (whole rows; a multiple of 64 rows where a row is short), so
+# their float32 temporaries stay a few MB whatever the layer: a quantized load's peak is then the layer itself.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def row_chunks(num_rows: int, row_len: int) -> list[slice]:
+    """Row ranges of at most ~:data:`CHUNK_ELEMENTS` weights (64-row multiples: the packed layouts' blocks)."""
+    step = max(64, (CHUNK_ELEMENTS // max(row_len, 1)) // 64 * 64)
+    return [slice(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
 
 
 def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +47,16 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
     Returns ``(weight_int8 [out, in] int8, scales [out] float32)``; a zero row gets scale 1. With the codes
     chosen, each row's scale is refitted by least squares and rounded to the nearest bfloat16 where that
-    lowers the row's error (as for int4, see :func:`_refit_groups`).
+    lowers the row's error (as for int4, see :func:`_refit_groups`). Rows are independent: done in chunks.
     """
+    out = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for rows in row_chunks(*weight.shape):
+        out[rows], scales[rows] = _int8_rows(weight[rows])
+    return out, scales
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scales = round_up_to_bf16(torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax)))
@@ -62,13 +79,24 @@ CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 @torch.no_grad()
-def quantize_int4_groupwise(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int, codes_dtype: torch.dtype = torch.int32
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric int4 quantization of ``weight`` [N, K] in groups of ``group_size`` along K.
 
-    Returns ``(q [N, K] int32 in 0..15, scales_and_zeros [K / group_size, N, 2] float32)``. Each group's range
-    is shrunk by the ratio in :data:`CLIP_RATIOS` that minimises that group's squared error; then, with the
-    codes fixed, scale and zero are refitted by least squares (see :func:`_refit_groups`).
+    Returns ``(q [N, K] codes_dtype in 0..15, scales_and_zeros [K / group_size, N, 2] float32)``. Each group's
+    range is shrunk by the ratio in :data:`CLIP_RATIOS` that minimises that group's squared error; then, with
+    the codes fixed, scale and zero are refitted by least squares (see :func:`_refit_groups`). Rows are
+    independent: done in chunks of rows (``codes_dtype=torch.uint8`` keeps the codes at a byte each).
     """
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=codes_dtype, device=weight.device)
+    scales_and_zeros = torch.empty((k // group_size, n, 2), dtype=torch.float32, device=weight.device)
+    for rows in row_chunks(n, k):
+        q[rows], scales_and_zeros[:, rows] = _int4_rows(weight[rows], group_size)
+    return q, scales_and_zeros
+
+
+def _int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     best_err = best_q = best_scale = best_zero = None
