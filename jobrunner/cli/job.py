@@ -56,6 +56,15 @@ def _check_model(spec) -> str:
         _check_adapter_sources(spec.model.adapters)
 
 
+def _refuse_batch_chat_lines(spec) -> None:
+    """An OpenAI batch file of chat lines for a model without a chat template: refused before any worker."""
+    from jobrunner.cli.validate_rows import batch_chat_problem
+
+    problem = batch_chat_problem(spec)
+    if problem:
+        raise _error(problem)
+
+
 def _check_vllm(spec) -> str:
     """'; engine: vLLM 0.32.0 at PYTHON (it checks the architecture at load)': vLLM is there for the Python
     workers will use, and engine.vllm_options are vLLM's own names."""
@@ -198,6 +207,7 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
     started_s = _command_started_s()
     spec = _load(job_file, overrides, limit)
     _check_model(spec)
+    _refuse_batch_chat_lines(spec)
     try:
         result = run_job(spec, address=address, show_progress=not no_progress, started_s=started_s)
     except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:

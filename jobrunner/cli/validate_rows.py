@@ -62,3 +62,25 @@ def _prompt_length_lines(spec: JobSpec, plan, requests: list, rows_read: int) ->
     lengths = check_prompt_lengths(spec, requests, tokenizer, check.context)
     lengths.rows_read = rows_read  # the rows refused above were read too
     return describe(lengths, plan.num_rows)
+
+
+def batch_chat_problem(spec: JobSpec) -> str | None:
+    """`run`'s check before any worker: an OpenAI batch file whose first rows hold /v1/chat/completions lines,
+    for a model known to have no chat template, refused in one line (validate names each line instead); None
+    when that is not the case or the file cannot be read here (the run then says why)."""
+    from jobrunner.driver.chat_check import is_chat_prompt, lacks_chat_template, no_template
+
+    if spec.input.format != "openai_batch" or spec.task != "generate" or not lacks_chat_template(spec):
+        return None
+    from jobrunner.driver.plan import plan_job
+    from jobrunner.driver.row_check import read_requests
+
+    try:
+        requests = read_requests(spec, plan_job(spec)).requests
+    except Exception:  # noqa: BLE001 - an input problem: the run itself reports it, with its own words
+        return None
+    chats = [r.row_id for r in requests if r.error is None and is_chat_prompt(r.prompt)]
+    if not chats:
+        return None
+    return (f"{len(chats)} of the first {len(requests)} request lines are /v1/chat/completions (custom_id "
+            f"{chats[0]!r}, ...), but {no_template(spec)}; send them as /v1/completions prompts")

@@ -195,3 +195,13 @@ def test_a_row_without_a_prompt_is_warned_about_not_refused(tiny_llama_hf_dir: P
     assert ("WARNING: 1 row(s) have no usable prompt and will be error rows (ids 'b'); row 'b': prompt column "
             "'prompt' is null or empty") in result.output.splitlines()
     assert "prompt lengths (all 3 rows read): longest prompt " in result.output
+
+
+def test_run_refuses_chat_lines_for_a_base_model_before_any_worker(base_model_dir: Path, tmp_path: Path) -> None:
+    job = _batch(tmp_path, str(base_model_dir), {"c1": {}, "c2": {}})
+    result = CliRunner().invoke(main, ["run", str(job)])
+    assert (result.exit_code, result.output) == (1, (
+        f"Error: 2 of the first 2 request lines are /v1/chat/completions (custom_id 'c1', ...), but model.source "
+        f"{str(base_model_dir)!r} is a base model without a chat template: give it raw text (input.prompt_column, "
+        "no system prompt or tools), set input.chat_template, or use an instruction-tuned model; send them as "
+        "/v1/completions prompts\n"))
