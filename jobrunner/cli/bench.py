@@ -101,6 +101,9 @@ def _engine_option(flag: str, name: str, **kwargs):
 @click.option("--profile", is_flag=True,
               help="Also time each step's parts: attention, GEMMs (linear layers, lm_head), other model ops and "
                    "host work (scheduling, inputs, outputs), in total, per step and as a share of the step.")
+@click.option("--worker-hour-usd", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Price of one worker-hour (as a job spec's cost.worker_hour_usd): also print $ / M input, output "
+                   "and total tokens of the workload at steady state (start-up excluded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on the last line.")
 @click.option("--calibrate-dtype", is_flag=True,
               help="Only time a GEMM in float32 and bfloat16 on this CPU and say what `dtype: auto` chooses "
@@ -111,8 +114,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
           max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
           quality_texts: str | None, num_texts: int | None, batch_sizes: str, capabilities: str | None,
-          quant_kernels: bool, gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool, as_json: bool,
-          calibrate_dtype: bool) -> None:
+          quant_kernels: bool, gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool,
+          worker_hour_usd: float | None, as_json: bool, calibrate_dtype: bool) -> None:
     """Throughput of our engine on a prompt file; with --baseline hf, against transformers' generate (static
     left-padded batches) on the same token ids.
 
@@ -120,6 +123,7 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
     """
     from jobrunner.bench import BenchOptions, run_bench
     from jobrunner.bench.ours import EngineOptions
+    from jobrunner.bench.price import machine_load, price_line
     from jobrunner.bench.report import render_text
     from jobrunner.io.prompt_file import PromptFileError, read_prompts
 
@@ -166,14 +170,33 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
                            prefix_caching=not no_prefix_caching, compare_prefix_caching=compare_prefix_caching,
                            baseline=baseline, baseline_batch_size=baseline_batch_size, raw_prompts=raw_prompts,
                            profile=profile, vllm_python=_vllm_python(vllm_python), vllm_eager=vllm_eager)
+    load_before = machine_load()
     try:
         result = run_bench(options, rows, log=lambda msg: echo(msg, err=True))
     except ValueError as exc:  # bad model source, no chat template, nothing fits the context, ...
         raise click.ClickException(str(exc)) from None
     result["workload"]["prompts"] = prompts_path
+    _price_and_load(result, worker_hour_usd, load_before)
     echo(render_text(result), nl=False)
+    if result.get("price"):
+        echo(price_line(result["price"]))
+    if result["machine_load"]["warning"]:
+        echo(result["machine_load"]["warning"], err=True)
     if as_json:
         echo(json.dumps(result, default=str))
+
+
+def _price_and_load(result: dict, worker_hour_usd: float | None, load_before: dict) -> None:
+    """result["price"] ($ / M at --worker-hour-usd) and result["machine_load"] (before and after the run, this
+    process's own threads left out, and a warning when other processes kept the CPUs busy)."""
+    import torch
+
+    from jobrunner.bench.price import bench_price, load_warning, machine_load
+
+    if worker_hour_usd is not None:
+        result["price"] = bench_price(result["ours"], worker_hour_usd)
+    after = machine_load(own_threads=torch.get_num_threads())
+    result["machine_load"] = {"before": load_before, "after": after, "warning": load_warning(load_before, after)}
 
 
 def _calibrate_dtype(as_json: bool) -> None:

@@ -17,6 +17,7 @@ ends the job with an error naming the shards' states; it never idles.
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from collections import Counter
@@ -51,7 +52,7 @@ from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
 from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
-from jobrunner.io.lease import Lease
+from jobrunner.io.lease import Lease, LeaseLost
 from jobrunner.io.manifest import mark_success
 from jobrunner.io.parts import commit_parts, list_parts
 from jobrunner.io.storage import Storage
@@ -143,6 +144,8 @@ class _JobLoop:
             self.publisher.shutdown(wait=True)
             for worker_id, stats in self.pool.stop_all().items():
                 self.book.record_worker(worker_id, stats)
+            if sys.exc_info()[1] is not None:  # the run ends early: what it paid for is still recorded
+                self._record_stopped_run(sys.exc_info()[1])
         self._collect_published()
         final = self._snapshot()
         self.progress.close(final.counts, final.tokens)
@@ -407,7 +410,7 @@ class _JobLoop:
 
     def _committed(self, run: ShardRun, record_bytes: int) -> None:
         self.book.mark_committed(run.row, run.record, record_bytes)
-        self.book.add_chains(run.chains, self.spec.engine.block_size)
+        self.book.add_chains(run.chains, self.spec.engine.block_size, run.record)
         self.runs.committed(run)
         self.watch.event(f"shard {run.shard_id} committed")
         self.counted.add(run.record)
@@ -428,6 +431,7 @@ class _JobLoop:
         self.metrics.update(snap.counts.samples_done, self.book.num_errors, snap.tokens if self.kind == "out" else 0,
                             len(self.pool.workers))
         self._note_live("running", snap)
+        self.book.keep_run_record(self.pool)  # a run killed now still counts its workers' seconds
 
     def _note_live(self, phase: str, snap: Snapshot) -> None:
         """This run's progress for the lease's next heartbeat (`jobrunner status` reads it mid-run): the
@@ -462,6 +466,23 @@ class _JobLoop:
         expected = float((self.spec.sampling.max_tokens or 0) * self.n)
         return snapshot(self.counted, finished, self.n, self.kind, self.pool.tokens_produced(), expected)
 
+    def _record_stopped_run(self, stopped_by: BaseException) -> None:
+        """A run ended by Ctrl-C or an error still writes its `runs` entry, its workers' seconds and its run
+        record (a run that lost its lease writes nothing: the run that took over counts it as killed)."""
+        if isinstance(stopped_by, LeaseLost):
+            return
+        try:
+            for run in self.runs.publishing():  # published while the run stopped: this run's commits
+                if run.publish.done() and not run.publish.cancelled() and run.publish.exception() is None:
+                    self._committed(run, run.publish.result())
+            self.book.finish_run(self.started_at, time.monotonic() - self.t0, False, {
+                "shards_committed": self.stats["commits"], "startup": {**self.startup, "workers": self.pool.startup}},
+                stopped_by=stopped_by)
+            self.book.compact()
+        except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to raise
+            log.warning("the manifest was not updated after the run stopped: %s", redact_text(str(exc)))
+        self.book.write_run_record()
+
     def _finish(self) -> JobResult:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         failed = self.book.failed_shards()
@@ -475,12 +496,14 @@ class _JobLoop:
                 self.book.fail(run.row, f"not run: {self.error}", run.attempts, failed=False)
         self.queue.drain()
         first = self.stats["first_commit_s"]
+        self.book.keep_run_record(self.pool)  # its workers' seconds up to now (final stats replace them)
         self.book.finish_run(self.started_at, time.monotonic() - self.t0, finished, {
             "shards_committed": self.stats["commits"], "first_commit_s": None if first is None else round(first, 3),
             "isolation": self.isolation.to_dict(), "startup": {**self.startup, "workers": self.pool.startup},
             **({} if self.incremental is None else
                                                        {"incremental": self.incremental})})
         self.book.compact()
+        self.book.write_run_record()
         result = JobResult(output_url=self.spec.output.url, manifest=self.book.manifest, failed=failed,
                            error=self.error, max_error_rate=self.spec.output.max_error_rate,
                            top_errors=self.book.top_error_kinds(), finish_reasons=dict(self.finish_reasons),

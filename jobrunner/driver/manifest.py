@@ -23,10 +23,12 @@ import numpy as np
 
 from jobrunner import __version__
 from jobrunner.driver.prefix_stats import add_chains, record_summary
+from jobrunner.driver.run_ledger import RunLedger, status_of
 from jobrunner.driver.shards import ShardTable
 from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION, PARTS_DIR
 from jobrunner.io.manifest import write_manifest
+from jobrunner.io.run_records import KILLED, RUNNING, cost_totals, lost_worker_seconds, merge_workers, run_entry
 from jobrunner.io.shard_file import COMMITTED, FAILED, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
@@ -158,12 +160,10 @@ def finalize(manifest: dict[str, Any], run_started_at: str, run_wall_s: float, f
 
 
 def update_totals(manifest: dict[str, Any], shards: ShardTable) -> None:
-    """Recompute job totals from the shard table and worker stats (O(shards) in numpy: compaction only)."""
+    """Recompute job totals from the shard table and worker stats (O(shards) in numpy: compaction only); the
+    worker-seconds are over every worker of every run (io/run_records.cost_totals)."""
     totals = shards.totals()
-    workers = manifest["workers"].values()
-    startup = sum(float(w.get("startup_s") or 0) for w in workers)
-    totals["worker_seconds"] = round(sum(float(w.get("alive_s") or 0) for w in workers) + startup, 3)
-    totals["startup_seconds"] = round(startup, 3)
+    totals.update(cost_totals(manifest))
     totals["error_rate"] = round(totals["num_errors"] / totals["rows"], 6) if totals["rows"] else 0.0
     totals["error_kinds"] = dict(list(totals["error_kinds"].items())[:MAX_ERROR_KINDS])
     manifest["totals"] = totals
@@ -188,6 +188,9 @@ class JobBook:
         self.num_compactions = 0
         self._compactor: ThreadPoolExecutor | None = None
         self._compacting: Future | None = None
+        self.ledger: RunLedger | None = None  # this run's record (begin_run)
+        self.run_output_tokens = 0  # output tokens of the shards this run committed
+        self.final_record: dict[str, Any] | None = None
 
     # ---- the run ------------------------------------------------------------------------------------
     def begin_run(self, started_at: str) -> int:
@@ -195,24 +198,52 @@ class JobBook:
         run_index = int(self.manifest.get("run_count") or 0)
         self.manifest["run_count"] = run_index + 1
         mark_run_start(self.manifest, started_at)
+        end_older_runs(self.manifest)
+        self.ledger = RunLedger(self.storage, run_index, started_at, self.committed_rows)
         return run_index
 
     def note_model(self, model: dict[str, Any]) -> None:
         """What a worker reports of the model it loaded."""
         self.manifest["model"].update(model)
 
-    def add_chains(self, chains: tuple[int, Any], block_size: int) -> None:
-        """A committed shard's prompt KV chains, into the job's ideal prefix-cache hits."""
-        add_chains(self.manifest, chains, block_size)
+    def add_chains(self, chains: tuple[int, Any], block_size: int, record: dict[str, Any] | None = None) -> None:
+        """A committed shard's prompt KV chains (and its tokens: `record`), into the job's ideal prefix-cache
+        hits."""
+        add_chains(self.manifest, chains, block_size, record)
 
-    def finish_run(self, started_at: str, wall_s: float, finished: bool, figures: dict[str, Any]) -> None:
-        """The run's timing and figures (`figures`: commits, isolation cost...), then the prefix summary."""
+    def finish_run(self, started_at: str, wall_s: float, finished: bool, figures: dict[str, Any],
+                   pool: Any = None, stopped_by: BaseException | None = None) -> None:
+        """The run's timing and figures (`figures`: commits, isolation cost...), its workers' seconds and
+        status (`stopped_by`: the exception that ended it early), then the prefix summary."""
         finalize(self.manifest, started_at, wall_s, finished)
         self.wait()  # a compaction in flight counts in this run's figures
+        record = self._run_record(status_of(finished, stopped_by), pool)
+        merge_workers(self.manifest, record["workers"])  # a worker whose final stats never came: its count
+        self.final_record = record
         self.manifest["runs"][-1].update(
             **figures, commit_records=self.num_records, compactions=self.num_compactions + 1,
             bookkeeping_bytes=self.bytes_written)  # before this last compaction
+        self.manifest["runs"][-1].update(run_entry(record))
         record_summary(self.manifest, self.shards.totals())  # prefix-cache hits achieved vs the ideal
+
+    def keep_run_record(self, pool: Any) -> None:
+        """Count on this run's workers' seconds; write its record when due (driver/run_ledger.py)."""
+        if self.ledger is None:
+            return
+        self.ledger.count_on(self.manifest["workers"], pool)
+        if self.ledger.is_due():
+            self.ledger.write_soon(self._run_record(RUNNING, None))
+
+    def write_run_record(self) -> None:
+        """The run's final record (after the compaction that wrote the manifest with its entry)."""
+        if self.ledger is not None and self.final_record is not None:
+            self.ledger.write(self.final_record)
+
+    def _run_record(self, status: str, pool: Any) -> dict[str, Any]:
+        assert self.ledger is not None, "begin_run first"
+        if pool is not None:
+            self.ledger.count_on(self.manifest["workers"], pool)
+        return self.ledger.record(status, self.manifest["workers"], self.committed_rows, self.run_output_tokens)
 
     # ---- shards ---------------------------------------------------------------------------------------
     def commit(self, shard_id: str, entry: dict[str, Any], error_kinds: dict[str, int]) -> None:
@@ -234,6 +265,7 @@ class JobBook:
         self.shards.commit(index, record)
         self.num_records += 1
         self.committed_rows += int(record["rows"])
+        self.run_output_tokens += int(record.get("num_output_tokens") or 0)
         self.num_errors += int(record["num_errors"])
         self.error_kinds.update(record.get("error_kinds") or {})
         self.unfolded.append(index)
@@ -253,6 +285,8 @@ class JobBook:
     def record_worker(self, worker_id: str, stats: dict[str, Any]) -> None:
         """A worker's latest stats."""
         record_worker(self.manifest, worker_id, stats)
+        if self.ledger is not None:
+            self.ledger.saw_worker(worker_id)
 
     def compact(self, drop_all_records: bool = False) -> None:
         """Write the whole manifest now, then drop the records it holds (all of `_commits/` at a run's start,
@@ -314,3 +348,12 @@ def mark_run_start(manifest: dict[str, Any], started_at: str) -> None:
                                "rows_at_start": int(totals.get("rows") or 0),
                                "output_tokens_at_start": int(totals.get("num_output_tokens") or 0),
                                "prompt_tokens_at_start": int(totals.get("num_prompt_tokens") or 0)}
+
+
+def end_older_runs(manifest: dict[str, Any]) -> None:
+    """Runs that a new run finds still "running" (folded from their records) ended without writing their end:
+    killed, their machine lost, or their lease taken over. Their paid work in flight was lost."""
+    for run in manifest.get("runs") or []:
+        if isinstance(run, dict) and run.get("status") == RUNNING:
+            run["status"] = KILLED
+            run["lost_worker_seconds"] = lost_worker_seconds(run)

@@ -20,6 +20,7 @@ import numpy as np
 from jobrunner.driver.prefix_plan import PLAN_KEY, PrefixPlan
 from jobrunner.io.row_order import upload_row_order
 from jobrunner.io.storage import Storage
+from jobrunner.prefix_view import ideal_over_covered
 
 CACHE_KEY = "prefix_cache"
 EXACT_CHAINS = 1 << 13  # distinct chains counted exactly (a 64 KB array); an estimate past that
@@ -35,13 +36,20 @@ def publish_prefix_plan(storage: Storage, manifest: dict[str, Any], prefix: Pref
     manifest[PLAN_KEY] = prefix.describe()
 
 
-def add_chains(manifest: dict[str, Any], chains: tuple[int, np.ndarray | None], block_size: int) -> None:
-    """Add one committed shard's (cacheable blocks, distinct chains) to the job's ideal."""
+def add_chains(manifest: dict[str, Any], chains: tuple[int, np.ndarray | None], block_size: int,
+               record: dict[str, Any] | None = None) -> None:
+    """Add one committed shard's (cacheable blocks, distinct chains) to the job's ideal, and its prompt and
+    cached tokens (`record`: its commit record) to the tokens the ideal covers: the achieved hits are compared
+    with the ideal over the same shards (a run killed before its manifest was written loses its shards' chains,
+    and then their hits must not count against the ideal either)."""
     num_blocks, hashes = chains
     section = manifest.setdefault(CACHE_KEY, {"block_size": block_size, "cacheable_blocks": 0,
                                               "ideal_cached_tokens": 0, "complete": True})
     if hashes is None:
         return
+    for key in ("prompt", "cached"):
+        covered = f"covered_{key}_tokens"
+        section[covered] = int(section.get(covered) or 0) + int((record or {}).get(f"num_{key}_tokens") or 0)
     counter = DistinctChains.from_section(section)
     counter.add(hashes)
     section["cacheable_blocks"] = int(section.get("cacheable_blocks") or 0) + int(num_blocks)
@@ -126,13 +134,13 @@ def record_summary(manifest: dict[str, Any], totals: dict[str, Any]) -> None:
 def prefix_summary(manifest: dict[str, Any]) -> dict[str, Any] | None:
     """Achieved vs ideal prefix-cache hits from a manifest's totals and `prefix_cache` (None without them)."""
     section = manifest.get(CACHE_KEY)
-    totals = manifest.get("totals") or {}
-    prompt = int(totals.get("num_prompt_tokens") or 0)
-    if not isinstance(section, dict) or not prompt:
+    if not isinstance(section, dict):
         return None
-    cached = int(totals.get("num_cached_tokens") or 0)
-    ideal = int(section.get("ideal_cached_tokens") or 0)
+    prompt, cached, ideal = ideal_over_covered(section, manifest.get("totals") or {})
+    if not prompt:
+        return None
     return {"hit_rate": cached / prompt, "ideal_hit_rate": ideal / prompt, "cached_tokens": cached,
             "ideal_cached_tokens": ideal, "of_ideal": cached / ideal if ideal else None,
             "computed_prompt_tokens": prompt - cached, "ideal_computed_prompt_tokens": prompt - ideal,
             "ideal_is_estimate": not section.get("complete", True)}
+

@@ -18,9 +18,11 @@ LEASE_GENERATION = "lease_generation"  # manifest key: the generation (fencing e
 REPORT_DIR = "_report"  # `_` so Parquet readers pointed at the output URL skip it
 REPORT_FILES = (f"{REPORT_DIR}/report.json", f"{REPORT_DIR}/report.html")
 OPENAI_DIR = "_openai"  # an OpenAI batch job's output.jsonl / errors.jsonl (io/openai_files.py)
+RUNS_DIR = "_runs"  # one record per run: its status, workers and worker-seconds (io/run_records.py)
 # Every top-level name a jobrunner output may hold: `output.mode=overwrite` deletes a folder holding only these
 # (and a manifest of the same job). A new top-level file or folder must be added here.
 OUTPUT_ENTRIES = frozenset({PARTS_DIR, MANIFEST, SUCCESS, TEMP_DIR, COMMITS_DIR, LEASE, REPORT_DIR, OPENAI_DIR,
+                            RUNS_DIR,
                             "_shards",  # `_shards/`: the manifest's shard table (format 3)
                             "_plan"})  # `_plan/`: the row order of prefix-grouped input files (io/row_order.py)
 PART_PREFIX = "part-"  # every file under parts/ starts with it

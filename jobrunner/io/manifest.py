@@ -3,7 +3,8 @@
 From format 3 the manifest is two objects: `_manifest.json` (spec, model, versions, runs, workers, totals)
 and the shard table it names, `_shards/<generation>.parquet` (io/shard_file.py). A compaction writes a new
 table first, then the JSON naming it (an atomic replace), then deletes older tables: a reader always finds
-a complete pair. Formats 1-2 kept the shards in the JSON (`"shards": {id: entry}`); they are still read.
+a complete pair. A reader also folds in the runs' own records (`_runs/`, io/run_records.py), so a run stopped
+before its end still counts. Formats 1-2 kept the shards in the JSON (`"shards": {id: entry}`); they are still read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from jobrunner.io import shard_file as sf
 from jobrunner.io.commits import is_stale, list_commit_records, read_commit_records
 from jobrunner.io.layout import LEASE_GENERATION, MANIFEST, SHARDS_DIR, SUCCESS
+from jobrunner.io.run_records import fold_run_records, read_run_records
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
 
@@ -55,6 +57,7 @@ def read_manifest_table(storage: Storage) -> tuple[dict[str, Any], ShardColumns]
             if attempt == TABLE_READ_ATTEMPTS - 1:
                 raise
     fold_commit_records(storage, columns, manifest.get(LEASE_GENERATION))
+    fold_run_records(manifest, read_run_records(storage))  # runs the manifest lacks (stopped before their end)
     return manifest, columns
 
 

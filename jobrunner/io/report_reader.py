@@ -28,10 +28,12 @@ from jobrunner.io.layout import (
     MANIFEST,
     PARTS_DIR,
     READABLE_MANIFEST_VERSIONS,
+    RUNS_DIR,
     SUCCESS,
     part_key,
 )
 from jobrunner.io.manifest import ManifestError, read_manifest_table, read_manifest_with_records
+from jobrunner.io.run_records import fold_run_records, parse_run_records
 from jobrunner.io.shard_file import COMMITTED, STATUS_VALUES, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.url_templates import PLACEHOLDER
@@ -145,7 +147,19 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict |
             f"{manifest.get('jobrunner_version', 'unknown')}); this jobrunner reads format_version "
             f"{readable}. Use the jobrunner version that wrote it.")
     _fold_commit_records(fs, root, manifest)
+    _fold_run_records(fs, root, manifest)
     return manifest
+
+
+def _fold_run_records(fs: fsspec.AbstractFileSystem, root: str, manifest: dict) -> None:
+    """Runs stopped before their end (Ctrl-C, kill -9, a takeover) are missing from the manifest: fold in
+    their `_runs/` records, so their workers' seconds are priced (io/run_records.py)."""
+    try:
+        paths = fs.glob(posixpath.join(root, RUNS_DIR, "*.json"))
+        blobs = fs.cat(paths, on_error="return") if paths else {}
+    except (FileNotFoundError, OSError):
+        return
+    fold_run_records(manifest, parse_run_records([b for b in blobs.values() if isinstance(b, bytes)]))
 
 
 def _fold_commit_records(fs: fsspec.AbstractFileSystem, root: str, manifest: dict) -> None:

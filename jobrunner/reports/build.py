@@ -5,10 +5,11 @@ from __future__ import annotations
 import posixpath
 
 from jobrunner.io.report_reader import JobOutputs, iter_metric_batches, planned_nothing
+from jobrunner.prefix_view import ideal_over_covered
 from jobrunner.redaction import redact, redact_counts
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
-from jobrunner.reports.cost import cost_figures, goodput_cost, per_million, ratio, startup_cost
+from jobrunner.reports.cost import cost_figures, goodput_cost, per_million, ratio, startup_cost, steady_state_cost
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 from jobrunner.startup_view import describe_stages, last_startup
 
@@ -30,7 +31,13 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
                         time["prefill_s"], time["decode_s"], prefill_only=task["task"] != "generate")
     cost["price_source"] = price_source
     cost["startup_usd"] = startup_cost(time["startup_seconds"], price)
+    cost["lost_usd"] = startup_cost(time["lost_worker_seconds"], price)
+    cost["steady_state"] = steady_state_cost(
+        time["worker_seconds"], (time["startup_seconds"] or 0.0) + (time["lost_worker_seconds"] or 0.0), price,
+        folded.input_tokens, folded.output_tokens, time["prefill_s"], time["decode_s"],
+        prefill_only=task["task"] != "generate")
     cost.update(reasoning_cost(cost, folded.output_tokens, folded.reasoning_tokens))
+    cost["notes"] += run_notes(time["runs"])
     return {
         "report_version": REPORT_VERSION,
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
@@ -118,23 +125,29 @@ def _adapters(folded: Folded) -> dict | None:
 
 
 def _tokens(folded: Folded, manifest: dict | None) -> dict:
-    ideal = _ideal_cached_tokens(manifest)
+    ideal = _ideal_cached_tokens(manifest, folded)
+    covered_prompt, covered_cached, ideal = ideal if ideal is not None else (None, None, None)
     return {"input": folded.input_tokens, "cached": folded.cached_tokens, "output": folded.output_tokens,
             "total": folded.input_tokens + folded.output_tokens,
             "prefix_cache_hit_rate": ratio(folded.cached_tokens, folded.input_tokens),
-            "ideal_cached": ideal, "ideal_prefix_cache_hit_rate": ratio(ideal, folded.input_tokens),
-            "prefix_cache_of_ideal": ratio(folded.cached_tokens, ideal),
+            # the ideal and its share over the shards whose prompt chains the manifest counted (prefix_view.py)
+            "ideal_cached": ideal, "ideal_prefix_cache_hit_rate": ratio(ideal, covered_prompt),
+            "prefix_cache_of_ideal": ratio(covered_cached, ideal), "ideal_covers_input_tokens": covered_prompt,
             # output tokens that were a reasoning trace, and the rest (the answers); None without a parser
             "reasoning": folded.reasoning_tokens,
             "answer": None if folded.reasoning_tokens is None else folded.output_tokens - folded.reasoning_tokens}
 
 
-def _ideal_cached_tokens(manifest: dict | None) -> int | None:
-    """Cached tokens if every distinct shared prefix (KV block chain) of the job were computed once: the
-    manifest's `prefix_cache` (driver/prefix_rows.py defines it); None for outputs written before it."""
+def _ideal_cached_tokens(manifest: dict | None, folded: Folded) -> tuple[int, int, int] | None:
+    """(input tokens, cached tokens, ideal cached tokens) over the shards whose prompt chains the manifest's
+    `prefix_cache` counted (driver/prefix_rows.py defines the ideal: cached tokens if every distinct shared
+    prefix were computed once); None for outputs written before it. The rows' own totals where the manifest
+    does not say which tokens its ideal covers."""
     section = (manifest or {}).get("prefix_cache")
-    value = section.get("ideal_cached_tokens") if isinstance(section, dict) else None
-    return int(value) if isinstance(value, (int, float)) else None
+    if not isinstance(section, dict) or not isinstance(section.get("ideal_cached_tokens"), (int, float)):
+        return None
+    totals = {"num_prompt_tokens": folded.input_tokens, "num_cached_tokens": folded.cached_tokens}
+    return ideal_over_covered(section, totals)
 
 
 def _time(manifest: dict | None, folded: Folded) -> dict:
@@ -149,6 +162,8 @@ def _time(manifest: dict | None, folded: Folded) -> dict:
     first = (startup.get("workers") or {}).get(startup.get("first")) or {}
     return {"wall_s": wall, "wall_source": wall_source, "worker_seconds": mv.worker_seconds(manifest),
             "startup_seconds": mv.startup_seconds(manifest), "plan_s": startup.get("plan_s"),
+            "lost_worker_seconds": mv.number(manifest, "totals", "lost_worker_seconds"),
+            "num_runs": mv.num_runs(manifest), "runs": mv.run_costs(manifest),
             "ray_start_s": startup.get("ray_start_s"), "first_ready_s": first.get("ready_s"),
             "first_token_s": first.get("first_token_s"),
             "startup_stages": describe_stages(startup.get("stages") or {}) or None,
@@ -198,6 +213,22 @@ def _no_rows_warning(outputs: JobOutputs) -> str:
         return (f"nothing to do: the run took 0 of {plan['rows_input']:,} input rows "
                 f"({plan.get('rows_skipped', 0):,} done already); a valid output of 0 rows")
     return "nothing to do: the run planned no shard (an empty input); a valid output of 0 rows"
+
+
+def run_notes(runs: list[dict]) -> list[str]:
+    """One line per run when the job took several, or its one run did not finish: what each paid for."""
+    if len(runs) < 2 and all(r.get("status") in (None, "finished") for r in runs):
+        return []
+    lines = []
+    for run in runs:
+        seconds = run.get("worker_seconds")
+        paid = "worker-seconds not recorded" if seconds is None else (
+            f"{seconds:,.1f} worker-s, of which start-up {run.get('startup_seconds') or 0:,.1f}, "
+            f"paid for work later redone / lost {run.get('lost_worker_seconds') or 0:,.1f}")
+        wall = run.get("wall_s")
+        lines.append(f"run {run['run_index']} ({run.get('status') or 'finished'}, "
+                     f"{'wall n/a' if wall is None else f'wall {wall:,.1f} s'}): {paid}")
+    return lines
 
 
 LENGTH_WARN_SHARE = 0.05  # more rows than this cut at max_tokens: a warning

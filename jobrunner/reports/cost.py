@@ -7,8 +7,10 @@
     usd_per_m_output  = cost_usd * (1 - prefill_share) / output_tokens * 1e6
 
 Worker-seconds count from each worker's process start (actor start and model load included, as a cloud
-bill does; reports show that start-up share on its own line). Time a worker spent neither in prefill nor
-decode (start-up, waiting for shards) is shared in the same proportion.
+bill does; reports show that start-up share on its own line), over every run of the job (a run stopped by
+Ctrl-C or killed included: io/run_records.py). The steady-state price leaves out start-up and the work paid
+for and later redone or lost: what the tokens cost once workers are up, the price of the job at scale.
+Time a worker spent neither in prefill nor decode (start-up, waiting for shards) is shared in the same proportion.
 A figure that cannot be computed (no price, no tokens, no engine time) is None, never NaN or inf. An embed /
 score job only prefills: its whole cost is input cost (prefill_share 1), so $ / M input tokens is its price.
 """
@@ -89,7 +91,21 @@ def goodput_cost(cost: dict, good_input_tokens: int, good_output_tokens: int) ->
 
 
 def startup_cost(startup_s: float | None, worker_hour_usd: float | None) -> float | None:
-    """The part of the bill spent starting workers and loading models (None without a price or figure)."""
+    """The part of the bill spent starting workers and loading models (None without a price or figure); the
+    same formula prices any part of the worker-seconds (work later redone or lost)."""
     if startup_s is None or worker_hour_usd is None:
         return None
     return startup_s * worker_hour_usd / 3600.0
+
+
+def steady_state_cost(worker_seconds: float | None, overhead_s: float, worker_hour_usd: float | None,
+                      input_tokens: int, output_tokens: int, prefill_s: float, decode_s: float,
+                      prefill_only: bool = False) -> dict:
+    """$ per million tokens at steady state: the job's worker-seconds less `overhead_s` (start-up, and work
+    paid for and later redone or lost), split by the same prefill share. What a long job pays per token once
+    its workers are up: start-up is paid once per worker, so its share shrinks as the job grows."""
+    busy = None if worker_seconds is None else max(0.0, worker_seconds - overhead_s)
+    figures = cost_figures(busy or None, worker_hour_usd, input_tokens, output_tokens, prefill_s, decode_s,
+                           prefill_only)
+    return {"worker_seconds": busy, "total_usd": figures["total_usd"],
+            **{k: figures[k] for k in ("usd_per_m_input", "usd_per_m_output", "usd_per_m_total")}}

@@ -74,6 +74,7 @@ def _cards(report: dict, label: str) -> str:
         ("wall time", fmt_seconds(report["time"]["wall_s"])),
         ("$ / M tokens (blended)", fmt_usd(report["cost"]["usd_per_m_total"])),
         ("$ / M output tokens", fmt_usd(report["cost"]["usd_per_m_output"])),
+        ("steady state $ / M tokens", fmt_usd((report["cost"].get("steady_state") or {}).get("usd_per_m_total"))),
         ("tokens/s", fmt_float(report["throughput"]["tokens_per_s"])),
         ("output tokens/s", fmt_float(report["throughput"]["output_tokens_per_s"])),
         ("TTFT p50 / p99", f"{fmt_seconds(report['latency_s']['ttft_s']['p50'])} / "
@@ -150,4 +151,6 @@ def _formula() -> str:
             "decode work (summed over workers, from the manifest): $/M input = cost &times; prefill share / "
             "input tokens &times; 10<sup>6</sup>, $/M output = cost &times; (1 &minus; prefill share) / "
             "output tokens &times; 10<sup>6</sup>. Goodput prices divide the same cost by the tokens of rows "
-            "that met the SLO.</p>")
+            "that met the SLO. Worker-seconds are over every run of the job (interrupted and killed ones "
+            "included); the steady-state prices leave out start-up and the work paid for and later redone or "
+            "lost: the price per token once workers are up.</p>")

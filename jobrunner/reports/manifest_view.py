@@ -47,6 +47,22 @@ def startup_seconds(manifest: dict | None) -> float | None:
     return sum(known) if known else None
 
 
+def num_runs(manifest: dict | None) -> int | None:
+    """How many runs the manifest records (interrupted and killed ones included); None without runs."""
+    runs = (manifest or {}).get("runs")
+    return len(runs) if isinstance(runs, list) and runs else None
+
+
+def run_costs(manifest: dict | None) -> list[dict]:
+    """Per run: index, status, wall time, worker-seconds, of which start-up and work later redone or lost
+    (runs written before run records say nothing of their workers: None there)."""
+    runs = (manifest or {}).get("runs")
+    keys = ("wall_s", "worker_seconds", "startup_seconds", "lost_worker_seconds")
+    return [{"run_index": r.get("run_index", i), "status": text(r, "status"), "started_at": text(r, "started_at"),
+             **{k: number(r, k) for k in keys}}
+            for i, r in enumerate(runs if isinstance(runs, list) else []) if isinstance(r, dict)]
+
+
 def engine_seconds(manifest: dict | None) -> tuple[float, float]:
     """(sum of workers' prefill_s, sum of decode_s) from the engine's own per-step accounting."""
     records = workers(manifest).values()

@@ -118,6 +118,8 @@ FIGURES: list[Figure] = [
     Figure("time", "workers", ("time", "num_workers"), fmt_int),
     Figure("time", "worker-seconds", ("time", "worker_seconds"), fmt_float),
     Figure("time", "of which start-up (actor start + model load)", ("time", "startup_seconds"), fmt_float),
+    Figure("time", "of which paid for work later redone / lost", ("time", "lost_worker_seconds"), fmt_float),
+    Figure("time", "runs (interrupted, failed and killed ones included)", ("time", "num_runs"), fmt_int, False),
     Figure("time", "last run: planning", ("time", "plan_s"), fmt_seconds, False),
     Figure("time", "last run: Ray start", ("time", "ray_start_s"), fmt_seconds, False),
     Figure("time", "last run: first worker ready after", ("time", "first_ready_s"), fmt_seconds, False),
@@ -134,9 +136,14 @@ FIGURES: list[Figure] = [
     Figure("cost", "price per worker-hour", ("cost", "worker_hour_usd"), fmt_usd),
     Figure("cost", "job cost", ("cost", "total_usd"), fmt_usd),
     Figure("cost", "of which start-up", ("cost", "startup_usd"), fmt_usd),
+    Figure("cost", "of which paid for work later redone / lost", ("cost", "lost_usd"), fmt_usd),
     Figure("cost", "$ / M input tokens", ("cost", "usd_per_m_input"), fmt_usd),
     Figure("cost", "$ / M output tokens", ("cost", "usd_per_m_output"), fmt_usd),
     Figure("cost", "$ / M tokens (blended)", ("cost", "usd_per_m_total"), fmt_usd),
+    Figure("cost", "steady state: $ / M input tokens (start-up, redone work excluded)",
+           ("cost", "steady_state", "usd_per_m_input"), fmt_usd),
+    Figure("cost", "steady state: $ / M output tokens", ("cost", "steady_state", "usd_per_m_output"), fmt_usd),
+    Figure("cost", "steady state: $ / M tokens (blended)", ("cost", "steady_state", "usd_per_m_total"), fmt_usd),
 ]
 
 GOODPUT_FIGURES: list[Figure] = [

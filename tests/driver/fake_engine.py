@@ -29,6 +29,7 @@ class FakeStats:
     decode_s: float = 0.0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_sampled_tokens: int = 0  # output tokens produced, as the real engine counts them (the driver's tokens/s)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_num_blocks: int = 0
@@ -51,6 +52,8 @@ class _Req:
 
 class FakeEngine:
     """Deterministic stand-in for LLMEngine."""
+
+    count_sampled = False  # report num_sampled_tokens (make_engine's count_sampled): the driver then counts them
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
                  fail_on: str | None = None, hang_on: str | None = None, stall_on: str | None = None,
@@ -100,9 +103,11 @@ class FakeEngine:
 
     def rebuild(self) -> FakeEngine:
         """A fresh engine with the same settings (what the worker asks for after a crash)."""
-        return FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
-                          self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens,
-                          self.hold_file)
+        engine = FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
+                            self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens,
+                            self.hold_file)
+        engine.count_sampled = self.count_sampled
+        return engine
 
     def close(self) -> None:
         self.closed = True
@@ -143,6 +148,8 @@ class FakeEngine:
             req.metrics.first_token_time = req.metrics.first_token_time or now
         self._stats.steps += 1
         self._stats.num_decode_tokens += len(self._running)
+        if self.count_sampled:
+            self._stats.num_sampled_tokens += len(self._running)
         self._stats.decode_s += self.step_delay_s
         done = [r for r in self._running if len(r.output) >= r.params.max_tokens]
         self._running = [r for r in self._running if len(r.output) < r.params.max_tokens]
@@ -164,16 +171,19 @@ class FakeEngine:
 def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
                 load_delay_s: float = 0.0, stall_on: str | None = None, bad_text_on: str | None = None,
                 no_rebuild: bool = False, kv_blocks: tuple[int, int] = (0, 0),
-                cached_prompt_tokens: int = 0, hold_file: str | None = None) -> FakeEngine:
+                cached_prompt_tokens: int = 0, hold_file: str | None = None,
+                count_sampled: bool = False) -> FakeEngine:
     """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load;
     no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash; hold_file: steps
-    wait after the first finished row until this file exists)."""
+    wait after the first finished row until this file exists; count_sampled: report num_sampled_tokens)."""
     time.sleep(load_delay_s)
     cls = _NoRebuildEngine if no_rebuild else FakeEngine
-    return cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
-               step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
-               bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens,
-               hold_file=hold_file)
+    engine = cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
+                 step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
+                 bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens,
+                 hold_file=hold_file)
+    engine.count_sampled = count_sampled
+    return engine
 
 
 class _NoRebuildEngine(FakeEngine):

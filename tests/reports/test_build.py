@@ -45,7 +45,7 @@ def test_counts_tokens_and_errors(small_job: str) -> None:
     assert report["tokens"] == {"input": 5400, "cached": 150, "output": 60, "total": 5460,
                                 "prefix_cache_hit_rate": pytest.approx(150 / 5400), "ideal_cached": None,
                                 "ideal_prefix_cache_hit_rate": None, "prefix_cache_of_ideal": None,
-                                "reasoning": None, "answer": None}
+                                "ideal_covers_input_tokens": None, "reasoning": None, "answer": None}
     assert report["run"]["model"]["quantization"] == "int8"
     assert report["run"]["label"] == "small" and report["run"]["complete"] is True
     assert report["warnings"] == []
