@@ -318,6 +318,10 @@ class ClusterSpec(_Spec):
 
     num_workers: int = Field(default=1, ge=1, description="Number of worker actors (one engine each).")
     num_gpus_per_worker: float = Field(default=0.0, ge=0.0, description="GPUs per worker; 0 = CPU worker.")
+    gpu: str | None = Field(
+        default=None, description="The workers' GPU, for validate's fit check (weights, activations and the KV "
+        "cache that fits): a name (L4, A10G, L40S, A100-40GB, A100-80GB, H100, H200) or its memory ('24GB', "
+        "'80GiB'); unset: the fit is not checked (docs/driver.md).")
     num_cpus_per_worker: float = Field(default=1.0, gt=0.0, description="CPUs reserved per worker.")
     worker_niceness: int = Field(
         default=0, ge=0, le=19,
@@ -383,6 +387,15 @@ class ClusterSpec(_Spec):
             raise ValueError(f"cluster.progress_timeout_s={value:g} is below {floor:g} s ({MIN_PROGRESS_POLLS} "
                              f"progress polls, one every {PROGRESS_POLL_S:g} s): healthy workers would be "
                              "replaced as silent")
+        return value
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | None) -> str | None:
+        if value is not None:
+            from jobrunner.gpus import gpu_memory_bytes
+
+            gpu_memory_bytes(value)  # ValueError naming the known GPUs
         return value
 
     @model_validator(mode="after")
@@ -567,6 +580,10 @@ class JobSpec(_Spec):
                 raise ValueError("engine.backend vllm: " + "; ".join(problems))
         elif self.engine.vllm_options or self.engine.vllm_python:
             raise ValueError("engine.vllm_options / engine.vllm_python apply to engine.backend vllm only")
+        if self.engine.backend != "vllm" and self.engine.factory is None and self.cluster.num_gpus_per_worker > 1:
+            raise ValueError(f"cluster.num_gpus_per_worker={self.cluster.num_gpus_per_worker:g}: our engine runs a "
+                             "model on one GPU (tensor parallel is not built yet); use 1 GPU per worker and more "
+                             "workers, or engine.backend: vllm")
         return self
 
     @property

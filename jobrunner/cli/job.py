@@ -80,6 +80,7 @@ def _check_vllm(spec) -> str:
 def _check_model_config(spec) -> str:
     """'; <architecture, size, context>' from the model's config.json alone (models/preflight.py): an
     architecture, rope scaling or context length a worker would refuse is refused here, before any download."""
+    from jobrunner.cli.validate_fit import fit_section
     from jobrunner.models.preflight import ConfigUnavailable, preflight
     from jobrunner.models.sources import ModelSourceError
 
@@ -92,8 +93,8 @@ def _check_model_config(spec) -> str:
     if check is None:
         return " (its architecture is checked when the alias is converted, on first load)"
     try:
-        return "\n  " + check.describe(spec.model.dtype, spec.model.quantization)
-    except ValueError as exc:  # model.quantization conflicts with a pre-quantized checkpoint's own
+        return "\n  " + check.describe(spec.model.dtype, spec.model.quantization) + fit_section(spec, check)
+    except ValueError as exc:  # model.quantization conflicts with a pre-quantized checkpoint's own; no fit
         raise _error(str(exc)) from None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,6 +39,7 @@ class ModelCheck:
     context: int  # the tokens a sequence may hold in a worker (prompt + output)
     where: str  # where the config was read
     checkpoint_quant: Any = None  # a pre-quantized checkpoint's format (quant.prequantized.CheckpointQuant)
+    config: Any = field(default=None, repr=False, compare=False)  # the transformers config (validate's fit)
 
     def describe(self, dtype: str, quantization: str) -> str:
         """One line for ``validate``: architecture, size, context (and a pre-quantized checkpoint's format).
@@ -110,7 +111,7 @@ def check_config(config: Any, max_model_len: int | None, where: str = "config.js
         raise ModelSourceError(f"engine.max_model_len={max_model_len} is longer than the model's "
                                f"max_position_embeddings={limit} ({where}); set it to {limit} or less")
     return ModelCheck(arch, num_params, min(limit, max_model_len) if max_model_len and limit else limit, where,
-                      found)
+                      found, config)
 
 
 def _config_from_text(text: str, source: str) -> Any:
