@@ -13,6 +13,7 @@ STAGE_NAMES = {
     "pack_weights": "packing", "tokenizer": "tokenizer", "adapters": "adapters", "engine": "engine",
     "other": "other",
 }
+LOAD_MEMORY_KEYS = ("weights_bytes", "load_host_anon_rise_bytes", "load_device_peak_bytes")  # worker record
 MIN_SHOWN_S = 0.05  # stages shorter than this are left out of the one-line summary
 
 
@@ -35,8 +36,21 @@ def last_startup(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
         record = ((manifest or {}).get("workers") or {}).get(first)
         stages = record.get("startup_stages_s") if isinstance(record, dict) else None
         view.update(first=first, stages=stages if isinstance(stages, dict) else {},
-                    slowest_ready_s=ready[-1][0], num_ready=len(ready))
+                    slowest_ready_s=ready[-1][0], num_ready=len(ready),
+                    load_memory={k: v for k, v in (record or {}).items() if k in LOAD_MEMORY_KEYS})
     return view
+
+
+def describe_load_memory(memory: dict[str, Any]) -> str:
+    """'; weights 0.27 GB, load peak +0.26 GB host' (+ the device's peak on a GPU), or '' when not recorded."""
+    if not isinstance(memory.get("weights_bytes"), int):
+        return ""
+    text = f"; weights {memory['weights_bytes'] / 1e9:.2f} GB"
+    if isinstance(memory.get("load_host_anon_rise_bytes"), int):
+        text += f", load peak +{memory['load_host_anon_rise_bytes'] / 1e9:.2f} GB host"
+    if isinstance(memory.get("load_device_peak_bytes"), int):
+        text += f", {memory['load_device_peak_bytes'] / 1e9:.2f} GB device"
+    return text
 
 
 def describe_stages(stages: dict[str, Any]) -> str:
@@ -61,7 +75,7 @@ def describe_startup(view: dict[str, Any] | None) -> str | None:
                  if isinstance(seen.get(key), (int, float))]
         text = f"worker {first} " + ", ".join(steps) + " after it was asked for"
         stages = describe_stages(view.get("stages") or {})
-        text += f" (its load: {stages})" if stages else ""
+        text += f" (its load: {stages}{describe_load_memory(view.get('load_memory') or {})})" if stages else ""
         if view.get("num_ready", 1) > 1:
             text += f"; {view['num_ready']} workers ready, the last after {view['slowest_ready_s']:.1f}s"
         parts.append(text)

@@ -67,3 +67,16 @@ def test_an_embedding_built_on_meta_skips_its_random_init():
     assert meta.weight.is_meta and meta.weight.shape == (1000, 64)
     real = make_embedding(1000, 64)  # elsewhere: nn.Embedding's own N(0, 1) init, as before
     assert 0.9 < real.weight.std().item() < 1.1
+
+
+def test_the_summary_line_carries_the_load_memory():
+    from jobrunner.driver.actor import load_memory
+
+    manifest = _manifest()
+    info = {"weights_bytes": 270_000_000, "load_host_anon_peak_bytes": 600_000_000,
+            "load_host_anon_rise_bytes": 262_000_000, "load_device_peak_bytes": None, "source": "x"}
+    manifest["workers"]["w1"].update(load_memory(info))
+    assert load_memory(info) == {"weights_bytes": 270_000_000, "load_host_anon_peak_bytes": 600_000_000,
+                                 "load_host_anon_rise_bytes": 262_000_000}
+    assert "(its load: process 1.5s, imports 4.1s, engine 0.8s; weights 0.27 GB, load peak +0.26 GB host)" in \
+        describe_startup(last_startup(manifest))

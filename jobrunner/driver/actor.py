@@ -67,7 +67,7 @@ class WorkerActor:
         info = {"node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "niceness": os.getpriority(os.PRIO_PROCESS, 0), "device": device,
-                "startup_s": round(now - self.started_s, 3), **describe_hardware(),
+                "startup_s": round(now - self.started_s, 3), **describe_hardware(), **load_memory(engine.model_info),
                 "startup_stages_s": startup_stages(self.started_s, self.init_s, load_start, now, imports_s,
                                                    engine.model_info)}
         self.model = describe_model(engine, spec)
@@ -134,6 +134,17 @@ def _import_engine() -> float:
     import jobrunner.models.weights  # noqa: F401
 
     return time.perf_counter() - start
+
+
+LOAD_MEMORY_KEYS = ("weights_bytes", "load_host_anon_peak_bytes", "load_host_anon_rise_bytes",
+                    "load_device_peak_bytes")
+
+
+def load_memory(model_info: dict[str, Any] | None) -> dict[str, int]:
+    """The load's memory beside its stages in the worker's record (models/factory.load_memory_info): the
+    weights as loaded and the load's peak host anonymous memory (and its rise) and device memory."""
+    info = model_info if isinstance(model_info, dict) else {}
+    return {k: info[k] for k in LOAD_MEMORY_KEYS if isinstance(info.get(k), int)}
 
 
 def startup_stages(process_s: float, init_s: float, load_s: float, end_s: float, imports_s: float,
