@@ -9,7 +9,7 @@ tests/quant/fixtures/README.md for the environments, versions and the exact comm
                                 per-token FP8 activations, saved in the compressed-tensors format
   gptq BASE OUT --group 128|-1 [--asym]
                                 gptqmodel, 4-bit GPTQ (desc_act false), saved in the GPTQ (v1) format
-  awq BASE OUT                  gptqmodel's AWQ quantizer, 4-bit group 128, saved in the AWQ GEMM format
+  awq BASE OUT [--asym]         gptqmodel's AWQ quantizer, 4-bit group 128, saved in the AWQ GEMM format
   reference DIR                 transformers' own loading of DIR (in the tool's environment): greedy tokens of
                                 PROMPTS and the teacher-forced top-1 of TEACHER_TEXT, written to DIR/reference.json
 
@@ -148,19 +148,20 @@ def make_gptq(base: Path, out: Path, group: int, asym: bool) -> None:
     _record(out, "gptqmodel", {"format": f"GPTQ 4-bit, group {group}, {'asym' if asym else 'sym'}, desc_act false"})
 
 
-def make_awq(base: Path, out: Path) -> None:
-    """gptqmodel's AWQ: 4-bit, group 128, zero points, GEMM layout."""
+def make_awq(base: Path, out: Path, asym: bool) -> None:
+    """gptqmodel's AWQ: 4-bit, group 128, GEMM layout; zero points fitted with ``asym`` (``zero_point: true``),
+    else symmetric (``zero_point: false``, its qzeros all 8)."""
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    config = QuantizeConfig(bits=4, group_size=128, quant_method="awq", format="gemm")
+    config = QuantizeConfig(bits=4, group_size=128, quant_method="awq", format="gemm", sym=not asym)
     model = GPTQModel.load(str(base), config, device="cpu")
     # the default AWQ backend for GEMM is the CUDA kernel ("AWQ: CUDA is not available"): the torch one packs on CPU
     model.quantize(CALIBRATION, batch_size=1, tokenizer=tokenizer, backend=BACKEND.TORCH)
     model.save(str(out))
     tokenizer.save_pretrained(str(out))
-    _record(out, "gptqmodel", {"format": "AWQ 4-bit, group 128, zero points, GEMM layout"})
+    _record(out, "gptqmodel", {"format": f"AWQ 4-bit, group 128, {'zero points' if asym else 'symmetric'}, GEMM"})
 
 
 def make_reference(model_dir: Path) -> None:
@@ -185,14 +186,37 @@ def make_reference(model_dir: Path) -> None:
             reference["teacher_top1_activations_quantized"] = model(teacher).logits[0].argmax(-1).tolist()
             for module in quantized_inputs:
                 module.quantization_enabled = False
-        greedy = []
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
-            greedy.append({"prompt_token_ids": ids[0].tolist(), "output_token_ids": out[0, ids.shape[1]:].tolist()})
-        reference.update(greedy=greedy, teacher_top1=model(teacher).logits[0].argmax(-1).tolist())
+        int4_modules = [m for m in model.modules() if hasattr(m, "dequantize_weight") and hasattr(m, "qzeros")]
+        if int4_modules:  # gptqmodel's CPU kernel runs in bfloat16: keep its greedy, then its own dequantization
+            forwards = [_dequantized_forward(module) for module in int4_modules]  # before the kernel repacks
+            reference["greedy_tool_kernel"] = _greedy(model, tokenizer)
+            for module, forward in zip(int4_modules, forwards):
+                module.forward = forward
+        reference.update(greedy=_greedy(model, tokenizer), teacher_top1=model(teacher).logits[0].argmax(-1).tolist())
     (model_dir / "reference.json").write_text(json.dumps(reference) + "\n")
+
+
+def _greedy(model, tokenizer) -> list[dict]:
+    greedy = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=tokenizer.pad_token_id)
+        greedy.append({"prompt_token_ids": ids[0].tolist(), "output_token_ids": out[0, ids.shape[1]:].tolist()})
+    return greedy
+
+
+def _dequantized_forward(module):
+    """A forward for a gptqmodel quantized linear that computes with its own dequantized weight, in float32:
+    its ``dequantize_weight`` with float32 scales (in float16 ``(q - z) * s`` would round)."""
+    import torch
+
+    scales = module.scales
+    module.scales = scales.float()  # the integer codes and zeros times float32 scales: float32, exact
+    weight = module.dequantize_weight().float()  # [K, N]
+    module.scales = scales
+    bias = None if getattr(module, "bias", None) is None else module.bias.float()
+    return lambda x: torch.nn.functional.linear(x.float(), weight.t(), bias).to(x.dtype)
 
 
 def main() -> None:
@@ -211,6 +235,7 @@ def main() -> None:
     awq = sub.add_parser("awq")
     awq.add_argument("base", type=Path)
     awq.add_argument("out", type=Path)
+    awq.add_argument("--asym", action="store_true")
     sub.add_parser("reference").add_argument("model_dir", type=Path)
     args = parser.parse_args()
     if args.step == "base":
@@ -220,7 +245,7 @@ def main() -> None:
     elif args.step == "gptq":
         make_gptq(args.base, args.out, args.group, args.asym)
     elif args.step == "awq":
-        make_awq(args.base, args.out)
+        make_awq(args.base, args.out, args.asym)
     else:
         make_reference(args.model_dir)
 

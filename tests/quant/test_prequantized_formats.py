@@ -43,6 +43,8 @@ def test_supported_configs_are_read() -> None:
     assert per_channel.describe() == "gptq 4-bit, per channel, asymmetric (v2 zeros)"
     assert read_checkpoint_quant(AWQ).describe() == "awq 4-bit, group 128, asymmetric (GEMM layout)"
     assert read_checkpoint_quant(_with(AWQ, quant_method="AWQ")).scheme == "int4"
+    symmetric = read_checkpoint_quant(_with(AWQ, zero_point=False))
+    assert symmetric.describe() == "awq 4-bit, group 128, symmetric (GEMM layout)"
 
 
 @pytest.mark.parametrize(("config", "named"), [
@@ -53,7 +55,6 @@ def test_supported_configs_are_read() -> None:
     (_with(GPTQ, checkpoint_format="marlin"), "gptq checkpoint_format 'marlin'"),
     (_with(GPTQ, lm_head=True), "gptq lm_head: true"),
     (_with(AWQ, version="gemv"), "awq version 'gemv'"),
-    (_with(AWQ, zero_point=False), "awq zero_point: false"),
     (_with(AWQ, bits=8), "awq bits 8"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method 'fp8'"),

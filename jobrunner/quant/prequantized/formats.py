@@ -6,7 +6,8 @@ Loaded as they are (no float detour), into our own layers:
   per-tensor or per-channel scales, activations dynamic per token -> :class:`~jobrunner.quant.fp8.Fp8Linear`.
 * GPTQ (``quant_method: gptq``): 4-bit, group 32 / 64 / 128 / 256 or per channel (``group_size: -1``),
   symmetric or not, ``desc_act: false``, the v1 or v2 zero-point format -> our int4 layout.
-* AWQ (``quant_method: awq``): 4-bit, group 32 / 64 / 128 / 256, zero points, GEMM layout -> our int4 layout.
+* AWQ (``quant_method: awq``): 4-bit, group 32 / 64 / 128 / 256, with zero points or not (its ``qzeros`` read
+  either way), GEMM layout -> our int4 layout.
 
 Anything else (another quant_method, 3 or 8 bits, ``desc_act: true``, AWQ's GEMV / Marlin layouts, static
 activation scales, a quantized KV cache, sparsity, ...) raises ``ValueError`` naming the option.
@@ -113,12 +114,11 @@ def _read_awq(config: dict) -> CheckpointQuant:
     version = str(config.get("version") or config.get("format") or "gemm").lower()
     if version != "gemm":
         raise _refuse(f"awq version {version!r} (only the GEMM layout)")
-    if config.get("zero_point") is False:
-        raise _refuse("awq zero_point: false")
     group = config.get("group_size", config.get("q_group_size"))
     if group in (None, -1):
         raise _refuse(f"awq group_size {group!r}")
-    return CheckpointQuant("awq", "int4", 4, _group(group, "awq"), symmetric=False,
+    # zero_point false: symmetric, but the GEMM layout still stores its zeros (all 8): read as they are
+    return CheckpointQuant("awq", "int4", 4, _group(group, "awq"), symmetric=config.get("zero_point") is False,
                            ignore=tuple(config.get("modules_to_not_convert") or ()))
 
 
