@@ -104,6 +104,9 @@ def quantized_modules(model: torch.nn.Module, quant: CheckpointQuant, names: Ite
     for name in names:
         place = target(model, name)
         if place is None:
+            if name.endswith("." + MARKER[quant.method]) and not name.startswith("model.layers."):
+                raise ValueError(f"checkpoint tensor {name!r}: a quantized {name.rpartition('.')[0]} is not "
+                                 "supported (only the decoder layers' linears)")
             continue
         module_name, _, kind = place[0].rpartition(".")
         if kind != MARKER[quant.method]:

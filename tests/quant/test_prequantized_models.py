@@ -143,3 +143,19 @@ def test_a_conflicting_spec_quantization_is_refused_naming_both(name: str) -> No
     with pytest.raises(ValueError, match=r"model.quantization 'int8' conflicts with the checkpoint's own "
                                          r"quantization \((compressed-tensors fp8|gptq|awq)"):
         load_for_engine(str(FIXTURES / name), dtype="float32", device="cpu", quantization="int8")
+
+
+def test_a_quantized_head_is_refused_naming_it() -> None:
+    from jobrunner.models.prequantized import quantized_modules
+    from jobrunner.quant.prequantized import read_checkpoint_quant
+
+    directory = FIXTURES / "fp8-channel"
+    config = load_config(directory)
+    model = build_model(config, torch.float32, torch.device("cpu"), materialize=False)
+    quant = read_checkpoint_quant(config.quantization_config)
+    names = list(load_file(str(directory / "model.safetensors")))
+    assert quantized_modules(model, quant, names) == {f"layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'lm_head.weight_scale': a quantized lm_head is not "
+                                         r"supported"):
+        quantized_modules(model, quant, [*names, "lm_head.weight", "lm_head.weight_scale"])
