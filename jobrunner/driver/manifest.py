@@ -29,7 +29,7 @@ from jobrunner.io.commits import delete_commit_records, write_commit_record
 from jobrunner.io.layout import COMMITS_DIR, MANIFEST_FORMAT_VERSION, PARTS_DIR
 from jobrunner.io.manifest import write_manifest
 from jobrunner.io.run_records import KILLED, RUNNING, cost_totals, lost_worker_seconds, merge_workers, run_entry
-from jobrunner.io.shard_file import COMMITTED, FAILED, ShardColumns
+from jobrunner.io.shard_file import COMMITTED, COUNT_COLUMNS, FAILED, ShardColumns
 from jobrunner.io.storage import Storage
 from jobrunner.redaction import redact_text
 from jobrunner.spec import JobSpec
@@ -198,7 +198,7 @@ class JobBook:
         run_index = int(self.manifest.get("run_count") or 0)
         self.manifest["run_count"] = run_index + 1
         mark_run_start(self.manifest, started_at)
-        end_older_runs(self.manifest)
+        end_older_runs(self.manifest, self.shards)
         self.ledger = RunLedger(self.storage, run_index, started_at, self.committed_rows)
         return run_index
 
@@ -350,10 +350,43 @@ def mark_run_start(manifest: dict[str, Any], started_at: str) -> None:
                                "prompt_tokens_at_start": int(totals.get("num_prompt_tokens") or 0)}
 
 
-def end_older_runs(manifest: dict[str, Any]) -> None:
+def end_older_runs(manifest: dict[str, Any], shards: ShardTable) -> None:
     """Runs that a new run finds still "running" (folded from their records) ended without writing their end:
-    killed, their machine lost, or their lease taken over. Their paid work in flight was lost."""
+    killed, their machine lost, or their lease taken over. Their paid work in flight was lost. What they
+    committed is taken from the shard table (their workers' shards): their last record may predate a commit."""
+    committed = committed_by_run(shards)
     for run in manifest.get("runs") or []:
         if isinstance(run, dict) and run.get("status") == RUNNING:
             run["status"] = KILLED
+            rows, tokens = committed.get(run.get("run_index"), (0, 0))
+            run["rows_committed"] = max(int(run.get("rows_committed") or 0), rows)
+            run["output_tokens_committed"] = max(int(run.get("output_tokens_committed") or 0), tokens)
             run["lost_worker_seconds"] = lost_worker_seconds(run)
+
+
+def committed_by_run(shards: ShardTable) -> dict[int, tuple[int, int]]:
+    """Run index -> (rows, output tokens) of the committed shards its workers finished (worker ids "w<i>"
+    in the first run, "r<k>w<i>" in run k)."""
+    columns = shards.columns
+    is_committed = columns.status == COMMITTED
+    rows_at, tokens_at = COUNT_COLUMNS.index("rows"), COUNT_COLUMNS.index("num_output_tokens")
+    out: dict[int, tuple[int, int]] = {}
+    for code, worker_id in enumerate(columns.worker_id.values):
+        run_index = _run_of_worker(worker_id)
+        mask = is_committed & (columns.worker_id.codes == code)
+        if run_index is None or not mask.any():
+            continue
+        rows, tokens = out.get(run_index, (0, 0))
+        out[run_index] = (rows + int(columns.counts[mask, rows_at].sum()),
+                          tokens + int(columns.counts[mask, tokens_at].sum()))
+    return out
+
+
+def _run_of_worker(worker_id: str) -> int | None:
+    """0 for "w3", 2 for "r2w0", None for an id of another form."""
+    head, sep, tail = worker_id.rpartition("w")
+    if not sep or not tail.isdigit():
+        return None
+    if not head:
+        return 0
+    return int(head[1:]) if head.startswith("r") and head[1:].isdigit() else None

@@ -341,9 +341,10 @@ def _foreign_output(spec: JobSpec) -> OutputError:
 
 def _replace(spec: JobSpec, plan: JobPlan, storage: Storage, old: dict[str, Any]) -> dict[str, Any]:
     """A new manifest over an output whose runs committed nothing (a failed first run, whatever it was run
-    with): its leftovers go, its run count and history stay."""
+    with): its leftovers go, its run count and history stay, with the workers those runs paid for."""
     storage.delete(PARTS_DIR, recursive=True)
     storage.delete(COMMITS_DIR, recursive=True)
     manifest = new_manifest(spec, plan.shards)
-    manifest.update(run_count=int(old.get("run_count") or 0), runs=list(old.get("runs") or []))
+    manifest.update(run_count=int(old.get("run_count") or 0), runs=list(old.get("runs") or []),
+                    workers=dict(old.get("workers") or {}))
     return manifest
