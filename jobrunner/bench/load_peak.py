@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 
-PRESETS = {  # Llama-3.2-1B's shape (1.24 B parameters, tied head); small: the test's (~25 M)
+PRESETS = {  # Llama-3.2-1B's shape (1.24 B parameters, tied head); small (~20 M), test (~8 M: tests/bench)
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False),
+    "test": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False),  # the head below a layer
 }
 NO_PACKING = {"JOBRUNNER_PACKED_GEMM": "0", "JOBRUNNER_ONEDNN_LINEAR": "0"}
 

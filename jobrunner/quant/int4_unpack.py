@@ -115,12 +115,25 @@ def _nibble(byte_rows: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
 def find_cpu_layout(packed: torch.Tensor, q: torch.Tensor) -> CpuInt4Layout | None:
     """The layout that reproduces ``q`` [N, K] (values 0..15) from ``packed`` exactly, or ``None``."""
     out_features, in_features = q.shape
-    expected = q.to(torch.uint8)
     for block_n, is_split in _CANDIDATES:
         layout = CpuInt4Layout(out_features, in_features, block_n, is_split)
         try:
-            if torch.equal(layout.unpack(packed), expected):
+            if _reproduces(layout, packed, q):
                 return layout
         except RuntimeError:  # sizes that don't fit this layout
             continue
     return None
+
+
+def _reproduces(layout: CpuInt4Layout, packed: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``layout`` reads ``q`` back from ``packed``, compared by blocks of rows (a bounded buffer, not a
+    copy of the whole weight: a quantized streamed load's peak stays near its layer)."""
+    step = max(64, (1 << 20) // max(layout.in_features, 1) // 64 * 64)
+    out = torch.empty(layout.in_features, min(step, layout.out_features), dtype=torch.uint8, device=q.device)
+    for n0 in range(0, layout.out_features, step):
+        n1 = min(n0 + step, layout.out_features)
+        part = out[:, : n1 - n0]
+        layout.unpack_rows_t(packed, n0, n1, part)
+        if not torch.equal(part, q[n0:n1].t().to(torch.uint8)):
+            return False
+    return True

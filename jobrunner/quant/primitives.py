@@ -22,8 +22,10 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 def row_chunks(num_rows: int, row_len: int) -> list[slice]:
-    """Row ranges of at most ~:data:`CHUNK_ELEMENTS` weights (64-row multiples: the packed layouts' blocks)."""
-    step = max(64, (CHUNK_ELEMENTS // max(row_len, 1)) // 64 * 64)
+    """Row ranges of at most ~:data:`CHUNK_ELEMENTS` weights and ~1/32 of the weight (so a small layer's
+    temporaries stay small beside it too), in 64-row multiples (the packed layouts' blocks)."""
+    elements = min(CHUNK_ELEMENTS, num_rows * row_len // 32)
+    step = max(64, (elements // max(row_len, 1)) // 64 * 64)
     return [slice(r, min(r + step, num_rows)) for r in range(0, num_rows, step)]
 
 
