@@ -4,7 +4,8 @@ The driver is the only owner of shard state and the only party that publishes a 
 attempt to `_temporary/<attempt>/`, and the driver moves the attempt it assigned to `parts/` (fenced commits:
 a zombie attempt finishing late is never published). Each ready worker holds at most two tasks (the one
 decoding and the next, whose rows join the engine before the first drains). Blame for failures and
-bisection of crashing shards are described in driver/tasks.py; the pool's deadlines in driver/pool.py.
+bisection of crashing shards are described in driver/tasks.py (applied in driver/losses.py); the pool's
+deadlines in driver/pool.py.
 Every event costs O(1) in the number of shards: tasks wait in a heap-backed queue, counts are running
 totals, and a commit writes one small record (driver/manifest.py). Shard state lives in one compact table
 (driver/shards.py: columns, ~120 bytes a shard) until a shard is handed out; from then until it is
@@ -30,6 +31,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from jobrunner.driver import manifest as mf
 from jobrunner.driver.dedupe import mark_duplicate_outputs, publish_duplicates
 from jobrunner.driver.isolation import IsolationCost
+from jobrunner.driver.losses import LossRules
 from jobrunner.driver.metrics import JobMetrics
 from jobrunner.driver.output import open_output, read_previous_output
 from jobrunner.driver.output_files import finish_job_files
@@ -44,9 +46,8 @@ from jobrunner.driver.progress_text import describe_placing, describe_ray_start,
 from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
-from jobrunner.driver.shard_run import INFRA_LOSSES_PER_SHARD, ShardRun, ShardRuns, ShardState, judge_loss, worker_cap
+from jobrunner.driver.shard_run import ShardRun, ShardRuns, ShardState
 from jobrunner.driver.shards import ShardTable
-from jobrunner.driver.suspects import cut
 from jobrunner.driver.tasks import Task, TaskQueue, retry_delay
 from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
@@ -63,7 +64,6 @@ from jobrunner.spec import JobSpec
 log = redacting_logger(__name__)
 SHARDS_PER_WORKER = 2
 PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at once: object stores are slow
-ALONE_DEATHS_TO_BISECT = 2  # deaths of a whole shard running alone before it is split (pieces, crashes, stalls: 1)
 
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True,
@@ -118,6 +118,7 @@ class _JobLoop:
         self.metrics = JobMetrics(spec.name, counts.samples_total)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)
+        self.losses = LossRules(spec, self.runs, self.queue, self.isolation, self._fail)
         self.publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="publish")
         self.watch = Watchdog(spec.cluster.job_stall_timeout_s)
         self.next_show = 0.0
@@ -217,88 +218,11 @@ class _JobLoop:
         self.book.record_worker(worker.worker_id, info["stats"])
 
     def _worker_lost(self, worker: Worker, error: str, stalled: bool = False, crash: str | None = None) -> None:
-        """Requeue a lost worker's tasks, blamed or not (driver/tasks.py, shard_run.judge_loss), and drop it."""
+        """Requeue a lost worker's tasks, blamed or not (driver/losses.py), and drop it."""
         log.warning("worker %s lost: %s", worker.worker_id, redact_text(error))
         suspects = worker.suspects if stalled and crash is None else {}  # a hung call: the rows in its engine
-        alone_in_engine = sum(len(rows) for rows in suspects.values()) == 1
-        counted: set[int] = set()  # runs charged this restart (the job's count takes it once)
         held = self.pool.remove(worker, error)
-        for run in {id(t.run): t.run for _, t in held}.values():
-            run.workers_lost += 1
-        cap = worker_cap(self.spec.cluster.max_isolation_restarts_per_shard)
-        for ref, task in held:
-            self.runs.returned(task, ref)
-            run = task.run
-            if run.state is ShardState.FAILED:
-                continue
-            if crash is None or task.error_text is not None:
-                task.infra_failures += 1
-                run.infra_failures += 1
-            verdict = judge_loss(task, len(held) == 1, crash, stalled, cap, ALONE_DEATHS_TO_BISECT)
-            if verdict.action == "fail":
-                self._fail(run, f"lost {run.workers_lost} workers running its rows (more than {cap}: "
-                                f"cluster.max_isolation_restarts_per_shard="
-                                f"{self.spec.cluster.max_isolation_restarts_per_shard} + {INFRA_LOSSES_PER_SHARD} "
-                                f"infrastructure losses); last: worker {worker.worker_id}: {error}")
-            elif verdict.action == "requeue":  # error rows: they never touched the engine
-                self.queue.put(task)
-            elif suspects:
-                self._narrow(task, suspects.get((task.shard_id, task.row_start), []), alone_in_engine,
-                             f"worker {worker.worker_id}: {error}", counted)
-            elif not verdict.blamed:
-                task.alone = True
-                self.queue.put(task)
-            else:
-                task.alone_crashes += 1
-                self.runs.count_restart(run, self.isolation)
-                if verdict.action == "alone":
-                    task.alone = True
-                    self.queue.put(task)
-                else:
-                    self._isolate(task, crash or f"worker {worker.worker_id}: {error}")
-
-    def _narrow(self, task: Task, positions: list[int], alone_in_engine: bool, reason: str,
-                counted: set[int]) -> None:
-        """A task of a worker whose engine call hung, cut around the rows it had in the engine
-        (driver/suspects.py): innocent rows run as usual, the suspects alone and one at a time."""
-        found = cut(task, positions, alone_in_engine)
-        if found is None:  # none of its rows was in the engine: innocent of the hang
-            self.queue.put(task)
-            return
-        if id(task.run) not in counted:
-            self.runs.count_restart(task.run, None if counted else self.isolation)
-            counted.add(id(task.run))
-        task.run.num_pieces += len(found.pieces) - 1
-        for piece in (found.before, found.after):
-            if piece is not None:
-                self.queue.put(piece)
-        self._isolate(found.suspects, reason, culprit=found.culprit)
-
-    def _isolate(self, task: Task, reason: str, culprit: bool | None = None) -> None:
-        """A task that fails alone: split it, or (one row, or past the restart caps) make its rows error rows.
-        `culprit` (a hang's suspects, driver/suspects.py): True makes the row an error row, False queues the
-        suspects to run one at a time; None (a death) bisects."""
-        c, run = self.spec.cluster, task.run
-        capped = (f"cluster.max_isolation_restarts_per_shard={c.max_isolation_restarts_per_shard}"
-                  if run.isolation.model_loads >= c.max_isolation_restarts_per_shard else
-                  f"cluster.max_isolation_restarts={c.max_isolation_restarts}"
-                  if self.isolation.model_loads >= c.max_isolation_restarts else None)
-        is_culprit = task.num_rows <= 1 if culprit is None else culprit
-        if is_culprit or capped:
-            log.warning("shard %s rows %d-%d crash their worker: %s", task.shard_id, task.row_start, task.row_end,
-                        redact_text(reason))
-            task.error_text = (f"engine crashed on this row: {reason}" if is_culprit else
-                               f"engine crashed on one of rows {task.row_start}-{task.row_end}, not isolated "
-                               f"further ({capped} reached): {reason}")
-            task.alone = task.one_at_a_time = False
-            self.queue.put(task)
-            return
-        if culprit is not None:  # a hang's suspects: alone, one row in the engine at a time
-            self.queue.put(task)
-            return
-        run.num_pieces += 1
-        for half in task.halves():
-            self.queue.put(half)
+        self.losses.on_loss(worker.worker_id, held, error, stalled, crash, suspects)
 
     # ---- tasks --------------------------------------------------------------------------------------
     def _assign(self) -> None:
