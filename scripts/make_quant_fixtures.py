@@ -10,6 +10,7 @@ tests/quant/fixtures/README.md for the environments, versions and the exact comm
   gptq BASE OUT --group 128|-1 [--asym]
                                 gptqmodel, 4-bit GPTQ (desc_act false), saved in the GPTQ (v1) format
   awq BASE OUT [--asym]         gptqmodel's AWQ quantizer, 4-bit group 128, saved in the AWQ GEMM format
+  autoawq BASE OUT              AutoAWQ, 4-bit group 128 with zero points, GEMM layout
   reference DIR                 transformers' own loading of DIR (in the tool's environment): greedy tokens of
                                 PROMPTS and the teacher-forced top-1 of TEACHER_TEXT, written to DIR/reference.json
 
@@ -66,7 +67,7 @@ def _versions(*packages: str) -> dict[str, str]:
 def _record(out: Path, tool: str, extra: dict) -> None:
     """DIR/made_by.json: what made this checkpoint, so it can be made again."""
     made_by = {"tool": tool, "versions": _versions(tool, "torch", "transformers", "compressed-tensors",
-                                                   "llmcompressor", "gptqmodel"),
+                                                   "llmcompressor", "gptqmodel", "autoawq"),
                "python": sys.version.split()[0], "command": " ".join(["python", *sys.argv]), **extra}
     (out / "made_by.json").write_text(json.dumps(made_by, indent=2) + "\n")
 
@@ -164,6 +165,20 @@ def make_awq(base: Path, out: Path, asym: bool) -> None:
     _record(out, "gptqmodel", {"format": f"AWQ 4-bit, group 128, {'zero points' if asym else 'symmetric'}, GEMM"})
 
 
+def make_autoawq(base: Path, out: Path) -> None:
+    """AutoAWQ (the AWQ authors' packaging): 4-bit, group 128, zero points, GEMM layout, on CPU."""
+    from awq import AutoAWQForCausalLM
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    model = AutoAWQForCausalLM.from_pretrained(str(base))
+    model.quantize(tokenizer, quant_config={"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"},
+                   calib_data=CALIBRATION, max_calib_seq_len=64, n_parallel_calib_samples=1, max_calib_samples=8)
+    model.save_quantized(str(out))
+    tokenizer.save_pretrained(str(out))
+    _record(out, "autoawq", {"format": "AWQ 4-bit, group 128, zero points, GEMM layout"})
+
+
 def make_reference(model_dir: Path) -> None:
     """transformers' own loading of ``model_dir`` on CPU in float32: greedy tokens and teacher-forced top-1.
 
@@ -236,6 +251,9 @@ def main() -> None:
     awq.add_argument("base", type=Path)
     awq.add_argument("out", type=Path)
     awq.add_argument("--asym", action="store_true")
+    autoawq = sub.add_parser("autoawq")
+    autoawq.add_argument("base", type=Path)
+    autoawq.add_argument("out", type=Path)
     sub.add_parser("reference").add_argument("model_dir", type=Path)
     args = parser.parse_args()
     if args.step == "base":
@@ -246,6 +264,8 @@ def main() -> None:
         make_gptq(args.base, args.out, args.group, args.asym)
     elif args.step == "awq":
         make_awq(args.base, args.out, args.asym)
+    elif args.step == "autoawq":
+        make_autoawq(args.base, args.out)
     else:
         make_reference(args.model_dir)
 

@@ -23,7 +23,7 @@ from jobrunner.models.loader import build_model, load_weights
 from jobrunner.models.weights import load_config, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
-INT4 = ["gptq-sym-g128", "gptq-asym-channel", "awq-g128", "awq-asym-g128"]
+INT4 = ["gptq-sym-g128", "gptq-asym-channel", "awq-g128", "awq-asym-g128", "autoawq-g128"]
 FP8 = ["fp8-channel", "fp8-tensor"]
 MAX_TOKENS = 16
 TEACHER_TOKENS = 250  # the tiny model's context is 256
@@ -116,7 +116,7 @@ def test_int4_checkpoint_greedy_equals_its_dequantized_model(name: str) -> None:
     assert got == _greedy(_dequantized_engine(name), prompts)  # 8/8 prompts
     assert got == [g["output_token_ids"] for g in reference["greedy"]]  # transformers' own loading, 8/8
     assert info["quantization"] == "int4"
-    assert info["checkpoint_quantization"].startswith(name.split("-")[0] + " 4-bit")
+    assert info["checkpoint_quantization"].startswith(name.split("-")[0].removeprefix("auto") + " 4-bit")
     assert info["quantization_report"]["layers"] == {"int4": 8, "none": 1}  # 2 x (qkv, o, gate|up, down); head
 
 
