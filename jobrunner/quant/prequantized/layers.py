@@ -2,12 +2,12 @@
 
 :class:`ExactInt4Linear` is :class:`~jobrunner.quant.int4.Int4WeightOnlyLinear` with its scales and zeros kept
 in float32 on CPU: a GPTQ / AWQ float16 scale is not a bfloat16 value, and rounding it would make our model
-differ from the checkpoint's. The CPU packed kernel then runs in float32 (activations and scales); the batch
-path dequantizes tiles exactly (``(q - 8) * scale + zero``, every term exact in float32). Its W4A8 batch path
-(int8 activations) stays off: it is not the checkpoint's arithmetic. Above the packed kernel's token count the
-tiles are dequantized into the machine's compute dtype (:mod:`jobrunner.quant.dispatch`: bfloat16 on CPUs with
-bf16 hardware), as for every quantized layer. On CUDA tinygemm reads bfloat16 pairs,
-so there the scales are rounded to bfloat16 (relative error <= 2^-9), as for our own int4.
+differ from the checkpoint's. The CPU packed kernel then runs in float32 (activations and scales), and the
+dequantized weight (``(q - 8) * scale + zero``) is exact in float32. Its W4A8 batch path (int8 activations)
+stays off: it is not the checkpoint's arithmetic. Above the packed kernel's token count the tiles are
+dequantized into the machine's compute dtype (:mod:`jobrunner.quant.dispatch`: float32, or bfloat16 on CPUs with
+bf16 hardware), as for every quantized layer. On CUDA tinygemm reads bfloat16 pairs, so there the scales are
+rounded to bfloat16 (relative error <= 2^-9), as for our own int4.
 """
 
 from __future__ import annotations
