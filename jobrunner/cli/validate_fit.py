@@ -117,7 +117,7 @@ def fit_for(config: Any, *, dtype: str, quantization: str, engine: Any, context:
         how = "engine.kv_cache_memory_bytes" if engine.kv_cache_memory_bytes else "the default 2 GiB"
         return Fit(weights, activations, 0, kv, per_token, context, f"a CPU worker (KV cache: {how})")
     graphs = estimate_activation_bytes(model.shape, engine.max_num_seqs, engine.max_num_seqs, width) \
-        if engine.use_cuda_graphs is not False else 0
+        if engine.use_cuda_graphs is True else 0  # auto: off for our engine (EngineConfig.graphs_on)
     total = gpu_memory_bytes(gpu)
     share = min(num_gpus_per_worker, 1.0)
     kv = kv_budget_bytes(total, engine.gpu_memory_utilization, share, weights, activations, graphs)
