@@ -151,10 +151,13 @@ def test_ideal_counts_every_shared_chain_once_per_job():
     second.add(prefix + [200], block)  # one prompt of the prefix in this shard: still counted
     second.add([9, 9, 9, 9, 9], block)  # alone: nothing shared
     manifest = {"totals": {"num_prompt_tokens": 100, "num_cached_tokens": 12}}
-    add_chains(manifest, first.summary(), block)
+    # each shard's commit record: the prompt and cached tokens the ideal then covers (30 + 35 + 35, 8 + 2 + 2)
+    add_chains(manifest, first.summary(), block, {"num_prompt_tokens": 30, "num_cached_tokens": 8})
     assert manifest["prefix_cache"]["ideal_cached_tokens"] == 2 * 2 * block  # 2 of 3 prompts hit 2 blocks
-    add_chains(manifest, second.summary(), block)
-    add_chains(manifest, second.summary(), block)  # a shard counted again: its chains are not new
+    retried = {"num_prompt_tokens": 35, "num_cached_tokens": 2}
+    add_chains(manifest, second.summary(), block, retried)
+    add_chains(manifest, second.summary(), block, retried)  # a shard counted again: its chains are not new
+    assert manifest["prefix_cache"]["covered_prompt_tokens"] == 100
     # the job: 4 prompts share the 2 blocks, computed once: 3 hits of 2 blocks (+ the retried shard's 3 blocks)
     assert manifest["prefix_cache"]["ideal_cached_tokens"] == (3 * 2 + 3) * block
     summary = prefix_summary(manifest)
