@@ -160,3 +160,18 @@ def test_missing_and_unknown_tensors_are_named(saved):
     extra = {**tensors, "model.layers.0.mlp.down_proj.qweight": torch.zeros(4, dtype=torch.int32)}
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.qweight' has no place"):
         load_weights(model, extra.items())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_quantize_at_load_equals_quantize_after(arch, tmp_path):
+    """Stacked experts filled expert by expert from the shards, then split and quantized with their layer."""
+    from engine.tiny_moe import make_hf_moe
+
+    hf = make_hf_moe(arch).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="60KB", safe_serialization=True)
+    model, transform = _streamed(hf, tmp_path, lambda m: QuantizeAtLoad(m, "int8", torch.device("cpu")))
+    reference, _ = _streamed(hf, tmp_path)
+    expected = quantize_model(reference, "int8")
+    assert transform.report.scheme_counts() == expected.scheme_counts()
+    got, want = model.state_dict(), reference.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in got)
