@@ -18,13 +18,13 @@ spec.loader.exec_module(gpu_bench)
 
 def test_a_slow_set_up_still_leaves_the_timed_loop_its_share(monkeypatch):
     """Set-up (here a model build slowed to 1.5 s) longer than the run's 1 s share: the timed loop still runs."""
-    real_build = gpu_bench.build_random_model
+    real_build = gpu_bench.load_random_model
 
     def slow_build(*args, **kwargs):
         time.sleep(1.5)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(gpu_bench, "build_random_model", slow_build)
+    monkeypatch.setattr(gpu_bench, "load_random_model", slow_build)
     monkeypatch.setattr(gpu_bench, "MIN_TIMED_S", 0.5)
     args = gpu_bench.parse_args(["--device", "cpu", "--tiny", "--runs", "torch"])
     args.ceilings = gpu_bench.measure_ceilings(torch.device("cpu"), tiny=True)

@@ -70,5 +70,5 @@ def test_example_job_on_real_engine(local_ray, tmp_path):
 def _reference_texts(chats: list, sampling) -> list[str]:
     engine = LLMEngine.from_source("smollm2-135m-instruct", dtype="float32",
                                    config=EngineConfig(device="cpu", max_num_seqs=32))
-    outputs = engine.generate(chats, SamplingParams.from_dict(sampling.model_dump()))
+    outputs = engine.generate(chats, SamplingParams.from_dict(sampling.engine_values()))
     return [o.text for o in outputs]

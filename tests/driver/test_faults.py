@@ -88,7 +88,7 @@ def _holds_unfinished_shard(actor, rows_per_shard: int = 8) -> bool:
         shards = ray.get(actor.progress.remote(), timeout=10)["shards"]
     except (ray.exceptions.RayError, TimeoutError):
         return False
-    return any(rows < rows_per_shard for rows, _ in shards.values())
+    return any(progress[0] < rows_per_shard for progress in shards.values())  # (rows, tokens, ...) per shard
 
 
 def _run_in_thread(spec):
