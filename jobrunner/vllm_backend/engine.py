@@ -90,21 +90,25 @@ class VllmEngine:
                 raise VllmError(self._death())
             (size,) = struct.unpack(">I", head)
             reply = json.loads(self._proc.stdout.read(size).decode("utf-8"))
-        except (BrokenPipeError, OSError) as exc:
-            raise VllmError(f"{self._death()} ({exc})") from None
+        except (BrokenPipeError, OSError) as exc:  # a write to a dead process: its exit and log say why
+            raise VllmError(self._death(exc)) from None
         if not reply.get("ok") and reply.get("kind") != "request":
             raise VllmError(f"vLLM: {reply.get('error')}")
         return reply
 
-    def _death(self) -> str:
-        """Why the pipe ended: its end of file comes as the process dies, a moment before it can be reaped."""
+    def _death(self, pipe_error: OSError | None = None) -> str:
+        """Why the pipe ended: its end of file comes as the process dies, a moment before it can be reaped. The
+        log's last lines end the message (the cause); a pipe error is named only when the process still runs
+        (a dead one's exit status says more than the broken pipe its death caused)."""
         try:
             code = self._proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             code = None
         where = f"; its log: {self.log_path}{log_tail(self.log_path)}" if self.log_path else ""
-        return f"the vLLM engine process exited (status {code}){where}" if code is not None else \
-            f"the vLLM engine process stopped answering{where}"
+        if code is not None:
+            return f"the vLLM engine process exited (status {code}){where}"
+        pipe = f" ({pipe_error})" if pipe_error is not None else ""
+        return f"the vLLM engine process stopped answering{pipe}{where}"
 
     # ---- the contract -------------------------------------------------------------------------------------
     @property
