@@ -69,7 +69,7 @@ class JobResult:
         startup = describe_startup(last_startup(self.manifest))
         text += f"\n  start-up: {startup}" if startup else ""
         for kind, count in self.top_errors:
-            text += f"\n  {count} rows: {kind}"
+            text += f"\n  {count} error row{'' if count == 1 else 's'}: {kind}"
         for warning in self.row_warnings():
             text += f"\n  WARNING: {warning}"
         if not failures:
