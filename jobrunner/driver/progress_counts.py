@@ -84,14 +84,18 @@ def snapshot(committed: CommittedCounts, finished: ShardProgress, n: int, kind: 
              tokens_per_prompt: float) -> Snapshot:
     """The counts from the committed shards plus `finished` (publishing, finished pieces, rows finished in
     running shards); `tokens_produced`: output tokens the engines sampled this run (0 when not counted);
-    `tokens_per_prompt`: the expected output tokens of a prompt before any is done (max_tokens x n)."""
+    `tokens_per_prompt`: the most output tokens a prompt can take (max_tokens x n; 0 when not known)."""
     counts = counts_of(committed.prompts + finished.prompts, committed.prompts_total,
                        committed.samples + finished.samples, n)
     done = committed.this_run.plus(finished)
     if kind == "in":
         return Snapshot(counts, done.prompt_tokens)
     tokens = max(done.output_tokens, tokens_produced)
-    per_prompt = done.output_tokens / done.prompts if done.prompts and done.output_tokens else tokens_per_prompt
+    # a prompt still decoding counts by its tokens over max_tokens x n: the rows that finish first are the short
+    # ones, so the finished rows' average would count the long rows still decoding as nearly done (the example
+    # job showed ETA 2s with 50 s left); the finished rows' average only where max_tokens is not known
+    average = done.output_tokens / done.prompts if done.prompts and done.output_tokens else 0.0
+    per_prompt = tokens_per_prompt if tokens_per_prompt > 0 else average
     left = counts.prompts_total - counts.prompts_done
     in_flight = min((tokens - done.output_tokens) / per_prompt, IN_FLIGHT_CAP * left) if per_prompt > 0 else 0.0
     return Snapshot(counts, tokens, max(in_flight, 0.0))

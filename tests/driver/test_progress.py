@@ -306,10 +306,14 @@ def test_committed_counts_take_samples_or_rows_of_an_older_driver(tmp_path):
 def test_a_snapshot_counts_rows_decoding_by_their_tokens(tmp_path):
     counted = _table(tmp_path, {0: {"rows": 30, "num_samples": 30}})
     # this run: 5 prompts (15 samples) finished in a running shard with 150 tokens; the engines sampled 450:
-    # 300 more tokens at 30 a prompt = 10 prompts' worth in flight
+    # 300 more tokens at max_tokens x n = 96 a prompt = 3.125 prompts' worth in flight (not at the finished rows'
+    # 30 a prompt: the short rows finish first, the long ones are still decoding)
     finished = ShardProgress(rows=15, output_tokens=150, prompts=5, samples=15)
     snap = snapshot(counted, finished, n=3, kind="out", tokens_produced=450, tokens_per_prompt=96.0)
-    assert snap.counts == Counts(15, 40, 45, 120, 3) and snap.tokens == 450 and snap.in_flight == 10.0
+    assert snap.counts == Counts(15, 40, 45, 120, 3) and snap.tokens == 450 and snap.in_flight == 300 / 96
+    # max_tokens unknown: the finished rows' average
+    snap = snapshot(counted, finished, n=3, kind="out", tokens_produced=450, tokens_per_prompt=0.0)
+    assert snap.in_flight == 10.0
     # before any prompt of this run is done, a prompt is expected to cost max_tokens x n
     snap = snapshot(counted, ShardProgress(), n=3, kind="out", tokens_produced=192, tokens_per_prompt=96.0)
     assert snap.in_flight == 2.0
