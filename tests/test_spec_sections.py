@@ -69,7 +69,7 @@ def test_every_engine_setting_reaches_the_engine_config():
               "gpu_memory_utilization": 0.5, "num_kv_blocks": 7, "enable_prefix_caching": False,
               "max_model_len": 256, "device": "cpu", "attention_backend": "torch", "use_cuda_graphs": True,
               "deterministic": True, "speculative": "ngram", "num_speculative_tokens": 3, "draft_quantization": "int4",
-              "kv_cache_dtype": "fp8_e5m2"}
+              "kv_cache_dtype": "fp8_e5m2", "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
     assert set(values) == {s.name for s in settings_of(EngineConfig)}, "a new setting: add it to this test"
     config = EngineConfig(**engine_config_kwargs(_spec(engine=values, model={"dtype": "float32"})))
     assert {k: getattr(config, k) for k in values} == values and config.dtype == "float32"

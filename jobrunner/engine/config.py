@@ -90,6 +90,13 @@ class EngineConfig:
     draft_quantization: Literal["none", "int8", "int4", "fp8", "w8a8"] = setting(
         "none", description="Quantization applied when loading the draft model (engine.speculative = a model "
         "source); as model.quantization.")
+    tensor_parallel_size: int = setting(
+        1, description="Ranks one worker's model is split across (attention heads, MLP, vocabulary): one GPU each, "
+        "or a share of the worker's CPU cores; cluster.num_gpus_per_worker must equal tensor_parallel_size x "
+        "pipeline_parallel_size on GPUs (docs/engine.md, Tensor parallel).", ge=1)
+    pipeline_parallel_size: int = setting(
+        1, description="Pipeline stages of one worker's model (layers split across stages, possibly across "
+        "nodes): engine.backend vllm only.", ge=1)
     draft_every_step: bool = False  # internal (tests, benchmarks): verify draft-model drafts every decode step
     # internal until a GPU check has passed: the triton backend's split-K decode, off | auto | on
     # (jobrunner/attention/split_decode.py; the GPU check's extra phase runs the A/B)
