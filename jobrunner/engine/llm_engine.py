@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from jobrunner.engine.memory_plan import (
     plan_from_numbers,
 )
 from jobrunner.engine.model_runner import ModelRunner
+from jobrunner.engine.parallel.rank import agreed_num_blocks, check_rank_config, check_step, is_parallel, rank_info
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.pooling import finish as finish_pooling
 from jobrunner.engine.profile_run import profile_step
@@ -69,8 +71,11 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
                  eos_token_ids: Sequence[int] = (), model_info: dict[str, Any] | None = None,
-                 chat_template: str | None = None, draft: DraftModel | None = None) -> None:
+                 chat_template: str | None = None, draft: DraftModel | None = None,
+                 tensor_parallel: Any = None) -> None:
         self.config = config or EngineConfig()
+        self.tp = tensor_parallel  # this rank's TensorParallel (engine/parallel/rank.py), or None: one process
+        check_rank_config(self.config, self.tp)
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -82,7 +87,7 @@ class LLMEngine:
         # speculative = a model source: the draft model (loaded here unless given), its KV beside ours
         self.draft = prepare_draft(self.config, model, tokenizer, self.model_info, draft)
         self.memory_plan: MemoryPlan | None = None  # how the memory was shared out (None: num_kv_blocks given)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = agreed_num_blocks(self._num_kv_blocks(), self.tp)  # world > 1: the MIN over ranks
         bs = self.config.block_size
         model_len = self.config.max_model_len or model.shape.max_position_embeddings
         self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
@@ -95,6 +100,10 @@ class LLMEngine:
                                   split_decode=self.config.split_decode,
                                   kv_cache_dtype=self.config.kv_cache_dtype)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
+        if self.tp is not None:
+            kv_dtype = cache_dtype(self.config.kv_cache_dtype, model.dtype)
+            self.model_info.update(rank_info(self.tp, model_bytes(model),
+                                             num_blocks * ModelRunner.bytes_per_block(model, bs, kv_dtype)))
         self._request_ids: dict[str, int] = {}  # request id -> samples not yet handed back
         self._rejected: list[Request] = []
         self._seeds = random.Random(self.config.seed)
@@ -109,29 +118,43 @@ class LLMEngine:
                                           self.config.max_num_seqs, self.max_model_len, self.device.type,
                                           self, num_blocks)
         # one-step-late readback (engine/late_steps.py): None keeps every step synchronous
-        late = late_readback_on(self.config.late_readback, self.device, self.speculator is not None)
+        late = not is_parallel(self.tp) and late_readback_on(self.config.late_readback, self.device,
+                                                               self.speculator is not None)
         self._late = LateSteps(self, self.config.late_readback_strict) if late else None
 
     def _speculative_mode(self) -> str:
         """``auto`` stays off on the fixed-shape (graph) decode path: a draft step leaves it for an eager step,
-        a cost the step-cost fit has not been measured on yet (``ngram`` is still honoured)."""
-        if self.config.speculative == "auto" and self.runner.graphs is not None:
+        a cost the step-cost fit has not been measured on yet (``ngram`` is still honoured); and with tensor
+        parallel (its plan follows each rank's own timings: engine/parallel/rank.py)."""
+        if self.config.speculative == "auto" and (self.runner.graphs is not None or is_parallel(self.tp)):
             return "off"
         return self.config.speculative
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", quantization: str = "none",
                     config: EngineConfig | None = None, chat_template: str | None = None,
-                    adapters: dict[str, str] | None = None, **load_options: Any) -> LLMEngine:
+                    adapters: dict[str, str] | None = None, tensor_parallel: Any = None,
+                    **load_options: Any) -> LLMEngine:
         """Load a model (alias, local dir, Hub id or fsspec URL) and build an engine over it.
 
         ``chat_template``: a Jinja chat template used instead of the tokenizer's own. ``adapters``: PEFT LoRA
         adapters by name (``{name: source}``; sources fetched like the model's), for requests to name.
+        ``tensor_parallel``: this rank's ``TensorParallel`` (its shard is loaded). With
+        ``config.tensor_parallel_size > 1`` and no group given, the group is started on this machine
+        (followers as local processes, :func:`jobrunner.engine.parallel.spawn_local`) and its leader, a
+        ``ParallelEngine``, is returned.
         """
         from jobrunner.models.factory import load_for_engine
         from jobrunner.models.stopwatch import Stopwatch
 
         config = config or EngineConfig()
+        if config.tensor_parallel_size > 1 and tensor_parallel is None:
+            from jobrunner.engine.parallel.launch import spawn_local
+
+            build = EngineFromSource(source, dtype, quantization, config, chat_template, adapters, load_options)
+            return spawn_local(build, config.tensor_parallel_size)
+        if is_parallel(tensor_parallel):
+            load_options["tensor_parallel"] = tensor_parallel
         model, tokenizer, eos_ids, info = load_for_engine(
             source, dtype=dtype if dtype != "auto" else config.dtype, device=config.device,
             quantization=quantization, max_model_len=config.max_model_len, **load_options)
@@ -140,7 +163,8 @@ class LLMEngine:
             options = {k: load_options[k] for k in ("cache_dir", "storage_options") if k in load_options}
             load_adapters_onto(model, adapters, **options)
             clock.mark("adapters")
-        engine = cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template)
+        engine = cls(model, tokenizer, config, eos_ids, info, chat_template=chat_template,
+                     tensor_parallel=tensor_parallel)
         clock.mark("engine")  # KV cache, attention library (compiled on a machine's first run), draft model
         engine.model_info["load_stages_s"] = {**info.get("load_stages_s", {}), **clock.stages}
         return engine
@@ -148,7 +172,8 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
-                    *, chat_template_kwargs: dict[str, Any] | None = None, adapter: str | None = None) -> None:
+                    *, chat_template_kwargs: dict[str, Any] | None = None, adapter: str | None = None,
+                    arrival_time: float | None = None) -> None:
         """Queue one request (``params.n`` samples of it, all answered with this ``request_id``).
 
         With :class:`~jobrunner.engine.pooling.PoolingParams` the request is prefill-only: it samples nothing
@@ -161,13 +186,15 @@ class LLMEngine:
         into a per-row error. ``chat_template_kwargs`` go to the tokenizer's ``apply_chat_template`` (e.g.
         ``{"enable_thinking": False}``). ``adapter``: the LoRA adapter the request runs with (a name given at
         load; None or "" is the base model); an unknown name finishes the request with an error naming it.
+        ``arrival_time``: when it arrived (``time.perf_counter()``; default now), e.g. when a tensor-parallel
+        leader recorded it before the step that sends it.
         """
         if request_id in self._request_ids:
             raise ValueError(f"duplicate request id {request_id!r}")
         pooling = params if isinstance(params, PoolingParams) else None
         params = SamplingParams() if pooling is not None or params is None else params
         grammar_factory = self._grammar_factory(params)  # raises ValueError on a bad spec, before any state
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival_time is None else arrival_time
         num_prompt_tokens = 0
         try:
             token_ids = self.tokenize(prompt, chat_template_kwargs)
@@ -335,7 +362,7 @@ class LLMEngine:
         args = (self.model, self.tokenizer, self.config, self.eos_token_ids, self.model_info)
         draft = self.draft
         self.close()
-        return LLMEngine(*args, chat_template=self.chat_template, draft=draft)
+        return LLMEngine(*args, chat_template=self.chat_template, draft=draft, tensor_parallel=self.tp)
 
     def close(self) -> None:
         """Drop the KV cache, runner, scheduler and speculator (and free the device's cached memory); the
@@ -357,6 +384,7 @@ class LLMEngine:
         if self.speculator is not None:  # drafts for decoding requests (speculative/); the scheduler reads them
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         sched = self.scheduler.schedule()
+        check_step(sched, self.tp)  # tensor parallel: every rank scheduled the same step, or all raise
         if sched.is_empty:
             return finished
         t1 = time.perf_counter()
@@ -589,6 +617,24 @@ class LLMEngine:
             share=cfg.gpu_share, weights_bytes=weights, activations_bytes=activations, graphs_bytes=graphs,
             kv_bytes_per_block=per_block,  # the adapters' weights are allocated already: in `weights`
             other_bytes=adapter_workspace_bytes(self.adapters, self.model, cfg.max_num_batched_tokens))
+
+
+@dataclass(frozen=True)
+class EngineFromSource:
+    """A picklable rank builder (``jobrunner.engine.parallel.spawn_local``): ``LLMEngine.from_source(source,
+    ..., tensor_parallel=tp)`` with this rank's group."""
+
+    source: str
+    dtype: str = "auto"
+    quantization: str = "none"
+    config: EngineConfig | None = None
+    chat_template: str | None = None
+    adapters: dict[str, str] | None = None
+    load_options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, tp: Any) -> LLMEngine:
+        return LLMEngine.from_source(self.source, self.dtype, self.quantization, self.config, self.chat_template,
+                                     self.adapters, tensor_parallel=tp, **self.load_options)
 
 
 def _progress(total: int):
