@@ -578,12 +578,13 @@ class JobSpec(_Spec):
             problems = unmapped_settings(self)
             if problems:
                 raise ValueError("engine.backend vllm: " + "; ".join(problems))
-        elif self.engine.vllm_options or self.engine.vllm_python:
-            raise ValueError("engine.vllm_options / engine.vllm_python apply to engine.backend vllm only")
-        if self.engine.backend != "vllm" and self.engine.factory is None and self.cluster.num_gpus_per_worker > 1:
-            raise ValueError(f"cluster.num_gpus_per_worker={self.cluster.num_gpus_per_worker:g}: our engine runs a "
-                             "model on one GPU (tensor parallel is not built yet); use 1 GPU per worker and more "
-                             "workers, or engine.backend: vllm")
+        elif self.engine.vllm_options:  # engine.vllm_python may stay: `--set engine.backend=vllm` then uses it
+            raise ValueError("engine.vllm_options apply to engine.backend vllm only")
+        from jobrunner.spec_parallel import parallel_problem
+
+        problem = parallel_problem(self)  # GPUs = tensor x pipeline ranks, pipeline on vLLM only, a core per rank
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

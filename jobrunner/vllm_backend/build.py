@@ -9,13 +9,25 @@ from typing import Any
 
 from jobrunner.models.stopwatch import Stopwatch
 from jobrunner.vllm_backend.engine import VllmEngine
-from jobrunner.vllm_backend.mapping import engine_args, unmapped_settings, vllm_env, vllm_problem, vllm_python
+from jobrunner.vllm_backend.mapping import (
+    engine_args,
+    parallel_args,
+    unmapped_settings,
+    vllm_env,
+    vllm_problem,
+    vllm_python,
+)
 
 
-def build_vllm_engine(spec: Any, log_dir: str | None = None) -> VllmEngine:
+def build_vllm_engine(spec: Any, log_dir: str | None = None, placement: dict[str, Any] | None = None) -> VllmEngine:
     """The vLLM engine for one worker; ValueError naming what cannot run (a setting without a vLLM
     equivalent, no vLLM for the configured Python). vLLM's own output goes to `vllm_log_path(log_dir)`: the
-    worker passes its Ray session's log folder, so the file is kept, and cleaned up, with the worker logs."""
+    worker passes its Ray session's log folder, so the file is kept, and cleaned up, with the worker logs.
+
+    ``placement`` (``{"placement_group_id": hex, "address": the Ray GCS address}``): the worker's placement
+    group, for pipeline stages on other nodes: vLLM's Ray executor puts its rank actors in that group's
+    one-GPU bundles (engine.tensor_parallel_size x pipeline_parallel_size of them). Without it the ranks are
+    processes of this node over the GPUs the worker's actor holds."""
     from jobrunner.models.factory import choose_dtype, describe_dtype_choice, resolve_device
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.models.weights import load_config, load_tokenizer
@@ -41,14 +53,31 @@ def build_vllm_engine(spec: Any, log_dir: str | None = None) -> VllmEngine:
             "dtype_choice": choice, "dtype_reason": describe_dtype_choice(choice)}
     log = vllm_log_path(log_dir)
     env = vllm_env(spec, python, device.type)
-    engine = VllmEngine(python, engine_args(spec, str(model_dir), dtype, device=device.type),
-                        tokenizer, info, chat_template=spec.input.chat_template, env=env, log_path=log,
-                        device=device.type)
+    parallel = parallel_args(spec, device.type, visible_gpus(device.type), placement)
+    if parallel.get("distributed_executor_backend") == "ray":
+        env["RAY_ADDRESS"] = placement["address"]  # vLLM's engine-core process joins the cluster there
+    info.update({k: v for k, v in parallel.items() if k != "distributed_executor_backend"},
+                vllm_executor=parallel.get("distributed_executor_backend", "uni"))
+    args = engine_args(spec, str(model_dir), dtype, device=device.type, parallel=parallel)
+    engine = VllmEngine(python, args, tokenizer, info, chat_template=spec.input.chat_template, env=env,
+                        log_path=log, device=device.type,
+                        placement=placement if parallel.get("distributed_executor_backend") == "ray" else None)
     clock.mark("engine")  # vLLM's process: its imports, the weights, its KV cache (and compile, if asked)
     engine.model_info["load_stages_s"] = clock.stages
     engine.model_info["vllm_log"] = log
     engine.model_info["vllm_preload"] = env.get("LD_PRELOAD") or os.environ.get("LD_PRELOAD", "")
+    if "VLLM_CPU_OMP_THREADS_BIND" in env:  # each CPU rank's cores, as vLLM binds them
+        engine.model_info["vllm_cpu_bind"] = env["VLLM_CPU_OMP_THREADS_BIND"]
     return engine
+
+
+def visible_gpus(device: str) -> int | None:
+    """GPUs this worker's process sees (Ray sets CUDA_VISIBLE_DEVICES to the actor's); None off CUDA."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def vllm_log_path(log_dir: str | None = None) -> str:

@@ -56,7 +56,8 @@ class VllmEngine:
 
     def __init__(self, python: str, engine_args: dict[str, Any], tokenizer: Any, model_info: dict[str, Any],
                  chat_template: str | None = None, env: dict[str, str] | None = None,
-                 log_path: str | None = None, device: str | None = None) -> None:
+                 log_path: str | None = None, device: str | None = None,
+                 placement: dict[str, Any] | None = None) -> None:
         self.python, self.engine_args, self.tokenizer = python, dict(engine_args), tokenizer
         self.chat_template, self.env, self.log_path = chat_template, env, log_path
         self.model_info = dict(model_info)
@@ -66,7 +67,10 @@ class VllmEngine:
         self._pending: dict[str, tuple[float, int, SamplingParams]] = {}  # id -> (arrival, prompt tokens, params)
         self._rejected: list[RequestOutput] = []
         self._proc = self._spawn()
-        reply = self._call({"op": "start", "engine_args": self.engine_args})
+        start: dict[str, Any] = {"op": "start", "engine_args": self.engine_args}
+        if placement:  # vLLM's Ray executor in the worker's placement group (server.py)
+            start["placement"] = placement
+        reply = self._call(start)
         self.device = str(reply.get("device") or self.device)
         self.model_info.update(backend="vllm", vllm_version=reply.get("vllm_version"), device=self.device)
         self.block_size = int(reply.get("block_size") or self.block_size)  # vLLM's own (prefix-aware chains)

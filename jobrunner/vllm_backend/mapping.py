@@ -57,15 +57,18 @@ OWN_SETTING = {**{theirs: f"engine.{ours}" for ours, theirs in SAME_SETTINGS.ite
                "dtype": "model.dtype", "quantization": "model.quantization", "seed": "sampling.seed (per request)",
                "enforce_eager": "engine.use_cuda_graphs (false = eager)", "kv_cache_dtype": "engine.kv_cache_dtype",
                "speculative_config": "engine.speculative: ngram and engine.num_speculative_tokens",
-               "skip_tokenizer_init": "none: jobrunner tokenizes and detokenizes with the model's tokenizer"}
+               "skip_tokenizer_init": "none: jobrunner tokenizes and detokenizes with the model's tokenizer",
+               "tensor_parallel_size": "engine.tensor_parallel_size",
+               "pipeline_parallel_size": "engine.pipeline_parallel_size"}
 
 
-def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0, device: str = "cpu",
+                parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM ``EngineArgs`` keywords for this spec: the settings vLLM shares with ours (unset ones, and our
     default block size, leave vLLM's own defaults: its CPU attention wants blocks of 32 tokens), the
     dtype our rule chose, eager unless graphs are on (``engine.use_cuda_graphs``: ``auto`` = on CUDA, where vLLM
-    compiles and captures its graphs; off on CPU, where compiling costs minutes), ngram speculation, and
-    ``engine.vllm_options`` as written."""
+    compiles and captures its graphs; off on CPU, where compiling costs minutes), ngram speculation, the
+    parallel arguments (``parallel``, default :func:`parallel_args`), and ``engine.vllm_options`` as written."""
     e = spec.engine
     eager = not uses_graphs(e.use_cuda_graphs, device)
     args: dict[str, Any] = {"model": model_dir, "dtype": dtype, "seed": seed, "enforce_eager": eager}
@@ -82,7 +85,37 @@ def engine_args(spec: Any, model_dir: str, dtype: str, seed: int = 0, device: st
     if e.speculative == "ngram":
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": e.num_speculative_tokens,
                                       "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    return {**args, **e.vllm_options}
+    parallel = parallel_args(spec, device) if parallel is None else parallel
+    return {**args, **parallel, **e.vllm_options}
+
+
+def world_size(spec: Any) -> int:
+    """The ranks of one worker's vLLM engine: engine.tensor_parallel_size x engine.pipeline_parallel_size."""
+    return spec.engine.tensor_parallel_size * spec.engine.pipeline_parallel_size
+
+
+def parallel_args(spec: Any, device: str = "cpu", visible_gpus: int | None = None,
+                  placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's parallel arguments: ``tensor_parallel_size`` / ``pipeline_parallel_size`` from the engine keys
+    (none for one rank) and the executor that starts the ranks. ``mp`` (a process per rank) on CPU and on CUDA
+    while the worker's actor holds all the GPUs (``visible_gpus``, None = all it needs: Ray sets
+    CUDA_VISIBLE_DEVICES to them); ``ray`` when pipeline stages span nodes, its workers placed in the worker's
+    placement group (``placement``, handed to vLLM's process by id: see server.py). ValueError when the worker
+    sees fewer GPUs than ranks and has no placement group to put the rest in."""
+    e, world = spec.engine, world_size(spec)
+    if world == 1:
+        return {}
+    args: dict[str, Any] = {"distributed_executor_backend": "mp"}
+    if e.tensor_parallel_size > 1:
+        args["tensor_parallel_size"] = e.tensor_parallel_size
+    if e.pipeline_parallel_size > 1:
+        args["pipeline_parallel_size"] = e.pipeline_parallel_size
+    if device == "cuda" and visible_gpus is not None and visible_gpus < world:
+        if not placement:
+            raise ValueError(f"engine.tensor_parallel_size x pipeline_parallel_size = {world} GPUs, but this worker "
+                             f"sees {visible_gpus} and runs in no placement group that holds the others")
+        args["distributed_executor_backend"] = "ray"
+    return args
 
 
 def uses_graphs(use_cuda_graphs: bool | str, device: str) -> bool:
@@ -94,8 +127,10 @@ def uses_graphs(use_cuda_graphs: bool | str, device: str) -> bool:
 
 
 def vllm_python(spec: Any) -> str:
-    """The Python that runs vLLM: engine.vllm_python, else $JOBRUNNER_VLLM_PYTHON, else this interpreter."""
-    return spec.engine.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    """The Python that runs vLLM: engine.vllm_python, else $JOBRUNNER_VLLM_PYTHON, else this interpreter
+    (``~`` is the worker's home: cluster.yaml puts vLLM in ``~/vllm-venv`` on every node)."""
+    python = spec.engine.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    return os.path.expanduser(python)
 
 
 def vllm_problem(python: str, timeout_s: float = 60.0) -> str | None:
@@ -112,24 +147,44 @@ def vllm_problem(python: str, timeout_s: float = 60.0) -> str | None:
     return None
 
 
-def vllm_env(spec: Any, python: str | None = None, device: str = "cpu") -> dict[str, str]:
+def vllm_env(spec: Any, python: str | None = None, device: str = "cpu",
+             cores: list[int] | None = None) -> dict[str, str]:
     """Environment defaults for vLLM in a worker (each kept where the environment sets it). On CUDA, vLLM's
     own engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: tokenising, scheduling and output handling
     overlap the GPU's work). On CPU one process (the engine core would take a core of two from the model), no
     core kept back for it, as many OpenMP threads as the worker has CPUs, the KV cache in GiB from
     engine.kv_cache_memory_bytes (else 4), and the allocator and OpenMP runtime its docs ask to preload
-    (``cpu_preload``)."""
+    (``cpu_preload``). With tensor / pipeline ranks on CPU vLLM runs a process per rank: each rank's OpenMP
+    threads are bound to its own cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``, from ``cpu_bind``) and
+    ``VLLM_CPU_KVCACHE_SPACE`` is per rank: the worker's KV budget split over its ranks (each holds its share
+    of the KV heads, so the same tokens fit), at least 1 GiB each."""
     if device == "cuda":
         return {k: v for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items() if k not in os.environ}
     cpus = max(1, int(spec.cluster.num_cpus_per_worker))
-    space = spec.engine.kv_cache_memory_bytes
+    space = spec.engine.kv_cache_memory_bytes or 4 * 2**30
+    world = world_size(spec)
     defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                "OMP_NUM_THREADS": str(cpus),
-                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30))) if space else "4"}
+                "OMP_NUM_THREADS": str(max(1, cpus // world)),
+                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / world / 2**30)))}
+    if world > 1:
+        defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(world, cpus, cores)
     preload = cpu_preload(python) if python else ""
     if preload:
         defaults["LD_PRELOAD"] = preload
     return {k: v for k, v in defaults.items() if k not in os.environ}
+
+
+def cpu_bind(world: int, num_cpus: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU ranks: the first ``num_cpus`` of this process's allowed
+    cores (``cores``, default its affinity) in ``world`` contiguous groups, ``|`` between ranks (``0|1``,
+    ``0,1,2,3|4,5,6,7``). Fewer cores than ranks: ValueError (the spec refuses num_cpus_per_worker below the ranks)."""
+    allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))[:max(num_cpus, world)]
+    if len(allowed) < world:
+        raise ValueError(f"{world} vLLM ranks need a core each; this worker may use {len(allowed)} "
+                         f"({', '.join(map(str, allowed))})")
+    size = len(allowed) // world
+    groups = [allowed[r * size:(r + 1) * size] for r in range(world)]
+    return "|".join(",".join(map(str, g)) for g in groups)
 
 
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",

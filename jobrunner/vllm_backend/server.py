@@ -6,7 +6,9 @@ Protocol: on the original stdout, length-prefixed JSON replies (4-byte big-endia
 stdin, requests in the same framing. vLLM's own log lines go to stderr (stdout is redirected there before vLLM
 is imported). One request, one reply, in order:
 
-- ``{"op": "start", "engine_args": {...}}`` -> ``{"ok": true, "vllm_version": ..., "eos_token_ids": [...]}``
+- ``{"op": "start", "engine_args": {...}, "placement": {...} | absent}`` -> ``{"ok": true, "vllm_version": ...,
+  "eos_token_ids": [...]}`` (``placement``: ``{"placement_group_id": hex, "address": GCS address}``: the
+  worker's Ray placement group, which vLLM's Ray executor fills with its ranks: pipeline stages across nodes)
 - ``{"op": "add", "id": ..., "prompt_token_ids": [...], "sampling": {...}, "structured": {...} | null}``
   -> ``{"ok": true}`` or ``{"ok": false, "error": ...}`` (a ValueError / TypeError of vLLM's: nothing queued)
 - ``{"op": "step"}`` -> ``{"ok": true, "finished": [output...], "unfinished": N, "step_s": s, "sampled": k}``
@@ -92,11 +94,14 @@ class Server:
         self.stats = {"steps": 0, "step_s": 0.0, "num_prompt_tokens": 0, "num_cached_tokens": 0,
                       "num_output_tokens": 0, "num_requests": 0, "num_sampled_tokens": 0}
 
-    def start(self, engine_args: dict) -> dict:
+    def start(self, engine_args: dict, placement: dict | None = None) -> dict:
         import vllm
         from vllm import EngineArgs, LLMEngine
 
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+        if placement:
+            self.engine = _engine_in_placement_group(EngineArgs(**engine_args), placement)
+        else:
+            self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
         tokenizer = self.engine.get_tokenizer() if hasattr(self.engine, "get_tokenizer") else None
         eos = getattr(tokenizer, "eos_token_id", None)
         config = getattr(self.engine, "vllm_config", None)
@@ -151,6 +156,25 @@ class Server:
         return {"engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs))}
 
 
+def _engine_in_placement_group(args, placement: dict):
+    """vLLM's engine with its Ray executor placed in an existing placement group (the jobrunner worker's, by
+    id): this process joins the cluster at ``placement["address"]`` (its Ray must be the cluster's version),
+    and vLLM takes ``parallel_config.placement_group`` as it is instead of making its own."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    from vllm import LLMEngine, envs
+    from vllm.v1.executor.abstract import Executor
+
+    if not ray.is_initialized():
+        ray.init(address=placement["address"], logging_level="WARNING")
+    config = args.create_engine_config()
+    config.parallel_config.placement_group = PlacementGroup(
+        PlacementGroupID(bytes.fromhex(placement["placement_group_id"])))
+    return LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                     log_stats=not args.disable_log_stats, multiprocess_mode=bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING))
+
+
 def _device_type() -> str | None:
     """The device vLLM's build runs on ("cuda", "cpu", ...), as its platform layer says (None if it cannot)."""
     try:
@@ -201,7 +225,7 @@ def main() -> int:
         op = message.get("op")
         try:
             if op == "start":
-                reply = server.start(message["engine_args"])
+                reply = server.start(message["engine_args"], message.get("placement"))
             elif op == "add":
                 reply = server.add(message)
             elif op == "step":

@@ -98,4 +98,5 @@ def test_validate_prints_the_fit_and_refuses_what_does_not_fit(tmp_path: Path):
 def test_validate_refuses_several_gpus_per_worker_naming_tensor_parallel(tmp_path: Path):
     result = CliRunner().invoke(main, ["validate", str(_job(tmp_path, "llama-3-8b", "none", num_gpus_per_worker=2))])
     assert result.exit_code != 0
-    assert "cluster.num_gpus_per_worker=2: our engine runs a model on one GPU (tensor parallel" in result.output
+    assert "cluster.num_gpus_per_worker 2 but engine.tensor_parallel_size 1: a worker's model runs on one GPU " \
+           "unless it is split; set engine.tensor_parallel_size: 2" in result.output

@@ -47,14 +47,14 @@ def test_engine_settings_map_to_vllm_names(tmp_path):
     spec = _spec(tmp_path, engine={"max_num_seqs": 8, "max_num_batched_tokens": 512, "enable_prefix_caching": False,
                                    "max_model_len": 1024, "num_kv_blocks": 40, "speculative": "ngram",
                                    "num_speculative_tokens": 3, "use_cuda_graphs": True,
-                                   "vllm_options": {"tensor_parallel_size": 2}},
+                                   "vllm_options": {"swap_space": 2}},
                  model={"quantization": "fp8"})
     assert unmapped_settings(spec) == []
     args = engine_args(spec, "/models/m", "bfloat16")
     assert args == {"model": "/models/m", "dtype": "bfloat16", "seed": 0, "enforce_eager": False,
                     "max_num_seqs": 8, "max_num_batched_tokens": 512, "enable_prefix_caching": False,
                     "max_model_len": 1024, "gpu_memory_utilization": 0.85, "num_gpu_blocks_override": 40,
-                    "quantization": "fp8", "tensor_parallel_size": 2,
+                    "quantization": "fp8", "swap_space": 2,
                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                                            "prompt_lookup_min": 1}}
 
