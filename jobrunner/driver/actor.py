@@ -10,13 +10,16 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from jobrunner.driver.engine_factory import build_engine, describe_model
+from jobrunner.driver.cores import CoreClaim
+from jobrunner.driver.engine_factory import build_engine, build_rank, describe_model
 from jobrunner.driver.hardware import describe_hardware
 from jobrunner.driver.metrics import WorkerMetrics
+from jobrunner.driver.rank_group import in_bundle, local_rank_spec, rank_weights
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
 from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
@@ -49,18 +52,34 @@ class WorkerActor:
         self.runner: ShardRunner | None = None
         self.model: dict[str, Any] = {}
         self.metrics: WorkerMetrics | None = None
+        self.cores = CoreClaim()  # a CPU rank's cores, held for the life of the process (driver/cores.py)
+        self.rank_record: dict[str, Any] = {}  # rank 0 of a tensor-parallel worker: node, pid, device, cores
 
     def ping(self) -> bool:
         """Answers once the actor is placed and running (before the model loads)."""
         return True
 
-    def load(self) -> dict[str, Any]:
+    def rendezvous(self) -> str:
+        """Rank 0 of a tensor-parallel worker: a free port on this node, as the group's ``init_method``
+        (``tcp://<this node's ip>:<port>``) that every rank joins (driver/rank_group.py)."""
+        from jobrunner.engine.parallel import free_port
+
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def load(self, init_method: str | None = None) -> dict[str, Any]:
         """Build the engine; return the model as loaded and the worker's stats (with startup_s and its
-        stages, `startup_stages_s`)."""
+        stages, `startup_stages_s`). ``init_method``: rank 0 of a tensor-parallel worker, whose engine joins
+        the group there (a ``ParallelEngine``; this thread's cores are the rank's)."""
         load_start = time.time()
         spec = JobSpec.model_validate(self.spec_dict)
         imports_s = _import_engine() if not spec.engine.factory else 0.0
-        engine = _build_engine_redacted(spec)
+        rank_record: dict[str, Any] = {}
+        if init_method is None:
+            engine = _build_engine_redacted(lambda: build_engine(spec, worker_log_dir()))
+        else:
+            rank_spec, self.cores, rank_record = local_rank_spec(spec, 0, init_method)
+            engine = _build_engine_redacted(lambda: build_rank(spec, rank_spec))
+            self.rank_record = {**rank_record, **rank_weights(engine)}
         gpu_ids = ray.get_gpu_ids()
         device = str(engine.device or (f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"))
         now = time.time()
@@ -74,6 +93,13 @@ class WorkerActor:
         self.runner = ShardRunner(engine, spec, self.worker_id, self.job_start_s, info)
         self.metrics = WorkerMetrics.start(spec.name, self.worker_id, self.runner)  # Ray dashboard / Prometheus
         return {"model": self.model, "stats": self.runner.stats()}
+
+    def join_ranks(self, loaded: dict[str, Any], *followers: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 of a tensor-parallel worker, once it (``loaded``: its `load`'s answer) and every follower
+        (their records) have loaded: the ranks go into the worker's record; answers as `load` does."""
+        self.runner.info["ranks"] = [self.rank_record, *followers]
+        self.runner.info["tensor_parallel_size"] = len(followers) + 1
+        return {"model": loaded["model"], "stats": self.runner.stats()}
 
     def ready(self) -> dict[str, Any]:
         """The model and the worker's stats (after `load`)."""
@@ -99,12 +125,12 @@ class WorkerActor:
         return stats
 
 
-def _build_engine_redacted(spec: JobSpec) -> Any:
-    """build_engine, whose failure is re-raised with its text redacted: Ray writes a failed call's exception to
+def _build_engine_redacted(build: Callable[[], Any]) -> Any:
+    """build(), whose failure is re-raised with its text redacted: Ray writes a failed call's exception to
     the worker's log and hands it to the driver before jobrunner sees it, and a factory's error may quote the
     credentials it was given. The original traceback rides along as a note, redacted."""
     try:
-        return build_engine(spec, worker_log_dir())
+        return build()
     except Exception as exc:  # noqa: BLE001 - re-raised, redacted
         text = redact_text(str(exc))
         try:
@@ -175,8 +201,10 @@ def worker_resources(spec: JobSpec) -> dict[str, float]:
     return resources
 
 
-def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: str) -> Any:
-    """Create one worker actor with the spec's resources (GPU worker when num_gpus_per_worker > 0).
+def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: str,
+                 placement: tuple[Any, int, dict[str, float]] | None = None) -> Any:
+    """Create one worker actor with the spec's resources (GPU worker when num_gpus_per_worker > 0), or, with
+    ``placement`` (placement group, bundle index, bundle), with that bundle's resources inside it.
 
     The actor is named `jobrunner:<job name>:<run token>:<worker id>` so operators (and tests) can find it.
     """
@@ -186,6 +214,9 @@ def start_worker(spec: JobSpec, worker_id: str, job_start_s: float, run_token: s
                                    name=f"jobrunner:{spec.name}:{run_token}:{worker_id}")
     if c.num_gpus_per_worker > 0:
         options["num_gpus"] = c.num_gpus_per_worker
+    if placement is not None:
+        pg, index, bundle = placement
+        options.update(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=in_bundle(pg, index))
     # Ray renices its workers to 15 unless told otherwise (read by the worker process at start); env_vars merge
     # with the job's runtime_env (a submitted job keeps its working_dir and variables)
     options["runtime_env"] = {"env_vars": {RAY_NICENESS_ENV: str(c.worker_niceness)}}

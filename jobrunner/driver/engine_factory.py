@@ -39,12 +39,39 @@ def build_engine(spec: JobSpec, log_dir: str | None = None) -> WorkerEngine:
         from jobrunner.vllm_backend.build import build_vllm_engine
 
         return build_vllm_engine(spec, log_dir)
+    if spec.engine.backend == "openai":
+        from jobrunner.endpoint_backend.build import build_endpoint_engine
+
+        return build_endpoint_engine(spec)
+    if is_rank_group(spec):
+        raise RuntimeError(f"engine.tensor_parallel_size={spec.engine.tensor_parallel_size}: a rank's engine is "
+                           "built by build_rank_engine in its group (a lost group is replaced, not reloaded)")
+    return _our_engine(spec)
+
+
+def _our_engine(spec: JobSpec, tensor_parallel: Any = None) -> WorkerEngine:
     from jobrunner.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(**engine_config_kwargs(spec))
     template = {"chat_template": spec.input.chat_template} if spec.input.chat_template else {}
+    group = {"tensor_parallel": tensor_parallel} if tensor_parallel is not None else {}
     return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype, quantization=spec.model.quantization,
-                                 config=config, adapters=dict(spec.model.adapters) or None, **template)
+                                 config=config, adapters=dict(spec.model.adapters) or None, **template, **group)
+
+
+def is_rank_group(spec: JobSpec) -> bool:
+    """Whether a worker of this job is a tensor-parallel group of ranks (our engine, no custom factory,
+    ``engine.tensor_parallel_size`` > 1): driver/rank_group.py."""
+    return spec.engine.backend == "jobrunner" and not spec.engine.factory and spec.engine.tensor_parallel_size > 1
+
+
+def build_rank(spec: JobSpec, rank: Any) -> Any:
+    """One rank's engine of a tensor-parallel worker (``rank``: its ``RankSpec``): it joins the group, then loads
+    its shard of the model; the leader's (rank 0) is a ``ParallelEngine`` (a worker engine), the others'
+    a ``Follower`` whose ``serve()`` runs the leader's steps."""
+    from jobrunner.engine.parallel import build_rank_engine
+
+    return build_rank_engine(lambda tp: _our_engine(spec, tp), rank)
 
 
 def describe_model(engine: WorkerEngine, spec: JobSpec) -> dict[str, Any]:

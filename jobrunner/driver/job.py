@@ -48,6 +48,7 @@ from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
 from jobrunner.driver.shard_run import ShardRun, ShardRuns, ShardState
 from jobrunner.driver.shards import ShardTable
+from jobrunner.driver.stage_feed import StageHooks
 from jobrunner.driver.tasks import Task, TaskQueue, retry_delay
 from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
@@ -67,21 +68,26 @@ PUBLISH_THREADS = 8  # publishes (server-side copies + records) in flight at onc
 
 
 def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = True,
-            started_s: float | None = None) -> JobResult:
+            started_s: float | None = None, stage: StageHooks | None = None) -> JobResult:
     """Run a job to the end (validating input and output before any worker starts). `started_s`: when the
-    command started (time.monotonic; default now), for the elapsed time the progress and the summary give."""
+    command started (time.monotonic; default now), for the elapsed time the progress and the summary give.
+    `stage`: a pipeline stage's hooks (driver/pipeline.py holds the Ray session; a later stage's shards come
+    from its feed, driver/stage_feed.py)."""
     remember_secrets(spec.secret_values())  # cut by value from all the driver writes (load_spec did it for the CLI)
     spec = with_absolute_output(spec)
     planning = time.monotonic()
     started_s = planning if started_s is None else started_s
     previous = read_previous_output(spec)  # the old manifest, read once: planning and opening both use it
-    plan = plan_job(spec, previous.header)
+    feed = None if stage is None else stage.feed
+    plan = plan_job(spec, previous.header) if feed is None else feed.plan()
     storage, manifest, lease = open_output(spec, plan, previous)
     try:
         publish_prefix_plan(storage, manifest, plan.prefix)  # the grouped shards' row order, before any worker
         publish_duplicates(spec, plan.files, storage, manifest)  # output.dedupe prompts, before any worker
-        loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress, started_s)
+        loop = _JobLoop(spec, plan, storage, manifest, lease, show_progress, started_s, stage)
         loop.startup["plan_s"] = round(time.monotonic() - planning, 3)
+        if stage is not None:  # the pipeline holds the Ray session
+            return loop.run()
         if not len(loop.queue):  # everything already committed: no need for Ray
             return loop.run()
         loop.progress.stage(describe_ray_start(spec, address))
@@ -96,8 +102,9 @@ def run_job(spec: JobSpec, address: str | None = None, show_progress: bool = Tru
 
 class _JobLoop:
     def __init__(self, spec: JobSpec, plan: JobPlan, storage: Storage, manifest: dict[str, Any], lease: Lease,
-                 show_progress: bool, started_s: float) -> None:
+                 show_progress: bool, started_s: float, stage: StageHooks | None = None) -> None:
         self.spec, self.storage, self.lease, self.started_s = spec, storage, lease, started_s
+        self.stage, self.feed = stage, None if stage is None else stage.feed
         self.shards: ShardTable = plan.shards
         self.runs = ShardRuns(self.shards)  # the shards handed out, until committed or failed
         self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self.runs.hand_out, spec.cluster.num_workers,
@@ -123,17 +130,15 @@ class _JobLoop:
         self.watch = Watchdog(spec.cluster.job_stall_timeout_s)
         self.next_show = 0.0
         self.startup: dict[str, Any] = {}  # plan_s, ray_start_s (run_job) and the workers' (pool.startup)
+        if self.feed is not None:
+            self.feed.attach(storage, self.shards)
 
     # ---- top level ----------------------------------------------------------------------------------
     def run(self) -> JobResult:
         self.book.compact(drop_all_records=True)  # the run's starting manifest holds every record
         try:
-            if len(self.queue):
-                count = min(self.spec.cluster.num_workers, len(self.queue))
-                self.progress.stage(describe_placing(self.spec, count))
-                self._note_live("starting workers", Snapshot(self._committed_counts(), 0))
-                self.pool.start(count)
-                self.watch.event("the workers were started")
+            if len(self.queue) or self.feed is not None:
+                self._start_workers()
                 self._loop()
         except BaseException as exc:
             # LeaseLost (or any abort): queued publishes never start; one in flight meets the fence
@@ -152,9 +157,19 @@ class _JobLoop:
         self.progress.close(final.counts, final.tokens)
         return self._finish()
 
+    def _start_workers(self) -> None:
+        count = min(self.spec.cluster.num_workers, len(self.queue))
+        if not count:  # a pipeline stage whose feed has nothing yet: workers start with its first shards
+            return
+        self.progress.stage(describe_placing(self.spec, count))
+        self._note_live("starting workers", Snapshot(self._committed_counts(), 0))
+        self.pool.start(count)
+        self.watch.event("the workers were started")
+
     def _loop(self) -> None:
-        while (len(self.queue) or len(self.runs) or self.pool.busy) and self.error is None:
+        while (len(self.queue) or len(self.runs) or self.pool.busy or self._feed_open()) and self.error is None:
             self.lease.check()  # the heartbeat thread renews; LeaseLost once it could not (io/lease.py)
+            self._take_fed()
             self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.pool.task_refs())))
             self._assign()
             self.error = self._why_stuck()
@@ -167,7 +182,33 @@ class _JobLoop:
                 self.watch.event("a worker reported progress")
             for worker, why, engine_stalled in self.pool.stalled():
                 self._worker_lost(worker, why, stalled=engine_stalled)
+            for worker, why in self.pool.lost():  # a tensor-parallel worker's lost rank: the whole group
+                self._worker_lost(worker, why)
             self._show_progress()
+
+    def _feed_open(self) -> bool:
+        if self.stage is not None and self.stage.stop.is_set():
+            raise KeyboardInterrupt(f"the pipeline stopped stage {self.spec.name}")
+        return self.feed is not None and self.feed.is_open
+
+    def _take_fed(self) -> None:
+        """A pipeline stage: the shards its feed found (committed upstream since the last poll) join the table
+        and the queue; the manifest is written first, so that no commit record names a shard it lacks."""
+        if self.feed is None:
+            return
+        fed = self.feed.poll()
+        if not fed:
+            if self.feed.is_open:
+                self.watch.event("waiting for the previous stage's shards")
+            return
+        rows = self.shards.extend([f.shard_id for f in fed], [f.file_url for f in fed], [f.num_rows for f in fed])
+        self.book.compact()
+        for row in rows:
+            self.queue.put(self.runs.hand_out(row))
+        self.counted.prompts_total += sum(f.num_rows for f in fed)
+        self.watch.event(f"{len(fed)} shard(s) from the previous stage")
+        if not self.pool.workers and not self.pool.num_started:
+            self._start_workers()
 
     def _why_stuck(self) -> str | None:
         """Why the job cannot go on, checked every round (None while it can): no worker may ever start, an
@@ -222,6 +263,7 @@ class _JobLoop:
         log.warning("worker %s lost: %s", worker.worker_id, redact_text(error))
         suspects = worker.suspects if stalled and crash is None else {}  # a hung call: the rows in its engine
         held = self.pool.remove(worker, error)
+        self.book.note_lost(worker.worker_id, error)
         self.losses.on_loss(worker.worker_id, held, error, stalled, crash, suspects)
 
     # ---- tasks --------------------------------------------------------------------------------------
@@ -254,8 +296,9 @@ class _JobLoop:
             self._worker_lost(worker, _short(exc))
             return
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineFailed):
-                self._worker_lost(worker, _short(exc), crash=exc.cause.reason)
+            if isinstance(exc.cause, EngineFailed):  # a lost rank under it is not the rows' crash
+                lost_rank = self.pool.lost_rank(worker)
+                self._worker_lost(worker, lost_rank or _short(exc), crash=None if lost_rank else exc.cause.reason)
             else:
                 self._returned(ref)
                 self._charge(task, _short(exc))
@@ -411,6 +454,7 @@ class _JobLoop:
         self.lease.verify()  # LeaseLost (write nothing) if the output was taken over while workers stopped
         failed = self.book.failed_shards()
         finished = not failed and not len(self.queue) and not len(self.runs) and self.error is None
+        finished = finished and (self.feed is None or self.feed.upstream_ok)  # a stage: its input is complete
         if finished:  # output.dedupe outputs: the duplicate samples over every committed part (driver/dedupe.py)
             mark_duplicate_outputs(self.spec, self.storage, self.shards.committed_parts(), self.book.manifest)
         never_started = self.queue.drain_fresh()

@@ -144,6 +144,13 @@ def record_worker(manifest: dict[str, Any], worker_id: str, stats: dict[str, Any
     stages = stats.get("startup_stages_s")
     if isinstance(stages, dict):  # the worker's start-up by stage (driver/actor.startup_stages)
         record["startup_stages_s"] = {str(k): v for k, v in stages.items() if isinstance(v, (int, float))}
+    ranks = stats.get("ranks")
+    if isinstance(ranks, list):  # a tensor-parallel worker's ranks (driver/rank_group.py)
+        record["ranks"] = [{k: v for k, v in r.items() if _is_plain(v) or k == "cores"} for r in ranks
+                           if isinstance(r, dict)]
+    lost = (manifest["workers"].get(worker_id) or {}).get("lost")
+    if lost is not None:
+        record["lost"] = lost
     manifest["workers"][worker_id] = record
 
 
@@ -201,6 +208,10 @@ class JobBook:
         end_older_runs(self.manifest, self.shards)
         self.ledger = RunLedger(self.storage, run_index, started_at, self.committed_rows)
         return run_index
+
+    def note_lost(self, worker_id: str, error: str) -> None:
+        """Why a worker was lost (a tensor-parallel worker's: the rank, its node and pid), in its entry."""
+        self.manifest["workers"].setdefault(worker_id, {})["lost"] = redact_text(error)
 
     def note_model(self, model: dict[str, Any]) -> None:
         """What a worker reports of the model it loaded."""

@@ -32,7 +32,17 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver.actor import start_worker, worker_resources
+from jobrunner.driver.engine_factory import is_rank_group
 from jobrunner.driver.progress_counts import ShardProgress
+from jobrunner.driver.rank_group import (
+    RankGroup,
+    bundle_of_rank,
+    make_placement,
+    placement_text,
+    start_group,
+    vllm_bundles,
+    wait_lost_rank,
+)
 from jobrunner.driver.tasks import Task
 from jobrunner.spec import PROGRESS_POLL_S, JobSpec
 
@@ -60,6 +70,7 @@ class Worker:
     suspects: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # a hung call's rows in the engine
     live: dict[tuple[str, int], ShardProgress] = field(default_factory=dict)  # (shard, row_start) -> its counts
     engine_tokens: int = 0  # output tokens its engine sampled so far (last poll)
+    group: RankGroup | None = None  # a tensor-parallel worker's ranks and placement group (vLLM's placement)
 
 
 class WorkerPool:
@@ -100,8 +111,18 @@ class WorkerPool:
         prefix = f"r{self.run_index}" if self.run_index else ""
         worker_id = f"{prefix}w{self.num_started}"
         self.num_started += 1
-        actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
-        self.workers.append(Worker(worker_id, actor, actor.ping.remote(), actor.load.remote()))
+        if is_rank_group(self.spec):  # N rank actors in one placement group (driver/rank_group.py)
+            actor, ping_ref, ready_ref, group = start_group(self.spec, worker_id, self.wall_t0, self.run_token)
+            self.workers.append(Worker(worker_id, actor, ping_ref, ready_ref, group=group))
+            return
+        group, bundles = None, vllm_bundles(self.spec)
+        if bundles is not None:  # vLLM over TP x PP GPUs: one actor in a placement group of its own
+            pg = make_placement(self.spec, f"jobrunner:{self.spec.name}:{self.run_token}:{worker_id}", bundles)
+            actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token, placement=(pg, 0, bundles[0]))
+            group = RankGroup(pg, actor, [], {}, {})
+        else:
+            actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
+        self.workers.append(Worker(worker_id, actor, actor.ping.remote(), actor.load.remote(), group=group))
 
     def remove(self, worker: Worker, error: str) -> list[tuple[Any, Task]]:
         """Forget a worker and kill its actor (a stopped or unreachable process included); the (ref, task)
@@ -110,10 +131,13 @@ class WorkerPool:
         if worker in self.workers:
             self.workers.remove(worker)
             self.removed_tokens += worker.engine_tokens
-        try:
-            ray.kill(worker.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        if worker.group is not None:
+            worker.group.kill()  # every rank's actor and the placement group
+        else:
+            try:
+                ray.kill(worker.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         tasks = list(worker.tasks.items())
         worker.tasks.clear()
         worker.live.clear()
@@ -207,15 +231,34 @@ class WorkerPool:
         unplaced = [w for w in waiting if not w.is_placed]
         if unplaced:
             return (f"no worker started within cluster.worker_start_timeout_s={timeout:g}s: the cluster could "
-                    f"not give {json.dumps(worker_resources(self.spec))} x {len(unplaced)} "
-                    f"({_cluster_resources()})")
+                    f"not give {self._asked()} x {len(unplaced)} ({_cluster_resources()})")
         return (f"no worker finished loading the model within cluster.worker_start_timeout_s={timeout:g}s "
                 f"({len(waiting)} placed, still loading)")
 
+    def _asked(self) -> str:
+        """What one worker asks the cluster for: its resources, or its placement group."""
+        if is_rank_group(self.spec):
+            return placement_text(self.spec, [bundle_of_rank(self.spec)] * self.spec.engine.tensor_parallel_size)
+        bundles = vllm_bundles(self.spec)
+        return placement_text(self.spec, bundles) if bundles else json.dumps(worker_resources(self.spec))
+
     # ---- progress -----------------------------------------------------------------------------------
     def poll_refs(self) -> list[Any]:
-        """Progress polls not answered yet (the job loop's wait wakes on them too)."""
-        return [w.poll_ref for w in self.workers if w.poll_ref is not None]
+        """Progress polls not answered yet, and the follower ranks' serve calls of tensor-parallel workers
+        (they end only when a rank is lost): the job loop's wait wakes on them too."""
+        polls = [w.poll_ref for w in self.workers if w.poll_ref is not None]
+        return polls + [ref for w in self.workers if w.group is not None and w.is_ready for ref in w.group.wake_refs()]
+
+    def lost(self) -> list[tuple[Worker, str]]:
+        """Ready tensor-parallel workers that lost a rank, with why (naming the rank, its node and pid); one
+        still starting fails its start instead (its ready call fails with the rank's error)."""
+        return [(w, why) for w in self.workers if w.group is not None and w.is_ready
+                for why in [w.group.check()] if why is not None]
+
+    def lost_rank(self, worker: Worker) -> str | None:
+        """After a tensor-parallel worker's engine failed: the rank that was lost with it (Ray reports a dead
+        actor within seconds), or None (the failure is the engine's own)."""
+        return wait_lost_rank(worker.group) if worker.group is not None and worker.group.followers else None
 
     def poll(self) -> bool:
         """Collect every answered progress poll (each pass of the loop; never blocks) and send a new one to

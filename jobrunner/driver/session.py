@@ -50,6 +50,29 @@ def fold_token_notice(marker: Path | None = None) -> None:
         logger.addFilter(TokenNoticeOnce(marker or cache_root() / _TOKEN_MARKER))
 
 
+def group_fit_problem(spec: JobSpec, node: dict[str, float]) -> str | None:
+    """Why one placement-group worker (tensor-parallel ranks, or vLLM over TP x PP GPUs: driver/rank_group.py)
+    can never be placed on a node with ``node``'s resources (STRICT_PACK: all its bundles on one node); None if
+    it fits, or if the worker needs no placement group."""
+    from jobrunner.driver.engine_factory import is_rank_group
+    from jobrunner.driver.rank_group import bundle_of_rank, vllm_bundles
+
+    bundles = ([bundle_of_rank(spec)] * spec.engine.tensor_parallel_size if is_rank_group(spec)
+               else vllm_bundles(spec))
+    if not bundles:
+        return None
+    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    short = {k: v for k, v in need.items() if v > node.get(k, 0.0) + 1e-9}
+    if not short:
+        return None
+    e = spec.engine
+    return (f"engine.tensor_parallel_size={e.tensor_parallel_size} x pipeline_parallel_size="
+            f"{e.pipeline_parallel_size}: one worker's placement group needs "
+            + ", ".join(f"{v:g} {k}" for k, v in short.items())
+            + " on one node; this machine's local Ray has "
+            + ", ".join(f"{node.get(k, 0.0):g} {k}" for k in short))
+
+
 def _local_num_cpus(spec: JobSpec) -> int:
     need = spec.cluster.num_workers * spec.cluster.num_cpus_per_worker
     return max(math.ceil(need), os.cpu_count() or 1)
@@ -77,6 +100,9 @@ def ray_session(spec: JobSpec, address: str | None = None) -> Iterator[bool]:
         ray.init(address="local", num_cpus=_local_num_cpus(spec), include_dashboard=False, **quiet)
     _no_color_reset_at_exit()
     try:
+        problem = None if address else group_fit_problem(spec, ray.cluster_resources())
+        if problem is not None:  # a local Ray never grows: waiting for worker_start_timeout_s would be for nothing
+            raise RuntimeError(problem)
         yield bool(address)
     finally:
         ray.shutdown()

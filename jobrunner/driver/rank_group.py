@@ -1,0 +1,278 @@
+"""A tensor-parallel worker: N Ray actors of one worker in one placement group (issue 45, seam C).
+
+To the pool (driver/pool.py) a group is one `Worker`: rank 0 is the `WorkerActor` it already knows (its `load`
+builds a `ParallelEngine`, the engine every shard runs through), ranks 1..N-1 are `RankActor`s whose `serve`
+call runs the follower loop for the whole life of the group. All N sit in one placement group (STRICT_PACK:
+one node), one bundle each: `{GPU: 1, CPU: num_cpus_per_worker / N}` on GPU workers, `{CPU: num_cpus_per_worker
+/ N}` on CPU workers, so a group is placed whole or not at all.
+
+Start-up, with no round trip through the driver: rank 0's `rendezvous` picks a free port on its node and
+returns `tcp://<its ip>:<port>`; that reference is handed to rank 0's `load` and to every follower's `serve`
+(Ray resolves it before the call runs), and all N join the group there. The group is ready when rank 0's
+`join_ranks` returns: it runs once rank 0's load and every follower's load have succeeded (their results are
+its arguments), adds the ranks (node, pid, device, cores, weights bytes) to the worker's record, and answers
+like a single worker's `load`. Any rank failing to load fails that call, naming the rank.
+
+A lost rank is a lost worker: a follower's `serve` ends while the group is wanted (its actor died, or the
+follower loop raised on a collective's error or timeout), or the leader's engine fails while a follower is
+gone. Then the whole group goes (every actor killed, the placement group removed) and its shards are retried
+as any lost worker's; the error names the rank, its node and its pid.
+
+`engine.backend: vllm` with tensor x pipeline parallel > 1 stays one actor (vLLM starts its ranks inside it),
+holding TP x PP GPUs from a placement group of one bundle: Ray places an actor inside a single bundle, so the
+TP x PP one-GPU bundles of the design could not hold it (see `vllm_bundles`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from jobrunner.driver.cores import CoreClaim, claim_cores, cores_per_rank
+from jobrunner.driver.engine_factory import build_rank
+from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
+from jobrunner.spec import JobSpec
+
+RANK_CONCURRENCY = 3  # serve (the whole life) + loaded + ping
+LOST_RANK_WAIT_S = 5.0  # how long an engine failure waits for Ray to report which rank died
+
+
+def bundle_of_rank(spec: JobSpec) -> dict[str, float]:
+    """One rank's bundle: one GPU and its share of the worker's CPUs, or that share alone on CPU workers."""
+    c, world = spec.cluster, spec.engine.tensor_parallel_size
+    bundle = {"CPU": c.num_cpus_per_worker / world}
+    if c.num_gpus_per_worker > 0:
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def vllm_bundles(spec: JobSpec) -> list[dict[str, float]] | None:
+    """vLLM with TP x PP > 1: one bundle of every GPU and CPU of the worker (None otherwise). One bundle,
+    because the worker is one actor and Ray places an actor within one bundle: TP x PP one-GPU bundles would
+    never hold it. STRICT_PACK keeps it on one node; pipeline stages across nodes would need vLLM's own Ray
+    executor placing ranks into bundles, which the vLLM backend (its own process) does not run."""
+    e, c = spec.engine, spec.cluster
+    if e.backend != "vllm" or e.tensor_parallel_size * e.pipeline_parallel_size <= 1:
+        return None
+    bundle = {"CPU": c.num_cpus_per_worker}
+    if c.num_gpus_per_worker > 0:
+        bundle["GPU"] = float(c.num_gpus_per_worker)
+    return [bundle]
+
+
+def placement_text(spec: JobSpec, bundles: list[dict[str, float]]) -> str:
+    """How the cluster was asked, for the start deadline's message."""
+    import json
+
+    return f"a placement group (STRICT_PACK: one node) of {len(bundles)} x {json.dumps(bundles[0])}"
+
+
+def make_placement(spec: JobSpec, name: str, bundles: list[dict[str, float]]) -> Any:
+    """The worker's placement group (not waited for: its actors stay pending until it is placed)."""
+    return placement_group(bundles, strategy="STRICT_PACK", name=name)
+
+
+def in_bundle(pg: Any, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def rank_timeout_s(spec: JobSpec) -> float:
+    """The collectives' limit: long enough for the slowest rank's load (the first collectives wait for it);
+    a dead rank fails the others at once (its sockets close), a frozen one is the driver's hang to detect."""
+    return max(spec.cluster.worker_start_timeout_s, spec.cluster.progress_timeout_s)
+
+
+def here(rank: int) -> dict[str, Any]:
+    """Who this rank is: rank, node, node ip, pid."""
+    return {"rank": rank, "node": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid()}
+
+
+def local_rank_spec(spec: JobSpec, rank: int, init_method: str) -> tuple[Any, CoreClaim, dict[str, Any]]:
+    """This rank's RankSpec (its cores claimed on CPU workers, its GPU on GPU workers), the claim to hold for
+    the process's life, and its record (node, pid, device, cores)."""
+    from jobrunner.engine.parallel import RankSpec
+
+    world = spec.engine.tensor_parallel_size
+    claim, device_index, device = CoreClaim(), None, "cpu"
+    if spec.cluster.num_gpus_per_worker > 0:
+        device_index = 0  # Ray shows this actor its bundle's one GPU as cuda:0 (CUDA_VISIBLE_DEVICES)
+        gpu_ids = ray.get_gpu_ids()
+        device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cuda:0"
+    else:
+        claim = claim_cores(cores_per_rank(spec.cluster.num_cpus_per_worker, world))
+    rank_spec = RankSpec(rank=rank, world=world, init_method=init_method, timeout_s=rank_timeout_s(spec),
+                         cpu_cores=claim.cores, device_index=device_index)
+    return rank_spec, claim, {**here(rank), "device": device, "cores": list(claim.cores)}
+
+
+def rank_weights(engine: Any) -> dict[str, int]:
+    """The weights this rank holds (its engine's ``model_info``), for the worker's record."""
+    info = getattr(engine, "model_info", None)
+    value = info.get("weights_bytes") if isinstance(info, dict) else None
+    return {"weights_bytes": value} if isinstance(value, int) else {}
+
+
+class RankActor:
+    """Rank 1..N-1 of a tensor-parallel worker: loads its shard, then follows the leader's steps."""
+
+    def __init__(self, spec_dict: dict[str, Any], worker_id: str, rank: int,
+                 secret_values: tuple[str, ...] = ()) -> None:
+        remember_secrets(secret_values)
+        self.spec_dict, self.worker_id, self.rank = spec_dict, worker_id, rank
+        self.loaded = threading.Event()
+        self.record: dict[str, Any] = {}
+        self.error: str | None = None
+        self.claim = CoreClaim()
+
+    def ping(self) -> dict[str, Any]:
+        """Answers once placed: rank, node, node ip, pid."""
+        return here(self.rank)
+
+    def serve(self, init_method: str) -> str:
+        """Join the group at ``init_method``, load this rank's shard, then run the leader's steps until it
+        closes the group (returns) or a collective fails (raises). Load and serve share this thread: the
+        cores it pins are those its compute threads start on."""
+        try:
+            spec = JobSpec.model_validate(self.spec_dict)
+            rank_spec, self.claim, record = local_rank_spec(spec, self.rank, init_method)
+            follower = build_rank(spec, rank_spec)
+            self.record = {**record, **rank_weights(getattr(follower, "engine", None))}
+        except Exception as exc:  # noqa: BLE001 - named and re-raised: `loaded` and `serve` both report it
+            self.error = redact_text(f"rank {self.rank} ({where(here(self.rank))}) failed to load: "
+                                     f"{type(exc).__name__}: {exc}")
+            raise RuntimeError(self.error) from None
+        finally:
+            self.loaded.set()
+        follower.serve()
+        return "closed"
+
+    def loaded_record(self) -> dict[str, Any]:
+        """This rank's record once its shard is loaded (raises naming the rank if the load failed)."""
+        self.loaded.wait()
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.record
+
+
+def where(record: dict[str, Any]) -> str:
+    """'node <host>, pid <pid>' of a rank's record."""
+    return f"node {record.get('node', '?')}, pid {record.get('pid', '?')}"
+
+
+@dataclass(eq=False)
+class RankGroup:
+    """The actors and placement group of one tensor-parallel worker, as the pool holds them."""
+
+    pg: Any
+    leader: Any
+    followers: list[Any]
+    ping_refs: dict[Any, int]  # follower ping -> rank
+    serve_refs: dict[Any, int]  # follower serve -> rank: ends only when the group is closed or broken
+    known: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> node, pid (from its ping)
+    lost: str | None = None  # why a rank was lost (set once)
+
+    def wake_refs(self) -> list[Any]:
+        """Refs whose answer the job loop waits on: the followers' serve calls."""
+        return list(self.serve_refs)
+
+    def check(self, wait_s: float = 0.0) -> str | None:
+        """Why this group lost a rank (None while every follower serves): collects answered pings (who is
+        where) and ended serve calls, waiting up to ``wait_s`` for one to end."""
+        self._take_pings()
+        if self.lost is None and self.serve_refs:
+            done, _ = ray.wait(list(self.serve_refs), num_returns=1, timeout=wait_s)
+            if done:
+                self.lost = self._describe_end(done[0])
+        return self.lost
+
+    def _take_pings(self) -> None:
+        done, _ = ray.wait(list(self.ping_refs), num_returns=len(self.ping_refs), timeout=0) if self.ping_refs \
+            else ([], [])
+        for ref in done:
+            rank = self.ping_refs.pop(ref)
+            try:
+                self.known[rank] = ray.get(ref, timeout=0)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                self.known.setdefault(rank, {"rank": rank})
+
+    def _describe_end(self, ref: Any) -> str:
+        rank = self.serve_refs[ref]
+        try:
+            ray.get(ref, timeout=0)
+            what = "its follower loop ended although the leader did not close the group"
+        except RayActorError as exc:
+            what = f"its actor died: {_last_line(exc)}"
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            what = f"{type(cause).__name__}: {cause}" if cause is not None else _last_line(exc)
+        return redact_text(f"rank {rank} of {len(self.followers) + 1} lost ({where(self.known.get(rank, {}))}): "
+                           f"{what}")
+
+    def kill(self) -> None:
+        """Kill every rank's actor and remove the placement group (already-dead actors included)."""
+        for actor in [self.leader, *self.followers]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
+def start_group(spec: JobSpec, worker_id: str, job_start_s: float, run_token: str) -> tuple[Any, Any, Any,
+                                                                                             RankGroup]:
+    """Create a worker's placement group and its N rank actors, and wire their start-up (nothing waited for).
+    Returns (rank 0's WorkerActor, its ping ref, the ref that answers once every rank has loaded, the group)."""
+    from jobrunner.driver.actor import start_worker
+
+    world = spec.engine.tensor_parallel_size
+    name = f"jobrunner:{spec.name}:{run_token}:{worker_id}"
+    bundle = bundle_of_rank(spec)
+    pg = make_placement(spec, name, [dict(bundle) for _ in range(world)])
+    leader = start_worker(spec, worker_id, job_start_s, run_token, placement=(pg, 0, bundle))
+    init_ref = leader.rendezvous.remote()
+    followers = [_start_rank(spec, worker_id, run_token, pg, rank, bundle) for rank in range(1, world)]
+    serve_refs = {f.serve.remote(init_ref): rank for rank, f in enumerate(followers, start=1)}
+    loaded = [f.loaded_record.remote() for f in followers]
+    ready_ref = leader.join_ranks.remote(leader.load.remote(init_ref), *loaded)
+    group = RankGroup(pg, leader, followers, {f.ping.remote(): rank for rank, f in enumerate(followers, start=1)},
+                      serve_refs)
+    return leader, leader.ping.remote(), ready_ref, group
+
+
+def _start_rank(spec: JobSpec, worker_id: str, run_token: str, pg: Any, rank: int, bundle: dict[str, float]) -> Any:
+    from jobrunner.driver.actor import RAY_NICENESS_ENV
+
+    options: dict[str, Any] = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                                   max_task_retries=0, max_concurrency=RANK_CONCURRENCY,
+                                   name=f"jobrunner:{spec.name}:{run_token}:{worker_id}:rank{rank}",
+                                   scheduling_strategy=in_bundle(pg, rank),
+                                   runtime_env={"env_vars": {RAY_NICENESS_ENV: str(spec.cluster.worker_niceness)}})
+    return ray.remote(RankActor).options(**options).remote(spec.model_dump(mode="json"), worker_id, rank,
+                                                           tuple(known_secret_values()))
+
+
+def wait_lost_rank(group: RankGroup, wait_s: float = LOST_RANK_WAIT_S) -> str | None:
+    """After the leader's engine failed: the rank lost with it, if Ray reports one within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    found = group.check()
+    while found is None and time.monotonic() < deadline:
+        found = group.check(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+    return found

@@ -1,0 +1,108 @@
+"""Tensor-parallel workers through `jobrunner run` (issue 45, driver/rank_group.py): a worker of
+`engine.tensor_parallel_size: 2` is two Ray actors in one placement group on the shared local Ray (2 CPUs, one
+core per rank), running a tiny random Llama in float32. The job's rows come out once, with the texts a TP = 1
+engine gives; a follower rank killed with SIGKILL mid-job fails its group, which is rebuilt, and the manifest
+names the lost rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from jobrunner.driver.job import run_job
+from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
+from jobrunner.io.parts import read_output
+from jobrunner.spec import spec_from_dict
+from tests.driver.helpers import read_manifest_file, write_prompts
+
+pytestmark = pytest.mark.timeout(600)
+MAX_TOKENS = 8
+
+
+def _spec(model_dir, tmp_path, n_rows: int, **engine) -> tuple[list[str], dict]:
+    ids = write_prompts(tmp_path / "in.parquet", n_rows)
+    return ids, {"name": "tp-job", "model": {"source": str(model_dir), "dtype": "float32"},
+                 "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt", "id_column": "id",
+                           "rows_per_shard": 8},
+                 "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+                 "engine": {"max_num_seqs": 4, "num_kv_blocks": 64, "tensor_parallel_size": 2, **engine},
+                 "cluster": {"num_workers": 1, "num_cpus_per_worker": 2, "retry_backoff_s": 0.1},
+                 "output": {"url": str(tmp_path / "out"), "mode": "overwrite"}}
+
+
+def _texts(out) -> dict[str, str]:
+    rows = read_output(str(out)).to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a row came out twice"
+    return {r["id"]: r["generated_text"] for r in rows}
+
+
+def _reference(model_dir, n_rows: int) -> dict[str, str]:
+    """The same prompts through one TP = 1 engine in this process, greedy."""
+    engine = LLMEngine.from_source(str(model_dir), dtype="float32",
+                                   config=EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64))
+    prompts = [f"question {i} about things" for i in range(n_rows)]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return {f"p{i:03d}": o.text for i, o in enumerate(outputs)}
+
+
+def test_a_tensor_parallel_job_gives_every_row_once_as_tp1_would(local_ray, tiny_llama_hf_dir, tmp_path):
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 12)
+    result = run_job(spec_from_dict(data), show_progress=False)
+    assert result.ok, result.summary()
+    texts = _texts(tmp_path / "out")
+    assert sorted(texts) == ids
+    assert texts == _reference(tiny_llama_hf_dir, 12)
+    worker = read_manifest_file(tmp_path / "out")["workers"]["w0"]
+    ranks = worker["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and worker["tensor_parallel_size"] == 2
+    assert len({r["pid"] for r in ranks}) == 2 and all(r["device"] == "cpu" for r in ranks)
+    # each rank pinned one core of its own (the bundle's 1 CPU), or none where another job holds the node's
+    pinned = [tuple(r["cores"]) for r in ranks if r["cores"]]
+    assert all(len(c) == 1 for c in pinned) and len(set(pinned)) == len(pinned)
+    assert all(r["weights_bytes"] > 0 for r in ranks)
+
+
+def _actor(name_end: str):
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith("jobrunner:tp-job:") and entry["name"].endswith(name_end):
+            return ray.get_actor(entry["name"], namespace=entry["namespace"])
+    return None
+
+
+def _rows_done(leader) -> int:
+    try:
+        shards = ray.get(leader.progress.remote(), timeout=10)["shards"]
+    except (ray.exceptions.RayError, TimeoutError):
+        return 0
+    return sum(progress[0] for progress in shards.values())
+
+
+def test_a_killed_follower_rank_fails_its_group_which_is_rebuilt(local_ray, tiny_llama_hf_dir, tmp_path):
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 24, max_num_seqs=1)
+    data["sampling"]["max_tokens"] = 24
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
+    thread.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and thread.is_alive():
+        leader, follower = _actor(":w0"), _actor(":w0:rank1")
+        if leader is not None and follower is not None and _rows_done(leader) >= 1:
+            break
+        time.sleep(0.1)
+    assert thread.is_alive(), "the job finished before a rank could be killed"
+    pid = ray.get(follower.ping.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    thread.join(300)
+    result = box["result"]
+    assert result.ok, result.summary()
+    assert sorted(_texts(tmp_path / "out")) == ids
+    workers = read_manifest_file(tmp_path / "out")["workers"]
+    lost = workers["w0"]["lost"]
+    assert lost.startswith("rank 1 of 2 lost (") and f"pid {pid}" in lost, lost
+    assert "w1" in workers and [r["rank"] for r in workers["w1"]["ranks"]] == [0, 1]
