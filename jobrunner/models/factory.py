@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from jobrunner.models.loader import build_model, check_architecture, load_weights
+from jobrunner.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,12 +106,16 @@ def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
 
 def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", quantization: str = "none",
                     max_model_len: int | None = None, allow_pickle: bool = False,
+                    tensor_parallel: TensorParallel | None = None,
                     **source_options: Any) -> tuple[torch.nn.Module, Any, list[int], dict[str, Any]]:
     """Resolve ``source``, build our model, load its weights, quantize if asked.
 
     A pre-quantized checkpoint (a ``quantization_config`` in its config.json: compressed-tensors FP8, GPTQ, AWQ;
     :mod:`jobrunner.quant.prequantized`) is loaded as it is: ``quantization`` ``none`` or the scheme that runs
     it (``fp8`` / ``int4``), any other is refused naming both.
+
+    ``tensor_parallel``: load only this rank's shard (:mod:`jobrunner.models.parallel`), each checkpoint tensor
+    sliced as it streams; a pre-quantized checkpoint is refused there (its packed tensors are not sliced).
 
     Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
     """
@@ -130,7 +135,13 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
     found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # pre-quantized, or None
     quantization = resolve_scheme(quantization, found)  # the checkpoint's own; a conflicting spec refused
-    model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False)
+    tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.is_parallel else None
+    if tp is not None and found is not None:
+        raise ValueError(f"pre-quantized checkpoint ({found.describe()}): tensor_parallel_size {tp.world} is not "
+                         "supported for it (its packed tensors are not sliced); load a float checkpoint with "
+                         "engine.quantization, or use tensor_parallel_size 1")
+    model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False,
+                        tensor_parallel=tp)
     clock.mark("build_model")
     checkpoint = Checkpoint(model_dir, allow_pickle=allow_pickle)
     transform = _prequantized_load(model, found, checkpoint, dev) if found else \
@@ -141,6 +152,8 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
             "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
             "dtype_reason": describe_dtype_choice(dtype_choice), **load_memory_info(memory, model)}
+    if tp is not None:
+        info["tensor_parallel"] = {"rank": tp.rank, "world": tp.world}
     if found is not None:  # recorded from the checkpoint's config.json, never guessed (a line: the manifest's)
         info["checkpoint_quantization"] = found.describe()
     if transform is not None:

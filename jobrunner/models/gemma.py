@@ -18,6 +18,9 @@ Gemma does differently, reproduced from transformers 5's ``modeling_gemma2`` / `
   Gemma 3 attention never applies ``attn_logit_softcapping`` (it does not pass it on), so neither do we.
 
 Bidirectional attention (``use_bidirectional_attention``, the embedding variants) is refused.
+
+Tensor parallel as in :mod:`jobrunner.models.llama` (:mod:`jobrunner.models.parallel`): the norms, the embedding
+scale and the soft-capping are per token or per element, so they run on the reduced / gathered values alike.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from torch import nn
 
 from jobrunner.attention import AttentionMetadata
 from jobrunner.models.llama import Attention, ModelShape, make_embedding
+from jobrunner.models.parallel import TensorParallel
+from jobrunner.models.parallel.layers import gather_logits, parallel_embed, split_shape, vocab_rows
 from jobrunner.models.rope import RotaryEmbedding
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -106,10 +111,13 @@ class GemmaAttention(Attention):
             out = self.attend(q, k, v, k_cache, v_cache, layer_meta, self.scale)
         else:
             out = self.attend(q, k, v, k_cache, v_cache, layer_meta, self.scale, softcap=self.softcap)
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GemmaMLP(nn.Module):
+    tp: TensorParallel | None = None  # set on a split model: down_proj's partial sums are all-reduced
+
     def __init__(self, shape: ModelShape, config) -> None:
         super().__init__()
         from transformers.activations import ACT2FN  # the very activation transformers runs ("gelu_pytorch_tanh")
@@ -121,19 +129,22 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        out = self.down_proj(self.act_fn(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, config, layer_index: int) -> None:
+    def __init__(self, shape: ModelShape, config, layer_index: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         size, eps = shape.hidden_size, shape.rms_norm_eps
         self.layer_type = config.layer_types[layer_index]
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.self_attn = GemmaAttention(shape, config, layer_index)
+        self.self_attn.tp = tp
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = GemmaMLP(shape, config)
+        self.mlp.tp = tp
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(self, x, rope, meta, k_cache, v_cache):
@@ -181,10 +192,12 @@ class GemmaForCausalLM(nn.Module):
 
     lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
 
-    def __init__(self, config, max_positions: int | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.shape = gemma_shape(config)
-        s = self.shape
+        self.shape, self.shard_plan = split_shape(gemma_shape(config), tensor_parallel)
+        self.tensor_parallel = tensor_parallel if self.shard_plan is not None else None
+        s, tp = self.shape, self.tensor_parallel
         positions = max_positions or s.max_position_embeddings
         self.layer_types = tuple(config.layer_types)
         if s.architecture == "Gemma3ForCausalLM":  # one rope table per layer type (own base, own scaling)
@@ -194,11 +207,11 @@ class GemmaForCausalLM(nn.Module):
             shared = RotaryEmbedding(config, s.head_dim, positions)
             self.rotaries = nn.ModuleDict({t: shared for t in sorted(set(self.layer_types))})
         self.rotary = next(iter(self.rotaries.values()))  # the engine reads rotary.max_positions (same for all)
-        self.embed_tokens = make_embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = make_embedding(vocab_rows(s, self.shard_plan), s.hidden_size)
         self.register_buffer("embed_scale", torch.empty(0), persistent=False)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(s, config, i) for i in range(s.num_layers))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(s, config, i, tp) for i in range(s.num_layers))
         self.norm = GemmaRMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.lm_head = nn.Linear(s.hidden_size, vocab_rows(s, self.shard_plan), bias=False)
         if s.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
@@ -217,7 +230,9 @@ class GemmaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
-        x = self.embed_tokens(input_ids)
+        tp = self.tensor_parallel
+        x = self.embed_tokens(input_ids) if tp is None else parallel_embed(self.embed_tokens, input_ids, tp,
+                                                                           self.shard_plan)
         x = x * self.embed_scale.to(x.dtype)
         ropes = {t: rotary(positions, x.dtype) for t, rotary in self.rotaries.items()}  # once per step per type
         for i, layer in enumerate(self.layers):
@@ -226,6 +241,8 @@ class GemmaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.tensor_parallel is not None:
+            logits = gather_logits(logits, self.tensor_parallel, self.shape.vocab_size)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -7,6 +7,11 @@ mask). Qwen2-MoE, Qwen3-MoE and Mixtral are the same decoder whose sparse layers
 block (``models/moe.py``). Projections are fused (q|k|v and gate|up) so a step runs two GEMMs fewer per layer;
 every projection is a plain ``nn.Linear`` so quantization can swap it. Inputs are flat token batches: ``input_ids`` /
 ``positions`` are ``[T]`` for all scheduled requests of a step.
+
+Tensor parallel (``tensor_parallel``, :mod:`jobrunner.models.parallel`): the same modules at the rank's sizes
+(its q / KV heads, its intermediate columns, its vocabulary rows, its experts); ``shape`` holds the rank's
+head counts. o_proj and down_proj (or a MoE block) all-reduce their partial sums once; the embedding and the
+LM head are vocabulary-parallel (:mod:`jobrunner.models.parallel.layers`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from jobrunner.models import fused_ops, phi3
 from jobrunner.models.heads import split_architecture
 from jobrunner.models.layer_loop import run_decode_layers
 from jobrunner.models.moe import MoeShape, SparseMoeBlock, moe_shape
+from jobrunner.models.parallel import TensorParallel
+from jobrunner.models.parallel.layers import gather_logits, parallel_embed, split_shape, vocab_rows
+from jobrunner.models.parallel.sizes import ShardPlan
 from jobrunner.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -122,6 +130,7 @@ class Attention(nn.Module):
     # the paged-attention call, as a class attribute: `jobrunner.engine.profile` shadows it per instance to time
     # it (so the profile costs nothing when off)
     attend = staticmethod(paged_attention)
+    tp: TensorParallel | None = None  # set on a split model: o_proj's partial sums are all-reduced
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -139,7 +148,8 @@ class Attention(nn.Module):
         # x: [T, hidden]; rope: this step's (cos, sin), see RotaryEmbedding.forward
         q, k, v = self.rotated_qkv(x, rope)
         out = self.attend(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def rotated_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,6 +167,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    tp: TensorParallel | None = None  # set on a split model's dense MLP: down_proj's partial sums are all-reduced
+
     def __init__(self, shape: ModelShape, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size or shape.intermediate_size
@@ -169,25 +181,38 @@ class MLP(nn.Module):
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = nn.functional.silu(gate) * up
-        return self.down_proj(act)
+        out = self.down_proj(act)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
-def make_mlp(shape: ModelShape, layer_index: int) -> nn.Module:
-    """The dense MLP, or for a sparse layer of a MoE model its :class:`~jobrunner.models.moe.SparseMoeBlock`."""
+def make_mlp(shape: ModelShape, layer_index: int, split: tuple[TensorParallel, ShardPlan] | None = None
+             ) -> nn.Module:
+    """The dense MLP, or for a sparse layer of a MoE model its :class:`~jobrunner.models.moe.SparseMoeBlock`
+    (on a split model: the rank's experts and its shard of the shared expert; the block reduces once)."""
     moe = shape.moe
     if moe is None or not moe.is_sparse(layer_index):
-        return MLP(shape)
-    shared = MLP(shape, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
-    return SparseMoeBlock(shape.hidden_size, moe, shared)
+        mlp = MLP(shape)
+        mlp.tp = split[0] if split else None
+        return mlp
+    shared_size = split[1].shared_expert_intermediate_size if split else moe.shared_expert_intermediate_size
+    shared = MLP(shape, shared_size) if shared_size else None
+    if split is None:
+        return SparseMoeBlock(shape.hidden_size, moe, shared)
+    tp, plan = split
+    block = SparseMoeBlock(shape.hidden_size, moe, shared, (plan.expert_start(tp.rank), plan.num_experts))
+    block.tp = tp
+    return block
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, layer_index: int = 0) -> None:
+    def __init__(self, shape: ModelShape, layer_index: int = 0,
+                 split: tuple[TensorParallel, ShardPlan] | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape)
+        self.self_attn.tp = split[0] if split else None
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = make_mlp(shape, layer_index)
+        self.mlp = make_mlp(shape, layer_index, split)
 
     def forward(self, x, rope, meta, k_cache, v_cache):
         h = self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
@@ -215,22 +240,27 @@ class LlamaForCausalLM(nn.Module):
 
     A ``...ForSequenceClassification`` or bare ``...Model`` checkpoint (``shape.head``) has no LM head unless its
     embeddings are tied (then the tied head is free, and log-likelihoods can still be scored).
+
+    ``tensor_parallel``: build this rank's shard (``shard_plan`` its numbers; None: the whole model).
     """
 
     lora = None  # the attached LoRA adapters (models/lora.py: AdapterSet), if any
     # the layer, MLP and norm classes whose work models/layer_loop.py knows (a wrapped one runs in Python)
     plain_parts = (DecoderLayer, MLP, RMSNorm)
 
-    def __init__(self, config, max_positions: int | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.shape = ModelShape.from_config(config)
-        s = self.shape
+        self.shape, self.shard_plan = split_shape(ModelShape.from_config(config), tensor_parallel)
+        self.tensor_parallel = tensor_parallel if self.shard_plan is not None else None
+        s, split = self.shape, (tensor_parallel, self.shard_plan) if self.shard_plan is not None else None
         self.rotary = RotaryEmbedding(config, s.head_dim, max_positions or s.max_position_embeddings)
-        self.embed_tokens = make_embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
+        rows = vocab_rows(s, self.shard_plan)
+        self.embed_tokens = make_embedding(rows, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, i, split) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         has_lm_head = s.head == "lm" or s.tie_word_embeddings
-        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False) if has_lm_head else None
+        self.lm_head = nn.Linear(s.hidden_size, rows, bias=False) if has_lm_head else None
         self.score = nn.Linear(s.hidden_size, s.num_labels, bias=False) if s.head == "classifier" else None
         if s.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -243,9 +273,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
-        x = self.embed_tokens(input_ids)
+        tp = self.tensor_parallel
+        x = self.embed_tokens(input_ids) if tp is None else parallel_embed(self.embed_tokens, input_ids, tp,
+                                                                           self.shard_plan)
         rope = self.rotary(positions, x.dtype)  # the same cos/sin for every layer: gathered once
-        if x.is_cpu and x.dtype == torch.bfloat16:  # decode steps on AMX: every layer in one native call
+        if x.is_cpu and x.dtype == torch.bfloat16 and tp is None:  # AMX decode: every layer in one native call
+            # (not on a split model: the native loop has no all-reduce)
             hidden = run_decode_layers(self, x, rope, meta, kv_cache)
             if hidden is not None:
                 return hidden
@@ -256,7 +289,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             raise ValueError(f"{self.shape.architecture} checkpoint with head {self.shape.head!r} has no LM head")
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        tp = self.tensor_parallel
+        return logits if tp is None else gather_logits(logits, tp, self.shape.vocab_size)
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """The classifier head on hidden states ``[rows, hidden]`` -> ``[rows, num_labels]``."""

@@ -21,6 +21,11 @@ The hook (:class:`LoadTransform`; any object with these four methods, e.g. ``qua
   0/1 of ``gate_up_proj``) or None. It swaps its own module in (``model.get_submodule(parent)`` + setattr).
 - ``unit_loaded(model, unit_name)`` — a load unit's float parameters are all loaded (on the device).
 - ``finish(model)`` — after the last tensor; raise naming anything left undone.
+- ``scheme`` (optional attribute) — the quantization it applies (quantize-at-load), read by the shard slicer.
+
+A tensor-parallel rank's model (built with ``tensor_parallel``, :mod:`jobrunner.models.parallel`) is loaded
+through :class:`jobrunner.models.parallel.shard.RankSlicer`: each checkpoint tensor is narrowed to the rank's
+rows / columns (or skipped: another rank's expert) before it is copied.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from jobrunner.models.parallel.shard import slicer_for
 from jobrunner.models.weight_map import Part, missing_parts, param_slice, target
 
 
@@ -85,6 +91,7 @@ class _Run:
         self.module_todo: Counter[str] = Counter()
         self.collected: dict[str, dict[tuple[str, Part], torch.Tensor]] = defaultdict(dict)
         self.units_seen: dict[str, None] = {}
+        self.slicer = slicer_for(model, getattr(transform, "scheme", "none"))  # a tensor-parallel rank's
 
     def count(self, names: Iterable[str]) -> None:
         self.unit_todo = Counter()
@@ -101,6 +108,12 @@ class _Run:
         if found is None:
             return
         param_name, part = found
+        if self.slicer is not None:  # a tensor-parallel rank: its rows / columns only
+            sliced = self.slicer.slice(param_name, part, tensor)
+            if sliced is None:  # another rank's expert
+                self._count_down(unit_of(param_name))
+                return
+            part, tensor = sliced
         module_name, _, kind = param_name.rpartition(".")
         if module_name in self.replaced:
             self.collected[module_name][(kind, part)] = tensor

@@ -12,6 +12,7 @@ from jobrunner.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from jobrunner.models.heads import split_architecture
 from jobrunner.models.llama import LlamaForCausalLM
 from jobrunner.models.load_stream import LoadTransform, stream_weights
+from jobrunner.models.parallel import TensorParallel
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -39,17 +40,19 @@ def check_architecture(config) -> str:
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, max_positions: int | None = None, *,
-                materialize: bool = True) -> LlamaForCausalLM:
+                materialize: bool = True, tensor_parallel: TensorParallel | None = None) -> LlamaForCausalLM:
     """Our model for ``config``, its parameters in ``dtype`` (set while on ``meta``: never a float32 copy first).
 
     ``materialize=True``: uninitialised parameters on ``device`` (weights to be loaded, or randomly initialised
     by the caller). ``materialize=False``: parameters stay on ``meta`` (no memory) for :func:`load_weights` to
     make on ``device`` one by one as the checkpoint is read. Rope tables are built on ``device`` either way.
+    ``tensor_parallel``: build this rank's shard (:mod:`jobrunner.models.parallel`; :func:`load_weights` then
+    slices each checkpoint tensor to it).
     """
     arch = check_architecture(config)
     model_class = GemmaForCausalLM if split_architecture(arch)[0] in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
-        model = model_class(config, max_positions)
+        model = model_class(config, max_positions, tensor_parallel)
     model = model.to(dtype=dtype)  # on meta: changes the recorded dtype, allocates nothing
     if materialize:
         model = model.to_empty(device=device)

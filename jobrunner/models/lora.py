@@ -184,6 +184,10 @@ def attach_adapters(model: nn.Module, adapters: list[LoraAdapter]) -> AdapterSet
     """Wrap the adapted layers of ``model`` in :class:`LoraLinear` (in place) and set ``model.lora``."""
     if model.lora is not None:
         raise ValueError("the model already has adapters attached")
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is not None and adapters:  # their A / B matrices are not sliced to a rank's rows / columns
+        raise ValueError(f"LoRA adapters are not supported with tensor_parallel_size {tp.world}: "
+                         "use tensor_parallel_size 1 (or merge the adapter into the checkpoint)")
     adapter_set = AdapterSet(adapters)
     for adapter_id, adapter in enumerate(adapters, start=1):
         for (layer_index, name), pieces in adapter.pieces.items():

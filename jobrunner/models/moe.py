@@ -18,6 +18,10 @@ tensors (``mlp.experts.{e}.gate_proj`` ... ; Mixtral's ``block_sparse_moe.expert
 gate|up and down become ordinary ``nn.Linear`` layers that ``quantize_model`` then swaps like any other, so
 every expert gets its own per-channel scales and the scheme's real kernels. The routers (``gate``,
 ``shared_expert_gate``) are :class:`Router` modules, not ``nn.Linear``: they stay in the compute dtype.
+
+Tensor parallel: each rank holds a contiguous slice of the experts (``first_expert``, its own count) and the
+whole router; it runs its experts over the tokens routed to them and leaves the others' slots out, so the
+block's outputs summed over the ranks (one all-reduce, in :class:`SparseMoeBlock`) are the whole block's.
 """
 
 from __future__ import annotations
@@ -119,9 +123,11 @@ def _linear_over(weight: torch.Tensor) -> nn.Linear:
 class StackedExperts(nn.Module):
     """All experts of a layer, grouped per step so each active expert runs one GEMM over its tokens."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, first_expert: int = 0,
+                 total_experts: int | None = None) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # held here: experts first_expert .. first_expert + num_experts - 1
+        self.first_expert, self.total_experts = first_expert, total_experts or num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.per_expert: nn.ModuleList | None = None  # set by unstack_experts(): then the stacked tensors are gone
@@ -140,21 +146,39 @@ class StackedExperts(nn.Module):
         num_tokens, top_k = expert_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(x)
+        if self.num_experts != self.total_experts:
+            return self._local_experts(x, weights, expert_ids)
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # slot indices grouped by expert, in token order
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         token_of_slot = order // top_k
-        rows = x[token_of_slot]  # [T * k, hidden]: each expert's tokens contiguous
+        out = self._grouped(x[token_of_slot], counts)  # [T * k, hidden]: each expert's tokens contiguous
+        out = out * weights.reshape(-1)[order, None]
+        slots = torch.empty_like(out, dtype=x.dtype)
+        slots[order] = out.to(x.dtype)  # back to (token, k) order
+        return slots.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's part: only the slots routed to the experts held here; the rest add zero."""
+        top_k = expert_ids.shape[1]
+        local = expert_ids.reshape(-1) - self.first_expert
+        slot = torch.nonzero((local >= 0) & (local < self.num_experts)).squeeze(1)  # the slots held here
+        result = torch.zeros_like(x)
+        if slot.numel() == 0:
+            return result
+        order = slot[torch.argsort(local[slot], stable=True)]  # those slots grouped by expert, in token order
+        counts = torch.bincount(local[order], minlength=self.num_experts).tolist()
+        out = self._grouped(x[order // top_k], counts) * weights.reshape(-1)[order, None]
+        return result.index_add_(0, order // top_k, out.to(x.dtype))
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert over its contiguous rows (``counts[e]`` of them, in expert order)."""
         outs, start = [], 0
         for expert, count in enumerate(counts):
             if count:
                 outs.append(self._expert(expert, rows[start:start + count]))
                 start += count
-        out = torch.cat(outs) if len(outs) != 1 else outs[0]
-        out = out * weights.reshape(-1)[order, None]
-        slots = torch.empty_like(out, dtype=x.dtype)
-        slots[order] = out.to(x.dtype)  # back to (token, k) order
-        return slots.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+        return torch.cat(outs) if len(outs) != 1 else outs[0]
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is not None and x.shape[0] != self.row_tile:
@@ -178,13 +202,20 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + top-k experts (+ Qwen2-MoE's gated shared expert): the MLP of a sparse layer."""
+    """Router + top-k experts (+ Qwen2-MoE's gated shared expert): the MLP of a sparse layer.
 
-    def __init__(self, hidden_size: int, moe: MoeShape, shared_expert: nn.Module | None = None) -> None:
+    ``experts``: ``(first, count)`` of a tensor-parallel rank's slice of the experts (None: all of them); then
+    ``tp`` is set and the block all-reduces its sum once."""
+
+    tp = None  # TensorParallel of a split model
+
+    def __init__(self, hidden_size: int, moe: MoeShape, shared_expert: nn.Module | None = None,
+                 experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.float32_weights = moe.top_k, moe.norm_topk_prob, moe.float32_weights
         self.gate = Router(hidden_size, moe.num_experts)
-        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size)
+        first, count = experts or (0, moe.num_experts)
+        self.experts = StackedExperts(count, hidden_size, moe.expert_intermediate_size, first, moe.num_experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = Router(hidden_size, 1) if shared_expert is not None else None
 
@@ -194,7 +225,7 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, weights, expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def unstack_experts(model: nn.Module) -> int:

@@ -26,6 +26,7 @@ class QuantizeAtLoad:
     def __init__(self, model: torch.nn.Module, scheme: str, device: torch.device, **options: Any) -> None:
         self.device = torch.device(device)
         self.session = QuantSession(model, scheme, device=self.device, **options)
+        self.scheme = self.session.scheme  # read by a tensor-parallel load (models/parallel/shard.py)
         self.report: QuantReport | None = None
 
     def replaces(self, module_name: str, module: torch.nn.Module) -> bool:

@@ -22,6 +22,7 @@ from jobrunner.quant.primitives import (
     FP8_BITS,
     FP8_DTYPE,
     fp8_to_float_bits,
+    given_codes,
     quantize_fp8_per_channel,
     quantize_fp8_per_token,
 )
@@ -66,7 +67,7 @@ class Fp8Linear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, dispatch: QuantDispatch | None = None,
                     scratch: DequantBuffer | None = None) -> Fp8Linear:
         """Quantize ``linear`` into a new module on its device."""
-        q, scales = quantize_fp8_per_channel(linear.weight)
+        q, scales = given_codes(linear, "fp8") or quantize_fp8_per_channel(linear.weight)
         return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     def path(self, num_tokens: int) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.kernels import has_cuda_int8pack, int8_int_mm, int_mm_shape_ok
-from jobrunner.quant.primitives import dequantize_int8, quantize_int8_per_channel
+from jobrunner.quant.primitives import dequantize_int8, given_codes, quantize_int8_per_channel
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 from jobrunner.quant.triton_quant import int8_triton_fn, record_failure
 
@@ -51,7 +51,7 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, dispatch: QuantDispatch | None = None,
                     scratch: DequantBuffer | None = None) -> Int8WeightOnlyLinear:
         """Quantize ``linear`` (any float dtype, any device) into a new module on the same device."""
-        q, scales = quantize_int8_per_channel(linear.weight)
+        q, scales = given_codes(linear, "int8") or quantize_int8_per_channel(linear.weight)
         return cls(q, scales, linear.bias, dispatch, scratch, linear.weight.dtype)
 
     def _reserve(self, act_dtype: torch.dtype | None, device: torch.device) -> None:

@@ -43,6 +43,16 @@ def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
 
 # --- int8 weights: per output channel, symmetric
 
+def given_codes(linear: torch.nn.Module, scheme: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(codes, scales)`` handed to a row-parallel tensor-parallel shard by its loader
+    (``models/parallel/shard.py``: the whole rows' quantization, codes sliced to the shard's columns), so the
+    shard computes with exactly the whole layer's weights; None for any other layer, and for a down_proj whose
+    weight w8a8's smoothing rescaled after it loaded (quant/smooth.py: then its shard's own rows are used)."""
+    if getattr(linear, "w8a8_smoothed", False):
+        return None
+    return (getattr(linear, "row_parallel_codes", None) or {}).get(scheme)
+
+
 @torch.no_grad()
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantization of ``weight`` [out, in].

@@ -34,6 +34,7 @@ import torch
 from jobrunner.quant.primitives import (
     ZERO_POINT,
     dequantize_int8,
+    given_codes,
     quantize_int8_per_channel,
     quantize_rows_int8,
     quantize_rows_u8,
@@ -71,7 +72,7 @@ class W8A8Linear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, kernel: str = "onednn", weight_only_tokens: int = 0) -> W8A8Linear:
         """Quantize ``linear`` (any float dtype, on CPU) into a new module."""
-        q, scales = quantize_int8_per_channel(linear.weight)
+        q, scales = given_codes(linear, "int8") or quantize_int8_per_channel(linear.weight)
         return cls(q, scales, linear.bias, kernel, weight_only_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,54 +19,21 @@ weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-REPLICATED_PARTS = ("norms", "rotary", "router", "score")
+import torch
 
+from jobrunner.models.gemma import GEMMA_ARCHITECTURES, gemma_shape
+from jobrunner.models.heads import split_architecture
+from jobrunner.models.llama import ModelShape
+from jobrunner.models.loader import build_model
+from jobrunner.models.parallel.sizes import ShardPlan, plan_for_shape, problems_for_shape
 
-@dataclass(frozen=True)
-class ShardPlan:
-    """The per-rank sizes of one config at one world size (every rank has the same)."""
-
-    world: int
-    num_heads: int  # q heads per rank
-    num_kv_heads: int  # KV heads per rank (1 when replicated)
-    kv_replicated: bool  # fewer KV heads than ranks: each rank keeps one whole KV head, shared by neighbours
-    total_kv_heads: int
-    intermediate_size: int  # the dense MLP's, per rank
-    vocab_size: int  # the whole vocabulary
-    vocab_per_rank: int  # ceil(vocab_size / world): rows of the embedding and of the LM head per rank
-    num_experts: int = 0  # MoE experts per rank (0: a dense model)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, per rank
-    replicated: tuple[str, ...] = REPLICATED_PARTS
-
-    @property
-    def padded_vocab(self) -> int:
-        return self.vocab_per_rank * self.world
-
-    def q_head_start(self, rank: int) -> int:
-        return rank * self.num_heads
-
-    def kv_head_start(self, rank: int) -> int:
-        """The first (whole-model) KV head of ``rank``."""
-        if self.kv_replicated:
-            return rank * self.total_kv_heads // self.world
-        return rank * self.num_kv_heads
-
-    def vocab_start(self, rank: int) -> int:
-        return rank * self.vocab_per_rank
-
-    def expert_start(self, rank: int) -> int:
-        return rank * self.num_experts
+__all__ = ["ShardPlan", "model_shape", "plan_for_shape", "rank_bytes", "shard_plan", "shard_problems"]
 
 
 def model_shape(config: Any):
     """The engine's ``ModelShape`` of ``config`` (Gemma's own, else the Llama family's)."""
-    from jobrunner.models.gemma import GEMMA_ARCHITECTURES, gemma_shape
-    from jobrunner.models.heads import split_architecture
-    from jobrunner.models.llama import ModelShape
-
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     return gemma_shape(config) if split_architecture(arch)[0] in GEMMA_ARCHITECTURES else ModelShape.from_config(config)
 
@@ -75,64 +42,13 @@ def shard_problems(config: Any, world: int) -> list[str]:
     """Every reason ``config`` cannot be split over ``world`` ranks, with the numbers; ``[]`` when it can."""
     if world < 1:
         return [f"tensor_parallel_size must be at least 1, got {world}"]
-    return _problems(model_shape(config), world)
-
-
-def _problems(shape: Any, world: int) -> list[str]:
-    def not_divisible(what: str, value: int) -> str:
-        return f"{what} {value} is not divisible by tensor_parallel_size {world}"
-
-    problems = []
-    if shape.num_heads % world:
-        problems.append(not_divisible("num_attention_heads", shape.num_heads))
-    kv = shape.num_kv_heads
-    if kv >= world and kv % world:
-        problems.append(not_divisible("num_key_value_heads", kv))
-    elif kv < world and world % kv:
-        problems.append(f"tensor_parallel_size {world} is not a multiple of num_key_value_heads {kv} "
-                        "(with fewer KV heads than ranks, each KV head is replicated on the same number of ranks)")
-    moe = shape.moe
-    if _has_dense_mlp(shape) and shape.intermediate_size % world:
-        problems.append(not_divisible("intermediate_size", shape.intermediate_size))
-    if moe is not None and moe.sparse_layers:
-        if moe.num_experts % world:
-            problems.append(not_divisible("num_experts", moe.num_experts))
-        if moe.shared_expert_intermediate_size % world:
-            problems.append(not_divisible("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
-    return problems
-
-
-def _has_dense_mlp(shape: Any) -> bool:
-    moe = shape.moe
-    return moe is None or len(moe.sparse_layers) < shape.num_layers
+    return problems_for_shape(model_shape(config), world)
 
 
 def shard_plan(config: Any, world: int) -> ShardPlan:
     """The per-rank sizes of ``config`` over ``world`` ranks; ValueError naming the numbers when it does not
     split (see :func:`shard_problems`)."""
     return plan_for_shape(model_shape(config), world)
-
-
-def plan_for_shape(shape: Any, world: int) -> ShardPlan:
-    """:func:`shard_plan` from an engine ``ModelShape`` (whole-model numbers)."""
-    problems = [f"tensor_parallel_size must be at least 1, got {world}"] if world < 1 else _problems(shape, world)
-    if problems:
-        raise ValueError(f"{shape.architecture} cannot be split over {world} ranks: {'; '.join(problems)}")
-    kv_replicated = shape.num_kv_heads < world
-    moe = shape.moe
-    sparse = moe is not None and bool(moe.sparse_layers)
-    return ShardPlan(
-        world=world,
-        num_heads=shape.num_heads // world,
-        num_kv_heads=1 if kv_replicated else shape.num_kv_heads // world,
-        kv_replicated=kv_replicated,
-        total_kv_heads=shape.num_kv_heads,
-        intermediate_size=shape.intermediate_size // world if _has_dense_mlp(shape) else shape.intermediate_size,
-        vocab_size=shape.vocab_size,
-        vocab_per_rank=-(-shape.vocab_size // world),
-        num_experts=moe.num_experts // world if sparse else 0,
-        shared_expert_intermediate_size=moe.shared_expert_intermediate_size // world if sparse else 0,
-    )
 
 
 # --- bytes per rank (validate's "bytes per GPU")
@@ -147,10 +63,6 @@ def rank_bytes(config: Any, world: int, dtype_bytes: int, quantization: str = "n
     head in int8; embeddings as int8 rows). Returns ``{"weights_bytes": per rank, "replicated_bytes": the
     parts every rank holds whole, "split_bytes": the rank's share of the split parts, "whole_bytes": the
     unsplit model's weights}``."""
-    import torch
-
-    from jobrunner.models.loader import build_model
-
     plan = shard_plan(config, world)
     model = build_model(config, torch.float32, torch.device("meta"), 1, materialize=False)
     split = replicated = whole = 0
