@@ -67,13 +67,15 @@ def _refuse_batch_chat_lines(spec) -> None:
 
 def _check_vllm(spec) -> str:
     """'; engine: vLLM 0.32.0 at PYTHON (it checks the architecture at load)': vLLM is there for the Python
-    workers will use, and engine.vllm_options are vLLM's own names."""
+    workers will use, and engine.vllm_options are vLLM's own names; with tensor / pipeline ranks, the split and
+    the bytes per GPU from the model's config.json (cli/validate_parallel.py)."""
+    from jobrunner.cli.validate_parallel import vllm_section
     from jobrunner.vllm_backend.mapping import describe_vllm, vllm_python
 
     try:
         return f"; engine: {describe_vllm(vllm_python(spec), spec.engine.vllm_options)} (vLLM checks the " \
-               "architecture when it loads the model)"
-    except ValueError as exc:
+               "architecture when it loads the model)" + vllm_section(spec)
+    except ValueError as exc:  # no vLLM there, an unknown option, a rank's share that does not fit the GPU
         raise _error(str(exc)) from None
 
 

@@ -132,15 +132,19 @@ def fit_section(spec: Any, check: Any) -> str:
     hint to set ``cluster.gpu``. ``ValueError`` when a GPU worker's card cannot hold the model."""
     if spec.engine.backend == "vllm" or spec.engine.factory or getattr(check, "config", None) is None:
         return ""
-    gpus = spec.cluster.num_gpus_per_worker
-    if gpus > 0 and not spec.cluster.gpu:
-        return "\n  fit: not checked (set cluster.gpu, e.g. L4 or H100, to check weights + activations + KV " \
-               "against the card)"
     scheme = spec.model.quantization
     if check.checkpoint_quant is not None:
         from jobrunner.quant.prequantized.formats import resolve_scheme
 
         scheme = resolve_scheme(scheme, check.checkpoint_quant)
+    if spec.engine.tensor_parallel_size > 1:  # the split and each GPU's share (cli/validate_parallel.py)
+        from jobrunner.cli.validate_parallel import parallel_section
+
+        return parallel_section(spec, check.config, check.context, scheme)
+    gpus = spec.cluster.num_gpus_per_worker
+    if gpus > 0 and not spec.cluster.gpu:
+        return "\n  fit: not checked (set cluster.gpu, e.g. L4 or H100, to check weights + activations + KV " \
+               "against the card)"
     fit = fit_for(check.config, dtype=spec.model.dtype, quantization=scheme, engine=spec.engine,
                   context=check.context, gpu=spec.cluster.gpu, num_gpus_per_worker=gpus)
     if gpus > 0 and not fit.fits:
