@@ -503,6 +503,66 @@ class EmbedSpec(_Spec):
         "Normalize module.")
 
 
+class StageInputSpec(_Spec):
+    """How a pipeline stage builds its requests from the previous stage's columns (docs/driver.md, Pipelines)."""
+
+    prompt: str | None = Field(default=None, description="A prompt template over the previous stage's columns: "
+                               "{column} is a column's value, {{ and }} are braces.")
+    messages: list[dict[str, str]] | None = Field(
+        default=None, description="Messages ({role, content} with content a template) appended to the previous "
+        "stage's conversation (its prompt or messages, then its reply).")
+    completion: str | None = Field(default=None, description="task score: a template of the completion to score "
+                                   "after the prompt (log-likelihood).")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> StageInputSpec:
+        from jobrunner.pipeline.template import parse_template
+
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("set one of prompt (a template) or messages (appended to the conversation)")
+        for i, message in enumerate(self.messages or []):
+            if set(message) != {"role", "content"}:
+                raise ValueError(f"messages[{i}]: needs exactly role and content")
+            parse_template(message["content"], f"messages[{i}].content")
+        for name in ("prompt", "completion"):
+            if getattr(self, name) is not None:
+                parse_template(getattr(self, name), name)
+        return self
+
+
+class StageSpec(_Spec):
+    """One stage of a pipeline (docs/driver.md, Pipelines): a job over the previous stage's rows."""
+
+    name: str = Field(description="The stage's name (its folder under output.url/stages/).",
+                      pattern=r"^[a-z_][a-z0-9_]*$", max_length=64)
+    task: Literal["generate", "embed", "score"] | None = Field(default=None, description="The stage's task "
+                                                               "(unset: the job's).")
+    model: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's model section.")
+    engine: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's engine section.")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's sampling section.")
+    embed: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's embed section.")
+    cluster: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's cluster section "
+                                    "(each stage has its own workers).")
+    input: StageInputSpec | None = Field(default=None, description="Every stage but the first: the request built "
+                                         "from the previous stage's columns.")
+    output_columns: dict[str, str] = Field(
+        default_factory=dict, description="Columns computed from this stage's rows when handed on: "
+        "'json.<key>' reads the first JSON object in generated_text (json_valid is added).")
+    filter: str | None = Field(default=None, description="Which rows go on: an expression over the stage's "
+                               "columns (json_valid and score >= 7).")
+
+    @model_validator(mode="after")
+    def _parses(self) -> StageSpec:
+        from jobrunner.pipeline.expr import parse_filter
+        from jobrunner.pipeline.handoff import parse_output_column
+
+        if self.filter is not None:
+            parse_filter(self.filter)
+        for column, source in self.output_columns.items():
+            parse_output_column(column, source)
+        return self
+
+
 # What a generation-only setting would silently not do in an embed / score job: refused instead.
 _GENERATE_ONLY = {"input.sampling_column": lambda s: s.input.sampling_column,
                   "input.tools": lambda s: s.input.tools, "input.tools_column": lambda s: s.input.tools_column,
@@ -528,6 +588,8 @@ class JobSpec(_Spec):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Workers and Ray address.")
     output: OutputSpec = Field(description="Output location and mode.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Cost settings for reports.")
+    stages: list[StageSpec] = Field(default_factory=list, description="A pipeline: stages run over the same "
+                                    "rows, each a job under output.url/stages/<name>/ (docs/driver.md, Pipelines).")
     _logical_date: str | None = PrivateAttr(default=None)  # the {date} this spec's URLs were filled with
 
     @property
@@ -586,6 +648,41 @@ class JobSpec(_Spec):
         if problem:
             raise ValueError(problem)
         return self
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> JobSpec:
+        """Stage names unique, the first stage reads the job's input, every later one builds its own, and each
+        stage's own job spec (stage_specs) is valid, errors naming the stage."""
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stages: names must be unique, got {names}")
+        for i, stage in enumerate(self.stages):
+            if (stage.input is None) != (i == 0):
+                raise ValueError(f"stages[{i}] ({stage.name}): " + (
+                    "the first stage reads the job's input; leave its input unset" if i == 0 else
+                    "set input.prompt or input.messages (built from the previous stage's columns)"))
+        if self.stages:
+            self.stage_specs()
+        return self
+
+    def stage_specs(self) -> list[JobSpec]:
+        """Each stage's own job spec (jobrunner/pipeline/stage_specs.py); ValueError naming the stage."""
+        from jobrunner.pipeline.stage_specs import stage_dicts
+
+        job = self.model_dump(exclude_unset=True, exclude={"stages"})
+        for name in ("input", "output"):
+            job[name] = getattr(self, name).model_dump(exclude_unset=True)
+        stages = [s.model_dump(exclude_unset=True) for s in self.stages]
+        out = []
+        for i, data in enumerate(stage_dicts(job, stages)):
+            try:
+                spec = JobSpec.model_validate(data)
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+                raise ValueError(f"stages[{i}] ({self.stages[i].name}): {problems}") from None
+            spec._logical_date = self._logical_date
+            out.append(spec)
+        return out
 
     @property
     def rows_per_shard(self) -> int:

@@ -212,7 +212,12 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
     _check_model(spec)
     _refuse_batch_chat_lines(spec)
     try:
-        result = run_job(spec, address=address, show_progress=not no_progress, started_s=started_s)
+        if spec.stages:  # a pipeline: every stage a job under output.url/stages/ (driver/pipeline.py)
+            from jobrunner.driver.pipeline import run_pipeline
+
+            result = run_pipeline(spec, address=address, show_progress=not no_progress, started_s=started_s)
+        else:
+            result = run_job(spec, address=address, show_progress=not no_progress, started_s=started_s)
     except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:
         raise _user_error(spec, exc) from None
     if not no_report:

@@ -23,6 +23,7 @@ from jobrunner.driver.output_guard import containment_refusal, overwrite_refusal
 from jobrunner.driver.ray_holder import holder_is_dead, lease_extra
 from jobrunner.driver.resume_check import check_resume, num_committed
 from jobrunner.driver.resume_checks import INPUTS_KEY, check_pinned_inputs, input_pins, trusted_parts
+from jobrunner.driver.shards import ShardTable
 from jobrunner.io.done_ids import DoneIdsError
 from jobrunner.io.layout import COMMITS_DIR, LEASE, LEASE_GENERATION, MANIFEST, PARTS_DIR, TEMP_DIR
 from jobrunner.io.lease import (
@@ -265,6 +266,8 @@ def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, previo
                           lease: Lease) -> dict[str, Any]:
     if spec.output.mode == "incremental":
         return _continue_incremental(spec, plan, storage, previous, lease)
+    if plan.stage:
+        return _continue_stage(spec, plan, storage, previous, lease)
     if not previous.entries:
         return new_manifest(spec, plan.shards)
     old = previous.table
@@ -307,6 +310,29 @@ def _continue_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, previo
     manifest = manifest if manifest is not None else new_manifest(spec, plan.shards)
     manifest[INCREMENTAL_KEY] = plan.incremental.describe()
     return manifest
+
+
+def _continue_stage(spec: JobSpec, plan: JobPlan, storage: Storage, previous: PreviousOutput,
+                    lease: Lease) -> dict[str, Any]:
+    """A pipeline stage after the first (driver/stage_feed.py): its committed shards whose parts check out are
+    kept by id, as an incremental run keeps its own; the rest are forgotten (their parts deleted), and its feed
+    hands them out again under the same ids, with the previous stage's shards committed since."""
+    if not previous.entries:
+        return new_manifest(spec, plan.shards)
+    if previous.table is None:
+        raise _foreign_output(spec)
+    header, old_shards = previous.table
+    old_generation = header.get(LEASE_GENERATION)
+    if isinstance(old_generation, int) and old_generation >= lease.generation:
+        lease.advance_to(old_generation + 1)
+    if not num_committed(old_shards):
+        return _replace(spec, plan, storage, header)
+    check_settings(header, old_shards, spec)
+    kept = kept_shards(old_shards, trusted_parts(storage, old_shards))
+    plan.shards = ShardTable(kept, [url.rsplit("/", 1)[-1].removesuffix(".parquet") for url in kept.file.values],
+                             [None] * len(kept.file.values))
+    storage.delete_many(orphan_parts(plan.shards, list_parts(storage)))
+    return continued_header(header, spec)
 
 
 def _plan_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, kept: ShardColumns | None,

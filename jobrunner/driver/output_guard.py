@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from jobrunner.io.layout import MANIFEST, OUTPUT_ENTRIES, PART_PREFIX, PARTS_DIR, part_key
+from jobrunner.io.layout import MANIFEST, OUTPUT_ENTRIES, PART_PREFIX, PARTS_DIR, STAGE_INPUT_DIR, part_key
 from jobrunner.io.manifest import ManifestError, read_manifest
 from jobrunner.io.storage import Storage, glob_matches, is_within, resolved_location, resolved_pattern
 from jobrunner.redaction import redact_text, redact_url
@@ -43,6 +43,8 @@ def containment_refusal(spec: JobSpec, storage: Storage, input_file_urls: Iterab
     An output inside a folder input (or one that a glob input matches) would be read back as input by the
     next run; an input inside the output lies among the output's writes (a resume deletes uncommitted files
     under parts/, overwrite everything)."""
+    if spec.input.url.rstrip("/") == f"{spec.output.url.rstrip('/')}/{STAGE_INPUT_DIR}":
+        return None  # a pipeline stage reads its own _input/, written once by its feed (driver/stage_feed.py)
     url, input_url = redact_url(spec.output.url), redact_url(spec.input.url)
     inp = resolved_location(spec.input.url, spec.input.storage_options)
     pattern = resolved_pattern(spec.input.url, spec.input.storage_options)

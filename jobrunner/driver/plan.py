@@ -30,6 +30,7 @@ class JobPlan:
     shards: ShardTable
     prefix: PrefixPlan | None = None  # how rows were grouped by prompt prefix (driver/prefix_plan.py)
     incremental: IncrementalPlan | None = None  # output.mode incremental: what this run takes (under the lease)
+    stage: bool = False  # a pipeline stage after the first: its shards come from its feed (driver/stage_feed.py)
 
     @property
     def num_rows(self) -> int:

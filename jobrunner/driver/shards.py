@@ -130,6 +130,23 @@ class ShardTable:
     def __len__(self) -> int:
         return len(self.columns)
 
+    def extend(self, shard_ids: list[str], file_urls: list[str], num_rows: list[int]) -> range:
+        """Append pending shards, each all the rows of its own file (a pipeline stage's feed: one shard per
+        committed shard of the previous stage, driver/stage_feed.py); their table rows. File pins are not
+        kept for them: a stage's input files are written once and never rewritten (io/stage_input.py)."""
+        start = len(self)
+        new = ShardColumns.pending(np.array([s.encode() for s in shard_ids], dtype=bytes),
+                                   np.arange(len(file_urls), dtype=np.int32), list(file_urls),
+                                   np.zeros(len(num_rows), np.int64), np.array(num_rows, np.int64))
+        self.columns, file_map = self.columns.concat(new)
+        for url, code in zip(file_urls, file_map, strict=True):
+            if code >= len(self.file_stems):
+                self.file_stems.append(url.rsplit("/", 1)[-1].removesuffix(".parquet"))
+                if self.file_pins is not None:
+                    self.file_pins.append(None)
+        self._index_of = None
+        return range(start, len(self))
+
     def id_of(self, index: int) -> str:
         return self.columns.id_of(index)
 

@@ -24,7 +24,10 @@ RUNS_DIR = "_runs"  # one record per run: its status, workers and worker-seconds
 OUTPUT_ENTRIES = frozenset({PARTS_DIR, MANIFEST, SUCCESS, TEMP_DIR, COMMITS_DIR, LEASE, REPORT_DIR, OPENAI_DIR,
                             RUNS_DIR,
                             "_shards",  # `_shards/`: the manifest's shard table (format 3)
-                            "_plan"})  # `_plan/`: the row order of prefix-grouped input files (io/row_order.py)
+                            "_plan",  # `_plan/`: the row order of prefix-grouped input files (io/row_order.py)
+                            "_input",  # a pipeline stage's input files (io/stage_input.py)
+                            "stages", "_pipeline.json"})  # a pipeline's stage outputs and its record
+STAGE_INPUT_DIR = "_input"  # a pipeline stage's input files, under its output (io/stage_input.py)
 PART_PREFIX = "part-"  # every file under parts/ starts with it
 
 

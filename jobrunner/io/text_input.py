@@ -119,6 +119,8 @@ def read_input_rows(file_url: str, storage_options: dict[str, Any], fmt: str, ro
     if fmt == "parquet":
         wanted = None if columns is None else [c for c in columns if c != ROW_ERROR]
         table = read_rows(file_url, storage_options, row_start, row_end, wanted, pin=pin)
+        if ROW_ERROR in table.column_names:  # a pipeline stage's input carries each row's error (io/stage_input.py)
+            return table
         errors = pa.nulls(table.num_rows, pa.string())
         return table.add_column(table.num_columns - 1, ROW_ERROR, errors)
     options = json.dumps(storage_options, sort_keys=True, default=str)

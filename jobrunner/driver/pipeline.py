@@ -1,0 +1,233 @@
+"""Run a pipeline (`stages:`): every stage a job of its own under the job's output, all at once, streaming.
+
+One Ray session holds them all. Each stage's job loop (driver/job.py) runs on a thread of its own, with its
+own workers and its own output lease: stage 1 plans the job's input as any job does; each later stage takes
+its shards from a feed over the previous stage's committed shards (driver/stage_feed.py), so it starts on
+the first shard committed upstream. A follower writes the final rows (`<output>/parts/`) from the last stage's
+committed shards the same way. When a stage's run ends, its feed is told (and whether it finished); the
+downstream stage drains what was committed and ends. Ctrl-C stops every stage through its stop event (each
+ends as an interrupted run does: what it committed stays). `_pipeline.json` names the stages and their funnel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobrunner.driver.job import run_job
+from jobrunner.driver.manifest import now_iso
+from jobrunner.driver.output import OutputError
+from jobrunner.driver.plan import with_absolute_output
+from jobrunner.driver.result import JobResult
+from jobrunner.driver.rows import job_output_schema
+from jobrunner.driver.session import ray_session
+from jobrunner.driver.stage_feed import StageFeed, StageHooks
+from jobrunner.io.layout import PARTS_DIR, REPORT_DIR, SUCCESS, TEMP_DIR
+from jobrunner.io.manifest import clear_success, mark_success
+from jobrunner.io.stage_input import INPUT_DIR, final_key, funnel_of, list_handed_on
+from jobrunner.io.storage import Storage
+from jobrunner.pipeline.expr import parse_filter
+from jobrunner.pipeline.handoff import Handoff, NextRequest, parse_output_column
+from jobrunner.pipeline.stage_specs import STAGES_DIR
+from jobrunner.pipeline.template import parse_template
+from jobrunner.redaction import redacting_logger, remember_secrets
+from jobrunner.spec import JobSpec, StageSpec
+
+log = redacting_logger(__name__)
+PIPELINE_FILE = "_pipeline.json"
+JOIN_POLL_S = 0.2
+
+
+@dataclass
+class PipelineResult:
+    """Each stage's result (None: it stopped with `errors[name]`), and the funnel per stage."""
+
+    output_url: str
+    stage_names: list[str]
+    results: dict[str, JobResult | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    funnel: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(r is not None and r.ok for r in self.results.values())
+
+    def summary(self, failures: bool = True) -> str:
+        """One line per stage (its job's summary) and the funnel."""
+        lines = []
+        for name in self.stage_names:
+            result = self.results.get(name)
+            text = result.summary(failures) if result is not None else f"stopped: {self.errors.get(name)}"
+            lines.append(f"stage {name}: {text}")
+        lines.extend(funnel_lines(self.funnel))
+        return "\n".join(lines)
+
+    def failure_message(self) -> str:
+        for name in self.stage_names:
+            result = self.results.get(name)
+            if name in self.errors:
+                return f"stage {name}: {self.errors[name]}"
+            if result is not None and not result.ok:
+                return f"stage {name}: {result.failure_message()}"
+        return "the pipeline did not finish"
+
+
+def funnel_lines(funnel: list[dict[str, Any]]) -> list[str]:
+    """`funnel: generate 64 in -> 60 kept (3 dropped, 1 error rows) | judge ...`"""
+    if not funnel:
+        return []
+    parts = [f"{f['stage']} {f['rows_in']} in -> {f['kept']} kept ({f['dropped']} dropped by filter"
+             + (f", {f['filter_error']} filter errors" if f["filter_error"] else "") + f", {f['error']} error row(s))"
+             for f in funnel]
+    return ["funnel: " + " | ".join(parts)]
+
+
+def handoffs(spec: JobSpec, stage_specs: list[JobSpec]) -> list[Handoff]:
+    """Per stage, how its rows are handed on: to the next stage's input, or (the last) to the final output."""
+    out = []
+    for i, stage in enumerate(spec.stages):
+        nxt = _next_request(spec.stages[i + 1], stage_specs[i + 1]) if i + 1 < len(spec.stages) else None
+        first = stage_specs[0].input
+        out.append(Handoff(stage=stage.name, next=nxt,
+                           output_columns={k: parse_output_column(k, v) for k, v in stage.output_columns.items()},
+                           filter=None if stage.filter is None else parse_filter(stage.filter),
+                           base_prompt_column=first.prompt_column if i == 0 else None,
+                           base_messages_column=first.messages_column if i == 0 else None))
+    return out
+
+
+def _next_request(stage: StageSpec, stage_spec: JobSpec) -> NextRequest:
+    inp = stage.input
+    names = frozenset(job_output_schema(stage_spec).names)
+    messages = tuple((m["role"], parse_template(m["content"])) for m in inp.messages or [])
+    return NextRequest(prompt=None if inp.prompt is None else parse_template(inp.prompt), messages=messages,
+                       completion=None if inp.completion is None else parse_template(inp.completion),
+                       output_names=names, stage=stage.name)
+
+
+def run_pipeline(spec: JobSpec, address: str | None = None, show_progress: bool = True,
+                 started_s: float | None = None) -> PipelineResult:
+    """Run every stage of `spec` to the end (the feed and final follower streaming between them)."""
+    remember_secrets(spec.secret_values())
+    spec = with_absolute_output(spec)
+    stage_specs = spec.stage_specs()
+    rules = handoffs(spec, stage_specs)
+    root = Storage(spec.output.url, spec.output.storage_options)
+    _prepare_root(spec, root, stage_specs)
+    stop = threading.Event()
+    feeds = [None] + [StageFeed(_storage(stage_specs[i - 1]), rules[i - 1], spec.rows_per_shard)
+                      for i in range(1, len(stage_specs))]
+    final = StageFeed(_storage(stage_specs[-1]), rules[-1], spec.rows_per_shard, key_of=final_key)
+    final.attach(root, None)
+    result = PipelineResult(spec.output.url, [s.name for s in spec.stages])
+    with ray_session(_sized(spec, stage_specs), address):
+        threads = [threading.Thread(target=_run_stage, name=f"stage-{s.name}", daemon=True, args=(
+            stage_specs[i], spec.stages[i].name, StageHooks(feeds[i], stop), address, started_s, result,
+            feeds[i + 1] if i + 1 < len(feeds) else final)) for i, s in enumerate(spec.stages)]
+        threads.append(threading.Thread(target=_follow, name="final", daemon=True, args=(final, stop)))
+        for thread in threads:
+            thread.start()
+        _join(threads, stop, show_progress, spec.stages)
+    result.funnel = pipeline_funnel(root, [s.name for s in spec.stages])
+    _write_record(root, spec, stage_specs, result)
+    root.delete(TEMP_DIR, recursive=True)
+    if result.ok:
+        mark_success(root)
+    return result
+
+
+def _run_stage(stage_spec: JobSpec, name: str, hooks: StageHooks, address: str | None, started_s: float | None,
+               result: PipelineResult, downstream: StageFeed) -> None:
+    ok = False
+    try:
+        job = run_job(stage_spec, address, show_progress=False, started_s=started_s, stage=hooks)
+        result.results[name] = job
+        ok = job.ok
+    except BaseException as exc:  # noqa: BLE001 - the stage's error is the pipeline's, reported by stage
+        result.results[name] = None
+        result.errors[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyboardInterrupt) else \
+            "interrupted"
+        log.error("stage %s stopped: %s", name, result.errors[name])
+    finally:
+        downstream.upstream_ended(ok)
+
+
+def _follow(final: StageFeed, stop: threading.Event) -> None:
+    """Write the final rows from the last stage's committed shards until that stage's run has ended."""
+    while final.is_open and not stop.is_set():
+        final.poll()
+        time.sleep(final.poll_s / 2)
+
+
+def _join(threads: list[threading.Thread], stop: threading.Event, show_progress: bool,
+          stages: list[StageSpec]) -> None:
+    """Wait for every thread; Ctrl-C sets `stop` (each stage ends as an interrupted run) and is raised after."""
+    interrupted = False
+    while any(t.is_alive() for t in threads):
+        try:
+            for thread in threads:
+                thread.join(JOIN_POLL_S)
+        except KeyboardInterrupt:
+            stop.set()
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    if show_progress:
+        print(f"pipeline: {len(stages)} stage(s) ended", file=sys.stderr)
+
+
+def _storage(stage_spec: JobSpec) -> Storage:
+    return Storage(stage_spec.output.url, stage_spec.output.storage_options)
+
+
+def _sized(spec: JobSpec, stage_specs: list[JobSpec]) -> JobSpec:
+    """The spec a local Ray is sized by: every stage's workers at once."""
+    cpus = sum(s.cluster.num_workers * s.cluster.num_cpus_per_worker for s in stage_specs)
+    cluster = spec.cluster.model_copy(update={"num_workers": max(1, math.ceil(cpus)), "num_cpus_per_worker": 1.0})
+    return spec.model_copy(update={"cluster": cluster})
+
+
+def _prepare_root(spec: JobSpec, root: Storage, stage_specs: list[JobSpec]) -> None:
+    """output.mode error: refuse an output that exists; overwrite: drop the final rows (each stage overwrites
+    its own output); always: the pipeline is running (no _SUCCESS), and `_pipeline.json` names its stages."""
+    entries = [e.rsplit("/", 1)[-1] for e in root.listdir("")]
+    if spec.output.mode == "error" and entries:
+        raise OutputError(f"output.url {spec.output.url!r} already exists (output.mode=error)")
+    foreign = [e for e in entries if e not in (PARTS_DIR, STAGES_DIR, PIPELINE_FILE, SUCCESS, REPORT_DIR, TEMP_DIR)]
+    if foreign:
+        raise OutputError(f"output.url {spec.output.url!r} holds {', '.join(sorted(foreign)[:5])}: not a "
+                          "pipeline's output; use another output.url")
+    if spec.output.mode == "overwrite":
+        root.delete(PARTS_DIR, recursive=True)
+    clear_success(root)
+    _write_record(root, spec, stage_specs, None)
+
+
+def _write_record(root: Storage, spec: JobSpec, stage_specs: list[JobSpec], result: PipelineResult | None) -> None:
+    record: dict[str, Any] = {"name": spec.name, "updated_at": now_iso(), "stages": [
+        {"name": stage.name, "task": s.task, "url": f"{STAGES_DIR}/{stage.name}", "model": s.model.source,
+         "filter": stage.filter, "output_columns": stage.output_columns}
+        for stage, s in zip(spec.stages, stage_specs, strict=True)]}
+    if result is not None:
+        record.update(finished=result.ok, funnel=result.funnel, errors=result.errors)
+    root.write_atomic(PIPELINE_FILE, json.dumps(record, indent=1).encode())
+
+
+def pipeline_funnel(root: Storage, names: list[str]) -> list[dict[str, Any]]:
+    """Per stage: rows in, kept, dropped by its filter, filter errors, error rows (from the footers of the files
+    its rows were handed on to: the next stage's `_input/`, or the final `parts/`)."""
+    out = []
+    for i, name in enumerate(names):
+        folder = f"{STAGES_DIR}/{names[i + 1]}/{INPUT_DIR}" if i + 1 < len(names) else PARTS_DIR
+        out.append({"stage": name, **funnel_of(root, list_handed_on(root, folder))})
+    return out
+
+
+def read_pipeline(root: Storage) -> dict[str, Any] | None:
+    """`_pipeline.json` (None when the output is not a pipeline's)."""
+    return json.loads(root.read_bytes(PIPELINE_FILE)) if root.exists(PIPELINE_FILE) else None
