@@ -266,6 +266,39 @@ class SamplingSpec(_SamplingFields):
         return self
 
 
+class EndpointSpec(_Spec):
+    """engine.backend openai: an OpenAI-compatible endpoint as each worker's engine (docs/endpoints.md)."""
+
+    base_url: str = Field(description="The endpoint's base URL, up to and including /v1 "
+                          "(e.g. http://127.0.0.1:8000/v1).", min_length=1)
+    model: str = Field(description="The model name the endpoint serves (the request body's model).", min_length=1)
+    api_key: str | None = Field(
+        default=None, description="Sent as 'Authorization: Bearer ...': write ${env:NAME} (never the key itself); "
+        "unset: $OPENAI_API_KEY if set, else no header. Never written to the manifest, logs or errors.")
+    max_concurrency: int = Field(default=16, ge=1, le=1024,
+                                 description="Requests in flight at once, per worker.")
+    requests_per_minute: float | None = Field(
+        default=None, gt=0.0, description="Most requests sent in any 60 s, per worker (a 429 the server "
+        "answers is given back); unset: no limit.")
+    tokens_per_minute: float | None = Field(
+        default=None, gt=0.0, description="Most tokens (prompt + max_tokens as estimated at send, corrected by the "
+        "usage the server reports) in any 60 s, per worker; unset: no limit.")
+    max_retries: int = Field(default=6, ge=0, le=100,
+                             description="Retries of a request answered 429 / 5xx, dropped or timed out; then "
+                             "the row is an error row naming the status.")
+    timeout_s: float = Field(default=600.0, gt=0.0, description="Most time one request may take.")
+    tokenizer: str | None = Field(
+        default=None, description="A tokenizer to estimate prompt tokens with (a local model directory or "
+        "alias already on this machine); unset: model.source's when it is on this machine, else characters / 4.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"engine.endpoint.base_url {value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+
 class EngineSpec(_EngineFields):
     """Batching and KV-cache settings of each worker's engine (and a custom engine factory)."""
 
@@ -277,11 +310,13 @@ class EngineSpec(_EngineFields):
     factory_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the custom factory."
     )
-    backend: Literal["jobrunner", "vllm"] = Field(
+    backend: Literal["jobrunner", "vllm", "openai"] = Field(
         default="jobrunner",
-        description="The engine each worker runs: jobrunner (ours) or vllm (vLLM's engine in its own process, "
-        "from the Python engine.vllm_python names).",
+        description="The engine each worker runs: jobrunner (ours), vllm (vLLM's engine in its own process, "
+        "from the Python engine.vllm_python names) or openai (an OpenAI-compatible endpoint, engine.endpoint).",
     )
+    endpoint: EndpointSpec | None = Field(
+        default=None, description="backend openai: the endpoint, its limits and retries (docs/endpoints.md).")
     vllm_python: str | None = Field(
         default=None, description="backend vllm: the Python that has vLLM (default $JOBRUNNER_VLLM_PYTHON, else "
         "the worker's own)."
@@ -484,6 +519,14 @@ class CostSpec(_Spec):
     """Prices used by reports."""
 
     worker_hour_usd: float = Field(default=0.0, ge=0.0, description="Price of one worker for one hour (USD).")
+    usd_per_m_input: float | None = Field(
+        default=None, ge=0.0, description="Price of one million prompt tokens (USD): an endpoint's token price; "
+        "reports show the token-priced cost beside the worker-hour one.")
+    usd_per_m_output: float | None = Field(
+        default=None, ge=0.0, description="Price of one million output tokens (USD).")
+    max_usd: float | None = Field(
+        default=None, gt=0.0, description="engine.backend openai: most a run may spend at the token prices; once "
+        "reached no request is sent, the ones in flight finish and the run stops, resumable (docs/endpoints.md).")
     slo_ttft_s: float | None = Field(
         default=None, gt=0.0, description="Goodput target: time to first token (s); reports count rows meeting it."
     )
@@ -642,12 +685,21 @@ class JobSpec(_Spec):
                 raise ValueError("engine.backend vllm: " + "; ".join(problems))
         elif self.engine.vllm_options:  # engine.vllm_python may stay: `--set engine.backend=vllm` then uses it
             raise ValueError("engine.vllm_options apply to engine.backend vllm only")
+        self._endpoint_fits()
         from jobrunner.spec_parallel import parallel_problem
 
         problem = parallel_problem(self)  # GPUs = tensor x pipeline ranks, pipeline on vLLM only, a core per rank
         if problem:
             raise ValueError(problem)
         return self
+
+    def _endpoint_fits(self) -> None:
+        """engine.backend openai: an endpoint named, a generate job, no settings only a local engine has."""
+        from jobrunner.endpoint_backend.fit import endpoint_problems
+
+        problems = endpoint_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @model_validator(mode="after")
     def _stages_fit(self) -> JobSpec:

@@ -37,6 +37,9 @@ def _check_model(spec) -> str:
     here, before any worker starts. A custom engine.factory may take any source: not checked then."""
     if spec.engine.factory:
         return f"{spec.model.source!r} (not checked: engine.factory {spec.engine.factory} builds the engine)"
+    if spec.engine.backend == "openai":  # the endpoint serves its own model: nothing here to check
+        endpoint = spec.engine.endpoint
+        return f"{endpoint.model!r} at {endpoint.base_url} (engine.backend openai; not contacted by this check)"
     from jobrunner.driver.chat_check import chat_template_problem
     from jobrunner.driver.row_check import job_constraint_problem
     from jobrunner.models.sources import ModelSourceError, check_model_source

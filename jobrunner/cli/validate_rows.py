@@ -46,6 +46,8 @@ def _prompt_length_lines(spec: JobSpec, plan, requests: list, rows_read: int) ->
     tokenizer is not on this machine."""
     if spec.engine.factory or not any(r.error is None and r.prompt is not None for r in requests):
         return []
+    if spec.engine.backend == "openai":
+        return ["prompt lengths not checked: the endpoint (engine.backend openai) knows its own context"]
     from jobrunner.driver.length_check import check_prompt_lengths, describe, tokenizer_for_check
     from jobrunner.models.preflight import ConfigUnavailable, preflight
     from jobrunner.models.sources import ModelSourceError

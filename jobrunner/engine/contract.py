@@ -15,6 +15,12 @@ from jobrunner.engine.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
+class EngineStopped(RuntimeError):
+    """Raised by ``step()`` when the engine will take no more requests because of a limit the user set (an
+    endpoint's ``cost.max_usd``): the requests in flight have finished; the worker hands its unfinished shards
+    back uncharged and the driver ends the run, resumable (docs/endpoints.md)."""
+
+
 class EngineStatsLike(Protocol):
     """Counters of an engine since it was built: ``to_dict()`` gives plain values (docs/contracts.md)."""
 

@@ -1,0 +1,99 @@
+"""Requests-per-minute and tokens-per-minute budgets over a sliding window.
+
+Every send is written in a log (its time and its tokens) that keeps the last `window_s` seconds. A send may go
+when the log's requests + 1 stay within the requests budget and its tokens + the send's estimate within the
+tokens budget: so no window of `window_s` seconds anywhere in the run ever holds more than the budgets, which
+is how a provider counts. Held to that alone, a run would send a whole minute's budget at its first instant
+and then wait; so the same rule also holds over a short window (`window_s / spread`, with the budgets divided
+by `spread`), which spreads the sends over the minute. A send that alone is larger than the short window's
+token share may go when that window is empty (it would never fit otherwise).
+
+A 429 gives its entry back (the server says it did not take the request); the usage the server reports
+replaces the estimate, so later sends see the tokens really spent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW_S = 60.0
+SPREAD = 6  # the short window is a sixth of the minute (10 s), holding a sixth of each budget
+
+
+@dataclass(eq=False)
+class Grant:
+    """One send in the log: when it went and the tokens it is counted for."""
+
+    time: float
+    tokens: float
+    live: bool = True  # False once given back (a 429)
+
+
+class _Window:
+    """The sends of the last `length_s` seconds, and the budgets they must stay within."""
+
+    def __init__(self, length_s: float, max_requests: float | None, max_tokens: float | None) -> None:
+        self.length_s, self.max_requests, self.max_tokens = length_s, max_requests, max_tokens
+        self.log: deque[Grant] = deque()
+
+    def prune(self, now: float) -> None:
+        while self.log and (self.log[0].time <= now - self.length_s or not self.log[0].live):
+            self.log.popleft()
+
+    def wait_s(self, tokens: float, now: float, alone_may_pass: bool) -> float:
+        """0 when a send of `tokens` fits now, else the seconds until enough of the log has left the window."""
+        self.prune(now)
+        live = [g for g in self.log if g.live]
+        waits = [0.0]
+        if self.max_requests is not None and len(live) + 1 > self.max_requests:
+            over = len(live) + 1 - int(self.max_requests)  # this many oldest sends must leave first
+            waits.append(live[over - 1].time + self.length_s - now)
+        if self.max_tokens is not None and live:
+            used = sum(g.tokens for g in live)
+            if used + tokens > self.max_tokens and not (alone_may_pass and tokens > self.max_tokens):
+                for grant in live:  # oldest first: after it leaves, is there room?
+                    used -= grant.tokens
+                    if used + tokens <= self.max_tokens or (alone_may_pass and used <= 0):
+                        break
+                waits.append(grant.time + self.length_s - now)
+        return max(waits)
+
+
+class RateLimiter:
+    """The requests and tokens budgets of one worker's sends (either may be None: no limit)."""
+
+    def __init__(self, requests_per_minute: float | None, tokens_per_minute: float | None,
+                 window_s: float = WINDOW_S, spread: int = SPREAD) -> None:
+        self.requests_per_minute, self.tokens_per_minute = requests_per_minute, tokens_per_minute
+        short = (None if requests_per_minute is None else max(1.0, math.floor(requests_per_minute / spread)),
+                 None if tokens_per_minute is None else tokens_per_minute / spread)
+        self._windows = [(_Window(window_s, requests_per_minute, tokens_per_minute), False),
+                         (_Window(window_s / spread, *short), True)]
+
+    def never_fits(self, tokens: float) -> str | None:
+        """Why a send of `tokens` can never go (more than a whole minute's tokens), or None."""
+        if self.tokens_per_minute is not None and tokens > self.tokens_per_minute:
+            return (f"the request counts {tokens:.0f} tokens (prompt estimate + max_tokens x n), more than "
+                    f"engine.endpoint.tokens_per_minute={self.tokens_per_minute:g}")
+        return None
+
+    def wait_s(self, tokens: float, now: float) -> float:
+        """0 when a send of `tokens` may go now, else how long until it may (budgets allowing)."""
+        return max(w.wait_s(tokens, now, alone) for w, alone in self._windows)
+
+    def take(self, tokens: float, now: float) -> Grant:
+        """Log a send of `tokens` now (after `wait_s` said 0)."""
+        grant = Grant(now, float(tokens))
+        for window, _ in self._windows:
+            window.log.append(grant)
+        return grant
+
+    def give_back(self, grant: Grant) -> None:
+        """The server did not take the request (429): it no longer counts."""
+        grant.live = False
+
+    def correct(self, grant: Grant, tokens: float) -> None:
+        """The server's usage for the request: it counts these tokens, not the estimate."""
+        grant.tokens = float(tokens)

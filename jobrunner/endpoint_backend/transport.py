@@ -1,0 +1,77 @@
+"""One HTTP POST to the endpoint, with the standard library's http.client (no extra package: a worker needs
+nothing beyond jobrunner's own dependencies; one blocking call per sending thread is all the engine needs).
+A connection per request (`Connection: close`): a dropped or half-read connection is never reused."""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import json
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+# what a dropped connection, a reset or a cut answer raises (all retried)
+TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+
+
+@dataclass
+class Reply:
+    """The server's answer: status, headers (lower-case names) and body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def retry_after_s(self) -> float | None:
+        """What the server asks to wait before trying again (`retry-after-ms`, `retry-after`: seconds or an
+        HTTP date), or None."""
+        ms = self.headers.get("retry-after-ms")
+        if ms is not None:
+            try:
+                return max(0.0, float(ms) / 1000.0)
+            except ValueError:
+                pass
+        value = self.headers.get("retry-after")
+        if value is None:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value) if value.strip() else None
+            return None if when is None else max(0.0, when.timestamp() - time.time())
+
+
+class Transport:
+    """POSTs JSON under one base URL (`http(s)://host[:port]/prefix`), with the API key as a bearer token."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine.endpoint.base_url {base_url!r} is not an http(s) URL")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json", "Connection": "close"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._context = ssl.create_default_context() if self._https else None
+
+    def post(self, path: str, body: dict[str, Any]) -> Reply:
+        """The answer to one POST; raises a TRANSPORT_ERRORS exception when the connection fails or drops."""
+        data = json.dumps(body).encode("utf-8")
+        if self._https:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout_s, context=self._context)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        try:
+            conn.request("POST", self._prefix + path, body=data, headers=self._headers)
+            response = conn.getresponse()
+            payload = response.read()
+            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, payload)
+        finally:
+            conn.close()
