@@ -19,7 +19,7 @@ from jobrunner.driver.cores import CoreClaim
 from jobrunner.driver.engine_factory import build_engine, build_rank, describe_model
 from jobrunner.driver.hardware import describe_hardware
 from jobrunner.driver.metrics import WorkerMetrics
-from jobrunner.driver.rank_group import in_bundle, local_rank_spec, rank_weights
+from jobrunner.driver.rank_group import GroupShardRunner, here, in_bundle, local_rank_spec, rank_weights
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.worker import ShardResult, ShardRunner
 from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
@@ -55,9 +55,9 @@ class WorkerActor:
         self.cores = CoreClaim()  # a CPU rank's cores, held for the life of the process (driver/cores.py)
         self.rank_record: dict[str, Any] = {}  # rank 0 of a tensor-parallel worker: node, pid, device, cores
 
-    def ping(self) -> bool:
-        """Answers once the actor is placed and running (before the model loads)."""
-        return True
+    def ping(self) -> dict[str, Any]:
+        """Answers once the actor is placed and running (before the model loads): its node, node ip and pid."""
+        return here(0)
 
     def rendezvous(self) -> str:
         """Rank 0 of a tensor-parallel worker: a free port on this node, as the group's ``init_method``
@@ -90,7 +90,8 @@ class WorkerActor:
                 "startup_stages_s": startup_stages(self.started_s, self.init_s, load_start, now, imports_s,
                                                    engine.model_info)}
         self.model = describe_model(engine, spec)
-        self.runner = ShardRunner(engine, spec, self.worker_id, self.job_start_s, info)
+        runner = ShardRunner if init_method is None else GroupShardRunner  # a group's failure is not isolated in it
+        self.runner = runner(engine, spec, self.worker_id, self.job_start_s, info)
         self.metrics = WorkerMetrics.start(spec.name, self.worker_id, self.runner)  # Ray dashboard / Prometheus
         return {"model": self.model, "stats": self.runner.stats()}
 

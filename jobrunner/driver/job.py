@@ -182,8 +182,8 @@ class _JobLoop:
                 self.watch.event("a worker reported progress")
             for worker, why, engine_stalled in self.pool.stalled():
                 self._worker_lost(worker, why, stalled=engine_stalled)
-            for worker, why in self.pool.lost():  # a tensor-parallel worker's lost rank: the whole group
-                self._worker_lost(worker, why)
+            for worker, end in self.pool.lost():  # a tensor-parallel worker's rank: the whole group goes
+                self._worker_lost(worker, end.error, crash=end.crash)
             self._show_progress()
 
     def _feed_open(self) -> bool:
@@ -296,9 +296,9 @@ class _JobLoop:
             self._worker_lost(worker, _short(exc))
             return
         except RayTaskError as exc:
-            if isinstance(exc.cause, EngineFailed):  # a lost rank under it is not the rows' crash
-                lost_rank = self.pool.lost_rank(worker)
-                self._worker_lost(worker, lost_rank or _short(exc), crash=None if lost_rank else exc.cause.reason)
+            if isinstance(exc.cause, EngineFailed):  # a tensor-parallel worker's lost rank is not the rows' crash
+                end = self.pool.explain_failure(worker, _short(exc), exc.cause.reason)
+                self._worker_lost(worker, end.error, crash=end.crash)
             else:
                 self._returned(ref)
                 self._charge(task, _short(exc))

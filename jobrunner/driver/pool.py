@@ -35,13 +35,14 @@ from jobrunner.driver.actor import start_worker, worker_resources
 from jobrunner.driver.engine_factory import is_rank_group
 from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.rank_group import (
+    RankEnd,
     RankGroup,
     bundle_of_rank,
+    explain_engine_failure,
     make_placement,
     placement_text,
     start_group,
     vllm_bundles,
-    wait_lost_rank,
 )
 from jobrunner.driver.tasks import Task
 from jobrunner.spec import PROGRESS_POLL_S, JobSpec
@@ -249,16 +250,19 @@ class WorkerPool:
         polls = [w.poll_ref for w in self.workers if w.poll_ref is not None]
         return polls + [ref for w in self.workers if w.group is not None and w.is_ready for ref in w.group.wake_refs()]
 
-    def lost(self) -> list[tuple[Worker, str]]:
-        """Ready tensor-parallel workers that lost a rank, with why (naming the rank, its node and pid); one
-        still starting fails its start instead (its ready call fails with the rank's error)."""
-        return [(w, why) for w in self.workers if w.group is not None and w.is_ready
-                for why in [w.group.check()] if why is not None]
+    def lost(self) -> list[tuple[Worker, RankEnd]]:
+        """Ready tensor-parallel workers whose follower rank stopped serving, with why (naming the rank, its node
+        and pid; a crash when its engine raised on its rows); one still starting fails its start instead (its
+        ready call fails with the rank's error)."""
+        return [(w, end) for w in self.workers if w.group is not None and w.is_ready
+                for end in [w.group.check()] if end is not None]
 
-    def lost_rank(self, worker: Worker) -> str | None:
-        """After a tensor-parallel worker's engine failed: the rank that was lost with it (Ray reports a dead
-        actor within seconds), or None (the failure is the engine's own)."""
-        return wait_lost_rank(worker.group) if worker.group is not None and worker.group.followers else None
+    def explain_failure(self, worker: Worker, error: str, reason: str) -> RankEnd:
+        """A worker's engine failed beyond repair (``reason``): a tensor-parallel worker's lost rank (not the
+        rows' crash) when one went with it; otherwise the engine's crash."""
+        if worker.group is None or not worker.group.followers:
+            return RankEnd(error, reason)
+        return explain_engine_failure(worker.group, reason)
 
     def poll(self) -> bool:
         """Collect every answered progress poll (each pass of the loop; never blocks) and send a new one to

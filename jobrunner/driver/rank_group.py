@@ -26,6 +26,7 @@ TP x PP one-GPU bundles of the design could not hold it (see `vllm_bundles`).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobrunner.driver.cores import CoreClaim, claim_cores, cores_per_rank
 from jobrunner.driver.engine_factory import build_rank
+from jobrunner.driver.worker import ShardRunner
 from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
 from jobrunner.spec import JobSpec
 
@@ -169,6 +171,16 @@ def where(record: dict[str, Any]) -> str:
     return f"node {record.get('node', '?')}, pid {record.get('pid', '?')}"
 
 
+@dataclass(frozen=True)
+class RankEnd:
+    """Why a group ended: ``error`` names the rank, its node and pid; ``crash`` is the engine's own error when a
+    rank's engine raised on its rows (the driver blames them, as for any engine crash), None for a lost rank
+    (its process died, or its collectives failed: nobody's fault, the shards are retried as a lost worker's)."""
+
+    error: str
+    crash: str | None = None
+
+
 @dataclass(eq=False)
 class RankGroup:
     """The actors and placement group of one tensor-parallel worker, as the pool holds them."""
@@ -176,24 +188,24 @@ class RankGroup:
     pg: Any
     leader: Any
     followers: list[Any]
-    ping_refs: dict[Any, int]  # follower ping -> rank
+    ping_refs: dict[Any, int]  # ping -> rank (rank 0 too): who is where
     serve_refs: dict[Any, int]  # follower serve -> rank: ends only when the group is closed or broken
     known: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> node, pid (from its ping)
-    lost: str | None = None  # why a rank was lost (set once)
+    ended: RankEnd | None = None  # why a follower's serve ended (set once)
 
     def wake_refs(self) -> list[Any]:
         """Refs whose answer the job loop waits on: the followers' serve calls."""
         return list(self.serve_refs)
 
-    def check(self, wait_s: float = 0.0) -> str | None:
-        """Why this group lost a rank (None while every follower serves): collects answered pings (who is
+    def check(self, wait_s: float = 0.0) -> RankEnd | None:
+        """Why a follower stopped serving (None while every one serves): collects answered pings (who is
         where) and ended serve calls, waiting up to ``wait_s`` for one to end."""
         self._take_pings()
-        if self.lost is None and self.serve_refs:
+        if self.ended is None and self.serve_refs:
             done, _ = ray.wait(list(self.serve_refs), num_returns=1, timeout=wait_s)
             if done:
-                self.lost = self._describe_end(done[0])
-        return self.lost
+                self.ended = self._describe_end(done[0])
+        return self.ended
 
     def _take_pings(self) -> None:
         done, _ = ray.wait(list(self.ping_refs), num_returns=len(self.ping_refs), timeout=0) if self.ping_refs \
@@ -205,18 +217,21 @@ class RankGroup:
             except (RayActorError, RayTaskError, GetTimeoutError):
                 self.known.setdefault(rank, {"rank": rank})
 
-    def _describe_end(self, ref: Any) -> str:
+    def _describe_end(self, ref: Any) -> RankEnd:
         rank = self.serve_refs[ref]
+        crash = None
         try:
             ray.get(ref, timeout=0)
             what = "its follower loop ended although the leader did not close the group"
         except RayActorError as exc:
-            what = f"its actor died: {_last_line(exc)}"
+            what = f"its process died ({_death(exc)})"
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             what = f"{type(cause).__name__}: {cause}" if cause is not None else _last_line(exc)
-        return redact_text(f"rank {rank} of {len(self.followers) + 1} lost ({where(self.known.get(rank, {}))}): "
-                           f"{what}")
+            crash = None if is_collective_failure(what) else redact_text(what)
+        verb = "failed" if crash is not None else "lost"
+        who = f"rank {rank} of {len(self.followers) + 1} {verb} ({where(self.known.get(rank, {}))})"
+        return RankEnd(redact_text(f"{who}: {what}"), crash)
 
     def kill(self) -> None:
         """Kill every rank's actor and remove the placement group (already-dead actors included)."""
@@ -229,6 +244,53 @@ class RankGroup:
             remove_placement_group(self.pg)
         except Exception:  # noqa: BLE001 - already removed
             pass
+
+
+# what torch.distributed says when a peer is gone or silent (gloo: "Connection closed by peer", timeouts; nccl)
+_COLLECTIVE_WORDS = re.compile(r"gloo|nccl|Connection (closed|reset) by peer|Dist(Backend|Network|Store)Error|"
+                               r"[Tt]imed out|tensor-parallel group is broken", re.IGNORECASE)
+
+
+def is_collective_failure(text: str) -> bool:
+    """Whether an error is a collective's failure (a peer lost, or silent past the timeout), not an engine's
+    own error on its rows."""
+    return bool(_COLLECTIVE_WORDS.search(text))
+
+
+def explain_engine_failure(group: RankGroup, reason: str, wait_s: float = LOST_RANK_WAIT_S) -> RankEnd:
+    """Rank 0's engine failed (``reason``): a rank lost with it (Ray reports a dead actor within seconds, so
+    this waits up to ``wait_s`` for a follower's serve to end), a collective failure naming no rank, or the
+    engine's own crash on its rows."""
+    deadline = time.monotonic() + wait_s
+    found = group.check()
+    while found is None and group.followers and time.monotonic() < deadline:
+        found = group.check(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
+    if found is not None:
+        return found
+    if is_collective_failure(reason):
+        return RankEnd(redact_text(f"rank 0 of {len(group.followers) + 1} ({where(group.known.get(0, {}))}) lost "
+                                   f"its group: {reason}"))
+    return RankEnd(redact_text(reason), reason)
+
+
+class GroupShardRunner(ShardRunner):
+    """Rank 0's shard runner. A failed step leaves the group broken (the ranks left their collective
+    sequence), so its rows are not isolated in-process over a rebuilt engine: the worker fails at once, before
+    any row is blamed, and the driver judges the loss (a lost rank: the shards are retried unblamed; the
+    engine's own crash: its rows are isolated by worker restarts, driver/losses.py)."""
+
+    def _on_engine_failure(self, reason: str) -> None:
+        raise RuntimeError(reason)
+
+
+def _death(exc: BaseException) -> str:
+    """Ray's word on a dead actor, short: its exit type and the first sentence of the detail."""
+    text = str(exc)
+    kind = re.search(r"exit type: (\w+)", text)
+    detail = re.search(r"exit detail: ([^.]*\.)", text)
+    if kind is None and detail is None:
+        return _last_line(exc)
+    return ", ".join(m.group(1) for m in (kind, detail) if m is not None)
 
 
 def _last_line(exc: BaseException) -> str:
@@ -247,14 +309,13 @@ def start_group(spec: JobSpec, worker_id: str, job_start_s: float, run_token: st
     bundle = bundle_of_rank(spec)
     pg = make_placement(spec, name, [dict(bundle) for _ in range(world)])
     leader = start_worker(spec, worker_id, job_start_s, run_token, placement=(pg, 0, bundle))
-    init_ref = leader.rendezvous.remote()
+    ping_ref, init_ref = leader.ping.remote(), leader.rendezvous.remote()
     followers = [_start_rank(spec, worker_id, run_token, pg, rank, bundle) for rank in range(1, world)]
     serve_refs = {f.serve.remote(init_ref): rank for rank, f in enumerate(followers, start=1)}
     loaded = [f.loaded_record.remote() for f in followers]
     ready_ref = leader.join_ranks.remote(leader.load.remote(init_ref), *loaded)
-    group = RankGroup(pg, leader, followers, {f.ping.remote(): rank for rank, f in enumerate(followers, start=1)},
-                      serve_refs)
-    return leader, leader.ping.remote(), ready_ref, group
+    pings = {ping_ref: 0, **{f.ping.remote(): rank for rank, f in enumerate(followers, start=1)}}
+    return leader, ping_ref, ready_ref, RankGroup(pg, leader, followers, pings, serve_refs)
 
 
 def _start_rank(spec: JobSpec, worker_id: str, run_token: str, pg: Any, rank: int, bundle: dict[str, float]) -> Any:
@@ -267,12 +328,3 @@ def _start_rank(spec: JobSpec, worker_id: str, run_token: str, pg: Any, rank: in
                                    runtime_env={"env_vars": {RAY_NICENESS_ENV: str(spec.cluster.worker_niceness)}})
     return ray.remote(RankActor).options(**options).remote(spec.model_dump(mode="json"), worker_id, rank,
                                                            tuple(known_secret_values()))
-
-
-def wait_lost_rank(group: RankGroup, wait_s: float = LOST_RANK_WAIT_S) -> str | None:
-    """After the leader's engine failed: the rank lost with it, if Ray reports one within ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    found = group.check()
-    while found is None and time.monotonic() < deadline:
-        found = group.check(wait_s=min(0.5, max(0.0, deadline - time.monotonic())))
-    return found

@@ -42,15 +42,16 @@ def _texts(out) -> dict[str, str]:
     return {r["id"]: r["generated_text"] for r in rows}
 
 
-def _reference(model_dir, n_rows: int) -> dict[str, str]:
+def _reference(model_dir, n_rows: int, max_tokens: int = MAX_TOKENS) -> dict[str, str]:
     """The same prompts through one TP = 1 engine in this process, greedy."""
     engine = LLMEngine.from_source(str(model_dir), dtype="float32",
                                    config=EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64))
     prompts = [f"question {i} about things" for i in range(n_rows)]
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return {f"p{i:03d}": o.text for i, o in enumerate(outputs)}
 
 
+@pytest.mark.heavy  # the fault test below runs the same job (and checks the same texts) with a rank killed
 def test_a_tensor_parallel_job_gives_every_row_once_as_tp1_would(local_ray, tiny_llama_hf_dir, tmp_path):
     ids, data = _spec(tiny_llama_hf_dir, tmp_path, 12)
     result = run_job(spec_from_dict(data), show_progress=False)
@@ -84,8 +85,8 @@ def _rows_done(leader) -> int:
 
 
 def test_a_killed_follower_rank_fails_its_group_which_is_rebuilt(local_ray, tiny_llama_hf_dir, tmp_path):
-    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 24, max_num_seqs=1)
-    data["sampling"]["max_tokens"] = 24
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
+    data["sampling"]["max_tokens"] = MAX_TOKENS * 3  # ~400 steps: the kill lands mid-job
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
     thread.start()
@@ -101,8 +102,25 @@ def test_a_killed_follower_rank_fails_its_group_which_is_rebuilt(local_ray, tiny
     thread.join(300)
     result = box["result"]
     assert result.ok, result.summary()
-    assert sorted(_texts(tmp_path / "out")) == ids
-    workers = read_manifest_file(tmp_path / "out")["workers"]
+    texts = _texts(tmp_path / "out")
+    assert sorted(texts) == ids
+    assert texts == _reference(tiny_llama_hf_dir, 16, MAX_TOKENS * 3)  # rows of both groups, as TP = 1 gives
+    manifest = read_manifest_file(tmp_path / "out")
+    workers = manifest["workers"]
     lost = workers["w0"]["lost"]
-    assert lost.startswith("rank 1 of 2 lost (") and f"pid {pid}" in lost, lost
-    assert "w1" in workers and [r["rank"] for r in workers["w1"]["ranks"]] == [0, 1]
+    assert lost.startswith("rank 1 of 2 lost (node ") and f"pid {pid}): its process died" in lost, lost
+    assert [r["rank"] for r in workers["w1"]["ranks"]] == [0, 1] and "lost" not in workers["w1"]
+    assert {r["pid"] for r in workers["w0"]["ranks"]}.isdisjoint(r["pid"] for r in workers["w1"]["ranks"])
+    shards = manifest["shards"].values()
+    # the shards the lost group held were retried as a lost worker's: not charged to them
+    assert all(e["failures"] == 0 for e in shards) and any(e["infra_failures"] == 1 for e in shards)
+
+
+def test_a_group_the_cluster_cannot_place_ends_the_job_naming_it(local_ray, tiny_llama_hf_dir, tmp_path):
+    _, data = _spec(tiny_llama_hf_dir, tmp_path, 4)
+    data["cluster"].update(num_cpus_per_worker=4, worker_start_timeout_s=1.0)  # 2 ranks x 2 CPUs: no node has 4
+    result = run_job(spec_from_dict(data), show_progress=False)
+    assert not result.ok
+    assert result.error.startswith("no worker started within cluster.worker_start_timeout_s=1s: the cluster could "
+                                   'not give a placement group (STRICT_PACK: one node) of 2 x {"CPU": 2.0} x 1 ('), \
+        result.error
