@@ -1,9 +1,9 @@
 """What the leader sends each step, and the divergence guard.
 
 A step's message is one list of :class:`Command` (requests added since the last step, or a control word:
-``close``, ``rebuild``, ``idle``) pickled once over the gloo object group. Requests travel as token ids (the
-leader tokenized them) with their params and the seed the leader drew, so a follower needs no tokenizer and its
-own seed stream never matters.
+``close``, ``rebuild``, ``replace``, ``idle``) pickled once over the gloo object group. Requests travel as token
+ids (the leader tokenized them) with their params and the seed the leader drew, so a follower needs no
+tokenizer and its own seed stream never matters.
 
 The guard: after every rank schedules a step, each all-reduces a fingerprint of what it scheduled (the rows'
 ids, positions and token counts, and the last token of each row, so a sampling divergence shows one step later)
@@ -21,7 +21,7 @@ import torch
 
 from jobrunner.engine.scheduler import SchedulerOutput
 
-CONTROL_WORDS = ("close", "rebuild", "idle")
+CONTROL_WORDS = ("close", "rebuild", "replace", "idle")
 
 
 class ParallelDivergence(RuntimeError):
@@ -41,7 +41,8 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Control:
-    """A control word: ``close`` (followers return), ``rebuild`` (a fresh engine), ``idle`` (a keep-alive)."""
+    """A control word: ``close`` (followers return), ``rebuild`` (a fresh engine over the same weights),
+    ``replace`` (a new engine from ``options["build"]``), ``idle`` (a keep-alive)."""
 
     word: str
     options: dict = field(default_factory=dict)

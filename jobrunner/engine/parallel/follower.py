@@ -43,6 +43,11 @@ class Follower:
         if "rebuild" in controls:
             self.engine = self.engine.rebuild()
             return True
+        if "replace" in controls:
+            self.engine.close()
+            self.engine = None
+            self.engine = commands[0].options["build"](self.tp)
+            return True
         if "idle" in controls:
             return True
         apply_commands(self.engine, commands)

@@ -40,12 +40,14 @@ class ParallelEngine:
         self.tp = tp
         self.timeout_s = timeout_s
         self._on_close = on_close
+        self.processes: list[Any] = []           # follower processes this process started (spawn_local)
         self._pending: list[Command] = []
         self._pending_ids: dict[str, int] = {}   # request id -> samples, recorded and not yet sent
         self._lock = threading.Lock()            # one collective sequence at a time (steps vs keep-alive)
         self._last_sent = time.monotonic()
         self._broken: BaseException | None = None
-        self._closed = threading.Event()
+        self._closed = threading.Event()         # set: the keep-alive stops (closed, or handed to a successor)
+        self._done = False                       # closed, or replaced by a rebuilt / replaced engine
         self._keepalive = threading.Thread(target=self._keep_alive, name="tp-keepalive", daemon=True)
         self._keepalive.start()
 
@@ -114,13 +116,27 @@ class ParallelEngine:
             self._pending, self._pending_ids = [], {}
             self._send([Control("rebuild")])
             engine = self._collective(self.engine.rebuild)
-            self._closed.set()  # this wrapper's keep-alive stops; the new one starts its own
-        return ParallelEngine(engine, self.tp, self.timeout_s, self._on_close)
+            self._retire()
+        return self._successor(engine)
+
+    def replace(self, build: Callable[[TensorParallel], Any]) -> ParallelEngine:
+        """Every rank closes its engine and builds a new one with ``build(tp)`` (another model, other
+        settings) over the same group, without starting new processes; this one is not used afterwards.
+        ``build`` travels pickled to the followers."""
+        with self._lock:
+            self._pending, self._pending_ids = [], {}
+            self._send([Control("replace", {"build": build})])
+            self.engine.close()
+            self.engine = None
+            engine = self._collective(build, self.tp)
+            self._retire()
+        return self._successor(engine)
 
     def close(self) -> None:
         """Tell the followers to close (unless the group is broken), close this engine, leave the group."""
-        if self._closed.is_set() and self.engine is None:
+        if self._done:
             return
+        self._done = True
         self._closed.set()
         try:
             if self._broken is None:
@@ -174,6 +190,18 @@ class ParallelEngine:
         if isinstance(params, PoolingParams) and isinstance(params.completion, str) and params.completion:
             return dataclasses.replace(params, completion=self.engine._completion_ids(params.completion))
         return params
+
+    def _successor(self, engine: Any) -> ParallelEngine:
+        """The wrapper of this group's next engine (it owns the processes and the close hook now)."""
+        successor = ParallelEngine(engine, self.tp, self.timeout_s, self._on_close)
+        successor.processes = self.processes
+        return successor
+
+    def _retire(self) -> None:
+        """A successor wrapper owns the group now: this one's keep-alive stops and its close does nothing."""
+        self._done = True
+        self._closed.set()
+        self.engine = None
 
     def _send(self, commands: list[Command]) -> None:
         self._collective(broadcast_commands, commands, object_group(self.tp))
