@@ -1,0 +1,158 @@
+"""Pipelines end to end (issue 48): generate -> judge -> rewrite on 64 rows with the fake engine (the judge is
+tests/driver/judge_engine.py), the driver killed with SIGKILL in stage 2 and rerun; and once on our engine
+with a tiny random model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+import yaml
+
+from jobrunner.driver.pipeline import run_pipeline
+from jobrunner.io.manifest import read_manifest_with_records
+from jobrunner.io.storage import Storage
+from jobrunner.spec import spec_from_dict
+from tests.driver.helpers import REPO
+
+pytestmark = pytest.mark.timeout(600)
+N = 64
+NULL_TOPIC, UNPARSEABLE, FILTER_ERROR = 5, 7, 16  # rows made to stop in the judge / the last filter
+
+
+def _write_input(path: Path) -> list[str]:
+    ids = [f"p{i:03d}" for i in range(N)]
+    prompts = [("UNPARSEABLE " if i == UNPARSEABLE else "") + f"question {i} about things" for i in range(N)]
+    topics = [None if i == NULL_TOPIC else f"t{i % 3}" for i in range(N)]
+    pq.write_table(pa.table({"id": ids, "prompt": prompts, "topic": topics}), path, row_group_size=8)
+    return ids
+
+
+def _pipeline(input_url: str, output_url: str, step_delay_s: float) -> dict:
+    slow = {"factory_options": {"step_delay_s": step_delay_s}}
+    return {"name": "judged", "input": {"url": input_url, "prompt_column": "prompt", "id_column": "id",
+                                        "rows_per_shard": 8},
+            "sampling": {"max_tokens": 4},
+            "engine": {"max_num_seqs": 4, "factory": "tests.driver.fake_engine:make_engine", **slow},
+            "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5, "retry_backoff_s": 0.1},
+            "output": {"url": output_url, "mode": "resume", "lease_ttl_s": 120.0},
+            "stages": [
+                {"name": "generate", "filter": "topic != 't2'",  # slower: the judge starts before it ends
+                 "engine": {"factory_options": {"step_delay_s": 2 * step_delay_s}}},
+                {"name": "judge", "engine": {"factory": "tests.driver.judge_engine:make_judge"},
+                 "input": {"prompt": "Judge ({topic}): {prompt} -> {generated_text}"},
+                 "output_columns": {"score": "json.score"}, "filter": "json_valid and score >= 5"},
+                {"name": "rewrite", "input": {"messages": [{"role": "user", "content": "Improve ({score})."}]},
+                 "filter": "not (topic == 't1' and score == 9) and (id != 'p016' or topic > 3)"}]}
+
+
+def _expected() -> tuple[dict[str, dict[str, int]], dict[str, set[str]]]:
+    """The funnel each stage must show and the ids that reach each stage (and the final output)."""
+    rows = {f"p{i:03d}": {"topic": None if i == NULL_TOPIC else f"t{i % 3}", "score": i % 10, "i": i}
+            for i in range(N)}
+    funnel, reach = {}, {"generate": set(rows)}
+    judge = {r for r in rows if rows[r]["topic"] != "t2"}
+    funnel["generate"] = {"rows_in": N, "kept": len(judge), "dropped": N - len(judge), "error": 0, "filter_error": 0}
+    reach["judge"] = judge
+    errors = {r for r in judge if rows[r]["topic"] is None}  # its template needs {topic}
+    unparsed = {r for r in judge if rows[r]["i"] == UNPARSEABLE}
+    rewrite = {r for r in judge - errors - unparsed if rows[r]["score"] >= 5}
+    funnel["judge"] = {"rows_in": len(judge), "kept": len(rewrite), "error": len(errors), "filter_error": 0,
+                       "dropped": len(judge) - len(rewrite) - len(errors)}
+    reach["rewrite"] = rewrite
+    filter_errors = {r for r in rewrite if rows[r]["i"] == FILTER_ERROR}
+    final = {r for r in rewrite - filter_errors if not (rows[r]["topic"] == "t1" and rows[r]["score"] == 9)}
+    funnel["rewrite"] = {"rows_in": len(rewrite), "kept": len(final), "error": 0, "filter_error": 1,
+                         "dropped": len(rewrite) - len(final) - 1}
+    reach["final"] = final
+    return funnel, reach
+
+
+def _committed(out: Path) -> dict:
+    try:
+        manifest = read_manifest_with_records(Storage(str(out)))
+    except (OSError, ValueError):
+        return {}
+    return {s: e for s, e in ((manifest or {}).get("shards") or {}).items() if e["status"] == "committed"}
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.glob("*.parquet"))}
+
+
+def _ids(folder: Path) -> list[str]:
+    return sorted(pq.read_table(folder, columns=["id"]).column("id").to_pylist())
+
+
+def _wait_for(predicate, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError("condition not reached")
+
+
+def test_three_stage_pipeline_killed_in_stage_two_and_rerun(local_ray, tmp_path):
+    ids = _write_input(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    data = _pipeline(str(tmp_path / "in.parquet"), str(out), step_delay_s=0.05)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-c", "from jobrunner.cli import main; main()", "run", str(tmp_path / "job.yaml"),
+           "--address", ray.get_runtime_context().gcs_address, "--no-progress", "--no-report"]
+    started = time.monotonic()
+    driver = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # killed once the judge has committed shards and has more to do
+        _wait_for(lambda: len(_committed(out / "stages/judge")) >= 2)
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    killed_s = time.monotonic() - started
+    stages = {name: out / "stages" / name for name in ("generate", "judge", "rewrite")}
+    before = {name: _committed(path) for name, path in stages.items()}
+    assert 2 <= len(before["judge"]) < 8, "the judge was not killed mid-stage"
+    parts_before = {name: _mtimes(path / "parts") for name, path in stages.items()}
+    inputs_before = _mtimes(stages["judge"] / "_input")
+    # streaming: the judge committed shards while the generator still had shards to commit
+    first_judge = min(parts_before["judge"].values())
+    assert len(before["generate"]) < 8 or first_judge < max(parts_before["generate"].values())
+
+    rerun_s = time.monotonic()
+    result = run_pipeline(spec_from_dict(data), show_progress=False)
+    assert result.ok, result.summary()
+    print(f"killed after {killed_s:.1f}s; rerun {time.monotonic() - rerun_s:.1f}s; committed before the kill: "
+          + ", ".join(f"{k} {len(v)}" for k, v in before.items()))
+
+    funnel, reach = _expected()
+    for name, path in stages.items():  # every id once per stage, the ids that passed the filters before it
+        got = _ids(path / "parts")
+        assert got == sorted(reach[name]) and len(got) == len(set(got)), name
+        for shard_id, entry in before[name].items():  # nothing committed before the kill was recomputed
+            assert _committed(path)[shard_id]["worker_id"] == entry["worker_id"], (name, shard_id)
+        now = _mtimes(path / "parts")
+        assert {k: now[k] for k in parts_before[name]} == parts_before[name], f"{name}: a committed part rewritten"
+    assert {k: v for k, v in _mtimes(stages["judge"] / "_input").items() if k in inputs_before} == inputs_before
+    assert _ids(out / "parts") == sorted(reach["final"]) and set(reach["final"]) < set(ids)
+    assert (out / "_SUCCESS").exists() and all((p / "_SUCCESS").exists() for p in stages.values())
+    shown = {f["stage"]: {k: f[k] for k in ("rows_in", "kept", "dropped", "error", "filter_error")}
+             for f in result.funnel}
+    assert shown == funnel
+    example = result.funnel[2]["filter_error_examples"][0]
+    assert "stage rewrite" in example and "row p016" in example and "column 'topic'" in example
+    judge_rows = pq.read_table(stages["judge"] / "parts", columns=["id", "error"]).to_pylist()
+    assert [(r["id"], r["error"]) for r in judge_rows if r["error"]] == [
+        ("p005", "stage judge: template column 'topic' is null in row p005")]
+    final = {r["id"]: r for r in pq.read_table(out / "parts").to_pylist()}
+    row = final["p006"]  # joins back to the input by id; every stage's text is there
+    assert (row["prompt"], row["topic"], row["score"], row["json_valid"]) == ("question 6 about things", "t0", 6.0,
+                                                                            True)
+    assert row["judge.generated_text"] == 'Verdict: {"score": 6}' and row["generate.generated_text"] == \
+        "tok0 tok1 tok2 tok3"
