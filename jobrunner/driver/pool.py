@@ -33,6 +33,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from jobrunner.driver.actor import start_worker, worker_resources
 from jobrunner.driver.engine_factory import is_rank_group
+from jobrunner.driver.group_start import start_group
 from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.rank_group import (
     RankEnd,
@@ -41,7 +42,6 @@ from jobrunner.driver.rank_group import (
     explain_engine_failure,
     make_placement,
     placement_text,
-    start_group,
     vllm_bundles,
 )
 from jobrunner.driver.tasks import Task

@@ -6,7 +6,7 @@ call runs the follower loop for the whole life of the group. All N sit in one pl
 one node), one bundle each: `{GPU: 1, CPU: num_cpus_per_worker / N}` on GPU workers, `{CPU: num_cpus_per_worker
 / N}` on CPU workers, so a group is placed whole or not at all.
 
-Start-up, with no round trip through the driver: rank 0's `rendezvous` picks a free port on its node and
+Start-up (driver/group_start.py), with no round trip through the driver: rank 0's `rendezvous` picks a free port on its node and
 returns `tcp://<its ip>:<port>`; that reference is handed to rank 0's `load` and to every follower's `serve`
 (Ray resolves it before the call runs), and all N join the group there. The group is ready when rank 0's
 `join_ranks` returns: it runs once rank 0's load and every follower's load have succeeded (their results are
@@ -41,7 +41,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from jobrunner.driver.cores import CoreClaim, claim_cores, cores_per_rank
 from jobrunner.driver.engine_factory import build_rank
 from jobrunner.driver.worker import ShardRunner
-from jobrunner.redaction import known_secret_values, redact_text, remember_secrets
+from jobrunner.redaction import redact_text, remember_secrets
 from jobrunner.spec import JobSpec
 
 RANK_CONCURRENCY = 3  # serve (the whole life) + loaded + ping
@@ -296,35 +296,3 @@ def _death(exc: BaseException) -> str:
 def _last_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else type(exc).__name__
-
-
-def start_group(spec: JobSpec, worker_id: str, job_start_s: float, run_token: str) -> tuple[Any, Any, Any,
-                                                                                             RankGroup]:
-    """Create a worker's placement group and its N rank actors, and wire their start-up (nothing waited for).
-    Returns (rank 0's WorkerActor, its ping ref, the ref that answers once every rank has loaded, the group)."""
-    from jobrunner.driver.actor import start_worker
-
-    world = spec.engine.tensor_parallel_size
-    name = f"jobrunner:{spec.name}:{run_token}:{worker_id}"
-    bundle = bundle_of_rank(spec)
-    pg = make_placement(spec, name, [dict(bundle) for _ in range(world)])
-    leader = start_worker(spec, worker_id, job_start_s, run_token, placement=(pg, 0, bundle))
-    ping_ref, init_ref = leader.ping.remote(), leader.rendezvous.remote()
-    followers = [_start_rank(spec, worker_id, run_token, pg, rank, bundle) for rank in range(1, world)]
-    serve_refs = {f.serve.remote(init_ref): rank for rank, f in enumerate(followers, start=1)}
-    loaded = [f.loaded_record.remote() for f in followers]
-    ready_ref = leader.join_ranks.remote(leader.load.remote(init_ref), *loaded)
-    pings = {ping_ref: 0, **{f.ping.remote(): rank for rank, f in enumerate(followers, start=1)}}
-    return leader, ping_ref, ready_ref, RankGroup(pg, leader, followers, pings, serve_refs)
-
-
-def _start_rank(spec: JobSpec, worker_id: str, run_token: str, pg: Any, rank: int, bundle: dict[str, float]) -> Any:
-    from jobrunner.driver.actor import RAY_NICENESS_ENV
-
-    options: dict[str, Any] = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                                   max_task_retries=0, max_concurrency=RANK_CONCURRENCY,
-                                   name=f"jobrunner:{spec.name}:{run_token}:{worker_id}:rank{rank}",
-                                   scheduling_strategy=in_bundle(pg, rank),
-                                   runtime_env={"env_vars": {RAY_NICENESS_ENV: str(spec.cluster.worker_niceness)}})
-    return ray.remote(RankActor).options(**options).remote(spec.model_dump(mode="json"), worker_id, rank,
-                                                           tuple(known_secret_values()))

@@ -1,0 +1,62 @@
+"""The parts of a tensor-parallel worker that need no Ray running (driver/rank_group.py, driver/cores.py,
+driver/session.py): bundles, cores claimed per rank, what counts as a lost rank, the local fit check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jobrunner.driver.cores import claim_cores, cores_per_rank
+from jobrunner.driver.rank_group import _death, bundle_of_rank, is_collective_failure, vllm_bundles
+from jobrunner.driver.session import group_fit_problem
+from jobrunner.spec import spec_from_dict
+
+
+def _spec(tmp_path, engine: dict, cluster: dict):
+    return spec_from_dict({"name": "t", "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt"},
+                           "engine": engine, "cluster": cluster, "output": {"url": str(tmp_path / "out")}})
+
+
+def test_bundles_split_the_worker_per_rank(tmp_path):
+    cpu = _spec(tmp_path, {"tensor_parallel_size": 2}, {"num_cpus_per_worker": 8})
+    assert bundle_of_rank(cpu) == {"CPU": 4.0} and vllm_bundles(cpu) is None
+    vllm = _spec(tmp_path, {"backend": "vllm", "tensor_parallel_size": 2}, {"num_cpus_per_worker": 4})
+    assert vllm_bundles(vllm) == [{"CPU": 4.0}]  # one actor: one bundle that holds it all
+    assert vllm_bundles(_spec(tmp_path, {"backend": "vllm"}, {})) is None
+
+
+def test_the_local_fit_check_names_what_one_group_lacks(tmp_path):
+    spec = _spec(tmp_path, {"tensor_parallel_size": 2}, {"num_cpus_per_worker": 4})
+    assert group_fit_problem(spec, {"CPU": 4.0}) is None
+    assert group_fit_problem(spec, {"CPU": 2.0}) == (
+        "engine.tensor_parallel_size=2 x pipeline_parallel_size=1: one worker's placement group needs 4 CPU on "
+        "one node; this machine's local Ray has 2 CPU")
+    assert group_fit_problem(_spec(tmp_path, {}, {"num_cpus_per_worker": 64}), {"CPU": 2.0}) is None  # no group
+
+
+def test_cores_per_rank_is_the_bundles_share_at_least_one():
+    assert [cores_per_rank(c, w) for c, w in [(2, 2), (1, 2), (8, 2), (6, 4)]] == [1, 1, 4, 1]
+
+
+def test_ranks_claim_distinct_cores_and_a_closed_claim_frees_them(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    first = claim_cores(1, tmp_path)
+    second = claim_cores(1, tmp_path)  # another descriptor: the flock of the first one holds its core
+    assert first.cores == (allowed[0],) and second.cores == (allowed[1],)
+    assert claim_cores(len(allowed), tmp_path).cores == ()  # not enough free: nothing pinned, nothing held
+    first.release()
+    assert claim_cores(1, tmp_path).cores == (allowed[0],)
+    second.release()
+
+
+def test_a_collective_failure_is_a_lost_rank_an_engine_error_is_a_crash():
+    gloo = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:5301. This is typically caused by a remote worker crashing.")
+    assert is_collective_failure(gloo) and is_collective_failure("DistBackendError: NCCL error in: ...")
+    assert not is_collective_failure("IndexError: index out of range in self")
+    died = Exception("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
+                     "exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some ...")
+    assert _death(died) == "SYSTEM_ERROR, Worker unexpectedly exits with a connection error code 2."
