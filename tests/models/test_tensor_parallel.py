@@ -1,8 +1,9 @@
-"""Tensor parallel at world 2 over gloo equals world 1: tiny random Llama (tied), Qwen2 (q|k|v bias), Mixtral,
-Qwen2-MoE (shared expert, a dense layer), Gemma 3 and int8, each loaded sharded while it streams and run through
-our engine (chunked prefill, a shared prefix, decode): greedy tokens equal, float32 log-softmax of every step's
-logits within 1e-5, the per-rank shapes and parameters as planned, bytes per rank <= whole / world + the
-replicated parts. One spawned group runs every case (spawning costs more than the cases)."""
+"""Tensor parallel at world 2 over gloo equals world 1: tiny random Llama (tied; one KV head, replicated on both
+ranks), Qwen2 (q|k|v bias), Mixtral, Qwen2-MoE (shared expert, a dense layer), Gemma 3 and int8, each loaded
+sharded while it streams and run through our engine (chunked prefill, a shared prefix, decode; torch and
+cpu_paged attention): greedy tokens equal, float32 log-softmax of every step's logits within 1e-5, the per-rank
+shapes and parameters as planned, bytes per rank <= whole / world + the replicated parts. One spawned group runs
+every case (spawning costs more than the cases)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def make_gemma3():
 MODELS = {
     "llama_tied": lambda: make_hf_model("llama_tied"),
     "qwen2_bias": lambda: make_hf_model("qwen2"),
+    "llama_one_kv_head": lambda: make_hf_model("llama", num_key_value_heads=1),  # replicated on both ranks
     "mixtral": lambda: make_hf_moe("mixtral"),
     "qwen2_moe": lambda: make_hf_moe("qwen2_moe"),
     "gemma3": make_gemma3,
 }
 CASES = [*MODELS, "llama_int8"]
+BACKENDS = {"qwen2_bias": "cpu_paged", "llama_one_kv_head": "cpu_paged"}  # the native backend on per-rank heads
 INT8_FLOAT32 = {"JOBRUNNER_CPU_CAPABILITY": "avx2", "JOBRUNNER_QUANT_KERNEL_TOKENS": "int8=0"}
 
 
@@ -59,7 +62,8 @@ def runs(tmp_path_factory):
         hf.save_pretrained(path, safe_serialization=True)
         tokenizer.save_pretrained(path)
         configs[name] = hf.config
-        cases.append({"name": name, "path": str(path), "prompts": PROMPTS, "max_num_batched_tokens": 32})
+        cases.append({"name": name, "path": str(path), "prompts": PROMPTS, "max_num_batched_tokens": 32,
+                      "backend": BACKENDS.get(name, "torch")})
     llama = next(c for c in cases if c["name"] == "llama_tied")
     # int8 through its float32 path (dequantized float32 tiles): the packed kernel takes bfloat16 activations and
     # rounds each rank's partial sums to bfloat16, which no split can reproduce to 1e-5
@@ -85,15 +89,25 @@ def test_world_2_equals_world_1(runs, name):
     assert len(whole["tokens"]) == len(PROMPTS) and all(len(t) == 6 for t in whole["tokens"])
 
 
+def replicated_kv_bytes(config) -> int:
+    """With fewer KV heads than ranks each rank keeps a whole KV head's k and v rows: what it holds beyond its
+    share (float32)."""
+    kv, hd = config.num_key_value_heads, getattr(config, "head_dim", None) or 16
+    if kv >= WORLD:
+        return 0
+    per_layer = 2 * hd * config.hidden_size * 4
+    return config.num_hidden_layers * (per_layer - kv * per_layer // WORLD)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_bytes_per_rank(runs, name):
     """Each rank holds at most its share of the split weights plus the replicated parts (same shape as whole)."""
     whole, ranks, config = runs[name]
     heads = whole["heads"]
     for rank in ranks:
-        assert rank["heads"] == (heads[0] // WORLD, heads[1] // WORLD)  # the KV cache is per rank
+        assert rank["heads"] == (heads[0] // WORLD, max(1, heads[1] // WORLD))  # the KV cache is per rank
         replicated = sum(size for n, (shape, size) in rank["tensors"].items() if whole["tensors"].get(n, ((), 0))[0]
-                         == shape)
+                         == shape) + replicated_kv_bytes(config)
         total = sum(size for _, size in rank["tensors"].values())
         assert total <= sum(size for _, size in whole["tensors"].values()) / WORLD + replicated
         assert total < 0.75 * sum(size for _, size in whole["tensors"].values())

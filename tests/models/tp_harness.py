@@ -70,6 +70,7 @@ def _run_case(tp: TensorParallel | None, case: dict[str, Any]) -> dict[str, Any]
             param_bytes += p.numel() * p.element_size()
     return {"tokens": [o.output_token_ids for o in outs], "logits": steps, "tensors": tensors,
             "param_bytes": param_bytes, "weights_bytes": info["weights_bytes"],
+            "load_rise_bytes": info["load_host_anon_rise_bytes"],
             "heads": (model.shape.num_heads, model.shape.num_kv_heads)}
 
 
