@@ -14,13 +14,16 @@ import signal
 import time
 
 import pytest
+import torch
 from parallel_builds import INT8_FLOAT32, DivergingBuild, rank_build, save_checkpoint, single_engine
 from test_gemma import make_gemma
 from tiny import CORPUS, make_hf_model, make_tokenizer
 from tiny_moe import make_hf_moe
 
-from jobrunner.engine import SamplingParams
+from jobrunner.engine import EngineConfig, SamplingParams
+from jobrunner.engine.llm_engine import LLMEngine
 from jobrunner.engine.parallel import ParallelDivergence, ParallelEngine, spawn_local
+from jobrunner.engine.parallel.launch import split_cores
 
 LOGPROB_TOLERANCE = 1e-5
 SHARED = "You are a careful assistant. Answer briefly and check the arithmetic twice. "
@@ -49,9 +52,12 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(checkpoints):
-    """A TP = 2 group (the leader here, one spawned follower), shared by the module's cases."""
-    source, quantization = checkpoints["llama"]
-    holder = {"engine": spawn_local(rank_build(source, quantization, **CONFIG), 2, timeout_s=60)}
+    """A TP = 2 group (the leader here, one spawned follower) from ``LLMEngine.from_source`` with
+    ``tensor_parallel_size: 2``, shared by the module's cases; ``cores``: this process's cores before."""
+    source, _ = checkpoints["llama"]
+    cores = os.sched_getaffinity(0)
+    config = EngineConfig(device="cpu", tensor_parallel_size=2, **CONFIG)
+    holder = {"engine": LLMEngine.from_source(source, "float32", config=config), "cores": cores}
     yield holder
     holder["engine"].close()
 
@@ -61,6 +67,7 @@ def own_group(group):
     """For a test that starts its own group: the module's group is closed first (a process joins one group at
     a time). It comes last in the file (``--dist loadfile`` keeps the order)."""
     group["engine"].close()
+    assert os.sched_getaffinity(0) == group["cores"]  # the leader's pinning is given back
     yield
 
 
@@ -120,6 +127,15 @@ def test_the_group_meets_the_worker_contract_and_records_its_ranks(group):
     assert (info["tensor_parallel_size"], info["tensor_parallel_rank"]) == (2, 0)
     assert info["rank_kv_bytes"] > 0 and info["rank_weights_bytes"] > 0
     assert engine.stats().kv_num_blocks == CONFIG["num_kv_blocks"]
+
+
+def test_each_rank_runs_on_its_own_cores(group):
+    leader_cores, follower_cores = split_cores(2, group["cores"])
+    engine = group["engine"]
+    assert os.sched_getaffinity(0) == set(leader_cores) and torch.get_num_threads() == len(leader_cores)
+    assert os.sched_getaffinity(engine.processes[0].pid) == set(follower_cores)
+    if len(group["cores"]) >= 2:
+        assert not set(leader_cores) & set(follower_cores)
 
 
 def test_request_errors_raise_before_anything_is_sent(group):
