@@ -26,7 +26,7 @@ def start_group(spec: JobSpec, worker_id: str, job_start_s: float, run_token: st
     world = spec.engine.tensor_parallel_size
     name = f"jobrunner:{spec.name}:{run_token}:{worker_id}"
     bundle = bundle_of_rank(spec)
-    pg = make_placement(spec, name, [dict(bundle) for _ in range(world)])
+    pg = make_placement(name, [dict(bundle) for _ in range(world)])
     leader = start_worker(spec, worker_id, job_start_s, run_token, placement=(pg, 0, bundle))
     ping_ref, init_ref = leader.ping.remote(), leader.rendezvous.remote()
     followers = [_start_rank(spec, worker_id, run_token, pg, rank, bundle) for rank in range(1, world)]

@@ -118,7 +118,7 @@ class WorkerPool:
             return
         group, bundles = None, vllm_bundles(self.spec)
         if bundles is not None:  # vLLM over TP x PP GPUs: one actor in a placement group of its own
-            pg = make_placement(self.spec, f"jobrunner:{self.spec.name}:{self.run_token}:{worker_id}", bundles)
+            pg = make_placement(f"jobrunner:{self.spec.name}:{self.run_token}:{worker_id}", bundles)
             actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token, placement=(pg, 0, bundles[0]))
             group = RankGroup(pg, actor, [], {}, {})
         else:
@@ -239,9 +239,9 @@ class WorkerPool:
     def _asked(self) -> str:
         """What one worker asks the cluster for: its resources, or its placement group."""
         if is_rank_group(self.spec):
-            return placement_text(self.spec, [bundle_of_rank(self.spec)] * self.spec.engine.tensor_parallel_size)
+            return placement_text([bundle_of_rank(self.spec)] * self.spec.engine.tensor_parallel_size)
         bundles = vllm_bundles(self.spec)
-        return placement_text(self.spec, bundles) if bundles else json.dumps(worker_resources(self.spec))
+        return placement_text(bundles) if bundles else json.dumps(worker_resources(self.spec))
 
     # ---- progress -----------------------------------------------------------------------------------
     def poll_refs(self) -> list[Any]:

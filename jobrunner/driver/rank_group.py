@@ -6,17 +6,18 @@ call runs the follower loop for the whole life of the group. All N sit in one pl
 one node), one bundle each: `{GPU: 1, CPU: num_cpus_per_worker / N}` on GPU workers, `{CPU: num_cpus_per_worker
 / N}` on CPU workers, so a group is placed whole or not at all.
 
-Start-up (driver/group_start.py), with no round trip through the driver: rank 0's `rendezvous` picks a free port on its node and
-returns `tcp://<its ip>:<port>`; that reference is handed to rank 0's `load` and to every follower's `serve`
-(Ray resolves it before the call runs), and all N join the group there. The group is ready when rank 0's
-`join_ranks` returns: it runs once rank 0's load and every follower's load have succeeded (their results are
-its arguments), adds the ranks (node, pid, device, cores, weights bytes) to the worker's record, and answers
-like a single worker's `load`. Any rank failing to load fails that call, naming the rank.
+Start-up (driver/group_start.py), with no round trip through the driver: rank 0's `rendezvous` picks a free
+port on its node and returns `tcp://<its ip>:<port>`; that reference is handed to rank 0's `load` and to every
+follower's `serve` (Ray resolves it before the call runs), and all N join the group there. The group is ready
+when rank 0's `join_ranks` returns: it runs once rank 0's load and every follower's load have succeeded (their
+results are its arguments), adds the ranks (node, pid, device, cores, weights bytes) to the worker's record,
+and answers like a single worker's `load`. Any rank failing to load fails that call, naming the rank.
 
-A lost rank is a lost worker: a follower's `serve` ends while the group is wanted (its actor died, or the
-follower loop raised on a collective's error or timeout), or the leader's engine fails while a follower is
-gone. Then the whole group goes (every actor killed, the placement group removed) and its shards are retried
-as any lost worker's; the error names the rank, its node and its pid.
+A lost rank is a lost worker: a follower's `serve` ends while the group is wanted (its process died, or its
+collectives failed: a peer gone or silent past the timeout), or rank 0's engine fails while a follower is
+gone or with a collective's error. Then the whole group goes (every actor killed, the placement group
+removed) and its shards are retried as any lost worker's, unblamed; the error names the rank, its node and
+its pid. A rank whose engine raised on its rows is an engine crash (`RankEnd.crash`), blamed as any.
 
 `engine.backend: vllm` with tensor x pipeline parallel > 1 stays one actor (vLLM starts its ranks inside it),
 holding TP x PP GPUs from a placement group of one bundle: Ray places an actor inside a single bundle, so the
@@ -71,14 +72,14 @@ def vllm_bundles(spec: JobSpec) -> list[dict[str, float]] | None:
     return [bundle]
 
 
-def placement_text(spec: JobSpec, bundles: list[dict[str, float]]) -> str:
+def placement_text(bundles: list[dict[str, float]]) -> str:
     """How the cluster was asked, for the start deadline's message."""
     import json
 
     return f"a placement group (STRICT_PACK: one node) of {len(bundles)} x {json.dumps(bundles[0])}"
 
 
-def make_placement(spec: JobSpec, name: str, bundles: list[dict[str, float]]) -> Any:
+def make_placement(name: str, bundles: list[dict[str, float]]) -> Any:
     """The worker's placement group (not waited for: its actors stay pending until it is placed)."""
     return placement_group(bundles, strategy="STRICT_PACK", name=name)
 
@@ -143,16 +144,17 @@ class RankActor:
     def serve(self, init_method: str) -> str:
         """Join the group at ``init_method``, load this rank's shard, then run the leader's steps until it
         closes the group (returns) or a collective fails (raises). Load and serve share this thread: the
-        cores it pins are those its compute threads start on."""
+        cores it pins are those its compute threads start on. A failed load returns its error: `loaded_record`
+        raises it (the group's start fails), and nobody waits on this call before the group is ready."""
         try:
             spec = JobSpec.model_validate(self.spec_dict)
             rank_spec, self.claim, record = local_rank_spec(spec, self.rank, init_method)
             follower = build_rank(spec, rank_spec)
             self.record = {**record, **rank_weights(getattr(follower, "engine", None))}
-        except Exception as exc:  # noqa: BLE001 - named and re-raised: `loaded` and `serve` both report it
+        except Exception as exc:  # noqa: BLE001 - named; `loaded_record` raises it
             self.error = redact_text(f"rank {self.rank} ({where(here(self.rank))}) failed to load: "
                                      f"{type(exc).__name__}: {exc}")
-            raise RuntimeError(self.error) from None
+            return self.error
         finally:
             self.loaded.set()
         follower.serve()
