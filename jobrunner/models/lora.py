@@ -172,8 +172,18 @@ def layer_dims(model: nn.Module) -> LayerDims:
     return LayerDims(s.hidden_size, attn.q_size, attn.kv_size, intermediate)
 
 
+def check_not_split(model: nn.Module) -> None:
+    """Refuse adapters on a tensor-parallel rank's model: their A / B matrices are not sliced to its shard."""
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is not None:
+        raise ValueError(f"LoRA adapters are not supported with tensor_parallel_size {tp.world}: "
+                         "use tensor_parallel_size 1 (or merge the adapter into the checkpoint)")
+
+
 def load_adapters(model: nn.Module, name_to_dir: dict[str, tuple[str, Path]]) -> list[LoraAdapter]:
     """Read each ``name -> (source, local dir)`` adapter for ``model`` (its dtype and device)."""
+    if name_to_dir:
+        check_not_split(model)
     device = next(model.parameters()).device
     dims = layer_dims(model)
     return [read_adapter(name, source, path, dims, model.shape.num_layers, model.dtype, device)
@@ -184,10 +194,8 @@ def attach_adapters(model: nn.Module, adapters: list[LoraAdapter]) -> AdapterSet
     """Wrap the adapted layers of ``model`` in :class:`LoraLinear` (in place) and set ``model.lora``."""
     if model.lora is not None:
         raise ValueError("the model already has adapters attached")
-    tp = getattr(model, "tensor_parallel", None)
-    if tp is not None and adapters:  # their A / B matrices are not sliced to a rank's rows / columns
-        raise ValueError(f"LoRA adapters are not supported with tensor_parallel_size {tp.world}: "
-                         "use tensor_parallel_size 1 (or merge the adapter into the checkpoint)")
+    if adapters:
+        check_not_split(model)
     adapter_set = AdapterSet(adapters)
     for adapter_id, adapter in enumerate(adapters, start=1):
         for (layer_index, name), pieces in adapter.pieces.items():
