@@ -251,6 +251,8 @@ def _write_report(spec) -> None:
     except ImportError:
         return
     try:
+        if spec.stages:  # every stage's report, and the pipeline's (funnel, $ / M kept rows)
+            from jobrunner.reports.pipeline import write_pipeline_report as write_job_report
         report = write_job_report(spec.output.url, spec.output.storage_options, spec.cost.worker_hour_usd)
     except Exception as exc:  # noqa: BLE001 - the job's outputs are done; the report is a bonus
         report = {"error": str(exc)}

@@ -75,6 +75,8 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
     except ReportInputError as exc:
         raise click.ClickException(str(exc)) from None
     slo = Slo(ttft_s=slo_ttft_s, e2e_s=slo_e2e_s)
+    if len(urls) == 1 and not globbed and _pipeline_report(urls[0], storage_options, worker_hour_usd, slo, fmt, out):
+        return
     as_trend = globbed if trend is None else trend
     reports = []
     for url in urls:
@@ -89,6 +91,23 @@ def report(output_urls: tuple[str, ...], worker_hour_usd: float | None, slo_ttft
             raise click.ClickException(message) from None
     apply_labels(reports, list(labels))
     _emit(_render(reports, _format(fmt, out), as_trend), out, storage_options)
+
+
+def _pipeline_report(url: str, storage_options: dict | None, worker_hour_usd: float | None, slo: object,
+                     fmt: str | None, out: str | None) -> bool:
+    """A pipeline's output (reports/pipeline.py): its stages, funnel and $ / M kept rows; False for a job's."""
+    from jobrunner.reports import pipeline
+
+    if not pipeline.is_pipeline(url, storage_options):
+        return False
+    report = pipeline.load_pipeline_report(url, storage_options, worker_hour_usd, slo)
+    renderers = {"text": pipeline.render_pipeline_text, "json": pipeline.render_pipeline_json,
+                 "html": pipeline.render_pipeline_html}
+    chosen = _format(fmt, out)
+    if chosen not in renderers:
+        raise click.ClickException(f"a pipeline's report comes as text, json or html, not {chosen}")
+    _emit(renderers[chosen](report), out, storage_options)
+    return True
 
 
 def _render(reports: list[dict], fmt: str, as_trend: bool = False) -> str:

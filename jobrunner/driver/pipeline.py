@@ -29,7 +29,7 @@ from jobrunner.driver.session import ray_session
 from jobrunner.driver.stage_feed import StageFeed, StageHooks
 from jobrunner.io.layout import PARTS_DIR, REPORT_DIR, SUCCESS, TEMP_DIR
 from jobrunner.io.manifest import clear_success, mark_success
-from jobrunner.io.stage_input import INPUT_DIR, final_key, funnel_of, list_handed_on
+from jobrunner.io.stage_input import PIPELINE_FILE, final_key, pipeline_funnel
 from jobrunner.io.storage import Storage
 from jobrunner.pipeline.expr import parse_filter
 from jobrunner.pipeline.handoff import Handoff, NextRequest, parse_output_column
@@ -39,7 +39,6 @@ from jobrunner.redaction import redacting_logger, remember_secrets
 from jobrunner.spec import JobSpec, StageSpec
 
 log = redacting_logger(__name__)
-PIPELINE_FILE = "_pipeline.json"
 JOIN_POLL_S = 0.2
 
 
@@ -216,18 +215,3 @@ def _write_record(root: Storage, spec: JobSpec, stage_specs: list[JobSpec], resu
     if result is not None:
         record.update(finished=result.ok, funnel=result.funnel, errors=result.errors)
     root.write_atomic(PIPELINE_FILE, json.dumps(record, indent=1).encode())
-
-
-def pipeline_funnel(root: Storage, names: list[str]) -> list[dict[str, Any]]:
-    """Per stage: rows in, kept, dropped by its filter, filter errors, error rows (from the footers of the files
-    its rows were handed on to: the next stage's `_input/`, or the final `parts/`)."""
-    out = []
-    for i, name in enumerate(names):
-        folder = f"{STAGES_DIR}/{names[i + 1]}/{INPUT_DIR}" if i + 1 < len(names) else PARTS_DIR
-        out.append({"stage": name, **funnel_of(root, list_handed_on(root, folder))})
-    return out
-
-
-def read_pipeline(root: Storage) -> dict[str, Any] | None:
-    """`_pipeline.json` (None when the output is not a pipeline's)."""
-    return json.loads(root.read_bytes(PIPELINE_FILE)) if root.exists(PIPELINE_FILE) else None

@@ -36,6 +36,8 @@ from jobrunner.pipeline.handoff import (
 )
 
 INPUT_DIR = STAGE_INPUT_DIR  # under a stage's output: its input files
+PIPELINE_FILE = "_pipeline.json"  # a pipeline's record: its stages, its funnel (driver/pipeline.py)
+STAGES_DIR = "stages"  # a pipeline's stage outputs: stages/<name>/
 FUNNEL_KEY = b"jobrunner.funnel"  # Parquet key-value metadata: the upstream shard's rows by outcome
 
 
@@ -168,3 +170,18 @@ def funnel_of(storage: Storage, keys: list[str]) -> dict[str, Any]:
 def list_handed_on(storage: Storage, folder: str) -> list[str]:
     """The files a stage's rows were handed on to: `_input/*.parquet` of the next stage, or the final `parts/`."""
     return sorted(k for k in storage.listdir(folder) if k.endswith(".parquet"))
+
+
+def pipeline_funnel(root: Storage, names: list[str]) -> list[dict[str, Any]]:
+    """Per stage: rows in, kept, dropped by its filter, filter errors, error rows (from the footers of the files
+    its rows were handed on to: the next stage's `_input/`, or the final `parts/`)."""
+    out = []
+    for i, name in enumerate(names):
+        folder = f"{STAGES_DIR}/{names[i + 1]}/{INPUT_DIR}" if i + 1 < len(names) else PARTS_DIR
+        out.append({"stage": name, **funnel_of(root, list_handed_on(root, folder))})
+    return out
+
+
+def read_pipeline(root: Storage) -> dict[str, Any] | None:
+    """`_pipeline.json` of a pipeline's output (None when the output is not a pipeline's)."""
+    return json.loads(root.read_bytes(PIPELINE_FILE)) if root.exists(PIPELINE_FILE) else None

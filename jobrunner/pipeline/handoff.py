@@ -26,6 +26,11 @@ METRIC_COLUMNS = frozenset({
     "queue_s", "shard_id", "worker_id", "finish_time_s", "sample_index", "prompt_shared", "logprobs",
     "prompt_logprobs", "request_fingerprint", "output_fingerprint", "dedupe_of", "num_reasoning_tokens",
     "completion_logprobs", "num_completion_tokens", "tool_call_warning"})
+# A stage's result columns, whichever settings made them: carried to the next stage under `<stage>.<name>`, so that
+# no later stage's output holds a column its reports would read as its own (a judge's json_valid, an embedding).
+RESULT_COLUMNS = frozenset({
+    "generated_text", "finish_reason", "json_valid", "reasoning", "tool_calls", "embedding", "scores",
+    "completion_logprob", "adapter", "messages"})
 PROMPT_COLUMN = "_stage_prompt"  # the next stage's input: its built prompt ...
 MESSAGES_COLUMN = "_stage_messages"  # ... or chat (JSON text)
 COMPLETION_COLUMN = "_stage_completion"  # a score stage's completion
@@ -95,7 +100,9 @@ class Handoff:
         return out
 
     def carried_name(self, column: str) -> str:
-        return f"{self.stage}.{column}" if column in self.next.output_names else column
+        """`<stage>.<column>` for a result column or one named like a next stage's output column."""
+        clashes = column in self.next.output_names or column in RESULT_COLUMNS
+        return f"{self.stage}.{column}" if clashes else column
 
     def _fill_request(self, row: dict[str, Any], out: dict[str, Any]) -> None:
         nxt = self.next

@@ -5,6 +5,7 @@ with a tiny random model."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,8 +37,11 @@ def _write_input(path: Path) -> list[str]:
     return ids
 
 
-def _pipeline(input_url: str, output_url: str, step_delay_s: float) -> dict:
+def _pipeline(input_url: str, output_url: str, step_delay_s: float, gate_file: str) -> dict:
     slow = {"factory_options": {"step_delay_s": step_delay_s}}
+    # the generator stops after 2 shards (16 rows) until the gate file exists: the judge works meanwhile
+    gated = {"factory": "tests.driver.judge_engine:make_gated",
+             "factory_options": {"step_delay_s": step_delay_s, "gate_file": gate_file, "hold_after": 16}}
     return {"name": "judged", "input": {"url": input_url, "prompt_column": "prompt", "id_column": "id",
                                         "rows_per_shard": 8},
             "sampling": {"max_tokens": 4},
@@ -45,8 +49,7 @@ def _pipeline(input_url: str, output_url: str, step_delay_s: float) -> dict:
             "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5, "retry_backoff_s": 0.1},
             "output": {"url": output_url, "mode": "resume", "lease_ttl_s": 120.0},
             "stages": [
-                {"name": "generate", "filter": "topic != 't2'",  # slower: the judge starts before it ends
-                 "engine": {"factory_options": {"step_delay_s": 2 * step_delay_s}}},
+                {"name": "generate", "filter": "topic != 't2'", "engine": gated},
                 {"name": "judge", "engine": {"factory": "tests.driver.judge_engine:make_judge"},
                  "input": {"prompt": "Judge ({topic}): {prompt} -> {generated_text}"},
                  "output_columns": {"score": "json.score"}, "filter": "json_valid and score >= 5"},
@@ -104,7 +107,8 @@ def _wait_for(predicate, timeout: float = 240.0) -> None:
 def test_three_stage_pipeline_killed_in_stage_two_and_rerun(local_ray, tmp_path):
     ids = _write_input(tmp_path / "in.parquet")
     out = tmp_path / "out"
-    data = _pipeline(str(tmp_path / "in.parquet"), str(out), step_delay_s=0.05)
+    gate = tmp_path / "gate"
+    data = _pipeline(str(tmp_path / "in.parquet"), str(out), step_delay_s=0.02, gate_file=str(gate))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(data))
     cmd = [sys.executable, "-c", "from jobrunner.cli import main; main()", "run", str(tmp_path / "job.yaml"),
            "--address", ray.get_runtime_context().gcs_address, "--no-progress", "--no-report"]
@@ -121,9 +125,9 @@ def test_three_stage_pipeline_killed_in_stage_two_and_rerun(local_ray, tmp_path)
     assert 2 <= len(before["judge"]) < 8, "the judge was not killed mid-stage"
     parts_before = {name: _mtimes(path / "parts") for name, path in stages.items()}
     inputs_before = _mtimes(stages["judge"] / "_input")
-    # streaming: the judge committed shards while the generator still had shards to commit
-    first_judge = min(parts_before["judge"].values())
-    assert len(before["generate"]) < 8 or first_judge < max(parts_before["generate"].values())
+    # streaming: the judge committed shards while the generator (held at 2 shards) still had shards to do
+    assert len(before["generate"]) == 2, before["generate"]
+    gate.touch()
 
     rerun_s = time.monotonic()
     result = run_pipeline(spec_from_dict(data), show_progress=False)
@@ -152,7 +156,34 @@ def test_three_stage_pipeline_killed_in_stage_two_and_rerun(local_ray, tmp_path)
         ("p005", "stage judge: template column 'topic' is null in row p005")]
     final = {r["id"]: r for r in pq.read_table(out / "parts").to_pylist()}
     row = final["p006"]  # joins back to the input by id; every stage's text is there
-    assert (row["prompt"], row["topic"], row["score"], row["json_valid"]) == ("question 6 about things", "t0", 6.0,
-                                                                            True)
+    assert (row["prompt"], row["topic"], row["score"]) == ("question 6 about things", "t0", 6.0)
+    assert row["judge.json_valid"] is True and "json_valid" not in row  # a judge's result column keeps its stage
     assert row["judge.generated_text"] == 'Verdict: {"score": 6}' and row["generate.generated_text"] == \
         "tok0 tok1 tok2 tok3"
+    _check_reports(out, funnel)
+
+
+def _check_reports(out: Path, funnel: dict[str, dict[str, int]]) -> None:
+    """`jobrunner report OUT` on a pipeline: the funnel and $ / M kept rows in text, JSON and HTML."""
+    import json
+
+    from click.testing import CliRunner
+
+    from jobrunner.cli import main
+
+    runner = CliRunner()
+    text = runner.invoke(main, ["report", str(out), "--worker-hour-usd", "1"])
+    assert text.exit_code == 0, text.output
+    kept = funnel["rewrite"]["kept"]
+    assert f"64 rows in, {kept} kept" in text.output and "/ M kept rows" in text.output
+    judge = funnel["judge"]
+    assert re.search(rf"judge\s+generate\s+{judge['rows_in']}\s+{judge['kept']}\s+{judge['dropped']}\s+0\s+"
+                     rf"{judge['error']}\s", text.output), text.output
+    report = json.loads(runner.invoke(main, ["report", str(out), "--format", "json", "--worker-hour-usd", "1"]).output)
+    assert [s["funnel"]["kept"] for s in report["stages"]] == [funnel[s]["kept"] for s in ("generate", "judge",
+                                                                                           "rewrite")]
+    assert report["rows_kept"] == kept and report["total_usd"] > 0
+    assert report["usd_per_m_kept_rows"] == pytest.approx(report["total_usd"] / kept * 1e6)
+    assert report["total_usd"] == pytest.approx(sum(s["report"]["cost"]["total_usd"] for s in report["stages"]))
+    html = runner.invoke(main, ["report", str(out), "--format", "html"]).output
+    assert "<h2>Funnel</h2>" in html and 'aria-label="pipeline funnel"' in html and "$ / M kept rows" in html
