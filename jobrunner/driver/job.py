@@ -52,6 +52,7 @@ from jobrunner.driver.stage_feed import StageHooks
 from jobrunner.driver.tasks import Task, TaskQueue, retry_delay
 from jobrunner.driver.watchdog import Watchdog, idle_problem
 from jobrunner.driver.worker import EngineFailed, ShardResult
+from jobrunner.engine.contract import EngineStopped
 from jobrunner.io.commits import write_commit_record
 from jobrunner.io.layout import TEMP_DIR, part_key
 from jobrunner.io.lease import Lease, LeaseLost
@@ -296,6 +297,10 @@ class _JobLoop:
             self._worker_lost(worker, _short(exc))
             return
         except RayTaskError as exc:
+            if isinstance(exc.cause, EngineStopped):  # a limit the user set (cost.max_usd): the run ends here
+                self._returned(ref)
+                self.error = self.error or f"{exc.cause}; the run stops, resumable: run it again to go on"
+                return
             if isinstance(exc.cause, EngineFailed):  # a tensor-parallel worker's lost rank is not the rows' crash
                 end = self.pool.explain_failure(worker, _short(exc), exc.cause.reason)
                 self._worker_lost(worker, end.error, crash=end.crash)

@@ -21,7 +21,9 @@ from jobrunner.driver.pooled import output_task, result_columns, row_pooling
 from jobrunner.driver.row_seeds import seeded
 from jobrunner.driver.tool_calls import (
     check_tools,
+    endpoint_tool_calls,
     forced_call_schema,
+    given_tool_calls,
     openai_tool_calls,
     parse_forced_call,
     parse_tool_calls,
@@ -397,7 +399,10 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
             out.text, list(out.output_token_ids), list(getattr(out, "prompt_token_ids", None) or []))
         text = split.answer if split is not None else text
     calls = None
-    if has_tools(spec) and not failed and (req.forced_tool or (req.tools and tool_parser)):
+    given = None if failed else getattr(out, "tool_calls", None)  # an endpoint's own calls (backend openai)
+    if given is not None and has_tools(spec):
+        calls = given_tool_calls(given, text)
+    elif has_tools(spec) and not failed and (req.forced_tool or (req.tools and tool_parser)):
         calls = parse_forced_call(text) if req.forced_tool else parse_tool_calls(tool_parser, text)
         text = calls.content if calls.calls else text
     reason = "tool_calls" if calls is not None and calls.calls and out.finish_reason == "stop" else out.finish_reason
@@ -419,7 +424,8 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
         row["reasoning"] = None if split is None else split.reasoning
         row["num_reasoning_tokens"] = None if split is None else split.num_reasoning_tokens
     if has_tools(spec):
-        row["tool_calls"] = openai_tool_calls(calls.calls, req.row_id, row["sample_index"]) \
+        row["tool_calls"] = (endpoint_tool_calls(given) if given is not None else
+                             openai_tool_calls(calls.calls, req.row_id, row["sample_index"])) \
             if calls is not None and calls.calls else None
         row["tool_call_warning"] = None if calls is None else calls.warning
     return row

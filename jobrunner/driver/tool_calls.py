@@ -180,3 +180,24 @@ def parse_forced_call(text: str) -> ToolCallParse:
     if problem:
         return ToolCallParse(text, [], f"forced tool call {problem}; the reply is kept as text")
     return ToolCallParse(None, [call])
+
+
+def given_tool_calls(given: Any, text: str | None) -> ToolCallParse:
+    """The calls an endpoint returned itself (engine.backend openai: OpenAI's message.tool_calls) as a parse:
+    the reply's text is its content; each call's id is the endpoint's own."""
+    calls = [{"name": str((c.get("function") or {}).get("name") or ""),
+              "arguments": _arguments_text((c.get("function") or {}).get("arguments"))}
+             for c in given or () if isinstance(c, dict)]
+    return ToolCallParse(content=text or None, calls=calls)
+
+
+def endpoint_tool_calls(given: Any) -> list[dict[str, Any]]:
+    """An endpoint's calls in the output column's shape (id, type, function {name, arguments as JSON text})."""
+    return [{"id": str(c.get("id") or ""), "type": str(c.get("type") or "function"),
+             "function": {"name": str((c.get("function") or {}).get("name") or ""),
+                          "arguments": _arguments_text((c.get("function") or {}).get("arguments"))}}
+            for c in given or () if isinstance(c, dict)]
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {})

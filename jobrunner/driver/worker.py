@@ -47,6 +47,7 @@ from jobrunner.driver.rows import (
 from jobrunner.driver.shards import Shard
 from jobrunner.driver.suspects import SUSPECTS_AFTER_S, in_flight
 from jobrunner.driver.tool_calls import choose_tool_parser
+from jobrunner.engine.contract import EngineStopped
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
 from jobrunner.io.parts import write_attempt_part
 from jobrunner.io.reader import ROW_INDEX
@@ -221,6 +222,8 @@ class ShardRunner:
 
     def _enqueue(self, state: _ShardState) -> None:
         with self._cond:
+            if isinstance(self._broken, EngineStopped):
+                raise self._broken  # a limit the user set: the driver ends the run, resumable
             if self._broken is not None:
                 raise EngineFailed(f"worker {self.worker_id}: engine failed earlier: {self._broken}")
             if state.is_complete:
@@ -316,6 +319,9 @@ class ShardRunner:
             self._add(state, req)
         try:
             outputs = self._engine_call("step", self.engine.step)
+        except EngineStopped as exc:  # a limit the user set (cost.max_usd): its shards go back uncharged
+            self._stop_all(exc)
+            return False
         except Exception as exc:  # noqa: BLE001 - isolated in-process (driver/isolation.py)
             self._on_engine_failure(f"{type(exc).__name__}: {exc}")
             return True
@@ -486,6 +492,18 @@ class ShardRunner:
 
     def _num_tokens(self) -> int:
         return int(self._stats.get("num_prefill_tokens") or 0) + int(self._stats.get("num_decode_tokens") or 0)
+
+    def _stop_all(self, exc: EngineStopped) -> None:
+        """The engine takes no more requests (a limit the user set): every shard still generating ends with
+        `exc` (no part written), which the driver reads as the end of the run, resumable."""
+        with self._cond:
+            self._broken = exc
+            for state in self._active.values():
+                if state.phase == "generating" and not state.done.is_set():
+                    state.error = exc
+                    state.done.set()
+            self._queue.clear()
+            self._by_request.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
         """The engine is beyond in-process repair: fail every shard that was generating; the driver replaces

@@ -57,6 +57,7 @@ class EndpointConfig:
     max_usd: float | None = None  # this worker's share of cost.max_usd
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
+    window_s: float = 60.0  # the budgets' window: providers count per minute (tests shorten it)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class EndpointEngine:
         self.model_info = {"backend": "openai", "endpoint_model": config.model, **(model_info or {})}
         self.device = "endpoint"
         self._stats = EndpointStats(cost_usd=spent_usd)
-        self._limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute)
+        self._limiter = RateLimiter(config.requests_per_minute, config.tokens_per_minute, config.window_s)
         self._cond = threading.Condition()
         self._fresh: list[_Call] = []  # FIFO (index 0 first)
         self._retries: list[tuple[float, int, _Call]] = []  # heap: (ready time, order, call)
@@ -224,7 +225,7 @@ class EndpointEngine:
                     return
                 call, wait_s = self._next_call(time.monotonic())
                 if call is None:
-                    self._cond.wait(timeout=1.0 if wait_s is None else max(0.001, wait_s))
+                    self._cond.wait(timeout=1.0 if wait_s is None else min(1.0, max(0.001, wait_s)))
                     continue
                 self._in_flight += 1
                 self._in_flight_cost += call.cost_estimate
@@ -285,6 +286,7 @@ class EndpointEngine:
         except Exception as exc:  # noqa: BLE001 - anything else of this one call: that row's error, no thread lost
             reply, problem = None, ("error", f"{type(exc).__name__}: {exc}")
         with self._cond:
+            self._limiter.answered(call.grant, time.monotonic())
             self._in_flight -= 1
             self._in_flight_cost -= call.cost_estimate
             self._stats.num_sends += 1

@@ -1,12 +1,13 @@
 """Requests-per-minute and tokens-per-minute budgets over a sliding window.
 
-Every send is written in a log (its time and its tokens) that keeps the last `window_s` seconds. A send may go
-when the log's requests + 1 stay within the requests budget and its tokens + the send's estimate within the
-tokens budget: so no window of `window_s` seconds anywhere in the run ever holds more than the budgets, which
-is how a provider counts. Held to that alone, a run would send a whole minute's budget at its first instant
-and then wait; so the same rule also holds over a short window (`window_s / spread`, with the budgets divided
-by `spread`), which spreads the sends over the minute. A send that alone is larger than the short window's
-token share may go when that window is empty (it would never fit otherwise).
+Every send is written in a log (its time and its tokens). A send may go when the log's requests + 1 stay
+within the requests budget and its tokens + the send's estimate within the tokens budget, counting every send
+whose answer came less than `window_s` seconds ago, and every send still without an answer: the server saw it
+between the send and the answer, so no window of `window_s` seconds as the server counts ever holds more than
+the budgets. Held to that alone, a run would send a whole minute's budget at its first instant and then wait;
+so a second rule spreads the sends: over a short window (`window_s / spread`, counted from the sends) the
+budgets divided by `spread` (rounded up). A send that alone is larger than the short window's token share may
+go when that window is empty (it would never fit otherwise).
 
 A 429 gives its entry back (the server says it did not take the request); the usage the server reports
 replaces the estimate, so later sends see the tokens really spent.
@@ -29,35 +30,40 @@ class Grant:
     time: float
     tokens: float
     live: bool = True  # False once given back (a 429)
+    answered: float | None = None  # when its answer (or failure) came; None while in flight
 
 
 class _Window:
     """The sends of the last `length_s` seconds, and the budgets they must stay within."""
 
-    def __init__(self, length_s: float, max_requests: float | None, max_tokens: float | None) -> None:
+    def __init__(self, length_s: float, max_requests: float | None, max_tokens: float | None,
+                 from_answers: bool) -> None:
         self.length_s, self.max_requests, self.max_tokens = length_s, max_requests, max_tokens
+        self.from_answers = from_answers  # a send counts until its answer is length_s old (else its send)
         self.log: deque[Grant] = deque()
 
-    def prune(self, now: float) -> None:
-        while self.log and (self.log[0].time <= now - self.length_s or not self.log[0].live):
-            self.log.popleft()
+    def _since(self, grant: Grant) -> float:
+        if not self.from_answers:
+            return grant.time
+        return grant.answered if grant.answered is not None else float("inf")
 
     def wait_s(self, tokens: float, now: float, alone_may_pass: bool) -> float:
         """0 when a send of `tokens` fits now, else the seconds until enough of the log has left the window."""
-        self.prune(now)
-        live = [g for g in self.log if g.live]
+        while self.log and (not self.log[0].live or self._since(self.log[0]) <= now - self.length_s):
+            self.log.popleft()
+        live = sorted((g for g in self.log if g.live and self._since(g) > now - self.length_s), key=self._since)
         waits = [0.0]
         if self.max_requests is not None and len(live) + 1 > self.max_requests:
             over = len(live) + 1 - int(self.max_requests)  # this many oldest sends must leave first
-            waits.append(live[over - 1].time + self.length_s - now)
+            waits.append(self._since(live[over - 1]) + self.length_s - now)
         if self.max_tokens is not None and live:
             used = sum(g.tokens for g in live)
-            if used + tokens > self.max_tokens and not (alone_may_pass and tokens > self.max_tokens):
+            if used + tokens > self.max_tokens:
                 for grant in live:  # oldest first: after it leaves, is there room?
                     used -= grant.tokens
                     if used + tokens <= self.max_tokens or (alone_may_pass and used <= 0):
                         break
-                waits.append(grant.time + self.length_s - now)
+                waits.append(self._since(grant) + self.length_s - now)
         return max(waits)
 
 
@@ -67,10 +73,10 @@ class RateLimiter:
     def __init__(self, requests_per_minute: float | None, tokens_per_minute: float | None,
                  window_s: float = WINDOW_S, spread: int = SPREAD) -> None:
         self.requests_per_minute, self.tokens_per_minute = requests_per_minute, tokens_per_minute
-        short = (None if requests_per_minute is None else max(1.0, math.floor(requests_per_minute / spread)),
+        short = (None if requests_per_minute is None else math.ceil(requests_per_minute / spread),
                  None if tokens_per_minute is None else tokens_per_minute / spread)
-        self._windows = [(_Window(window_s, requests_per_minute, tokens_per_minute), False),
-                         (_Window(window_s / spread, *short), True)]
+        self._windows = [(_Window(window_s, requests_per_minute, tokens_per_minute, True), False),
+                         (_Window(window_s / spread, *short, False), True)]
 
     def never_fits(self, tokens: float) -> str | None:
         """Why a send of `tokens` can never go (more than a whole minute's tokens), or None."""
@@ -89,6 +95,10 @@ class RateLimiter:
         for window, _ in self._windows:
             window.log.append(grant)
         return grant
+
+    def answered(self, grant: Grant, now: float) -> None:
+        """The send's answer (or its failure) came now: the server saw it by then."""
+        grant.answered = now
 
     def give_back(self, grant: Grant) -> None:
         """The server did not take the request (429): it no longer counts."""
