@@ -311,6 +311,10 @@ class WorkerPool:
                                f"{MIN_SILENCE_S:g}))", False))
             elif w.stalled_s > limit:
                 what = w.stall or f"no token produced and no row finished for {w.stalled_s:.0f} s"
+                frozen = w.group.frozen_rank(what) if w.group is not None and w.group.followers else None
+                if frozen is not None:  # rank 0 waits on a rank that does not answer: not the rows' hang
+                    out.append((w, frozen.error, False))
+                    continue
                 out.append((w, f"{what}; cluster.progress_timeout_s={limit:g}", True))
         return out
 

@@ -47,6 +47,7 @@ from jobrunner.spec import JobSpec
 
 RANK_CONCURRENCY = 3  # serve (the whole life) + loaded + ping
 LOST_RANK_WAIT_S = 5.0  # how long an engine failure waits for Ray to report which rank died
+FROZEN_WAIT_S = 5.0  # how long a follower may take to answer a ping while rank 0's engine call hangs
 
 
 def bundle_of_rank(spec: JobSpec) -> dict[str, float]:
@@ -234,6 +235,19 @@ class RankGroup:
         verb = "failed" if crash is not None else "lost"
         who = f"rank {rank} of {len(self.followers) + 1} {verb} ({where(self.known.get(rank, {}))})"
         return RankEnd(redact_text(f"{who}: {what}"), crash)
+
+    def frozen_rank(self, stall: str, wait_s: float = FROZEN_WAIT_S) -> RankEnd | None:
+        """Rank 0's engine call hangs (``stall``): the first follower that does not answer a ping within
+        ``wait_s`` (stopped, or its node unreachable: rank 0 waits on it in a collective), or None."""
+        pings = {f.ping.remote(): rank for rank, f in enumerate(self.followers, start=1)}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=wait_s)
+        silent = sorted(rank for ref, rank in pings.items() if ref not in done)
+        if not silent:
+            return None
+        rank = silent[0]
+        return RankEnd(redact_text(f"rank {rank} of {len(self.followers) + 1} lost ({where(self.known.get(rank, {}))}"
+                                   f"): it does not answer within {wait_s:g} s (stopped, or its node unreachable) "
+                                   f"while rank 0 waits: {stall}"))
 
     def kill(self) -> None:
         """Kill every rank's actor and remove the placement group (already-dead actors included)."""

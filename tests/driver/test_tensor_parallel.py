@@ -124,3 +124,39 @@ def test_a_group_the_cluster_cannot_place_ends_the_job_naming_it(local_ray, tiny
     assert result.error.startswith("no worker started within cluster.worker_start_timeout_s=1s: the cluster could "
                                    'not give a placement group (STRICT_PACK: one node) of 2 x {"CPU": 2.0} x 1 ('), \
         result.error
+
+
+@pytest.mark.heavy  # ~40 s: a stopped rank is found by the progress deadline, then the group restarts
+def test_a_stopped_follower_rank_is_a_lost_rank_not_a_hang_of_the_rows(local_ray, tiny_llama_hf_dir, tmp_path):
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
+    data["sampling"]["max_tokens"] = MAX_TOKENS * 3
+    data["cluster"]["progress_timeout_s"] = 4.0
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
+    thread.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and thread.is_alive():
+        leader, follower = _actor(":w0"), _actor(":w0:rank1")
+        if leader is not None and follower is not None and _rows_done(leader) >= 1:
+            break
+        time.sleep(0.1)
+    assert thread.is_alive(), "the job finished before a rank could be stopped"
+    pid = ray.get(follower.ping.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread.join(300)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)  # the group's removal killed it already, unless the test failed
+        except ProcessLookupError:
+            pass
+    result = box["result"]
+    assert result.ok, result.summary()
+    assert sorted(_texts(tmp_path / "out")) == ids
+    manifest = read_manifest_file(tmp_path / "out")
+    lost = manifest["workers"]["w0"]["lost"]
+    assert lost.startswith("rank 1 of 2 lost (node ") and f"pid {pid}): it does not answer" in lost, lost
+    # a lost rank, not a hang of the rows: nothing was cut around suspects or charged
+    shards = manifest["shards"].values()
+    assert all(e["failures"] == 0 and "isolation" not in e for e in shards)
+    assert any(e["infra_failures"] == 1 for e in shards)
