@@ -162,7 +162,9 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     from jobrunner.io.reader import InputError
     from jobrunner.io.storage import StorageError
 
-    spec = _load(job_file, overrides, limit)
+    spec = pipeline = _load(job_file, overrides, limit)
+    if pipeline.stages:  # the first stage reads the input as a job does (cli/validate_stages.py: the rest)
+        spec = pipeline.stage_specs()[0]
     model = _check_model(spec)
     started = time.perf_counter()
     try:
@@ -189,6 +191,13 @@ def validate(job_file: str, overrides: tuple[str, ...], limit: int | None, check
     for line in lines:
         echo(line)
     echo(f"output {spec.output.url} (mode {spec.output.mode}): {output_state}")
+    if pipeline.stages:
+        from jobrunner.cli.validate_stages import stage_lines
+
+        lines, refused_stages = stage_lines(pipeline, plan, _check_model)
+        for line in lines:
+            echo(line)
+        refused = refused or refused_stages
     if refused:
         raise _error(refused)
 

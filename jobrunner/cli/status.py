@@ -27,12 +27,46 @@ def status(output_url: str, storage_options: dict | None, as_json: bool) -> None
     from jobrunner.reports.status import job_status
 
     output_url, storage_options = output_of(output_url, storage_options)
+    if _pipeline_status(output_url, storage_options, as_json):
+        return
     try:
         state = read_output_state(output_url, storage_options)
     except (ReportInputError, OSError) as exc:
         raise click.ClickException(str(exc) if output_url in str(exc) else f"{output_url}: {exc}") from None
     report = job_status(state)
     echo(json.dumps(report, default=str) if as_json else render_status(report))
+
+
+def _pipeline_status(url: str, storage_options: dict | None, as_json: bool) -> bool:
+    """A pipeline's output (`_pipeline.json`): each stage's status, under its name, and the funnel so far;
+    False for a job's output."""
+    from jobrunner.driver.pipeline import funnel_lines
+    from jobrunner.io.report_reader import ReportInputError, read_output_state
+    from jobrunner.io.stage_input import pipeline_funnel, read_pipeline
+    from jobrunner.io.storage import Storage
+    from jobrunner.reports.status import job_status
+
+    root = Storage(url, storage_options)
+    record = read_pipeline(root)
+    if record is None:
+        return False
+    stages, texts = [], []
+    for stage in record.get("stages", []):
+        try:
+            report = job_status(read_output_state(f"{url.rstrip('/')}/{stage['url']}", storage_options))
+            texts.append(f"[stage {stage['name']}]\n{render_status(report)}")
+        except (ReportInputError, OSError) as exc:
+            report = None
+            texts.append(f"[stage {stage['name']}]\nnot started: {exc}")
+        stages.append({"name": stage["name"], "status": report})
+    funnel = pipeline_funnel(root, [s["name"] for s in record.get("stages", [])])
+    state = "complete (_SUCCESS written)" if root.exists("_SUCCESS") else "not complete"
+    if as_json:
+        echo(json.dumps({"pipeline": record.get("name"), "url": url, "state": state, "stages": stages,
+                         "funnel": funnel}, default=str))
+    else:
+        echo("\n\n".join([f"pipeline {record.get('name')} at {url}: {state}", *texts, *funnel_lines(funnel)]))
+    return True
 
 
 def render_status(s: dict[str, Any]) -> str:

@@ -29,10 +29,12 @@ from jobrunner.driver.session import ray_session
 from jobrunner.driver.stage_feed import StageFeed, StageHooks
 from jobrunner.io.layout import PARTS_DIR, REPORT_DIR, SUCCESS, TEMP_DIR
 from jobrunner.io.manifest import clear_success, mark_success
+from jobrunner.io.reader import InputError
 from jobrunner.io.stage_input import PIPELINE_FILE, final_key, pipeline_funnel
 from jobrunner.io.storage import Storage
+from jobrunner.io.text_input import list_input
 from jobrunner.pipeline.expr import parse_filter
-from jobrunner.pipeline.handoff import Handoff, NextRequest, parse_output_column
+from jobrunner.pipeline.handoff import CONVERSATION, METRIC_COLUMNS, Handoff, NextRequest, parse_output_column
 from jobrunner.pipeline.stage_specs import STAGES_DIR
 from jobrunner.pipeline.template import parse_template
 from jobrunner.redaction import redacting_logger, remember_secrets
@@ -116,6 +118,11 @@ def run_pipeline(spec: JobSpec, address: str | None = None, show_progress: bool 
     spec = with_absolute_output(spec)
     stage_specs = spec.stage_specs()
     rules = handoffs(spec, stage_specs)
+    first = stage_specs[0].input
+    files = list_input(first.url, first.storage_options, first.format)
+    problems = column_problems(spec, stage_specs, {c for f in files for c in f.column_types})
+    if problems:  # a column no row can hold: every row would be an error row (validate says the same)
+        raise InputError(f"{len(problems)} template / filter column(s) never exist upstream: " + "; ".join(problems))
     root = Storage(spec.output.url, spec.output.storage_options)
     _prepare_root(spec, root, stage_specs)
     stop = threading.Event()
@@ -215,3 +222,42 @@ def _write_record(root: Storage, spec: JobSpec, stage_specs: list[JobSpec], resu
     if result is not None:
         record.update(finished=result.ok, funnel=result.funnel, errors=result.errors)
     root.write_atomic(PIPELINE_FILE, json.dumps(record, indent=1).encode())
+
+
+def column_problems(spec: JobSpec, stage_specs: list[JobSpec], input_columns: set[str]) -> list[str]:
+    """Template and filter columns that no row of the stage before can ever hold (the schema: the job's input
+    columns, each stage's output columns, output_columns, the carried columns and their renames), naming the
+    stage, the field and the column."""
+    rules = handoffs(spec, stage_specs)
+    problems: list[str] = []
+    available = set(input_columns) | set(job_output_schema(stage_specs[0]).names)
+    for i, stage in enumerate(spec.stages):
+        if i:
+            problems += _missing(i, stage, spec.stages[i - 1].name, _template_fields(stage), available)
+            carried = {rules[i - 1].carried_name(c) for c in available if c not in METRIC_COLUMNS and c != "id"}
+            available = carried | {"id", CONVERSATION} | set(job_output_schema(stage_specs[i]).names)
+        if stage.output_columns:
+            available |= set(stage.output_columns) | {"json_valid"}
+        if stage.filter is not None:
+            columns = parse_filter(stage.filter).columns
+            problems += _missing(i, stage, stage.name, {"filter": columns}, available, own=True)
+    return problems
+
+
+def _template_fields(stage: StageSpec) -> dict[str, tuple[str, ...]]:
+    inp = stage.input
+    fields = {f"input.messages[{j}].content": parse_template(m["content"]).columns for j, m in
+              enumerate(inp.messages or [])}
+    for name in ("prompt", "completion"):
+        if getattr(inp, name) is not None:
+            fields[f"input.{name}"] = parse_template(getattr(inp, name)).columns
+    return fields
+
+
+def _missing(index: int, stage: StageSpec, source: str, fields: dict[str, tuple[str, ...]], available: set[str],
+             own: bool = False) -> list[str]:
+    whose = f"stage {source}'s own rows" if own else f"the rows of stage {source}"
+    shown = ", ".join(sorted(c for c in available if c not in METRIC_COLUMNS)[:40])
+    return [f"stages[{index}] ({stage.name}): {field}: column {column!r} never exists in {whose} "
+            f"(they have: {shown})" for field, columns in fields.items() for column in columns
+            if column not in available]

@@ -187,3 +187,8 @@ def _check_reports(out: Path, funnel: dict[str, dict[str, int]]) -> None:
     assert report["total_usd"] == pytest.approx(sum(s["report"]["cost"]["total_usd"] for s in report["stages"]))
     html = runner.invoke(main, ["report", str(out), "--format", "html"]).output
     assert "<h2>Funnel</h2>" in html and 'aria-label="pipeline funnel"' in html and "$ / M kept rows" in html
+    status = runner.invoke(main, ["status", str(out)])
+    assert status.exit_code == 0 and "complete (_SUCCESS written)" in status.output, status.output
+    assert all(f"[stage {name}]" in status.output for name in funnel) and "funnel: generate 64 in" in status.output
+    state = json.loads(runner.invoke(main, ["status", str(out), "--json"]).output)
+    assert [s["status"]["state"] for s in state["stages"]] == ["complete"] * 3
