@@ -145,9 +145,9 @@ class RowGroupCache:
             return value
 
 
-def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: int, columns: list[str],
+def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: int, columns: list[str] | None,
                cache: RowGroupCache, stats: ReadStats | None = None, seen: dict[str, Any] | None = None) -> pa.Table:
-    """Rows [row_start, row_end) of one Parquet file, only `columns` (see the module docstring). `seen` gets
+    """Rows [row_start, row_end) of one Parquet file, only `columns` (None: all; see the module docstring). `seen` gets
     the size and stamps (etag / version id / mtime) of the version read, for the pin check."""
     with open_file() as raw:
         f = CountingFile(raw, stats)
@@ -162,12 +162,13 @@ def read_range(open_file: Callable[[], Any], url: str, row_start: int, row_end: 
         groups, first = groups_for(meta, row_start, row_end)
         parquet = pq.ParquetFile(f, metadata=meta, pre_buffer=False)
         if len(groups) == 1 and _is_split(meta, groups[0], first, row_start, row_end):
-            key = (*version, groups[0], tuple(columns))
+            key = (*version, groups[0], None if columns is None else tuple(columns))
             table = cache.group(key, lambda: parquet.read_row_group(groups[0], columns=columns))
         elif groups:
             table = parquet.read_row_groups(groups, columns=columns)
         else:
-            table = parquet.schema_arrow.empty_table().select(columns)
+            empty = parquet.schema_arrow.empty_table()
+            table = empty if columns is None else empty.select(columns)
     return table.slice(row_start - first, row_end - row_start)
 
 
