@@ -192,3 +192,34 @@ def _check_reports(out: Path, funnel: dict[str, dict[str, int]]) -> None:
     assert all(f"[stage {name}]" in status.output for name in funnel) and "funnel: generate 64 in" in status.output
     state = json.loads(runner.invoke(main, ["status", str(out), "--json"]).output)
     assert [s["status"]["state"] for s in state["stages"]] == ["complete"] * 3
+
+
+@pytest.mark.heavy  # ~12 s quiet, ~25 s loaded: two workers load the model; the fake-engine test above is the default
+def test_two_stages_on_our_engine_with_a_tiny_model(local_ray, tmp_path, tiny_llama_hf_dir):
+    """generate -> judge, both our engine on a tiny random Llama (each stage its own worker): the judge's prompts
+    are built from the generator's committed rows, and every id comes out of both stages and the pipeline."""
+    ids = [f"r{i}" for i in range(8)]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"Say {i} things." for i in range(8)]}), tmp_path / "in.parquet")
+    data = {"name": "tiny", "model": {"source": str(tiny_llama_hf_dir), "dtype": "float32"},
+            "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt", "id_column": "id",
+                      "rows_per_shard": 4},
+            "sampling": {"max_tokens": 4, "temperature": 0.0}, "engine": {"max_num_seqs": 8, "num_kv_blocks": 64},
+            "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5},
+            "output": {"url": str(tmp_path / "out"), "mode": "overwrite"},
+            "stages": [{"name": "generate"},
+                       {"name": "judge", "sampling": {"max_tokens": 3},
+                        "input": {"prompt": "Rate the answer 1-10.\nQ: {prompt}\nA: {generated_text}\nScore:"},
+                        "filter": "finish_reason in ['length', 'stop'] and num_output_tokens <= 3"}]}
+    result = run_pipeline(spec_from_dict(data), show_progress=False)
+    assert result.ok, result.summary()
+    out = tmp_path / "out"
+    generated = {r["id"]: r for r in pq.read_table(out / "stages/generate/parts").to_pylist()}
+    prompts = {r["id"]: r["_stage_prompt"] for r in pq.read_table(out / "stages/judge/_input").to_pylist()}
+    assert sorted(generated) == ids and sorted(prompts) == ids
+    for rid, row in generated.items():
+        assert row["error"] is None and row["num_output_tokens"] >= 1
+        assert prompts[rid] == f"Rate the answer 1-10.\nQ: {row['prompt']}\nA: {row['generated_text']}\nScore:"
+    judged = pq.read_table(out / "stages/judge/parts").to_pylist()
+    assert sorted(r["id"] for r in judged) == ids and all(r["num_output_tokens"] <= 3 for r in judged)
+    assert _ids(out / "parts") == ids
+    assert [(f["rows_in"], f["kept"]) for f in result.funnel] == [(8, 8), (8, 8)]
