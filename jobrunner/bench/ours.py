@@ -31,11 +31,12 @@ class EngineOptions:
     max_num_batched_tokens: int = setting_default(EngineConfig, "max_num_batched_tokens")
     speculative: str = setting_default(EngineConfig, "speculative")
     attention_backend: str = setting_default(EngineConfig, "attention_backend")
+    tensor_parallel_size: int = 1  # ranks (ours: local processes, engine/parallel spawn_local; vLLM: its own)
 
     def config(self, prefix_caching: bool) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=prefix_caching, device=self.device, speculative=self.speculative,
-                            attention_backend=self.attention_backend)
+                            attention_backend=self.attention_backend, tensor_parallel_size=self.tensor_parallel_size)
 
 
 def build_engine(options: EngineOptions, prefix_caching: bool):

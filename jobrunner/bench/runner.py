@@ -63,24 +63,29 @@ def _run_vllm(options: BenchOptions, prep: _Prepared, log) -> RunResult:
 
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.vllm_backend.engine import VllmEngine
-    from jobrunner.vllm_backend.mapping import cpu_preload, vllm_problem
+    from jobrunner.vllm_backend.mapping import cpu_bind, cpu_preload, vllm_problem
 
     python = options.vllm_python or ""
     problem = vllm_problem(python)
     if problem:
         raise ValueError(problem)
-    cores = os.cpu_count() or 1
+    e = options.engine
+    cores, world = os.cpu_count() or 1, e.tensor_parallel_size
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
            "OMP_NUM_THREADS": str(cores), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if world > 1:  # a process per rank, each bound to its share of the cores, the 4 GiB of KV split over them
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_bind(world, cores), OMP_NUM_THREADS=str(max(1, cores // world)),
+                   VLLM_CPU_KVCACHE_SPACE=str(max(1, 4 // world)))
     preload = cpu_preload(python) if prep.device.type == "cpu" else ""
     if preload:
         env["LD_PRELOAD"] = preload  # tcmalloc + libiomp5, as vLLM's CPU docs ask
     env = {k: v for k, v in env.items() if k not in os.environ}
-    e = options.engine
     args = {"model": str(resolve_model_dir(e.model)), "dtype": prep.model_info.get("dtype", "float32"), "seed": 0,
             "enforce_eager": options.vllm_eager, "max_num_seqs": e.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens, "enable_prefix_caching": options.prefix_caching,
             "max_model_len": prep.max_model_len}
+    if world > 1:
+        args.update(tensor_parallel_size=world, distributed_executor_backend="mp")
     log(f"vllm: starting vLLM at {python} ({'eager' if options.vllm_eager else 'compiling: 1-2 minutes on CPU'})")
     started = time.perf_counter()
     engine = VllmEngine(python, args, None, {"dtype": args["dtype"]}, env=env)

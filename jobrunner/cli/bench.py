@@ -62,6 +62,9 @@ def _engine_option(flag: str, name: str, **kwargs):
 @_engine_option("--device", "device", help="auto, cpu, cuda, cuda:1, ...")
 @_engine_option("--max-num-seqs", "max_num_seqs")
 @_engine_option("--max-num-batched-tokens", "max_num_batched_tokens")
+@_engine_option("--tensor-parallel-size", "tensor_parallel_size",
+                help="Ranks the model is split across, for both engines (ours: local processes, one core group "
+                     "each; vLLM: its own); the model's heads must divide.")
 @_engine_option("--speculative", "speculative",
                 help="Our engine's speculative decoding: off, ngram, auto (n-gram drafts only where it measures a "
                      "gain) or a draft model source (same tokenizer as --model).")
@@ -112,7 +115,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
           compare_prefix_caching: bool, baseline: str, engines: str, vllm_python: str | None, vllm_eager: bool,
           baseline_batch_size: int | None, raw_prompts: bool,
           model: str, dtype: str, quantization: str, device: str, max_num_seqs: int,
-          max_num_batched_tokens: int, speculative: str, attention_backend: str, quant_schemes: str | None,
+          max_num_batched_tokens: int, tensor_parallel_size: int, speculative: str, attention_backend: str,
+          quant_schemes: str | None,
           quality_texts: str | None, num_texts: int | None, batch_sizes: str, capabilities: str | None,
           quant_kernels: bool, gemm_paths: bool, kv_context: int | None, lora_steps: bool, profile: bool,
           worker_hour_usd: float | None, as_json: bool, calibrate_dtype: bool) -> None:
@@ -156,7 +160,8 @@ def bench(prompts_path: str | None, num_prompts: int, max_tokens: int, ignore_eo
         raise click.ClickException(str(exc)) from None
     engine = EngineOptions(model=model, dtype=dtype, quantization=quantization, device=device,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           speculative=speculative, attention_backend=attention_backend)
+                           speculative=speculative, attention_backend=attention_backend,
+                           tensor_parallel_size=tensor_parallel_size)
     texts = _quality_texts(quality_texts, num_texts)
     if capabilities is not None:
         _quant_dispatch(engine, rows, quant_schemes or "none,int8,int4", capabilities, batch_sizes, max_tokens,

@@ -70,3 +70,26 @@ def test_tensor_parallel_2_rows_once_and_equal_to_one_rank(local_ray, tmp_path, 
     model = manifest["model"]
     assert model["backend"] == "vllm" and model["tensor_parallel_size"] == 2 and model["vllm_executor"] == "mp"
     assert len(model["vllm_cpu_bind"].split("|")) == 2  # one core each
+
+
+def test_bench_runs_both_engines_at_tensor_parallel_2(tmp_path, tp_llama_dir):
+    """`jobrunner bench --engine jobrunner,vllm --tensor-parallel-size 2`: ours over two local ranks, vLLM over two
+    processes bound to one core each, on the same token ids."""
+    import json
+
+    from click.testing import CliRunner
+
+    from jobrunner.cli import main
+
+    python = vllm_python_or_skip()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    args = ["bench", "--model", str(tp_llama_dir), "--prompts", str(prompts), "--num-prompts", "4", "--max-tokens",
+            "8", "--ignore-eos", "--raw-prompts", "--dtype", "float32", "--speculative", "off", "--engine",
+            "jobrunner,vllm", "--vllm-python", python, "--vllm-eager", "--tensor-parallel-size", "2", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    ours, theirs = out["ours"], out["baseline"]
+    assert ours["num_prompt_tokens"] == theirs["num_prompt_tokens"] > 0
+    assert ours["num_output_tokens"] == theirs["num_output_tokens"] == 32 and theirs["num_errors"] == 0
