@@ -160,3 +160,11 @@ def test_a_stopped_follower_rank_is_a_lost_rank_not_a_hang_of_the_rows(local_ray
     shards = manifest["shards"].values()
     assert all(e["failures"] == 0 and "isolation" not in e for e in shards)
     assert any(e["infra_failures"] == 1 for e in shards)
+
+
+def test_a_vllm_worker_over_two_ranks_asks_one_bundle_of_the_whole_worker(local_ray, tiny_llama_hf_dir, tmp_path):
+    _, data = _spec(tiny_llama_hf_dir, tmp_path, 4)
+    data["engine"] = {"backend": "vllm", "tensor_parallel_size": 2}
+    data["cluster"].update(num_cpus_per_worker=4, worker_start_timeout_s=1.0)  # one actor: one bundle of 4 CPUs
+    result = run_job(spec_from_dict(data), show_progress=False)
+    assert not result.ok and "a placement group (STRICT_PACK: one node) of 1 x {\"CPU\": 4.0} x 1 (" in result.error
