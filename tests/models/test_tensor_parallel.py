@@ -1,9 +1,9 @@
 """Tensor parallel at world 2 over gloo equals world 1: tiny random Llama (tied; one KV head, replicated on both
-ranks), Qwen2 (q|k|v bias), Mixtral, Qwen2-MoE (shared expert, a dense layer), Gemma 3 and int8, each loaded
-sharded while it streams and run through our engine (chunked prefill, a shared prefix, decode; torch and
-cpu_paged attention): greedy tokens equal, float32 log-softmax of every step's logits within 1e-5, the per-rank
-shapes and parameters as planned, bytes per rank <= whole / world + the replicated parts. One spawned group runs
-every case (spawning costs more than the cases)."""
+ranks), Qwen2 (q|k|v bias), Phi-3 (fused checkpoint tensors), Mixtral, Qwen2-MoE (shared expert, a dense layer),
+Gemma 3 and int8, each loaded sharded while it streams and run through our engine (chunked prefill, a shared
+prefix, decode; torch and cpu_paged attention): greedy tokens equal, float32 log-softmax of every step's logits
+within 1e-5, the per-rank shapes and parameters as planned, bytes per rank <= whole / world + the replicated
+parts. One spawned group runs every case (spawning costs more than the cases)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ MODELS = {
     "llama_tied": lambda: make_hf_model("llama_tied"),
     "qwen2_bias": lambda: make_hf_model("qwen2"),
     "llama_one_kv_head": lambda: make_hf_model("llama", num_key_value_heads=1),  # replicated on both ranks
+    "phi3_fused": lambda: make_hf_model("phi3"),  # its checkpoint's q|k|v and gate|up come fused
     "mixtral": lambda: make_hf_moe("mixtral"),
     "qwen2_moe": lambda: make_hf_moe("qwen2_moe"),
     "gemma3": make_gemma3,
@@ -85,6 +86,7 @@ def test_world_2_equals_world_1(runs, name):
     for rank in ranks:
         assert rank["tokens"] == whole["tokens"]  # greedy: argmax equal at every step
         diff = max_logprob_diff(whole["logits"], rank["logits"])
+        print(f"{name}: max |logprob diff| {diff:.2e} over {len(whole['logits'])} steps")
         assert diff <= TOLERANCE, f"{name}: max |logprob diff| {diff:.2e}"
     assert len(whole["tokens"]) == len(PROMPTS) and all(len(t) == 6 for t in whole["tokens"])
 

@@ -108,3 +108,17 @@ def test_lora_adapters_are_refused(qwen2, tmp_path):
     write_random_adapter(tmp_path / "a", load(config, path, None), 4, 0)
     with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor_parallel_size 2"):
         load_adapters(load(config, path, 0), {"a": (str(tmp_path / "a"), tmp_path / "a")})
+
+
+def test_phi3_fused_checkpoint_tensors_are_cut_per_part(tmp_path_factory):
+    """Phi-3 stores q|k|v and gate|up fused: each is cut into its parts, then each part to the rank's rows."""
+    config, path = saved(tmp_path_factory, "phi3", make_hf_model("phi3"))
+    whole = load(config, path, None).state_dict()
+    ranks = [load(config, path, r).state_dict() for r in range(2)]
+    name = "layers.1.self_attn.qkv_proj.weight"
+    parts = [r[name].split([32, 16, 16]) for r in ranks]
+    for i in range(3):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[name].split([64, 32, 32])[i])
+    name = "layers.0.mlp.gate_up_proj.weight"
+    for half in range(2):
+        assert torch.equal(torch.cat([r[name].chunk(2)[half] for r in ranks]), whole[name].chunk(2)[half])
