@@ -263,3 +263,28 @@ def test_secret_values_of_a_spec():
     found = secret_values(data, env_values=["JRv1fromEnv", "tiny"])
     assert found == {"JRv1apiKey", "JRv1hubPass", "Server=db;Uid=jr;Pwd=JRv1connPw", "JRv1connPw",
                      "jr:JRv1urlPw9", "JRv1urlPw9", "use Bearer JRv1bearerTok", "JRv1bearerTok", "JRv1fromEnv"}
+
+
+def test_an_endpoint_api_key_is_cut_by_value_from_an_answer_that_quotes_it(tmp_path, monkeypatch):
+    """engine.backend openai: the key from ${env:NAME} (any shape, here a plain word) is known once the spec is
+    loaded and once a worker builds its engine, so a server's 401 that quotes it never shows it."""
+    import yaml
+
+    from jobrunner.endpoint_backend.build import build_endpoint_engine
+    from jobrunner.spec import load_spec
+
+    monkeypatch.setenv("JR_ENDPOINT_KEY", "plainendpointkeyword")
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "name": "e", "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "p"},
+        "output": {"url": str(tmp_path / "out")}, "model": {"source": str(tmp_path / "no-tokenizer-here")},
+        "engine": {"backend": "openai", "endpoint": {"base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                                     "api_key": "${env:JR_ENDPOINT_KEY}"}}}))
+    spec = load_spec(spec_file)
+    assert spec.redacted()["engine"]["endpoint"]["api_key"] == "***"
+    answer = "HTTP 401: Incorrect API key provided: plainendpointkeyword. You can find your key at ..."
+    assert redact_text(answer) == "HTTP 401: Incorrect API key provided: ***. You can find your key at ..."
+    monkeypatch.setenv("OPENAI_API_KEY", "otherplainkeyfromenv")  # a worker's own $OPENAI_API_KEY
+    build_endpoint_engine(spec.model_copy(update={"engine": spec.engine.model_copy(update={
+        "endpoint": spec.engine.endpoint.model_copy(update={"api_key": None})})})).close()
+    assert redact_text("refused otherplainkeyfromenv") == "refused ***"

@@ -101,7 +101,8 @@ def job_output_schema(spec: JobSpec) -> pa.Schema:
     result columns, ``adapter`` where rows name an adapter, ``dedupe_of`` / ``output_fingerprint`` with
     output.dedupe prompts / outputs)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
-                         output_task(spec), has_adapters(spec), spec.output.dedupe)
+                         output_task(spec), has_adapters(spec), spec.output.dedupe,
+                         retries=spec.engine.backend == "openai")
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -423,6 +424,8 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
     if has_reasoning(spec):
         row["reasoning"] = None if split is None else split.reasoning
         row["num_reasoning_tokens"] = None if split is None else split.num_reasoning_tokens
+    if spec.engine.backend == "openai":
+        row["num_retries"] = getattr(out, "num_retries", None)
     if has_tools(spec):
         row["tool_calls"] = (endpoint_tool_calls(given) if given is not None else
                              openai_tool_calls(calls.calls, req.row_id, row["sample_index"])) \

@@ -365,6 +365,8 @@ class EndpointEngine:
             choice, tokens = by_index[index]
             metrics.num_output_tokens = tokens
             self._done.append(_sample_output(call.request_id, choice, metrics, call.n))
+        for out in self._done[-call.n:]:
+            out.num_retries = call.attempts - 1
 
     def _count_text(self, text: str) -> int:
         if self.tokenizer is not None:
@@ -381,6 +383,7 @@ class EndpointEngine:
             metrics = RequestMetrics(arrival_time=call.arrival, first_scheduled_time=call.first_sent,
                                      finish_time=now)
             self._done.append(_error_output(call.request_id, f"endpoint: {error}", metrics, index, call.n))
+            self._done[-1].num_retries = call.attempts - 1
 
 
 def _split(total: int, weights: list[int]) -> list[int]:

@@ -9,7 +9,15 @@ from jobrunner.prefix_view import ideal_over_covered
 from jobrunner.redaction import redact, redact_counts
 from jobrunner.reports import manifest_view as mv
 from jobrunner.reports.accumulators import OTHER_KINDS
-from jobrunner.reports.cost import cost_figures, goodput_cost, per_million, ratio, startup_cost, steady_state_cost
+from jobrunner.reports.cost import (
+    cost_figures,
+    goodput_cost,
+    per_million,
+    ratio,
+    startup_cost,
+    steady_state_cost,
+    token_priced_cost,
+)
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 from jobrunner.startup_view import describe_stages, last_startup
 
@@ -37,6 +45,9 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         folded.input_tokens, folded.output_tokens, time["prefill_s"], time["decode_s"],
         prefill_only=task["task"] != "generate")
     cost.update(reasoning_cost(cost, folded.output_tokens, folded.reasoning_tokens))
+    cost["token_priced"] = token_priced_cost(  # an endpoint's price list, beside the worker-hour price
+        folded.input_tokens, folded.output_tokens, mv.number(mv.spec_cost(manifest), "usd_per_m_input"),
+        mv.number(mv.spec_cost(manifest), "usd_per_m_output"), mv.spent_usd(manifest))
     cost["notes"] += run_notes(time["runs"])
     return {
         "report_version": REPORT_VERSION,

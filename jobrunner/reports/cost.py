@@ -109,3 +109,15 @@ def steady_state_cost(worker_seconds: float | None, overhead_s: float, worker_ho
                            prefill_only)
     return {"worker_seconds": busy, "total_usd": figures["total_usd"],
             **{k: figures[k] for k in ("usd_per_m_input", "usd_per_m_output", "usd_per_m_total")}}
+
+
+def token_priced_cost(input_tokens: int, output_tokens: int, usd_per_m_input: float | None,
+                      usd_per_m_output: float | None, spent_usd: float | None = None) -> dict | None:
+    """The cost at per-token prices (an endpoint's price list, `cost.usd_per_m_input` / `usd_per_m_output`):
+    the output's tokens priced, its blended $ / M, and `spent_usd`, what the workers counted at those prices
+    over every request they sent (rows of a run stopped early included). None when no price is set."""
+    if usd_per_m_input is None and usd_per_m_output is None:
+        return None
+    total = (input_tokens * (usd_per_m_input or 0.0) + output_tokens * (usd_per_m_output or 0.0)) / PER_MILLION
+    return {"usd_per_m_input": usd_per_m_input, "usd_per_m_output": usd_per_m_output, "total_usd": total,
+            "usd_per_m_total": per_million(total, input_tokens + output_tokens), "spent_usd": spent_usd}

@@ -78,6 +78,14 @@ def spec_section(manifest: dict | None, name: str) -> dict:
     return section if isinstance(section, dict) else {}
 
 
+def spent_usd(manifest: dict | None) -> float | None:
+    """What the workers counted at the token prices (their `cost_usd`: engine.backend openai), summed; None
+    when no worker counted it."""
+    values = [number(w, "cost_usd") for w in workers(manifest).values()]
+    values = [v for v in values if v is not None]
+    return sum(values) if values else None
+
+
 def spec_cost(manifest: dict | None) -> dict:
     """`spec.cost` of the job spec as recorded in the manifest ({} if absent)."""
     spec = (manifest or {}).get("spec")

@@ -146,6 +146,16 @@ FIGURES: list[Figure] = [
     Figure("cost", "steady state: $ / M tokens (blended)", ("cost", "steady_state", "usd_per_m_total"), fmt_usd),
 ]
 
+# Only when some run has token prices (cost.usd_per_m_input / output: an endpoint's price list).
+TOKEN_PRICE_FIGURES: list[Figure] = [
+    Figure("cost", "token prices: $ / M input tokens", ("cost", "token_priced", "usd_per_m_input"), fmt_usd),
+    Figure("cost", "token prices: $ / M output tokens", ("cost", "token_priced", "usd_per_m_output"), fmt_usd),
+    Figure("cost", "token-priced cost of the output's rows", ("cost", "token_priced", "total_usd"), fmt_usd),
+    Figure("cost", "token-priced $ / M tokens (blended)", ("cost", "token_priced", "usd_per_m_total"), fmt_usd),
+    Figure("cost", "spent at the token prices (every request sent)", ("cost", "token_priced", "spent_usd"),
+           fmt_usd),
+]
+
 GOODPUT_FIGURES: list[Figure] = [
     Figure("goodput", "SLO TTFT", ("goodput", "slo_ttft_s"), fmt_seconds, False),
     Figure("goodput", "SLO end-to-end", ("goodput", "slo_e2e_s"), fmt_seconds, False),
@@ -200,6 +210,8 @@ def figures_for(reports: list[dict]) -> list[Figure]:
     if any((report.get("tokens") or {}).get("reasoning") for report in reports):
         _insert_after_section(figures, "tokens", REASONING_FIGURES[:2])
         _insert_after_section(figures, "cost", REASONING_FIGURES[2:])
+    if any((report.get("cost") or {}).get("token_priced") for report in reports):
+        _insert_after_section(figures, "cost", TOKEN_PRICE_FIGURES)
     return figures + (GOODPUT_FIGURES if has_goodput else [])
 
 

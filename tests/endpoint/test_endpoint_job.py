@@ -12,6 +12,7 @@ import pytest
 
 from jobrunner.driver.job import run_job
 from jobrunner.io.parts import read_output
+from jobrunner.reports.job import load_report
 from jobrunner.spec import load_spec
 from tests.driver.helpers import REPO, read_manifest_file
 from tests.endpoint.proxy import FaultProxy
@@ -55,10 +56,18 @@ def test_spending_cap_stops_resumable_and_the_rerun_finishes(local_ray, vllm_end
     table = read_output(str(out)).to_pylist()
     assert sorted(r["id"] for r in table) == sorted(rows.column("id").to_pylist())
     assert all(r["error"] is None and r["num_prompt_tokens"] > 0 and 0 < r["num_output_tokens"] <= 8 for r in table)
+    retries_at_proxy = sum(r.outcome == "429" for r in proxy.records)
+    assert 0 < sum(r["num_retries"] for r in table) <= retries_at_proxy  # the committed rows' own retries
     assert sent - sent_first == 16 - 4 * len(committed) and sent_first <= 16 // 4 * 4  # in flight, then the rest
     manifest = read_manifest_file(out)
     assert manifest["model"]["backend"] == "openai" and manifest["model"]["endpoint_model"] == "smollm2"
     assert manifest["spec"]["engine"]["endpoint"]["api_key"] == "***"
+    report = load_report(str(out))
+    priced = report["cost"]["token_priced"]
+    tokens = report["tokens"]
+    assert priced["usd_per_m_input"] == 1000 and priced["usd_per_m_output"] == 2000
+    assert priced["total_usd"] == pytest.approx((tokens["input"] * 1000 + tokens["output"] * 2000) / 1e6)
+    assert priced["spent_usd"] >= priced["total_usd"]  # the first run's rows sent but not committed are paid too
     leaks = [str(p) for p in out.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert leaks == []
     assert os.environ["EP_JOB_KEY"] == KEY
