@@ -15,7 +15,10 @@ def stage_lines(spec: Any, plan: Any, check_model: Callable[[Any], str]) -> tupl
     input_columns = {c for f in plan.files for c in f.column_types}
     lines = [f"pipeline: {len(spec.stages)} stage(s), each a job under {spec.output.url.rstrip('/')}/stages/"]
     for i, (stage, stage_spec) in enumerate(zip(spec.stages, stage_specs, strict=True)):
-        model = "as above" if i == 0 else check_model(stage_spec)
+        same = i and stage_spec.model == stage_specs[i - 1].model and \
+            stage_spec.engine.factory == stage_specs[i - 1].engine.factory
+        model = "as above" if i == 0 else (f"the same as stage {spec.stages[i - 1].name}'s (its own workers)"
+                                           if same else check_model(stage_spec))
         reads = "the job's input" if i == 0 else ("a prompt template" if stage.input.prompt is not None else
                                                    f"{len(stage.input.messages)} message(s) appended")
         extra = (f"; output_columns {', '.join(stage.output_columns)}" if stage.output_columns else "") + \

@@ -47,7 +47,7 @@ def load_pipeline_report(url: str, storage_options: dict | None = None, worker_h
         except NothingCommittedYet as exc:
             entry["report"], entry["not_reported"] = None, str(exc)
         stages.append(entry)
-    costs = [(s["report"] or {}).get("cost", {}).get("total_usd") for s in stages]
+    costs = [stage_cost(s["report"]) for s in stages]
     total = sum(c for c in costs if isinstance(c, (int, float)))
     kept = funnel[names[-1]]["kept"] if names else 0
     return {"pipeline": record.get("name"), "url": url, "finished": bool(record.get("finished")),
@@ -56,11 +56,21 @@ def load_pipeline_report(url: str, storage_options: dict | None = None, worker_h
             "usd_per_m_kept_rows": total / kept * 1e6 if kept else None}
 
 
+def stage_cost(report: dict[str, Any] | None) -> float | None:
+    """What a stage cost: its workers at the worker-hour price, plus its tokens at the token prices when the spec
+    has them (an endpoint judge: reports/cost.py token_priced_cost); None without a report."""
+    if report is None:
+        return None
+    cost = report.get("cost") or {}
+    priced = cost.get("token_priced") or {}
+    return float(cost.get("total_usd") or 0.0) + float(priced.get("total_usd") or 0.0)
+
+
 def funnel_table(report: dict[str, Any]) -> list[list[str]]:
     """Rows of the funnel table: a header, then one per stage."""
     rows = [["stage", "task", *[label for _, label in FUNNEL_COLUMNS], "cost"]]
     for stage in report["stages"]:
-        cost = (stage["report"] or {}).get("cost", {}).get("total_usd")
+        cost = stage_cost(stage["report"])
         rows.append([stage["name"], stage["task"], *[str(stage["funnel"][k]) for k, _ in FUNNEL_COLUMNS],
                      fmt_usd(cost)])
     return rows
