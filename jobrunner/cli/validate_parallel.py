@@ -44,12 +44,12 @@ def gpu_fit_line(config: Any, *, world: int, stages: int, dtype: str, quantizati
     = 1,562,500 tokens (11.9 sequences of 131,072): fits`` and whether it fits. ``stages`` pipeline stages
     (vLLM) hold a share of the layers each: the weights and the KV per token are divided by them (the
     embedding and the head sit on the first and last stage: an estimate)."""
-    from jobrunner.cli.validate_fit import DTYPE_BYTES
     from jobrunner.gpus import gpu_memory_bytes
     from jobrunner.models.parallel.plan import model_shape, plan_for_shape, rank_bytes
+    from jobrunner.models.preflight import BYTES_PER_WEIGHT
 
     name = dtype if dtype != "auto" else "bfloat16"
-    width = DTYPE_BYTES[name]
+    width = int(BYTES_PER_WEIGHT[name])
     shape = model_shape(config)
     plan = plan_for_shape(shape, world)
     weights = rank_bytes(config, world, width, quantization)
