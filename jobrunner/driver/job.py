@@ -111,6 +111,7 @@ class _JobLoop:
         self.queue = TaskQueue(fresh=fresh_tasks(self.shards.todo(), self.runs.hand_out, spec.cluster.num_workers,
                                                  plan.prefix is not None and plan.prefix.shares_prefixes))
         self.error: str | None = None
+        self.stopping: str | None = None  # an engine stopped by a limit the user set: no new shard, then the end
         self.book = mf.JobBook(storage, manifest, self.shards)
         self.started_at, self.t0, self.wall_t0 = mf.now_iso(), time.monotonic(), time.time()
         self.run_index = self.book.begin_run(self.started_at)  # for `jobrunner status` while this run goes
@@ -173,6 +174,9 @@ class _JobLoop:
             self._take_fed()
             self.pool.top_up(min(self.spec.cluster.num_workers, len(self.queue) + len(self.pool.task_refs())))
             self._assign()
+            if self.stopping and not self.pool.task_refs():  # the shards still running have ended
+                self.error = self.stopping
+                break
             self.error = self._why_stuck()
             if self.error is not None:
                 log.error("%s", redact_text(self.error))
@@ -269,6 +273,8 @@ class _JobLoop:
 
     # ---- tasks --------------------------------------------------------------------------------------
     def _assign(self) -> None:
+        if self.stopping:
+            return
         for worker in self.pool.workers:
             while worker.is_ready and len(worker.tasks) < SHARDS_PER_WORKER and not _has_alone(worker):
                 task = self.queue.take(worker_is_empty=not worker.tasks, owner=worker.worker_id)
@@ -299,7 +305,7 @@ class _JobLoop:
         except RayTaskError as exc:
             if isinstance(exc.cause, EngineStopped):  # a limit the user set (cost.max_usd): the run ends here
                 self._returned(ref)
-                self.error = self.error or f"{exc.cause}; the run stops, resumable: run it again to go on"
+                self.stopping = self.stopping or f"{exc.cause}; the run stops, resumable: run it again to go on"
                 return
             if isinstance(exc.cause, EngineFailed):  # a tensor-parallel worker's lost rank is not the rows' crash
                 end = self.pool.explain_failure(worker, _short(exc), exc.cause.reason)

@@ -17,7 +17,7 @@ from jobrunner.spec import load_spec
 from tests.driver.helpers import REPO, read_manifest_file
 from tests.endpoint.proxy import FaultProxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(900)]
 KEY = "sk-endpoint-job-key-4b1f9c2e7d0a55aa"
 
 
