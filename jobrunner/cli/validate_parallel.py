@@ -108,9 +108,21 @@ def parallel_section(spec: Any, config: Any, context: int, scheme: str) -> str:
             raise ValueError(f"cluster.gpu {spec.cluster.gpu}: a rank's share does not fit: {line}; quantize it "
                              "(model.quantization), raise engine.tensor_parallel_size, or lower engine.max_model_len")
         lines.append(line + (" (our estimate: vLLM measures its own)" if e.backend == "vllm" else ""))
-    elif gpus > 0:
-        lines.append("bytes per GPU: not checked (set cluster.gpu, e.g. H100)")
+    elif world > 1:  # a CPU worker, or GPUs of no named card: the weights each rank holds
+        lines.append(_rank_weights_line(config, world, spec.model.dtype, scheme) +
+                     ("; bytes per GPU not checked (set cluster.gpu, e.g. H100)" if gpus > 0 else ""))
     return "".join(f"\n  {line}" for line in lines)
+
+
+def _rank_weights_line(config: Any, world: int, dtype: str, scheme: str) -> str:
+    """``weights per rank 0.13 GB (1.2 MB of it replicated; the whole model 0.27 GB)``."""
+    from jobrunner.models.parallel.plan import rank_bytes
+    from jobrunner.models.preflight import BYTES_PER_WEIGHT
+
+    width = int(BYTES_PER_WEIGHT[dtype if dtype != "auto" else "bfloat16"])
+    weights = rank_bytes(config, world, width, scheme)
+    return (f"weights per rank {_size(weights['weights_bytes'])} ({_size(weights['replicated_bytes'])} of it "
+            f"replicated; the whole model {_size(weights['whole_bytes'])})")
 
 
 def vllm_section(spec: Any) -> str:

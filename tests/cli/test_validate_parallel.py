@@ -108,3 +108,18 @@ def test_vllm_pipeline_stages_divide_the_layers(offline_hub, tmp_path):
     assert "tensor parallel 4: per rank 16 of 64 q heads, 2 of 8 KV heads" in lines
     assert "pipeline parallel 2: the layers split over 2 stages (vLLM), 8 GPUs per worker" in lines
     assert "each of 8 GPUs (H100" in lines and "1/2 of the layers" in lines
+
+
+def test_cpu_ranks_and_unnamed_gpus_show_the_weights_per_rank(offline_hub, tmp_path):
+    from jobrunner.cli.validate_parallel import parallel_section
+    from jobrunner.models.preflight import read_config
+
+    config, _ = read_config("meta-llama/Llama-3.3-70B-Instruct")
+    cpu = load_spec(JOB, [f"output.url={tmp_path / 'out'}", "cluster.num_gpus_per_worker=0",
+                          "cluster.num_cpus_per_worker=8"])
+    lines = parallel_section(cpu, config, 16384, "none")
+    assert SPLIT in lines
+    assert "weights per rank 17.64 GB (2.6 MB of it replicated; the whole model 141.11 GB)" in lines
+    unnamed = load_spec(JOB, [f"output.url={tmp_path / 'out'}", "cluster.gpu=null"])
+    assert "; bytes per GPU not checked (set cluster.gpu, e.g. H100)" in parallel_section(unnamed, config, 16384,
+                                                                                          "none")
