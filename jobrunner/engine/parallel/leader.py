@@ -155,8 +155,9 @@ class ParallelEngine:
     # -- beyond the contract -----------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None) -> list[RequestOutput]:
-        """Run prompts to completion over the group; outputs in input order (as ``LLMEngine.generate``)."""
+                 | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion over the group; outputs in input order (as ``LLMEngine.generate``; no
+        progress bar)."""
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         ids = [f"gen-{id(prompts)}-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, params):
@@ -168,8 +169,15 @@ class ParallelEngine:
         order = {request_id: i for i, request_id in enumerate(ids)}
         return [outputs[key] for key in sorted(outputs, key=lambda key: (order[key[0]], key[1]))]
 
+    def prompt_logprobs(self, prompt: Any, adapter: str | None = None) -> list[float]:
+        """Not with tensor parallel: it runs the model on the leader alone, outside a step (use
+        ``SamplingParams(prompt_logprobs=...)``, which every rank runs at the same point)."""
+        raise NotImplementedError("prompt_logprobs() runs the model on one rank; with tensor_parallel_size > 1 ask "
+                                  "for SamplingParams(prompt_logprobs=k) on the request instead")
+
     def __getattr__(self, name: str) -> Any:
-        # read-only views of the leader's engine (config, max_model_len, memory_plan, model, ...)
+        # read-only views of the leader's engine (config, max_model_len, memory_plan, model, runner, ...); what
+        # runs the model goes through step() on every rank, never through these
         if name.startswith("__") or name == "engine":
             raise AttributeError(name)
         return getattr(self.engine, name)
