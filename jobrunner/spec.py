@@ -287,6 +287,8 @@ class EndpointSpec(_Spec):
                              description="Retries of a request answered 429 / 5xx, dropped or timed out; then "
                              "the row is an error row naming the status.")
     timeout_s: float = Field(default=600.0, gt=0.0, description="Most time one request may take.")
+    stream: bool = Field(default=False, description="Stream each answer (server-sent events, the usage asked with "
+                         "stream_options): rows then get their time to first token (ttft_s).")
     tokenizer: str | None = Field(
         default=None, description="A tokenizer to estimate prompt tokens with (a local model directory or "
         "alias already on this machine); unset: model.source's when it is on this machine, else characters / 4.")

@@ -26,7 +26,7 @@ def build_endpoint_engine(spec: Any) -> EndpointEngine:
     config = EndpointConfig(
         base_url=endpoint.base_url, model=endpoint.model, max_concurrency=endpoint.max_concurrency,
         requests_per_minute=endpoint.requests_per_minute, tokens_per_minute=endpoint.tokens_per_minute,
-        max_retries=endpoint.max_retries, timeout_s=endpoint.timeout_s,
+        max_retries=endpoint.max_retries, timeout_s=endpoint.timeout_s, stream=endpoint.stream,
         usd_per_m_input=cost.usd_per_m_input or 0.0, usd_per_m_output=cost.usd_per_m_output or 0.0,
         max_usd=None if cost.max_usd is None else cost.max_usd / spec.cluster.num_workers)
     tokenizer, where = estimate_tokenizer(endpoint.tokenizer or spec.model.source)

@@ -39,6 +39,7 @@ from jobrunner.engine.sampling_params import SamplingParams
 STEP_WAIT_S = 0.05  # how long step() waits for a finished sample when none is ready
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})  # plus every other 5xx
 CHARS_PER_TOKEN = 4  # the estimate without a tokenizer
+NETWORK_MARGIN_S = 1.0  # a request written by then is at the server by then + this (the budgets' window)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class EndpointConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     window_s: float = 60.0  # the budgets' window: providers count per minute (tests shorten it)
+    stream: bool = False  # stream answers: each row's time to first token (needs the usage in the stream)
 
 
 @dataclass
@@ -157,6 +159,8 @@ class EndpointEngine:
         else:
             try:
                 path, body = request_body(self.config.model, prompt, params, chat_template_kwargs)
+                if self.config.stream:
+                    body.update(stream=True, stream_options={"include_usage": True})
                 prompt_tokens = self._estimate_prompt(prompt, chat_template_kwargs)
                 estimate = prompt_tokens + params.max_tokens * params.n
                 error = self._limiter.never_fits(estimate)
@@ -276,7 +280,7 @@ class EndpointEngine:
         call.attempts += 1
         call.first_sent = call.first_sent or time.perf_counter()
         try:
-            reply: Reply | None = self.transport.post(call.path, call.body)
+            reply: Reply | None = self.transport.post(call.path, call.body, lambda: self._sent(call))
             problem = None
         except TimeoutError:
             reply, problem = None, ("timeout", f"no answer within engine.endpoint.timeout_s="
@@ -286,7 +290,7 @@ class EndpointEngine:
         except Exception as exc:  # noqa: BLE001 - anything else of this one call: that row's error, no thread lost
             reply, problem = None, ("error", f"{type(exc).__name__}: {exc}")
         with self._cond:
-            self._limiter.answered(call.grant, time.monotonic())
+            self._limiter.seen_by(call.grant, time.monotonic())  # written or failed: no later than now
             self._in_flight -= 1
             self._in_flight_cost -= call.cost_estimate
             self._stats.num_sends += 1
@@ -295,13 +299,17 @@ class EndpointEngine:
             finally:
                 self._cond.notify_all()
 
+    def _sent(self, call: _Call) -> None:
+        with self._cond:
+            self._limiter.seen_by(call.grant, time.monotonic() + NETWORK_MARGIN_S)
+
     def _settle(self, call: _Call, reply: Reply | None, problem: tuple[str, str] | None) -> None:
         """What one send's answer makes of its call: its samples, a retry, or its error (under the lock)."""
         if reply is not None:
             self._count_status(str(reply.status))
             if reply.status == 200:
                 try:
-                    self._succeed(call, parse_answer(json.loads(reply.body)))
+                    self._succeed(call, parse_answer(json.loads(reply.body)), reply.first_token_time)
                     return
                 except ValueError as exc:
                     problem = ("200", f"HTTP 200 with an answer that cannot be read: {exc}")
@@ -335,7 +343,7 @@ class EndpointEngine:
     def _count_status(self, status: str) -> None:
         self._stats.http_statuses[status] = self._stats.http_statuses.get(status, 0) + 1
 
-    def _succeed(self, call: _Call, answer: Answer) -> None:
+    def _succeed(self, call: _Call, answer: Answer, first_token_time: float | None = None) -> None:
         now = time.perf_counter()
         prompt_tokens = answer.prompt_tokens or 0
         output_tokens = answer.completion_tokens
@@ -355,7 +363,8 @@ class EndpointEngine:
         by_index = {c.index: (c, s) for c, s in zip(answer.choices, shares, strict=True)}
         for index in range(call.n):
             metrics = RequestMetrics(arrival_time=call.arrival, first_scheduled_time=call.first_sent,
-                                     finish_time=now, num_prompt_tokens=prompt_tokens,
+                                     first_token_time=first_token_time, finish_time=now,
+                                     num_prompt_tokens=prompt_tokens,
                                      num_cached_tokens=answer.cached_tokens if index == 0 else 0,
                                      prompt_shared=index > 0)
             if index not in by_index:

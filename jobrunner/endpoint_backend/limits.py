@@ -2,12 +2,12 @@
 
 Every send is written in a log (its time and its tokens). A send may go when the log's requests + 1 stay
 within the requests budget and its tokens + the send's estimate within the tokens budget, counting every send
-whose answer came less than `window_s` seconds ago, and every send still without an answer: the server saw it
-between the send and the answer, so no window of `window_s` seconds as the server counts ever holds more than
-the budgets. Held to that alone, a run would send a whole minute's budget at its first instant and then wait;
-so a second rule spreads the sends: over a short window (`window_s / spread`, counted from the sends) the
-budgets divided by `spread` (rounded up). A send that alone is larger than the short window's token share may
-go when that window is empty (it would never fit otherwise).
+the server has had for less than `window_s` seconds: from when its bytes were written plus a margin for the
+network (`seen_by`; a send not yet written counts until it is), so no window of `window_s` seconds as the
+server counts ever holds more than the budgets. Held to that alone, a run would send a whole minute's budget
+at its first instant and then wait; so a second rule spreads the sends: over a short window (`window_s /
+spread`, counted from the sends) the budgets divided by `spread` (rounded up). A send that alone is larger
+than the short window's token share may go when that window is empty (it would never fit otherwise).
 
 A 429 gives its entry back (the server says it did not take the request); the usage the server reports
 replaces the estimate, so later sends see the tokens really spent.
@@ -30,7 +30,7 @@ class Grant:
     time: float
     tokens: float
     live: bool = True  # False once given back (a 429)
-    answered: float | None = None  # when its answer (or failure) came; None while in flight
+    seen_by: float | None = None  # by when the server has it (written + a margin); None until written
 
 
 class _Window:
@@ -39,13 +39,13 @@ class _Window:
     def __init__(self, length_s: float, max_requests: float | None, max_tokens: float | None,
                  from_answers: bool) -> None:
         self.length_s, self.max_requests, self.max_tokens = length_s, max_requests, max_tokens
-        self.from_answers = from_answers  # a send counts until its answer is length_s old (else its send)
+        self.from_answers = from_answers  # a send counts until length_s after `seen_by` (else its send)
         self.log: deque[Grant] = deque()
 
     def _since(self, grant: Grant) -> float:
         if not self.from_answers:
             return grant.time
-        return grant.answered if grant.answered is not None else float("inf")
+        return grant.seen_by if grant.seen_by is not None else float("inf")
 
     def wait_s(self, tokens: float, now: float, alone_may_pass: bool) -> float:
         """0 when a send of `tokens` fits now, else the seconds until enough of the log has left the window."""
@@ -96,9 +96,10 @@ class RateLimiter:
             window.log.append(grant)
         return grant
 
-    def answered(self, grant: Grant, now: float) -> None:
-        """The send's answer (or its failure) came now: the server saw it by then."""
-        grant.answered = now
+    def seen_by(self, grant: Grant, when: float) -> None:
+        """The server has the send by `when` (its bytes written, plus the network's margin; or it failed)."""
+        if grant.seen_by is None:
+            grant.seen_by = when
 
     def give_back(self, grant: Grant) -> None:
         """The server did not take the request (429): it no longer counts."""

@@ -9,6 +9,7 @@ import http.client
 import json
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +25,7 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: bytes
+    first_token_time: float | None = None  # a streamed answer: when its first text came (time.perf_counter)
 
     def retry_after_s(self) -> float | None:
         """What the server asks to wait before trying again (`retry-after-ms`, `retry-after`: seconds or an
@@ -60,18 +62,60 @@ class Transport:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._context = ssl.create_default_context() if self._https else None
 
-    def post(self, path: str, body: dict[str, Any]) -> Reply:
-        """The answer to one POST; raises a TRANSPORT_ERRORS exception when the connection fails or drops."""
+    def post(self, path: str, body: dict[str, Any], on_sent: Callable[[], None] | None = None) -> Reply:
+        """The answer to one POST; raises a TRANSPORT_ERRORS exception when the connection fails or drops. A
+        body with `stream: true` is read as server-sent events and handed back as the one JSON answer a
+        non-streamed request gets (wire.assemble_stream), with the time its first text came. `on_sent` is
+        called once the request is written (the server has it from then on, give or take the network)."""
         data = json.dumps(body).encode("utf-8")
+        conn = self._connect()
+        try:
+            conn.request("POST", self._prefix + path, body=data, headers=self._headers)
+            if on_sent is not None:
+                on_sent()
+            response = conn.getresponse()
+            headers = {k.lower(): v for k, v in response.getheaders()}
+            if response.status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
+                answer, first = _read_events(response)
+                return Reply(200, headers, json.dumps(answer).encode("utf-8"), first)
+            return Reply(response.status, headers, response.read())
+        finally:
+            conn.close()
+
+    def _connect(self) -> http.client.HTTPConnection:
         if self._https:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
                 self._host, self._port, timeout=self._timeout_s, context=self._context)
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
-        try:
-            conn.request("POST", self._prefix + path, body=data, headers=self._headers)
-            response = conn.getresponse()
-            payload = response.read()
-            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, payload)
-        finally:
-            conn.close()
+        return conn
+
+
+def _read_events(response: http.client.HTTPResponse) -> tuple[dict[str, Any], float | None]:
+    """A server-sent-events answer read to its end ([DONE] or the connection's end, which a cut stream
+    reaches early: its error is raised as a dropped connection): the assembled answer, first text's time."""
+    from jobrunner.endpoint_backend.wire import assemble_stream
+
+    events, first, done = [], None, False
+    for raw in response:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            done = True
+            break
+        event = json.loads(payload)
+        events.append(event)
+        if first is None and any(_has_text(c) for c in event.get("choices") or ()):
+            first = time.perf_counter()
+    if not done:
+        raise http.client.IncompleteRead(b"", None)  # the stream was cut before [DONE]
+    return assemble_stream(events), first
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    delta = chunk.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
+    return bool(chunk.get("text"))

@@ -183,3 +183,58 @@ def error_message(body: bytes) -> str:
     if isinstance(data, dict) and data.get("message"):
         return str(data["message"])[:300]
     return text[:300]
+
+
+def assemble_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed answer's chunks (`data:` events, in order) as the one answer a non-streamed request gets:
+    each choice's text (or message content, reasoning and tool calls, merged by their index), its logprobs,
+    its last finish reason, and the usage of the final chunk."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for event in events:
+        if isinstance(event.get("error"), dict):
+            raise ValueError(f"the stream ended with an error: {event['error'].get('message')}")
+        usage = event.get("usage") or usage
+        for chunk in event.get("choices") or ():
+            _merge_chunk(choices.setdefault(int(chunk.get("index") or 0), {}), chunk)
+    return {"choices": [_finished_choice(i, c) for i, c in sorted(choices.items())], "usage": usage}
+
+
+def _merge_chunk(into: dict[str, Any], chunk: dict[str, Any]) -> None:
+    delta = chunk.get("delta")
+    if isinstance(delta, dict):  # chat
+        into["chat"] = True
+        for key in ("content", "reasoning_content", "reasoning"):
+            if delta.get(key):
+                into[key] = into.get(key, "") + delta[key]
+        for call in delta.get("tool_calls") or ():
+            slot = into.setdefault("tool_calls", {}).setdefault(int(call.get("index") or 0), {
+                "id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            slot["id"] = call.get("id") or slot["id"]
+            function = call.get("function") or {}
+            slot["function"]["name"] += function.get("name") or ""
+            slot["function"]["arguments"] += function.get("arguments") or ""
+        content = (chunk.get("logprobs") or {}).get("content") if isinstance(chunk.get("logprobs"), dict) else None
+        if content:
+            into.setdefault("logprob_content", []).extend(content)
+    else:
+        into["text"] = into.get("text", "") + (chunk.get("text") or "")
+        logprobs = chunk.get("logprobs")
+        if isinstance(logprobs, dict):
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                into.setdefault(key, []).extend(logprobs.get(key) or ())
+    if chunk.get("finish_reason"):
+        into["finish_reason"] = chunk["finish_reason"]
+
+
+def _finished_choice(index: int, merged: dict[str, Any]) -> dict[str, Any]:
+    reason = merged.get("finish_reason")
+    if merged.get("chat"):
+        calls = [merged["tool_calls"][i] for i in sorted(merged.get("tool_calls") or {})] or None
+        logprobs = {"content": merged["logprob_content"]} if "logprob_content" in merged else None
+        return {"index": index, "finish_reason": reason, "logprobs": logprobs,
+                "message": {"content": merged.get("content", ""), "tool_calls": calls,
+                            "reasoning_content": merged.get("reasoning_content") or merged.get("reasoning")}}
+    logprobs = ({key: merged.get(key, []) for key in ("tokens", "token_logprobs", "top_logprobs")}
+                if "tokens" in merged else None)
+    return {"index": index, "finish_reason": reason, "text": merged.get("text", ""), "logprobs": logprobs}

@@ -22,7 +22,7 @@ def _sends(limiter: RateLimiter, count: int, tokens: float, start: float = 0.0) 
     for _ in range(count):
         now += limiter.wait_s(tokens, now)
         assert limiter.wait_s(tokens, now) == 0.0
-        limiter.answered(limiter.take(tokens, now), now)  # answered at once
+        limiter.seen_by(limiter.take(tokens, now), now)  # at the server at once
         times.append(now)
     return times
 
@@ -42,8 +42,8 @@ def test_tokens_budget_and_usage_correction():
     grant = limiter.take(100, 0.0)  # the short window holds 100 tokens (600 / 6)
     assert limiter.wait_s(500, 0.0) == 10.0  # the full window holds the send in flight: it counts
     assert limiter.wait_s(100, 0.0) == 10.0
-    limiter.answered(grant, 1.0)
-    assert limiter.wait_s(501, 1.0) == 60.0  # counted until a minute after its answer
+    limiter.seen_by(grant, 1.0)
+    assert limiter.wait_s(501, 1.0) == 60.0  # counted until a minute after the server had it
     limiter.correct(grant, 40)  # the usage says 40: 60 tokens of room now
     assert limiter.wait_s(60, 1.0) == 0.0 and limiter.wait_s(61, 1.0) == 9.0
     assert limiter.never_fits(601) is not None and "tokens_per_minute=600" in limiter.never_fits(601)

@@ -128,3 +128,14 @@ def test_the_spending_cap_stops_sending_and_step_says_so(vllm_endpoint):
         sent = len(proxy.records)
     assert 1 <= len(finished) == sent < 6 and engine.stats().cost_usd <= 0.1
     engine.close()
+
+
+def test_streamed_answers_equal_the_plain_ones_and_give_ttft(vllm_endpoint):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    plain = _run(_engine(vllm_endpoint.url), 4, params)
+    streamed = _run(_engine(vllm_endpoint.url, stream=True), 4, params)
+    assert {k: (o.text, o.metrics.num_prompt_tokens, o.metrics.num_output_tokens) for k, o in plain.items()} == \
+        {k: (o.text, o.metrics.num_prompt_tokens, o.metrics.num_output_tokens) for k, o in streamed.items()}
+    assert all(o.metrics.ttft_s is None for o in plain.values())
+    assert all(0 < o.metrics.ttft_s <= o.metrics.e2e_s for o in streamed.values())
+    assert all([t.token for t in o.logprobs] == [t.token for t in plain[k].logprobs] for k, o in streamed.items())
