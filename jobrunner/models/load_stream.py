@@ -91,7 +91,7 @@ class _Run:
         self.module_todo: Counter[str] = Counter()
         self.collected: dict[str, dict[tuple[str, Part], torch.Tensor]] = defaultdict(dict)
         self.units_seen: dict[str, None] = {}
-        self.slicer = slicer_for(model, getattr(transform, "scheme", "none"))  # a tensor-parallel rank's
+        self.slicer = slicer_for(model, getattr(transform, "scheme", "none"), device)  # a tensor-parallel rank's
 
     def count(self, names: Iterable[str]) -> None:
         self.unit_todo = Counter()

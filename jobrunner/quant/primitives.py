@@ -50,7 +50,8 @@ def given_codes(linear: torch.nn.Module, scheme: str) -> tuple[torch.Tensor, tor
     weight w8a8's smoothing rescaled after it loaded (quant/smooth.py: then its shard's own rows are used)."""
     if getattr(linear, "w8a8_smoothed", False):
         return None
-    return (getattr(linear, "row_parallel_codes", None) or {}).get(scheme)
+    found = (getattr(linear, "row_parallel_codes", None) or {}).get(scheme)
+    return None if found is None else (found[0].to(linear.weight.device), found[1].to(linear.weight.device))
 
 
 @torch.no_grad()

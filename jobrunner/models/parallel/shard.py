@@ -37,8 +37,9 @@ FULL_ROW_SCHEMES = ("int8", "fp8", "w8a8")  # per-output-channel scales: a row-p
 class RankSlicer:
     """``slice(param_name, part, tensor) -> (part, tensor) | None`` for one rank of a split model."""
 
-    def __init__(self, model: torch.nn.Module, quantization: str = "none") -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, quantization: str = "none",
+                 device: torch.device | None = None) -> None:
+        self.model, self.device = model, torch.device(device or "cpu")  # where the weights are loaded
         self.tp: TensorParallel = model.tensor_parallel
         self.plan: ShardPlan = model.shard_plan
         self.quantization = quantization
@@ -111,9 +112,11 @@ class RankSlicer:
         """The whole rows' quantization, sliced to this rank's columns, for the layer's quantizer to take."""
         from jobrunner.quant.primitives import quantize_fp8_per_channel, quantize_int8_per_channel
 
-        codes = {"int8": quantize_int8_per_channel(tensor)}  # also what int8 / fp8 fall back to
+        whole = tensor.to(self.device)  # quantized where the layer will be (one tensor at a time)
+        codes = {"int8": quantize_int8_per_channel(whole)}  # also what int8 / fp8 fall back to
         if self.quantization == "fp8":
-            codes["fp8"] = quantize_fp8_per_channel(tensor)
+            codes["fp8"] = quantize_fp8_per_channel(whole)
+        del whole
         linear = self.model.get_submodule(module)
         linear.row_parallel_codes = {scheme: (q[:, start:start + count].clone(), scales)
                                      for scheme, (q, scales) in codes.items()}
@@ -128,6 +131,7 @@ class RankSlicer:
         return (expert - first, half), tensor
 
 
-def slicer_for(model: torch.nn.Module, quantization: str = "none") -> RankSlicer | None:
-    """The slicer of a split model (None for a whole one)."""
-    return RankSlicer(model, quantization) if getattr(model, "shard_plan", None) is not None else None
+def slicer_for(model: torch.nn.Module, quantization: str = "none", device: torch.device | None = None
+               ) -> RankSlicer | None:
+    """The slicer of a split model (None for a whole one); ``device``: where its weights are loaded."""
+    return RankSlicer(model, quantization, device) if getattr(model, "shard_plan", None) is not None else None
