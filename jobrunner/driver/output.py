@@ -142,9 +142,11 @@ def _say_resuming(url: str, plan: JobPlan, lease: Lease) -> None:
     if not done and lease.taken_over is None:
         return
     rest = "running the rest" if done < total else "nothing left to run"
+    if plan.stage:  # a pipeline stage: the rest comes from the previous stage (driver/stage_feed.py)
+        rest = "the rest comes from the previous stage's committed shards"
     line = f"resuming output {url}: {done} of {total} shards already committed, {rest}"
     if not done:
-        line = f"output {url}: no shard committed yet, running all {total}"
+        line = f"output {url}: no shard committed yet" + ("" if plan.stage else f", running all {total}")
     if lease.taken_over:
         line += f"; took over the lease: {lease.taken_over}"
     say(line)

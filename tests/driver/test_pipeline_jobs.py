@@ -223,3 +223,39 @@ def test_two_stages_on_our_engine_with_a_tiny_model(local_ray, tmp_path, tiny_ll
     assert sorted(r["id"] for r in judged) == ids and all(r["num_output_tokens"] <= 3 for r in judged)
     assert _ids(out / "parts") == ids
     assert [(f["rows_in"], f["kept"]) for f in result.funnel] == [(8, 8), (8, 8)]
+
+
+@pytest.mark.heavy  # two pipeline runs (~15 s quiet): the default suite keeps the kill-and-rerun test
+def test_incremental_nights_run_only_the_new_rows_through_every_stage(local_ray, tmp_path):
+    """output.mode incremental: night 2 adds a file; stage 1 runs only its rows, the judge only the new stage-1
+    shards, the earlier nights' parts stay as they are, and the final output holds every kept id once."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rows = {f"n{i:02d}": f"question {i} about things" for i in range(24)}
+    first, second = dict(list(rows.items())[:16]), dict(list(rows.items())[16:])
+    pq.write_table(pa.table({"id": list(first), "prompt": list(first.values())}), folder / "night1.parquet",
+                   row_group_size=8)
+    data = {"name": "nightly-judged",
+            "input": {"url": str(folder), "prompt_column": "prompt", "id_column": "id", "rows_per_shard": 8},
+            "sampling": {"max_tokens": 2},
+            "engine": {"max_num_seqs": 8, "factory": "tests.driver.fake_engine:make_engine"},
+            "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5},
+            "output": {"url": str(tmp_path / "out"), "mode": "incremental"},
+            "stages": [{"name": "gen"},
+                       {"name": "judge", "engine": {"factory": "tests.driver.judge_engine:make_judge"},
+                        "input": {"prompt": "{prompt}"}, "output_columns": {"score": "json.score"},
+                        "filter": "score >= 4"}]}
+    assert run_pipeline(spec_from_dict(data), show_progress=False).ok
+    out = tmp_path / "out"
+    night1 = {name: _mtimes(out / "stages" / name / "parts") for name in ("gen", "judge")}
+    final1 = _mtimes(out / "parts")
+    pq.write_table(pa.table({"id": list(second), "prompt": list(second.values())}), folder / "night2.parquet")
+    result = run_pipeline(spec_from_dict(data), show_progress=False)
+    assert result.ok, result.summary()
+    for name, before in night1.items():
+        now = _mtimes(out / "stages" / name / "parts")
+        assert {k: now[k] for k in before} == before and len(now) == len(before) + 1, name  # one new shard each
+    assert {k: v for k, v in _mtimes(out / "parts").items() if k in final1} == final1
+    assert _ids(out / "stages/gen/parts") == sorted(rows) and _ids(out / "stages/judge/parts") == sorted(rows)
+    assert _ids(out / "parts") == sorted(i for i in rows if int(i[1:]) % 10 >= 4)
+    assert [(f["rows_in"], f["kept"]) for f in result.funnel] == [(24, 24), (24, len(_ids(out / "parts")))]
