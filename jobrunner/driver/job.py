@@ -479,6 +479,7 @@ class _JobLoop:
         self.book.finish_run(self.started_at, time.monotonic() - self.t0, finished, {
             "shards_committed": self.stats["commits"], "first_commit_s": None if first is None else round(first, 3),
             "isolation": self.isolation.to_dict(), "startup": {**self.startup, "workers": self.pool.startup},
+            **({"stopped": self.stopping} if self.stopping else {}),  # cost.max_usd: why the run ended early
             **({} if self.incremental is None else
                                                        {"incremental": self.incremental})})
         self.book.compact()

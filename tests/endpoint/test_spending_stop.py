@@ -32,6 +32,7 @@ def test_a_stopped_engine_ends_the_run_resumable_and_the_rerun_goes_on(local_ray
     assert len(parts) == 1  # the first shard; the second stopped two rows in
     mtime = parts[0].stat().st_mtime_ns
     manifest = read_manifest_file(tmp_path / "out")
+    assert manifest["runs"][0]["stopped"] == first.error and manifest["runs"][0]["status"] == "failed"
     shards = sorted(manifest["shards"].values(), key=lambda e: e["status"])
     assert [e["status"] for e in shards] == ["committed", "pending", "pending", "pending"]
     assert [e["failures"] for e in shards] == [0, 0, 0, 0]  # nothing charged
