@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from jobrunner.driver.cores import CoreClaim
-from jobrunner.driver.engine_factory import build_engine, build_rank, describe_model
+from jobrunner.driver.engine_factory import build_engine, build_rank, describe_model, load_memory
 from jobrunner.driver.hardware import describe_hardware
 from jobrunner.driver.metrics import WorkerMetrics
 from jobrunner.driver.rank_group import GroupShardRunner, here, in_bundle, local_rank_spec, rank_weights
@@ -161,17 +161,6 @@ def _import_engine() -> float:
     import jobrunner.models.weights  # noqa: F401
 
     return time.perf_counter() - start
-
-
-LOAD_MEMORY_KEYS = ("weights_bytes", "load_host_anon_peak_bytes", "load_host_anon_rise_bytes",
-                    "load_device_peak_bytes")
-
-
-def load_memory(model_info: dict[str, Any] | None) -> dict[str, int]:
-    """The load's memory beside its stages in the worker's record (models/factory.load_memory_info): the
-    weights as loaded and the load's peak host anonymous memory (and its rise) and device memory."""
-    info = model_info if isinstance(model_info, dict) else {}
-    return {k: info[k] for k in LOAD_MEMORY_KEYS if isinstance(info.get(k), int)}
 
 
 def startup_stages(process_s: float, init_s: float, load_s: float, end_s: float, imports_s: float,

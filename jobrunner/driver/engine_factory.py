@@ -105,3 +105,14 @@ def rebuild_engine(engine: WorkerEngine, spec: JobSpec) -> tuple[WorkerEngine, b
         engine.close()
         log_path = getattr(engine, "log_path", None)  # the new engine's log beside the old one's
         return build_engine(spec, os.path.dirname(log_path) if log_path else None), True
+
+
+LOAD_MEMORY_KEYS = ("weights_bytes", "load_host_anon_peak_bytes", "load_host_anon_rise_bytes",
+                    "load_device_peak_bytes")
+
+
+def load_memory(model_info: dict[str, Any] | None) -> dict[str, int]:
+    """The load's memory beside its stages in the worker's record (models/factory.load_memory_info): the
+    weights as loaded and the load's peak host anonymous memory (and its rise) and device memory."""
+    info = model_info if isinstance(model_info, dict) else {}
+    return {k: info[k] for k in LOAD_MEMORY_KEYS if isinstance(info.get(k), int)}

@@ -86,6 +86,7 @@ class WorkerPool:
         self.ever_ready = False
         self.last_error = ""
         self.removed_tokens = 0  # tokens sampled by workers of this run that are gone
+        self.dropped: list[Any] = []  # task refs of removed workers, read once done (else Ray logs their errors)
         # each worker's start-up as the driver saw it: seconds from its actor request to placed / ready /
         # first output token (the first progress poll that reports one: within POLL_INTERVAL_S)
         self.startup: dict[str, dict[str, float]] = {}
@@ -140,6 +141,7 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         tasks = list(worker.tasks.items())
+        self.dropped += [ref for ref, _ in tasks]
         worker.tasks.clear()
         worker.live.clear()
         return tasks
@@ -268,6 +270,7 @@ class WorkerPool:
         """Collect every answered progress poll (each pass of the loop; never blocks) and send a new one to
         each ready worker whose last one went out POLL_INTERVAL_S ago and was answered. True when a reply
         showed progress (a row finished or a token produced since that worker's previous reply)."""
+        self._drain_dropped()
         pending = self.poll_refs()
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
         done, now, progressed = set(done), time.monotonic(), False
@@ -277,6 +280,18 @@ class WorkerPool:
             if w.poll_ref is None and w.is_ready and now - w.poll_sent >= POLL_INTERVAL_S:
                 w.poll_ref, w.poll_sent = w.actor.progress.remote(), now
         return progressed
+
+    def _drain_dropped(self) -> None:
+        """Read the removed workers' task results that came back (a group's rank 0 may fail its tasks after
+        the group was removed for a lost rank): nothing uses them, and Ray logs an error nobody read."""
+        if not self.dropped:
+            return
+        done, self.dropped = ray.wait(self.dropped, num_returns=len(self.dropped), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - a lost worker's result: already handled as its loss
+                pass
 
     def _take_poll(self, worker: Worker) -> bool:
         ref, worker.poll_ref = worker.poll_ref, None

@@ -40,7 +40,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobrunner.driver.cores import CoreClaim, claim_cores, cores_per_rank
-from jobrunner.driver.engine_factory import build_rank
+from jobrunner.driver.engine_factory import build_rank, load_memory
 from jobrunner.driver.worker import ShardRunner
 from jobrunner.redaction import redact_text, remember_secrets
 from jobrunner.spec import JobSpec
@@ -120,10 +120,9 @@ def local_rank_spec(spec: JobSpec, rank: int, init_method: str) -> tuple[Any, Co
 
 
 def rank_weights(engine: Any) -> dict[str, int]:
-    """The weights this rank holds (its engine's ``model_info``), for the worker's record."""
-    info = getattr(engine, "model_info", None)
-    value = info.get("weights_bytes") if isinstance(info, dict) else None
-    return {"weights_bytes": value} if isinstance(value, int) else {}
+    """The weights this rank holds and its load's peak memory (its engine's ``model_info``), for the worker's
+    record."""
+    return load_memory(getattr(engine, "model_info", None))
 
 
 class RankActor:
