@@ -71,11 +71,14 @@ def own_group(group):
     yield
 
 
-def _requests(tokenizer) -> list[tuple[str, SamplingParams]]:
+def _requests() -> list[tuple[str, SamplingParams]]:
+    """Greedy rows, one unseeded sampled row with n = 2, one with its prompt scored, one under a regex."""
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, n=2, ignore_eos=True, logprobs=1)
-    texts = [SHARED + CORPUS[1], SHARED + CORPUS[2], CORPUS[0], CORPUS[3], SHARED + CORPUS[4], CORPUS[5]]
-    return [(t, sampled if i == 3 else greedy) for i, t in enumerate(texts)]
+    special = {3: SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, n=2, ignore_eos=True, logprobs=1),
+               5: SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1),
+               6: SamplingParams(max_tokens=12, temperature=0.8, logprobs=1, regex="[a-z]+( [a-z]+)*")}
+    texts = [SHARED + CORPUS[1], SHARED + CORPUS[2], CORPUS[0], CORPUS[3], SHARED + CORPUS[4], CORPUS[5], CORPUS[0]]
+    return [(t, special.get(i, greedy)) for i, t in enumerate(texts)]
 
 
 def _run(engine, requests) -> dict:
@@ -93,7 +96,10 @@ def _run(engine, requests) -> dict:
 
 
 def _worst_logprob_gap(a, b) -> float:
-    return max((abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+    """The largest difference of the reported logprobs (sampled tokens and the prompt's, where asked)."""
+    pairs = list(zip(a.logprobs, b.logprobs, strict=True))
+    pairs += [(x, y) for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True) if x is not None]
+    return max((abs(x.logprob - y.logprob) for x, y in pairs), default=0.0)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -104,9 +110,10 @@ def test_tp2_matches_tp1(name, checkpoints, group, monkeypatch):
             monkeypatch.setenv(key, value)
     reference = single_engine(source, quantization, **CONFIG)
     engine = group["engine"] = group["engine"].replace(rank_build(source, quantization, **CONFIG))
-    requests = _requests(reference.tokenizer)
+    requests = _requests()
     expected, got = _run(reference, requests), _run(engine, requests)
-    assert sorted(got) == sorted(expected) and len(got) == 7  # 5 greedy rows + 2 samples
+    assert sorted(got) == sorted(expected) and len(got) == 8  # 6 rows of one sample + 2 samples
+    assert len(expected[("r5", 0)].prompt_logprobs) == len(expected[("r5", 0)].prompt_token_ids)
     for key, out in expected.items():
         assert got[key].error is None and out.error is None, key
         assert got[key].output_token_ids == out.output_token_ids, f"{name} {key}"
