@@ -149,3 +149,20 @@ def test_the_first_stage_reads_the_jobs_input():
     data["stages"][0]["input"] = {"prompt": "{prompt}"}
     with pytest.raises(SpecError, match=r"stages\[0\] \(gen\): the first stage reads the job's input"):
         spec_from_dict(data)
+
+
+def test_embed_and_score_stages_read_the_built_columns():
+    data = _pipeline()
+    data["stages"].append({"name": "embed_it", "task": "embed", "input": {"prompt": "{generated_text}"}})
+    data["stages"].append({"name": "loglik", "task": "score",
+                           "input": {"prompt": "{prompt}", "completion": "{generated_text}"}})
+    gen, judge, embed, score = spec_from_dict(data).stage_specs()
+    assert (embed.task, embed.input.prompt_column, embed.sampling.n) == ("embed", "_stage_prompt", 1)
+    assert (score.task, score.input.prompt_column, score.input.completion_column) == \
+        ("score", "_stage_prompt", "_stage_completion")
+    rule = Handoff(stage="embed_it", next=NextRequest(prompt=parse_template("{prompt}"),
+                                                      completion=parse_template("{generated_text}"),
+                                                      stage="loglik"))
+    out = rule.next_row({"id": "r", "prompt": "P", "generated_text": "G", "embedding": [0.5, 0.25]})
+    assert out["embed_it.embedding"] == [0.5, 0.25] and out["embed_it.generated_text"] == "G"
+    assert (out["_stage_prompt"], out["_stage_completion"]) == ("P", "G")
