@@ -38,7 +38,7 @@ def build_engine(spec: JobSpec, log_dir: str | None = None) -> WorkerEngine:
     if spec.engine.backend == "vllm":
         from jobrunner.vllm_backend.build import build_vllm_engine
 
-        return build_vllm_engine(spec, log_dir)
+        return build_vllm_engine(spec, log_dir, vllm_placement_here(spec))
     if spec.engine.backend == "openai":
         from jobrunner.endpoint_backend.build import build_endpoint_engine
 
@@ -57,6 +57,20 @@ def _our_engine(spec: JobSpec, tensor_parallel: Any = None) -> WorkerEngine:
     group = {"tensor_parallel": tensor_parallel} if tensor_parallel is not None else {}
     return LLMEngine.from_source(spec.model.source, dtype=spec.model.dtype, quantization=spec.model.quantization,
                                  config=config, adapters=dict(spec.model.adapters) or None, **template, **group)
+
+
+def vllm_placement_here(spec: JobSpec) -> dict[str, str] | None:
+    """vLLM's pipeline stages over GPUs: the placement group this worker's actor runs in, by id, and the
+    cluster's address, for vLLM's Ray executor to put its ranks in (driver/rank_group.vllm_placement); None
+    otherwise (vLLM's ranks are processes of this node)."""
+    if spec.cluster.num_gpus_per_worker <= 0 or spec.engine.pipeline_parallel_size <= 1:
+        return None
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        return None
+    return {"placement_group_id": pg.id.hex(), "address": ray.get_runtime_context().gcs_address}
 
 
 def is_rank_group(spec: JobSpec) -> bool:

@@ -11,9 +11,9 @@ from jobrunner.driver.rank_group import (
     RANK_CONCURRENCY,
     RankActor,
     RankGroup,
-    bundle_of_rank,
     in_bundle,
     make_placement,
+    rank_placement,
 )
 from jobrunner.redaction import known_secret_values
 from jobrunner.spec import JobSpec
@@ -24,9 +24,9 @@ def start_group(spec: JobSpec, worker_id: str, job_start_s: float, run_token: st
     """Create a worker's placement group and its N rank actors, and wire their start-up (nothing waited for).
     Returns (rank 0's WorkerActor, its ping ref, the ref that answers once every rank has loaded, the group)."""
     world = spec.engine.tensor_parallel_size
-    name = f"jobrunner:{spec.name}:{run_token}:{worker_id}"
-    bundle = bundle_of_rank(spec)
-    pg = make_placement(name, [dict(bundle) for _ in range(world)])
+    placement = rank_placement(spec)
+    bundle = placement.actor
+    pg = make_placement(f"jobrunner:{spec.name}:{run_token}:{worker_id}", placement)
     leader = start_worker(spec, worker_id, job_start_s, run_token, placement=(pg, 0, bundle))
     ping_ref, init_ref = leader.ping.remote(), leader.rendezvous.remote()
     followers = [_start_rank(spec, worker_id, run_token, pg, rank, bundle) for rank in range(1, world)]

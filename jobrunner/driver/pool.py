@@ -38,11 +38,10 @@ from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.rank_group import (
     RankEnd,
     RankGroup,
-    bundle_of_rank,
     explain_engine_failure,
     make_placement,
-    placement_text,
-    vllm_bundles,
+    rank_placement,
+    vllm_placement,
 )
 from jobrunner.driver.tasks import Task
 from jobrunner.spec import PROGRESS_POLL_S, JobSpec
@@ -117,10 +116,10 @@ class WorkerPool:
             actor, ping_ref, ready_ref, group = start_group(self.spec, worker_id, self.wall_t0, self.run_token)
             self.workers.append(Worker(worker_id, actor, ping_ref, ready_ref, group=group))
             return
-        group, bundles = None, vllm_bundles(self.spec)
-        if bundles is not None:  # vLLM over TP x PP GPUs: one actor in a placement group of its own
-            pg = make_placement(f"jobrunner:{self.spec.name}:{self.run_token}:{worker_id}", bundles)
-            actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token, placement=(pg, 0, bundles[0]))
+        group, placement = None, vllm_placement(self.spec)
+        if placement is not None:  # vLLM over TP x PP ranks: one actor in a placement group of its own
+            pg = make_placement(f"jobrunner:{self.spec.name}:{self.run_token}:{worker_id}", placement)
+            actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token, placement=(pg, 0, placement.actor))
             group = RankGroup(pg, actor, [], {}, {})
         else:
             actor = start_worker(self.spec, worker_id, self.wall_t0, self.run_token)
@@ -240,10 +239,8 @@ class WorkerPool:
 
     def _asked(self) -> str:
         """What one worker asks the cluster for: its resources, or its placement group."""
-        if is_rank_group(self.spec):
-            return placement_text([bundle_of_rank(self.spec)] * self.spec.engine.tensor_parallel_size)
-        bundles = vllm_bundles(self.spec)
-        return placement_text(bundles) if bundles else json.dumps(worker_resources(self.spec))
+        placement = rank_placement(self.spec) if is_rank_group(self.spec) else vllm_placement(self.spec)
+        return placement.describe() if placement is not None else json.dumps(worker_resources(self.spec))
 
     # ---- progress -----------------------------------------------------------------------------------
     def poll_refs(self) -> list[Any]:

@@ -19,13 +19,13 @@ gone or with a collective's error. Then the whole group goes (every actor killed
 removed) and its shards are retried as any lost worker's, unblamed; the error names the rank, its node and
 its pid. A rank whose engine raised on its rows is an engine crash (`RankEnd.crash`), blamed as any.
 
-`engine.backend: vllm` with tensor x pipeline parallel > 1 stays one actor (vLLM starts its ranks inside it),
-holding TP x PP GPUs from a placement group of one bundle: Ray places an actor inside a single bundle, so the
-TP x PP one-GPU bundles of the design could not hold it (see `vllm_bundles`).
+`engine.backend: vllm` with tensor x pipeline parallel > 1 stays one actor (vLLM starts its ranks inside it) in
+a placement group of its own (`vllm_placement`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -59,30 +59,57 @@ def bundle_of_rank(spec: JobSpec) -> dict[str, float]:
     return bundle
 
 
-def vllm_bundles(spec: JobSpec) -> list[dict[str, float]] | None:
-    """vLLM with TP x PP > 1: one bundle of every GPU and CPU of the worker (None otherwise). One bundle,
-    because the worker is one actor and Ray places an actor within one bundle: TP x PP one-GPU bundles would
-    never hold it. STRICT_PACK keeps it on one node; pipeline stages across nodes would need vLLM's own Ray
-    executor placing ranks into bundles, which the vLLM backend (its own process) does not run."""
+@dataclass(frozen=True)
+class Placement:
+    """A worker's placement group: its bundles, Ray's strategy for them, and what rank 0's actor (the
+    `WorkerActor`, in bundle 0) holds of bundle 0."""
+
+    bundles: list[dict[str, float]]
+    strategy: str = "STRICT_PACK"
+    actor: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """How the cluster was asked, for the start deadline's message."""
+        where = "one node" if self.strategy == "STRICT_PACK" else "as few nodes as fit"
+        first = self.bundles[0]
+        shape = (f"{len(self.bundles)} x {json.dumps(first)}" if all(b == first for b in self.bundles)
+                 else json.dumps(self.bundles))
+        return f"a placement group ({self.strategy}: {where}) of {shape}"
+
+
+def rank_placement(spec: JobSpec) -> Placement:
+    """A tensor-parallel worker of our engine: one bundle per rank, on one node."""
+    bundle = bundle_of_rank(spec)
+    return Placement([dict(bundle) for _ in range(spec.engine.tensor_parallel_size)], "STRICT_PACK", bundle)
+
+
+def vllm_placement(spec: JobSpec) -> Placement | None:
+    """vLLM with TP x PP > 1 (None otherwise): the worker stays one actor and vLLM starts its ranks.
+
+    - CPU workers, and GPU workers with pipeline_parallel_size 1: one bundle of the worker's CPUs and GPUs, on
+      one node, that the actor holds whole (Ray places an actor within one bundle, so TP x PP one-GPU bundles
+      could not hold it); vLLM's ranks are processes of that node over the GPUs the actor holds.
+    - GPU workers with pipeline stages: TP x PP one-GPU bundles (the first also with the worker's CPUs), PACK
+      (stages may land on other nodes); the actor holds the CPUs of bundle 0 and no GPU, and hands the group
+      to vLLM, whose Ray executor puts one rank in each bundle (engine_factory.vllm_placement_here).
+    """
     e, c = spec.engine, spec.cluster
-    if e.backend != "vllm" or e.tensor_parallel_size * e.pipeline_parallel_size <= 1:
+    world = e.tensor_parallel_size * e.pipeline_parallel_size
+    if e.backend != "vllm" or world <= 1:
         return None
-    bundle = {"CPU": c.num_cpus_per_worker}
-    if c.num_gpus_per_worker > 0:
-        bundle["GPU"] = float(c.num_gpus_per_worker)
-    return [bundle]
+    if c.num_gpus_per_worker <= 0:
+        whole = {"CPU": c.num_cpus_per_worker}
+        return Placement([whole], "STRICT_PACK", whole)
+    if e.pipeline_parallel_size == 1:
+        whole = {"CPU": c.num_cpus_per_worker, "GPU": float(world)}
+        return Placement([whole], "STRICT_PACK", whole)
+    bundles = [{"CPU": c.num_cpus_per_worker, "GPU": 1.0}] + [{"GPU": 1.0} for _ in range(world - 1)]
+    return Placement(bundles, "PACK", {"CPU": c.num_cpus_per_worker})
 
 
-def placement_text(bundles: list[dict[str, float]]) -> str:
-    """How the cluster was asked, for the start deadline's message."""
-    import json
-
-    return f"a placement group (STRICT_PACK: one node) of {len(bundles)} x {json.dumps(bundles[0])}"
-
-
-def make_placement(name: str, bundles: list[dict[str, float]]) -> Any:
+def make_placement(name: str, placement: Placement) -> Any:
     """The worker's placement group (not waited for: its actors stay pending until it is placed)."""
-    return placement_group(bundles, strategy="STRICT_PACK", name=name)
+    return placement_group(placement.bundles, strategy=placement.strategy, name=name)
 
 
 def in_bundle(pg: Any, index: int) -> PlacementGroupSchedulingStrategy:

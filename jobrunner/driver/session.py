@@ -55,13 +55,12 @@ def group_fit_problem(spec: JobSpec, node: dict[str, float]) -> str | None:
     can never be placed on a node with ``node``'s resources (STRICT_PACK: all its bundles on one node); None if
     it fits, or if the worker needs no placement group."""
     from jobrunner.driver.engine_factory import is_rank_group
-    from jobrunner.driver.rank_group import bundle_of_rank, vllm_bundles
+    from jobrunner.driver.rank_group import rank_placement, vllm_placement
 
-    bundles = ([bundle_of_rank(spec)] * spec.engine.tensor_parallel_size if is_rank_group(spec)
-               else vllm_bundles(spec))
-    if not bundles:
+    placement = rank_placement(spec) if is_rank_group(spec) else vllm_placement(spec)
+    if placement is None:
         return None
-    need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+    need = {k: sum(b.get(k, 0.0) for b in placement.bundles) for k in ("CPU", "GPU")}
     short = {k: v for k, v in need.items() if v > node.get(k, 0.0) + 1e-9}
     if not short:
         return None

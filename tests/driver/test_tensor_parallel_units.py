@@ -8,7 +8,8 @@ import os
 import pytest
 
 from jobrunner.driver.cores import claim_cores, cores_per_rank
-from jobrunner.driver.rank_group import _death, bundle_of_rank, is_collective_failure, vllm_bundles
+from jobrunner.driver.engine_factory import vllm_placement_here
+from jobrunner.driver.rank_group import _death, bundle_of_rank, is_collective_failure, rank_placement, vllm_placement
 from jobrunner.driver.session import group_fit_problem
 from jobrunner.spec import spec_from_dict
 
@@ -20,10 +21,27 @@ def _spec(tmp_path, engine: dict, cluster: dict):
 
 def test_bundles_split_the_worker_per_rank(tmp_path):
     cpu = _spec(tmp_path, {"tensor_parallel_size": 2}, {"num_cpus_per_worker": 8})
-    assert bundle_of_rank(cpu) == {"CPU": 4.0} and vllm_bundles(cpu) is None
+    assert bundle_of_rank(cpu) == {"CPU": 4.0} and vllm_placement(cpu) is None
+    group = rank_placement(cpu)
+    assert (group.bundles, group.strategy, group.actor) == ([{"CPU": 4.0}] * 2, "STRICT_PACK", {"CPU": 4.0})
+    assert group.describe() == 'a placement group (STRICT_PACK: one node) of 2 x {"CPU": 4.0}'
     vllm = _spec(tmp_path, {"backend": "vllm", "tensor_parallel_size": 2}, {"num_cpus_per_worker": 4})
-    assert vllm_bundles(vllm) == [{"CPU": 4.0}]  # one actor: one bundle that holds it all
-    assert vllm_bundles(_spec(tmp_path, {"backend": "vllm"}, {})) is None
+    one = vllm_placement(vllm)  # one actor: one bundle that holds it all
+    assert (one.bundles, one.strategy, one.actor) == ([{"CPU": 4.0}], "STRICT_PACK", {"CPU": 4.0})
+    assert vllm_placement(_spec(tmp_path, {"backend": "vllm"}, {})) is None
+
+
+def test_vllm_pipeline_stages_on_gpus_get_one_bundle_per_rank_across_nodes(tmp_path):
+    tp_only = _spec(tmp_path, {"backend": "vllm", "tensor_parallel_size": 4},
+                    {"num_gpus_per_worker": 4, "num_cpus_per_worker": 8})
+    assert vllm_placement(tp_only).bundles == [{"CPU": 8.0, "GPU": 4.0}]  # the actor holds the 4 GPUs
+    stages = _spec(tmp_path, {"backend": "vllm", "tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                   {"num_gpus_per_worker": 4, "num_cpus_per_worker": 8})
+    placed = vllm_placement(stages)
+    assert placed.bundles == [{"CPU": 8.0, "GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert placed.strategy == "PACK" and placed.actor == {"CPU": 8.0}  # every GPU left to vLLM's ranks
+    assert placed.describe().startswith("a placement group (PACK: as few nodes as fit) of [{")
+    assert vllm_placement_here(tp_only) is None  # no Ray executor: vLLM's ranks are processes of the node
 
 
 def test_the_local_fit_check_names_what_one_group_lacks(tmp_path):
