@@ -65,7 +65,8 @@ def budget(url: str, folder: Path, args: argparse.Namespace) -> dict:
             f"input.url={inputs}", "input.rows_per_shard=25", f"sampling.max_tokens={args.max_tokens}",
             f"output.url={folder / 'budget-out'}", "cluster.num_cpus_per_worker=1", "engine.max_num_seqs=32",
             *endpoint_overrides(proxy.url, [
-                "engine.endpoint.max_concurrency=16", f"engine.endpoint.requests_per_minute={args.rpm}",
+                f"engine.endpoint.max_concurrency={args.concurrency}",
+                f"engine.endpoint.requests_per_minute={args.rpm}",
                 f"engine.endpoint.tokens_per_minute={args.tpm}", "engine.endpoint.max_retries=30",
                 "cost.usd_per_m_input=0.15", "cost.usd_per_m_output=0.60"])])
         started = time.monotonic()
@@ -74,9 +75,14 @@ def budget(url: str, folder: Path, args: argparse.Namespace) -> dict:
         records = list(proxy.records)
     forwarded = [r for r in records if r.outcome == "forwarded"]
     rows = read_output(str(folder / "budget-out")).to_pylist()
+    with open(folder / "proxy-records.jsonl", "w") as f:  # what the server saw, for a closer look
+        for r in records:
+            f.write(json.dumps({"time": r.time, "outcome": r.outcome, "answered": r.answered,
+                                "tokens": r.tokens}) + "\n")
+    latencies = sorted(r.answered - r.time for r in forwarded)
     tokens = sum(r.tokens for r in forwarded)
     first = min(r.time for r in records)
-    last_answer = max(r.time for r in forwarded)  # the answer follows within the request's latency
+    last_answer = max(r.answered for r in forwarded)
     ideal_s = max(len(forwarded) / args.rpm, tokens / args.tpm) * 60.0
     served_s = last_answer - first
     return {"ok": result.ok, "rows": len(rows), "error_rows": sum(r["error"] is not None for r in rows),
@@ -84,8 +90,10 @@ def budget(url: str, folder: Path, args: argparse.Namespace) -> dict:
             "forwarded": len(forwarded), "tokens_at_server": tokens,
             "max_requests_in_60s": max_in_window(forwarded, 60.0), "rpm_budget": args.rpm,
             "max_tokens_in_60s": max_in_window(forwarded, 60.0, tokens=True), "tpm_budget": args.tpm,
-            "first_request_to_last_arrival_s": round(served_s, 1), "ideal_s": round(ideal_s, 1),
-            "time_over_ideal": round(served_s / ideal_s, 3), "job_wall_s": round(wall_s, 1)}
+            "first_request_to_last_answer_s": round(served_s, 1), "ideal_s": round(ideal_s, 1),
+            "time_over_ideal": round(served_s / ideal_s, 3), "job_wall_s": round(wall_s, 1),
+            "server_latency_s_p50_p95": [round(latencies[len(latencies) // 2], 2),
+                                         round(latencies[int(len(latencies) * 0.95)], 2)]}
 
 
 def compare(url: str, folder: Path, python: str) -> dict:
@@ -120,6 +128,7 @@ def main() -> None:
     parser.add_argument("--tpm", type=float, default=20000.0)
     parser.add_argument("--rate-429", type=float, default=0.3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32, help="engine.endpoint.max_concurrency")
     parser.add_argument("--keep", help="a folder to keep the outputs in")
     args = parser.parse_args()
     python = os.environ.get("JOBRUNNER_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")

@@ -127,7 +127,6 @@ class EndpointEngine:
         self._done: list[RequestOutput] = []
         self._in_flight = 0
         self._in_flight_cost = 0.0
-        self._capped = False  # a request waits that the spending cap does not let go
         self._closed = False
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="endpoint-send")
         self._dispatcher = threading.Thread(target=self._dispatch, name="endpoint-dispatch", daemon=True)
@@ -252,9 +251,7 @@ class EndpointEngine:
         else:
             return None, due
         if self._over_cap(call):
-            self._capped = True
             return None, None if self._in_flight else 1.0
-        self._capped = False
         wait_s = self._limiter.wait_s(call.estimate, now)
         if wait_s > 0:
             return None, wait_s if due is None else min(wait_s, max(due, 0.001))
@@ -269,7 +266,11 @@ class EndpointEngine:
         return cap is not None and self._stats.cost_usd + self._in_flight_cost + call.cost_estimate > cap
 
     def _is_stopped(self) -> bool:
-        return self._capped and self._in_flight == 0 and bool(self._fresh or self._retries)
+        """The cap lets no waiting request go, and none is in flight whose answer could change that."""
+        if self.config.max_usd is None or self._in_flight:
+            return False
+        waiting = [self._retries[0][2]] if self._retries else self._fresh[:1]
+        return bool(waiting) and self._over_cap(waiting[0])
 
     def _stop_reason(self) -> str:
         return (f"cost.max_usd reached: this worker spent ${self._stats.cost_usd:.4f} of its ${self.config.max_usd:g} "

@@ -6,7 +6,8 @@ forwarded to the server, after `slow_s` seconds for a share `rate_slow`. Faults 
 server sees the request, so the server's load is what the proxy forwards. Every request is recorded
 (`records`): its arrival time, what the proxy did, and for a forwarded one the usage tokens the server
 answered, so a test can measure requests and tokens per minute at the server (`max_in_window`).
-`expect_key`: a request without `Authorization: Bearer <it>` is answered 401.
+`expect_key`: a request without `Authorization: Bearer <it>` is answered 401; `always_429`: a request whose
+body holds this text is always answered 429 (one row's retries run out).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Record:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     body: dict = field(default_factory=dict)
+    answered: float | None = None  # time.monotonic() when the server's answer came (forwarded)
 
     @property
     def tokens(self) -> int:
@@ -44,11 +46,12 @@ class FaultProxy:
 
     def __init__(self, upstream: str, seed: int = 0, rate_429: float = 0.0, retry_after: str | None = "1",
                  rate_503: float = 0.0, rate_drop: float = 0.0, rate_slow: float = 0.0, slow_s: float = 1.0,
-                 expect_key: str | None = None) -> None:
+                 expect_key: str | None = None, always_429: str | None = None) -> None:
         parts = urlsplit(upstream)
         self.upstream_host, self.upstream_port, self.prefix = parts.hostname, parts.port, parts.path.rstrip("/")
         self.rate_429, self.retry_after, self.rate_503 = rate_429, retry_after, rate_503
         self.rate_drop, self.rate_slow, self.slow_s, self.expect_key = rate_drop, rate_slow, slow_s, expect_key
+        self.always_429 = always_429
         self.records: list[Record] = []
         self.lock = threading.Lock()
         self._random = random.Random(seed)
@@ -127,6 +130,8 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self._answer(401, _error("no valid API key"), {})
                 return
             outcome = proxy.draw()
+            if proxy.always_429 is not None and proxy.always_429.encode() in body:
+                outcome = "429"
             if outcome == "429":
                 record.outcome = "429"
                 self._record(record)
@@ -150,7 +155,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             record.outcome = "forwarded"
             headers = {"Content-Type": "application/json"}
             status, _, answer = proxy.forward("POST", self.path, body, headers)
-            record.status = status
+            record.status, record.answered = status, time.monotonic()
             try:
                 usage = json.loads(answer).get("usage") or {}
                 record.prompt_tokens = int(usage.get("prompt_tokens") or 0)

@@ -30,12 +30,12 @@ def _bench():
 
 
 def test_200_rows_under_30_percent_429_hold_the_budgets(local_ray, vllm_endpoint, tmp_path):
-    args = argparse.Namespace(rows=200, rpm=180.0, tpm=20000.0, rate_429=0.3, max_tokens=16)
+    args = argparse.Namespace(rows=200, rpm=90.0, tpm=20000.0, rate_429=0.3, max_tokens=8, concurrency=32)
     result = _bench().budget(vllm_endpoint.url, tmp_path, args)
     print(json.dumps(result, indent=2))
     assert result["ok"] and result["rows"] == 200 and result["error_rows"] == 0
     assert result["forwarded"] == 200 and result["answered_429"] > 0
-    assert result["max_requests_in_60s"] <= 180 and result["max_tokens_in_60s"] <= 20000
+    assert result["max_requests_in_60s"] <= 90 and result["max_tokens_in_60s"] <= 20000
 
 
 def test_the_endpoint_and_engine_backend_vllm_agree(local_ray, vllm_endpoint, tmp_path):
