@@ -1,9 +1,10 @@
 """Tensor parallel at world 2 over gloo equals world 1: tiny random Llama (tied; one KV head, replicated on both
 ranks), Qwen2 (q|k|v bias), Phi-3 (fused checkpoint tensors), Mixtral, Qwen2-MoE (shared expert, a dense layer),
-Gemma 3, and int8 / int4 / fp8, each loaded sharded while it streams and run through our engine (chunked
-prefill, a shared prefix, decode; torch and cpu_paged attention): greedy tokens equal, float32 log-softmax of
-every step's logits within 1e-5, the per-rank shapes and parameters as planned, bytes per rank <= whole / world
-+ the replicated parts. One spawned group runs every case (spawning costs more than the cases)."""
+Qwen3-MoE (q/k norms), Gemma 3, and int8 / int4 / fp8, each loaded sharded while it streams and run through our
+engine (chunked prefill, a shared prefix, decode; torch and cpu_paged attention): greedy tokens equal, float32
+log-softmax of every step's logits within 1e-5, the per-rank shapes and parameters as planned, bytes per rank
+<= whole / world + the replicated parts. One spawned group runs every case (spawning costs more than the
+cases)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ MODELS = {
     "phi3_fused": lambda: make_hf_model("phi3"),  # its checkpoint's q|k|v and gate|up come fused
     "mixtral": lambda: make_hf_moe("mixtral"),
     "qwen2_moe": lambda: make_hf_moe("qwen2_moe"),
+    "qwen3_moe": lambda: make_hf_moe("qwen3_moe"),  # q/k norms, tied, a dense layer before a sparse one
     "gemma3": make_gemma3,
 }
 QUANTIZED = ("int8", "int4", "fp8")

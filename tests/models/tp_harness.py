@@ -44,9 +44,9 @@ def _run_case(tp: TensorParallel | None, case: dict[str, Any]) -> dict[str, Any]
     from jobrunner.engine.llm_engine import LLMEngine
     from jobrunner.models.factory import load_for_engine
 
-    model, tokenizer, eos_ids, info = load_for_engine(str(case["path"]), dtype=case.get("dtype", "float32"), device="cpu",
-                                                      quantization=case.get("quantization", "none"),
-                                                      tensor_parallel=tp)
+    model, tokenizer, eos_ids, info = load_for_engine(
+        str(case["path"]), dtype=case.get("dtype", "float32"), device="cpu",
+        quantization=case.get("quantization", "none"), tensor_parallel=tp)
     steps: list[torch.Tensor] = []
     compute_logits = model.compute_logits
 
