@@ -588,6 +588,8 @@ class StageSpec(_Spec):
     embed: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's embed section.")
     cluster: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's cluster section "
                                     "(each stage has its own workers).")
+    cost: dict[str, Any] = Field(default_factory=dict, description="Merged over the job's cost section (an "
+                                 "endpoint stage's token prices).")
     input: StageInputSpec | None = Field(default=None, description="Every stage but the first: the request built "
                                          "from the previous stage's columns.")
     output_columns: dict[str, str] = Field(

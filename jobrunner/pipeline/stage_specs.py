@@ -3,7 +3,7 @@
 Stage 1 is the job itself (its input, every input column kept) writing to `<output>/stages/<name>/`. A later
 stage reads its `_input/` files (io/stage_input.py: `id`, the carried columns, the built request in
 `_stage_prompt` / `_stage_messages` / `_stage_completion`) with every column kept. A stage's `model`,
-`engine`, `sampling`, `embed` and `cluster` are merged over the job's; its `task` replaces the job's.
+`engine`, `sampling`, `embed`, `cluster` and `cost` are merged over the job's; its `task` replaces the job's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 STAGES_DIR = "stages"
-MERGED_SECTIONS = ("model", "engine", "sampling", "embed", "cluster")
+MERGED_SECTIONS = ("model", "engine", "sampling", "embed", "cluster", "cost")
 # output settings every stage takes from the job (the rest of `output` belongs to the final rows or to stage 1)
 SHARED_OUTPUT = ("storage_options", "lease_ttl_s", "max_error_rate", "reasoning_parser", "tool_call_parser")
 # job input settings that name input columns: a later stage's input has other columns
@@ -69,8 +69,6 @@ def _later(job: dict[str, Any], stage: dict[str, Any], out_url: str) -> dict[str
         "output": {"url": url, "mode": "overwrite" if output.get("mode") == "overwrite" else "resume",
                    "keep_columns": "*", **{k: output[k] for k in SHARED_OUTPUT if k in output}},
     }
-    if "cost" in job:
-        spec["cost"] = job["cost"]
     spec.update(_sections(job, stage, drop_sampling=_INPUT_COLUMN_SAMPLING))
     return spec
 

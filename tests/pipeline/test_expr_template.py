@@ -115,7 +115,9 @@ def _pipeline(**judge) -> dict:
 
 
 def test_stage_specs_merge_the_job_sections_and_read_the_previous_stage():
-    gen, judge = spec_from_dict(_pipeline(engine={"max_num_seqs": 2}, task="generate")).stage_specs()
+    gen, judge = spec_from_dict(_pipeline(engine={"max_num_seqs": 2}, task="generate",
+                                          cost={"usd_per_m_output": 2.0})).stage_specs()
+    assert (gen.cost.usd_per_m_output, judge.cost.usd_per_m_output) == (None, 2.0)
     assert (gen.name, gen.output.url, gen.output.keep_columns, gen.output.mode) == \
         ("p.gen", "/tmp/out-p/stages/gen", "*", "incremental")
     assert (gen.sampling.max_tokens, gen.sampling.seed_column, gen.engine.max_num_seqs) == (16, "seed", 4)
