@@ -5,6 +5,7 @@ manifest, the token-priced cost in the report, and the API key nowhere in what t
 
 from __future__ import annotations
 
+import json
 import os
 
 import pyarrow.parquet as pq
@@ -21,14 +22,14 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(900)]
 KEY = "sk-endpoint-job-key-4b1f9c2e7d0a55aa"
 
 
-def _spec(tmp_path, url: str, max_usd: float):
+def _spec(tmp_path, url: str, max_usd: float, *extra: str):
     return load_spec(REPO / "jobs" / "example.yaml", [
         f"input.url={tmp_path / 'rows.parquet'}", "input.rows_per_shard=4", "sampling.max_tokens=8",
         "sampling.repetition_penalty=1.0", f"output.url={tmp_path / 'out'}", "cluster.num_cpus_per_worker=1",
         "engine.backend=openai", f"engine.endpoint.base_url={url}", "engine.endpoint.model=smollm2",
         "engine.endpoint.api_key=${env:EP_JOB_KEY}", "engine.endpoint.max_concurrency=2",
         "engine.endpoint.max_retries=20", "cost.usd_per_m_input=1000", "cost.usd_per_m_output=2000",
-        f"cost.max_usd={max_usd}"])
+        f"cost.max_usd={max_usd}", *extra])
 
 
 def test_spending_cap_stops_resumable_and_the_rerun_finishes(local_ray, vllm_endpoint, tmp_path, monkeypatch):
@@ -71,3 +72,23 @@ def test_spending_cap_stops_resumable_and_the_rerun_finishes(local_ray, vllm_end
     leaks = [str(p) for p in out.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert leaks == []
     assert os.environ["EP_JOB_KEY"] == KEY
+
+
+def test_a_row_whose_retries_run_out_is_an_error_row_and_the_job_goes_on(local_ray, vllm_endpoint, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("EP_JOB_KEY", KEY)
+    rows = pq.read_table(REPO / "examples" / "data" / "prompts.parquet").slice(0, 8)
+    pq.write_table(rows, tmp_path / "rows.parquet")
+    marker = rows.column("messages")[5].as_py()[0]["content"][:40]
+    with FaultProxy(vllm_endpoint.url, seed=2, rate_429=0.2, retry_after="0", expect_key=KEY,
+                    always_429=json.dumps(marker)[1:-1]) as proxy:
+        spec = _spec(tmp_path, proxy.url, 100.0, "output.max_error_rate=0.5", "engine.endpoint.max_retries=3")
+        result = run_job(spec, show_progress=False)
+    assert result.ok, result.summary()
+    table = {r["id"]: r for r in read_output(str(tmp_path / "out")).to_pylist()}
+    assert sorted(table) == sorted(rows.column("id").to_pylist())
+    bad = table[rows.column("id")[5].as_py()]
+    assert bad["finish_reason"] == "error" and bad["num_retries"] == 3
+    assert bad["error"] == ("endpoint: gave up after 4 attempts (engine.endpoint.max_retries=3); last: HTTP 429: rate "
+                            "limited by the fault proxy")
+    assert [r["id"] for r in table.values() if r["error"]] == [bad["id"]]
