@@ -300,7 +300,7 @@ class _JobLoop:
         try:
             result = ray.get(ref)
         except RayActorError as exc:
-            self._worker_lost(worker, _short(exc))
+            self._worker_lost(worker, self.pool.named_loss(worker, _short(exc)))  # a group's: rank 0 named
             return
         except RayTaskError as exc:
             if isinstance(exc.cause, EngineStopped):  # a limit the user set (cost.max_usd): the run ends here

@@ -256,6 +256,10 @@ class WorkerPool:
         return [(w, end) for w in self.workers if w.group is not None and w.is_ready
                 for end in [w.group.check()] if end is not None]
 
+    def named_loss(self, worker: Worker, error: str) -> str:
+        """A worker whose actor died (``error``): a tensor-parallel worker's names rank 0, its node and pid."""
+        return worker.group.leader_lost(error) if worker.group is not None and worker.group.followers else error
+
     def explain_failure(self, worker: Worker, error: str, reason: str) -> RankEnd:
         """A worker's engine failed beyond repair (``reason``): a tensor-parallel worker's lost rank (not the
         rows' crash) when one went with it; otherwise the engine's crash."""

@@ -258,9 +258,34 @@ class RankGroup:
             cause = getattr(exc, "cause", None)
             what = f"{type(cause).__name__}: {cause}" if cause is not None else _last_line(exc)
             crash = None if is_collective_failure(what) else redact_text(what)
-        verb = "failed" if crash is not None else "lost"
-        who = f"rank {rank} of {len(self.followers) + 1} {verb} ({where(self.known.get(rank, {}))})"
-        return RankEnd(redact_text(f"{who}: {what}"), crash)
+            dead = self.dead_rank() if crash is None else None  # the peer whose loss failed its collective
+            if dead is not None and dead[0] != rank:
+                return RankEnd(redact_text(f"{self._who(dead[0], 'lost')}: its process died ({dead[1]}); rank "
+                                           f"{rank} saw: {what}"))
+        return RankEnd(redact_text(f"{self._who(rank, 'failed' if crash is not None else 'lost')}: {what}"), crash)
+
+    def _who(self, rank: int, verb: str) -> str:
+        return f"rank {rank} of {len(self.followers) + 1} {verb} ({where(self.known.get(rank, {}))})"
+
+    def dead_rank(self, wait_s: float = FROZEN_WAIT_S) -> tuple[int, str] | None:
+        """The first rank whose actor Ray reports dead (rank, Ray's short word on it), asking each with a
+        ping answered within ``wait_s``; None when every rank that answered is alive."""
+        actors = {0: self.leader, **dict(enumerate(self.followers, start=1))}
+        pings = {actor.ping.remote(): rank for rank, actor in actors.items()}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=wait_s)
+        for ref in sorted(done, key=lambda r: pings[r]):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                return pings[ref], _death(exc)
+            except (RayTaskError, GetTimeoutError):
+                continue
+        return None
+
+    def leader_lost(self, error: str) -> str:
+        """Rank 0's actor died (its calls failed with ``error``): named as a lost rank."""
+        self._take_pings()
+        return redact_text(f"{self._who(0, 'lost')}: {error}")
 
     def frozen_rank(self, stall: str, wait_s: float = FROZEN_WAIT_S) -> RankEnd | None:
         """Rank 0's engine call hangs (``stall``): the first follower that does not answer a ping within
@@ -322,7 +347,7 @@ class GroupShardRunner(ShardRunner):
     engine's own crash: its rows are isolated by worker restarts, driver/losses.py)."""
 
     def _on_engine_failure(self, reason: str) -> None:
-        raise RuntimeError(reason)
+        raise RuntimeError(f"rank 0's step failed: {reason}")
 
 
 def _death(exc: BaseException) -> str:

@@ -168,3 +168,26 @@ def test_a_vllm_worker_over_two_ranks_asks_one_bundle_of_the_whole_worker(local_
     data["cluster"].update(num_cpus_per_worker=4, worker_start_timeout_s=1.0)  # one actor: one bundle of 4 CPUs
     result = run_job(spec_from_dict(data), show_progress=False)
     assert not result.ok and "a placement group (STRICT_PACK: one node) of 1 x {\"CPU\": 4.0} x 1 (" in result.error
+
+
+@pytest.mark.heavy  # ~30 s more: the same fault on rank 0
+def test_a_killed_rank_0_is_named_as_the_lost_rank(local_ray, tiny_llama_hf_dir, tmp_path):
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
+    data["sampling"]["max_tokens"] = MAX_TOKENS * 3
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
+    thread.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and thread.is_alive():
+        leader = _actor(":w0")
+        if leader is not None and _rows_done(leader) >= 1:
+            break
+        time.sleep(0.1)
+    assert thread.is_alive(), "the job finished before a rank could be killed"
+    pid = ray.get(leader.ping.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    thread.join(300)
+    assert box["result"].ok, box["result"].summary()
+    assert sorted(_texts(tmp_path / "out")) == ids
+    lost = read_manifest_file(tmp_path / "out")["workers"]["w0"]["lost"]
+    assert lost.startswith("rank 0 of 2 lost (node ") and f"pid {pid})" in lost, lost  # not rank 1, which saw it
