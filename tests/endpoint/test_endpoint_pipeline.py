@@ -41,10 +41,9 @@ def _pipeline(tmp_path, endpoint_url: str) -> dict:
             "engine": {"max_num_seqs": 16},
             "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5, "retry_backoff_s": 0.1},
             "output": {"url": str(tmp_path / "out"), "mode": "resume", "lease_ttl_s": 120.0},
-            "cost": {"usd_per_m_input": 0.5, "usd_per_m_output": 1.5},
             "stages": [
                 {"name": "answer"},
-                {"name": "judge", "engine": judge_engine,
+                {"name": "judge", "engine": judge_engine, "cost": {"usd_per_m_input": 0.5, "usd_per_m_output": 1.5},
                  "sampling": {"max_tokens": 12, "repetition_penalty": 1.0, "json_schema": SCHEMA},
                  "input": {"prompt": "Rate the answer from 1 to 10.\nQuestion: {prompt}\nAnswer: {generated_text}\n"
                                      "JSON:"},
@@ -104,6 +103,12 @@ def test_endpoint_judge_pipeline_killed_mid_judge_and_rerun(local_ray, vllm_endp
     shortened = {r["id"]: r for r in pq.read_table(stages["shorten"] / "parts").to_pylist()}
     final = sorted(i for i, r in shortened.items() if r["num_output_tokens"] >= 1)
     assert _ids(out / "parts") == final
+    from jobrunner.reports.pipeline import load_pipeline_report
+
+    report = load_pipeline_report(str(out))  # only the judge has token prices (its own cost section)
+    priced = [s["report"]["cost"]["token_priced"] for s in report["stages"]]
+    assert priced[0] is None and priced[2] is None and priced[1]["total_usd"] > 0
+    assert report["total_usd"] == pytest.approx(priced[1]["total_usd"])  # no worker-hour price set
     funnel = {f["stage"]: (f["rows_in"], f["kept"], f["dropped"], f["error"]) for f in result.funnel}
     assert funnel == {"answer": (N, N, 0, 0), "judge": (N, len(passed), N - len(passed), 0),
                       "shorten": (len(passed), len(final), len(passed) - len(final), 0)}
