@@ -192,13 +192,14 @@ class _JobLoop:
             self._show_progress()
 
     def _feed_open(self) -> bool:
-        if self.stage is not None and self.stage.stop.is_set():
-            raise KeyboardInterrupt(f"the pipeline stopped stage {self.spec.name}")
         return self.feed is not None and self.feed.is_open
 
     def _take_fed(self) -> None:
         """A pipeline stage: the shards its feed found (committed upstream since the last poll) join the table
-        and the queue; the manifest is written first, so that no commit record names a shard it lacks."""
+        and the queue; the manifest is written first, so that no commit record names a shard it lacks. Every
+        round: a stopped pipeline (Ctrl-C in its main thread) stops the stage as Ctrl-C stops a job."""
+        if self.stage is not None and self.stage.stop.is_set():
+            raise KeyboardInterrupt(f"the pipeline stopped stage {self.spec.name}")
         if self.feed is None:
             return
         fed = self.feed.poll()
