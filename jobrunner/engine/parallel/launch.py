@@ -85,8 +85,12 @@ def spawn_local(build: Build, world: int, *, timeout_s: float = 120.0, backend: 
         p.start()
     try:
         leader = build_rank_engine(build, specs[0])
-    except BaseException:
+    except BaseException as exc:
+        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(procs) if p.exitcode]
         _stop(procs, 0.0)
+        if dead and isinstance(exc, Exception):
+            raise RuntimeError(f"a local tensor-parallel group of {world} did not start: {'; '.join(dead)} "
+                               f"(its error is above in this process's stderr); rank 0: {exc}") from exc
         raise
     leader._on_close = lambda: _stop(procs, 30.0)
     leader.processes = procs
