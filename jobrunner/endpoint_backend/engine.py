@@ -269,8 +269,10 @@ class EndpointEngine:
         """The cap lets no waiting request go, and none is in flight whose answer could change that."""
         if self.config.max_usd is None or self._in_flight:
             return False
-        waiting = [self._retries[0][2]] if self._retries else self._fresh[:1]
-        return bool(waiting) and self._over_cap(waiting[0])
+        due = bool(self._retries) and self._retries[0][0] <= time.monotonic()
+        head = self._retries[0][2] if due or (self._retries and not self._fresh) else \
+            (self._fresh[0] if self._fresh else None)  # what the dispatcher would send next
+        return head is not None and self._over_cap(head)
 
     def _stop_reason(self) -> str:
         return (f"cost.max_usd reached: this worker spent ${self._stats.cost_usd:.4f} of its ${self.config.max_usd:g} "
