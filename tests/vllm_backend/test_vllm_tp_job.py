@@ -93,3 +93,45 @@ def test_bench_runs_both_engines_at_tensor_parallel_2(tmp_path, tp_llama_dir):
     ours, theirs = out["ours"], out["baseline"]
     assert ours["num_prompt_tokens"] == theirs["num_prompt_tokens"] > 0
     assert ours["num_output_tokens"] == theirs["num_output_tokens"] == 32 and theirs["num_errors"] == 0
+
+
+def _descendants(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    kids = [int(x) for x in out]
+    return kids + [g for k in kids for g in _descendants(k)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_vllm_process_takes_its_ranks_with_it(tmp_path, tp_llama_dir):
+    """A worker's vLLM process killed (-9) with two CPU ranks: vLLM's rank processes end too (none is left to hold
+    its cores and memory while the worker starts a new engine)."""
+    import os
+    import signal
+    import time
+
+    from jobrunner.vllm_backend.build import build_vllm_engine
+
+    python = vllm_python_or_skip()
+    spec = spec_from_dict({
+        "name": "kill", "model": {"source": str(tp_llama_dir), "dtype": "float32"},
+        "input": {"url": str(tmp_path / "in.parquet"), "prompt_column": "prompt"},
+        "engine": {"backend": "vllm", "vllm_python": python, "tensor_parallel_size": 2, "max_model_len": 256,
+                   "kv_cache_memory_bytes": 2**30},
+        "cluster": {"num_cpus_per_worker": 2}, "output": {"url": str(tmp_path / "out")}})
+    engine = build_vllm_engine(spec)
+    ranks = _descendants(engine._proc.pid)
+    assert len(ranks) >= 2 and engine.model_info["tensor_parallel_size"] == 2
+    os.kill(engine._proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while any(_running(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [p for p in ranks if _running(p)] == []
