@@ -285,7 +285,9 @@ class RankGroup:
     def leader_lost(self, error: str) -> str:
         """Rank 0's actor died (its calls failed with ``error``): named as a lost rank."""
         self._take_pings()
-        return redact_text(f"{self._who(0, 'lost')}: {error}")
+        died = re.search(r"exit type: \w+", error) is not None
+        what = f"its process died ({_death(Exception(error))})" if died else error
+        return redact_text(f"{self._who(0, 'lost')}: {what}")
 
     def frozen_rank(self, stall: str, wait_s: float = FROZEN_WAIT_S) -> RankEnd | None:
         """Rank 0's engine call hangs (``stall``): the first follower that does not answer a ping within

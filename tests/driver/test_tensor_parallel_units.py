@@ -78,3 +78,13 @@ def test_a_collective_failure_is_a_lost_rank_an_engine_error_is_a_crash():
     died = Exception("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
                      "exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some ...")
     assert _death(died) == "SYSTEM_ERROR, Worker unexpectedly exits with a connection error code 2."
+
+
+def test_rank_0s_death_is_named_with_its_node_and_pid():
+    from jobrunner.driver.rank_group import RankGroup
+
+    group = RankGroup(None, None, [None], {}, {}, known={0: {"rank": 0, "node": "n1", "pid": 14140}})
+    ray_text = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+                "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes")
+    assert group.leader_lost(ray_text) == ("rank 0 of 2 lost (node n1, pid 14140): its process died (SYSTEM_ERROR, "
+                                           "Worker unexpectedly exits with a connection error code 2.)")
