@@ -155,9 +155,10 @@ def vllm_env(spec: Any, python: str | None = None, device: str = "cpu",
     core kept back for it, as many OpenMP threads as the worker has CPUs, the KV cache in GiB from
     engine.kv_cache_memory_bytes (else 4), and the allocator and OpenMP runtime its docs ask to preload
     (``cpu_preload``). With tensor / pipeline ranks on CPU vLLM runs a process per rank: each rank's OpenMP
-    threads are bound to its own cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``, from ``cpu_bind``) and
-    ``VLLM_CPU_KVCACHE_SPACE`` is per rank: the worker's KV budget split over its ranks (each holds its share
-    of the KV heads, so the same tokens fit), at least 1 GiB each."""
+    threads are bound to its own cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``, from ``cpu_bind``), with
+    ``OMP_NUM_THREADS`` its share of the worker's CPUs. ``VLLM_CPU_KVCACHE_SPACE`` is each rank's, as
+    engine.kv_cache_memory_bytes is each rank's in our engine (and vLLM's own on each GPU): a rank holds its
+    share of the KV heads, so two ranks of 4 GiB hold twice the tokens of one."""
     if device == "cuda":
         return {k: v for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}.items() if k not in os.environ}
     cpus = max(1, int(spec.cluster.num_cpus_per_worker))
@@ -165,7 +166,7 @@ def vllm_env(spec: Any, python: str | None = None, device: str = "cpu",
     world = world_size(spec)
     defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "OMP_NUM_THREADS": str(max(1, cpus // world)),
-                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / world / 2**30)))}
+                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(space / 2**30)))}
     if world > 1:
         defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(world, cpus, cores)
     preload = cpu_preload(python) if python else ""

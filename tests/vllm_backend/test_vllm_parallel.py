@@ -49,19 +49,19 @@ def test_the_executor_follows_where_the_gpus_are(tmp_path):
         parallel_args(spec, "cuda", visible_gpus=8)
 
 
-def test_cpu_ranks_bind_their_own_cores_and_share_the_kv_space(tmp_path, monkeypatch):
+def test_cpu_ranks_bind_their_own_cores_each_with_its_kv_space(tmp_path, monkeypatch):
     for name in CPU_ENV:
         monkeypatch.delenv(name, raising=False)
     spec = _spec(tmp_path, {"tensor_parallel_size": 2, "kv_cache_memory_bytes": 4 * 2**30},
                  {"num_cpus_per_worker": 2})
     assert vllm_env(spec, cores=[0, 1]) == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # 4 GiB on each rank, as ours
     assert engine_args(spec, "/m", "float32")["distributed_executor_backend"] == "mp"
     wide = _spec(tmp_path, {"tensor_parallel_size": 2}, {"num_cpus_per_worker": 8})
     env = vllm_env(wide, cores=list(range(4, 16)))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "4,5,6,7|8,9,10,11" and env["OMP_NUM_THREADS"] == "4"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the default 4 GiB over 2 ranks
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the default, per rank
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")  # the operator's environment wins
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(wide, cores=list(range(16)))
 
