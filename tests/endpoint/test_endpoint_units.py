@@ -150,3 +150,32 @@ def test_spec_keys_and_the_api_key_never_written(tmp_path, monkeypatch):
 def test_spec_checks_name_the_field(tmp_path, monkeypatch, change, message):
     with pytest.raises(SpecError, match=message):
         _spec(tmp_path, {**BASE, **change}, monkeypatch)
+
+
+def test_streamed_chunks_assemble_into_the_plain_answer():
+    from jobrunner.endpoint_backend.wire import assemble_stream
+
+    chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "He"},
+                          "logprobs": {"content": [{"token": "He", "logprob": -0.1}]}}]},
+            {"choices": [{"index": 0, "delta": {"content": "llo", "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"a\""}}]},
+                          "logprobs": {"content": [{"token": "llo", "logprob": -0.2}]}}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                          "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}]
+    answer = parse_answer(assemble_stream(chat))
+    choice = answer.choices[0]
+    assert (choice.text, choice.finish_reason, answer.prompt_tokens, answer.completion_tokens) == \
+        ("Hello", "tool_calls", 5, 2)
+    assert choice.tool_calls == [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}]
+    assert [t.token for t in choice.logprobs] == ["He", "llo"]
+    text = [{"choices": [{"index": 1, "text": "b", "logprobs": {"tokens": ["b"], "token_logprobs": [-1.0],
+                                                                "top_logprobs": [{"b": -1.0}]}}]},
+            {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]},
+            {"choices": [{"index": 1, "text": "c", "finish_reason": "stop",
+                          "logprobs": {"tokens": ["c"], "token_logprobs": [-2.0], "top_logprobs": [{"c": -2.0}]}}]}]
+    answer = parse_answer(assemble_stream(text))
+    assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == [(0, "a", "length"), (1, "bc", "stop")]
+    assert [t.logprob for t in answer.choices[1].logprobs] == [-1.0, -2.0] and answer.choices[0].logprobs is None
+    with pytest.raises(ValueError, match="the stream ended with an error: boom"):
+        assemble_stream([{"error": {"message": "boom"}}])
