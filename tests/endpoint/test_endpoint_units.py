@@ -179,3 +179,14 @@ def test_streamed_chunks_assemble_into_the_plain_answer():
     assert [t.logprob for t in answer.choices[1].logprobs] == [-1.0, -2.0] and answer.choices[0].logprobs is None
     with pytest.raises(ValueError, match="the stream ended with an error: boom"):
         assemble_stream([{"error": {"message": "boom"}}])
+
+
+def test_a_resume_with_another_endpoint_model_is_refused_other_endpoint_settings_are_not():
+    from jobrunner.driver.resume_check import spec_differences
+
+    def spec(**endpoint):
+        return {"engine": {"backend": "openai", "endpoint": {"base_url": "http://a/v1", "model": "m", **endpoint}}}
+
+    assert spec_differences(spec(), spec(base_url="http://b/v1", requests_per_minute=10, api_key="***")) == []
+    assert spec_differences(spec(), spec(model="judge-2")) == [("engine.endpoint.model", "m", "judge-2")]
+    assert spec_differences({"engine": {}}, {"engine": {"backend": "jobrunner", "endpoint": None}}) == []
