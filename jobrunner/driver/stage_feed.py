@@ -1,15 +1,15 @@
 """A pipeline stage's feed: its shards, one per committed shard of the previous stage, found as they land.
 
-The job loop of a later stage (driver/job.py) polls its feed every round; the feed polls at most every
-`poll_s`. A poll reads the previous stage's manifest table with its commit records folded in
-(io/stage_input.committed_shards: what `jobrunner status` reads too), and for each committed shard it has not
-seen writes the stage's input file `_input/<shard id>.parquet` (io/stage_input.hand_on: the rows that go on;
-an existing file is reused, never rewritten) and hands the loop a shard with **the upstream shard's id** and
-all the file's rows. The ids are a function of the upstream ids alone, so a rerun after a crash re-derives
-the same shards: the ones committed before (kept by driver/output.py as an incremental run keeps its own) are
-known and skipped, the rest run. An upstream shard whose rows all stopped (errors, filtered) gives an input
-file of 0 rows and no shard. The feed closes on the first poll that starts after the previous stage's run
-ended, so nothing committed upstream is missed.
+The job loop of a later stage (driver/job.py) polls its feed every round; the feed polls at most every `poll_s`.
+A poll reads the previous stage's manifest (its shard table again only after a compaction wrote a new one) and
+the commit records of shards it has not seen (io/stage_input.CommittedLister), and for each committed shard it
+has not seen writes the stage's input file `_input/<shard id>.parquet` (io/stage_input.hand_on: the rows that go
+on; an existing file is reused, never rewritten) and hands the loop a shard with **the upstream shard's id** and
+all the file's rows. The ids are a function of the upstream ids alone, so a rerun after a crash re-derives the
+same shards: the ones committed before (kept by driver/output.py as an incremental run keeps its own) are known
+and skipped, the rest run. An upstream shard whose rows all stopped (errors, filtered) gives an input file of 0
+rows and no shard. The feed closes on the first poll that starts after the previous stage's run ended, so
+nothing committed upstream is missed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from jobrunner.driver.plan import JobPlan
 from jobrunner.driver.shards import ShardTable, plan_shards
-from jobrunner.io.stage_input import committed_shards, hand_on, input_key
+from jobrunner.io.stage_input import CommittedLister, hand_on, input_key
 from jobrunner.io.storage import Storage
 from jobrunner.pipeline.handoff import Handoff
 
@@ -52,6 +52,7 @@ class StageFeed:
     def __init__(self, upstream: Storage, handoff: Handoff, rows_per_shard: int, poll_s: float = POLL_S,
                  key_of: Callable[[str], str] = input_key) -> None:
         self.upstream, self.handoff, self.poll_s, self.key_of = upstream, handoff, poll_s, key_of
+        self.lister = CommittedLister(upstream)
         self.rows_per_shard = rows_per_shard
         self.target: Storage | None = None  # the stage's output (fenced by its lease): attach()
         self.known: set[str] = set()
@@ -88,9 +89,7 @@ class StageFeed:
         assert self.target is not None, "attach() first"
         ended = self.ended.is_set()  # read before listing: a poll begun after the end sees every commit
         fed = []
-        for shard_id, parts in sorted(committed_shards(self.upstream).items()):
-            if shard_id in self.known:
-                continue
+        for shard_id, parts in sorted(self.lister.new_shards(self.known).items()):
             key = self.key_of(shard_id)
             num_rows = hand_on(self.upstream, parts, self.target, key, self.handoff)
             self.known.add(shard_id)

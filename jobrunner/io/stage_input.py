@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobrunner.io.layout import PARTS_DIR, STAGE_INPUT_DIR
-from jobrunner.io.manifest import read_manifest_table
+from jobrunner.io.commits import is_stale, list_commit_records, read_commit_records
+from jobrunner.io.layout import LEASE_GENERATION, PARTS_DIR, STAGE_INPUT_DIR
+from jobrunner.io.manifest import read_manifest, read_manifest_table
 from jobrunner.io.parts import read_part
 from jobrunner.io.reader import ROW_ERROR
 from jobrunner.io.shard_file import COMMITTED
@@ -59,6 +60,35 @@ def committed_shards(storage: Storage) -> dict[str, list[str]]:
         return {}
     _, columns = found
     return {columns.id_of(i): columns.parts_of(i) for i in np.flatnonzero(columns.status == COMMITTED).tolist()}
+
+
+class CommittedLister:
+    """The committed shards of an output that is still being written (a pipeline's previous stage), polled
+    cheaply: its shard table is read again only when the manifest names a new one (a compaction), and only the
+    commit records of shards not seen yet are read (one small read each, on an object store a GET). `known`: ids
+    the caller has taken already (they are never returned again)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.table_key: str | None = None
+        self.in_table: dict[str, list[str]] = {}  # committed shards of the last table read: id -> part keys
+
+    def new_shards(self, known: set[str]) -> dict[str, list[str]]:
+        """Shard id -> part keys of the committed shards not in `known`."""
+        manifest = read_manifest(self.storage)
+        if manifest is None:
+            return {}
+        key = (manifest.get("shard_table") or {}).get("key")
+        if key is None or key != self.table_key:  # a new table (or a format without one): read it whole
+            self.in_table = committed_shards(self.storage)
+            self.table_key = key
+        found = {i: p for i, p in self.in_table.items() if i not in known}
+        todo = [i for i in list_commit_records(self.storage) if i not in known and i not in found]
+        generation = manifest.get(LEASE_GENERATION)
+        for shard_id, record in read_commit_records(self.storage, todo).items():
+            if not is_stale(record, generation):
+                found[shard_id] = [str(p) for p in record.get("parts") or [record.get("part")] if p]
+        return found
 
 
 def input_rows(storage: Storage, key: str) -> int | None:
