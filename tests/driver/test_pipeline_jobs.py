@@ -259,3 +259,31 @@ def test_incremental_nights_run_only_the_new_rows_through_every_stage(local_ray,
     assert _ids(out / "stages/gen/parts") == sorted(rows) and _ids(out / "stages/judge/parts") == sorted(rows)
     assert _ids(out / "parts") == sorted(i for i in rows if int(i[1:]) % 10 >= 4)
     assert [(f["rows_in"], f["kept"]) for f in result.funnel] == [(24, 24), (24, len(_ids(out / "parts")))]
+
+
+@pytest.mark.heavy  # a second pipeline run on the moto server; the local-disk tests above cover the logic
+def test_pipeline_on_s3(local_ray, s3_server):
+    """Input, every stage's output, the stage inputs and the final rows on an S3 server (moto): the same ids."""
+    from jobrunner.io.parts import read_output
+    from tests.driver.helpers import new_bucket, write_prompts
+
+    bucket, opts = new_bucket(s3_server), s3_server["storage_options"]
+    ids = write_prompts(f"s3://{bucket}/data/in.parquet", 16, storage_options=opts)
+    data = {"name": "s3-pipeline",
+            "input": {"url": f"s3://{bucket}/data/", "prompt_column": "prompt", "id_column": "id", "rows_per_shard": 8,
+                      "storage_options": opts},
+            "sampling": {"max_tokens": 2},
+            "engine": {"max_num_seqs": 8, "factory": "tests.driver.fake_engine:make_engine"},
+            "cluster": {"num_workers": 1, "num_cpus_per_worker": 0.5},
+            "output": {"url": f"s3://{bucket}/out", "storage_options": opts},
+            "stages": [{"name": "gen"},
+                       {"name": "judge", "engine": {"factory": "tests.driver.judge_engine:make_judge"},
+                        "input": {"prompt": "{prompt}"}, "output_columns": {"score": "json.score"},
+                        "filter": "score >= 5"}]}
+    result = run_pipeline(spec_from_dict(data), show_progress=False)
+    assert result.ok, result.summary()
+    judged = read_output(f"s3://{bucket}/out/stages/judge", opts).column("id").to_pylist()
+    final = read_output(f"s3://{bucket}/out", opts).to_pylist()
+    assert sorted(judged) == ids
+    assert sorted(r["id"] for r in final) == [i for i in ids if int(i[1:]) % 10 >= 5]
+    assert all(r["score"] >= 5 for r in final)
