@@ -718,7 +718,10 @@ class JobSpec(_Spec):
                     "the first stage reads the job's input; leave its input unset" if i == 0 else
                     "set input.prompt or input.messages (built from the previous stage's columns)"))
         if self.stages:
-            self.stage_specs()
+            for i, spec in enumerate(self.stage_specs()[:-1]):
+                if spec.sampling.n > 1:  # n rows of one id would reach the next stage as one id n times
+                    raise ValueError(f"stages[{i}] ({self.stages[i].name}): sampling.n > 1 gives several rows per "
+                                     "id; only the last stage may sample n > 1")
         return self
 
     def stage_specs(self) -> list[JobSpec]:

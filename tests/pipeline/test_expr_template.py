@@ -146,6 +146,15 @@ def test_bad_stages_are_refused_naming_the_stage(change, message):
         spec_from_dict(data)
 
 
+def test_only_the_last_stage_may_sample_several_rows_per_id():
+    data = _pipeline()
+    data["stages"][0]["sampling"] = {"n": 2}
+    with pytest.raises(SpecError, match=r"stages\[0\] \(gen\): sampling.n > 1 gives several rows per id"):
+        spec_from_dict(data)
+    data["stages"][0]["sampling"], data["stages"][1]["sampling"] = {}, {"n": 2}
+    assert spec_from_dict(data).stage_specs()[1].sampling.n == 2
+
+
 def test_the_first_stage_reads_the_jobs_input():
     data = _pipeline()
     data["stages"][0]["input"] = {"prompt": "{prompt}"}
