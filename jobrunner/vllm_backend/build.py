@@ -28,6 +28,8 @@ def build_vllm_engine(spec: Any, log_dir: str | None = None, placement: dict[str
     group, for pipeline stages on other nodes: vLLM's Ray executor puts its rank actors in that group's
     one-GPU bundles (engine.tensor_parallel_size x pipeline_parallel_size of them). Without it the ranks are
     processes of this node over the GPUs the worker's actor holds."""
+    import torch
+
     from jobrunner.models.factory import choose_dtype, describe_dtype_choice, resolve_device
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.models.weights import load_config, load_tokenizer
@@ -45,7 +47,9 @@ def build_vllm_engine(spec: Any, log_dir: str | None = None, placement: dict[str
     config = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     clock.mark("tokenizer")
-    device = resolve_device(spec.engine.device)
+    # pipeline stages on GPUs: this process holds none of the group's GPUs (vLLM's Ray executor places its ranks
+    # on them), so CUDA is what the placement says, not what this process sees
+    device = torch.device("cuda") if placement else resolve_device(spec.engine.device)
     torch_dtype, choice = choose_dtype(spec.model.dtype, device)
     dtype = str(torch_dtype).removeprefix("torch.")
     info = {"source": spec.model.source, "architecture": (getattr(config, "architectures", None) or ["?"])[0],
