@@ -528,9 +528,10 @@ def _request_id(state: _ShardState, req: RowRequest) -> str:
 
 
 def error_kind(error: str) -> str:
-    """An error's kind for summaries: its text up to the first detail (row ids, numbers, quoted values)."""
+    """An error's kind for summaries: its text up to the first detail (row ids, numbers, quoted values); an
+    HTTP status stays (`HTTP 401`: the kind a user acts on)."""
     head = error.split(" (row ", 1)[0]
-    return re.sub(r"\d+", "N", head)[:120]
+    return re.sub(r"(?<!HTTP )(?<!\d)\d+", "N", head)[:160]
 
 
 def error_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
