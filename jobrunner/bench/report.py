@@ -60,7 +60,8 @@ def _workload_line(w: dict[str, Any]) -> str:
     return (f"{w['num_prompts']} prompts ({w['num_dropped_too_long']} dropped: too long), max_tokens "
             f"{w['max_tokens']} ({stop}), model {w['model']} {w['dtype']} on {w['device']}, quantization "
             f"{w['quantization']}, max_num_seqs {w['max_num_seqs']}, attention "
-            f"{w.get('attention_backend', 'torch')}")
+            f"{w.get('attention_backend', 'torch')}"
+            + (f", tensor parallel {w['tensor_parallel_size']}" if w.get("tensor_parallel_size", 1) > 1 else ""))
 
 
 def _baseline_label(result: dict[str, Any]) -> str:

@@ -213,6 +213,7 @@ def _workload(options: BenchOptions, prep: _Prepared) -> dict[str, Any]:
         "model": e.model, "dtype": prep.model_info.get("dtype"), "device": str(prep.device),
         "quantization": e.quantization, "baseline": options.baseline, "speculative": e.speculative,
         "profile": options.profile, "attention_backend": prep.attention_backend,
+        "tensor_parallel_size": e.tensor_parallel_size,
     }
 
 
