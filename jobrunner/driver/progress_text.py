@@ -25,8 +25,22 @@ def describe_ray_start(spec: JobSpec, address: str | None) -> str:
 
 
 def describe_placing(spec: JobSpec, count: int) -> str:
-    """'placing 2 workers, each asking {"CPU": 1.0}' (the resources Ray must find for each)."""
-    return f"placing {count} worker{'s' if count != 1 else ''}, each asking {json.dumps(worker_resources(spec))}"
+    """'placing 2 workers, each asking {"CPU": 1.0}' (the resources Ray must find for each); a tensor-parallel
+    worker says so: 'placing 1 worker of 2 tensor-parallel ranks, each asking a placement group (STRICT_PACK:
+    one node) of 2 x {"CPU": 1.0}' (vLLM's: 'placing 1 worker (vLLM, tensor parallel 2 x pipeline 1), ...')."""
+    from jobrunner.driver.engine_factory import is_rank_group
+    from jobrunner.driver.rank_group import rank_placement, vllm_placement
+
+    workers = f"{count} worker{'s' if count != 1 else ''}"
+    e = spec.engine
+    if is_rank_group(spec):
+        return (f"placing {workers} of {e.tensor_parallel_size} tensor-parallel ranks, each asking "
+                f"{rank_placement(spec).describe()}")
+    placement = vllm_placement(spec)
+    if placement is not None:
+        return (f"placing {workers} (vLLM, tensor parallel {e.tensor_parallel_size} x pipeline "
+                f"{e.pipeline_parallel_size}), each asking {placement.describe()}")
+    return f"placing {workers}, each asking {json.dumps(worker_resources(spec))}"
 
 
 def describe_ready(worker_id: str, info: dict[str, Any]) -> str:

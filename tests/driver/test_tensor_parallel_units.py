@@ -88,3 +88,15 @@ def test_rank_0s_death_is_named_with_its_node_and_pid():
                 "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes")
     assert group.leader_lost(ray_text) == ("rank 0 of 2 lost (node n1, pid 14140): its process died (SYSTEM_ERROR, "
                                            "Worker unexpectedly exits with a connection error code 2.)")
+
+
+def test_placing_line_names_the_tensor_parallel_group(tmp_path):
+    from jobrunner.driver.progress_text import describe_placing
+
+    ours = _spec(tmp_path, {"tensor_parallel_size": 2}, {"num_cpus_per_worker": 2})
+    assert describe_placing(ours, 1) == ('placing 1 worker of 2 tensor-parallel ranks, each asking a placement '
+                                         'group (STRICT_PACK: one node) of 2 x {"CPU": 1.0}')
+    vllm = _spec(tmp_path, {"backend": "vllm", "tensor_parallel_size": 2}, {"num_cpus_per_worker": 2})
+    assert describe_placing(vllm, 1) == ('placing 1 worker (vLLM, tensor parallel 2 x pipeline 1), each asking a '
+                                         'placement group (STRICT_PACK: one node) of 1 x {"CPU": 2.0}')
+    assert describe_placing(_spec(tmp_path, {}, {}), 2) == 'placing 2 workers, each asking {"CPU": 1.0}'
