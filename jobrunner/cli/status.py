@@ -141,6 +141,11 @@ def _workers_line(w: dict[str, Any]) -> str:
         return f"{w['count']} in {run} (named once they commit a shard)"
     if not w["count"]:
         return f"none in {run} yet (workers are named once they commit a shard); {w['recorded_all_runs']} over all runs"
+    if w.get("ranks"):  # tensor-parallel workers: each with its ranks ("w0 (2 ranks x cpu, cores [0] [1])")
+        from jobrunner.reports.parallel_view import describe_ranks
+
+        named = [f"{wid} ({describe_ranks(w['ranks'][wid])})" if wid in w["ranks"] else wid for wid in w["ids"]]
+        return f"{w['count']} in {run}: {', '.join(named)} on {', '.join(w['nodes'])}"
     devices = ", ".join(f"{n} x {d}" for d, n in sorted(w["devices"].items()))
     where = f" ({devices}) on {', '.join(w['nodes'])}" if devices else " (devices not recorded yet)"
     return f"{w['count']} in {run}: {', '.join(w['ids'])}{where}"

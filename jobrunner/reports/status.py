@@ -24,6 +24,7 @@ from jobrunner.progress_view import (
     token_kind,
 )
 from jobrunner.reports import manifest_view as mv
+from jobrunner.reports.parallel_view import rank_summary
 
 TOP_ERROR_KINDS = 5
 RATE_WINDOW_S = 30.0  # the driver's tokens/s window (driver/progress.py RATE_WINDOW_S)
@@ -210,8 +211,9 @@ def _workers(manifest: dict, phase: str, live: dict | None = None) -> dict[str, 
     nodes = sorted({str(w.get("node") or w.get("node_ip") or "?") for w in latest.values()})
     ids = sorted(set(latest) | committed_by)
     live_count = live["workers"] if live else None
+    ranks = {wid: found for wid, found in ((wid, rank_summary(w)) for wid, w in latest.items()) if found}
     return {"run_index": index, "count": max(len(ids), live_count or 0), "ids": ids, "live": live_count,
-            "devices": dict(devices), "nodes": nodes, "recorded_all_runs": len(records)}
+            "devices": dict(devices), "nodes": nodes, "recorded_all_runs": len(records), "ranks": ranks}
 
 
 def _of_run(worker_id: str, prefix: str) -> bool:

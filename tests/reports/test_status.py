@@ -167,3 +167,29 @@ def test_a_stopped_embed_output_counts_committed_rows_and_input_tokens(tmp_path:
     assert "done     rows 30/80 committed (37%)\n" in text
     assert "60.0 in tok/s, 3.00 rows/s (whole job (its runs' wall time), 10 s)" in text
     assert "compacted" not in text and "compaction" not in text
+
+
+def _tp_manifest(now: float) -> dict:
+    """A finished TP = 2 job on one worker of two ranks (the record driver/manifest.record_worker writes)."""
+    ranks = [{"rank": r, "node": "vm", "pid": 100 + r, "device": "cpu", "cores": [r], "weights_bytes": 2_500_000}
+             for r in (0, 1)]
+    return {"format_version": 2, "job_name": "tp", "run_count": 1, "spec": {"sampling": {"n": 1}},
+            "model": {"source": "m", "dtype": "float32", "tensor_parallel_size": 2, "tensor_parallel_rank": 0,
+                      "rank_weights_bytes": 2_500_000, "rank_kv_bytes": 4_194_304},
+            "started_at": _iso(now - 60), "finished_at": _iso(now - 10),
+            "shards": {"s0": {"status": "committed", "row_start": 0, "row_end": 4, "rows": 4, "worker_id": "w0",
+                              "num_output_tokens": 32}},
+            "workers": {"w0": {"device": "cpu", "node": "vm", "tensor_parallel_size": 2, "ranks": ranks}},
+            "totals": {}}
+
+
+def test_status_shows_a_tensor_parallel_workers_ranks(tmp_path: Path, frozen_clock: float) -> None:
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "_manifest.json").write_text(json.dumps(_tp_manifest(frozen_clock)))
+    status = job_status(read_output_state(str(root)), now_s=frozen_clock)
+    assert status["workers"]["ranks"] == {"w0": {"count": 2, "devices": {"cpu": 2}, "cores": [[0], [1]],
+                                                 "weights_bytes": [2_500_000, 2_500_000]}}
+    result = CliRunner().invoke(main, ["status", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "1 in run 1: w0 (2 ranks x cpu, cores [0] [1]) on vm\n" in result.output
