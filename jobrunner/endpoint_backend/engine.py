@@ -12,7 +12,9 @@ Token counts are the server's usage; before a request goes its tokens are estima
 model's tokenizer when one is on this machine, else characters / 4, plus max_tokens x n) and the estimate is
 replaced by the usage once the answer comes. Cost is counted at the job's token prices; with a cap, a request
 goes only while the spent cost plus the estimates of the requests in flight and of this one stay within it.
-When no request may go because of the cap and none is in flight, `step` raises EngineStopped.
+When no request may go because of the cap and none is in flight, `step` raises EngineStopped. So it does, once
+the requests in flight have ended, after an answer that is the job's misconfiguration (faults.py: a wrong key,
+URL or model, no server at all): that row gets no error, nothing more is sent, and the reason names the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobrunner.endpoint_backend.faults import JOB_STATUSES, connection_fault, status_fault, unreachable
 from jobrunner.endpoint_backend.limits import Grant, RateLimiter
 from jobrunner.endpoint_backend.transport import TRANSPORT_ERRORS, Reply, Transport
 from jobrunner.endpoint_backend.wire import Answer, error_message, parse_answer, request_body
@@ -104,6 +107,7 @@ class _Call:
     first_sent: float | None = None
     grant: Grant | None = None
     last_error: str = ""
+    unreachable: bool = False  # the last attempt found no server (refused, unknown host)
 
 
 class EndpointEngine:
@@ -128,6 +132,7 @@ class EndpointEngine:
         self._in_flight = 0
         self._in_flight_cost = 0.0
         self._closed = False
+        self._fault: str | None = None  # the job's misconfiguration (faults.py): nothing more goes
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="endpoint-send")
         self._dispatcher = threading.Thread(target=self._dispatch, name="endpoint-dispatch", daemon=True)
         self._dispatcher.start()
@@ -241,7 +246,7 @@ class EndpointEngine:
     def _next_call(self, now: float) -> tuple[_Call | None, float | None]:
         """The call that may go now (a retry that is due first, then the oldest fresh one), or None and how
         long to wait (None: until something changes)."""
-        if self._in_flight >= self.config.max_concurrency:
+        if self._in_flight >= self.config.max_concurrency or self._fault is not None:
             return None, None
         due = self._retries[0][0] - now if self._retries else None
         if due is not None and due <= 0:
@@ -266,7 +271,10 @@ class EndpointEngine:
         return cap is not None and self._stats.cost_usd + self._in_flight_cost + call.cost_estimate > cap
 
     def _is_stopped(self) -> bool:
-        """The cap lets no waiting request go, and none is in flight whose answer could change that."""
+        """The cap lets no waiting request go, and none is in flight whose answer could change that; or the job
+        is misconfigured and the requests in flight have ended."""
+        if self._fault is not None:
+            return not self._in_flight
         if self.config.max_usd is None or self._in_flight:
             return False
         due = bool(self._retries) and self._retries[0][0] <= time.monotonic()
@@ -275,6 +283,8 @@ class EndpointEngine:
         return head is not None and self._over_cap(head)
 
     def _stop_reason(self) -> str:
+        if self._fault is not None:
+            return self._fault
         return (f"cost.max_usd reached: this worker spent ${self._stats.cost_usd:.4f} of its ${self.config.max_usd:g} "
                 f"share at the token prices; {len(self._fresh) + len(self._retries)} request(s) not sent")
 
@@ -290,17 +300,42 @@ class EndpointEngine:
                                                f"{self.config.timeout_s:g} s")
         except TRANSPORT_ERRORS as exc:
             reply, problem = None, ("dropped", f"connection failed: {type(exc).__name__}: {exc}")
+            call.unreachable = unreachable(exc)
         except Exception as exc:  # noqa: BLE001 - anything else of this one call: that row's error, no thread lost
             reply, problem = None, ("error", f"{type(exc).__name__}: {exc}")
+        if reply is not None:
+            call.unreachable = False
+        job_level = reply is not None and reply.status in JOB_STATUSES
+        fault = self._status_fault(call, reply) if job_level else None
         with self._cond:
             self._limiter.seen_by(call.grant, time.monotonic())  # written or failed: no later than now
             self._in_flight -= 1
             self._in_flight_cost -= call.cost_estimate
             self._stats.num_sends += 1
             try:
-                self._settle(call, reply, problem)
+                if job_level:
+                    self._fault = self._fault or fault  # the row gets no error: the job stops (resumable)
+                else:
+                    self._settle(call, reply, problem)
             finally:
                 self._cond.notify_all()
+
+    def _status_fault(self, call: _Call, reply: Reply) -> str | None:
+        """The job's stop reason for a 401 / 403 / 404 (a 404 asks the server's models to tell a wrong model
+        from a wrong path); None when the job already stops."""
+        if self._fault is not None:
+            return None
+        models = None
+        if reply.status == 404:
+            try:
+                listing = self.transport.get("/models")
+                if listing.status == 200:
+                    data = json.loads(listing.body).get("data") or []
+                    models = [str(m.get("id")) for m in data if isinstance(m, dict)]
+            except (*TRANSPORT_ERRORS, ValueError, AttributeError):
+                models = None
+        message = self.transport.cut_key(error_message(reply.body))[:200]
+        return status_fault(self.config.base_url, call.path, reply.status, message, self.config.model, models)
 
     def _sent(self, call: _Call) -> None:
         with self._cond:
@@ -328,6 +363,9 @@ class EndpointEngine:
         else:
             self._count_status(problem[0])
         call.last_error = problem[1]
+        if call.attempts > self.config.max_retries and call.unreachable:
+            self._fault = self._fault or connection_fault(self.config.base_url, call.attempts, call.last_error)
+            return
         if call.attempts > self.config.max_retries:
             self._fail(call, f"gave up after {call.attempts} attempts (engine.endpoint.max_retries="
                              f"{self.config.max_retries}); last: {call.last_error}")

@@ -58,6 +58,7 @@ class Transport:
         self._prefix = parts.path.rstrip("/")
         self._timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json", "Accept": "application/json", "Connection": "close"}
+        self._api_key = api_key or ""
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._context = ssl.create_default_context() if self._https else None
@@ -81,6 +82,21 @@ class Transport:
             return Reply(response.status, headers, response.read())
         finally:
             conn.close()
+
+    def get(self, path: str) -> Reply:
+        """The answer to one GET (e.g. /models); raises a TRANSPORT_ERRORS exception as `post` does."""
+        conn = self._connect()
+        try:
+            headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}
+            conn.request("GET", self._prefix + path, headers=headers)
+            response = conn.getresponse()
+            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+        finally:
+            conn.close()
+
+    def cut_key(self, text: str) -> str:
+        """`text` without the API key (a server's message may quote it)."""
+        return text.replace(self._api_key, "***") if self._api_key else text
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:

@@ -180,8 +180,9 @@ def error_message(body: bytes) -> str:
     error = data.get("error") if isinstance(data, dict) else None
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])[:300]
-    if isinstance(data, dict) and data.get("message"):
-        return str(data["message"])[:300]
+    for name in ("message", "detail"):  # FastAPI's own 404 is {"detail": "Not Found"}
+        if isinstance(data, dict) and isinstance(data.get(name), str) and data[name]:
+            return data[name][:300]
     return text[:300]
 
 

@@ -1,9 +1,10 @@
 """engine.backend openai against a real OpenAI-compatible server: vLLM's own server on the embedded SmolLM2
 (float32, CPU) behind the fault proxy (tests/endpoint/proxy.py). Faults retried to no error row and every row
-sent to the server once; retries exhausted and refused requests as error rows naming the status; chat,
-completions, n, logprobs and JSON schema through the endpoint's fields; usage tokens and cost; the spending
-cap. The longer checks (budgets at the server, texts with and without faults, a whole job stopped by the cap
-and rerun, the 200-row run, the comparison with engine.backend vllm) are `heavy`: test_endpoint_heavy.py."""
+sent to the server once; retries exhausted as error rows naming the status, a wrong model as the job's stop
+(EngineStopped); chat, completions, n, logprobs and JSON schema through the endpoint's fields; usage tokens
+and cost; the spending cap. The longer checks (budgets at the server, texts with and without faults, a whole
+job stopped by the cap and rerun, the 200-row run, the comparison with engine.backend vllm)
+are `heavy`: test_endpoint_heavy.py."""
 
 from __future__ import annotations
 
@@ -79,11 +80,11 @@ def test_retries_exhausted_and_refused_requests_are_error_rows_naming_the_status
     assert {o.error for o in outputs.values()} == {
         "endpoint: gave up after 3 attempts (engine.endpoint.max_retries=2); last: HTTP 429: rate limited by the "
         "fault proxy"}
-    with FaultProxy(vllm_endpoint.url) as proxy:
-        outputs = _run(_engine(proxy.url, model="no-such-model", max_retries=5), 2)
-        assert len(proxy.records) == 2  # a 404 is not retried
-    errors = {o.error for o in outputs.values()}
-    assert len(errors) == 1 and errors.pop().startswith("endpoint: HTTP 404: The model `no-such-model` does not exist")
+    with FaultProxy(vllm_endpoint.url) as proxy:  # a wrong model is the job's: it stops, no row errs
+        with pytest.raises(EngineStopped, match="HTTP 404 .*The model `no-such-model` does not exist.*"
+                                                "the server's models: smollm2"):
+            _run(_engine(proxy.url, model="no-such-model", max_retries=5), 2)
+        assert len(proxy.records) <= 2  # a 404 is not retried
 
 
 def test_chat_n_logprobs_json_schema_and_cost(vllm_endpoint):
