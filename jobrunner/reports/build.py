@@ -89,6 +89,7 @@ def _run(outputs: JobOutputs, folded: Folded) -> dict:
         # the night the run belongs to ({date} / $JOBRUNNER_DATE when it ran); older manifests: its start date
         "date": mv.text(manifest, "logical_date") or (started[:10] if started else None),
         "hardware": mv.hardware(manifest),
+        "tensor_parallel": _tensor_parallel(manifest),  # None for a model on one rank
         "startup_end_s": folded.first_arrival_s,
         "spec": manifest.get("spec") if isinstance(manifest.get("spec"), dict) else {},
         "finished_at": mv.text(manifest, "finished_at"),
@@ -96,6 +97,16 @@ def _run(outputs: JobOutputs, folded: Folded) -> dict:
         "num_parts": len(outputs.part_paths),
         "shards": mv.shard_counts(manifest),
     }
+
+
+def _tensor_parallel(manifest: dict) -> dict | None:
+    """The model's tensor-parallel split (reports/parallel_view.py) with its one-line ``summary``."""
+    from jobrunner.reports.parallel_view import describe_groups, describe_split, model_split
+
+    split = model_split(manifest)
+    if split is None:
+        return None
+    return {**split, "summary": describe_split(split), "ranks_text": describe_groups(split) or None}
 
 
 def _top_kinds(kind_to_count: dict[str, int], limit: int = 20) -> dict[str, int]:

@@ -61,10 +61,16 @@ def _runs_line(reports: list[dict], labels: list[str]) -> str:
         hardware = fmt_text((run.get("hardware") or {}).get("summary"))
         items.append(f"<b>{escape(label)}</b>: <code>{escape(str(run['url']))}</code> "
                      f"({escape(str(run['model']['source']))}, dtype {escape(fmt_text(run['model'].get('dtype')))}, "
-                     f"quantization {escape(str(run['model']['quantization']))}, {state})<br>"
+                     f"quantization {escape(str(run['model']['quantization']))}{_split(run)}, {state})<br>"
                      f"&nbsp;&nbsp;run {escape(fmt_text(run.get('started_at')))} on {escape(hardware)}, "
                      f"jobrunner {escape(fmt_text(run.get('jobrunner_version')))}")
     return '<div class="sub">' + "<br>".join(items) + "</div>"
+
+
+def _split(run: dict) -> str:
+    """', tensor parallel 2' for a model split over ranks (the figures table has the bytes per rank)."""
+    split = run.get("tensor_parallel")
+    return f", tensor parallel {int(split['tensor_parallel_size'])}" if isinstance(split, dict) else ""
 
 
 def _cards(report: dict, label: str) -> str:

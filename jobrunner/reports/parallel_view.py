@@ -46,8 +46,13 @@ def describe_split(split: dict[str, Any]) -> str:
     sizes = [f"{name} {_size(split[key])}" for name, key in (("weights", "rank_weights_bytes"),
                                                              ("KV cache", "rank_kv_bytes")) if split.get(key)]
     per_rank = f": per rank {', '.join(sizes)}" if sizes else ""
-    groups = "; ".join(f"{wid}: {describe_ranks(s)}" for wid, s in split["workers"].items())
+    groups = describe_groups(split)
     return f"tensor parallel {split['tensor_parallel_size']}{per_rank}" + (f"; {groups}" if groups else "")
+
+
+def describe_groups(split: dict[str, Any]) -> str:
+    """``w0: 2 ranks x cpu, cores [0] [1]; w1: ...`` (empty where no worker recorded its ranks)."""
+    return "; ".join(f"{wid}: {describe_ranks(s)}" for wid, s in split["workers"].items())
 
 
 def _size(num_bytes: int) -> str:

@@ -174,6 +174,13 @@ JSON_FIGURES: list[Figure] = [
 
 
 # Only when some run is an embed / score job (prefill only): what it computed and its input throughput.
+TENSOR_PARALLEL_FIGURES: list[Figure] = [  # when some run split its model over ranks
+    Figure("run", "tensor parallel size", ("run", "tensor_parallel", "tensor_parallel_size"), fmt_int, False),
+    Figure("run", "weights per rank (bytes)", ("run", "tensor_parallel", "rank_weights_bytes"), fmt_int),
+    Figure("run", "KV cache per rank (bytes)", ("run", "tensor_parallel", "rank_kv_bytes"), fmt_int),
+    Figure("run", "tensor-parallel ranks", ("run", "tensor_parallel", "ranks_text"), fmt_text, False),
+]
+
 TASK_FIGURES: list[Figure] = [
     Figure("run", "task", ("run", "task", "kind"), fmt_text, False),
     Figure("run", "pooling", ("run", "task", "pooling"), fmt_text, False),
@@ -207,6 +214,8 @@ def figures_for(reports: list[dict]) -> list[Figure]:
     if any(((report.get("run") or {}).get("task") or {}).get("kind") for report in reports):
         _insert_after_section(figures, "run", TASK_FIGURES[:3])
         _insert_after_section(figures, "throughput", TASK_FIGURES[3:])
+    if any((report.get("run") or {}).get("tensor_parallel") for report in reports):
+        _insert_after_section(figures, "run", TENSOR_PARALLEL_FIGURES)
     if any((report.get("tokens") or {}).get("reasoning") for report in reports):
         _insert_after_section(figures, "tokens", REASONING_FIGURES[:2])
         _insert_after_section(figures, "cost", REASONING_FIGURES[2:])

@@ -202,3 +202,28 @@ def test_reasoning_tokens_split_the_output_and_its_cost(small_job: str) -> None:
 
     text = render_text([report])
     assert "of the output: reasoning tokens" in text and "$ / M answer tokens (their reasoning paid)" in text
+
+
+def test_a_tensor_parallel_run_shows_its_split_in_json_text_and_html(tmp_path: Path) -> None:
+    from jobrunner.reports.html import render_html
+    from jobrunner.reports.text import render_json, render_text
+
+    shards = {"a": _rows("a", "w0", [(100, 0, 10, 0.1, 0.01, 0.2, 0.05, 1.0, None)])}
+    manifest = make_manifest(shards, wall_s=10.0, job_name="tp")
+    manifest["model"].update(tensor_parallel_size=2, tensor_parallel_rank=0, rank_weights_bytes=2_500_000,
+                             rank_kv_bytes=4_194_304)
+    manifest["workers"]["w0"]["ranks"] = [{"rank": r, "node": "node-1", "pid": 10 + r, "device": "cpu",
+                                           "cores": [r], "weights_bytes": 2_500_000} for r in (0, 1)]
+    report = load_report(write_outputs(str(tmp_path / "tp"), shards, manifest))
+    split = report["run"]["tensor_parallel"]
+    assert (split["tensor_parallel_size"], split["rank_weights_bytes"], split["rank_kv_bytes"]) == (2, 2_500_000,
+                                                                                                  4_194_304)
+    summary = "tensor parallel 2: per rank weights 2.5 MB, KV cache 4.2 MB; w0: 2 ranks x cpu, cores [0] [1]"
+    assert split["summary"] == summary and '"rank_kv_bytes": 4194304' in render_json([report])
+    text = render_text([report])
+    assert "  tensor parallel size" in text and "2,500,000" in text and "4,194,304" in text
+    assert "  tensor-parallel ranks" in text and "w0: 2 ranks x cpu, cores [0] [1]\n" in text
+    html = render_html([report])
+    assert "tensor parallel 2," in html and "KV cache per rank (bytes)" in html
+    one_rank = load_report(write_outputs(str(tmp_path / "one"), shards, make_manifest(shards, wall_s=10.0)))
+    assert one_rank["run"]["tensor_parallel"] is None and "tensor parallel" not in render_text([one_rank])
