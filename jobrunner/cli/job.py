@@ -94,7 +94,9 @@ def _check_model_config(spec) -> str:
     except ModelSourceError as exc:
         raise _error(f"model.source: {exc}") from None
     except ConfigUnavailable as exc:
-        return f" (config not checked: {exc}; each worker downloads and checks it)"
+        from jobrunner.cli.validate_parallel import unchecked_note
+
+        return f" (config not checked: {exc}; each worker downloads and checks it)" + unchecked_note(spec)
     if check is None:
         return " (its architecture is checked when the alias is converted, on first load)"
     try:
@@ -232,12 +234,26 @@ def run(job_file: str, overrides: tuple[str, ...], limit: int | None, address: s
             result = run_job(spec, address=address, show_progress=not no_progress, started_s=started_s)
     except (InputError, OutputError, ResumeError, StorageError, LeaseLost) as exc:
         raise _user_error(spec, exc) from None
+    except KeyboardInterrupt:  # click then prints "Aborted!" and exits 1, as before
+        echo(interrupt_hint(spec), err=True)
+        raise
     if not no_report:
         _write_report(spec)
     # Ray job logs are readable by whoever can list jobs; the failure itself is printed once, by the exception
     echo(result.summary(failures=result.ok))
     if not result.ok:
         raise _error(result.failure_message())
+
+
+def interrupt_hint(spec) -> str:
+    """The line a Ctrl-C'd run ends on: the committed rows are kept, and how a rerun goes on from them (the same
+    command, unless output.mode would start over or refuse the output)."""
+    kept = f"interrupted: the rows committed so far are kept under {spec.output.url}"
+    mode = spec.output.mode
+    if mode in ("resume", "incremental"):
+        return f"{kept}; run the same command again to resume (committed rows are not redone)"
+    then = "starts over" if mode == "overwrite" else "refuses the existing output"
+    return f"{kept}; with output.mode {mode} the same command {then}: add --set output.mode=resume to resume"
 
 
 def _command_started_s() -> float:

@@ -50,15 +50,16 @@ def _pipeline_status(url: str, storage_options: dict | None, as_json: bool) -> b
     record = read_pipeline(root)
     if record is None:
         return False
-    stages, texts = [], []
+    stages, texts, previous = [], [], None
     for stage in record.get("stages", []):
         try:
             report = job_status(read_output_state(f"{url.rstrip('/')}/{stage['url']}", storage_options))
-            texts.append(f"[stage {stage['name']}]\n{render_status(report)}")
+            texts.append(f"[stage {stage['name']}]\n{render_status(report, waits_for=previous)}")
         except (ReportInputError, OSError) as exc:
             report = None
             texts.append(f"[stage {stage['name']}]\nnot started: {exc}")
         stages.append({"name": stage["name"], "status": report})
+        previous = stage["name"]
     funnel = pipeline_funnel(root, [s["name"] for s in record.get("stages", [])])
     state = "complete (_SUCCESS written)" if root.exists("_SUCCESS") else "not complete"
     if as_json:
@@ -69,12 +70,16 @@ def _pipeline_status(url: str, storage_options: dict | None, as_json: bool) -> b
     return True
 
 
-def render_status(s: dict[str, Any]) -> str:
+def render_status(s: dict[str, Any], waits_for: str | None = None) -> str:
     """The status as aligned `key  value` lines, in the words and numbers of the run's own log
-    (jobrunner/progress_view.py)."""
+    (jobrunner/progress_view.py). `waits_for`: a pipeline stage's previous stage (a stage with no shard yet
+    waits for that stage's committed rows, with no ETA)."""
     from jobrunner.progress_view import counts_from_dict
 
-    rows, counts = s["rows"], counts_from_dict(s.get("counts"))
+    counts = counts_from_dict(s.get("counts"))
+    if waits_for and s["state"] != "complete" and (counts is None or not counts.prompts_total):
+        return _waiting_status(s, waits_for)
+    rows = s["rows"]
     share = "n/a" if rows["error_share"] is None else f"{100 * rows['error_share']:.1f}%"
     lines = [("output", s["url"]), ("job", f"{s['job_name'] or 'n/a'} (model {s['model']['source'] or 'n/a'}, "
                                            f"dtype {s['model']['dtype'] or 'n/a'})"),
@@ -86,6 +91,16 @@ def render_status(s: dict[str, Any]) -> str:
              ("speed", _speed_line(s["speed"], counts)), ("ETA", _eta(s)), ("workers", _workers_line(s["workers"])),
              ("lease", _lease_line(s["lease"]))]
     lines += [("error", f"{count:,} x {kind}") for kind, count in rows["top_error_kinds"].items()]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def _waiting_status(s: dict[str, Any], waits_for: str) -> str:
+    """A pipeline stage with no shard yet: what it waits for, its state and lease (no ETA: it has no rows)."""
+    lines = [("output", s["url"]), ("state", _state_line(s)),
+             ("done", f"nothing yet: waits for stage {waits_for}'s committed rows (none handed on so far)"),
+             ("ETA", f"n/a (starts once stage {waits_for} commits a shard with rows that pass its filter)"),
+             ("lease", _lease_line(s["lease"]))]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 

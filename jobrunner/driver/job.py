@@ -124,6 +124,8 @@ class _JobLoop:
         self.incremental = None if plan.incremental is None else plan.incremental.describe()
         counts = self._committed_counts()
         self.progress = Progress(counts, enabled=show_progress, started_s=started_s, kind=self.kind)
+        if stage is not None:  # the pipeline's console view reads the stage's counts (driver/pipeline_view.py)
+            stage.progress = self.progress
         self.metrics = JobMetrics(spec.name, counts.samples_total)  # Ray dashboard / Prometheus
         self.stats = {"commits": 0, "first_commit_s": None}
         self.isolation = IsolationCost()  # what isolating crashing rows cost this run (driver/isolation.py)

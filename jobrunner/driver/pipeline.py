@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 from jobrunner.driver.job import run_job
 from jobrunner.driver.manifest import now_iso
 from jobrunner.driver.output import OutputError
+from jobrunner.driver.pipeline_view import FunnelTally, PipelineView, stage_outcomes
 from jobrunner.driver.plan import with_absolute_output
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.rows import job_output_schema
@@ -131,14 +131,18 @@ def run_pipeline(spec: JobSpec, address: str | None = None, show_progress: bool 
     final = StageFeed(_storage(stage_specs[-1]), rules[-1], spec.rows_per_shard, key_of=final_key)
     final.attach(root, None)
     result = PipelineResult(spec.output.url, [s.name for s in spec.stages])
+    hooks = [StageHooks(feeds[i], stop) for i in range(len(stage_specs))]
+    below = [*feeds[1:], final]  # the feed that takes each stage's committed shards
+    names = [s.name for s in spec.stages]
+    view = PipelineView(names, hooks, below, FunnelTally(root, names), enabled=show_progress, started_s=started_s)
     with ray_session(_sized(spec, stage_specs), address):
         threads = [threading.Thread(target=_run_stage, name=f"stage-{s.name}", daemon=True, args=(
-            stage_specs[i], spec.stages[i].name, StageHooks(feeds[i], stop), address, started_s, result,
-            feeds[i + 1] if i + 1 < len(feeds) else final)) for i, s in enumerate(spec.stages)]
+            stage_specs[i], s.name, hooks[i], address, started_s, result, below[i]))
+            for i, s in enumerate(spec.stages)]
         threads.append(threading.Thread(target=_follow, name="final", daemon=True, args=(final, stop)))
         for thread in threads:
             thread.start()
-        _join(threads, stop, show_progress, spec.stages)
+        _join(threads, stop, view, result)
     result.funnel = pipeline_funnel(root, [s.name for s in spec.stages])
     _write_record(root, spec, stage_specs, result)
     root.delete(TEMP_DIR, recursive=True)
@@ -158,7 +162,8 @@ def _run_stage(stage_spec: JobSpec, name: str, hooks: StageHooks, address: str |
         result.results[name] = None
         result.errors[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyboardInterrupt) else \
             "interrupted"
-        log.error("stage %s stopped: %s", name, result.errors[name])
+        if not isinstance(exc, KeyboardInterrupt):  # an interrupt: the console view's end line says it
+            log.error("stage %s stopped: %s", name, result.errors[name])
     finally:
         downstream.upstream_ended(ok)
 
@@ -170,21 +175,22 @@ def _follow(final: StageFeed, stop: threading.Event) -> None:
         time.sleep(final.poll_s / 2)
 
 
-def _join(threads: list[threading.Thread], stop: threading.Event, show_progress: bool,
-          stages: list[StageSpec]) -> None:
-    """Wait for every thread; Ctrl-C sets `stop` (each stage ends as an interrupted run) and is raised after."""
+def _join(threads: list[threading.Thread], stop: threading.Event, view: PipelineView,
+          result: PipelineResult) -> None:
+    """Wait for every thread, the console view printing as stages start and end; Ctrl-C sets `stop` (each stage
+    ends as an interrupted run) and is raised after."""
     interrupted = False
     while any(t.is_alive() for t in threads):
         try:
             for thread in threads:
-                thread.join(JOIN_POLL_S)
+                thread.join(JOIN_POLL_S / len(threads))
+            view.poll(stage_outcomes(result.results, result.errors))
         except KeyboardInterrupt:
             stop.set()
             interrupted = True
+    view.poll(stage_outcomes(result.results, result.errors), final=True)
     if interrupted:
         raise KeyboardInterrupt
-    if show_progress:
-        print(f"pipeline: {len(stages)} stage(s) ended", file=sys.stderr)
 
 
 def _storage(stage_spec: JobSpec) -> Storage:

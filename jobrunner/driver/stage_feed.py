@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jobrunner.driver.plan import JobPlan
 from jobrunner.driver.shards import ShardTable, plan_shards
@@ -40,10 +41,12 @@ class FedShard:
 @dataclass
 class StageHooks:
     """What the pipeline gives one stage's job loop: its feed (None for the first stage, which plans its input
-    as any job does) and the pipeline's stop signal (Ctrl-C in the main thread, or a stage that failed)."""
+    as any job does) and the pipeline's stop signal (Ctrl-C in the main thread, or a stage that failed). The job
+    loop sets `progress` to its (silent) Progress: the pipeline's console view reads the stage's counts there."""
 
     feed: StageFeed | None = None
     stop: threading.Event = field(default_factory=threading.Event)
+    progress: Any = None  # driver/progress.Progress, once the stage's job loop has started
 
 
 class StageFeed:
