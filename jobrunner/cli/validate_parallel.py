@@ -19,8 +19,8 @@ from jobrunner.engine.memory_plan import estimate_activation_bytes, kv_budget_by
 
 def split_line(config: Any, world: int) -> str:
     """``tensor parallel 8: per rank 8 of 64 q heads, 1 of 8 KV heads, intermediate 3,584 of 28,672, vocabulary
-    16,032 of 128,256 rows (padded to 128,256); replicated on every rank: norms, rotary``. ValueError naming
-    every number that does not divide."""
+    16,032 of 128,256 rows; replicated on every rank: norms, rotary`` ("(padded to N)" after the rows where the
+    vocabulary is padded to a multiple of the ranks). ValueError naming every number that does not divide."""
     from jobrunner.models.parallel.plan import model_shape, plan_for_shape, shard_problems
 
     problems = shard_problems(config, world)
@@ -32,9 +32,10 @@ def split_line(config: Any, world: int) -> str:
           "ranks, 1 per rank" if plan.kv_replicated else f"{plan.num_kv_heads} of {plan.total_kv_heads} KV heads")
     experts = f", {plan.num_experts} of {plan.num_experts * world} experts" if plan.num_experts else ""
     whole = ["norms", "rotary"] + (["router"] if plan.num_experts else [])
+    padded = f" (padded to {plan.padded_vocab:,})" if plan.padded_vocab != plan.vocab_size else ""
     return (f"tensor parallel {world}: per rank {plan.num_heads} of {shape.num_heads} q heads, {kv}, intermediate "
             f"{plan.intermediate_size:,} of {shape.intermediate_size:,}{experts}, vocabulary {plan.vocab_per_rank:,} "
-            f"of {plan.vocab_size:,} rows (padded to {plan.padded_vocab:,}); replicated on every rank: "
+            f"of {plan.vocab_size:,} rows{padded}; replicated on every rank: "
             f"{', '.join(whole)}")
 
 
@@ -79,6 +80,23 @@ def gpu_fit_line(config: Any, *, world: int, stages: int, dtype: str, quantizati
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
+OFFLINE_HOW = ("to check it offline, set HF_HUB_OFFLINE=1 with a Hugging Face cache (HF_HUB_CACHE) that holds the "
+               "model's config.json, or name a local directory with its config.json in model.source")
+
+
+def unchecked_note(spec: Any) -> str:
+    """validate's line when the model's config cannot be read from here and the worker is split over ranks:
+    the split and the bytes per rank (GPU) were not checked, and how to check them offline; empty for one
+    rank."""
+    e = spec.engine
+    if e.tensor_parallel_size == 1 and e.pipeline_parallel_size == 1:
+        return ""
+    what = f"tensor parallel {e.tensor_parallel_size}" + (
+        f" x pipeline parallel {e.pipeline_parallel_size}" if e.pipeline_parallel_size > 1 else "")
+    fit = "the bytes per GPU" if spec.cluster.num_gpus_per_worker > 0 else "the weights per rank"
+    return f"\n  {what}: the split of the model and {fit} not checked; {OFFLINE_HOW}"
 
 
 def parallel_section(spec: Any, config: Any, context: int, scheme: str) -> str:
@@ -136,7 +154,7 @@ def vllm_section(spec: Any) -> str:
     try:
         found = read_config(spec.model.source)
     except ConfigUnavailable as exc:
-        return f"\n  tensor / pipeline split not checked: {exc}"
+        return f"\n  tensor / pipeline split not checked: {exc}; {OFFLINE_HOW}"
     if found is None:
         return ""
     config, where = found

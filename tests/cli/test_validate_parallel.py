@@ -22,7 +22,7 @@ HIDDEN, LAYERS = 8192, 80
 PER_LAYER = (8 * 128 + 2 * 128) * HIDDEN + HIDDEN * 8 * 128 + 3 * 3584 * HIDDEN + 2 * HIDDEN
 RANK_WEIGHTS = 2 * (LAYERS * PER_LAYER + 2 * 16032 * HIDDEN + HIDDEN)
 SPLIT = ("tensor parallel 8: per rank 8 of 64 q heads, 1 of 8 KV heads, intermediate 3,584 of 28,672, vocabulary "
-         "16,032 of 128,256 rows (padded to 128,256); replicated on every rank: norms, rotary")
+         "16,032 of 128,256 rows; replicated on every rank: norms, rotary")
 
 
 @pytest.fixture
@@ -123,3 +123,49 @@ def test_cpu_ranks_and_unnamed_gpus_show_the_weights_per_rank(offline_hub, tmp_p
     unnamed = load_spec(JOB, [f"output.url={tmp_path / 'out'}", "cluster.gpu=null"])
     assert "; bytes per GPU not checked (set cluster.gpu, e.g. H100)" in parallel_section(unnamed, config, 16384,
                                                                                           "none")
+
+
+def test_a_padded_vocabulary_says_so(offline_hub):
+    import copy
+
+    from jobrunner.cli.validate_parallel import split_line
+    from jobrunner.models.preflight import read_config
+
+    config, _ = read_config("meta-llama/Llama-3.3-70B-Instruct")
+    odd = copy.deepcopy(config)
+    odd.vocab_size = 128_257  # not a multiple of 8: each rank holds 16,033 rows, the last padded
+    assert "vocabulary 16,033 of 128,257 rows (padded to 128,264); replicated" in split_line(odd, 8)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """The Hub's host does not resolve (a machine without network), HF_HUB_OFFLINE unset."""
+    from jobrunner.models import preflight
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(preflight, "_resolves", lambda host: False)
+    monkeypatch.chdir(REPO)
+
+
+OFFLINE_HOW = ("to check it offline, set HF_HUB_OFFLINE=1 with a Hugging Face cache (HF_HUB_CACHE) that holds the "
+               "model's config.json, or name a local directory with its config.json in model.source")
+
+
+def test_without_network_validate_says_the_split_was_not_checked_and_how_to(no_network, tmp_path):
+    result = _validate(f"output.url={tmp_path / 'out'}")
+    assert result.exit_code == 0, result.output
+    assert ("(config not checked: the Hugging Face Hub (huggingface.co) cannot be reached from here; each worker "
+            "downloads and checks it)\n  tensor parallel 8: the split of the model and the bytes per GPU not "
+            f"checked; {OFFLINE_HOW}") in result.output
+    one_rank = _validate(f"output.url={tmp_path / 'out'}", "engine.tensor_parallel_size=1",
+                         "cluster.num_gpus_per_worker=1")
+    assert one_rank.exit_code == 0, one_rank.output
+    assert "config not checked" in one_rank.output and "split of the model" not in one_rank.output
+
+
+def test_without_network_the_vllm_lines_say_how_to_check_offline(no_network, tmp_path):
+    from jobrunner.cli.validate_parallel import vllm_section
+
+    spec = load_spec(JOB, [f"output.url={tmp_path / 'out'}", "engine.backend=vllm"])
+    assert vllm_section(spec) == ("\n  tensor / pipeline split not checked: the Hugging Face Hub (huggingface.co) "
+                                  f"cannot be reached from here; {OFFLINE_HOW}")
