@@ -42,7 +42,12 @@ from jobrunner.driver.prefix_rows import merge_pieces
 from jobrunner.driver.prefix_stats import publish_prefix_plan
 from jobrunner.driver.progress import Progress
 from jobrunner.driver.progress_counts import CommittedCounts, Snapshot, entry_progress, result_progress, snapshot
-from jobrunner.driver.progress_text import describe_placing, describe_ray_start, describe_ready
+from jobrunner.driver.progress_text import (
+    describe_loading,
+    describe_placing,
+    describe_ray_start,
+    describe_ready,
+)
 from jobrunner.driver.ray_holder import note_ray_driver
 from jobrunner.driver.result import JobResult
 from jobrunner.driver.session import ray_session
@@ -258,7 +263,7 @@ class _JobLoop:
         if ref == worker.ping_ref:
             self.pool.on_placed(worker)
             self.watch.event(f"worker {worker.worker_id} placed")
-            self.progress.stage(f"worker {worker.worker_id} placed; loading model {self.spec.model.source}")
+            self.progress.stage(describe_loading(worker.worker_id, self.spec))
             return
         self.pool.on_ready(worker)
         self.watch.event(f"worker {worker.worker_id} ready")

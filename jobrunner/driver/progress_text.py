@@ -43,12 +43,28 @@ def describe_placing(spec: JobSpec, count: int) -> str:
     return f"placing {workers}, each asking {json.dumps(worker_resources(spec))}"
 
 
+def describe_loading(worker_id: str, spec: JobSpec) -> str:
+    """'worker w0 placed; loading model SOURCE', or for engine.backend openai (nothing loaded: a URL)
+    'worker w0 placed; endpoint http://host:8000/v1 model NAME'."""
+    endpoint = spec.engine.endpoint
+    if spec.engine.backend == "openai" and endpoint is not None:
+        return f"worker {worker_id} placed; endpoint {_endpoint_text(endpoint)}"
+    return f"worker {worker_id} placed; loading model {spec.model.source}"
+
+
 def describe_ready(worker_id: str, info: dict[str, Any]) -> str:
-    """'worker w0 ready after 12.3s (bfloat16: auto -> bfloat16: amx: ...); warming up (first engine steps)'."""
+    """'worker w0 ready after 12.3s (bfloat16: auto -> bfloat16: amx: ...); warming up (first engine steps)';
+    an endpoint's worker: 'worker w0 ready after 1.2s (...); endpoint http://host:8000/v1 model NAME'."""
     stats, model = info.get("stats") or {}, info.get("model") or {}
     startup = stats.get("startup_s")
     after = f" after {startup:.1f}s" if isinstance(startup, (int, float)) else ""
-    dtype = model.get("dtype_reason") or model.get("dtype")
     stages = describe_stages(stats.get("startup_stages_s") or {})
-    return f"worker {worker_id} ready{after}" + (f" ({stages})" if stages else "") + \
-        (f" (dtype {dtype})" if dtype else "") + "; warming up (first engine steps)"
+    head = f"worker {worker_id} ready{after}" + (f" ({stages})" if stages else "")
+    if model.get("backend") == "openai":
+        return head + f"; endpoint {redact_text(str(model.get('endpoint')))} model {model.get('endpoint_model')}"
+    dtype = model.get("dtype_reason") or model.get("dtype")
+    return head + (f" (dtype {dtype})" if dtype else "") + "; warming up (first engine steps)"
+
+
+def _endpoint_text(endpoint: Any) -> str:
+    return f"{redact_text(endpoint.base_url)} model {endpoint.model}"
