@@ -17,6 +17,7 @@ from jobrunner.reports.cost import (
     startup_cost,
     steady_state_cost,
     token_priced_cost,
+    without_worker_hour_notes,
 )
 from jobrunner.reports.fold import Folded, Slo, fold_batches
 from jobrunner.startup_view import describe_stages, last_startup
@@ -48,6 +49,8 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     cost["token_priced"] = token_priced_cost(  # an endpoint's price list, beside the worker-hour price
         folded.input_tokens, folded.output_tokens, mv.number(mv.spec_cost(manifest), "usd_per_m_input"),
         mv.number(mv.spec_cost(manifest), "usd_per_m_output"), mv.spent_usd(manifest))
+    if cost["token_priced"] is not None:  # priced per token: the worker-hour price's notes are noise
+        cost["notes"] = without_worker_hour_notes(cost["notes"])
     cost["notes"] += run_notes(time["runs"])
     return {
         "report_version": REPORT_VERSION,

@@ -38,6 +38,16 @@ def prefill_share(prefill_s: float, decode_s: float) -> float | None:
     return ratio(prefill_s, prefill_s + decode_s)
 
 
+NO_PRICE_NOTE = "no price: pass --worker-hour-usd or set cost.worker_hour_usd in the job spec"
+NO_SPLIT_NOTE = "no engine prefill/decode time in the manifest: input/output split unavailable"
+
+
+def without_worker_hour_notes(notes: list[str]) -> list[str]:
+    """`notes` less the worker-hour price's: a job priced per token (an endpoint) needs no worker-hour price,
+    and its engine has no prefill / decode split to share one out."""
+    return [n for n in notes if n not in (NO_PRICE_NOTE, NO_SPLIT_NOTE)]
+
+
 def cost_figures(worker_seconds: float | None, worker_hour_usd: float | None, input_tokens: int,
                  output_tokens: int, prefill_s: float, decode_s: float, prefill_only: bool = False) -> dict:
     """The cost block of a report (see the module docstring for the formula). ``prefill_only``: an embed /
@@ -67,11 +77,11 @@ def _cost_notes(worker_seconds: float | None, worker_hour_usd: float | None, sha
                 input_tokens: int, output_tokens: int, prefill_only: bool = False) -> list[str]:
     notes = []
     if worker_hour_usd is None:
-        notes.append("no price: pass --worker-hour-usd or set cost.worker_hour_usd in the job spec")
+        notes.append(NO_PRICE_NOTE)
     if worker_seconds is None:
         notes.append("worker-seconds unknown (no manifest workers)")
     if share is None:
-        notes.append("no engine prefill/decode time in the manifest: input/output split unavailable")
+        notes.append(NO_SPLIT_NOTE)
     if input_tokens + output_tokens == 0:
         notes.append("no tokens processed: $ per million tokens undefined")
     elif prefill_only:

@@ -1,6 +1,7 @@
 """The driver's side of a misconfigured endpoint, through a real run on Ray against the tiny local server
 (tests/endpoint/tiny_server.py): a wrong key ends the run with the fix named, no error row and no shard charged,
-the shards left pending; the rerun with the right key finishes every row (a wrong model and no server alike: heavy)."""
+the shards left pending; the rerun with the right key finishes every row, and its report (priced per token)
+notes no missing worker-hour price (a wrong model and no server alike: heavy)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from jobrunner.driver.job import run_job
 from jobrunner.io.parts import read_output
+from jobrunner.reports.job import load_report
 from jobrunner.spec import load_spec
 from tests.driver.helpers import REPO, read_manifest_file
 from tests.endpoint.tiny_server import MODEL, TinyServer, closed_port_url
@@ -18,7 +20,12 @@ KEY = "sk-tiny-job-key-5e6f7a8b9c"
 
 
 def _spec(tmp_path, url: str, key: str, model: str = MODEL):
-    return load_spec(REPO / "jobs" / "example.yaml", [
+    """example.yaml on the endpoint, priced per token only (no worker-hour price, as an endpoint user has)."""
+    example = (REPO / "jobs" / "example.yaml").read_text()
+    assert "cost: {worker_hour_usd: 0.10}" in example
+    (tmp_path / "job.yaml").write_text(example.replace(
+        "cost: {worker_hour_usd: 0.10}", "cost: {usd_per_m_input: 1.0, usd_per_m_output: 2.0}"))
+    return load_spec(tmp_path / "job.yaml", [
         f"input.url={tmp_path / 'rows.parquet'}", "input.rows_per_shard=4", "sampling.max_tokens=4",
         f"output.url={tmp_path / 'out'}", "cluster.num_cpus_per_worker=0.5", "engine.backend=openai",
         f"engine.endpoint.base_url={url}", f"engine.endpoint.model={model}", f"engine.endpoint.api_key={key}",
@@ -48,6 +55,10 @@ def test_a_wrong_key_stops_the_run_resumable_and_the_fixed_rerun_finishes(local_
     assert sorted(r["id"] for r in table) == sorted(rows.column("id").to_pylist())
     assert all(r["error"] is None and r["generated_text"] == "ok" for r in table)
     assert read_manifest_file(out)["run_count"] == 2
+    cost = load_report(str(out))["cost"]  # priced per token: no worker-hour price asked for, no split noted
+    assert cost["token_priced"]["usd_per_m_input"] == 1.0 and cost["worker_hour_usd"] is None
+    assert not [n for n in cost["notes"] if n.startswith(("no price", "no engine prefill/decode"))]
+    assert [n.split(" (")[0] for n in cost["notes"]] == ["run 0", "run 1"]
 
 
 @pytest.mark.heavy  # two more runs of the same driver path (the engine's own tests cover each reason)
