@@ -136,10 +136,9 @@ def run_pipeline(spec: JobSpec, address: str | None = None, show_progress: bool 
     names = [s.name for s in spec.stages]
     view = PipelineView(names, hooks, below, FunnelTally(root, names), enabled=show_progress, started_s=started_s)
     with ray_session(_sized(spec, stage_specs), address):
-        threads = [threading.Thread(target=_run_stage, name=f"stage-{s.name}", daemon=True, args=(
-            stage_specs[i], s.name, hooks[i], address, started_s, result, below[i]))
-            for i, s in enumerate(spec.stages)]
-        threads.append(threading.Thread(target=_follow, name="final", daemon=True, args=(final, stop)))
+        threads = [_Thread(_run_stage, f"stage-{s.name}", stage_specs[i], s.name, hooks[i], address, started_s,
+                           result, below[i]) for i, s in enumerate(spec.stages)]
+        threads.append(_Thread(_follow, "final", final, stop))
         for thread in threads:
             thread.start()
         _join(threads, stop, view, result)
@@ -175,15 +174,28 @@ def _follow(final: StageFeed, stop: threading.Event) -> None:
         time.sleep(final.poll_s / 2)
 
 
-def _join(threads: list[threading.Thread], stop: threading.Event, view: PipelineView,
-          result: PipelineResult) -> None:
+class _Thread(threading.Thread):
+    """A daemon thread whose end is an event: Thread.is_alive() is not to be trusted after a Ctrl-C landed in a
+    join() of it (Python 3.11 then marks a running thread stopped), so the pipeline waits on `ended` instead."""
+
+    def __init__(self, target: Any, name: str, *args: Any) -> None:
+        super().__init__(name=name, daemon=True)
+        self.body, self.body_args, self.ended = target, args, threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.body(*self.body_args)
+        finally:
+            self.ended.set()
+
+
+def _join(threads: list[_Thread], stop: threading.Event, view: PipelineView, result: PipelineResult) -> None:
     """Wait for every thread, the console view printing as stages start and end; Ctrl-C sets `stop` (each stage
     ends as an interrupted run) and is raised after."""
     interrupted = False
-    while any(t.is_alive() for t in threads):
+    while not all(t.ended.is_set() for t in threads):
         try:
-            for thread in threads:
-                thread.join(JOIN_POLL_S / len(threads))
+            time.sleep(JOIN_POLL_S / 2)
             view.poll(stage_outcomes(result.results, result.errors))
         except KeyboardInterrupt:
             stop.set()

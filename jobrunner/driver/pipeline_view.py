@@ -89,8 +89,8 @@ class PipelineView:
         if ending:
             totals = self.tally.refresh()
             for name in ending:
-                self.ended.add(name)
                 self._say(self.end_line(name, outcomes[name], totals[name]))
+                self.ended.add(name)
         if not final and self.clock() >= self.next_line and len(self.ended) < len(self.names):
             self.next_line = self.clock() + self.interval_s
             self._say(self.line(self.tally.refresh()))
@@ -110,7 +110,10 @@ class PipelineView:
         """'stage generate done: rows 64/64 (100%) | 64 in -> 60 kept, ... | elapsed 45s' (or 'stopped (why)')."""
         progress = self.hooks[self.names.index(name)].progress
         state = f"stopped ({stopped})" if stopped else "done"
-        counts = "" if progress is None else progress.counts.text("committed" if stopped else "") + " | "
+        if progress is None or not progress.counts.prompts_total:
+            counts = "no row reached it | "
+        else:
+            counts = progress.counts.text("committed" if stopped else "") + " | "
         return f"{PREFIX} stage {name} {state}: {counts}{funnel_words(funnel)} | elapsed {self._elapsed()}"
 
     def line(self, totals: dict[str, dict[str, int]]) -> str:

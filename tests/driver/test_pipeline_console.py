@@ -109,7 +109,8 @@ def test_ctrl_c_of_a_pipeline_says_the_committed_rows_are_kept_and_how_to_resume
     assert driver.returncode == 1  # click's "Aborted!", as before
     assert f"interrupted: the rows committed so far are kept under {out}; run the same command again to resume " \
            "(committed rows are not redone)" in err
-    assert "[jobrunner] stage generate stopped (interrupted): rows " in err
+    assert "[jobrunner] stage generate stopped (interrupted): rows " in err, err
+    assert "[jobrunner] stage judge stopped (interrupted): " in err, err
     assert err.rstrip().endswith("Aborted!")
 
 
