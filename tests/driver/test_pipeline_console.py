@@ -112,6 +112,12 @@ def test_ctrl_c_of_a_pipeline_says_the_committed_rows_are_kept_and_how_to_resume
     assert "[jobrunner] stage generate stopped (interrupted): rows " in err, err
     assert "[jobrunner] stage judge stopped (interrupted): " in err, err
     assert err.rstrip().endswith("Aborted!")
+    judge = CliRunner().invoke(status, [str(out)]).output.split("[stage judge]")[1]
+    if "stage judge stopped (interrupted): no row reached it" in err:  # SIGINT before the judge had a shard
+        assert "done    nothing yet: waits for stage generate's committed rows (none handed on so far)" in judge
+        assert "ETA     n/a (starts once stage generate commits a shard" in judge
+    else:
+        assert "waits for stage" not in judge
 
 
 def _committed(folder: Path) -> bool:
