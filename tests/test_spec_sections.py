@@ -13,7 +13,7 @@ from jobrunner.engine.settings import check_settings, setting, settings_of
 from jobrunner.spec import JOB_SAMPLING_DEFAULTS, EngineSpec, SamplingSpec, SpecError, load_spec, spec_from_dict
 from jobrunner.spec_sections import section_fields
 
-SPEC_ONLY = {EngineSpec: {"factory", "factory_options", "backend", "vllm_python", "vllm_options"},
+SPEC_ONLY = {EngineSpec: {"factory", "factory_options", "backend", "vllm_python", "vllm_options", "endpoint"},
              SamplingSpec: {"seed_per_row", "seed_column"}}  # the driver's row-seed rules (driver/row_seeds.py)
 
 

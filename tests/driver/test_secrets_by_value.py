@@ -75,6 +75,7 @@ def test_a_factory_error_is_raised_redacted(tmp_path, monkeypatch):
     """A factory that fails quoting its options fails the worker's load with the text redacted (what Ray logs
     and hands the driver), its traceback kept as a note, redacted too."""
     from jobrunner.driver.actor import _build_engine_redacted
+    from jobrunner.driver.engine_factory import build_engine
     from jobrunner.redaction import remember_secrets
 
     data = fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
@@ -83,7 +84,7 @@ def test_a_factory_error_is_raised_redacted(tmp_path, monkeypatch):
     spec = spec_from_dict(data)
     remember_secrets(spec.secret_values())  # what run_job does in the driver, and the actor with its values
     with pytest.raises(RuntimeError) as info:
-        _build_engine_redacted(spec)
+        _build_engine_redacted(lambda: build_engine(spec))
     text = f"{info.value}\n{''.join(info.value.__notes__)}"
     assert _leaks({"error": text}) == []
     assert str(info.value).startswith("login refused for credential ***; options {'api_key': '***'")

@@ -12,7 +12,7 @@ from jobrunner.engine import EngineConfig
 from jobrunner.engine.llm_engine import EngineFromSource, LLMEngine
 
 # int8 through its float32 path (dequantized float32 tiles, never the bf16 packed kernel): each rank's partial
-# sums rounded to bfloat16 could not match TP = 1 to 1e-5 (as tests/models/test_tensor_parallel.py)
+# sums rounded to bfloat16 could not match TP = 1 to 1e-5 (as tests/models/test_tensor_parallel_parity.py)
 INT8_FLOAT32 = {"JOBRUNNER_CPU_CAPABILITY": "avx2", "JOBRUNNER_QUANT_KERNEL_TOKENS": "int8=0"}
 
 

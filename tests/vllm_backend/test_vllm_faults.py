@@ -35,10 +35,10 @@ import server
 real_start, real_add, real_step = server.Server.start, server.Server.add, server.Server.step
 poisoned = set()
 
-def start(self, engine_args):
+def start(self, engine_args, placement=None):
     from transformers import AutoTokenizer
     self.test_tokenizer = AutoTokenizer.from_pretrained(engine_args["model"])
-    return real_start(self, engine_args)
+    return real_start(self, engine_args, placement)
 
 def add(self, message):
     if "POISON" in self.test_tokenizer.decode(message["prompt_token_ids"]):
