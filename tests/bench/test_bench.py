@@ -115,7 +115,7 @@ def test_throughput_ratios_exact() -> None:
     ours = RunResult("ours", 2.0, 4, 1000, 200, 400)      # 200 output tokens/s, 700 total tokens/s
     base = RunResult("hf", 8.0, 4, 1000, 0, 400)          # 50 output tokens/s, 175 total tokens/s
     engine = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, model="m", quantization="none",
-                             speculative="off")
+                             speculative="off", tensor_parallel_size=1)
     options = SimpleNamespace(engine=engine, max_tokens=4, ignore_eos=True, raw_prompts=False, prefix_caching=True,
                               compare_prefix_caching=False, baseline="hf", profile=False)
     prep = SimpleNamespace(token_ids=[[1]] * 4, num_dropped=0, model_info={"dtype": "float32"}, device="cpu",

@@ -21,6 +21,8 @@ DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.pro
 NUM_PROMPTS, NUM_TOKENS = 16, 48
 
 
+# heavy: the fp8 cache formats, kernels and their bound on tiny models are in test_fp8_kv_cache.py (default suite)
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_smollm2_fp8_kv_cache_stays_within_the_measured_bound():

@@ -114,6 +114,8 @@ def _committed(out) -> dict:
     return {s: e for s, e in ((manifest or {}).get("shards") or {}).items() if e["status"] == "committed"}
 
 
+# heavy: a killed driver resumed without recomputing is held on every engine by tests/driver/test_faults.py
+@pytest.mark.heavy
 def test_a_killed_driver_is_resumed_without_recomputing(local_ray, tmp_path):
     import ray
 
