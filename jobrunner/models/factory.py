@@ -115,7 +115,7 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     it (``fp8`` / ``int4``), any other is refused naming both.
 
     ``tensor_parallel``: load only this rank's shard (:mod:`jobrunner.models.parallel`), each checkpoint tensor
-    sliced as it streams; a pre-quantized checkpoint is refused there (its packed tensors are not sliced).
+    sliced as it streams (a pre-quantized checkpoint's packed tensors too: ``models/parallel/shard.py``).
 
     Returns ``(model, tokenizer, eos_token_ids, model_info)``; ``model_info`` is what manifests record.
     """
@@ -136,10 +136,6 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # pre-quantized, or None
     quantization = resolve_scheme(quantization, found)  # the checkpoint's own; a conflicting spec refused
     tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.is_parallel else None
-    if tp is not None and found is not None:
-        raise ValueError(f"pre-quantized checkpoint ({found.describe()}): tensor_parallel_size {tp.world} is not "
-                         "supported for it (its packed tensors are not sliced); load a float checkpoint with "
-                         "engine.quantization, or use tensor_parallel_size 1")
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False,
                         tensor_parallel=tp)
     clock.mark("build_model")

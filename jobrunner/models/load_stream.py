@@ -91,7 +91,9 @@ class _Run:
         self.module_todo: Counter[str] = Counter()
         self.collected: dict[str, dict[tuple[str, Part], torch.Tensor]] = defaultdict(dict)
         self.units_seen: dict[str, None] = {}
-        self.slicer = slicer_for(model, getattr(transform, "scheme", "none"), device)  # a tensor-parallel rank's
+        packed = getattr(transform, "checkpoint_quant", None)  # a pre-quantized checkpoint: its packed tensors cut
+        self.slicer = slicer_for(model, getattr(transform, "scheme", "none"), device,  # a tensor-parallel rank's
+                                 packed, self.replaced if packed is not None else ())
 
     def count(self, names: Iterable[str]) -> None:
         self.unit_todo = Counter()

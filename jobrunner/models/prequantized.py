@@ -30,6 +30,7 @@ class PrequantizedLoad:
     def __init__(self, model: torch.nn.Module, quant: CheckpointQuant, names: Iterable[str],
                  device: torch.device) -> None:
         self.quant = quant
+        self.checkpoint_quant = quant  # read by a tensor-parallel rank's slicer (models/parallel/shard.py)
         self.device = torch.device(device)
         self.dispatch = dispatch_for(self.device)
         self.scratch = DequantBuffer()

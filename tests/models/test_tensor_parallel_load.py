@@ -92,12 +92,16 @@ def test_a_model_that_does_not_divide_is_refused_naming_the_numbers(qwen2):
         build_model(config, torch.float32, torch.device("cpu"), tensor_parallel=TensorParallel(0, 3))
 
 
-def test_prequantized_checkpoint_is_refused():
+def test_prequantized_checkpoint_loads_its_shard():
+    """A pre-quantized checkpoint loads sharded (its packed tensors cut per rank: test_tensor_parallel_prequantized)."""
     from jobrunner.models.factory import load_for_engine
 
-    with pytest.raises(ValueError, match="pre-quantized checkpoint .*tensor_parallel_size 2 is not supported"):
-        load_for_engine(str(FIXTURES / "fp8-channel"), dtype="float32", device="cpu",
-                        tensor_parallel=TensorParallel(1, 2))
+    model, _, _, info = load_for_engine(str(FIXTURES / "fp8-channel"), dtype="float32", device="cpu",
+                                        tensor_parallel=TensorParallel(1, 2))
+    assert info["tensor_parallel"] == {"rank": 1, "world": 2}
+    assert info["checkpoint_quantization"].startswith("compressed-tensors fp8")
+    o_proj = model.get_submodule("layers.0.self_attn.o_proj")
+    assert (o_proj.out_features, o_proj.in_features) == (128, 64)
 
 
 def test_lora_adapters_are_refused(qwen2, tmp_path):

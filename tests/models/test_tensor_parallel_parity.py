@@ -1,12 +1,15 @@
 """Tensor parallel at world 2 over gloo equals world 1: tiny random Llama (tied; one KV head, replicated on both
 ranks), Qwen2 (q|k|v bias), Phi-3 (fused checkpoint tensors), Mixtral, Qwen2-MoE (shared expert, a dense layer),
-Qwen3-MoE (q/k norms), Gemma 3, and int8 / int4 / fp8, each loaded sharded while it streams and run through our
+Qwen3-MoE (q/k norms), Gemma 3, int8 / int4 / fp8 and the pre-quantized GPTQ / AWQ / FP8 checkpoints of
+tests/quant/fixtures, each loaded sharded while it streams and run through our
 engine (chunked prefill, a shared prefix, decode; torch and cpu_paged attention): greedy tokens equal, float32
 log-softmax of every step's logits within 1e-5, the per-rank shapes and parameters as planned, bytes per rank
 <= whole / world + the replicated parts. One spawned group runs every case (spawning costs more than the
 cases)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +59,10 @@ BACKENDS = {"qwen2_bias": "cpu_paged", "llama_one_kv_head": "cpu_paged"}  # the 
 # activations and round each rank's partial sums to bfloat16, which no split reproduces to 1e-5 (at the default
 # dispatch world 2 differs from world 1 by 7e-2 in int8 and 6e-2 in fp8 on these sharp random weights)
 QUANT_FLOAT32 = {"JOBRUNNER_CPU_CAPABILITY": "avx2", "JOBRUNNER_QUANT_KERNEL_TOKENS": "int8=0,int4=0"}
+# pre-quantized checkpoints made by the real tools (tests/quant/fixtures: hidden 128, 4 heads / 2 KV heads, vocabulary
+# 300): every tensor of the packed format cut per rank; gptq-sym-g128's o_proj takes 64 of a group's 128 rows
+FIXTURES = Path(__file__).resolve().parents[1] / "quant" / "fixtures"
+PREQUANTIZED = ("gptq-sym-g128", "gptq-asym-channel", "awq-asym-g128", "fp8-channel", "fp8-tensor")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +82,10 @@ def runs(tmp_path_factory):
     for scheme in QUANTIZED:
         cases.append({**llama, "name": f"llama_{scheme}", "quantization": scheme, "env": QUANT_FLOAT32})
         configs[f"llama_{scheme}"] = configs["llama_tied"]
+    for name in PREQUANTIZED:
+        cases.append({"name": name, "path": str(FIXTURES / name), "env": QUANT_FLOAT32,
+                      "max_num_batched_tokens": 32, "prompts": [[t % 256 for t in p] for p in PROMPTS]})
+        configs[name] = AutoConfig.from_pretrained(FIXTURES / name)
     whole = {case["name"]: run_case(None, case) for case in cases}
     ranks = spawn_group(WORLD, cases, tmp_path_factory.mktemp("group"))
     return {name: (whole[name], [r[name] for r in ranks], configs[name]) for name in whole}
@@ -85,7 +96,7 @@ def max_logprob_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((torch.log_softmax(x, -1) - torch.log_softmax(y, -1)).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [*CASES, *PREQUANTIZED])
 def test_world_2_equals_world_1(runs, name):
     whole, ranks, _ = runs[name]
     for rank in ranks:
@@ -106,7 +117,7 @@ def replicated_kv_bytes(config) -> int:
     return config.num_hidden_layers * (per_layer - kv * per_layer // WORLD)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [*CASES, *PREQUANTIZED])
 def test_bytes_per_rank(runs, name):
     """Each rank holds at most its share of the split weights plus the replicated parts (same shape as whole)."""
     whole, ranks, config = runs[name]
@@ -118,6 +129,6 @@ def test_bytes_per_rank(runs, name):
         total = sum(size for _, size in rank["tensors"].values())
         assert total <= sum(size for _, size in whole["tensors"].values()) / WORLD + replicated
         assert total < 0.75 * sum(size for _, size in whole["tensors"].values())
-    if not name.endswith(QUANTIZED):  # the plan's count is the loaded parameters' (float32)
+    if name in MODELS:  # the plan's count is the loaded parameters' (float32)
         assert ranks[0]["param_bytes"] == rank_bytes(config, WORLD, 4)["weights_bytes"]
         assert whole["param_bytes"] == rank_bytes(config, 1, 4)["weights_bytes"]

@@ -21,9 +21,15 @@ a row; for int8 / fp8 (and w8a8's o_proj) the codes and scales are instead compu
 codes sliced to the rank's columns and the row's scale kept: the shard's weights are then exactly those of the
 whole int8 layer. int4 quantizes in groups along the input: the rank's columns start on a group boundary
 (``K / world`` a multiple of the group), so its groups are the whole tensor's.
+
+A pre-quantized checkpoint (GPTQ / AWQ / FP8: ``packed``) is cut here too, each tensor of its packed format
+alike, so every shard keeps its own rows of the checkpoint's scales (:mod:`jobrunner.quant.prequantized.shard`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
 
 import torch
 
@@ -38,12 +44,15 @@ class RankSlicer:
     """``slice(param_name, part, tensor) -> (part, tensor) | None`` for one rank of a split model."""
 
     def __init__(self, model: torch.nn.Module, quantization: str = "none",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, packed: Any = None,
+                 packed_modules: Collection[str] = ()) -> None:
         self.model, self.device = model, torch.device(device or "cpu")  # where the weights are loaded
         self.tp: TensorParallel = model.tensor_parallel
         self.plan: ShardPlan = model.shard_plan
         self.quantization = quantization
         self.head_dim = model.shape.head_dim
+        self.packed = packed  # a pre-quantized checkpoint's CheckpointQuant (None: a float checkpoint)
+        self.packed_modules = set(packed_modules)  # our modules it stores quantized
 
     def slice(self, param_name: str, part: Part, tensor: torch.Tensor) -> tuple[Part, torch.Tensor] | None:
         """The rank's part of checkpoint ``tensor`` bound for ``param_name`` (``part`` of it); None when this
@@ -52,6 +61,8 @@ class RankSlicer:
         leaf = module.rpartition(".")[2]
         if param_name in ("embed_tokens.weight", "lm_head.weight"):
             return part, self._vocab_rows(tensor)
+        if module in self.packed_modules:
+            return part, self._packed(module, leaf, kind, part, tensor)
         if leaf == "qkv_proj":
             return part, self._qkv(tensor, part)
         if module.endswith("mlp.experts") and kind in ("gate_up_proj", "down_proj"):
@@ -74,10 +85,48 @@ class RankSlicer:
         padded[:have] = tensor[start:start + have]
         return padded
 
-    def _qkv(self, tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    def _packed(self, module: str, leaf: str, kind: str, part: Part, tensor: torch.Tensor) -> torch.Tensor:
+        """A pre-quantized layer's checkpoint tensor: its output columns (column-parallel) or input rows
+        (row-parallel), each tensor of the packed format cut alike (``quant.prequantized.shard``)."""
+        from jobrunner.quant.prequantized.shard import slice_columns, slice_rows
+
+        quant = self.packed
+        if leaf in ("qkv_proj", "gate_up_proj"):
+            if part is None:
+                raise ValueError(f"pre-quantized {module} ({quant.method}): a fused checkpoint tensor cannot be "
+                                 f"split over tensor_parallel_size {self.tp.world} (only separate q / k / v and "
+                                 "gate / up)")
+            start, count = self._qkv_range(part) if leaf == "qkv_proj" else self._gate_up_range(module)
+            where = f"{module} ({('q', 'k', 'v')[part] if leaf == 'qkv_proj' else ('gate', 'up')[part]})"
+            return slice_columns(quant, kind, tensor, start, count, where)
+        if leaf in ("o_proj", "down_proj"):
+            if kind == "bias":
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            return slice_rows(quant, kind, tensor, *self._row_range(module), module)
+        raise ValueError(f"pre-quantized {module} ({quant.method}): not split over tensor-parallel ranks "
+                         "(only q / k / v, o_proj, gate / up and down_proj)")
+
+    def _qkv_range(self, part: int) -> tuple[int, int]:
+        """``(first row, rows)`` of the rank's q heads (part 0) or KV heads (parts 1, 2)."""
         hd, plan, rank = self.head_dim, self.plan, self.tp.rank
-        q_rows = (plan.q_head_start(rank) * hd, plan.num_heads * hd)
-        kv_rows = (plan.kv_head_start(rank) * hd, plan.num_kv_heads * hd)
+        if part == 0:
+            return plan.q_head_start(rank) * hd, plan.num_heads * hd
+        return plan.kv_head_start(rank) * hd, plan.num_kv_heads * hd
+
+    def _gate_up_range(self, module: str) -> tuple[int, int]:
+        size = self._size_of(module)
+        return self.tp.rank * size, size
+
+    def _row_range(self, module: str) -> tuple[int, int]:
+        """``(first input column, columns)`` of the rank's share of a row-parallel o_proj / down_proj."""
+        if module.rpartition(".")[2] == "o_proj":
+            return self.plan.q_head_start(self.tp.rank) * self.head_dim, self.plan.num_heads * self.head_dim
+        count = self._size_of(module)
+        return self.tp.rank * count, count
+
+    def _qkv(self, tensor: torch.Tensor, part: Part) -> torch.Tensor:
+        hd, plan = self.head_dim, self.plan
+        q_rows, kv_rows = self._qkv_range(0), self._qkv_range(1)
         if part is not None:
             return self._rows(tensor, *(q_rows if part == 0 else kv_rows))
         q_total, kv_total = plan.num_heads * plan.world * hd, plan.total_kv_heads * hd  # fused (Phi-3)
@@ -99,11 +148,7 @@ class RankSlicer:
     def _row_parallel(self, module: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         if kind == "bias":  # added once: rank 0's, zeros elsewhere (the reduce sums them)
             return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
-        if module.rpartition(".")[2] == "o_proj":
-            start, count = self.plan.q_head_start(self.tp.rank) * self.head_dim, self.plan.num_heads * self.head_dim
-        else:
-            count = self._size_of(module)
-            start = self.tp.rank * count
+        start, count = self._row_range(module)
         if self.quantization in FULL_ROW_SCHEMES:
             self._hand_full_row_codes(module, tensor, start, count)
         return tensor.narrow(1, start, count)
@@ -131,7 +176,10 @@ class RankSlicer:
         return (expert - first, half), tensor
 
 
-def slicer_for(model: torch.nn.Module, quantization: str = "none", device: torch.device | None = None
-               ) -> RankSlicer | None:
-    """The slicer of a split model (None for a whole one); ``device``: where its weights are loaded."""
-    return RankSlicer(model, quantization, device) if getattr(model, "shard_plan", None) is not None else None
+def slicer_for(model: torch.nn.Module, quantization: str = "none", device: torch.device | None = None,
+               packed: Any = None, packed_modules: Collection[str] = ()) -> RankSlicer | None:
+    """The slicer of a split model (None for a whole one); ``device``: where its weights are loaded;
+    ``packed`` / ``packed_modules``: a pre-quantized checkpoint's format and the modules it stores quantized."""
+    if getattr(model, "shard_plan", None) is None:
+        return None
+    return RankSlicer(model, quantization, device, packed, packed_modules)

@@ -74,13 +74,22 @@ def regroup(scales_and_zeros: torch.Tensor, group_size: int, kernel_group: int) 
     return scales_and_zeros.repeat_interleave(group_size // kernel_group, dim=0)
 
 
+def layer_group(k: int, groups: int, group_size: int | None) -> int:
+    """The group one layer's ``k`` input rows run at, with ``groups`` rows of scales: ``k`` per channel
+    (``group_size`` None); ``k / groups`` where that divides ``group_size`` (the checkpoint's own group, or a
+    tensor-parallel shard's regrouped one: :mod:`jobrunner.quant.prequantized.shard`); else ``group_size``."""
+    if group_size is None:
+        return k
+    per = k // groups if groups and k % groups == 0 else 0
+    return per if per and group_size % per == 0 else group_size
+
+
 def gptq_to_int4(tensors: dict[str, torch.Tensor], group_size: int | None,
                  zero_format: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One GPTQ linear (``qweight``, ``qzeros``, ``scales``, optional ``g_idx``) -> ``(codes [N, K] uint8,
     scales_and_zeros [G, N, 2] float32, group size)``; per channel: one group of K."""
     codes = gptq_codes(tensors["qweight"])
-    k = codes.shape[1]
-    group = group_size or k
+    group = layer_group(codes.shape[1], tensors["scales"].shape[0], group_size)
     check_g_idx(tensors.get("g_idx"), group)
     zeros = gptq_zeros(tensors["qzeros"], zero_format)[:, : codes.shape[0]]
     return codes, int4_scales_and_zeros(tensors["scales"], zeros), group
@@ -91,7 +100,8 @@ def awq_to_int4(tensors: dict[str, torch.Tensor], group_size: int) -> tuple[torc
     [G, N, 2] float32, group size)``."""
     codes = awq_unpack(tensors["qweight"]).t().contiguous()
     zeros = awq_unpack(tensors["qzeros"]).to(torch.int32)
-    return codes, int4_scales_and_zeros(tensors["scales"], zeros), group_size
+    return codes, int4_scales_and_zeros(tensors["scales"], zeros), layer_group(codes.shape[1],
+                                                                                tensors["scales"].shape[0], group_size)
 
 
 def fp8_weight_and_scales(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
