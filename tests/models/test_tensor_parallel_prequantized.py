@@ -104,3 +104,20 @@ def test_what_does_not_fall_on_a_boundary_is_refused_naming_the_numbers():
     act_order = torch.tensor([1, 0, 1, 0] * 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="gptq act-order .*layers.0.self_attn.o_proj cannot be split"):
         slice_rows(GPTQ_G128, "g_idx", act_order, 0, 128, "layers.0.self_attn.o_proj")
+
+
+def test_fused_checkpoint_tensors_are_refused_and_a_row_parallel_bias_is_rank_0s():
+    """A pre-quantized q|k|v stored fused (Phi-3 style, part None) is not cut; o_proj's bias is added once."""
+    from jobrunner.models.parallel.shard import slicer_for
+
+    config = load_config(FIXTURES / "gptq-sym-g128")
+    model = build_model(config, torch.float32, CPU, materialize=False, tensor_parallel=TensorParallel(1, 2))
+    slicer = slicer_for(model, packed=GPTQ_G128, packed_modules={"layers.0.self_attn.qkv_proj",
+                                                                  "layers.0.self_attn.o_proj"})
+    with pytest.raises(ValueError, match=r"pre-quantized layers.0.self_attn.qkv_proj \(gptq\): a fused checkpoint "
+                                         "tensor cannot be split over tensor_parallel_size 2"):
+        slicer.slice("layers.0.self_attn.qkv_proj.qweight", None, torch.zeros(16, 256, dtype=torch.int32))
+    part, bias = slicer.slice("layers.0.self_attn.o_proj.bias", None, torch.ones(128))
+    assert part is None and torch.equal(bias, torch.zeros(128))
+    part, scales = slicer.slice("layers.0.self_attn.qkv_proj.scales", 2, torch.arange(64.0).reshape(1, 64))
+    assert part == 2 and torch.equal(scales, torch.arange(32.0, 64.0).reshape(1, 32))  # rank 1's v columns
