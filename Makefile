@@ -54,8 +54,8 @@ test: venv browser models vllm
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
 
 # The long checks kept out of the 15-minute suite (pyproject.toml: the `heavy` marker): real models, vLLM's OpenAI
-# server behind the fault proxy, tensor-parallel groups and their faults (not timed as a whole: each ran on its own during the work; vllm: the
-# endpoint tests start `vllm serve` from .venv-vllm).
+# server behind the fault proxy, tensor-parallel groups and their faults (not timed as a whole: each ran on its own
+# during the work). Needs vllm: the endpoint tests start `vllm serve` from .venv-vllm.
 test-heavy: venv models vllm
 	$(BIN)/jobrunner fetch gemma3-270m
 	$(BIN)/python -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m heavy
