@@ -272,13 +272,7 @@ def _manifest_to_continue(spec: JobSpec, plan: JobPlan, storage: Storage, previo
         return _continue_stage(spec, plan, storage, previous, lease)
     if not previous.entries:
         return new_manifest(spec, plan.shards)
-    old = previous.table
-    if old is None:
-        raise _foreign_output(spec)
-    header, old_shards = old
-    old_generation = header.get(LEASE_GENERATION)
-    if isinstance(old_generation, int) and old_generation >= lease.generation:
-        lease.advance_to(old_generation + 1)  # the lease object was deleted by hand: keep epochs increasing
+    header, old_shards = _previous_table(spec, previous, lease)
     if not num_committed(old_shards):
         return _replace(spec, plan, storage, header)
     _check_resumable(header, old_shards, spec, plan)
@@ -295,12 +289,7 @@ def _continue_incremental(spec: JobSpec, plan: JobPlan, storage: Storage, previo
     shard names go, and the rows whose ids are not done become this run's shards."""
     kept, manifest = None, None
     if previous.entries:
-        if previous.table is None:
-            raise _foreign_output(spec)
-        header, old_shards = previous.table
-        old_generation = header.get(LEASE_GENERATION)
-        if isinstance(old_generation, int) and old_generation >= lease.generation:
-            lease.advance_to(old_generation + 1)
+        header, old_shards = _previous_table(spec, previous, lease)
         if num_committed(old_shards):
             check_settings(header, old_shards, spec)
             kept = kept_shards(old_shards, trusted_parts(storage, old_shards))
@@ -321,12 +310,7 @@ def _continue_stage(spec: JobSpec, plan: JobPlan, storage: Storage, previous: Pr
     hands them out again under the same ids, with the previous stage's shards committed since."""
     if not previous.entries:
         return new_manifest(spec, plan.shards)
-    if previous.table is None:
-        raise _foreign_output(spec)
-    header, old_shards = previous.table
-    old_generation = header.get(LEASE_GENERATION)
-    if isinstance(old_generation, int) and old_generation >= lease.generation:
-        lease.advance_to(old_generation + 1)
+    header, old_shards = _previous_table(spec, previous, lease)
     if not num_committed(old_shards):
         return _replace(spec, plan, storage, header)
     check_settings(header, old_shards, spec)
@@ -360,6 +344,18 @@ def _check_resumable(header: dict[str, Any], old_shards: ShardColumns, spec: Job
         check_pinned_inputs(header, old_shards, plan.files)
     check_resume(header, old_shards, spec, plan.shards)
     check_pinned_inputs(header, old_shards, plan.files)
+
+
+def _previous_table(spec: JobSpec, previous: PreviousOutput, lease: Lease) -> tuple[dict[str, Any], Any]:
+    """The earlier run's manifest header and shard table (an output without one is refused); the lease's epoch
+    moved past the recorded one, so epochs keep increasing even when the lease object was deleted by hand."""
+    if previous.table is None:
+        raise _foreign_output(spec)
+    header, old_shards = previous.table
+    old_generation = header.get(LEASE_GENERATION)
+    if isinstance(old_generation, int) and old_generation >= lease.generation:
+        lease.advance_to(old_generation + 1)
+    return header, old_shards
 
 
 def _foreign_output(spec: JobSpec) -> OutputError:

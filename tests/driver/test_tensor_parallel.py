@@ -84,20 +84,26 @@ def _rows_done(leader) -> int:
     return sum(progress[0] for progress in shards.values())
 
 
-def test_a_killed_follower_rank_fails_its_group_which_is_rebuilt(local_ray, tiny_llama_hf_dir, tmp_path):
-    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
-    data["sampling"]["max_tokens"] = MAX_TOKENS * 3  # ~400 steps: the kill lands mid-job
+def _start_and_wait_for_a_row(data: dict, rank_name: str, what: str) -> tuple[threading.Thread, dict, int]:
+    """Run the job in a thread until its group has finished a row; (thread, result box, the pid of the rank
+    whose actor name ends in ``rank_name``)."""
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
     thread.start()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and thread.is_alive():
-        leader, follower = _actor(":w0"), _actor(":w0:rank1")
-        if leader is not None and follower is not None and _rows_done(leader) >= 1:
+        leader, rank = _actor(":w0"), _actor(rank_name)
+        if leader is not None and rank is not None and _rows_done(leader) >= 1:
             break
         time.sleep(0.1)
-    assert thread.is_alive(), "the job finished before a rank could be killed"
-    pid = ray.get(follower.ping.remote(), timeout=30)["pid"]
+    assert thread.is_alive(), f"the job finished before a rank could be {what}"
+    return thread, box, ray.get(rank.ping.remote(), timeout=30)["pid"]
+
+
+def test_a_killed_follower_rank_fails_its_group_which_is_rebuilt(local_ray, tiny_llama_hf_dir, tmp_path):
+    ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
+    data["sampling"]["max_tokens"] = MAX_TOKENS * 3  # ~400 steps: the kill lands mid-job
+    thread, box, pid = _start_and_wait_for_a_row(data, ":w0:rank1", "killed")
     os.kill(pid, signal.SIGKILL)
     thread.join(300)
     result = box["result"]
@@ -131,17 +137,7 @@ def test_a_stopped_follower_rank_is_a_lost_rank_not_a_hang_of_the_rows(local_ray
     ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
     data["sampling"]["max_tokens"] = MAX_TOKENS * 3
     data["cluster"]["progress_timeout_s"] = 4.0
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
-    thread.start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and thread.is_alive():
-        leader, follower = _actor(":w0"), _actor(":w0:rank1")
-        if leader is not None and follower is not None and _rows_done(leader) >= 1:
-            break
-        time.sleep(0.1)
-    assert thread.is_alive(), "the job finished before a rank could be stopped"
-    pid = ray.get(follower.ping.remote(), timeout=30)["pid"]
+    thread, box, pid = _start_and_wait_for_a_row(data, ":w0:rank1", "stopped")
     os.kill(pid, signal.SIGSTOP)
     try:
         thread.join(300)
@@ -174,17 +170,7 @@ def test_a_vllm_worker_over_two_ranks_asks_one_bundle_of_the_whole_worker(local_
 def test_a_killed_rank_0_is_named_as_the_lost_rank(local_ray, tiny_llama_hf_dir, tmp_path):
     ids, data = _spec(tiny_llama_hf_dir, tmp_path, 16, max_num_seqs=1)
     data["sampling"]["max_tokens"] = MAX_TOKENS * 3
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
-    thread.start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and thread.is_alive():
-        leader = _actor(":w0")
-        if leader is not None and _rows_done(leader) >= 1:
-            break
-        time.sleep(0.1)
-    assert thread.is_alive(), "the job finished before a rank could be killed"
-    pid = ray.get(leader.ping.remote(), timeout=30)["pid"]
+    thread, box, pid = _start_and_wait_for_a_row(data, ":w0", "killed")
     os.kill(pid, signal.SIGKILL)
     thread.join(300)
     assert box["result"].ok, box["result"].summary()
