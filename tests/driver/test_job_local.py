@@ -35,7 +35,8 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     # a worker still starting when the job ended is paid for its start-up (estimated), never alive
     assert set(workers) <= {"w0", "w1"} and all(w["alive_s"] > 0 or w.get("estimated") for w in workers.values())
     assert sum(w.get("steps", 0) for w in workers.values()) > 0  # a worker ready late may have had no shard left
-    assert all(w["niceness"] == 0 for w in workers.values())  # not Ray's 15 (cluster.worker_niceness)
+    # not Ray's 15 (cluster.worker_niceness); a worker still starting when the job ended has no process facts
+    assert all(w["niceness"] == 0 for w in workers.values() if not w.get("estimated"))
     # Worker-seconds count actor start + model load (startup_s), shown on their own line in reports.
     startup = sum(w["startup_s"] for w in workers.values())
     assert all(w["startup_s"] > 0 for w in workers.values())
