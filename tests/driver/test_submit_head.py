@@ -42,12 +42,20 @@ def _wait_for_dashboard(url: str, token: str, head: subprocess.Popen, deadline_s
             time.sleep(1.0)
 
 
-@pytest.fixture
-def token_head(tmp_path):
-    """`<venv>/bin/ray start --head --block` with RAY_AUTH_MODE=token on free ports; PATH without the venv."""
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _start_head(tmp_path: Path, attempt: int) -> tuple[subprocess.Popen, str, str, str, int]:
+    """`<venv>/bin/ray start --head --block` with RAY_AUTH_MODE=token on free ports; PATH without the venv.
+    Returns (process, url, token, temp dir, the job agent's HTTP port)."""
     gcs, dashboard, client, agent_grpc, agent_http, metrics, runtime_env = free_ports(7)
     token = uuid.uuid4().hex + uuid.uuid4().hex
-    home = tmp_path / "home"
+    home = tmp_path / f"home{attempt}"
     home.mkdir()
     temp_dir = tempfile.mkdtemp(prefix="jr-head-")  # short: Ray's socket paths must fit in 107 bytes
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(REPO),
@@ -61,13 +69,37 @@ def token_head(tmp_path):
                f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     head = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True,
                             stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        _wait_for_dashboard(url, token, head, deadline_s=120, log=tmp_path / "head.log")
-        yield url, token, temp_dir
-    finally:
-        _stop(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    return head, f"http://127.0.0.1:{dashboard}", token, temp_dir, agent_http
+
+
+def _agent_log(temp_dir: str) -> str:
+    logs = sorted(Path(temp_dir).glob("session_*/logs/dashboard_agent*"))
+    return "\n".join(f"--- {f.name}:\n{f.read_text(errors='replace')[-2000:]}" for f in logs) or "(no agent log)"
+
+
+@pytest.fixture
+def token_head(tmp_path):
+    """A token-auth head whose job agent is up. Its fixed ports are chosen free but not held: a port another
+    process (a Ray of the test beside, under xdist) takes meanwhile kills the agent, so a head whose agent is
+    not listening after 90 s is stopped and started once more on fresh ports; a second failure shows the
+    agent's log."""
+    failures = []
+    for attempt in range(2):
+        head, url, token, temp_dir, agent_port = _start_head(tmp_path, attempt)
+        try:
+            _wait_for_dashboard(url, token, head, deadline_s=120, log=tmp_path / "head.log")
+            deadline = time.monotonic() + 90
+            while not _port_open(agent_port) and time.monotonic() < deadline and head.poll() is None:
+                time.sleep(1.0)
+            if _port_open(agent_port):
+                yield url, token, temp_dir
+                return
+            failures.append(f"attempt {attempt}: the job agent never listened on {agent_port}\n"
+                            f"{_agent_log(temp_dir)}")
+        finally:
+            _stop(head)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    pytest.fail("the Ray head's job agent did not come up:\n" + "\n".join(failures))
 
 
 def _stop(head: subprocess.Popen) -> None:
