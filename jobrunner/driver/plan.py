@@ -36,10 +36,6 @@ class JobPlan:
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.files)
 
-    def rows_to_run(self) -> int:
-        """Input rows this run plans: every row, or (incremental) the rows not done."""
-        return self.num_rows if self.incremental is None else self.incremental.rows_taken
-
 
 def with_absolute_output(spec: JobSpec) -> JobSpec:
     """The spec with a relative local output path made absolute (workers may run in another directory)."""

@@ -354,10 +354,6 @@ class WorkerPool:
         seen = self.startup.setdefault(worker.worker_id, {})
         seen.setdefault(stage, round(time.monotonic() - worker.started_at, 3))
 
-    def startup_counts(self) -> tuple[int, int, int]:
-        """(workers, placed, ready) now."""
-        return (len(self.workers), sum(w.is_placed for w in self.workers), sum(w.is_ready for w in self.workers))
-
 
 def silence(worker: Worker, now: float) -> float:
     """Seconds the worker has left its oldest progress poll unanswered (0 with none outstanding)."""

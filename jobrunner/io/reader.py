@@ -294,11 +294,6 @@ def gone_message(url: str) -> str:
             "file) and run the job again: it resumes")
 
 
-def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """Plain Python rows of a table."""
-    return table.to_pylist()
-
-
 def parse_messages(value: Any) -> list[dict[str, Any]]:
     """A messages cell (list of structs, or a JSON string) as a list of {role, content} dicts."""
     if isinstance(value, str):

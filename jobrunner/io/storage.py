@@ -263,36 +263,6 @@ class Storage:
         else:
             self.write_atomic(rel, data)
 
-    def create_exclusive(self, rel: str, data: bytes) -> bool:
-        """Create `rel` only if it does not exist; False when it does. Local disk: O_EXCL; object stores: a
-        conditional put (If-None-Match) where the server supports it, else check-then-put."""
-        if not self.is_object_store:
-            # A complete temporary file hard-linked into place: readers never see a half-written key.
-            tmp = f"{TEMP_DIR}/{uuid.uuid4().hex}-create"
-            self.put(tmp, data)
-            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-            try:
-                os.link(self.path(tmp), self.path(rel))
-                return True
-            except FileExistsError:
-                return False
-            finally:
-                self.delete(tmp)
-        try:
-            self.fs.pipe_file(self.path(rel), data, mode="create")
-            return True
-        except FileExistsError:
-            return False
-        except Exception as exc:  # noqa: BLE001 - a 412 arrives in several shapes across backends
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
-                return False
-            if not isinstance(exc, (NotImplementedError, TypeError)):
-                raise StorageError(f"create {self.display(rel)}: {_describe(exc)}") from exc
-            if self.exists(rel):
-                return False
-            self.write_small(rel, data)
-            return True
-
     def is_root(self) -> bool:
         """True for a bucket root or a filesystem root (never a place to delete everything under)."""
         if _protocol(self.fs) in ("file", "memory"):

@@ -219,12 +219,6 @@ def _csv_fast(data: bytes) -> pa.Table | None:
         else table
 
 
-def duplicate_input_ids(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
-                        limit: int = 10) -> list[str]:
-    """Up to `limit` values of `column` that appear more than once across the files, for any input format."""
-    return [d.row_id for d in find_input_duplicates(files, storage_options, fmt, column, limit)]
-
-
 def find_input_duplicates(files: list[InputFile], storage_options: dict[str, Any], fmt: str, column: str,
                           limit: int = 10) -> list[Duplicate]:
     """The first `limit` ids of `column` seen twice across the files (io/ids.py: bounded memory, hashes

@@ -20,11 +20,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" means bfloat16 on CUDA; on CPU bfloat16 on AMX / avx512_bf16, else float32."""
-    return choose_dtype(dtype, device)[0]
-
-
 def choose_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, dict[str, Any]]:
     """The model dtype for ``dtype`` on ``device``, and how it was chosen (recorded in the manifest).
 
