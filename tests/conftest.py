@@ -179,6 +179,15 @@ def tiny_llama_hf_dir(tmp_path_factory) -> Path:
     return out_dir
 
 
+@pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory) -> Path:
+    """A random tiny SmolVLM (Idefics3) + its processor saved with save_pretrained (tests/vision_helpers.py);
+    read-only for tests."""
+    from tests.vision_helpers import build_tiny_smolvlm
+
+    return build_tiny_smolvlm(tmp_path_factory.mktemp("tiny_smolvlm"))
+
+
 def make_tiny_tokenizer():
     """A byte-level BPE tokenizer (~300 tokens) with ChatML special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
