@@ -350,15 +350,14 @@ class _JobLoop:
 
     def _charge(self, task: Task, error: str) -> None:
         """A failure that is the task's own (not infrastructure, not an engine crash): an attempt."""
-        task.failures += 1
         run = task.run
         run.failures += 1
-        if task.failures >= self.spec.cluster.max_shard_attempts:
+        if run.failures >= self.spec.cluster.max_shard_attempts:
             self._fail(run, error)
             return
         self.book.fail(run.row, error, run.attempts, failed=False)
         task.alone = True
-        self.queue.put(task, retry_delay(self.spec.cluster.retry_backoff_s, task.failures))
+        self.queue.put(task, retry_delay(self.spec.cluster.retry_backoff_s, run.failures))
 
     def _fail(self, run: ShardRun, error: str) -> None:
         """The shard fails for good: the table says so, its queued pieces go, pieces still out are dropped."""

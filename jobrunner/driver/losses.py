@@ -42,7 +42,6 @@ class LossRules:
             if run.state is ShardState.FAILED:
                 continue
             if crash is None or task.error_text is not None:
-                task.infra_failures += 1
                 run.infra_failures += 1
             verdict = judge_loss(task, len(held) == 1, crash, stalled, cap, ALONE_DEATHS_TO_BISECT)
             if verdict.action == "fail":

@@ -52,8 +52,8 @@ class ShardRun:
     row: int  # its row in the shard table
     shard_id: str
     state: ShardState = ShardState.QUEUED
-    attempts: int = 0  # pieces started
-    failures: int = 0  # charged failures (the shard's own fault)
+    attempts: int = 0  # pieces started (the one count of them: a Task keeps none)
+    failures: int = 0  # charged failures (the shard's own fault), over all its pieces
     infra_failures: int = 0
     workers_lost: int = 0  # workers lost while running one of its pieces
     num_pieces: int = 1  # pieces that must finish (more once bisected)
@@ -110,7 +110,6 @@ class ShardRuns:
     def started(self, task: Task, ref: Any) -> None:
         run = task.run
         run.attempts += 1
-        task.attempts += 1
         run.refs.add(ref)
         if run.state is ShardState.QUEUED:
             run.state = ShardState.RUNNING

@@ -69,5 +69,5 @@ def cut(task: Task, positions: list[int], alone_in_engine: bool) -> Cut | None:
 
 def _piece(task: Task, start: int, end: int, sequential: bool) -> Task:
     """Rows [start, end) of the task as a new piece: suspects alone and one at a time, or a usual range."""
-    return replace(task, row_start=start, row_end=end, alone=sequential, attempts=0, failures=0,
-                   alone_crashes=0, infra_failures=0, error_text=None, is_piece=sequential, one_at_a_time=sequential)
+    return replace(task, row_start=start, row_end=end, alone=sequential,
+                   alone_crashes=0, error_text=None, is_piece=sequential, one_at_a_time=sequential)

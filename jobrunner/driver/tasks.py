@@ -53,10 +53,7 @@ class Task:
     row_start: int
     row_end: int
     alone: bool = False  # run with no other shard in the engine
-    attempts: int = 0  # times started
-    failures: int = 0  # charged failures (the task's own fault)
-    alone_crashes: int = 0  # crashes / deaths / stalls while running alone
-    infra_failures: int = 0
+    alone_crashes: int = 0  # crashes / deaths / stalls while running alone (attempts and failures: its ShardRun's)
     error_text: str | None = None  # set: write its rows as error rows (an isolated poison row)
     is_piece: bool = False  # a half from bisection: its rows are already suspects
     one_at_a_time: bool = False  # suspects of a hang: run alone, one row in the engine at a time (driver/suspects.py)

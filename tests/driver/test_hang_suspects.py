@@ -34,10 +34,10 @@ def _ranges(c) -> list[tuple]:
 
 
 def test_a_task_is_cut_around_the_rows_its_engine_held():
-    task = Task("s", 0, 8, alone=True, attempts=2)
+    task = Task("s", 0, 8, alone=True, alone_crashes=2)
     found = cut(task, [2, 5, 11], alone_in_engine=False)  # 11: another piece's row
     assert _ranges(found) == [(0, 2, False, False), (2, 6, True, True), (6, 8, False, False)]
-    assert not found.culprit and found.suspects.is_piece and found.suspects.attempts == 0
+    assert not found.culprit and found.suspects.is_piece and found.suspects.alone_crashes == 0
     assert cut(task, [8, 9], alone_in_engine=False) is None  # none of its rows: innocent of this hang
     assert _ranges(cut(task, [0, 7], alone_in_engine=False)) == [(0, 8, True, True)]
 
