@@ -174,6 +174,3 @@ class Scheduler:
         (then a step might preempt: late readback reads the last step first, as the synchronous path would)."""
         need = sum(max(0, self.kv.num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.running)
         return need > self.kv.pool.num_free_blocks
-
-    def abort_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)

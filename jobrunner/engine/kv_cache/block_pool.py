@@ -92,13 +92,6 @@ class BlockPool:
         block.token_ids = token_ids
         self.hash_to_block_id[block_hash] = block_id
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data, they just stop being findable)."""
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self.hash_to_block_id.clear()
-
     def _drop_hash(self, block: Block) -> None:
         if block.block_hash is not None:
             if self.hash_to_block_id.get(block.block_hash) == block.block_id:
