@@ -165,6 +165,8 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
         clock.mark("pack_weights")  # the first run on a machine also compiles the GEMM library
     info.update(head_info(config, model_dir, model))
     tokenizer = load_tokenizer(model_dir)
+    if getattr(model, "is_vision_language", False):  # images in prompts: transformers' processor (models/vision)
+        tokenizer = attach_processor(model, model_dir, quantization)
     eos_ids = eos_token_ids(model_dir, tokenizer)
     clock.mark("tokenizer")
     info["load_stages_s"] = clock.stages  # LLMEngine.from_source adds its own (adapters, engine)
@@ -222,6 +224,24 @@ def head_info(config, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]
     return info
 
 
+def attach_processor(model: torch.nn.Module, model_dir: Path, quantization: str):
+    """Load the model's image + text processor onto it (``model.processor``); its tokenizer is the engine's.
+    Quantization is refused (the vision tower's linears are not quantized or packed yet)."""
+    from transformers import AutoProcessor
+
+    arch = model.shape.architecture
+    if quantization != "none":
+        raise ValueError(f"{arch}: quantization {quantization!r} is not supported for vision-language models yet "
+                         "(use quantization: none)")
+    try:
+        model.processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{arch}: could not load the image processor from {model_dir} "
+                         f"(processor_config.json / preprocessor_config.json): {exc}") from exc
+    return model.processor.tokenizer
+
+
 def _max_positions(config, max_model_len: int | None) -> int:
+    config = config if hasattr(config, "max_position_embeddings") else config.text_config  # a VLM: its decoder
     limit = config.max_position_embeddings
     return min(limit, max_model_len) if max_model_len else limit

@@ -274,8 +274,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
         tp = self.tensor_parallel
-        x = self.embed_tokens(input_ids) if tp is None else parallel_embed(self.embed_tokens, input_ids, tp,
-                                                                           self.shard_plan)
+        x = self.embed_inputs(input_ids)
         rope = self.rotary(positions, x.dtype)  # the same cos/sin for every layer: gathered once
         if x.is_cpu and x.dtype == torch.bfloat16 and tp is None:  # AMX decode: every layer in one native call
             # (not on a split model: the native loop has no all-reduce)
@@ -285,6 +284,12 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
         return self.norm(x)
+
+    def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's token embeddings ``[T, hidden]`` (a vision-language model puts image vectors in them)."""
+        tp = self.tensor_parallel
+        return self.embed_tokens(input_ids) if tp is None else parallel_embed(self.embed_tokens, input_ids, tp,
+                                                                              self.shard_plan)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

@@ -13,6 +13,7 @@ from jobrunner.models.heads import split_architecture
 from jobrunner.models.llama import LlamaForCausalLM
 from jobrunner.models.load_stream import LoadTransform, stream_weights
 from jobrunner.models.parallel import TensorParallel
+from jobrunner.models.vision.idefics3 import VISION_ARCHITECTURES, Idefics3ForConditionalGeneration
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -22,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",  # checkpoint already fused (qkv_proj, gate_up_proj): copied whole, see models/phi3.py
     *moe.MOE_ARCHITECTURES,
     *GEMMA_ARCHITECTURES,  # Gemma2ForCausalLM, Gemma3ForCausalLM (text): jobrunner.models.gemma
+    *VISION_ARCHITECTURES,  # SmolVLM (Idefics3ForConditionalGeneration): jobrunner.models.vision
 )
 
 
@@ -31,6 +33,8 @@ def check_architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else f"<model_type={getattr(config, 'model_type', '?')}>"
     family, head = split_architecture(arch)
+    if arch in VISION_ARCHITECTURES:
+        return arch
     if family not in SUPPORTED_ARCHITECTURES or (head != "lm" and family in GEMMA_ARCHITECTURES):
         raise ValueError(
             f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and the "
@@ -51,6 +55,7 @@ def build_model(config, dtype: torch.dtype, device: torch.device, max_positions:
     """
     arch = check_architecture(config)
     model_class = GemmaForCausalLM if split_architecture(arch)[0] in GEMMA_ARCHITECTURES else LlamaForCausalLM
+    model_class = Idefics3ForConditionalGeneration if arch in VISION_ARCHITECTURES else model_class
     with torch.device("meta"):
         model = model_class(config, max_positions, tensor_parallel)
     model = model.to(dtype=dtype)  # on meta: changes the recorded dtype, allocates nothing

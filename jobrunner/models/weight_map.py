@@ -32,6 +32,11 @@ def target(model: torch.nn.Module, name: str) -> tuple[str, Part] | None:
     (rotary ``inv_freq``, an untied model's head on a bare decoder, ...)."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    vision_target = getattr(model, "vision_target", None)  # a vision-language model (models/vision/)
+    if vision_target is not None:
+        found, name = vision_target(name)
+        if found is not None:
+            return found
     if name == "lm_head.weight":
         return None if model.shape.tie_word_embeddings or model.lm_head is None else ("lm_head.weight", None)
     if name == "score.weight":
