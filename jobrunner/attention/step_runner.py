@@ -78,9 +78,10 @@ class StepRunner:
         self.staging = staging
         self.fixed = fixed
 
-    def run(self, layout: StepLayout, lists: StepLists) -> StepForward:
-        """The step's hidden states and sampling rows; fixed-shape when the step fits, eager otherwise."""
-        if self.fixed is not None:
+    def run(self, layout: StepLayout, lists: StepLists, eager: bool = False) -> StepForward:
+        """The step's hidden states and sampling rows; fixed-shape when the step fits, eager otherwise (always with
+        ``eager``: a step whose forward reads more than its ids, e.g. image vectors)."""
+        if self.fixed is not None and not eager:
             out = self.fixed.run_step(layout, lists)
             if out is not None:
                 return StepForward(*out, True)

@@ -18,6 +18,7 @@ from jobrunner.engine.adapters import (
     record_adapters,
 )
 from jobrunner.engine.config import EngineConfig
+from jobrunner.engine.images import prompt_images
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.late_steps import LateSteps
 from jobrunner.engine.long_rope import make_long_rope_switch
@@ -44,6 +45,7 @@ from jobrunner.engine.speculative import make_speculator
 from jobrunner.engine.speculative.draft_model import DraftModel, prepare_draft
 from jobrunner.engine.stats import EngineStats
 from jobrunner.engine.stopping import check_stop, final_text
+from jobrunner.engine.vision import ImageEncoder, RequestImages, image_prompt
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -100,6 +102,8 @@ class LLMEngine:
                                   split_decode=self.config.split_decode,
                                   kv_cache_dtype=self.config.kv_cache_dtype)
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
+        if getattr(model, "is_vision_language", False):  # images in prompts (engine/vision.py)
+            self.runner.images = ImageEncoder(model, self._stats)
         if self.tp is not None:
             kv_dtype = cache_dtype(self.config.kv_cache_dtype, model.dtype)
             self.model_info.update(rank_info(self.tp, model_bytes(model),
@@ -195,9 +199,10 @@ class LLMEngine:
         params = SamplingParams() if pooling is not None or params is None else params
         grammar_factory = self._grammar_factory(params)  # raises ValueError on a bad spec, before any state
         now = time.perf_counter() if arrival_time is None else arrival_time
-        num_prompt_tokens = 0
+        num_prompt_tokens, images = 0, None
+        image_error = self._image_error(prompt, params, pooling, adapter)
         try:
-            token_ids = self.tokenize(prompt, chat_template_kwargs)
+            token_ids, images = ([], None) if image_error else self._tokenize_with_images(prompt, chat_template_kwargs)
             num_prompt_tokens = len(token_ids)
             if pooling is not None and pooling.task == "loglik" and pooling.completion:
                 token_ids = token_ids + self._completion_ids(pooling.completion)
@@ -205,10 +210,11 @@ class LLMEngine:
         except Exception as exc:  # a broken chat template or odd input: that request only
             token_ids, error = [], f"could not tokenize the prompt: {exc}"
         adapter_id, adapter_error = self._adapter_id(adapter)
-        error = adapter_error or error
+        error = image_error or adapter_error or error
         samples = self._make_samples(request_id, token_ids, params, now)
         for request in samples:
             request.adapter, request.adapter_id = adapter or None, adapter_id
+            _attach_images(request, images)
         if pooling is not None:
             samples[0].make_pooling(pooling, num_prompt_tokens)
         self._request_ids[request_id] = len(samples)
@@ -227,6 +233,34 @@ class LLMEngine:
             request.grammar = grammar_factory() if grammar_factory is not None else None
         samples[0].siblings = samples[1:]  # forked from sample 0 once its prompt is computed
         self.scheduler.add(samples[0])
+
+    def _image_error(self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None,
+                     adapter: str | None) -> str | None:
+        """Why this engine cannot run a prompt with image parts (None: it has none, or it can)."""
+        if not prompt_images(prompt):
+            return None
+        arch = self.model.shape.architecture
+        if not getattr(self.model, "is_vision_language", False):
+            name = self.model_info.get("source", arch)
+            return (f"model {name!r} ({arch}) is a text-only model and takes no images; use a vision-language model "
+                    "(SmolVLM: Idefics3ForConditionalGeneration) or drop the image parts")
+        if pooling is not None:
+            return f"{arch}: task {pooling.task} with images is not supported yet (generation only)"
+        if params.prompt_logprobs is not None:
+            return f"{arch}: prompt_logprobs with images is not supported yet (the scoring pass runs no vision encoder)"
+        if adapter:
+            return f"{arch}: LoRA adapters with images are not supported yet (adapter {adapter!r})"
+        if self.draft is not None:
+            return f"{arch}: speculative decoding with a draft model is not supported with images (the draft sees none)"
+        return None
+
+    def _tokenize_with_images(self, prompt: Prompt, chat_template_kwargs: dict[str, Any] | None
+                              ) -> tuple[list[int], RequestImages | None]:
+        """Token ids of a prompt and its images (a chat prompt with image parts, on a vision-language model:
+        transformers' processor expands each image into its tokens, engine/vision.py)."""
+        if prompt_images(prompt) and getattr(self.model, "is_vision_language", False):
+            return image_prompt(self.model, prompt, self.chat_template, chat_template_kwargs)
+        return self.tokenize(prompt, chat_template_kwargs), None
 
     def _adapter_id(self, name: str | None) -> tuple[int, str | None]:
         """The id of adapter ``name`` (0: the base model), or an error naming it and the known ones."""
@@ -280,6 +314,8 @@ class LLMEngine:
         """
         if isinstance(prompt, str):
             return text_or_chat_token_ids(self.tokenizer, prompt)
+        if prompt_images(prompt) and getattr(self.model, "is_vision_language", False):
+            return image_prompt(self.model, prompt, self.chat_template, chat_template_kwargs)[0]
         items = list(prompt)
         if items and isinstance(items[0], dict):
             return text_or_chat_token_ids(self.tokenizer, items, self.chat_template, chat_template_kwargs)
@@ -525,6 +561,8 @@ class LLMEngine:
         if not m.prompt_shared:  # a forked sample's prompt is counted once, with sample 0
             st.num_prompt_tokens += m.num_prompt_tokens
             st.num_cached_tokens += m.num_cached_tokens
+            st.num_images += m.num_images
+            st.num_image_tokens += m.num_image_tokens
         st.num_output_tokens += m.num_output_tokens
         st.num_preemptions += m.num_preemptions
         st.num_errors += out.finish_reason == "error"
@@ -635,6 +673,13 @@ class EngineFromSource:
     def __call__(self, tp: Any) -> LLMEngine:
         return LLMEngine.from_source(self.source, self.dtype, self.quantization, self.config, self.chat_template,
                                      self.adapters, tensor_parallel=tp, **self.load_options)
+
+
+def _attach_images(request: Request, images: RequestImages | None) -> None:
+    """Give a sample its prompt's images (shared by the n samples) and their counts in its metrics."""
+    request.images = images
+    if images is not None:
+        request.metrics.num_images, request.metrics.num_image_tokens = images.num_images, images.num_image_tokens
 
 
 def _progress(total: int):

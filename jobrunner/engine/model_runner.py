@@ -32,6 +32,7 @@ from jobrunner.engine.sampler import Sampler
 from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jobrunner.engine.speculative.verify import verify_drafts
+from jobrunner.engine.vision import ImageEncoder
 from jobrunner.models.huge_pages import empty_huge
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class ModelRunner:
         self.steps = make_step_runner(self._make_backend(name), model, self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
             self.steps.warm_up()   # every bucket captured now, before any (timed) step
+
+    # a vision-language model's image encoder (engine/vision.py), set by the engine; None for a text model
+    images: ImageEncoder | None = None
 
     @property
     def backend(self) -> AttentionBackend:
@@ -185,6 +189,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        if self.images is not None:
+            self.images.drop(sched.preempted)
         layout, lists = self._layout(sched.scheduled)
         step = self._forward_with_adapters(sched.scheduled, layout, lists)
         self._pool(sched.scheduled, step.hidden, layout.query_starts)
@@ -203,6 +209,8 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device and start its ids' copy to the host; read them
         with :meth:`LaunchedStep.read` (late readback: engine/readback.py). A decode row whose input is a
         placeholder (its token still on the device) reads it from ``previous``, the last launched step's ids."""
+        if self.images is not None:
+            self.images.drop(sched.preempted)
         layout, lists = self._layout(sched.scheduled, previous)
         step = self._forward_with_adapters(sched.scheduled, layout, lists)
         self._pool(sched.scheduled, step.hidden, layout.query_starts)
@@ -224,15 +232,25 @@ class ModelRunner:
         adapters = self.model.lora
         row_adapters = [s.request.adapter_id for s in scheduled]
         if adapters is None or not any(row_adapters):
-            return self._forward(layout, lists)
+            return self._forward_with_images(scheduled, layout, lists)
         groups = adapters.token_groups(row_adapters, layout.query_starts, layout.query_lens, self.device)
         with adapters.step(groups):
-            return self._forward(layout, lists)
+            return self._forward_with_images(scheduled, layout, lists)
 
-    def _forward(self, layout: StepLayout, lists: StepLists) -> StepForward:
+    def _forward_with_images(self, scheduled: list[ScheduledRequest], layout: StepLayout,
+                             lists: StepLists) -> StepForward:
+        """The step's forward with the image vectors of the image tokens it computes in place of their embeddings
+        (engine/vision.py), eagerly (a fixed-shape runner's forward would not read them)."""
+        found = self.images.step_rows(scheduled, layout.query_starts, self.device) if self.images else None
+        if found is None:
+            return self._forward(layout, lists)
+        with self.model.image_step(*found):
+            return self._forward(layout, lists, eager=True)
+
+    def _forward(self, layout: StepLayout, lists: StepLists, eager: bool = False) -> StepForward:
         """The step through the backend's step runner; a failing backend gives way to the fall-back one."""
         try:
-            return self.steps.run(layout, lists)
+            return self.steps.run(layout, lists, eager=eager)
         except Exception as exc:
             fallback = self._fallback_backend()
             if self.backend is fallback:
@@ -243,7 +261,7 @@ class ModelRunner:
                         self.backend.name, type(exc).__name__, exc, fallback.name)
             self.num_attention_fallbacks += 1
             self.use_backend(fallback)
-            return self.steps.run(layout, lists)
+            return self.steps.run(layout, lists, eager=eager)
 
     def _fallback_backend(self) -> AttentionBackend:
         """The torch backend; in deterministic mode its fixed-order twin."""

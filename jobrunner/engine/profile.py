@@ -10,7 +10,9 @@ inside it and the parts of a step add up to the step exactly:
 * ``other``: the model forward (embedding, norms, rotary, activations, residual adds) and the sampler's math;
 * ``gemm``: every projection (q|k|v, o, gate|up, down, lm_head; whatever class quantization put there);
 * ``attention``: each layer's attention call (the K/V write into the cache and the attention itself);
-* ``graph``: a CUDA-graph replay, which runs the whole model without Python (not split; absent on CPU).
+* ``graph``: a CUDA-graph replay, which runs the whole model without Python (not split; absent on CPU);
+* ``vision``: a vision-language model's image encoder (vision tower + connector, engine/vision.py; absent for
+  text models and steps without new images).
 
 Nothing is installed while detached: the forward hooks (projections, the model) and the instance attributes
 over a few methods (step, schedule, layout, the step runner, the sampler, each layer's ``attend``) exist only
@@ -103,6 +105,8 @@ class StepProfiler:
         if fixed is not None and getattr(fixed, "capture", False) and e.device.type == "cuda":
             self._wrap(fixed, "run_step", self.clock.timed("graph", fixed.run_step))
         self._wrap(runner.sampler, "sample", self.clock.timed("other", runner.sampler.sample))
+        if getattr(runner, "images", None) is not None:  # a vision-language model's encoder (engine/vision.py)
+            self._wrap(runner.images, "encode", self.clock.timed("vision", runner.images.encode))
         self._hook(e.model, "other", counts=True)
         self._wrap(e.model, "layer_loop_clock", self.clock)  # the C layer loop's own timers (models/layer_loop.py)
         for name, module in e.model.named_modules():

@@ -35,6 +35,11 @@ class EngineStats:
     num_speculative_rows: int = 0      # (request, step) pairs that verified drafts
     num_late_steps: int = 0            # steps whose ids were read one step late (late readback)
     num_late_discarded_tokens: int = 0  # tokens of rows that had ended in the step before (read late: dropped)
+    num_images: int = 0                # images in the prompts of finished requests (engine/vision.py)
+    num_image_tokens: int = 0          # of their prompt tokens, the image tokens
+    num_images_encoded: int = 0        # vision encoder calls (one per image; again after a preemption, never
+    # for an image whose tokens a prefix-cache hit covered)
+    vision_encoder_s: float = 0.0      # seconds in the vision encoder (inside the steps' model time)
     kv_num_blocks: int = 0
     kv_block_size: int = 0
     kv_blocks_used: int = 0

@@ -127,8 +127,12 @@ class KVCacheManager:
         """Block ``i``'s tokens, as hashed and confirmed; a block rotated with another rope table than the first
         (longrope's long one, engine/long_rope.py) leads with a negative marker no token id can equal, a block
         computed with a LoRA adapter with the adapter's marker (a string: equal to no token id nor rope marker),
-        so rows of different adapters never share a block (their K/V differ from the first adapted layer on)."""
+        so rows of different adapters never share a block (their K/V differ from the first adapted layer on); a
+        block holding image tokens with the digest of each image it covers (``image:<sha256>``, engine/vision.py),
+        so the same text with a different image never shares a block."""
         chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+        if request.images is not None:
+            chunk = (*request.images.block_markers(i * self.block_size, (i + 1) * self.block_size), *chunk)
         if request.rope_table:
             chunk = (-request.rope_table, *chunk)
         return (f"adapter:{request.adapter_id}", *chunk) if request.adapter_id else chunk
