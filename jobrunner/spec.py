@@ -34,6 +34,7 @@ from jobrunner.redaction import (
     secret_values,
 )
 from jobrunner.spec_errors import describe_spec_errors
+from jobrunner.spec_images import ImageSettings
 from jobrunner.spec_sections import section_fields
 from jobrunner.url_templates import fill_spec_urls, template_values
 
@@ -87,7 +88,11 @@ class ModelSpec(_Spec):
         return value
 
 
-class InputSpec(_Spec):
+# input.image_column and the image limits are declared in spec_images.py (issue 49)
+_ImageFields = create_model("_ImageFields", __base__=_Spec, __module__=__name__, **section_fields(ImageSettings))
+
+
+class InputSpec(_ImageFields):
     """Where the prompts come from and how rows become requests."""
 
     url: str = Field(description="fsspec URL of an input file, a directory of input files or a glob.")
@@ -218,7 +223,7 @@ class InputSpec(_Spec):
 
 
 _OPENAI_BATCH_UNSET = ("prompt_column", "messages_column", "id_column", "sampling_column", "adapter_column",
-                       "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
+                       "image_column", "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
                        "tools_column", "tool_choice")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from jobrunner.driver.rows import RowRequest, fingerprint_roles, fingerprint_salt, id_column
+from jobrunner.driver.rows import RowRequest, fingerprint_roles, fingerprint_salt, id_column, image_prints
 from jobrunner.io.output_dupes import find_output_duplicates, write_output_duplicates
 from jobrunner.io.prompt_dupes import find_prompt_duplicates, read_duplicates, write_duplicates
 from jobrunner.io.reader import InputFile
@@ -36,7 +36,7 @@ def publish_duplicates(spec: JobSpec, files: list[InputFile], storage: Storage, 
         return
     inp = spec.input
     found = find_prompt_duplicates(files, inp.storage_options, inp.format, id_column(spec),
-                                   fingerprint_roles(spec), fingerprint_salt(spec))
+                                   fingerprint_roles(spec), fingerprint_salt(spec), image_prints(spec))
     write_duplicates(storage, found)
     manifest[DEDUPE_KEY] = {"mode": "prompts", **found.describe()}
 

@@ -36,7 +36,7 @@ import numpy as np
 from jobrunner.driver.manifest import ResumeError
 from jobrunner.driver.prefix_plan import PrefixPlan, plan_prefix_shards
 from jobrunner.driver.resume_check import MAX_SHOWN, name_difference, num_committed, spec_differences
-from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, id_column
+from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, id_column, image_prints
 from jobrunner.driver.shards import ShardTable
 from jobrunner.io.done_ids import DoneIdsBuilder, DoneIdsError, list_outputs
 from jobrunner.io.done_rows import MAX_LISTED_CHANGED, FileScan, RequestColumns, scan_file
@@ -134,8 +134,9 @@ def plan_incremental(spec: JobSpec, files: list[InputFile], storage: Storage, ke
         sources.append({"output": redact_text(url), "done_ids": builder.add_parts(other, parts, code)})
     done = builder.finish()
     files = [f for f in files if f.num_rows]
-    request = RequestColumns(fingerprint_roles(spec) if spec.output.check_done_prompts else {},
-                             fingerprint_salt(spec))
+    checked = spec.output.check_done_prompts
+    request = RequestColumns(fingerprint_roles(spec) if checked else {}, fingerprint_salt(spec),
+                             image_prints(spec) if checked else None)
     inp = spec.input
     scans = map_files(lambda f: scan_file(f, inp.storage_options, inp.format, id_column(spec), done, request),
                       files, threads=8)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobrunner.driver.tool_calls import check_tools
+from jobrunner.io.image_parts import parse_content
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 # Body fields copied to our sampling parameters under the same name (OpenAI's and vLLM's extras).
@@ -167,7 +168,7 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     raise ValueError(f"body.response_format: type must be text, json_object or json_schema, got {fmt!r}")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise ValueError("body.messages must be a non-empty list")
     out = []
@@ -182,13 +183,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def _content(content: Any, i: int) -> str:
-    """A message's text: a string, or a list of text parts (joined with newlines)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "\n".join(str(p.get("text", "")) for p in content)
-    raise ValueError(f"body.messages[{i}].content: only text content is supported")
+def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or a list of text and image_url parts (text parts alone are joined with
+    newlines; images stay parts that the worker fetches: io/image_parts.py)."""
+    return parse_content(content, f"body.messages[{i}].content")
 
 
 def _completion_prompt(prompt: Any) -> str | list[int]:

@@ -53,7 +53,7 @@ def required_columns(spec: JobSpec) -> dict[str, str]:
              "id_column": inp.id_column, "sampling_column": inp.sampling_column,
              "system_prompt_column": inp.system_prompt_column,
              "chat_template_kwargs_column": inp.chat_template_kwargs_column, "tools_column": inp.tools_column,
-             "adapter_column": inp.adapter_column}
+             "adapter_column": inp.adapter_column, "image_column": inp.image_column}
     return {role: column for role, column in roles.items() if column}
 
 

@@ -29,7 +29,11 @@ from jobrunner.driver.tool_calls import (
     parse_tool_calls,
 )
 from jobrunner.engine import PoolingParams, SamplingParams
+from jobrunner.engine.images import ImageInput
 from jobrunner.io.fingerprints import request_fingerprints, text_salt
+from jobrunner.io.image_parts import check_count, column_refs, parts_text, with_images
+from jobrunner.io.image_prints import ImagePrints
+from jobrunner.io.images import DecodedImage, ImageContext, ImageLimits, base_of
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
 from jobrunner.io.text_input import read_input_rows
@@ -56,6 +60,7 @@ class RowRequest:
     adapter: str | None = None  # the LoRA adapter it runs with (input.adapter_column; None: the base model)
     num_finished: int = 0  # samples the engine has finished (the request is done at params.n)
     dedupe_of: str | None = None  # output.dedupe prompts: the earlier row it repeats (error says so; not generated)
+    num_images: int = 0  # image parts in the prompt (fetched by the worker just before the engine: io/images.py)
 
 
 def is_openai_batch(spec: JobSpec) -> bool:
@@ -90,6 +95,13 @@ def has_tools(spec: JobSpec) -> bool:
     return (bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)) and is_generating(spec)
 
 
+def has_images(spec: JobSpec) -> bool:
+    """Whether rows can carry images (an image column, chat messages or OpenAI batch lines, generating), so the
+    output has ``num_images`` and ``num_image_tokens``."""
+    inp = spec.input
+    return bool(inp.image_column or inp.messages_column or is_openai_batch(spec)) and is_generating(spec)
+
+
 def has_adapters(spec: JobSpec) -> bool:
     """Whether rows name a LoRA adapter (so the output has the ``adapter`` column)."""
     return bool(spec.input.adapter_column)
@@ -102,7 +114,7 @@ def job_output_schema(spec: JobSpec) -> pa.Schema:
     output.dedupe prompts / outputs)."""
     return output_schema(spec.output.format, has_json_valid(spec), has_reasoning(spec), has_tools(spec),
                          output_task(spec), has_adapters(spec), spec.output.dedupe,
-                         retries=spec.engine.backend == "openai")
+                         retries=spec.engine.backend == "openai", images=has_images(spec))
 
 
 def request_columns(spec: JobSpec) -> list[str]:
@@ -112,7 +124,7 @@ def request_columns(spec: JobSpec) -> list[str]:
     inp = spec.input
     cols = [inp.prompt_column, inp.messages_column, inp.id_column, inp.sampling_column, inp.system_prompt_column,
             inp.chat_template_kwargs_column, inp.tools_column, inp.completion_column, inp.adapter_column,
-            spec.sampling.seed_column, ROW_ERROR]
+            inp.image_column, spec.sampling.seed_column, ROW_ERROR]
     return list(dict.fromkeys(c for c in cols if c))
 
 
@@ -124,8 +136,41 @@ def fingerprint_roles(spec: JobSpec) -> dict[str, str]:
     inp = spec.input
     roles = {"prompt": inp.prompt_column, "messages": inp.messages_column, "sampling": inp.sampling_column,
              "system_prompt": inp.system_prompt_column, "chat_template_kwargs": inp.chat_template_kwargs_column,
-             "tools": inp.tools_column, "seed": spec.sampling.seed_column}
+             "tools": inp.tools_column, "seed": spec.sampling.seed_column, "image": inp.image_column}
     return {role: column for role, column in roles.items() if column}
+
+
+def image_prints(spec: JobSpec) -> ImagePrints | None:
+    """How a row's images named by URL or path enter its request fingerprint (io/image_prints.py): by content
+    (input.image_fingerprint content, the default), or None (by name only: the columns' values)."""
+    inp = spec.input
+    if inp.image_fingerprint != "content" or not (inp.image_column or inp.messages_column or is_openai_batch(spec)):
+        return None
+    chat = "body" if is_openai_batch(spec) else inp.messages_column
+    return ImagePrints(chat_column=chat, is_openai=is_openai_batch(spec), image_column=inp.image_column,
+                       storage_options=dict(inp.storage_options), limits=image_limits(spec))
+
+
+def image_context(spec: JobSpec, file_url: str, prints: ImagePrints | None) -> ImageContext | None:
+    """How a worker reads the images of the rows of ``file_url`` (recording their digests in ``prints``);
+    None when the job's rows cannot carry images (a prompt column without an image column)."""
+    inp = spec.input
+    if not (inp.image_column or inp.messages_column or is_openai_batch(spec)):
+        return None
+    if prints is not None:
+        return prints.with_wrap(file_url, engine_image)
+    return ImageContext(dict(inp.storage_options), base_of(file_url), image_limits(spec), wrap=engine_image)
+
+
+def engine_image(image: DecodedImage) -> ImageInput:
+    """A fetched image as the engine takes it (engine/images.py)."""
+    return ImageInput(data=image.data, digest=image.digest, mime=image.mime, source=image.source,
+                      pixels=image.pixels)
+
+
+def image_limits(spec: JobSpec) -> ImageLimits:
+    """The job's limits on one image."""
+    return ImageLimits(spec.input.image_max_bytes, spec.input.image_max_pixels)
 
 
 def fingerprint_salt(spec: JobSpec) -> np.uint64:
@@ -138,9 +183,13 @@ def fingerprint_salt(spec: JobSpec) -> np.uint64:
     return text_salt(json.dumps(shared, sort_keys=True, default=str))
 
 
-def row_fingerprints(spec: JobSpec, table: pa.Table) -> dict[int, int]:
-    """ROW_INDEX -> request fingerprint (as the signed int64 the output column holds) of a shard's input rows."""
-    values = request_fingerprints(table, fingerprint_roles(spec), fingerprint_salt(spec)).view(np.int64)
+def row_fingerprints(spec: JobSpec, table: pa.Table, file_url: str = "",
+                     prints: ImagePrints | None = None) -> dict[int, int]:
+    """ROW_INDEX -> request fingerprint (as the signed int64 the output column holds) of a shard's input rows;
+    ``prints`` (:func:`image_prints`, its digests filled by the worker's fetches) adds referenced images'
+    content."""
+    images = (lambda t: prints.row_hashes(t, file_url)) if prints is not None else None
+    values = request_fingerprints(table, fingerprint_roles(spec), fingerprint_salt(spec), images).view(np.int64)
     return dict(zip(table.column(ROW_INDEX).to_pylist(), values.tolist(), strict=True))
 
 
@@ -203,9 +252,11 @@ def to_request(spec: JobSpec, file_stem: str, row: dict[str, Any],
         req.adapter = _row_adapter(spec, row, rid)
         if is_openai_batch(spec):
             _fill_openai(spec, req, row, sampling)
+            req.num_images = check_count(req.prompt, spec.input.max_images_per_row)
         else:
             req.chat_template_kwargs = _template_kwargs(spec, row, req.chat_template_kwargs)
             req.prompt = _prompt(spec, row)
+            req.num_images = check_count(req.prompt, spec.input.max_images_per_row)
             if isinstance(sampling, PoolingParams):
                 req.params = row_pooling(spec, sampling, row)
                 return req
@@ -263,6 +314,13 @@ def _row_adapter(spec: JobSpec, row: dict[str, Any], rid: str) -> str | None:
 
 
 def _prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """The row's prompt: its text or messages, with its image column's images first in its user message."""
+    column = spec.input.image_column
+    text_or_chat = _text_prompt(spec, row)
+    return with_images(text_or_chat, column_refs(row.get(column), column)) if column else text_or_chat
+
+
+def _text_prompt(spec: JobSpec, row: dict[str, Any]) -> str | list[dict[str, Any]]:
     system = _system_prompt(spec, row)
     if spec.input.prompt_column is not None:
         value = row.get(spec.input.prompt_column)
@@ -382,7 +440,8 @@ def error_row(req: RowRequest) -> dict[str, Any]:
                 "sample_index": 0, "prompt_shared": False, "adapter": req.adapter, "dedupe_of": req.dedupe_of}
     return {"id": req.row_id, ROW_INDEX: req.row_index, "generated_text": None, "finish_reason": "error",
             "error": req.error, "num_prompt_tokens": 0, "num_cached_tokens": 0, "num_output_tokens": 0,
-            "sample_index": 0, "prompt_shared": False, "adapter": req.adapter}
+            "sample_index": 0, "prompt_shared": False, "adapter": req.adapter, "num_images": req.num_images,
+            "num_image_tokens": 0}
 
 
 def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
@@ -426,6 +485,8 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
         row["num_reasoning_tokens"] = None if split is None else split.num_reasoning_tokens
     if spec.engine.backend == "openai":
         row["num_retries"] = getattr(out, "num_retries", None)
+    if has_images(spec):
+        row["num_images"], row["num_image_tokens"] = req.num_images, image_tokens(out, metrics)
     if has_tools(spec):
         row["tool_calls"] = (endpoint_tool_calls(given) if given is not None else
                              openai_tool_calls(calls.calls, req.row_id, row["sample_index"])) \
@@ -434,10 +495,19 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
     return row
 
 
+def image_tokens(out: Any, metrics: dict[str, Any]) -> int | None:
+    """The prompt tokens that stand for the request's images, as the engine reports them (None: it does not)."""
+    value = metrics.get("num_image_tokens")
+    value = getattr(out, "num_image_tokens", None) or value  # an engine may report it beside its metrics
+    return None if value is None else int(value)
+
+
 def chat_of(prompt: Any) -> list[dict[str, Any]]:
-    """A request's prompt as chat messages (a raw-text prompt is one user turn)."""
+    """A request's prompt as chat messages (a raw-text prompt is one user turn); a content of parts becomes
+    text, an image as ``[image: <source>]`` (the output's messages column holds text)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        return [dict(m) for m in prompt]
+        return [{**m, "content": parts_text(m["content"])} if isinstance(m.get("content"), list) else dict(m)
+                for m in prompt]
     return [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
 
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from jobrunner.driver.deadlines import call_with_deadline
@@ -37,6 +38,8 @@ from jobrunner.driver.rows import (
     RowRequest,
     error_row,
     id_column,
+    image_context,
+    image_prints,
     job_sampling,
     output_row,
     prompt_tokens_once,
@@ -49,6 +52,8 @@ from jobrunner.driver.suspects import SUSPECTS_AFTER_S, in_flight
 from jobrunner.driver.tool_calls import choose_tool_parser
 from jobrunner.engine.contract import EngineStopped
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
+from jobrunner.io.image_prints import ImagePrints
+from jobrunner.io.images import FETCH_THREADS, ImageContext, ImageFetcher
 from jobrunner.io.parts import write_attempt_part
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
@@ -70,6 +75,7 @@ class EngineFailed(RuntimeError):
 
 
 MAX_ERROR_KINDS = 20  # distinct error kinds a shard reports (most frequent first)
+PREFETCH_ROWS = 2 * FETCH_THREADS  # rows whose images are fetched ahead of the engine (io/images.py)
 _GAUGES = ("kv_num_blocks", "kv_block_size", "kv_blocks_used", "prefix_cache_hit_rate")  # not summed over engines
 
 
@@ -93,6 +99,8 @@ class _ShardState:
     fingerprints: dict[int, int] = field(default_factory=dict)  # row -> request fingerprint (output column)
     one_at_a_time: bool = False  # a hang's suspects: one row in the engine at a time (driver/suspects.py)
     positions: dict[int, int] | None = None  # row -> position in the shard (None: the same number)
+    images: ImageContext | None = None  # how its rows' images are read (None: the job's rows carry none)
+    prints: ImagePrints | None = None  # referenced images' digests for the fingerprints (io/image_prints.py)
 
     @property
     def is_complete(self) -> bool:
@@ -156,6 +164,7 @@ class ShardRunner:
         self._tokens = self._num_tokens()
         self._output = Storage(spec.output.url, spec.output.storage_options)
         self._duplicates = DuplicateRows(spec, self._output)  # output.dedupe prompts (driver/dedupe.py)
+        self._images = ImageFetcher()  # rows' images, fetched on the engine thread's behalf just ahead of it
         threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True).start()
 
     # ---- caller side ---------------------------------------------------------------------------------
@@ -183,7 +192,8 @@ class ShardRunner:
         table, keep, state.positions = call_with_deadline(lambda: read_shard_rows(self.spec, shard, self._output),
                                                           limit, where)
         requests = self._requests(shard, table)
-        state.fingerprints = row_fingerprints(self.spec, table)
+        state.prints = image_prints(self.spec)
+        state.images = image_context(self.spec, shard.file_url, state.prints)
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
         state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None])
@@ -198,6 +208,10 @@ class ShardRunner:
         if state.error is not None:
             raise state.error
         state.phase = "writing"
+        # after generating: the digests of the images fetched for the engine are known (io/image_prints.py)
+        state.fingerprints = call_with_deadline(
+            lambda: row_fingerprints(self.spec, table, shard.file_url, state.prints), limit,
+            f"shard {shard.shard_id}: hashing its rows' requests")
         kept = table.select(keep + [ROW_INDEX]) if keep else None
         out = part_table(self.spec, self._finish_rows(state), kept, state.cost)
         part = call_with_deadline(
@@ -307,7 +321,9 @@ class ShardRunner:
                 pass
         except Exception as exc:  # noqa: BLE001 - an engine beyond repair fails the shards in it, never hangs them
             self._fail_all(exc)
+            self._images.clear()
             return
+        self._images.close()
         self.engine.close()  # stopped: nothing uses the engine after this thread
 
     def _iterate(self) -> bool:
@@ -366,23 +382,46 @@ class ShardRunner:
                 continue
             if state.one_at_a_time and state.in_flight:
                 break  # its next row waits for this one
+            if not self._images_ready(state):
+                break  # the next row's images are still being fetched: the engine steps on what it holds
             req = state.to_add.popleft()
             state.in_flight += 1
             self._by_request[_request_id(state, req)] = (state, req)
             adds.append((state, req))
         return adds
 
+    def _images_ready(self, state: _ShardState) -> bool:
+        """Start fetching the images of the shard's next PREFETCH_ROWS rows; whether the next row may enter the
+        engine now (its images are there, or the engine holds nothing else to step on)."""
+        if state.images is None:
+            return True
+        for req in islice(state.to_add, PREFETCH_ROWS):
+            self._images.prefetch(_request_id(state, req), req.prompt, req.row_id, state.images)
+        head = state.to_add[0]
+        return not self._by_request or self._images.is_ready(_request_id(state, head), head.prompt)
+
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = _request_id(state, req)
         try:
+            prompt = req.prompt if state.images is None else \
+                self._images.take(request_id, req.prompt, req.row_id, state.images)
+        except Exception as exc:  # noqa: BLE001 - a bad image is its row's error (io/images.py names row and image)
+            self._reject(state, request_id, req, str(exc) if isinstance(exc, ValueError) else
+                         f"row {req.row_id}: images: {type(exc).__name__}: {exc}")
+            return
+        try:
             self._engine_call("add_request", lambda: self.engine.add_request(
-                request_id, req.prompt, req.params, chat_template_kwargs=req.chat_template_kwargs or None,
+                request_id, prompt, req.params, chat_template_kwargs=req.chat_template_kwargs or None,
                 adapter=req.adapter or None))
         except Exception as exc:  # noqa: BLE001 - one bad row never fails a shard
-            with self._cond:
-                if self._by_request.pop(request_id, None) is not None:
-                    req.error = f"engine rejected the request: {exc}"
-                    self._complete(state, [error_row(req)], req)
+            self._reject(state, request_id, req, f"engine rejected the request: {exc}")
+
+    def _reject(self, state: _ShardState, request_id: str, req: RowRequest, error: str) -> None:
+        """A row that could not enter the engine becomes its error row."""
+        with self._cond:
+            if self._by_request.pop(request_id, None) is not None:
+                req.error = error
+                self._complete(state, [error_row(req)], req)
 
     def _after_step(self, outputs: list[Any]) -> None:
         """Take the finished samples; a token computed or a row finished is progress."""

@@ -22,6 +22,7 @@ from fsspec.core import url_to_fs
 from jobrunner.io.done_ids import DoneIds
 from jobrunner.io.fingerprints import request_fingerprints
 from jobrunner.io.ids import BATCH_ROWS, ids_or_derived
+from jobrunner.io.image_prints import ImagePrints
 from jobrunner.io.reader import InputError, InputFile, _open_exact
 from jobrunner.io.storage import StorageError, retry
 from jobrunner.io.text_input import file_format, read_input_rows
@@ -53,6 +54,7 @@ class RequestColumns:
 
     roles: dict[str, str]
     salt: np.uint64
+    images: ImagePrints | None = None  # referenced images hashed by content (io/image_prints.py)
 
 
 def scan_file(f: InputFile, storage_options: dict[str, Any], fmt: str, id_column: str | None,
@@ -86,7 +88,8 @@ def _scan_batch(scan: FileScan, skipped: np.ndarray, offset: int, table: pa.Tabl
     stored = done.fingerprints[entries]
     known = stored != 0
     scan.num_unchecked += int((~known).sum())
-    now = request_fingerprints(table.take(pa.array(positions)), request.roles, request.salt)
+    images = (lambda t: request.images.row_hashes(t, f.url)) if request.images is not None else None
+    now = request_fingerprints(table.take(pa.array(positions)), request.roles, request.salt, images)
     changed = np.flatnonzero(known & (now != stored))
     scan.num_changed += len(changed)
     for k in changed[:max(0, MAX_LISTED_CHANGED - len(scan.changed))].tolist():

@@ -16,6 +16,7 @@ rows, changes nothing), a list as the sum of its elements mixed with their posit
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ from jobrunner.io.ids import _hash_strings, _mix
 _LIST_TAG = np.uint64(0xA24BAED4963EE407)
 _STRUCT_TAG = np.uint64(0x9FB21C651E98DF25)
 _POSITION = np.uint64(0xC13FA9A902A6328F)
+IMAGE_CONTENT_ROLE = "image_content"  # the content of images named by URL or path (io/image_prints.py)
 
 
 def text_salt(text: str) -> np.uint64:
@@ -33,18 +35,24 @@ def text_salt(text: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little"))
 
 
-def request_fingerprints(table: pa.Table, role_columns: dict[str, str], salt: np.uint64) -> np.ndarray:
+def request_fingerprints(table: pa.Table, role_columns: dict[str, str], salt: np.uint64,
+                         images: Callable[[pa.Table], np.ndarray] | None = None) -> np.ndarray:
     """uint64 [rows]: each row's fingerprint over the columns `role_columns` names (role -> column; a column
     missing from `table` counts as null), mixed with `salt`. Roles, not column names, are mixed in, so a
-    renamed column keeps its rows' fingerprints."""
+    renamed column keeps its rows' fingerprints. `images`: each row's hash of the content of the images it
+    names by reference (io/image_prints.py; 0: none), mixed in as one more role."""
     total = np.zeros(table.num_rows, np.uint64)
     for role, column in sorted(role_columns.items()):
         if column not in table.column_names:
             continue
-        values = value_hashes(table.column(column))
-        contribution = _mix(values + text_salt(role))
-        total += np.where(values != 0, contribution, np.uint64(0))
+        total += _role_term(value_hashes(table.column(column)), role)
+    if images is not None and table.num_rows:
+        total += _role_term(images(table), IMAGE_CONTENT_ROLE)
     return _mix(total ^ salt)
+
+
+def _role_term(values: np.ndarray, role: str) -> np.ndarray:
+    return np.where(values != 0, _mix(values + text_salt(role)), np.uint64(0))
 
 
 def value_hashes(values: pa.Array | pa.ChunkedArray) -> np.ndarray:

@@ -66,6 +66,9 @@ OUTPUT_FINGERPRINT_FIELD = pa.field(OUTPUT_FINGERPRINT, pa.int64())
 _DEDUPE_FIELDS = {"prompts": (DEDUPE_FIELD,), "outputs": (OUTPUT_FINGERPRINT_FIELD,)}
 # Only in engine.backend openai jobs: the sends a row's request needed beyond the first (429, 5xx, drops).
 RETRIES_FIELD = pa.field("num_retries", pa.int64())
+# Only in jobs whose rows can carry images (an image column, a messages column, OpenAI batch lines): the row's
+# images, and the prompt tokens that stand for them (part of num_prompt_tokens; null: the engine does not say).
+IMAGE_FIELDS = (pa.field("num_images", pa.int64()), pa.field("num_image_tokens", pa.int64()))
 
 # Only in embed / score jobs (prefill-only rows, generated_text null): their result, by output task.
 TASK_FIELDS = {
@@ -80,17 +83,19 @@ TASK_FIELDS = {
 
 def output_schema(output_format: str = "parquet", json_valid: bool = False, reasoning: bool = False,
                   tools: bool = False, task: str = "generate", adapter: bool = False,
-                  dedupe: str = "none", retries: bool = False) -> pa.Schema:
+                  dedupe: str = "none", retries: bool = False, images: bool = False) -> pa.Schema:
     """The output row schema of a job with this output.format (plus ``json_valid`` when rows can have a
     schema, ``reasoning`` / ``num_reasoning_tokens`` with a reasoning parser, ``tool_calls`` /
     ``tool_call_warning`` when rows can carry tools, the result columns of an embed / score ``task``:
     ``embed``, ``classify`` or ``loglik``, ``adapter`` when rows name a LoRA adapter, ``dedupe_of`` with
-    output.dedupe prompts, ``output_fingerprint`` with output.dedupe outputs, ``num_retries`` for an endpoint)."""
+    output.dedupe prompts, ``output_fingerprint`` with output.dedupe outputs, ``num_retries`` for an endpoint,
+    ``num_images`` / ``num_image_tokens`` where rows can carry images)."""
     schema = OUTPUT_SCHEMA.append(MESSAGES_FIELD) if output_format == "messages" else OUTPUT_SCHEMA
     schema = schema.append(JSON_VALID_FIELD) if json_valid else schema
     extra = (REASONING_FIELDS if reasoning else ()) + (TOOL_FIELDS if tools else ()) + TASK_FIELDS[task]
     extra += ((ADAPTER_FIELD,) if adapter else ()) + _DEDUPE_FIELDS.get(dedupe, ())
     extra += (RETRIES_FIELD,) if retries else ()
+    extra += IMAGE_FIELDS if images else ()
     for field in extra:
         schema = schema.append(field)
     return schema

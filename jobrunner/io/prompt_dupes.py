@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from jobrunner.io.done_rows import _batches, row_ids
 from jobrunner.io.fingerprints import request_fingerprints
+from jobrunner.io.image_prints import ImagePrints
 from jobrunner.io.reader import InputError, InputFile
 from jobrunner.io.storage import Storage, StorageError
 
@@ -50,15 +51,17 @@ class PromptDuplicates:
 
 
 def find_prompt_duplicates(files: list[InputFile], storage_options: dict[str, Any], fmt: str,
-                           id_column: str | None, roles: dict[str, str], salt: np.uint64) -> PromptDuplicates:
+                           id_column: str | None, roles: dict[str, str], salt: np.uint64,
+                           images: ImagePrints | None = None) -> PromptDuplicates:
     """Every row whose request fingerprint an earlier row has (files in order, rows in order); InputError names
-    a file that cannot be read."""
+    a file that cannot be read. ``images``: referenced images hashed by content (io/image_prints.py)."""
     columns = list(dict.fromkeys(([id_column] if id_column else []) + list(roles.values())))
     prints, ids, where = [], [], []
     for file_index, f in enumerate(files):
         try:
             for offset, table in _batches(f, storage_options, fmt, columns):
-                prints.append(request_fingerprints(table, roles, salt))
+                hashes = (lambda t, url=f.url: images.row_hashes(t, url)) if images is not None else None
+                prints.append(request_fingerprints(table, roles, salt, hashes))
                 ids.append(row_ids(table, offset, f.stem, id_column))
                 where.append(np.stack([np.full(table.num_rows, file_index, np.int64),
                                        np.arange(offset, offset + table.num_rows, dtype=np.int64)]))

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 from fsspec.core import url_to_fs
 
+from jobrunner.io.image_parts import parse_content
 from jobrunner.io.row_groups import (
     ReadStats,
     RowGroupCache,
@@ -179,6 +180,8 @@ _ROLE_CHECKS = {
     "tools_column": (lambda t: _is_string(t) or t.startswith(("list<", "large_list<")),
                      "a list<struct> column or a JSON string column"),
     "adapter_column": (_is_string, "a string column"),
+    "image_column": (lambda t: "binary" in t or "string" in t,
+                     "a binary or string column, a list of them, or a struct<bytes, path>"),
 }
 
 
@@ -295,18 +298,22 @@ def gone_message(url: str) -> str:
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """A messages cell (list of structs, or a JSON string) as a list of {role, content} dicts."""
+    """A messages cell (list of structs, or a JSON string) as a list of {role, content} dicts; a content list of
+    parts stays a list where it holds images (``{"type": "image", "image": ImageRef}``), else becomes text."""
     if isinstance(value, str):
         value = json.loads(value)
     if not isinstance(value, list) or not value:
         raise ValueError("messages must be a non-empty list of {role, content}")
     out = []
-    for m in value:
+    for i, m in enumerate(value):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
-        content_ok = isinstance(m, dict) and (isinstance(m.get("content"), str) or (calls and m.get("content") is None))
+        content = m.get("content") if isinstance(m, dict) else None
+        content_ok = isinstance(content, (str, list)) or (calls and content is None)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not content_ok:
-            raise ValueError("each message needs string 'role' and 'content'")
-        message = {"role": m["role"], "content": m["content"]}
+            raise ValueError("each message needs string 'role' and 'content' (a string or a list of parts)")
+        if isinstance(content, list):  # OpenAI content parts: text and image_url (io/image_parts.py)
+            content = parse_content(content, f"messages[{i}].content")
+        message = {"role": m["role"], "content": content}
         # an agent trace: an assistant turn's calls, a tool result's call id and name (as OpenAI writes them)
         message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
         out.append(message)

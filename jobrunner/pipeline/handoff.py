@@ -25,7 +25,7 @@ METRIC_COLUMNS = frozenset({
     "error", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "ttft_s", "itl_mean_s", "e2e_s",
     "queue_s", "shard_id", "worker_id", "finish_time_s", "sample_index", "prompt_shared", "logprobs",
     "prompt_logprobs", "request_fingerprint", "output_fingerprint", "dedupe_of", "num_reasoning_tokens",
-    "completion_logprobs", "num_completion_tokens", "tool_call_warning"})
+    "completion_logprobs", "num_completion_tokens", "tool_call_warning", "num_images", "num_image_tokens"})
 # A stage's result columns, whichever settings made them: carried to the next stage under `<stage>.<name>`, so that
 # no later stage's output holds a column its reports would read as its own (a judge's json_valid, an embedding).
 RESULT_COLUMNS = frozenset({

@@ -8,6 +8,9 @@ mid-shard; `fail_on` makes step() raise while a request whose prompt contains th
 step() return at once with nothing done (no token, no finished row) while such a request is running;
 `bad_text_on` gives such a request a text Arrow cannot store (an error outside the engine, when the part is
 built). `rebuild()` is a fresh engine with the same settings (no model load), as the worker asks after a crash.
+Images (message parts of type image, engine/images.py): refused in add_request ("does not take images") unless
+`takes_images`; then each image is the word `img:<first 8 hex of its digest>` followed by IMAGE_TOKENS - 1
+more prompt tokens, and the output reports `num_image_tokens`.
 
 Gauges with known values (the real engine's keys): `kv_blocks=[used, total]` reports that KV usage at every step;
 `cached_prompt_tokens=k` counts the first k tokens of every prompt as prefix-cache hits (not prefilled).
@@ -20,6 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from jobrunner.engine import RequestMetrics, RequestOutput, SamplingParams
+from jobrunner.engine.images import prompt_images
+
+IMAGE_TOKENS = 4  # prompt tokens per image when the fake engine takes images
 
 
 @dataclass
@@ -48,6 +54,7 @@ class _Req:
     text: str = ""
     output: list[int] = field(default_factory=list)
     error: str | None = None
+    num_image_tokens: int = 0
 
 
 class FakeEngine:
@@ -58,12 +65,13 @@ class FakeEngine:
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 512, step_delay_s: float = 0.0,
                  fail_on: str | None = None, hang_on: str | None = None, stall_on: str | None = None,
                  bad_text_on: str | None = None, kv_blocks: tuple[int, int] = (0, 0),
-                 cached_prompt_tokens: int = 0, hold_file: str | None = None) -> None:
+                 cached_prompt_tokens: int = 0, hold_file: str | None = None, takes_images: bool = False) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.step_delay_s, self.fail_on, self.hang_on = step_delay_s, fail_on, hang_on
         self.stall_on, self.bad_text_on = stall_on, bad_text_on
         self.kv_blocks, self.cached_prompt_tokens = tuple(kv_blocks), cached_prompt_tokens
         self.hold_file, self._num_finished = hold_file, 0
+        self.takes_images = takes_images
         self.tokenizer = None
         self.device = "cpu"
         self.model_info = {"architecture": "FakeForTests"}
@@ -79,11 +87,15 @@ class FakeEngine:
                     adapter=None) -> None:
         if request_id in self._ids:
             raise ValueError(f"duplicate request id {request_id!r}")
+        images = prompt_images(prompt)
+        if images and not self.takes_images:
+            raise ValueError(f"model {self.model_info['architecture']} does not take images")
         self._ids.add(request_id)
-        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
-        tokens = [len(w) for w in text.split()]
+        text = prompt if isinstance(prompt, str) else " ".join(_text(m["content"]) for m in prompt)
+        tokens = [len(w) for w in text.split()] + [0] * ((IMAGE_TOKENS - 1) * len(images))
         req = _Req(request_id, tokens, params, RequestMetrics(arrival_time=time.perf_counter(),
-                                                               num_prompt_tokens=len(tokens)), text=text)
+                                                               num_prompt_tokens=len(tokens)), text=text,
+                   num_image_tokens=IMAGE_TOKENS * len(images))
         if not tokens:
             req.error = "empty prompt"
         elif len(tokens) + params.max_tokens > self.max_model_len:
@@ -105,7 +117,7 @@ class FakeEngine:
         """A fresh engine with the same settings (what the worker asks for after a crash)."""
         engine = FakeEngine(self.max_num_seqs, self.max_model_len, self.step_delay_s, self.fail_on, self.hang_on,
                             self.stall_on, self.bad_text_on, self.kv_blocks, self.cached_prompt_tokens,
-                            self.hold_file)
+                            self.hold_file, self.takes_images)
         engine.count_sampled = self.count_sampled
         return engine
 
@@ -163,16 +175,26 @@ class FakeEngine:
         if self.bad_text_on and self.bad_text_on in req.text:
             text = {"not": "a string"}  # Arrow refuses it in a string column
         reason = "error" if req.error else "length"
-        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                             output_token_ids=list(req.output), text=text, finish_reason=reason,
-                             error=req.error, metrics=req.metrics)
+        out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=list(req.output), text=text, finish_reason=reason,
+                            error=req.error, metrics=req.metrics)
+        req.metrics.num_image_tokens = req.num_image_tokens  # what the real engine's metrics report
+        out.num_image_tokens = req.num_image_tokens  # read by driver/rows.py image_tokens
+        return out
+
+
+def _text(content) -> str:
+    """A message's content as the fake engine reads it: text parts' words and one `img:<digest>` per image."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return " ".join(p["text"] if p["type"] == "text" else f"img:{p['image'].digest[:8]}" for p in content)
 
 
 def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, hang_on: str | None = None,
                 load_delay_s: float = 0.0, stall_on: str | None = None, bad_text_on: str | None = None,
                 no_rebuild: bool = False, kv_blocks: tuple[int, int] = (0, 0),
                 cached_prompt_tokens: int = 0, hold_file: str | None = None,
-                count_sampled: bool = False) -> FakeEngine:
+                count_sampled: bool = False, takes_images: bool = False) -> FakeEngine:
     """Factory for `engine.factory: tests.driver.fake_engine:make_engine` (load_delay_s: a slow model load;
     no_rebuild: an engine without `rebuild()`, which the worker must load anew after a crash; hold_file: steps
     wait after the first finished row until this file exists; count_sampled: report num_sampled_tokens)."""
@@ -181,7 +203,7 @@ def make_engine(spec, step_delay_s: float = 0.0, fail_on: str | None = None, han
     engine = cls(max_num_seqs=spec.engine.max_num_seqs, max_model_len=spec.engine.max_model_len or 512,
                  step_delay_s=step_delay_s, fail_on=fail_on, hang_on=hang_on, stall_on=stall_on,
                  bad_text_on=bad_text_on, kv_blocks=kv_blocks, cached_prompt_tokens=cached_prompt_tokens,
-                 hold_file=hold_file)
+                 hold_file=hold_file, takes_images=takes_images)
     engine.count_sampled = count_sampled
     return engine
 

@@ -56,7 +56,7 @@ def test_completions_body():
      "body.response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, CHAT, "body.logit_bias"),
     ({"messages": []}, CHAT, "body.messages must be a non-empty list"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, CHAT, "only text content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, CHAT, "needs image_url.url"),
     ({"prompt": ["a", "b"]}, "/v1/completions", "one non-empty string"),
     ({"prompt": "a", "echo": True}, "/v1/completions", "body.echo"),
     ({"prompt": "a", "messages": []}, "/v1/completions", r"messages not supported for /v1/completions"),
