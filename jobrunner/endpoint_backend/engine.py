@@ -32,8 +32,16 @@ from typing import Any
 from jobrunner.endpoint_backend.faults import JOB_STATUSES, connection_fault, status_fault, unreachable
 from jobrunner.endpoint_backend.limits import Grant, RateLimiter
 from jobrunner.endpoint_backend.transport import TRANSPORT_ERRORS, Reply, Transport
-from jobrunner.endpoint_backend.wire import Answer, error_message, parse_answer, request_body
+from jobrunner.endpoint_backend.wire import (
+    Answer,
+    error_message,
+    image_tokens_estimate,
+    parse_answer,
+    request_body,
+    without_images,
+)
 from jobrunner.engine.contract import EngineStopped
+from jobrunner.engine.images import prompt_images
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
 from jobrunner.engine.request import RequestMetrics, RequestOutput
@@ -209,7 +217,12 @@ class EndpointEngine:
 
     # ---- estimates ------------------------------------------------------------------------------------------
     def _estimate_prompt(self, prompt: Any, chat_template_kwargs: dict[str, Any] | None) -> int:
-        """The prompt's tokens through the tokenizer when there is one, else its characters / 4."""
+        """The prompt's tokens: its text through the tokenizer when there is one, else its characters / 4, plus
+        each image's estimate (wire.image_tokens_estimate)."""
+        images = prompt_images(prompt)
+        if images:
+            text = self._estimate_prompt(without_images(prompt), chat_template_kwargs)
+            return text + sum(image_tokens_estimate(image.size) for image in images)
         if self.tokenizer is not None:
             try:
                 if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):

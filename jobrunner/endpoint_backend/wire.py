@@ -1,6 +1,7 @@
 """A request as an OpenAI-compatible endpoint takes it, and its answer as our RequestOutputs.
 
-Chat messages go to ``/chat/completions``, raw text and token ids to ``/completions``. Every sampling field of
+Chat messages go to ``/chat/completions`` (their images as ``image_url`` parts holding ``data:`` URLs), raw text
+and token ids to ``/completions``. Every sampling field of
 ours has an OpenAI field or one of vLLM's extra fields; a field is sent only when it differs from its default,
 so a hosted API is asked only for what it knows (one that refuses a field answers 400, and the row's error says
 so). The endpoint gives text, not token ids: ``output_token_ids`` are empty and token counts come from the
@@ -52,7 +53,7 @@ def request_body(model: str, prompt: Any, params: SamplingParams,
     """(path under the base URL, JSON body) of one request; ValueError for a prompt of no known shape."""
     chat = is_chat(prompt)
     if chat:
-        body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in prompt]}
+        body: dict[str, Any] = {"model": model, "messages": wire_messages(prompt)}
     elif isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
         body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
     else:
@@ -65,6 +66,49 @@ def request_body(model: str, prompt: Any, params: SamplingParams,
     if kwargs and chat:
         body["chat_template_kwargs"] = kwargs  # vLLM's field (e.g. enable_thinking)
     return ("/chat/completions" if chat else "/completions"), body
+
+
+def wire_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages as the endpoint takes them: each image part (``{"type": "image", "image": ImageInput}``,
+    engine/images.py) becomes OpenAI's ``{"type": "image_url", "image_url": {"url": <data: URL>}}``; every
+    other part and message is sent as it is."""
+    return [_wire_message(m) for m in messages]
+
+
+def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    parts = [{"type": "image_url", "image_url": {"url": p["image"].data_url()}}
+             if isinstance(p, dict) and p.get("type") == "image" else p for p in content]
+    return {**message, "content": parts}
+
+
+def without_images(messages: Any) -> Any:
+    """The prompt with its image parts left out (what the token estimate reads beside the images' own)."""
+    if not is_chat(messages):
+        return messages
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": [p for p in content
+                                              if not (isinstance(p, dict) and p.get("type") == "image")]}
+        out.append(message)
+    return out
+
+
+IMAGE_TILE_PX = 512  # an image's tokens are estimated per 512-pixel tile, as OpenAI prices a detailed image
+IMAGE_TOKENS_PER_TILE = 170
+IMAGE_TOKENS_BASE = 85
+
+
+def image_tokens_estimate(size: tuple[int, int]) -> int:
+    """Tokens an image of ``size`` (width, height) is estimated to take before the endpoint reports its usage:
+    85 + 170 per 512-pixel tile (OpenAI's published rule for a detailed image, without its rescaling)."""
+    width, height = size
+    tiles = -(-max(1, width) // IMAGE_TILE_PX) * -(-max(1, height) // IMAGE_TILE_PX)
+    return IMAGE_TOKENS_BASE + IMAGE_TOKENS_PER_TILE * tiles
 
 
 def _sampling_fields(params: SamplingParams, chat: bool) -> dict[str, Any]:

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobrunner.engine.images import prompt_images
 from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
 from jobrunner.engine.request import RequestMetrics, RequestOutput, TokenLogprob, TopLogprob
 from jobrunner.engine.sampling_params import SamplingParams
+from jobrunner.vllm_backend.images import image_payload, template_messages
 
 SERVER = Path(__file__).with_name("server.py")
 CLOSE_TIMEOUT_S = 30.0
@@ -75,6 +77,7 @@ class VllmEngine:
         self.model_info.update(backend="vllm", vllm_version=reply.get("vllm_version"), device=self.device)
         self.block_size = int(reply.get("block_size") or self.block_size)  # vLLM's own (prefix-aware chains)
         self.eos_token_ids = tuple(reply.get("eos_token_ids") or ())
+        self.accepts_images = bool(reply.get("multimodal"))  # vLLM runs the model with image inputs
 
     # ---- the process ------------------------------------------------------------------------------------
     def _spawn(self) -> subprocess.Popen:
@@ -130,21 +133,28 @@ class VllmEngine:
             raise ValueError("engine.backend vllm runs generation jobs only (task: generate)")
         params = params or SamplingParams()
         arrival = time.perf_counter()
-        error, token_ids = None, []
+        error, token_ids, images = None, [], prompt_images(prompt)
         if adapter:
             error = f"LoRA adapter {adapter!r}: engine.backend vllm runs the base model only"
+        elif images and not self.accepts_images:
+            error = (f"{len(images)} image(s) in the prompt, but the model "
+                     f"({self.model_info.get('architecture', '?')}) takes no images in vLLM")
         else:
             try:
                 token_ids = prompt if _is_token_ids(prompt) else text_or_chat_token_ids(
-                    self.tokenizer, prompt, self.chat_template, chat_template_kwargs)
+                    self.tokenizer, template_messages(prompt) if images else prompt, self.chat_template,
+                    chat_template_kwargs)
             except Exception as exc:  # noqa: BLE001 - a broken chat template or odd input: that request only
                 error = f"could not tokenize the prompt: {exc}"
         if error is None and not token_ids:
             error = "empty prompt"
         if error is None:
             sampling, structured = vllm_sampling(params)
-            reply = self._call({"op": "add", "id": request_id, "prompt_token_ids": list(token_ids),
-                                "sampling": sampling, "structured": structured})
+            message = {"op": "add", "id": request_id, "prompt_token_ids": list(token_ids), "sampling": sampling,
+                       "structured": structured}
+            if images:  # vLLM expands each placeholder into the image's tokens (vllm_backend/images.py)
+                message["images"] = image_payload(images)
+            reply = self._call(message)
             if reply.get("ok"):
                 self._pending[request_id] = (arrival, len(token_ids), params)
                 self._stats.num_requests += 1
@@ -163,8 +173,8 @@ class VllmEngine:
         self._stats.decode_s += float(reply.get("step_s") or 0.0)
         self._stats.num_sampled_tokens += int(reply.get("sampled") or 0)
         for record in reply.get("finished") or []:
-            arrival, num_prompt, params = self._pending.pop(record["id"])
-            self._stats.num_prompt_tokens += num_prompt
+            arrival, _, params = self._pending.pop(record["id"])
+            self._stats.num_prompt_tokens += len(record["prompt_token_ids"])  # with images: as vLLM expanded them
             self._stats.num_cached_tokens += int(record.get("num_cached_tokens") or 0)
             outputs += _outputs(record, arrival, now, params, self.tokenizer)
             self._stats.num_output_tokens += sum(len(s["token_ids"]) for s in record["samples"])

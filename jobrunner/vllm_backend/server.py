@@ -7,10 +7,14 @@ stdin, requests in the same framing. vLLM's own log lines go to stderr (stdout i
 is imported). One request, one reply, in order:
 
 - ``{"op": "start", "engine_args": {...}, "placement": {...} | absent}`` -> ``{"ok": true, "vllm_version": ...,
-  "eos_token_ids": [...]}`` (``placement``: ``{"placement_group_id": hex, "address": GCS address}``: the
-  worker's Ray placement group, which vLLM's Ray executor fills with its ranks: pipeline stages across nodes)
-- ``{"op": "add", "id": ..., "prompt_token_ids": [...], "sampling": {...}, "structured": {...} | null}``
-  -> ``{"ok": true}`` or ``{"ok": false, "error": ...}`` (a ValueError / TypeError of vLLM's: nothing queued)
+  "eos_token_ids": [...], "multimodal": whether the model takes images}`` (``placement``:
+  ``{"placement_group_id": hex, "address": GCS address}``: the worker's Ray placement group, which vLLM's Ray
+  executor fills with its ranks: pipeline stages across nodes)
+- ``{"op": "add", "id": ..., "prompt_token_ids": [...], "sampling": {...}, "structured": {...} | null,
+  "images": [{"digest", "width", "height", "rgb": base64 of RGB bytes}] | absent}``
+  -> ``{"ok": true}`` or ``{"ok": false, "error": ...}`` (a ValueError / TypeError of vLLM's, or any failure to
+  process a request's images: nothing queued). Images go to vLLM as its multi-modal data (PIL images), their
+  digests as its multi-modal UUIDs; the ids hold the chat template's image placeholders, which vLLM expands.
 - ``{"op": "step"}`` -> ``{"ok": true, "finished": [output...], "unfinished": N, "step_s": s, "sampled": k}``
   (``sampled``: output tokens produced in this step, finished requests or not)
 - ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}}``
@@ -106,8 +110,10 @@ class Server:
         eos = getattr(tokenizer, "eos_token_id", None)
         config = getattr(self.engine, "vllm_config", None)
         block_size = getattr(getattr(config, "cache_config", None), "block_size", None)
+        model_config = getattr(config, "model_config", None)
         return {"vllm_version": vllm.__version__, "eos_token_ids": [eos] if eos is not None else [],
-                "block_size": block_size, "device": _device_type()}
+                "block_size": block_size, "device": _device_type(),
+                "multimodal": bool(getattr(model_config, "is_multimodal_model", False))}
 
     def add(self, message: dict) -> dict:
         from vllm import SamplingParams
@@ -120,8 +126,11 @@ class Server:
 
             sampling["structured_outputs"] = StructuredOutputsParams(**structured)
         params = SamplingParams(**sampling)
-        self.engine.add_request(message["id"], TokensPrompt(prompt_token_ids=message["prompt_token_ids"]), params,
-                                arrival_time=time.time())
+        prompt = TokensPrompt(prompt_token_ids=message["prompt_token_ids"])
+        if message.get("images"):
+            prompt["multi_modal_data"] = {"image": [_pil_image(i) for i in message["images"]]}
+            prompt["multi_modal_uuids"] = {"image": [i["digest"] for i in message["images"]]}
+        self.engine.add_request(message["id"], prompt, params, arrival_time=time.time())
         self.unfinished.add(message["id"])
         self.stats["num_requests"] += 1
         return {}
@@ -185,9 +194,24 @@ def _device_type() -> str | None:
         return None
 
 
-def _is_request_error(exc: Exception) -> bool:
-    """A request vLLM refuses (bad settings, too long): the caller makes it that row's error."""
+def _pil_image(payload: dict):
+    """One image of an ``add`` message as the RGB PIL image vLLM's processor takes."""
+    import base64
+
+    from PIL import Image
+
+    size = (int(payload["width"]), int(payload["height"]))
+    return Image.frombytes("RGB", size, base64.b64decode(payload["rgb"]))
+
+
+def _is_request_error(exc: Exception, message: dict | None = None) -> bool:
+    """A request vLLM refuses (bad settings, too long; with images, any failure of its multi-modal processing,
+    which runs before the request reaches the engine core): the caller makes it that row's error."""
     names = {cls.__name__ for cls in type(exc).__mro__}
+    if "EngineDeadError" in names:
+        return False
+    if message is not None and message.get("images"):
+        return True
     return isinstance(exc, (ValueError, TypeError)) or "VLLMClientError" in names
 
 
@@ -238,7 +262,7 @@ def main() -> int:
                 raise ValueError(f"unknown op {op!r}")
             _write(replies, {"ok": True, **reply})
         except Exception as exc:  # noqa: BLE001 - reported: a refused request, or the engine itself failed
-            refused = op == "add" and _is_request_error(exc)
+            refused = op == "add" and _is_request_error(exc, message)
             if not refused:
                 traceback.print_exc(file=sys.stderr)
             _write(replies, {"ok": False, "error": f"{type(exc).__name__}: {exc}",

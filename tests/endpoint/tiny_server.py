@@ -14,10 +14,12 @@ MODEL = "tiny"
 
 
 class TinyServer:
-    """The server (a context manager); `url` is its base URL with /v1, `posts` counts the POSTs it answered."""
+    """The server (a context manager); `url` is its base URL with /v1, `posts` counts the POSTs it answered,
+    `bodies` holds their JSON bodies in the order they came."""
 
     def __init__(self, key: str) -> None:
         self.key, self.posts, self.lock = key, 0, threading.Lock()
+        self.bodies: list[dict] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="tiny-server", daemon=True)
@@ -50,6 +52,7 @@ def _handler(server: TinyServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             with server.lock:
                 server.posts += 1
+                server.bodies.append(body)
             if self.headers.get("Authorization") != f"Bearer {server.key}":
                 self._answer(401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}})
             elif self.path not in ("/v1/chat/completions", "/v1/completions"):

@@ -1,0 +1,72 @@
+"""Images through engine.backend vllm, the parts that need no vLLM (issue 49): what the prompt's chat template
+sees, and the pixels as they cross the pipe to vLLM's process (decoded there by server.py's own function)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+
+from jobrunner.vllm_backend.images import count_image_tokens, image_payload, image_token_id, template_messages
+from tests.vision_helpers import image_input, image_prompt, make_test_image, make_vlm_tokenizer
+
+
+def _server_module():
+    """server.py as vLLM's Python runs it (it imports no jobrunner; its image decoding needs only PIL)."""
+    from jobrunner.vllm_backend import server
+
+    spec = importlib.util.spec_from_file_location("vllm_server_copy", server.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_image_parts_become_the_templates_placeholder():
+    image = image_input(make_test_image(40, 24, 3))
+    prompt = [{"role": "system", "content": "Be brief."}, *image_prompt("What is shown?", [image, image])]
+    assert template_messages(prompt) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What is shown?"}]}]
+    assert template_messages("plain text") == "plain text"
+    tokenizer = make_vlm_tokenizer()  # SmolVLM's chat template: one <image> per image part
+    text = tokenizer.apply_chat_template(template_messages(prompt), tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>System: Be brief.<end_of_utterance>\nUser:<image><image>What is shown?" \
+                   "<end_of_utterance>\nAssistant:"
+
+
+def test_pixels_cross_the_pipe_unchanged():
+    rgb = make_test_image(37, 21, 5)
+    rgba = make_test_image(16, 9, 6).convert("RGBA")
+    payload = image_payload([image_input(rgb, "a.png"), image_input(rgba, "b.png")])
+    payload = json.loads(json.dumps(payload))  # as the pipe carries it
+    assert [(p["width"], p["height"]) for p in payload] == [(37, 21), (16, 9)]
+    assert len(base64.b64decode(payload[0]["rgb"])) == 37 * 21 * 3
+    server = _server_module()
+    decoded = [server._pil_image(p) for p in payload]
+    assert decoded[0].mode == "RGB" and decoded[0].tobytes() == rgb.tobytes()
+    assert decoded[1].tobytes() == rgba.convert("RGB").tobytes()
+    assert payload[0]["digest"] == image_input(rgb).digest
+
+
+def test_an_image_rows_failure_in_vllms_processing_is_that_rows():
+    server = _server_module()
+    with_images = {"op": "add", "images": [{"digest": "d"}]}
+    assert server._is_request_error(RuntimeError("Expected there to be 1 prompt updates"), with_images)
+    assert not server._is_request_error(RuntimeError("Expected there to be 1 prompt updates"), {"op": "add"})
+    assert server._is_request_error(ValueError("too long"), {"op": "add"})
+
+    class EngineDeadError(RuntimeError):
+        pass
+
+    assert not server._is_request_error(EngineDeadError("dead"), with_images)
+
+
+def test_image_tokens_are_counted_by_the_models_image_token_id():
+    class Config:
+        image_token_id = 7
+
+    class Gemma3Like:
+        image_token_index = 9
+
+    assert image_token_id(Config()) == 7 and image_token_id(Gemma3Like()) == 9 and image_token_id(object()) is None
+    assert count_image_tokens([1, 7, 7, 7, 2, 7], 7) == 4 and count_image_tokens([1, 7], None) == 0
