@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from jobrunner.driver.plan import plan_job
 from jobrunner.driver.rows import row_fingerprints
 from jobrunner.driver.shards import plan_shards
 from jobrunner.driver.worker import ShardRunner
@@ -136,3 +137,29 @@ def test_the_fingerprint_holds_a_referenced_images_content(tmp_path):
                                   image_fingerprint="reference")
     assert by_name["r"]["request_fingerprint"] == by_name_again["r"]["request_fingerprint"]
     assert hashlib.sha256(png((0, 0, 255))).hexdigest()  # the picture the engine saw last
+
+
+def test_openai_batch_lines_with_image_parts(tmp_path):
+    _images(tmp_path)
+    green = data_url(png((0, 200, 0)))
+
+    def line(cid, *urls):
+        parts = [{"type": "text", "text": "Describe."}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        body = {"model": "m", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+
+    (tmp_path / "batch.jsonl").write_text(line("a", green) + line("b", "images/a.png", green) +
+                                          line("c", "images/nope.png"))
+    spec = spec_from_dict({"name": "t", "model": {"source": "m"},
+                           "input": {"url": str(tmp_path / "batch.jsonl"), "format": "openai_batch"},
+                           "output": {"url": str(tmp_path / "out")}})
+    runner = ShardRunner(FakeEngine(max_num_seqs=2, takes_images=True), spec, "w0", 0.0, {"device": "cpu"})
+    try:
+        result = runner.run_shard(plan_shards(plan_job(spec).files, 1000)[0])
+    finally:
+        runner.stop()
+    rows = {r["id"]: r for r in read_part(Storage(spec.output.url), result.part).to_pylist()}
+    assert [rows[c]["num_images"] for c in "abc"] == [1, 2, 1]
+    assert [rows[c]["num_image_tokens"] for c in "ab"] == [IMAGE_TOKENS, 2 * IMAGE_TOKENS]
+    assert rows["a"]["error"] is None and rows["b"]["generated_text"] == "tok0 tok1"
+    assert rows["c"]["error"] == "row c: image 1 of 1 (images/nope.png, body.messages[0].content[1]): not found"
