@@ -93,11 +93,10 @@ def make_tiny_smolvlm(tokenizer, seed: int = 0, **text_overrides):
     config.eos_token_id = eos
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # a little larger than the init's 0.02 so that tokens depend on the image
+    with torch.no_grad():  # larger than the init's 0.02, so that the greedy tokens depend on the image
         for name, p in model.named_parameters():
-            if "vision_model" in name or "connector" in name:
-                if p.dim() > 1:
-                    p.normal_(0.0, 0.2)
+            if p.dim() > 1 and "embed" not in name:
+                p.normal_(0.0, 0.2 if "vision_model" in name or "connector" in name else 0.12)
     return model
 
 
