@@ -56,6 +56,8 @@ class RequestMetrics:
     prompt_shared: bool = False  # this sample's prompt KV was forked from sample 0 (count prompt tokens once)
     num_draft_tokens: int = 0      # speculative decoding: tokens drafted for this sample and verified
     num_accepted_tokens: int = 0   # of those, accepted (each saved one decode step)
+    num_images: int = 0            # images in the prompt (engine/vision.py)
+    num_image_tokens: int = 0      # of the prompt tokens, those that stand for image content (<image> tokens)
     mean_itl_s: float | None = None  # an engine that keeps only its first and last token times (vLLM) gives
     # the mean gap directly: (last - first) / (output tokens - 1)
 
@@ -95,6 +97,8 @@ class RequestMetrics:
             "prompt_shared": self.prompt_shared,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_images": self.num_images,
+            "num_image_tokens": self.num_image_tokens,
         }
 
 
@@ -195,6 +199,7 @@ class Request:
         self.num_pending_tokens = 0
         self.ends_with_pending = False
         self.spec = None                   # the n-gram drafter's per-request state
+        self.images = None                 # RequestImages (engine/vision.py): a vision-language prompt's images
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         # a prefill-only request (engine/pooling.py): finishes once its tokens are computed, samples nothing
         self.pooling: PoolingParams | None = None

@@ -1,0 +1,177 @@
+"""Images in a request: from chat parts to ``<image>`` tokens and pixels, and from pixels to the step's rows.
+
+**At add_request** (:func:`image_prompt`): the prompt's images (``engine/images.py``: ``ImageInput`` parts) go
+through transformers' own processor of the model: its chat template renders the messages with an image marker
+per image part, and the processor resizes and splits each image into tiles and expands each marker into the
+image's tokens, so the token layout is exactly transformers'. Each image keeps its tiles (CPU float tensors),
+its digest and the prompt positions of its ``<image>`` tokens (:class:`PromptImage`).
+
+**Per step** (:class:`ImageEncoder`, owned by the model runner): for every scheduled row whose new tokens
+include image tokens, the image is encoded once (vision tower + connector, all its tiles in one call) and its
+vectors are kept on the request until the step that computes its last image token; a prompt chunk takes the
+slice of vectors its positions cover (chunked prefill), and the vectors replace those rows' token embeddings
+in the forward (``model.image_step``). A preempted request drops its vectors (its pixels stay): if its KV is
+recomputed the image is encoded again, unless a prefix-cache hit covers the image tokens, then never.
+
+**Prefix caching**: a KV block that holds image tokens is keyed by its tokens *and* the digest of each image
+it covers (:meth:`RequestImages.block_markers`, read by ``kv_cache/manager.py``): the same image under the same
+prompt is a hit, a different image with the same text (identical ``<image>`` ids) is not.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from jobrunner.engine.images import ImageInput, prompt_images
+
+
+@dataclass
+class PromptImage:
+    """One image of a request: its tiles, and where its ``<image>`` tokens are in the prompt."""
+
+    digest: str
+    source: str
+    pixels: torch.Tensor = field(repr=False)             # [tiles, C, H, W] as the processor made them
+    pixel_mask: torch.Tensor | None = field(repr=False)  # [tiles, H, W] (1: a real pixel), or None
+    positions: list[int] = field(repr=False)             # prompt positions of its <image> tokens, ascending
+    vectors: torch.Tensor | None = field(default=None, repr=False)  # [len(positions), hidden] until prefilled
+
+    @property
+    def first(self) -> int:
+        return self.positions[0]
+
+    @property
+    def last(self) -> int:
+        return self.positions[-1]
+
+
+@dataclass
+class RequestImages:
+    """The images of one request (shared by its n samples)."""
+
+    images: list[PromptImage]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(len(image.positions) for image in self.images)
+
+    def block_markers(self, start: int, end: int) -> tuple[str, ...]:
+        """``image:<digest>`` of every image with a token in positions ``[start, end)`` (a KV block's key)."""
+        return tuple(f"image:{image.digest}" for image in self.images if image.first < end and image.last >= start)
+
+    def drop_vectors(self) -> None:
+        for image in self.images:
+            image.vectors = None
+
+
+def image_prompt(model: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], RequestImages]:
+    """Token ids (image tokens expanded) and images of a chat prompt with image parts, through ``model.processor``.
+
+    Raises ``ValueError`` when the processor's tiles and tokens do not match the model's image size."""
+    processor = model.processor
+    images = prompt_images(messages)
+    text = processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template, **(chat_template_kwargs or {}))
+    encoded = processor(text=[text], images=[[image.pixels for image in images]], return_tensors="pt")
+    token_ids = encoded["input_ids"][0].tolist()
+    pixels = encoded["pixel_values"][0]
+    mask = encoded.get("pixel_attention_mask")
+    mask = None if mask is None else mask[0]
+    tiles = [_num_tiles(processor, image) for image in images]
+    positions = [i for i, t in enumerate(token_ids) if t == model.image_token_id]
+    if sum(tiles) != len(pixels) or len(positions) != sum(tiles) * model.image_seq_len:
+        raise ValueError(f"the image processor made {len(pixels)} tiles and {len(positions)} image tokens for "
+                         f"{len(images)} image(s) ({model.image_seq_len} tokens per tile expected): its config "
+                         "does not match the model's")
+    out, tile, token = [], 0, 0
+    for image, n in zip(images, tiles):
+        num_tokens = n * model.image_seq_len
+        out.append(PromptImage(image.digest, image.source, pixels[tile:tile + n],
+                               None if mask is None else mask[tile:tile + n], positions[token:token + num_tokens]))
+        tile, token = tile + n, token + num_tokens
+    return token_ids, RequestImages(out)
+
+
+def _template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as a processor's chat template reads them: an image part is ``{"type": "image"}``."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p for p in content]
+        out.append({**message, "content": content})
+    return out
+
+
+def _num_tiles(processor: Any, image: ImageInput) -> int:
+    """How many tiles the processor cuts ``image`` into (its grid plus the global one; 1 when not split)."""
+    width, height = image.size
+    num_patches, _, _ = processor.image_processor.get_number_of_image_patches(height, width, {})
+    return max(int(num_patches), 1)
+
+
+class ImageEncoder:
+    """Runs the model's vision encoder for the image tokens of a step (see the module docstring).
+
+    Counters: ``seconds`` in the encoder, ``num_images`` encoded (an image encoded twice, after a preemption,
+    counts twice), ``num_tiles``; ``stats`` (an ``EngineStats``, set by the engine) gets the same numbers."""
+
+    def __init__(self, model: Any, stats: Any = None) -> None:
+        self.model = model
+        self.seconds = 0.0
+        self.num_images = 0
+        self.num_tiles = 0
+        self.stats = stats
+
+    def step_rows(self, scheduled: Sequence[Any], query_starts: Sequence[int], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The flat rows of this step that hold image tokens and their vectors ``[rows, hidden]``, or None."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for s, offset in zip(scheduled, query_starts):
+            images = s.request.images
+            if images is None:
+                continue
+            start, end = s.start, s.start + s.num_new_tokens
+            for image in images.images:
+                if image.first >= end or image.last < start:
+                    continue
+                vectors = image.vectors if image.vectors is not None else self.encode(image)
+                a, b = bisect.bisect_left(image.positions, start), bisect.bisect_left(image.positions, end)
+                rows += [offset + p - start for p in image.positions[a:b]]
+                parts.append(vectors[a:b])
+                image.vectors = None if image.last < end else vectors  # prefilled with this step: let it go
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(parts)
+
+    def encode(self, image: PromptImage) -> torch.Tensor:
+        """The image's vectors (all its tiles in one encoder call), timed and counted."""
+        t0 = time.perf_counter()
+        vectors = self.model.encode_images(image.pixels, image.pixel_mask)
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        self.num_images += 1
+        self.num_tiles += len(image.pixels)
+        if self.stats is not None:
+            self.stats.vision_encoder_s += seconds
+            self.stats.num_images_encoded += 1
+        return vectors
+
+    @staticmethod
+    def drop(requests: Sequence[Any]) -> None:
+        """Preempted requests let their images' vectors go (encoded again if their KV is recomputed)."""
+        for request in requests:
+            if request.images is not None:
+                request.images.drop_vectors()
