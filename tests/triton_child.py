@@ -32,8 +32,9 @@ def interpreted_fixture(flag: str):
     return interpreted
 
 
-def run_in_interpreter_child(test_file: str, flag: str, select: str, why: str, drop_env: tuple[str, ...] = ()) -> None:
-    """Run ``test_file``'s tests matching ``-k select`` under the interpreter; they must all pass, none skip."""
+def run_in_interpreter_child(test_file: str, flag: str, select: str, why: str, drop_env: tuple[str, ...] = ()) -> str:
+    """Run ``test_file``'s tests matching ``-k select`` under the interpreter; they must all pass (or xfail as
+    marked), none skip. Returns the child's output, whose summary line a caller may check further."""
     require_import("triton", why)
     env = dict(os.environ, TRITON_INTERPRET="1", **{flag: "1"})
     for name in drop_env:
@@ -43,3 +44,4 @@ def run_in_interpreter_child(test_file: str, flag: str, select: str, why: str, d
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    return proc.stdout

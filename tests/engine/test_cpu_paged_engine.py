@@ -4,9 +4,6 @@ hits, preemption) and on the real embedded SmolLM2 (real prompts, a shared few-s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from helpers import run_checked
 from tiny import CORPUS, engine_from_hf
@@ -14,8 +11,8 @@ from tiny import CORPUS, engine_from_hf
 from jobrunner.attention.cpu_paged import native_library
 from jobrunner.engine import EngineConfig, SamplingParams
 from tests.components import missing_component
+from tests.prompt_sets import gsm8k_prompts
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
 LOGPROB_TOLERANCE = 1e-4
 
 
@@ -62,11 +59,9 @@ def test_random_model_chunked_prefill_prefix_hits_and_preemption(hf_llama, token
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_smollm2_tokens_and_logprobs_match_the_torch_backend():
-    if not DATA.exists():
-        missing_component(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
     from jobrunner.engine import LLMEngine
 
-    questions = [json.loads(line)["prompt"] for line in DATA.open()][:12]
+    questions = gsm8k_prompts(12)
     header = "Answer each question with a short worked solution.\n\n" + "\n".join(questions[:4]) + "\n\n"
     chats = [[{"role": "user", "content": header + q}] for q in questions[4:]] + [
         [{"role": "user", "content": q}] for q in questions[:4]]

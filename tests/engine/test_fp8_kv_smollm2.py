@@ -8,16 +8,13 @@ model-dtype run's top two were within 0.32 nats. For scale: a bf16 cache under t
 0.067 / 0.0056 (docs/engine.md, *fp8 KV cache*).
 """
 
-import json
-from pathlib import Path
 
 import pytest
 from fp8_measure import common_prefix, max_abs_difference, mean_abs_difference, teacher_forced_logprobs
 
 from jobrunner.engine import EngineConfig, SamplingParams
-from tests.components import missing_component
+from tests.prompt_sets import gsm8k_prompts
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
 NUM_PROMPTS, NUM_TOKENS = 16, 48
 
 
@@ -26,11 +23,9 @@ NUM_PROMPTS, NUM_TOKENS = 16, 48
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_smollm2_fp8_kv_cache_stays_within_the_measured_bound():
-    if not DATA.exists():
-        missing_component(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
     from jobrunner.engine import LLMEngine
 
-    prompts = [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in DATA.open()][:NUM_PROMPTS]
+    prompts = [[{"role": "user", "content": p}] for p in gsm8k_prompts(NUM_PROMPTS)]
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
 
     def engine(kv_cache_dtype):

@@ -6,16 +6,12 @@ in ``model_info``."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.llm_engine import LLMEngine
-from tests.components import missing_component
+from tests.prompt_sets import gsm8k_prompts
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
 NUM_ROWS, NUM_TOKENS = 24, 16
 LOGPROB_TOLERANCE = 5e-5
 # chunked prefill (a 24-row batch's prompts over several steps) and room for every row at once
@@ -26,9 +22,7 @@ CONFIG = dict(device="cpu", max_num_seqs=NUM_ROWS, max_num_batched_tokens=512, k
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_smollm2_tp3_rows_equal_tp1():
-    if not DATA.exists():
-        missing_component(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
-    prompts = [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in DATA.open()][:NUM_ROWS]
+    prompts = [[{"role": "user", "content": p}] for p in gsm8k_prompts(NUM_ROWS)]
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     single = LLMEngine.from_source("smollm2-135m-instruct", "float32", config=EngineConfig(**CONFIG))
     expected = single.generate(prompts, params)

@@ -1,15 +1,11 @@
 """End to end on the real embedded default model: greedy parity with transformers on real prompts."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from jobrunner.engine import EngineConfig, SamplingParams
-from tests.components import missing_component
+from tests.prompt_sets import gsm8k_prompts
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k_test.prompts.jsonl"
 NUM_PROMPTS, NUM_TOKENS = 16, 48
 # transformers decodes the reference in left-padded batches: batch 1 took ~5 minutes of the suite's 15
 HF_BATCH = 32
@@ -28,14 +24,12 @@ def one_thread():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_smollm2_greedy_matches_transformers(one_thread):
-    if not DATA.exists():
-        missing_component(f"{DATA} not found (the shared prompt sets sit beside the checkout)")
     from transformers import AutoModelForCausalLM
 
     from jobrunner.engine import LLMEngine
     from jobrunner.models.sources import resolve_model_dir
 
-    prompts = [json.loads(line)["prompt"] for line in DATA.open()][:NUM_PROMPTS]
+    prompts = gsm8k_prompts(NUM_PROMPTS)
     engine = LLMEngine.from_source("smollm2-135m-instruct", dtype="float32",
                                    config=EngineConfig(device="cpu", max_num_seqs=64))
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
