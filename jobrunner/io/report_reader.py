@@ -47,6 +47,10 @@ ADAPTER_COLUMN = "adapter"  # only in jobs whose rows name a LoRA adapter (null:
 BASE_MODEL = "(base model)"  # how the report names rows that ran without an adapter
 ADAPTER_FIGURES = ("rows", "errors", *TOKEN_COLUMNS)  # per adapter, summed over the job
 SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
+IMAGES_COLUMN, IMAGE_TOKENS_COLUMN = "num_images", "num_image_tokens"  # only in jobs whose rows can carry images
+# per batch, over prompts (sibling samples of one row counted once): prompts, images, rows with an image, most
+# images in one row, image tokens, rows with images whose engine reported no image-token count
+IMAGE_FIGURES = ("prompts", "images", "image_rows", "max_images", "image_tokens", "image_rows_unreported")
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
 
@@ -93,6 +97,7 @@ class MetricBatch:
     num_reasoning_tokens: int | None = None  # this batch's reasoning tokens; None: the part has no such column
     # adapter (BASE_MODEL for none) -> ADAPTER_FIGURES of its rows; None: the part has no adapter column
     adapter_figures: dict[str, list[int]] | None = None
+    image_figures: dict[str, int] | None = None  # IMAGE_FIGURES; None: the part has no num_images column
 
     @property
     def num_rows(self) -> int:
@@ -275,8 +280,8 @@ def _check_columns(schema: pa.Schema, path: str) -> None:
 
 def _optional_columns(schema: pa.Schema) -> list[str]:
     """Metric columns older parts (or jobs without JSON schemas) may lack."""
-    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN, REASONING_TOKENS_COLUMN, ADAPTER_COLUMN)
-            if schema.get_field_index(name) >= 0]
+    return [name for name in (SHARED_PROMPT_COLUMN, JSON_VALID_COLUMN, REASONING_TOKENS_COLUMN, ADAPTER_COLUMN,
+                              IMAGES_COLUMN, IMAGE_TOKENS_COLUMN) if schema.get_field_index(name) >= 0]
 
 
 def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
@@ -311,7 +316,23 @@ def _to_metric_batch(batch: pa.RecordBatch) -> MetricBatch:
         if REASONING_TOKENS_COLUMN in batch.schema.names else None,
         adapter_figures=_adapter_figures(batch.column(ADAPTER_COLUMN), is_error, tokens)
         if ADAPTER_COLUMN in batch.schema.names else None,
+        image_figures=_image_figures(batch, shared) if IMAGES_COLUMN in batch.schema.names else None,
     )
+
+
+def _image_figures(batch: pa.RecordBatch, shared: pa.Array | None) -> dict[str, int]:
+    """IMAGE_FIGURES of a batch; a sample whose prompt a sibling computed (prompt_shared) is left out."""
+    images = pc.fill_null(batch.column(IMAGES_COLUMN).cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+    tokens = batch.column(IMAGE_TOKENS_COLUMN) if IMAGE_TOKENS_COLUMN in batch.schema.names else None
+    known = np.zeros(len(images), bool) if tokens is None else \
+        np.asarray(pc.is_valid(tokens).to_numpy(zero_copy_only=False), bool)
+    counts = np.zeros(len(images), np.int64) if tokens is None else \
+        pc.fill_null(tokens.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+    own = np.ones(len(images), bool) if shared is None else ~np.asarray(shared.to_numpy(zero_copy_only=False), bool)
+    with_images = own & (images > 0)
+    return {"prompts": int(own.sum()), "images": int(images[own].sum()), "image_rows": int(with_images.sum()),
+            "max_images": int(images[own].max(initial=0)), "image_tokens": int(counts[own].sum()),
+            "image_rows_unreported": int((with_images & ~known).sum())}
 
 
 def _adapter_figures(adapter: pa.Array, is_error: np.ndarray, tokens: dict[str, np.ndarray]

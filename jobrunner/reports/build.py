@@ -20,6 +20,7 @@ from jobrunner.reports.cost import (
     without_worker_hour_notes,
 )
 from jobrunner.reports.fold import Folded, Slo, fold_batches
+from jobrunner.reports.images import image_block, image_warnings, split_cost, split_tokens
 from jobrunner.startup_view import describe_stages, last_startup
 
 REPORT_VERSION = 1
@@ -52,12 +53,17 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
     if cost["token_priced"] is not None:  # priced per token: the worker-hour price's notes are noise
         cost["notes"] = without_worker_hour_notes(cost["notes"])
     cost["notes"] += run_notes(time["runs"])
+    images = image_block(folded.image_figures)
+    tokens = _tokens(folded, manifest)
+    split_tokens(tokens, images)
+    split_cost(cost, tokens, images)
     return {
         "report_version": REPORT_VERSION,
         "run": redact(_run(outputs, folded)),  # the report is shared: URLs and model sources lose credentials
         "rows": _rows(folded),
         "dedupe": (manifest or {}).get("dedupe"),  # output.dedupe: the plan's / the outputs' counts (driver/dedupe.py)
-        "tokens": _tokens(folded, manifest),
+        "tokens": tokens,
+        "images": images,  # None when the rows cannot carry images (reports/images.py)
         "adapters": _adapters(folded),
         "time": time,
         "throughput": _throughput(folded, time),
@@ -65,7 +71,7 @@ def build_report(outputs: JobOutputs, worker_hour_usd: float | None = None, slo:
         "cost": cost,
         "goodput": _goodput(folded, slo, cost),
         "charts": _charts(folded, time["wall_s"]),
-        "warnings": redact(_warnings(outputs, folded, time)),
+        "warnings": redact(_warnings(outputs, folded, time) + image_warnings(images)),
     }
 
 

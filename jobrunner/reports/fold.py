@@ -43,6 +43,7 @@ class Folded:
     json_valid_to_count: dict[bool, int] = field(default_factory=dict)  # json_valid true / false (no nulls)
     reasoning_tokens: int | None = None  # None: no part has the num_reasoning_tokens column
     adapter_figures: dict[str, list[int]] | None = None  # adapter -> ADAPTER_FIGURES; None: no adapter column
+    image_figures: dict[str, int] | None = None  # io/report_reader.py IMAGE_FIGURES; None: no num_images column
     latencies: dict[str, LatencyValues] = field(
         default_factory=lambda: {name: LatencyValues() for name in LATENCY_COLUMNS})
     input_timeline: TokenTimeline = field(default_factory=TokenTimeline)
@@ -78,12 +79,21 @@ def _fold_counts(folded: Folded, batch: MetricBatch) -> None:
         for name, figures in batch.adapter_figures.items():
             total = folded.adapter_figures.setdefault(name, [0] * len(figures))
             total[:] = [a + b for a, b in zip(total, figures, strict=True)]
+    if batch.image_figures is not None:
+        _fold_images(folded, batch.image_figures)
     finite = batch.finish_time_s[np.isfinite(batch.finish_time_s)]
     if finite.size:
         folded.max_finish_time_s = max(folded.max_finish_time_s, float(finite.max()))
     unexplained = errors - sum(batch.error_to_count.values())
     if unexplained > 0:  # finish_reason "error" with a null error message
         add_counts(folded.error_kind_to_count, {"unknown": unexplained})
+
+
+def _fold_images(folded: Folded, figures: dict[str, int]) -> None:
+    """Sum the image figures (the most images in a row: the largest)."""
+    total = folded.image_figures = folded.image_figures or dict.fromkeys(figures, 0)
+    for name, value in figures.items():
+        total[name] = max(total[name], value) if name == "max_images" else total[name] + value
 
 
 def _fold_goodput(folded: Folded, batch: MetricBatch, slo: Slo) -> None:

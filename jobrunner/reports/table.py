@@ -204,6 +204,24 @@ REASONING_FIGURES: list[Figure] = [
 ]
 
 
+IMAGE_FIGURES: list[Figure] = [  # when some run's rows can carry images (reports/images.py)
+    Figure("rows", "images", ("images", "total"), fmt_int),
+    Figure("rows", "rows with images", ("images", "rows_with_images"), fmt_int),
+    Figure("rows", "images per row", ("images", "per_row"), fmt_float),
+    Figure("rows", "most images in a row", ("images", "max_per_row"), fmt_int),
+    Figure("tokens", "of the input: text tokens", ("tokens", "text_input"), fmt_int),
+    Figure("tokens", "of the input: image tokens", ("tokens", "image_input"), fmt_int),
+    Figure("tokens", "image tokens per image", ("images", "tokens_per_image"), fmt_float),
+    Figure("cost", "of the input cost: text", ("cost", "text_input_usd"), fmt_usd),
+    Figure("cost", "of the input cost: images", ("cost", "image_input_usd"), fmt_usd),
+    Figure("cost", "$ / image (its input tokens)", ("cost", "usd_per_image"), fmt_usd),
+]
+IMAGE_PRICE_FIGURES: list[Figure] = [
+    Figure("cost", "token prices: image input cost", ("cost", "token_priced", "image_input_usd"), fmt_usd),
+    Figure("cost", "token prices: $ / image", ("cost", "token_priced", "usd_per_image"), fmt_usd),
+]
+
+
 def figures_for(reports: list[dict]) -> list[Figure]:
     """The figures to show: goodput rows only when some run has SLO targets, JSON validity only when some run
     had rows with a JSON schema (its rows after the other row figures)."""
@@ -221,6 +239,11 @@ def figures_for(reports: list[dict]) -> list[Figure]:
         _insert_after_section(figures, "cost", REASONING_FIGURES[2:])
     if any((report.get("cost") or {}).get("token_priced") for report in reports):
         _insert_after_section(figures, "cost", TOKEN_PRICE_FIGURES)
+    if any(report.get("images") for report in reports):
+        for section in ("rows", "tokens", "cost"):
+            _insert_after_section(figures, section, [f for f in IMAGE_FIGURES if f.section == section])
+        if any((report.get("cost") or {}).get("token_priced") for report in reports):
+            _insert_after_section(figures, "cost", IMAGE_PRICE_FIGURES)
     return figures + (GOODPUT_FIGURES if has_goodput else [])
 
 
