@@ -409,6 +409,9 @@ class ShardRunner:
             self._reject(state, request_id, req, str(exc) if isinstance(exc, ValueError) else
                          f"row {req.row_id}: images: {type(exc).__name__}: {exc}")
             return
+        if prompt is not req.prompt:  # images arrived: progress (a slow fetch into an idle engine is no stall)
+            with self._cond:
+                self._last_progress = time.monotonic()
         try:
             self._engine_call("add_request", lambda: self.engine.add_request(
                 request_id, prompt, req.params, chat_template_kwargs=req.chat_template_kwargs or None,
