@@ -163,3 +163,23 @@ def test_openai_batch_lines_with_image_parts(tmp_path):
     assert [rows[c]["num_image_tokens"] for c in "ab"] == [IMAGE_TOKENS, 2 * IMAGE_TOKENS]
     assert rows["a"]["error"] is None and rows["b"]["generated_text"] == "tok0 tok1"
     assert rows["c"]["error"] == "row c: image 1 of 1 (images/nope.png, body.messages[0].content[1]): not found"
+
+
+def test_messages_output_names_each_image_as_text(tmp_path):
+    _images(tmp_path)
+    table = pa.table({"id": ["r"], "prompt": ["What colour?"], "img": [["images/a.png"]]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    spec = spec_from_dict({"name": "t", "input": {"url": str(tmp_path / "in.parquet"), "id_column": "id",
+                                                  "prompt_column": "prompt", "image_column": "img",
+                                                  "system_prompt": "Be brief."},
+                           "sampling": {"max_tokens": 2},
+                           "output": {"url": str(tmp_path / "out"), "format": "messages"}})
+    runner = ShardRunner(FakeEngine(max_num_seqs=2, takes_images=True), spec, "w0", 0.0, {"device": "cpu"})
+    try:
+        result = runner.run_shard(plan_shards(plan_job(spec).files, 1000)[0])
+    finally:
+        runner.stop()
+    (row,) = read_part(Storage(spec.output.url), result.part).to_pylist()
+    assert row["messages"] == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "[image: images/a.png]\nWhat colour?"},
+                               {"role": "assistant", "content": "tok0 tok1"}]
