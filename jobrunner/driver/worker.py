@@ -53,7 +53,7 @@ from jobrunner.driver.tool_calls import choose_tool_parser
 from jobrunner.engine.contract import EngineStopped
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
 from jobrunner.io.image_prints import ImagePrints
-from jobrunner.io.images import FETCH_THREADS, ImageContext, ImageFetcher
+from jobrunner.io.images import FETCH_THREADS, ImageContext, ImageFetcher, image_error_kind
 from jobrunner.io.parts import write_attempt_part
 from jobrunner.io.reader import ROW_INDEX
 from jobrunner.io.storage import Storage
@@ -572,7 +572,7 @@ def _request_id(state: _ShardState, req: RowRequest) -> str:
 def error_kind(error: str) -> str:
     """An error's kind for summaries: its text up to the first detail (row ids, numbers, quoted values); an
     HTTP status stays (`HTTP 401`: the kind a user acts on)."""
-    head = error.split(" (row ", 1)[0]
+    head = image_error_kind(error) or error.split(" (row ", 1)[0]  # an image error: its row and image left out
     return re.sub(r"(?<!HTTP )(?<!\d)\d+", "N", head)[:160]
 
 

@@ -20,6 +20,7 @@ import binascii
 import hashlib
 import io
 import posixpath
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -208,7 +209,9 @@ def decode_image(data: bytes, source: str, max_pixels: int, digest: str | None =
             pixels = image.convert("RGB")  # decodes (a truncated or corrupt file fails here)
     except Image.DecompressionBombError as exc:
         raise ImageError(f"too large: {exc}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except UnidentifiedImageError:  # its text names a BytesIO object: nothing a user can act on
+        raise ImageError("not a readable image (not a format Pillow knows, or not an image)") from None
+    except (OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, ImageError):
             raise
         raise ImageError(f"not a readable image ({type(exc).__name__}: {str(exc)[:120]})") from None
@@ -254,6 +257,16 @@ def _with_images(message: Any, loaded: dict[int, Any]) -> Any:
     parts = [{"type": "image", "image": loaded[id(p["image"])]} if isinstance(p, dict) and
              isinstance(p.get("image"), ImageRef) else p for p in content]
     return {**message, "content": parts}
+
+
+_ROW_IMAGE_ERROR = re.compile(r"^row .*?: image \d+ of \d+ \(.*?\): (.*)$", re.S)
+
+
+def image_error_kind(error: str) -> str | None:
+    """The kind of a row's image error (what summaries count), its row and image left out: ``row r4: image 2
+    of 2 (x.png, image_column 'img'[1]): not found`` -> ``image: not found``; None for any other error."""
+    found = _ROW_IMAGE_ERROR.match(error)
+    return None if found is None else f"image: {found.group(1)}"
 
 
 class ImageFetcher:

@@ -12,6 +12,8 @@ import re
 
 import numpy as np
 
+from jobrunner.io.images import image_error_kind
+
 QUANTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0}
 CDF_POINTS = 201  # quantile points kept for a CDF chart
 
@@ -140,8 +142,12 @@ _DIGITS = re.compile(r"\d+")
 
 
 def error_kind(error: str) -> str:
-    """A short kind for an error message: the text before the first ':' with numbers folded to 'N'."""
-    head = error.split(":", 1)[0].strip() or "error"
+    """A short kind for an error message: the text before the first ':' with numbers folded to 'N' (a row's
+    image error: ``image: <why>``, its row and image left out)."""
+    image = image_error_kind(error)
+    if image:  # "image: " and the reason's head
+        image = "image: " + image[len("image: "):].split(":", 1)[0].split(" (", 1)[0]
+    head = (image or error.split(":", 1)[0].strip()) or "error"
     head = _DIGITS.sub("N", head)
     return head if len(head) <= 60 else head[:57] + "..."
 

@@ -68,6 +68,9 @@ def test_image_column_of_paths_data_urls_and_lists(tmp_path):
     assert rows["r3"]["error"].startswith("row r3: image 1 of 1 (images/bad.png, image_column 'img'[0]): "
                                           "not a readable image")
     assert rows["r4"]["error"] == "row r4: image 2 of 2 (images/missing.png, image_column 'img'[1]): not found"
+    # summaries count image errors by why, whatever the row and image
+    assert result.error_kinds == {"image: not a readable image (not a format Pillow knows, or not an image)": 1,
+                                  "image: not found": 1}
     assert [rows[r]["num_images"] for r in sorted(rows)] == [1, 1, 2, 1, 2, 0]
     assert [rows[r]["num_image_tokens"] for r in ("r0", "r1", "r2", "r5")] == [IMAGE_TOKENS, IMAGE_TOKENS,
                                                                               2 * IMAGE_TOKENS, 0]

@@ -22,6 +22,7 @@ from jobrunner.io.images import (
     ImageLimits,
     ImageRef,
     base_of,
+    image_error_kind,
     load_image,
     resolve_prompt,
 )
@@ -186,3 +187,13 @@ def test_image_column_values_and_their_place_in_the_prompt():
 def test_presigned_query_never_shown():
     ref = ImageRef("https://b.s3.amazonaws.com/x.png?X-Amz-Signature=abc&X-Amz-Credential=k", "x")
     assert ref.source == "https://b.s3.amazonaws.com/x.png"
+
+
+def test_error_kinds_leave_the_row_and_the_image_out():
+    from jobrunner.driver.worker import error_kind
+    from jobrunner.reports.accumulators import error_kind as report_kind
+
+    big = "row q-7a: image 1 of 3 (s3://b/x.png, messages[0].content[2]): too large: 9000x9000 pixels, over x=1"
+    assert image_error_kind(big) == "image: too large: 9000x9000 pixels, over x=1"
+    assert error_kind(big) == "image: too large: NxN pixels, over x=N" and report_kind(big) == "image: too large"
+    assert image_error_kind("row r: prompt column 'p' is null or empty") is None
