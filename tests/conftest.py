@@ -77,8 +77,9 @@ def _shared_ray_is_up(ray) -> bool:
         return False
 
 
-def _all_cpus_free(ray, wait_s: float = 10.0) -> bool:
-    """Whether every CPU of the shared Ray is free again (the workers of a module's jobs have exited)."""
+def _all_cpus_free(ray, wait_s: float = 30.0) -> bool:
+    """Whether every CPU of the shared Ray is free again (the workers of a module's jobs have exited): polled up
+    to ``wait_s`` (a loaded machine ends Ray workers slowly; a free Ray answers at once)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if ray.available_resources().get("CPU", 0) >= LOCAL_RAY_CPUS:
@@ -88,13 +89,14 @@ def _all_cpus_free(ray, wait_s: float = 10.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(request: pytest.FixtureRequest):
     """A small local Ray (2 CPUs, no dashboard), shared by the modules of one test process in turn.
 
     Starting Ray costs ~5 s; one instance serves every module that asks for it. A module that needs another Ray (a
     multi-node cluster, a head started as a user would) shuts this one down first, and the next module that asks
     starts a new one. After each module every CPU must be free again (its jobs' workers gone); if not, the
-    instance is shut down, so that no module inherits another's actors.
+    instance is shut down, so that no module inherits another's actors, and the module FAILS, named: a job whose
+    workers outlive it is a bug (of the job or of the test).
     """
     import ray
 
@@ -108,8 +110,30 @@ def local_ray():
         _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
     yield
     if ray.is_initialized() and not _all_cpus_free(ray):
+        held = {k: v for k, v in ray.available_resources().items() if k == "CPU"}
         ray.shutdown()
         _SHARED_RAY.clear()
+        pytest.fail(f"{request.module.__name__} left work on the shared local Ray: 30 s after its last test "
+                    f"{LOCAL_RAY_CPUS} CPUs were not free again (available: {held or 'none'}); its jobs' "
+                    "workers must end with the job", pytrace=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_ray(request: pytest.FixtureRequest):
+    """A module that connects to a Ray of its own (a cluster, a head started as a user would) shuts it down
+    itself; one left connected after the module's fixtures ended FAILS that module, named (it was shut down
+    silently before, and the next module then started on another module's Ray)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or _shared_ray_is_up(ray):
+        return
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - a half-closed connection still counts as left open
+        address = "unknown address"
+    ray.shutdown()
+    pytest.fail(f"{request.module.__name__} left a Ray connection open ({address}) after its tests: shut it down "
+                "in the fixture that started it", pytrace=False)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
