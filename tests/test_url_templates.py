@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
+import uuid
 
 import pytest
 
+from jobrunner import url_templates
 from jobrunner.spec import SpecError, spec_from_dict
 from jobrunner.url_templates import fill_url, template_values
 
@@ -16,11 +19,14 @@ def _spec(input_url: str, output_url: str) -> dict:
     return {"name": "nightly", "input": {"url": input_url, "prompt_column": "prompt"}, "output": {"url": output_url}}
 
 
-def test_values_from_the_clock_or_the_environment():
+def test_values_from_the_clock_or_the_environment(monkeypatch):
     values = template_values(NOW, environ={})
     assert values["date"] == "2026-12-03" and values["datetime"] == "2026-12-03T01-30-05Z"
-    assert len(values["run_id"]) == 12 and int(values["run_id"], 16) >= 0
+    assert re.fullmatch("[0-9a-f]{12}", values["run_id"]), values["run_id"]
     assert template_values(NOW, environ={})["run_id"] != values["run_id"]  # a fresh id per spec load
+    monkeypatch.setattr(url_templates.uuid, "uuid4", lambda: uuid.UUID("0123456789abcdef0123456789abcdef"))
+    assert template_values(NOW, environ={})["run_id"] == "0123456789ab"  # a random UUID's first 12 hex digits
+    monkeypatch.undo()
     pinned = template_values(NOW, environ={"JOBRUNNER_DATE": "2026-12-02", "JOBRUNNER_RUN_ID": "night-41"})
     assert (pinned["date"], pinned["run_id"], pinned["datetime"]) == ("2026-12-02", "night-41", values["datetime"])
 

@@ -81,9 +81,14 @@ def test_mixed_adapter_batch_matches_peft(lora_setup, tokenizer):
         worst = max(worst, max(abs(a - b) for a, b in zip(ours, logprobs + prompt_lp, strict=True)))
     print(f"LoRA parity vs peft, float32, mixed batch of 9 rows: max |logprob diff| = {worst:.2e}")
     assert worst < 2e-4
-    # the adapters change the output: the base rows and the adapted rows of one prompt differ
-    assert outputs["alpha-0"].output_token_ids != outputs["base-0"].output_token_ids or \
-        outputs["beta-0"].output_token_ids != outputs["base-0"].output_token_ids
+    # each adapter changes every row it serves: its prompt logprobs move far beyond the parity bound above
+    # (measured 3.6-4.9 nats at some position of each row; the old check passed if one row's tokens differed)
+    for i in range(len(prompts)):
+        base_lp = [e.logprob for e in outputs[f"base-{i}"].prompt_logprobs[1:]]
+        for name in ("alpha", "beta"):
+            moved = max(abs(e.logprob - b) for e, b in zip(outputs[f"{name}-{i}"].prompt_logprobs[1:], base_lp,
+                                                            strict=True))
+            assert moved > 1.0, (name, i, moved)
 
 
 def test_prefix_cache_never_crosses_adapters(lora_setup, tokenizer):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from report_outputs import make_rows
 
 from jobrunner.cli import main
 
@@ -50,7 +51,16 @@ def test_json_for_several_runs(runs: list[str]) -> None:
     assert document["baseline"] == "example [none]"
     assert [r["run"]["model"]["quantization"] for r in document["runs"]] == ["none", "int8"]
     tokens_per_s = [r["throughput"]["tokens_per_s"] for r in document["runs"]]
-    assert tokens_per_s[1] / tokens_per_s[0] > 1.2
+    assert tokens_per_s == [pytest.approx(_tokens_per_s(1.0, 50), rel=1e-12),
+                            pytest.approx(_tokens_per_s(1.5), rel=1e-12)]
+
+
+def _tokens_per_s(speed: float, error_every: int = 0) -> float:
+    """What the fixture's job yields: every row's prompt and output tokens over the wall time write_job records
+    (the last finish + 1 s); 10,876.35 and 15,809.92 tokens / s here."""
+    rows = [make_rows(500, f"s{i:03d}", f"w{i}", seed=i, speed=speed, error_every=error_every) for i in range(2)]
+    tokens = sum(sum(r["num_prompt_tokens"]) + sum(r["num_output_tokens"]) for r in rows)
+    return tokens / (max(max(r["finish_time_s"]) for r in rows) + 1.0)
 
 
 def test_out_file_and_format_from_extension(runs: list[str], tmp_path: Path) -> None:
