@@ -107,10 +107,12 @@ def test_http_images_and_a_404(http_dir):
 def test_bad_images_are_named_errors(tmp_path):
     (tmp_path / "corrupt.png").write_bytes(png()[:40])  # a PNG header, its data cut off
     (tmp_path / "text.png").write_bytes(b"hello, not an image")
+    (tmp_path / "big.png").write_bytes(png(size=(64, 64)))
     small = ImageContext({}, str(tmp_path), ImageLimits(max_bytes=100, max_pixels=10_000))
     cases = [("corrupt.png", CTX, "not a readable image"), ("text.png", CTX, "not a readable image"),
              ("missing.png", CTX, "not found"), ("/", CTX, "folder|cannot read|not found"),
              (data_url(png(size=(64, 64))), small, "too large: over input.image_max_bytes=100"),
+             ("big.png", small, "too large: over input.image_max_bytes=100"),
              (data_url(png(size=(200, 60), fmt="GIF")), ImageContext({}, limits=ImageLimits(max_pixels=10_000)),
               "200x60 pixels, over input.image_max_pixels=10000"),
              ("data:image/png;base64", CTX, "without a comma"), ("data:image/png;base64,", CTX, "empty")]
