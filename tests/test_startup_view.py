@@ -3,27 +3,31 @@ load marks, and the one line the run summary and `report` show (jobrunner/startu
 
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 import torch
 
 from jobrunner.driver.actor import startup_stages
+from jobrunner.models import stopwatch
 from jobrunner.models.llama import make_embedding
 from jobrunner.models.stopwatch import Stopwatch
 from jobrunner.startup_view import describe_startup, last_startup
 
 
-def test_stopwatch_marks_each_stage_from_the_previous_one():
+def test_stopwatch_marks_each_stage_from_the_previous_one(monkeypatch):
+    now = [100.0]  # the stopwatch's clock, moved by hand: exact seconds, whatever the machine's load
+    monkeypatch.setattr(stopwatch, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     clock = Stopwatch()
-    time.sleep(0.02)
+    now[0] += 0.02
     clock.mark("a")
+    now[0] += 5.0  # not counted: skipped
     clock.skip()
+    now[0] += 0.004
     clock.mark("b")
-    time.sleep(0.01)
+    now[0] += 0.01
     clock.mark("a")  # a stage marked twice adds up
-    assert list(clock.stages) == ["a", "b"]
-    assert clock.stages["a"] >= 0.03 and clock.stages["b"] < 0.01
+    assert clock.stages == {"a": 0.03, "b": 0.004}
 
 
 def test_worker_stages_add_up_to_its_startup():

@@ -7,10 +7,11 @@ and would hang (until the pytest timeout) without the checks they name.
 from __future__ import annotations
 
 import re
-import time
+import types
 
 import pytest
 
+from jobrunner.driver import pool as pool_module
 from jobrunner.driver.job import run_job
 from jobrunner.driver.pool import MIN_SILENCE_S, Worker, WorkerPool, silence
 from jobrunner.driver.shard_run import ShardRuns, ShardState, judge_loss, worker_cap
@@ -71,7 +72,7 @@ def test_silence_is_the_age_of_the_oldest_unanswered_poll():
     assert silence(worker, 102.5) == 2.5
 
 
-def test_a_worker_is_lost_by_silence_only_after_the_silence_floor(tmp_path):
+def test_a_worker_is_lost_by_silence_only_after_the_silence_floor(tmp_path, monkeypatch):
     """The engine's stall (reported by the worker) ends it after progress_timeout_s; no answer at all only after
     max(progress_timeout_s, MIN_SILENCE_S): a slow reply on a starved machine is no death."""
     spec = spec_from_dict(fake_spec(str(tmp_path / "in.parquet"), str(tmp_path / "out"),
@@ -81,9 +82,11 @@ def test_a_worker_is_lost_by_silence_only_after_the_silence_floor(tmp_path):
     worker = Worker("w0", actor=None, ping_ref=None, load_ref=None, is_placed=True, is_ready=True)
     worker.tasks = {"t": object()}
     pool.workers = [worker]
-    worker.poll_ref, worker.poll_sent = object(), time.monotonic() - 10.0  # 10 s without an answer
+    now = 1000.0  # the pool's clock, fixed: the silence is exact whatever the machine's load
+    monkeypatch.setattr(pool_module, "time", types.SimpleNamespace(monotonic=lambda: now))
+    worker.poll_ref, worker.poll_sent = object(), now - 10.0  # 10 s without an answer
     assert pool.stalled() == []
-    worker.poll_sent = time.monotonic() - MIN_SILENCE_S - 1.0
+    worker.poll_sent = now - MIN_SILENCE_S - 1.0
     [(lost, why, engine)] = pool.stalled()
     assert lost is worker and not engine and why.startswith("no answer for 31s (the most is max(")
     worker.poll_ref, worker.stalled_s, worker.stall = None, 4.0, "engine step has not returned for 4 s"
