@@ -2,8 +2,9 @@
 hung add_request, hung input reads and part writes (real FIFOs that block on open), engine crashes isolated by
 engine rebuilds, the rebuild cap, an engine beyond repair, and rows that cannot be stored.
 
-Deadlines here are short (1-2 s) but nothing asserts on elapsed time: each test waits for the state it
-expects (a deadline has fired, a call is reported hung), with generous outer timeouts.
+Deadlines here are short (1-3 s) but nothing asserts on elapsed time, and only calls that never return meet
+them (a FIFO nobody opens, a stalled row): each test waits for the state it expects (a deadline has fired, a call
+is reported hung), with generous outer timeouts; work that must succeed runs under a long deadline.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def test_a_part_write_that_hangs_fails_the_attempt_naming_shard_and_phase(tmp_pa
     _fifo(tmp_path / "out" / key)  # writing the attempt's part blocks on open
     with pytest.raises(PhaseTimeout, match=rf"^shard {shards[0].shard_id}: writing part \(2 rows\): no answer"):
         runner.run_shard(shards[0], "att")
-    result = runner.run_shard(shards[1], "att-2")  # the worker and its engine carry on
+    # the worker and its engine carry on: a real write, under a deadline no loaded machine reaches
+    runner.spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"io_timeout_s": 600.0})})
+    result = runner.run_shard(shards[1], "att-2")
     runner.stop()
     assert result.rows == 2 and result.num_errors == 0
     _unblock(tmp_path / "out" / key, "r")
