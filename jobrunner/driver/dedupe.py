@@ -20,7 +20,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from jobrunner.driver.rows import RowRequest, fingerprint_roles, fingerprint_salt, id_column, image_prints
+from jobrunner.driver.row_images import image_prints
+from jobrunner.driver.rows import RowRequest, fingerprint_roles, fingerprint_salt, id_column
 from jobrunner.io.output_dupes import find_output_duplicates, write_output_duplicates
 from jobrunner.io.prompt_dupes import find_prompt_duplicates, read_duplicates, write_duplicates
 from jobrunner.io.reader import InputFile

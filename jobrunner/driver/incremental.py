@@ -36,7 +36,8 @@ import numpy as np
 from jobrunner.driver.manifest import ResumeError
 from jobrunner.driver.prefix_plan import PrefixPlan, plan_prefix_shards
 from jobrunner.driver.resume_check import MAX_SHOWN, name_difference, num_committed, spec_differences
-from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, id_column, image_prints
+from jobrunner.driver.row_images import image_prints
+from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, id_column
 from jobrunner.driver.shards import ShardTable
 from jobrunner.io.done_ids import DoneIdsBuilder, DoneIdsError, list_outputs
 from jobrunner.io.done_rows import MAX_LISTED_CHANGED, FileScan, RequestColumns, scan_file

@@ -18,6 +18,7 @@ import pyarrow as pa
 from jobrunner.driver.json_check import json_valid
 from jobrunner.driver.openai_batch import model_mismatch, parse_request
 from jobrunner.driver.pooled import output_task, result_columns, row_pooling
+from jobrunner.driver.row_images import has_images, image_tokens
 from jobrunner.driver.row_seeds import seeded
 from jobrunner.driver.tool_calls import (
     check_tools,
@@ -29,11 +30,9 @@ from jobrunner.driver.tool_calls import (
     parse_tool_calls,
 )
 from jobrunner.engine import PoolingParams, SamplingParams
-from jobrunner.engine.images import ImageInput
 from jobrunner.io.fingerprints import request_fingerprints, text_salt
 from jobrunner.io.image_parts import check_count, column_refs, parts_text, with_images
 from jobrunner.io.image_prints import ImagePrints
-from jobrunner.io.images import DecodedImage, ImageContext, ImageLimits, base_of
 from jobrunner.io.parts import output_schema
 from jobrunner.io.reader import ROW_ERROR, ROW_INDEX, parse_messages, parse_overrides
 from jobrunner.io.text_input import read_input_rows
@@ -95,13 +94,6 @@ def has_tools(spec: JobSpec) -> bool:
     return (bool(spec.input.tools) or bool(spec.input.tools_column) or is_openai_batch(spec)) and is_generating(spec)
 
 
-def has_images(spec: JobSpec) -> bool:
-    """Whether rows can carry images (an image column, chat messages or OpenAI batch lines, generating), so the
-    output has ``num_images`` and ``num_image_tokens``."""
-    inp = spec.input
-    return bool(inp.image_column or inp.messages_column or is_openai_batch(spec)) and is_generating(spec)
-
-
 def has_adapters(spec: JobSpec) -> bool:
     """Whether rows name a LoRA adapter (so the output has the ``adapter`` column)."""
     return bool(spec.input.adapter_column)
@@ -138,39 +130,6 @@ def fingerprint_roles(spec: JobSpec) -> dict[str, str]:
              "system_prompt": inp.system_prompt_column, "chat_template_kwargs": inp.chat_template_kwargs_column,
              "tools": inp.tools_column, "seed": spec.sampling.seed_column, "image": inp.image_column}
     return {role: column for role, column in roles.items() if column}
-
-
-def image_prints(spec: JobSpec) -> ImagePrints | None:
-    """How a row's images named by URL or path enter its request fingerprint (io/image_prints.py): by content
-    (input.image_fingerprint content, the default), or None (by name only: the columns' values)."""
-    inp = spec.input
-    if inp.image_fingerprint != "content" or not (inp.image_column or inp.messages_column or is_openai_batch(spec)):
-        return None
-    chat = "body" if is_openai_batch(spec) else inp.messages_column
-    return ImagePrints(chat_column=chat, is_openai=is_openai_batch(spec), image_column=inp.image_column,
-                       storage_options=dict(inp.storage_options), limits=image_limits(spec))
-
-
-def image_context(spec: JobSpec, file_url: str, prints: ImagePrints | None) -> ImageContext | None:
-    """How a worker reads the images of the rows of ``file_url`` (recording their digests in ``prints``);
-    None when the job's rows cannot carry images (a prompt column without an image column)."""
-    inp = spec.input
-    if not (inp.image_column or inp.messages_column or is_openai_batch(spec)):
-        return None
-    if prints is not None:
-        return prints.with_wrap(file_url, engine_image)
-    return ImageContext(dict(inp.storage_options), base_of(file_url), image_limits(spec), wrap=engine_image)
-
-
-def engine_image(image: DecodedImage) -> ImageInput:
-    """A fetched image as the engine takes it (engine/images.py)."""
-    return ImageInput(data=image.data, digest=image.digest, mime=image.mime, source=image.source,
-                      pixels=image.pixels)
-
-
-def image_limits(spec: JobSpec) -> ImageLimits:
-    """The job's limits on one image."""
-    return ImageLimits(spec.input.image_max_bytes, spec.input.image_max_pixels)
 
 
 def fingerprint_salt(spec: JobSpec) -> np.uint64:
@@ -493,13 +452,6 @@ def output_row(spec: JobSpec, req: RowRequest, out: Any, parser: Any = None,
             if calls is not None and calls.calls else None
         row["tool_call_warning"] = None if calls is None else calls.warning
     return row
-
-
-def image_tokens(out: Any, metrics: dict[str, Any]) -> int | None:
-    """The prompt tokens that stand for the request's images, as the engine reports them (None: it does not)."""
-    value = metrics.get("num_image_tokens")
-    value = getattr(out, "num_image_tokens", None) or value  # an engine may report it beside its metrics
-    return None if value is None else int(value)
 
 
 def chat_of(prompt: Any) -> list[dict[str, Any]]:

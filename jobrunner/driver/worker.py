@@ -34,12 +34,11 @@ from jobrunner.driver.pooled import job_pooling
 from jobrunner.driver.prefix_rows import PrefixChains, admission_order, read_shard_rows
 from jobrunner.driver.progress_counts import ShardProgress
 from jobrunner.driver.reasoning import choose_parser
+from jobrunner.driver.row_images import bytes_image_column, image_context, image_prints
 from jobrunner.driver.rows import (
     RowRequest,
     error_row,
     id_column,
-    image_context,
-    image_prints,
     job_sampling,
     output_row,
     prompt_tokens_once,
@@ -52,6 +51,7 @@ from jobrunner.driver.suspects import SUSPECTS_AFTER_S, in_flight
 from jobrunner.driver.tool_calls import choose_tool_parser
 from jobrunner.engine.contract import EngineStopped
 from jobrunner.io.decode import row_id_or_none, rows_or_errors
+from jobrunner.io.image_parts import arrow_cells
 from jobrunner.io.image_prints import ImagePrints
 from jobrunner.io.images import FETCH_THREADS, ImageContext, ImageFetcher, image_error_kind
 from jobrunner.io.parts import write_attempt_part
@@ -224,7 +224,13 @@ class ShardRunner:
     def _requests(self, shard: Shard, table: Any) -> list[RowRequest]:
         """Requests of the rows (only request columns become Python rows; kept columns stay in Arrow); a row
         whose bytes do not decode becomes an error request."""
-        rows, undecodable = rows_or_errors(table.select(self._request_columns() + [ROW_INDEX]))
+        image_bytes = bytes_image_column(self.spec, table)  # its bytes stay in Arrow until fetched
+        columns = [c for c in self._request_columns() if c != image_bytes]
+        rows, undecodable = rows_or_errors(table.select(columns + [ROW_INDEX]))
+        if image_bytes is not None:
+            cells = dict(zip(table.column(ROW_INDEX).to_pylist(), arrow_cells(table, image_bytes), strict=True))
+            for row in rows:
+                row[image_bytes] = cells[row[ROW_INDEX]]
         requests = [to_request(self.spec, shard.file_stem, r, self.sampling) for r in rows]
         for row_index, error in undecodable.items():
             rid = row_id_or_none(table, id_column(self.spec), row_index) or f"{shard.file_stem}:{row_index}"

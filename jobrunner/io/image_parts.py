@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
+
 from jobrunner.io.images import ImageRef
 
 TEXT_TYPES = ("text", "input_text")
@@ -47,7 +49,12 @@ def _part(part: Any, where: str) -> dict[str, Any]:
 
 def column_refs(value: Any, column: str) -> list[ImageRef]:
     """The images of an image column's cell: bytes, a URL / path string, Hugging Face's ``{bytes, path}``
-    struct, or a list of those; null or an empty list is none (ValueError names the column and the entry)."""
+    struct, or a list of those; null or an empty list is none (ValueError names the column and the entry).
+    The cell may be an Arrow scalar (the worker's rows: see :func:`arrow_cells`): image bytes then stay in
+    the Arrow buffer (a memoryview) until the image is fetched."""
+    if isinstance(value, pa.Scalar):
+        value = (list(value.values) if isinstance(value, pa.ListScalar | pa.LargeListScalar) else value) \
+            if value.is_valid else None
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
@@ -61,14 +68,36 @@ def column_refs(value: Any, column: str) -> list[ImageRef]:
     return refs
 
 
-def _column_value(item: Any) -> str | bytes | None:
+def _column_value(item: Any) -> str | bytes | memoryview | None:
+    if isinstance(item, pa.Scalar):
+        item = _scalar_value(item)
     if isinstance(item, dict):  # Hugging Face datasets' Image feature: {bytes, path}
         item = item.get("bytes") or item.get("path")
+    if isinstance(item, memoryview) and item.nbytes:
+        return item
     if isinstance(item, (bytes, bytearray)) and item:
         return bytes(item)
     if isinstance(item, str) and item.strip():
         return item.strip()
     return None
+
+
+def _scalar_value(item: pa.Scalar) -> Any:
+    """An Arrow cell's image value without copying bytes: a memoryview of a binary value's buffer."""
+    if not item.is_valid:
+        return None
+    if isinstance(item, pa.StructScalar):
+        data = item.get("bytes")
+        return _scalar_value(data) if data is not None and data.is_valid else _scalar_value(item.get("path"))
+    if pa.types.is_binary(item.type) or pa.types.is_large_binary(item.type):
+        return memoryview(item.as_buffer())
+    return item.as_py()
+
+
+def arrow_cells(table: pa.Table, column: str) -> list[pa.Scalar]:
+    """The cells of an image column as Arrow scalars, in table order (no image bytes copied)."""
+    values = table.column(column)
+    return [values[i] for i in range(len(values))]
 
 
 def with_images(prompt: str | list[dict[str, Any]], refs: list[ImageRef]) -> str | list[dict[str, Any]]:

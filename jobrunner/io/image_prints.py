@@ -76,7 +76,8 @@ class ImagePrints:
             column = table.column(self.chat_column)
             for i in _candidates(column).tolist():
                 out[i] += _chat_values(column[i].as_py(), self.is_openai)
-        if self.image_column and self.image_column in table.column_names:
+        if self.image_column and "string" in str(table.schema.field(self.image_column).type if
+                                                  self.image_column in table.column_names else ""):
             for i, cell in enumerate(table.column(self.image_column).to_pylist()):
                 out[i] += _column_values(cell, self.image_column)
         return [[v for v in row if isinstance(v, str) and not v.startswith("data:")] for row in out]

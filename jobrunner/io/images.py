@@ -59,15 +59,15 @@ class ImageRef:
     """An image of a row before it is fetched: ``value`` is its bytes or a URL / path; ``where`` says where
     the row holds it (``image_column 'photo'[1]``, ``messages[0].content[2]``) for messages."""
 
-    value: str | bytes
+    value: str | bytes | memoryview  # memoryview: bytes still in the shard's Arrow table (not copied)
     where: str
 
     @property
     def source(self) -> str:
         """Where the image comes from, short and credential-free: the URL or path, ``<N bytes>`` for bytes, a
         data URL's head."""
-        if isinstance(self.value, (bytes, bytearray)):
-            return f"<{len(self.value)} bytes>"
+        if isinstance(self.value, (bytes, bytearray, memoryview)):
+            return f"<{memoryview(self.value).nbytes} bytes>"
         text = self.value.split("?", 1)[0] if "://" in self.value else self.value  # a presigned query is a secret
         return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
 

@@ -14,7 +14,8 @@ import s3fs
 from PIL import Image
 
 from jobrunner.driver.plan import plan_job
-from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt, image_prints
+from jobrunner.driver.row_images import image_prints
+from jobrunner.driver.rows import fingerprint_roles, fingerprint_salt
 from jobrunner.driver.shards import plan_shards
 from jobrunner.driver.worker import ShardRunner
 from jobrunner.io.done_ids import DoneIdsBuilder

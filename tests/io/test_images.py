@@ -199,3 +199,20 @@ def test_error_kinds_leave_the_row_and_the_image_out():
     assert image_error_kind(big) == "image: too large: 9000x9000 pixels, over x=1"
     assert error_kind(big) == "image: too large: NxN pixels, over x=N" and report_kind(big) == "image: too large"
     assert image_error_kind("row r: prompt column 'p' is null or empty") is None
+
+
+def test_image_bytes_stay_in_arrow_until_fetched():
+    import pyarrow as pa
+
+    from jobrunner.io.image_parts import arrow_cells
+
+    data = png(color=(3, 4, 5))
+    table = pa.table({"one": pa.array([data, None], pa.binary()),
+                      "many": pa.array([[data, data], []], pa.list_(pa.binary())),
+                      "hf": pa.array([{"bytes": data, "path": "x.png"}, {"bytes": None, "path": "y.png"}])})
+    one, many, hf = (arrow_cells(table, c) for c in ("one", "many", "hf"))
+    refs = column_refs(one[0], "one") + column_refs(many[0], "many") + column_refs(hf[0], "hf")
+    assert [type(r.value) for r in refs] == [memoryview] * 4 and refs[0].source == f"<{len(data)} bytes>"
+    assert all(load_image(r, CTX).digest == hashlib.sha256(data).hexdigest() for r in refs)
+    assert column_refs(one[1], "one") == [] and column_refs(many[1], "many") == []
+    assert [r.value for r in column_refs(hf[1], "hf")] == ["y.png"]
