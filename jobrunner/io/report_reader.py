@@ -49,8 +49,10 @@ ADAPTER_FIGURES = ("rows", "errors", *TOKEN_COLUMNS)  # per adapter, summed over
 SHARED_PROMPT_COLUMN = "prompt_shared"  # sample i > 0 of a row: its prompt tokens were computed for sample 0
 IMAGES_COLUMN, IMAGE_TOKENS_COLUMN = "num_images", "num_image_tokens"  # only in jobs whose rows can carry images
 # per batch, over prompts (sibling samples of one row counted once): prompts, images, rows with an image, most
-# images in one row, image tokens, rows with images whose engine reported no image-token count
-IMAGE_FIGURES = ("prompts", "images", "image_rows", "max_images", "image_tokens", "image_rows_unreported")
+# images in one row, image tokens, the images of rows with image tokens (those the model read: not an error row's),
+# rows with images whose engine reported no image-token count
+IMAGE_FIGURES = ("prompts", "images", "image_rows", "max_images", "image_tokens", "images_with_tokens",
+                 "image_rows_unreported")
 # Everything a report reads from a part; never `generated_text` or kept input columns.
 METRIC_COLUMNS = TOKEN_COLUMNS + LATENCY_COLUMNS + ("finish_time_s",) + STRING_COLUMNS
 
@@ -332,6 +334,7 @@ def _image_figures(batch: pa.RecordBatch, shared: pa.Array | None) -> dict[str, 
     with_images = own & (images > 0)
     return {"prompts": int(own.sum()), "images": int(images[own].sum()), "image_rows": int(with_images.sum()),
             "max_images": int(images[own].max(initial=0)), "image_tokens": int(counts[own].sum()),
+            "images_with_tokens": int(images[own & (counts > 0)].sum()),
             "image_rows_unreported": int((with_images & ~known).sum())}
 
 

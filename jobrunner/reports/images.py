@@ -4,7 +4,8 @@ into text and image tokens.
 Input cost is shared out by token count: an image token costs what a text token of the same prompt costs
 (the vision encoder's time is part of the prefill time the input cost is made of, so it is spread over all
 input tokens). `usd_per_image` is the image tokens' share of the input cost over the images: what captioning
-one image costs on the input side.
+one image costs on the input side; both per-image figures count the images the model read (those of rows with
+image tokens: not an error row's).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def image_block(figures: dict[str, int] | None) -> dict | None:
     return {"total": images, "rows_with_images": figures["image_rows"],
             "per_row": ratio(images, figures["prompts"]), "per_image_row": ratio(images, figures["image_rows"]),
             "max_per_row": figures["max_images"], "tokens": tokens if images else 0,
-            "tokens_per_image": ratio(tokens, images), "rows_unreported": figures["image_rows_unreported"]}
+            "read": figures["images_with_tokens"], "tokens_per_image": ratio(tokens, figures["images_with_tokens"]),
+            "rows_unreported": figures["image_rows_unreported"]}
 
 
 def split_tokens(tokens: dict, images: dict | None) -> None:
@@ -38,7 +40,7 @@ def split_cost(cost: dict, tokens: dict, images: dict | None) -> None:
     where the rows can carry images."""
     if images is None:
         return
-    image_tokens, num_images = tokens.get("image_input"), (images or {}).get("total")
+    image_tokens, num_images = tokens.get("image_input"), images.get("read")  # images the model read
     share = ratio(image_tokens, tokens["input"]) if image_tokens is not None else None
     input_usd = cost.get("input_usd")
     cost["image_input_usd"] = None if share is None or input_usd is None else input_usd * share

@@ -40,15 +40,17 @@ def _job(tmp_path: Path, images: dict[str, tuple[list, list]], spec_cost: dict |
 def test_images_per_row_and_the_input_split(tmp_path: Path) -> None:
     url = _job(tmp_path, {"a": ([1, 2], [64, 128]), "b": ([0, 1], [0, 0])})
     report = load_report(url)
+    # b:1 is an error row: its image counts per row, but the model never read it
     assert report["images"] == {"total": 4, "rows_with_images": 3, "per_row": 1.0, "per_image_row": 4 / 3,
-                                "max_per_row": 2, "tokens": 192, "tokens_per_image": 48.0, "rows_unreported": 0}
+                                "max_per_row": 2, "tokens": 192, "read": 3, "tokens_per_image": 64.0,
+                                "rows_unreported": 0}
     assert (report["tokens"]["input"], report["tokens"]["image_input"], report["tokens"]["text_input"]) == \
         (650, 192, 458)
     cost = report["cost"]  # one worker, 10 s at $36 / h = $0.10; prefill 3 s of 9 s engine time: $1/30 input
     assert cost["input_usd"] == pytest.approx(0.1 / 3)
     assert cost["image_input_usd"] == pytest.approx(0.1 / 3 * 192 / 650)
     assert cost["text_input_usd"] == pytest.approx(0.1 / 3 * 458 / 650)
-    assert cost["usd_per_image"] == pytest.approx(0.1 / 3 * 192 / 650 / 4)
+    assert cost["usd_per_image"] == pytest.approx(0.1 / 3 * 192 / 650 / 3)
     text = render_text([report])
     for line in ("images per row", "of the input: image tokens", "of the input cost: images", "$ / image"):
         assert line in text
@@ -63,7 +65,7 @@ def test_token_prices_split_too_and_unreported_image_tokens_warn(tmp_path: Path)
     assert report["images"]["rows_unreported"] == 1 and report["tokens"]["image_input"] == 64
     priced = report["cost"]["token_priced"]
     assert priced["image_input_usd"] == pytest.approx(64 * 2.0 / 1e6)
-    assert priced["usd_per_image"] == pytest.approx(64 * 2.0 / 1e6 / 2)
+    assert priced["usd_per_image"] == pytest.approx(64 * 2.0 / 1e6 / 1)  # the row without a count: not read
     assert report["warnings"] == ["1 rows with images have no image-token count (the engine does not report "
                                   "one): their image tokens are counted as text input"]
     assert "token prices: $ / image" in render_text([report])
