@@ -41,7 +41,7 @@ RESUME_SECTIONS = ("model", "sampling")
 RESUME_INPUT_KEYS = ("url", "prompt_column", "messages_column", "id_column", "sampling_column", "adapter_column",
                      "limit",
                      "system_prompt", "system_prompt_column", "chat_template_kwargs_column", "tools",
-                     "tools_column", "tool_choice", "completion_column")
+                     "tools_column", "tool_choice", "completion_column", "image_column")
 
 
 class ResumeError(ValueError):

@@ -29,6 +29,8 @@ RESUME_ENGINE_DEFAULTS = {"deterministic": False, "backend": "jobrunner"}
 RESUME_TASK_DEFAULTS = {"task": "generate", "embed.pooling": "auto", "embed.normalize": "auto"}
 # engine.backend openai: the model the endpoint serves makes the rows (its URL, budgets and key may change)
 RESUME_ENDPOINT_KEYS = {"engine.endpoint.model": None}
+# how referenced images enter fingerprints (io/image_prints.py): another rule makes every such row "changed"
+RESUME_IMAGE_DEFAULTS = {"input.image_fingerprint": "content"}
 
 
 def num_committed(old_shards: ShardColumns) -> int:
@@ -59,7 +61,7 @@ def spec_differences(old_spec: dict[str, Any], new_spec: dict[str, Any]) -> list
     for key, default in RESUME_ENGINE_DEFAULTS.items():  # absent: a spec written before the setting existed
         old_flat[f"engine.{key}"] = (old_spec.get("engine") or {}).get(key, default)
         new_flat[f"engine.{key}"] = (new_spec.get("engine") or {}).get(key, default)
-    for key, default in {**RESUME_TASK_DEFAULTS, **RESUME_ENDPOINT_KEYS}.items():
+    for key, default in {**RESUME_TASK_DEFAULTS, **RESUME_ENDPOINT_KEYS, **RESUME_IMAGE_DEFAULTS}.items():
         old_flat[key], new_flat[key] = _dotted(old_spec, key, default), _dotted(new_spec, key, default)
     # how rows were seeded (driver/row_seeds.py): a spec written before seed_per_row seeded every row alike
     old_flat["sampling.seed_per_row"] = seed_rule(old_spec.get("sampling") or {})

@@ -90,3 +90,19 @@ def test_planning_matches_the_worker_and_sees_a_replaced_picture(s3_server, mode
     scan = _scan(spec, written)
     expected = [(0, "q0"), (3, "q3")] if mode == "content" else []
     assert scan.changed == expected and scan.num_skipped == 4
+
+
+def test_the_resume_check_names_a_changed_image_column_or_fingerprint_rule():
+    from jobrunner.driver.resume_check import spec_differences
+
+    def spec(**inp):
+        return spec_from_dict({"name": "x", "input": {"url": "u.parquet", "prompt_column": "p", **inp},
+                               "output": {"url": "o"}}).redacted()
+
+    now = spec()
+    before_images = {**now, "input": {k: v for k, v in now["input"].items()
+                                      if not k.startswith(("image_", "max_images"))}}  # written by an older version
+    assert spec_differences(before_images, now) == []
+    assert spec_differences(now, spec(image_column="img", image_fingerprint="reference")) == [
+        ("input.image_column", None, "img"), ("input.image_fingerprint", "content", "reference")]
+    assert spec_differences(now, spec(image_max_pixels=10)) == []  # the limits may change between runs
