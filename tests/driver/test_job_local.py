@@ -241,8 +241,11 @@ def test_one_run_per_output_and_a_stalled_lease_is_taken_over(local_ray, tmp_pat
     import time
 
     ids = write_prompts(tmp_path / "in.parquet", 24)
-    out = tmp_path / "out"
-    data = fake_spec(str(tmp_path / "in.parquet"), str(out), engine={"factory_options": {"step_delay_s": 0.05}},
+    out, go = tmp_path / "out", tmp_path / "go"
+    # the first run holds after its first row until `go` exists: the second run watches it alive however fast
+    # the machine (it once finished before the second run started watching)
+    data = fake_spec(str(tmp_path / "in.parquet"), str(out),
+                     engine={"factory_options": {"step_delay_s": 0.05, "hold_file": str(go)}},
                      cluster={"num_workers": 1}, output={"lease_ttl_s": 5.0})
     box = {}
     first = threading.Thread(target=lambda: box.update(result=run_job(spec_from_dict(data), show_progress=False)))
@@ -254,6 +257,7 @@ def test_one_run_per_output_and_a_stalled_lease_is_taken_over(local_ray, tmp_pat
     # the second run watches the lease, sees it renewed (the first run is alive) and refuses
     with pytest.raises(OutputError, match=f"in use by run {holder['run_id']} on .* which is alive"):
         run_job(spec_from_dict(data), show_progress=False)
+    go.touch()  # the first run goes on
     # ~10 s on a quiet machine; under `stress --cpu 2` on 2 cores its worker start alone took over a minute and the
     # run more than 120 s (a wait of 120 s failed there), so the wait is generous and says what it waited for
     first.join(timeout=480)

@@ -59,7 +59,9 @@ def _write_input(path: Path, num_rows: int) -> list[str]:
     return ids
 
 
-def _job(work: Path, step_delay_s: float = 0.1) -> tuple[Path, list[str]]:
+def _job(work: Path, step_delay_s: float = 0.1, hold_file: Path | None = None) -> tuple[Path, list[str]]:
+    """The job's spec file and its input's ids; with ``hold_file``, each worker's engine waits after its first
+    finished row until that file exists (tests/driver/fake_engine.py)."""
     work.mkdir(parents=True, exist_ok=True)
     ids = _write_input(work / "in.parquet", 8 * NUM_SHARDS)
     spec = {"name": "lease-scenario",
@@ -67,7 +69,8 @@ def _job(work: Path, step_delay_s: float = 0.1) -> tuple[Path, list[str]]:
                       "rows_per_shard": 8},
             "sampling": {"max_tokens": 4},
             "engine": {"max_num_seqs": 4, "factory": "tests.driver.fake_engine:make_engine",
-                       "factory_options": {"step_delay_s": step_delay_s}},
+                       "factory_options": {"step_delay_s": step_delay_s,
+                                           **({"hold_file": str(hold_file)} if hold_file else {})}},
             "cluster": {"num_workers": 2, "num_cpus_per_worker": 0.5, "retry_backoff_s": 0.1},
             "output": {"url": str(work / "out"), "lease_ttl_s": TTL_S}}
     job = work / "job.yaml"
@@ -156,12 +159,15 @@ def test_a_stopped_driver_that_lost_its_lease_publishes_nothing(address, tmp_pat
 
 
 def test_a_live_holder_whose_clock_is_behind_is_not_taken_over(address, tmp_path):
-    job, ids = _job(tmp_path, step_delay_s=0.05)
+    go = tmp_path / "go"  # A holds after its first rows until B has watched it and refused, however fast
+    job, ids = _job(tmp_path, step_delay_s=0.05, hold_file=go)  # the machine (A once ended before B watched)
     out = tmp_path / "out"
     a = _driver(job, address, tmp_path / "a.log", SKEW.format(offset=-3 * 3600))
     _wait_for(lambda: _generation(out) is not None)
     b = _driver(job, address, tmp_path / "b.log")
-    b_rc, a_rc = b.wait(timeout=300), a.wait(timeout=400)
+    b_rc = b.wait(timeout=300)
+    go.touch()
+    a_rc = a.wait(timeout=400)
     assert b_rc != 0 and "which is alive" in _log(tmp_path / "b.log")
     assert a_rc == 0, _log(tmp_path / "a.log")
     assert _ids(out) == sorted(ids)
