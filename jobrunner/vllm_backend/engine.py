@@ -23,7 +23,7 @@ from jobrunner.engine.pooling import PoolingParams
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
 from jobrunner.engine.request import RequestMetrics, RequestOutput, TokenLogprob, TopLogprob
 from jobrunner.engine.sampling_params import SamplingParams
-from jobrunner.vllm_backend.images import image_payload, template_messages
+from jobrunner.vllm_backend.images import count_image_tokens, image_payload, template_messages
 
 SERVER = Path(__file__).with_name("server.py")
 CLOSE_TIMEOUT_S = 30.0
@@ -45,6 +45,8 @@ class VllmStats:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     num_sampled_tokens: int = 0  # output tokens produced so far, finished requests or not (progress)
+    num_images: int = 0  # images in finished requests' prompts
+    num_image_tokens: int = 0  # of their prompt tokens, those vLLM gave the images' features
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +68,7 @@ class VllmEngine:
         self.device = device or str(engine_args.get("device") or "cpu")  # vLLM's reply to start names its own
         self.block_size = int(engine_args.get("block_size") or 16)
         self._stats = VllmStats()
-        self._pending: dict[str, tuple[float, int, SamplingParams]] = {}  # id -> (arrival, prompt tokens, params)
+        self._pending: dict[str, tuple[float, int, SamplingParams]] = {}  # id -> (arrival, images, params)
         self._rejected: list[RequestOutput] = []
         self._proc = self._spawn()
         start: dict[str, Any] = {"op": "start", "engine_args": self.engine_args}
@@ -78,6 +80,7 @@ class VllmEngine:
         self.block_size = int(reply.get("block_size") or self.block_size)  # vLLM's own (prefix-aware chains)
         self.eos_token_ids = tuple(reply.get("eos_token_ids") or ())
         self.accepts_images = bool(reply.get("multimodal"))  # vLLM runs the model with image inputs
+        self.image_token_id = reply.get("image_token_id")  # what vLLM expands an image's placeholder into
 
     # ---- the process ------------------------------------------------------------------------------------
     def _spawn(self) -> subprocess.Popen:
@@ -156,7 +159,7 @@ class VllmEngine:
                 message["images"] = image_payload(images)
             reply = self._call(message)
             if reply.get("ok"):
-                self._pending[request_id] = (arrival, len(token_ids), params)
+                self._pending[request_id] = (arrival, len(images), params)
                 self._stats.num_requests += 1
                 return
             error = f"vLLM refused the request: {reply.get('error')}"
@@ -173,10 +176,17 @@ class VllmEngine:
         self._stats.decode_s += float(reply.get("step_s") or 0.0)
         self._stats.num_sampled_tokens += int(reply.get("sampled") or 0)
         for record in reply.get("finished") or []:
-            arrival, _, params = self._pending.pop(record["id"])
+            arrival, num_images, params = self._pending.pop(record["id"])
             self._stats.num_prompt_tokens += len(record["prompt_token_ids"])  # with images: as vLLM expanded them
             self._stats.num_cached_tokens += int(record.get("num_cached_tokens") or 0)
-            outputs += _outputs(record, arrival, now, params, self.tokenizer)
+            finished = _outputs(record, arrival, now, params, self.tokenizer)
+            if num_images:
+                image_tokens = count_image_tokens(record["prompt_token_ids"], self.image_token_id)
+                for out in finished:
+                    out.metrics.num_images, out.metrics.num_image_tokens = num_images, image_tokens
+                self._stats.num_images += num_images
+                self._stats.num_image_tokens += image_tokens
+            outputs += finished
             self._stats.num_output_tokens += sum(len(s["token_ids"]) for s in record["samples"])
         return outputs
 

@@ -51,12 +51,3 @@ def count_image_tokens(prompt_token_ids: list[int], image_token_id: int | None) 
         return 0
     return sum(1 for t in prompt_token_ids if t == image_token_id)
 
-
-def image_token_id(config: Any) -> int | None:
-    """The id of the token that stands for an image's features in the model's config (``image_token_id``,
-    ``image_token_index``), or None for a text-only model."""
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None

@@ -7,7 +7,7 @@ stdin, requests in the same framing. vLLM's own log lines go to stderr (stdout i
 is imported). One request, one reply, in order:
 
 - ``{"op": "start", "engine_args": {...}, "placement": {...} | absent}`` -> ``{"ok": true, "vllm_version": ...,
-  "eos_token_ids": [...], "multimodal": whether the model takes images}`` (``placement``:
+  "eos_token_ids": [...], "multimodal": whether the model takes images, "image_token_id": ...}`` (``placement``:
   ``{"placement_group_id": hex, "address": GCS address}``: the worker's Ray placement group, which vLLM's Ray
   executor fills with its ranks: pipeline stages across nodes)
 - ``{"op": "add", "id": ..., "prompt_token_ids": [...], "sampling": {...}, "structured": {...} | null,
@@ -113,7 +113,8 @@ class Server:
         model_config = getattr(config, "model_config", None)
         return {"vllm_version": vllm.__version__, "eos_token_ids": [eos] if eos is not None else [],
                 "block_size": block_size, "device": _device_type(),
-                "multimodal": bool(getattr(model_config, "is_multimodal_model", False))}
+                "multimodal": bool(getattr(model_config, "is_multimodal_model", False)),
+                "image_token_id": _image_token_id(getattr(model_config, "hf_config", None))}
 
     def add(self, message: dict) -> dict:
         from vllm import SamplingParams
@@ -192,6 +193,16 @@ def _device_type() -> str | None:
         return str(current_platform.device_type)
     except Exception:  # noqa: BLE001 - a version without it: the caller keeps its own guess
         return None
+
+
+def _image_token_id(hf_config) -> int | None:
+    """The id of the token an image's features take (``image_token_id`` / ``image_token_index`` of the model's
+    config), or None for a text-only model."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _pil_image(payload: dict):

@@ -110,3 +110,14 @@ def test_a_dead_vllm_process_is_replaced(vllm_engine):
     vllm_engine[0] = fresh
     assert loaded and fresh is not engine
     assert _run(fresh, [CHATS[0]], SamplingParams(max_tokens=4))[("r0", 0)].finish_reason == "length"
+
+
+def test_a_text_only_model_refuses_image_rows_by_name(vllm_engine):
+    from tests.vision_helpers import image_input, image_prompt, make_test_image
+
+    engine, _ = vllm_engine
+    with_image = image_prompt("Describe the picture.", [image_input(make_test_image(8, 8))])
+    out = _run(engine, [with_image, CHATS[0]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert not engine.accepts_images and out[("r0", 0)].finish_reason == "error"
+    assert out[("r0", 0)].error == "1 image(s) in the prompt, but the model (LlamaForCausalLM) takes no images in vLLM"
+    assert out[("r1", 0)].error is None

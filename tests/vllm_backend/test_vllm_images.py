@@ -7,7 +7,7 @@ import base64
 import importlib.util
 import json
 
-from jobrunner.vllm_backend.images import count_image_tokens, image_payload, image_token_id, template_messages
+from jobrunner.vllm_backend.images import count_image_tokens, image_payload, template_messages
 from tests.vision_helpers import image_input, image_prompt, make_test_image, make_vlm_tokenizer
 
 
@@ -68,5 +68,7 @@ def test_image_tokens_are_counted_by_the_models_image_token_id():
     class Gemma3Like:
         image_token_index = 9
 
-    assert image_token_id(Config()) == 7 and image_token_id(Gemma3Like()) == 9 and image_token_id(object()) is None
+    server = _server_module()  # vLLM's process reads the id from the model's config
+    assert server._image_token_id(Config()) == 7 and server._image_token_id(Gemma3Like()) == 9
+    assert server._image_token_id(object()) is None
     assert count_image_tokens([1, 7, 7, 7, 2, 7], 7) == 4 and count_image_tokens([1, 7], None) == 0
