@@ -17,10 +17,11 @@ Only these names are placeholders; any other ``{word}`` is refused naming the fi
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import uuid
 from collections.abc import Callable, Mapping
+
+from jobrunner.kernels.switches import is_set, setting
 
 TEMPLATE_FIELDS = (("input", "url"), ("output", "url"))
 PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -31,14 +32,13 @@ def template_values(now: dt.datetime | None = None, environ: Mapping[str, str] |
     """The placeholder values for one spec load (environment overrides first). ``date`` is also the run's
     logical date, which the manifest records and the trend of a series of runs is keyed by (a night rerun
     or backfilled with ``$JOBRUNNER_DATE`` lands on its own date, whatever the clock says)."""
-    environ = os.environ if environ is None else environ
     now = now or dt.datetime.now(dt.timezone.utc)
     values = {"date": now.strftime("%Y-%m-%d"), "datetime": now.strftime("%Y-%m-%dT%H-%M-%SZ"),
               "run_id": uuid.uuid4().hex[:12]}
     for name, variable in ENV_OVERRIDES.items():
-        if environ.get(variable):
-            values[name] = environ[variable]
-    if environ.get(ENV_OVERRIDES["date"]):
+        if is_set(variable, environ):
+            values[name] = setting(variable, environ)
+    if is_set(ENV_OVERRIDES["date"], environ):
         check_date(values["date"])
     return values
 

@@ -51,7 +51,7 @@ def require_native(what: str, build: Callable[[], T | None]) -> T:
     """
     import warnings
 
-    from jobrunner.quant.native import NATIVE_ENV
+    from jobrunner.quant.int4_native import NATIVE_ENV
 
     if os.environ.get(NATIVE_ENV, "1").strip() == "0":
         pytest.skip(f"{NATIVE_ENV}=0: native code is turned off")

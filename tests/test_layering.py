@@ -50,12 +50,38 @@ def test_the_rules_read_real_imports():
 
 def test_quant_is_a_torch_only_leaf():
     """quant/ is the state-dict transform and the module swap: torch (and triton, torch's own GPU kernel
-    compiler, for the opt-in kernels), the standard library and itself."""
+    compiler, for the opt-in kernels), the standard library, the native kernel layer and itself."""
     allowed = {"torch", "triton", "jobrunner"}
     bad = {f"{f}: {n}" for f, names in imports_by_file().items() if f.startswith("quant/") for n in names
            if n.split(".")[0] not in allowed | STDLIB or (n.startswith("jobrunner") and
-                                                          not n.startswith("jobrunner.quant"))}
-    assert sorted(bad) == [], "quant/ may import only torch, triton, the standard library and jobrunner.quant"
+                                                          not n.startswith(("jobrunner.quant", "jobrunner.kernels")))}
+    assert sorted(bad) == [], "quant/ may import only torch, triton, the standard library, jobrunner.kernels " \
+        "and jobrunner.quant"
+
+
+def test_kernels_is_the_ground_floor():
+    """kernels/ (the C build and loader, capability, signatures, switches) imports torch, ctypes and the
+    standard library, and nothing else of jobrunner: everything that runs native code stands on it."""
+    bad = {f"{f}: {n}" for f, names in imports_by_file().items() if f.startswith("kernels/") for n in names
+           if n.split(".")[0] not in {"torch", "jobrunner"} | STDLIB or (n.startswith("jobrunner") and
+                                                                      not n.startswith("jobrunner.kernels"))}
+    assert sorted(bad) == [], "kernels/ may import only torch, ctypes (the standard library) and itself"
+
+
+def test_native_code_is_built_only_by_kernels():
+    """One build and loader: no module outside kernels/ compiles C or opens a library of its own (libc's
+    madvise in models/huge_pages.py and malloc_trim in quant/at_load.py are the ctypes uses outside it)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text(encoding="utf-8")
+        if rel.startswith("kernels/") or rel in ("models/huge_pages.py", "quant/at_load.py"):
+            continue
+        if "ctypes.CDLL(" in text or ".argtypes" in text or "subprocess.run([compiler" in text:
+            offenders.append(rel)
+    assert offenders == []
+    assert not list(PACKAGE.rglob("csrc")) or [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("csrc")] \
+        == ["kernels/csrc"]
 
 
 @pytest.mark.parametrize("module", ["ray", "fsspec", "pyarrow", "click", "pydantic", "yaml", "jobrunner.driver",
@@ -84,6 +110,8 @@ def test_only_its_owner_imports(module, places):
     ("attention/", "jobrunner.engine"), ("attention/", "jobrunner.models"),  # attention sits below both
     ("io/", "jobrunner.models"), ("io/", "jobrunner.engine"), ("io/", "jobrunner.quant"),
     ("models/", "jobrunner.engine"), ("models/", "jobrunner.driver"),
+    ("kernels/", "jobrunner.attention"), ("kernels/", "jobrunner.models"), ("kernels/", "jobrunner.quant"),
+    ("kernels/", "jobrunner.engine"),
 ])
 def test_no_import_runs_back_up(lower, higher):
     assert sorted(f for f in files_importing(higher) if f.startswith(lower)) == []

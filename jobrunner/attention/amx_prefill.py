@@ -1,4 +1,5 @@
-"""bf16 prompt chunks on the AMX matrix units, straight from the paged KV cache (``csrc/amx_attention.c``).
+"""bf16 prompt chunks on the AMX matrix units, straight from the paged KV cache
+(``kernels/csrc/attention/amx_attention.c``).
 
 On a CPU with AMX, the ``cpu_paged`` backend sends bf16 prompt chunks of more than ``AMX_MIN_QUERY`` tokens
 here instead of to torch's SDPA (which needed each row's keys gathered out of the cache and, after a cached
@@ -15,39 +16,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
+from jobrunner.kernels import SWITCHES, capability_switch, detect_cpu_capability, load, source_path, switch
+
 AMX_ENV = "JOBRUNNER_ATTENTION_AMX"
 AMX_MIN_QUERY = 1  # every chunk of 2+ tokens: from 2 tokens up as fast as the fast kernel or faster (2-core Xeon)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_attention.c"
+SOURCE = source_path("amx_attention")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.jr_amx_prompt_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_P] * 8 + [_I] * 6 + [ctypes.c_float, _P, _I]
-    dec = lib.jr_amx_decode_attention
-    dec.restype = ctypes.c_int
-    dec.argtypes = [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I, _P, _P, _P]
-    lib.jr_amx_workspace_bytes.restype = _I
-    lib.jr_amx_workspace_bytes.argtypes = [_P, _I, _I, _I]
-    lib.jr_amx_ready.restype = ctypes.c_int
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_amx_library
-
-    return open_amx_library("amx_attention", SOURCE, "AMX prompt attention", _declare, "jr_amx_ready")
+    return load("amx_attention")
 
 
 def amx_unavailable_reason(head_dim: int) -> str | None:
     """Why the AMX kernel cannot run here (``None`` when it can): capability, head_dim, build, OS."""
-    from jobrunner.quant.capability import detect_cpu_capability
-
     capability, _ = detect_cpu_capability()
     if capability != "amx":
         return f"AMX prompt attention needs a CPU with AMX (capability {capability})"
@@ -60,8 +46,6 @@ def amx_unavailable_reason(head_dim: int) -> str | None:
 def amx_chunk_route(head_dim: int) -> tuple[bool, str]:
     """``(send long bf16 prompt chunks to the AMX kernel, why)``: the capability rule and the setting, then
     whether the kernel can run here at all."""
-    from jobrunner.quant.capability import capability_switch
-
     use, why = capability_switch(AMX_ENV, frozenset({"amx"}),
                                  f"bf16 prompt chunks of more than {AMX_MIN_QUERY} tokens on the AMX kernel",
                                  "bf16 prompt chunks off the AMX kernel")
@@ -72,7 +56,7 @@ def amx_chunk_route(head_dim: int) -> tuple[bool, str]:
 
 
 AMX_DECODE_ENV = "JOBRUNNER_ATTENTION_AMX_DECODE"
-AMX_DECODE_MODES = ("grouped", "all", "0")
+AMX_DECODE_MODES = SWITCHES[AMX_DECODE_ENV].choices  # ("grouped", "all", "0")
 
 
 def amx_decode_route(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str:
@@ -80,11 +64,7 @@ def amx_decode_route(head_dim: int, num_heads: int, num_kv_heads: int, block_siz
     share a cached prefix read it once per group), ``"all"`` (each row reads all its keys) or ``""`` (none:
     ``JOBRUNNER_ATTENTION_AMX_DECODE=0``, or a shape the decode kernel does not take: head_dim 64, at most 16
     query heads per kv head, blocks of a multiple of 16 tokens)."""
-    import os
-
-    mode = os.environ.get(AMX_DECODE_ENV, "").strip() or "grouped"
-    if mode not in AMX_DECODE_MODES:
-        raise ValueError(f"{AMX_DECODE_ENV}={mode!r}: expected one of {', '.join(AMX_DECODE_MODES)}")
+    mode = switch(AMX_DECODE_ENV)  # ValueError naming the variable unless one of AMX_DECODE_MODES
     fits = head_dim == 64 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and \
         num_heads // num_kv_heads <= 16 and block_size > 0 and block_size % 16 == 0
     return mode if mode != "0" and fits else ""

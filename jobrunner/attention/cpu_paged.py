@@ -1,9 +1,9 @@
 """The ``cpu_paged`` backend: paged attention in native code that reads the KV cache in place (CPU only).
 
 The torch backend copies every row's whole K/V history out of the cache into a padded buffer in every layer
-of every step; this one walks each row's block table from C (``csrc/paged_attention.c``: the algorithm and
-its fixed reduction order are described there), so a decode step reads each cached key and value once per
-layer and copies nothing. One call per layer covers the whole step: decodes (query heads of one kv head
+of every step; this one walks each row's block table from C (``kernels/csrc/attention/paged_attention.c``:
+the algorithm and its fixed reduction order are described there), so a decode step reads each cached key and
+value once per layer and copies nothing. One call per layer covers the whole step: decodes (query heads of one kv head
 folded, online softmax over the row's blocks, split-K over fixed partitions when there are fewer (row, kv
 head) pairs than threads), prompt chunks after a cached prefix and later chunks of chunked prefill
 (flash-style key tiles, causal by position), sliding windows, float32 and bfloat16, and fp8 caches
@@ -23,7 +23,7 @@ cached prefix blocks reading them once per group (see the constants below and do
 On the exact kernel a query's arithmetic depends only on its own query vector and keys (partitions and tiles
 sit at absolute key positions), so it is batch-invariant and ``engine.deterministic`` keeps it (with the
 faster paths off). The C source is built
-by :func:`jobrunner.quant.native.build_library` for this CPU's capability (``-march`` of
+by :func:`jobrunner.kernels.load` for this CPU's capability (``-march`` of
 ``JOBRUNNER_CPU_CAPABILITY`` when forced). No compiler, a failed build, ``JOBRUNNER_ATTENTION_NATIVE=0``, a
 CUDA device or a head_dim that is not a multiple of 16: :func:`cpu_paged_unavailable_reason` says why and
 :func:`~jobrunner.attention.make_backend` raises, and the model runner uses the torch backend instead.
@@ -34,8 +34,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
@@ -43,10 +41,11 @@ from jobrunner.attention.amx_prefill import AMX_MIN_QUERY, AmxPromptAttention, a
 from jobrunner.attention.base import AttentionBackend, AttentionMetadata, StepLayout, layer_views, write_kv
 from jobrunner.attention.torch_backend import TORCH_BACKEND, attend_groups
 from jobrunner.attention.upload import StepUpload
+from jobrunner.kernels import capability_switch, detect_cpu_capability, is_off, load, source_path
 
 NATIVE_ENV = "JOBRUNNER_ATTENTION_NATIVE"
 FAST_ENV = "JOBRUNNER_ATTENTION_FAST"  # 0: the portable build's choice everywhere (exact kernel + SDPA for long chunks)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+SOURCE = source_path("paged_attention")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's kv_fp8 codes (0: q's dtype)
 
@@ -54,27 +53,12 @@ FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's kv_
 @functools.cache
 def _library(capability: str) -> ctypes.CDLL | str:
     """The built kernel for ``capability`` (a cache key only: the build reads the capability itself), or why not."""
-    from jobrunner.quant.native import open_library
-
-    return open_library("paged_attention", SOURCE, "native paged attention", _declare)
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.jr_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 3
-                   + [ctypes.c_void_p] * 4 + [ctypes.c_int64])
-    lib.jr_fast_lanes.restype = ctypes.c_int
-    lib.jr_write_kv.restype = ctypes.c_int
-    lib.jr_write_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-                                + [ctypes.c_int64] * 3)
+    return load("paged_attention")
 
 
 def native_library() -> ctypes.CDLL | str:
     """The compiled library for the current CPU capability (detected or forced), or the reason there is none."""
-    from jobrunner.quant.capability import detect_cpu_capability
-
-    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+    if is_off(NATIVE_ENV):
         return f"{NATIVE_ENV}=0"
     capability, forced = detect_cpu_capability()
     return _library(f"{capability}:{forced}")
@@ -158,10 +142,10 @@ class CpuPagedBackend(AttentionBackend):
         self.fn = lib.jr_paged_attention
         self.write_fn = lib.jr_write_kv
         self.lanes = int(lib.jr_fast_lanes())
-        wide = self.lanes >= FAST_MIN_LANES and os.environ.get(FAST_ENV, "1").strip() != "0"
+        wide = self.lanes >= FAST_MIN_LANES and not is_off(FAST_ENV)
         self.fast_min_query = (FAST_MIN_QUERY if wide else 0) if fast_min_query is None else fast_min_query
         self.native_max_query = (None if wide else NATIVE_MAX_QUERY) if native_max_query is None else native_max_query
-        self.share_prefixes = os.environ.get(SHARED_ENV, "1").strip() != "0"
+        self.share_prefixes = not is_off(SHARED_ENV)
         self.amx: AmxPromptAttention | None = None  # long bf16 chunks on the AMX kernel (make_cpu_paged_backend)
         self.amx_decode = ""  # "grouped" / "all": bf16 decodes on the AMX kernel too ("": none)
 
@@ -347,8 +331,6 @@ def shared_prefix_groups(layout: StepLayout) -> list[tuple[list[int], int]]:
 
 def bf16_chunks_to_sdpa() -> tuple[bool, str]:
     """``(send long bf16 prompt chunks to torch's SDPA, why)``, from the capability and the setting."""
-    from jobrunner.quant.capability import capability_switch
-
     return capability_switch(BF16_SDPA_ENV, BF16_SDPA_CAPABILITIES,
                              f"bf16 prompt chunks of more than {BF16_SDPA_MIN_QUERY} tokens on torch's SDPA",
                              "bf16 prompt chunks on the fast kernel")

@@ -15,12 +15,12 @@ only on its kernels.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from jobrunner.kernels.switches import overridden
 from jobrunner.quant.apply import SCHEMES
 from jobrunner.quant.dispatch import CROSSOVER_ENV
 
@@ -93,16 +93,8 @@ def _crossovers(text: str, name: str) -> str:
 @contextmanager
 def crossover_env(value: str) -> Iterator[None]:
     """``$JOBRUNNER_QUANT_KERNEL_TOKENS`` = ``value`` inside the block (unchanged when ``value`` is empty)."""
-    saved = os.environ.get(CROSSOVER_ENV)
-    if value:
-        os.environ[CROSSOVER_ENV] = value
-    try:
+    with overridden(CROSSOVER_ENV, value):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(CROSSOVER_ENV, None)
-        else:
-            os.environ[CROSSOVER_ENV] = saved
 
 
 def comparison_config(**settings: Any) -> Any:

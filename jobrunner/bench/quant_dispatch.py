@@ -7,7 +7,7 @@ twice, keeping the best. It does that once per capability, each in a fresh proce
 own); ``avx2``: ``JOBRUNNER_CPU_CAPABILITY=avx2`` plus torch's and oneDNN's/MKL's own ISA caps
 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``), which makes an
 AVX512 machine choose and run the kernels an AVX2-only CPU would (bf16 GEMM then runs without bf16 instructions,
-as on an AMD EPYC); any other capability of :data:`jobrunner.quant.capability.CPU_CAPABILITIES`
+as on an AMD EPYC); any other capability of :data:`jobrunner.kernels.CPU_CAPABILITIES`
 (``avx512_vnni``: what a Cascade Lake would choose) forces our dispatch only. With held-out texts it also
 scores each config's perplexity and teacher-forced top-1 against the first config, in that capability's process
 (a forced capability changes the kernels, so the numbers: w8a8 runs int8 weight-only without VNNI).
@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jobrunner.quant.capability import CAPABILITY_ENV, CPU_CAPABILITIES
+from jobrunner.kernels import CAPABILITY_ENV, CPU_CAPABILITIES
 
 AVX2_ENV = {CAPABILITY_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}

@@ -38,7 +38,7 @@ def main() -> None:
 def _register() -> None:
     import importlib
 
-    for module in ("job", "report", "bench", "status", "jobs", "fetch"):
+    for module in ("job", "report", "bench", "status", "jobs", "fetch", "doctor"):
         try:
             mod = importlib.import_module(f"jobrunner.cli.{module}")
         except ModuleNotFoundError as exc:  # a command module not written yet

@@ -353,11 +353,11 @@ def _engines_baseline(engines: str, baseline: str) -> str:
 
 
 def _vllm_python(given: str | None) -> str:
-    import os
     from pathlib import Path
 
+    from jobrunner.kernels.switches import setting
     from jobrunner.vllm_backend.mapping import VLLM_PYTHON_ENV
 
     local = Path(".venv-vllm/bin/python")
     # absolute, not resolved: a venv's python is a symlink to the base interpreter, which has no vLLM
-    return given or os.environ.get(VLLM_PYTHON_ENV) or (str(local.absolute()) if local.exists() else "python3")
+    return given or setting(VLLM_PYTHON_ENV) or (str(local.absolute()) if local.exists() else "python3")

@@ -17,11 +17,11 @@ driver sets the job gauges when it refreshes progress. Metrics never fail a job:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
 
+from jobrunner.kernels.switches import switch
 from jobrunner.redaction import redacting_logger
 
 log = redacting_logger(__name__)
@@ -48,7 +48,7 @@ def _metric(kind: str, name: str, description: str, tags: tuple[str, ...]) -> An
 def interval_s() -> float:
     """Seconds between a worker's samples ($JOBRUNNER_METRICS_INTERVAL_S, default 2)."""
     try:
-        return max(0.1, float(os.environ.get("JOBRUNNER_METRICS_INTERVAL_S", "2")))
+        return max(0.1, switch("JOBRUNNER_METRICS_INTERVAL_S"))
     except ValueError:
         return 2.0
 

@@ -1,4 +1,4 @@
-"""bf16 linear layers on the AMX tiles at decode row counts (``csrc/amx_gemm.c``).
+"""bf16 linear layers on the AMX tiles at decode row counts (``kernels/csrc/gemm/amx_gemm.c``).
 
 oneDNN's reordered-weight matmul (:mod:`jobrunner.models.onednn_linear`) is the bf16 GEMM on AMX CPUs; at a
 decode step's row counts it spends much of its time around the product (tile set-up, stores, its blocking
@@ -23,34 +23,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
+from jobrunner.kernels import capability_switch, load, source_path, switch
 from jobrunner.models.huge_pages import empty_huge
-from jobrunner.quant.capability import capability_switch
 
 AMX_GEMM_ENV = "JOBRUNNER_AMX_GEMM"
 AMX_GEMM_MAX_ROWS = 128        # calls with more rows take oneDNN (faster from ~256 rows: prompt chunks)
 AMX_GEMM_MAX_BYTES = 2 << 30   # keep the second (tile-packed) copy of the weights up to this many bytes
-SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_gemm.c"
+SOURCE = source_path("amx_gemm")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.jr_amx_gemm_ready.restype = ctypes.c_int
-    lib.jr_amx_pack.restype = ctypes.c_int
-    lib.jr_amx_pack.argtypes = [_P, _P, _I, _I]
-    lib.jr_amx_linear.restype = ctypes.c_int
-    lib.jr_amx_linear.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_amx_library
-
-    return open_amx_library("amx_gemm", SOURCE, "AMX GEMM", _declare, "jr_amx_gemm_ready")
+    return load("amx_gemm")
 
 
 def amx_gemm_choice(weight_bytes: int) -> tuple[bool, str]:
@@ -61,7 +49,7 @@ def amx_gemm_choice(weight_bytes: int) -> tuple[bool, str]:
                                  "no AMX GEMM (needs AMX)")
     if not use:
         return False, why
-    forced = os.environ.get(AMX_GEMM_ENV, "").strip() == "1"
+    forced = switch(AMX_GEMM_ENV) is True
     if weight_bytes > AMX_GEMM_MAX_BYTES and not forced:
         return False, (f"no AMX GEMM: the linear weights take {weight_bytes / 2**30:.1f} GiB, above the "
                        f"{AMX_GEMM_MAX_BYTES / 2**30:.0f} GiB kept twice ({AMX_GEMM_ENV}=1 lifts it)")
@@ -77,7 +65,7 @@ def amx_packable(out_features: int, in_features: int) -> bool:
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight ``[out, in]`` in the kernel's tile layout (same size; see ``csrc/amx_gemm.c``)."""
+    """The bf16 weight ``[out, in]`` in the kernel's tile layout (same size; see ``csrc/gemm/amx_gemm.c``)."""
     lib = _library()
     if isinstance(lib, str):
         raise RuntimeError(lib)

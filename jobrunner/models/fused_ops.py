@@ -2,49 +2,37 @@
 
 A decoder layer runs about thirty small torch kernels besides its GEMMs and attention (norms, rotary, the
 activation, the residual adds), each a pass over the activations plus an allocation; on a 2-core CPU they were
-17-18% of a step on SmolLM2-135M (``jobrunner bench --profile``, "other"). ``csrc/fused_ops.c`` does each
+17-18% of a step on SmolLM2-135M (``jobrunner bench --profile``, "other"). ``kernels/csrc/rowops/fused_ops.c`` does each
 group in one pass (its doc lists the ops and the roundings kept). Used for float32 and bfloat16 CPU tensors
 outside autograd; everything else, a missing compiler, a failed build or ``JOBRUNNER_FUSED_OPS=0`` takes the
 torch ops (the reference: the parity tests compare both). Built by
-:func:`jobrunner.quant.native.build_library` for this CPU, without floating-point contraction.
+:func:`jobrunner.kernels.load` for this CPU, without floating-point contraction.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
-from jobrunner.quant.capability import capability_key
+from jobrunner.kernels import capability_key, is_off, load, source_path
 
 FUSED_ENV = "JOBRUNNER_FUSED_OPS"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
+SOURCE = source_path("fused_ops")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 @functools.cache
 def _library(capability: str) -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
-
-    return open_library("fused_ops", SOURCE, "fused ops", _declare, extra_flags=("-ffp-contract=off",))
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.jr_rms_norm.argtypes = [_P] * 5 + [_I, _I, _F, _I, _I]
-    lib.jr_rotary.argtypes = [_P] * 4 + [_I] * 8
-    lib.jr_silu_mul.argtypes = [_P, _P] + [_I] * 4
-    for fn in (lib.jr_rms_norm, lib.jr_rotary, lib.jr_silu_mul):
-        fn.restype = ctypes.c_int
+    return load("fused_ops")
 
 
 def fused_library() -> ctypes.CDLL | str:
     """The built library for this CPU's capability, or why there is none (asked on every op, so the capability
     is detected once per value of ``JOBRUNNER_CPU_CAPABILITY``)."""
-    if os.environ.get(FUSED_ENV, "1").strip() == "0":
+    if is_off(FUSED_ENV):
         return f"{FUSED_ENV}=0"
     return _library(capability_key())
 

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 
 import torch
 
+from jobrunner.kernels import SWITCHES, switch
+
 HUGE_PAGES_ENV = "JOBRUNNER_HUGE_PAGES"
-HUGE_PAGES_SETTINGS = ("0", "weights", "all")
+HUGE_PAGES_SETTINGS = SWITCHES[HUGE_PAGES_ENV].choices  # ("0", "weights", "all")
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
 
@@ -60,10 +61,8 @@ def _madvise():
 
 def huge_pages_for(kind: str) -> bool:
     """Whether ``kind`` (``"weights"`` or ``"kv_cache"``) asks for huge pages under ``JOBRUNNER_HUGE_PAGES``."""
-    setting = os.environ.get(HUGE_PAGES_ENV, "").strip() or "0"
-    if setting not in HUGE_PAGES_SETTINGS:
-        raise ValueError(f"{HUGE_PAGES_ENV}={setting!r}: expected one of {', '.join(HUGE_PAGES_SETTINGS)}")
-    return setting == "all" or (setting == "weights" and kind == "weights")
+    value = switch(HUGE_PAGES_ENV)  # ValueError naming the variable unless one of HUGE_PAGES_SETTINGS
+    return value == "all" or (value == "weights" and kind == "weights")
 
 
 def advise_huge_pages(tensor: torch.Tensor, kind: str = "weights") -> bool:

@@ -1,4 +1,5 @@
-"""A step's decoder layers in one native call, on CPUs with AMX (``csrc/layer_loop.c``).
+"""A step's decoder layers in one native call, on CPUs with AMX (``kernels/csrc/layer_loop.c``; its structs and
+the kernels' prototypes in ``kernels/csrc/include/jr_kernels.h``, mirrored by :mod:`jobrunner.kernels.signatures`).
 
 On a small model a CPU decode step is ~11 native kernels per layer, each reached from Python (``nn.Module``
 calls, argument checks, ``ctypes``); sampled on SmolLM2-135M (64 rows, bf16, 2 cores) about a quarter of the
@@ -24,42 +25,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
+from jobrunner.kernels import LoopLayer as _Layer
+from jobrunner.kernels import LoopModel as _Model
+from jobrunner.kernels import LoopRows as _Rows
+from jobrunner.kernels import LoopStep as _Step
+from jobrunner.kernels import is_off, load, source_path
+
 LOOP_ENV = "JOBRUNNER_LAYER_LOOP"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_loop.c"
+SOURCE = source_path("layer_loop")
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _STAGES = ("input norm", "q|k|v projection", "rotary", "KV write", "decode attention", "o projection",
            "post-attention norm", "gate|up projection", "SiLU * up", "down projection")
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("linear", "norm", "rotary", "silu", "write_kv", "decode", "native",
-                                        "chunk")] + [
-        (name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers")] + [
-        ("eps", _F), ("scale", _F)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
-                                        "k_cache", "v_cache")]
-
-
-class _Rows(ctypes.Structure):
-    _fields_ = [(name, _I) for name in ("num_rows", "max_blocks", "num_groups")] + [
-        (name, _P) for name in ("start", "len", "seq", "tables", "group_off", "group_rows", "group_len", "key_start")]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("rows", _I), ("threads", _I)] + [
-        (name, _P) for name in ("x", "x0", "x1", "h", "qkv", "q", "attn", "o", "gate_up", "act", "down", "out",
-                                "cos", "sin", "slots")] + [
-        ("block_size", _I), ("fast_min_query", _I), ("decodes", _Rows), ("natives", _Rows), ("chunks", _Rows),
-        ("workspace", _P), ("final_norm", _P)]
 
 
 def _rows(num_rows: int, max_blocks: int, tensors: dict[str, torch.Tensor], num_groups: int = 0) -> _Rows:
@@ -72,14 +51,7 @@ def _rows(num_rows: int, max_blocks: int, tensors: dict[str, torch.Tensor], num_
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
-
-    def declare(lib: ctypes.CDLL) -> None:
-        lib.jr_layer_loop.restype = ctypes.c_int
-        lib.jr_layer_loop.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), ctypes.POINTER(_Step),
-                                      ctypes.POINTER(ctypes.c_double)]
-
-    return open_library("layer_loop", SOURCE, "layer loop", declare)
+    return load("layer_loop")
 
 
 def _address(fn) -> int:
@@ -91,7 +63,7 @@ def layer_loop_reason(model) -> str | None:
     from jobrunner.models import amx_linear, fused_ops
     from jobrunner.models.onednn_linear import OneDnnLinear
 
-    if os.environ.get(LOOP_ENV, "1").strip() == "0":
+    if is_off(LOOP_ENV):
         return f"{LOOP_ENV}=0"
     parts = getattr(model, "plain_parts", None)
     if parts is None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jobrunner.kernels import capability_switch, detect_cpu_capability
 from jobrunner.models.amx_linear import AMX_GEMM_MAX_ROWS, amx_gemm_choice, amx_linear, amx_pack, amx_packable
-from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 ONEDNN_ENV = "JOBRUNNER_ONEDNN_LINEAR"
 # capabilities where the reordered weight beat F.linear at decode row counts (1-256 rows, every SmolLM2 layer

@@ -1,4 +1,4 @@
-"""float32 linear layers on CPU through a weight packed once into column panels (``csrc/packed_gemm.c``).
+"""float32 linear layers on CPU through a weight packed once into column panels (``kernels/csrc/gemm/packed_gemm.c``).
 
 Why: on AVX2-only CPUs torch's float32 ``F.linear`` (MKL's sgemm) reaches a third to a half of the FMA units'
 rate at the row counts of a decode step (16-256 rows): 50 GFLOP/s for SmolLM2's gate|up at 64 rows on a 2-core
@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from jobrunner.kernels import capability_switch, detect_cpu_capability, load, source_path
 from jobrunner.models.huge_pages import empty_huge
-from jobrunner.quant.capability import capability_switch, detect_cpu_capability
 
 PACKED_ENV = "JOBRUNNER_PACKED_GEMM"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "packed_gemm.c"
+SOURCE = source_path("packed_gemm")
 # capabilities where the packed kernel beat F.linear at every row count measured (1-1,024 rows, every
 # SmolLM2 layer shape, 2 threads): AMD Zen 3 (avx2). AVX-512 CPUs were not measured with it: F.linear there.
 DEFAULT_ON = frozenset({"avx2"})
@@ -38,15 +37,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _library(capability_key: str) -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
-
-    return open_library("packed_gemm", SOURCE, "packed GEMM", _declare)
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.jr_gemm_packed.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, _I]
-    lib.jr_gemm_packed.restype = ctypes.c_int
-    lib.jr_gemm_panel_width.restype = ctypes.c_int
+    return load("packed_gemm")
 
 
 def packed_library() -> ctypes.CDLL | str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobrunner.io.local_cache import build_dir_once
+from jobrunner.kernels.switches import setting
 from jobrunner.models.gguf_convert import GGUFFixups, conversion_is_current, convert_gguf
 from jobrunner.redaction import redact_text
 
@@ -163,7 +164,7 @@ def _check_hub_id(repo_id: str) -> str:
 
 def cache_root(cache_dir: str | None = None) -> Path:
     """The jobrunner cache root: `cache_dir`, else `$JOBRUNNER_CACHE`, else `~/.cache/jobrunner`."""
-    root = cache_dir or os.environ.get("JOBRUNNER_CACHE") or "~/.cache/jobrunner"
+    root = cache_dir or setting("JOBRUNNER_CACHE")  # default ~/.cache/jobrunner
     return Path(root).expanduser()
 
 

@@ -21,16 +21,15 @@ and recorded in the model info the engine reports (manifest ``model.quant_dispat
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# the capability lives below both this module and quant.native (which compiles for it); named here too
-from jobrunner.quant.capability import CAPABILITY_ENV, CPU_CAPABILITIES, detect_cpu_capability  # noqa: F401
-from jobrunner.quant.native import int4_unpack_fn
+# the capability lives below this module, in the kernels package (which compiles for it); named here too
+from jobrunner.kernels import CAPABILITY_ENV, CPU_CAPABILITIES, detect_cpu_capability, setting  # noqa: F401
+from jobrunner.quant.int4_native import int4_unpack_fn
 
 # "int8=8,int4=64": override the crossovers below (for tuning with bench.quant_dispatch; recorded when set)
 CROSSOVER_ENV = "JOBRUNNER_QUANT_KERNEL_TOKENS"
@@ -114,7 +113,7 @@ class QuantDispatch:
     max_kernel_tokens: dict[str, int]
     tile_weights: int
     fp8_native: bool = False
-    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU tiles), see quant.native
+    int4_unpack: str = "torch"  # "c": the one-pass native unpack (CPU tiles), see quant.int4_native
     # opt-in Triton kernels at batch ($JOBRUNNER_TRITON_QUANT): {"requested", "enabled", "reasons"}, see
     # quant.triton_quant; None when not asked for
     triton_quant: dict[str, Any] | None = None
@@ -225,7 +224,7 @@ def w8a8_kernel_for(capability: str) -> str | None:
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:
     """``defaults`` with ``$JOBRUNNER_QUANT_KERNEL_TOKENS`` (``"int8=8,int4=64"``) applied."""
     out = dict(defaults)
-    for item in filter(None, (part.strip() for part in os.environ.get(CROSSOVER_ENV, "").split(","))):
+    for item in filter(None, (part.strip() for part in setting(CROSSOVER_ENV).split(","))):
         scheme, _, value = item.partition("=")
         if scheme not in out or not value.strip().isdigit():
             raise ValueError(f"{CROSSOVER_ENV}: bad item {item!r}; expected e.g. 'int8=8,int4=64'")

@@ -20,9 +20,9 @@ import torch
 
 from jobrunner.quant.dispatch import QuantDispatch, dispatch_for
 from jobrunner.quant.int4_int8 import Int4AsInt8
+from jobrunner.quant.int4_native import int4_unpack_fn
 from jobrunner.quant.int4_unpack import find_cpu_layout
 from jobrunner.quant.kernels import int4_mm, int4_shape_problem, pack_int4, unpack_int4_cuda
-from jobrunner.quant.native import int4_unpack_fn
 from jobrunner.quant.primitives import quantize_int4_groupwise
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for, tiled_linear
 from jobrunner.quant.triton_quant import int4_triton_fn, record_failure

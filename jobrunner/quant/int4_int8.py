@@ -8,7 +8,7 @@ tile at a time exists as int8, in the model's shared scratch buffer.
 
 How the group scales are handled: each output row ``n`` gets one int8 scale ``S_n = max_k |w[n, k]| / 127``
 (``w`` the dequantized int4 weight, computed once at load). A tile is expanded by the native loop
-(:func:`jobrunner.quant.native.int4_to_int8_fn`) as ``w8[n, k] = rint(((q - 8) * scale_g + zero_g) / S_n)``;
+(:func:`jobrunner.quant.int4_native.int4_to_int8_fn`) as ``w8[n, k] = rint(((q - 8) * scale_g + zero_g) / S_n)``;
 an int4 group has at most 16 distinct values and the int8 grid is 8-16x finer than the group's step, so this
 re-rounding adds little to the int4 error. Activations: per token (row) symmetric int8, ``s_m = max|x_m| /
 127``, so a row's result never depends on the other rows of the batch. Then ``y[m, n] = s_m * S_n *
@@ -30,8 +30,8 @@ from typing import Protocol
 import torch
 
 from jobrunner.quant.dispatch import QuantDispatch
+from jobrunner.quant.int4_native import int4_to_int8_fn
 from jobrunner.quant.int4_unpack import CpuInt4Layout
-from jobrunner.quant.native import int4_to_int8_fn
 from jobrunner.quant.primitives import expand_int8_reference, int8_row_scales, quantize_rows_int8
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for
 from jobrunner.quant.w8a8_native import w8a8_native

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from jobrunner.kernels import setting
 from jobrunner.quant.kernels import pack_int4_cuda_reference, rowwise_scaled_mm
 from jobrunner.quant.primitives import (
     dequantize_int4,
@@ -48,7 +49,7 @@ _failures: dict[str, str] = {}
 
 def requested_schemes() -> tuple[str, ...]:
     """The schemes ``$JOBRUNNER_TRITON_QUANT`` asks for (``ValueError`` naming the variable on a bad value)."""
-    raw = os.environ.get(TRITON_QUANT_ENV, "").strip().lower()
+    raw = setting(TRITON_QUANT_ENV).lower()
     if raw in ("", "0", "off", "false", "no"):
         return ()
     if raw in ("1", "all", "on", "true", "yes"):

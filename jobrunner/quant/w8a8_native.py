@@ -1,4 +1,5 @@
-"""W8A8's per-call activation work in one C loop each (``csrc/w8a8.c``, built by :mod:`jobrunner.quant.native`).
+"""W8A8's per-call activation work in one C loop each (``kernels/csrc/quant/w8a8.c``, built by
+:func:`jobrunner.kernels.load`).
 
 Around oneDNN's int8 GEMM a W8A8 call quantizes its input rows and scales its output rows. With torch ops
 that is ~10 small ops per call (cast, abs, amax, divide, round, add, cast; multiply, cast), each with its own
@@ -20,14 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import subprocess
 import warnings
-from pathlib import Path
 
 import torch
 
-from jobrunner.quant.native import NATIVE_ENV, build_library
+from jobrunner.kernels import is_off, load
+from jobrunner.quant.int4_native import NATIVE_ENV
 
 
 class W8A8Native:
@@ -37,12 +36,6 @@ class W8A8Native:
         self._quant = {torch.bfloat16: lib.jr_w8a8_quant_bf16, torch.float32: lib.jr_w8a8_quant_f32}
         self._scale_bf16, self._scale_f32 = lib.jr_w8a8_rowscale_bf16, lib.jr_w8a8_rowscale_f32
         self._i32_scale = {torch.bfloat16: lib.jr_i32_scale_bf16, torch.float32: lib.jr_i32_scale_f32}
-        for fn in self._quant.values():
-            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-        self._scale_bf16.restype, self._scale_bf16.argtypes = None, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        self._scale_f32.restype, self._scale_f32.argtypes = None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3
-        for fn in self._i32_scale.values():
-            fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``quantize`` takes ``x`` (a contiguous 2-D CPU float32 / bfloat16 tensor)."""
@@ -92,14 +85,10 @@ class W8A8Native:
 @functools.cache
 def w8a8_native() -> W8A8Native | None:
     """The compiled W8A8 activation loops, or ``None`` (native code off, or no compiler here)."""
-    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+    if is_off(NATIVE_ENV):
         return None
-    try:
-        return W8A8Native(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        warnings.warn(f"jobrunner.quant: native W8A8 loops unavailable ({exc}); using torch ops", stacklevel=2)
+    lib = load("w8a8")
+    if isinstance(lib, str):
+        warnings.warn(f"jobrunner.quant: {lib}; using torch ops", stacklevel=2)
         return None
-
-
-def _build() -> Path:
-    return build_library("w8a8", ("-fno-math-errno",))
+    return W8A8Native(lib)

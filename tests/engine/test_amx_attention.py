@@ -10,7 +10,7 @@ from test_torch_prefix_chunks import _reference, _step
 from jobrunner.attention import StepUpload, amx_prefill, cpu_paged
 from jobrunner.attention.cpu_paged import make_cpu_paged_backend
 from jobrunner.attention.torch_backend import TORCH_BACKEND
-from jobrunner.quant.capability import CAPABILITY_ENV
+from jobrunner.kernels import CAPABILITY_ENV
 
 REASON = amx_prefill.amx_unavailable_reason(64)
 needs_amx = pytest.mark.skipif(REASON is not None, reason=REASON or "")

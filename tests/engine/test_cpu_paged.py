@@ -20,8 +20,7 @@ import torch
 from jobrunner.attention import StepLayout, StepUpload, cpu_paged, make_backend
 from jobrunner.attention.cpu_paged import NATIVE_ENV, SOURCE, _library, native_library
 from jobrunner.attention.torch_backend import TORCH_BACKEND
-from jobrunner.quant.capability import CAPABILITY_ENV
-from jobrunner.quant.native import build_library
+from jobrunner.kernels import CAPABILITY_ENV, build_library
 from tests.components import missing_component
 
 CPU = torch.device("cpu")

@@ -15,8 +15,8 @@ from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine import sampler as sampler_module
 from jobrunner.engine.llm_engine import LLMEngine
 from jobrunner.engine.sampling import argmax
+from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models.loader import build_model, load_weights
-from jobrunner.quant.capability import CAPABILITY_ENV
 from tests.components import missing_component
 
 HAS_AVX2 = " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from jobrunner.kernels import CAPABILITY_ENV, detect_cpu_capability
 from jobrunner.models import amx_linear as amx
 from jobrunner.models.onednn_linear import OneDnnLinear, onednn_bf16_supported, reorder_bf16_linears
-from jobrunner.quant.capability import CAPABILITY_ENV, detect_cpu_capability
 
 
 def _amx_reason() -> str | None:

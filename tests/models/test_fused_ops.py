@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models import fused_ops
 from jobrunner.models.llama import RMSNorm
 from jobrunner.models.rope import apply_rotary
-from jobrunner.quant.capability import CAPABILITY_ENV
 from tests.components import missing_component
 
 HAS_AVX2 = " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models.onednn_linear import (
     ONEDNN_ENV,
     OneDnnLinear,
@@ -16,7 +17,6 @@ from jobrunner.models.onednn_linear import (
     onednn_bf16_supported,
     reorder_bf16_linears,
 )
-from jobrunner.quant.capability import CAPABILITY_ENV
 
 needs_bf16 = pytest.mark.skipif(not onednn_bf16_supported(),
                                 reason="this CPU has no bf16 hardware for oneDNN (avx512_bf16 / AMX)")

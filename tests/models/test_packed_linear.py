@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from jobrunner.kernels import CAPABILITY_ENV, build_library
 from jobrunner.models import packed_linear
 from jobrunner.models.packed_linear import PACKED_ENV, PackedLinear, pack_linears, pack_weight, packed_gemm_choice
-from jobrunner.quant.capability import CAPABILITY_ENV
-from jobrunner.quant.native import build_library
 from tests.components import missing_component
 
 CPUINFO = Path("/proc/cpuinfo").read_text(encoding="utf-8")

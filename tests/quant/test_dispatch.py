@@ -243,8 +243,8 @@ def test_crossovers_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("split", [True, False])
 def test_native_int4_unpack_matches_torch(split: bool) -> None:
+    from jobrunner.quant.int4_native import int4_unpack_fn
     from jobrunner.quant.int4_unpack import CpuInt4Layout
-    from jobrunner.quant.native import int4_unpack_fn
 
     unpack = require_native("int4 unpack", int4_unpack_fn)
     torch.manual_seed(0)

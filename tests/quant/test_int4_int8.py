@@ -11,7 +11,7 @@ import torch
 from jobrunner.models.factory import describe_dispatch
 from jobrunner.quant.dispatch import CROSSOVER_ENV, NO_LIMIT, dispatch_for
 from jobrunner.quant.int4 import Int4WeightOnlyLinear
-from jobrunner.quant.native import int4_to_int8_fn
+from jobrunner.quant.int4_native import int4_to_int8_fn
 from jobrunner.quant.primitives import expand_int8_reference
 from tests.components import require_native
 

@@ -1,4 +1,5 @@
-"""Native row argmax on CPU for the greedy sampler (``csrc/row_argmax.c``), straight on float32 or bf16 logits.
+"""Native row argmax on CPU for the greedy sampler (``kernels/csrc/rowops/row_argmax.c``), straight on float32
+or bf16 logits.
 
 A greedy decode step used to widen the logits to float32 (``logits.float()``: SmolLM2's 64 x 49,152 bf16 rows,
 a 12.6 MB copy) and then run ``max(dim=-1)``: about 3.5 ms of a 63 ms step on 2 cores. The C kernel reads the
@@ -7,7 +8,7 @@ else plain C) with OpenMP over rows (a row split across threads when rows are fe
 what ``x.max(dim=-1).indices`` returns: the first index of the maximum, NaN counting as the maximum (the first
 NaN wins), -0 equal to +0. Exact, so also batch- and thread-count-invariant (deterministic mode keeps it).
 
-Built by :func:`jobrunner.quant.native.build_library` for this CPU's capability (``JOBRUNNER_CPU_CAPABILITY``
+Built by :func:`jobrunner.kernels.load` for this CPU's capability (``JOBRUNNER_CPU_CAPABILITY``
 forces one); other devices or dtypes, non-contiguous rows, a missing compiler, a failed build or
 ``JOBRUNNER_NATIVE_ARGMAX=0`` take :func:`jobrunner.engine.sampling.row_argmax` (torch).
 """
@@ -16,36 +17,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-from pathlib import Path
 
 import torch
 
 from jobrunner.engine.sampling import row_argmax
-from jobrunner.quant.capability import capability_key
+from jobrunner.kernels import capability_key, is_off, load, source_path
 
 ARGMAX_ENV = "JOBRUNNER_NATIVE_ARGMAX"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "row_argmax.c"
+SOURCE = source_path("row_argmax")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def _library(capability: str) -> ctypes.CDLL | str:
-    from jobrunner.quant.native import open_library
-
-    return open_library("row_argmax", SOURCE, "native argmax", _declare)
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.jr_row_argmax.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
-    lib.jr_row_argmax.restype = ctypes.c_int
+    return load("row_argmax")
 
 
 def argmax_library() -> ctypes.CDLL | str:
     """The built library for this CPU's capability, or why there is none (``"JOBRUNNER_NATIVE_ARGMAX=0"``, or
     the build's failure). Asked on every call; the capability is detected once per value of
     ``JOBRUNNER_CPU_CAPABILITY``."""
-    if os.environ.get(ARGMAX_ENV, "1").strip() == "0":
+    if is_off(ARGMAX_ENV):
         return f"{ARGMAX_ENV}=0"
     return _library(capability_key())
 

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "jr_amx.h"
+#include "jr_kernels.h"
 
 #define LANES 16      /* query lanes per tile */
 #define KB 32         /* keys per step: two 16-key score tiles, one 32-key P tile */

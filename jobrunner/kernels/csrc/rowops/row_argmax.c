@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jr_kernels.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

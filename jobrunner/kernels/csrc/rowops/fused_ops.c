@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "jr_kernels.h"
 #include "jr_numerics.h"
 
 #if defined(__AVX512BW__)

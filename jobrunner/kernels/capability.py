@@ -1,6 +1,6 @@
-"""This CPU's instruction-set capability, detected or forced: the one fact both the dispatch and the native
-build depend on (:mod:`jobrunner.quant.dispatch` picks kernels by it, :mod:`jobrunner.quant.native` compiles
-for it), so it sits below both.
+"""This CPU's instruction-set capability, detected or forced: the one fact both the kernel choices and the native
+build depend on (:mod:`jobrunner.quant.dispatch` and the model / attention wrappers pick kernels by it,
+:mod:`jobrunner.kernels.build` compiles for it), so it sits below all of them.
 
 The capability comes from ``torch.backends.cpu.get_cpu_capability()`` plus torch's bf16/AMX/VNNI probes, or is
 forced with ``JOBRUNNER_CPU_CAPABILITY`` or a ``capability=`` argument, so every decision is testable on any
@@ -10,17 +10,18 @@ machine.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from jobrunner.kernels.switches import SWITCHES, setting, switch
+
 CAPABILITY_ENV = "JOBRUNNER_CPU_CAPABILITY"
-CPU_CAPABILITIES = ("default", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+CPU_CAPABILITIES = SWITCHES[CAPABILITY_ENV].choices  # ("default", "avx2", ..., "amx")
 
 
 def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
     """``(capability, forced)``: the argument, else ``$JOBRUNNER_CPU_CAPABILITY``, else what torch reports."""
-    forced = capability or os.environ.get(CAPABILITY_ENV, "").strip()
+    forced = capability or setting(CAPABILITY_ENV)
     if forced:
         value = forced.strip().lower()
         if value not in CPU_CAPABILITIES:
@@ -39,11 +40,11 @@ def detect_cpu_capability(capability: str | None = None) -> tuple[str, bool]:
 def capability_switch(env: str, default_on: frozenset[str], on_text: str, off_text: str) -> tuple[bool, str]:
     """``(on, why)`` for a path chosen by capability alone: ``$env`` = ``0`` turns it off, ``1`` on, otherwise it
     is on for the capabilities in ``default_on``. ``on_text`` / ``off_text`` follow ``"<capability>: "``."""
-    setting = os.environ.get(env, "").strip()
+    value = switch(env)
     capability, _ = detect_cpu_capability()
-    if setting == "0":
+    if value is False:
         return False, f"{env}=0"
-    if setting != "1" and capability not in default_on:
+    if value is not True and capability not in default_on:
         return False, f"{capability}: {off_text}"
     return True, f"{capability}: {on_text}"
 
@@ -51,7 +52,7 @@ def capability_switch(env: str, default_on: frozenset[str], on_text: str, off_te
 def capability_key() -> str:
     """``"<capability>:<forced>"`` for keying a per-capability cache of native libraries; detected once per value
     of ``JOBRUNNER_CPU_CAPABILITY`` (cheap to ask on every op)."""
-    return _capability_key(os.environ.get(CAPABILITY_ENV, ""))
+    return _capability_key(setting(CAPABILITY_ENV))
 
 
 @functools.cache

@@ -2,6 +2,7 @@
    (int4's W4A8 path). Built by jobrunner.quant.native.build_library (cached per source, flags and CPU) and called
    through ctypes; no torch headers. */
 #include <stdint.h>
+#include "jr_kernels.h"
 /* W^T[k, n] = code(n, k) * scale[k / group, n] + offset[k / group, n] for whole blocks of the CPU int4
    layout: packed is [nb][K][half] bytes; split: rows j and j + half of a block share byte j (low, high);
    interleaved: rows 2j and 2j + 1. out, scale and offset have rows of ld >= nb * block_n elements.

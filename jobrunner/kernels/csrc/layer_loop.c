@@ -1,4 +1,5 @@
-/* A decode step's decoder layers in one native call (jobrunner/models/layer_loop.py calls it via ctypes).
+/* A decode step's decoder layers in one native call (jobrunner/models/layer_loop.py calls it via ctypes;
+   the structs and the kernels' prototypes are in jr_kernels.h).
 
    Why: on a 2-core CPU a decode step of a small model runs ~11 native kernels per layer (norms, the four
    projections on the AMX GEMM, rotary, the KV write, the AMX decode attention, SiLU * up), each called from
@@ -29,68 +30,26 @@
 #include <string.h>
 #include <time.h>
 
-typedef int (*linear_fn)(const void *x, int64_t ldx, const void *packed, const void *bias, void *out, int64_t ldo,
-                         int64_t M, int64_t N, int64_t K, int64_t threads);
-typedef int (*norm_fn)(const void *x, const void *add, void *sum_out, void *out, const void *weight, int64_t rows,
-                       int64_t n, float eps, int64_t bf16, int64_t threads);
-typedef int (*rotary_fn)(void *q, void *k, const void *cos_, const void *sin_, int64_t rows, int64_t hq, int64_t hk,
-                         int64_t D, int64_t qs, int64_t ks, int64_t bf16, int64_t threads);
-typedef int (*silu_fn)(const void *gate_up, void *out, int64_t rows, int64_t I, int64_t bf16, int64_t threads);
-typedef int (*write_kv_fn)(const void *k, const void *v, int64_t ks, int64_t vs, void *k_cache, void *v_cache,
-                           const int64_t *slots, int64_t n, int64_t row, int64_t size);
-typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache, void *out,
-                         const int64_t *query_start, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
-                         int64_t num_rows, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                         int64_t threads, int64_t num_groups, const int64_t *group_off, const int64_t *group_rows,
-                         const int64_t *group_len);
+#include "jr_kernels.h"
 
-typedef int (*native_fn)(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *query_start,
-                         const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
-                         int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, int64_t window, int64_t bf16, float scale, int64_t threads,
-                         int64_t fast_min_query, int64_t num_groups, const int64_t *group_off,
-                         const int64_t *group_rows, const int64_t *group_len, const int64_t *key_start,
-                         int64_t kv_fp8);
-typedef int (*chunk_fn)(const void *q, const void *k_cache, const void *v_cache, void *out, const int64_t *query_start,
-                        const int64_t *query_len, const int64_t *seq_len, const int64_t *tables, int64_t max_blocks,
-                        int64_t num_rows, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                        void *workspace, int64_t threads);
+/* the kernels' types, from their prototypes (jr_kernels.h): the structs hold them as void * */
+typedef __typeof__(&jr_amx_linear) linear_fn;
+typedef __typeof__(&jr_rms_norm) norm_fn;
+typedef __typeof__(&jr_rotary) rotary_fn;
+typedef __typeof__(&jr_silu_mul) silu_fn;
+typedef __typeof__(&jr_write_kv) write_kv_fn;
+typedef __typeof__(&jr_amx_decode_attention) decode_fn;
+typedef __typeof__(&jr_paged_attention) native_fn;
+typedef __typeof__(&jr_amx_prompt_attention) chunk_fn;
 
-/* The model: kernels and shapes (fixed once built) */
-typedef struct {
-  void *linear, *norm, *rotary, *silu, *write_kv, *decode, *native, *chunk;
-  int64_t hidden, heads, kv_heads, head_dim, inter, layers;
-  float eps, scale;
-} JrLoopModel;
-
-/* One layer's weights (AMX-packed projections; bf16 norms) and its KV cache views */
-typedef struct {
-  const void *in_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
-  void *k_cache, *v_cache;
-} JrLoopLayer;
-
-/* Rows of one attention kernel: query starts, query lengths (not for decodes), sequence lengths, block tables
-   [num_rows * max_blocks]; groups sharing cached blocks (offsets, members, shared keys; the native kernel's
-   also each row's first own key) */
-typedef struct {
-  int64_t num_rows, max_blocks, num_groups;
-  const int64_t *start, *len, *seq, *tables, *group_off, *group_rows, *group_len, *key_start;
-} JrLoopRows;
-
-/* One step: rows, buffers (bf16, row-major, rows x the named width), rotary tables, slots, and its rows on each
-   attention kernel: AMX decodes, the native kernel (short chunks), the AMX prompt kernel (chunks) */
-typedef struct {
-  int64_t rows, threads;
-  const void *x;          /* the embeddings [rows, hidden] (read only) */
-  void *x0, *x1;          /* the residual stream, ping-pong [rows, hidden] */
-  void *h, *qkv, *q, *attn, *o, *gate_up, *act, *down, *out;
-  const void *cos, *sin;  /* [rows, head_dim] */
-  const int64_t *slots;
-  int64_t block_size, fast_min_query;
-  JrLoopRows decodes, natives, chunks;
-  void *workspace;        /* the AMX prompt kernel's (sized by the caller) */
-  const void *final_norm;
-} JrLoopStep;
+/* sizeof of the four structs, for the ctypes mirrors' check (tests/kernels) */
+int64_t jr_loop_struct_sizes(int64_t *sizes) {
+  sizes[0] = sizeof(JrLoopModel);
+  sizes[1] = sizeof(JrLoopLayer);
+  sizes[2] = sizeof(JrLoopRows);
+  sizes[3] = sizeof(JrLoopStep);
+  return 4;
+}
 
 /* this layer's attention of every row into s->attn (each kernel writes its own rows); 0 or the failing kernel's rc */
 static int attend(const JrLoopModel *m, const JrLoopLayer *L, const JrLoopStep *s) {

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jr_kernels.h"
 #include "jr_numerics.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -13,6 +13,8 @@
    otherwise (MR 6). */
 #include <stdint.h>
 #include <string.h>
+
+#include "jr_kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

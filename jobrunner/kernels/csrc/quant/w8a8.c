@@ -2,6 +2,7 @@
    torch ops in jobrunner.quant.primitives). Built by jobrunner.quant.native.build_library, called through ctypes. */
 #include <stdint.h>
 #include <math.h>
+#include "jr_kernels.h"
 static inline float bf16_f32(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
 static inline uint16_t f32_bf16(float x) {
   union { float f; uint32_t u; } v = {x};

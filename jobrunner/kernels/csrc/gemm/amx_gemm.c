@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "jr_amx.h"
+#include "jr_kernels.h"
 
 #define ROW_BLOCK 256
 #ifndef PREFETCH
