@@ -45,7 +45,7 @@ from jobrunner.engine.speculative import make_speculator
 from jobrunner.engine.speculative.draft_model import DraftModel, prepare_draft
 from jobrunner.engine.stats import EngineStats
 from jobrunner.engine.stopping import check_stop, final_text
-from jobrunner.engine.vision import ImageEncoder, RequestImages, image_prompt
+from jobrunner.engine.vision import ImageEncoder, RequestImages, image_prompt, is_chat_prompt
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -257,8 +257,9 @@ class LLMEngine:
     def _tokenize_with_images(self, prompt: Prompt, chat_template_kwargs: dict[str, Any] | None
                               ) -> tuple[list[int], RequestImages | None]:
         """Token ids of a prompt and its images (a chat prompt with image parts, on a vision-language model:
-        transformers' processor expands each image into its tokens, engine/vision.py)."""
-        if prompt_images(prompt) and getattr(self.model, "is_vision_language", False):
+        transformers' processor expands each image into its tokens, engine/vision.py; its chat prompts without
+        images go through the processor's chat template too)."""
+        if getattr(self.model, "is_vision_language", False) and is_chat_prompt(prompt):
             return image_prompt(self.model, prompt, self.chat_template, chat_template_kwargs)
         return self.tokenize(prompt, chat_template_kwargs), None
 
@@ -314,7 +315,7 @@ class LLMEngine:
         """
         if isinstance(prompt, str):
             return text_or_chat_token_ids(self.tokenizer, prompt)
-        if prompt_images(prompt) and getattr(self.model, "is_vision_language", False):
+        if getattr(self.model, "is_vision_language", False) and is_chat_prompt(prompt):
             return image_prompt(self.model, prompt, self.chat_template, chat_template_kwargs)[0]
         items = list(prompt)
         if items and isinstance(items[0], dict):

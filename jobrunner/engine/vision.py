@@ -74,15 +74,24 @@ class RequestImages:
             image.vectors = None
 
 
+def is_chat_prompt(prompt: Any) -> bool:
+    """Whether ``prompt`` is a list of chat messages (not text, not token ids)."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and \
+        isinstance(prompt[0], dict)
+
+
 def image_prompt(model: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], RequestImages]:
-    """Token ids (image tokens expanded) and images of a chat prompt with image parts, through ``model.processor``.
+                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], RequestImages | None]:
+    """Token ids (image tokens expanded) and images (None without any) of a chat prompt, through
+    ``model.processor`` (its chat template: a vision-language model's tokenizer may have none of its own).
 
     Raises ``ValueError`` when the processor's tiles and tokens do not match the model's image size."""
     processor = model.processor
     images = prompt_images(messages)
     text = processor.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True,
                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+    if not images:
+        return processor(text=[text], return_tensors="pt")["input_ids"][0].tolist(), None
     encoded = processor(text=[text], images=[[image.pixels for image in images]], return_tensors="pt")
     token_ids = encoded["input_ids"][0].tolist()
     pixels = encoded["pixel_values"][0]
