@@ -10,6 +10,7 @@ string (the parts joined with newlines), as before images existed.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pyarrow as pa
@@ -49,12 +50,17 @@ def _part(part: Any, where: str) -> dict[str, Any]:
 
 def column_refs(value: Any, column: str) -> list[ImageRef]:
     """The images of an image column's cell: bytes, a URL / path string, Hugging Face's ``{bytes, path}``
-    struct, or a list of those; null or an empty list is none (ValueError names the column and the entry).
-    The cell may be an Arrow scalar (the worker's rows: see :func:`arrow_cells`): image bytes then stay in
-    the Arrow buffer (a memoryview) until the image is fetched."""
+    struct, or a list of those (also as a JSON array string); null or an empty list is none (ValueError names
+    the column and the entry). The cell may be an Arrow scalar (the worker's rows: see :func:`arrow_cells`):
+    image bytes then stay in the Arrow buffer (a memoryview) until the image is fetched."""
     if isinstance(value, pa.Scalar):
         value = (list(value.values) if isinstance(value, pa.ListScalar | pa.LargeListScalar) else value) \
             if value.is_valid else None
+    if isinstance(value, str) and value.lstrip().startswith("["):  # a JSON array of URLs / paths (a CSV cell)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"image_column {column!r}: a value starting with '[' is not a JSON array") from None
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]

@@ -173,6 +173,9 @@ def test_image_column_values_and_their_place_in_the_prompt():
     assert [r.value for r in refs] == [b"\x89PNG", "a.png", "s3://b/c.png"]
     assert [r.where for r in refs] == ["image_column 'img'[0]", "image_column 'img'[1]", "image_column 'img'[2]"]
     assert refs[0].source == "<4 bytes>" and repr(refs[0]) == "ImageRef('<4 bytes>')"
+    assert [r.value for r in column_refs('["a.png", "s3://b/c.png"]', "img")] == ["a.png", "s3://b/c.png"]
+    with pytest.raises(ValueError, match="not a JSON array"):
+        column_refs("[a.png", "img")
     with pytest.raises(ValueError, match=r"image_column 'img'\[1\]: int is not an image"):
         column_refs(["a.png", 3], "img")
     one = column_refs("x.png", "img")
