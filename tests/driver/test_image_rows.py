@@ -186,3 +186,30 @@ def test_messages_output_names_each_image_as_text(tmp_path):
     assert row["messages"] == [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "[image: images/a.png]\nWhat colour?"},
                                {"role": "assistant", "content": "tok0 tok1"}]
+
+
+def test_our_text_only_engine_refuses_image_rows_and_runs_the_rest(tmp_path, tiny_llama_hf_dir):
+    from jobrunner.driver.engine_factory import build_engine
+
+    _images(tmp_path)
+    table = pa.table({"id": ["img", "txt"], "prompt": ["Describe.", "The quick brown fox"],
+                      "img": [["images/a.png"], None]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    spec = spec_from_dict({"name": "t", "model": {"source": str(tiny_llama_hf_dir), "dtype": "float32"},
+                           "input": {"url": str(tmp_path / "in.parquet"), "id_column": "id",
+                                     "prompt_column": "prompt", "image_column": "img"},
+                           "sampling": {"max_tokens": 3}, "engine": {"max_num_seqs": 2, "max_model_len": 128},
+                           "output": {"url": str(tmp_path / "out")}})
+    engine = build_engine(spec)
+    runner = ShardRunner(engine, spec, "w0", 0.0, {"device": "cpu"})
+    try:
+        result = runner.run_shard(plan_shards(plan_job(spec).files, 1000)[0])
+    finally:
+        runner.stop()
+    rows = {r["id"]: r for r in read_part(Storage(spec.output.url), result.part).to_pylist()}
+    assert result.rows == 2 and result.num_errors == 1
+    assert rows["img"]["finish_reason"] == "error"
+    assert "is a text-only model and takes no images" in rows["img"]["error"]
+    assert rows["img"]["num_images"] == 1
+    assert rows["txt"]["error"] is None and rows["txt"]["num_output_tokens"] == 3
+    assert rows["txt"]["num_images"] == 0 and rows["txt"]["num_image_tokens"] == 0
