@@ -3,14 +3,17 @@
 **At add_request** (:func:`image_prompt`): the prompt's images (``engine/images.py``: ``ImageInput`` parts) go
 through transformers' own processor of the model: its chat template renders the messages with an image marker
 per image part, and the processor resizes and splits each image into tiles and expands each marker into the
-image's tokens, so the token layout is exactly transformers'. Each image keeps its tiles (CPU float tensors),
-its digest and the prompt positions of its ``<image>`` tokens (:class:`PromptImage`).
+image's tokens, so the token layout is exactly transformers'. Each image keeps its decoded picture, its tile
+count, its digest and the prompt positions of its ``<image>`` tokens (:class:`PromptImage`); its tiles are not
+kept (float tiles of a large picture weigh tens of MB, and a worker holds up to twice max_num_seqs requests):
+the image processor makes them again, alone for that image (the same tensors as in the prompt's call), when the
+image is encoded.
 
 **Per step** (:class:`ImageEncoder`, owned by the model runner): for every scheduled row whose new tokens
 include image tokens, the image is encoded once (vision tower + connector, all its tiles in one call) and its
 vectors are kept on the request until the step that computes its last image token; a prompt chunk takes the
 slice of vectors its positions cover (chunked prefill), and the vectors replace those rows' token embeddings
-in the forward (``model.image_step``). A preempted request drops its vectors (its pixels stay): if its KV is
+in the forward (``model.image_step``). A preempted request drops its vectors (its picture stays): if its KV is
 recomputed the image is encoded again, unless a prefix-cache hit covers the image tokens, then never.
 
 **Prefix caching**: a KV block that holds image tokens is keyed by its tokens *and* the digest of each image
@@ -33,14 +36,16 @@ from jobrunner.engine.images import ImageInput, prompt_images
 
 @dataclass
 class PromptImage:
-    """One image of a request: its tiles, and where its ``<image>`` tokens are in the prompt."""
+    """One image of a request: the picture, its tile count, and where its ``<image>`` tokens are in the prompt."""
 
-    digest: str
-    source: str
-    pixels: torch.Tensor = field(repr=False)             # [tiles, C, H, W] as the processor made them
-    pixel_mask: torch.Tensor | None = field(repr=False)  # [tiles, H, W] (1: a real pixel), or None
+    image: ImageInput = field(repr=False)
+    num_tiles: int
     positions: list[int] = field(repr=False)             # prompt positions of its <image> tokens, ascending
     vectors: torch.Tensor | None = field(default=None, repr=False)  # [len(positions), hidden] until prefilled
+
+    @property
+    def digest(self) -> str:
+        return self.image.digest
 
     @property
     def first(self) -> int:
@@ -94,21 +99,19 @@ def image_prompt(model: Any, messages: Sequence[dict[str, Any]], chat_template: 
         return processor(text=[text], return_tensors="pt")["input_ids"][0].tolist(), None
     encoded = processor(text=[text], images=[[image.pixels for image in images]], return_tensors="pt")
     token_ids = encoded["input_ids"][0].tolist()
-    pixels = encoded["pixel_values"][0]
-    mask = encoded.get("pixel_attention_mask")
-    mask = None if mask is None else mask[0]
+    num_tiles = len(encoded["pixel_values"][0])
+    del encoded  # the tiles are made again when the image is encoded (see the module docstring)
     tiles = [_num_tiles(processor, image) for image in images]
     positions = [i for i, t in enumerate(token_ids) if t == model.image_token_id]
-    if sum(tiles) != len(pixels) or len(positions) != sum(tiles) * model.image_seq_len:
-        raise ValueError(f"the image processor made {len(pixels)} tiles and {len(positions)} image tokens for "
+    if sum(tiles) != num_tiles or len(positions) != sum(tiles) * model.image_seq_len:
+        raise ValueError(f"the image processor made {num_tiles} tiles and {len(positions)} image tokens for "
                          f"{len(images)} image(s) ({model.image_seq_len} tokens per tile expected): its config "
                          "does not match the model's")
-    out, tile, token = [], 0, 0
+    out, token = [], 0
     for image, n in zip(images, tiles):
         num_tokens = n * model.image_seq_len
-        out.append(PromptImage(image.digest, image.source, pixels[tile:tile + n],
-                               None if mask is None else mask[tile:tile + n], positions[token:token + num_tokens]))
-        tile, token = tile + n, token + num_tokens
+        out.append(PromptImage(image, n, positions[token:token + num_tokens]))
+        token += num_tokens
     return token_ids, RequestImages(out)
 
 
@@ -133,8 +136,8 @@ def _num_tiles(processor: Any, image: ImageInput) -> int:
 class ImageEncoder:
     """Runs the model's vision encoder for the image tokens of a step (see the module docstring).
 
-    Counters: ``seconds`` in the encoder, ``num_images`` encoded (an image encoded twice, after a preemption,
-    counts twice), ``num_tiles``; ``stats`` (an ``EngineStats``, set by the engine) gets the same numbers."""
+    Counters: ``seconds`` making tiles and encoding them, ``num_images`` encoded (an image encoded twice, after a
+    preemption, counts twice), ``num_tiles``; ``stats`` (an ``EngineStats``, set by the engine) gets the same."""
 
     def __init__(self, model: Any, stats: Any = None) -> None:
         self.model = model
@@ -166,13 +169,17 @@ class ImageEncoder:
         return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(parts)
 
     def encode(self, image: PromptImage) -> torch.Tensor:
-        """The image's vectors (all its tiles in one encoder call), timed and counted."""
+        """The image's vectors: its tiles made by the image processor, all encoded in one call; timed, counted."""
         t0 = time.perf_counter()
-        vectors = self.model.encode_images(image.pixels, image.pixel_mask)
+        tiles = self.model.processor.image_processor(images=[[image.image.pixels]], return_tensors="pt")
+        pixels, mask = tiles["pixel_values"][0], tiles.get("pixel_attention_mask")
+        if len(pixels) != image.num_tiles:
+            raise RuntimeError(f"image {image.image.source}: {len(pixels)} tiles now, {image.num_tiles} in its prompt")
+        vectors = self.model.encode_images(pixels, None if mask is None else mask[0])
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         self.num_images += 1
-        self.num_tiles += len(image.pixels)
+        self.num_tiles += image.num_tiles
         if self.stats is not None:
             self.stats.vision_encoder_s += seconds
             self.stats.num_images_encoded += 1

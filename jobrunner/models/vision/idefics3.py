@@ -75,6 +75,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                              "models yet (run it with tensor_parallel_size 1)")
         text_config = copy.deepcopy(config.text_config)
         text_config.architectures = ["LlamaForCausalLM"]
+        # the composite model's own flag ties lm_head to the decoder's embeddings (as transformers reads it)
+        text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if getattr(text_config, "model_type", "llama") not in ("llama",):
             raise ValueError(f"{config.architectures[0]}: text_config.model_type {text_config.model_type!r} is not "
                              "supported (a Llama decoder, as SmolVLM's)")
