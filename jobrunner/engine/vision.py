@@ -10,7 +10,8 @@ the image processor makes them again, alone for that image (the same tensors as 
 image is encoded.
 
 **Per step** (:class:`ImageEncoder`, owned by the model runner): for every scheduled row whose new tokens
-include image tokens, the image is encoded once (vision tower + connector, all its tiles in one call) and its
+include image tokens, the image is encoded once (vision tower + connector; the tiles of all the step's new
+images in one call) and its
 vectors are kept on the request until the step that computes its last image token; a prompt chunk takes the
 slice of vectors its positions cover (chunked prefill), and the vectors replace those rows' token embeddings
 in the forward (``model.image_step``). A preempted request drops its vectors (its picture stays): if its KV is
@@ -148,42 +149,57 @@ class ImageEncoder:
 
     def step_rows(self, scheduled: Sequence[Any], query_starts: Sequence[int], device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The flat rows of this step that hold image tokens and their vectors ``[rows, hidden]``, or None."""
-        rows: list[int] = []
-        parts: list[torch.Tensor] = []
+        """The flat rows of this step that hold image tokens and their vectors ``[rows, hidden]``, or None. The
+        step's images without vectors are encoded first, together (:meth:`encode`)."""
+        found = []  # (flat offset of the row, its first new position, its end, the image)
         for s, offset in zip(scheduled, query_starts):
             images = s.request.images
             if images is None:
                 continue
             start, end = s.start, s.start + s.num_new_tokens
-            for image in images.images:
-                if image.first >= end or image.last < start:
-                    continue
-                vectors = image.vectors if image.vectors is not None else self.encode(image)
-                a, b = bisect.bisect_left(image.positions, start), bisect.bisect_left(image.positions, end)
-                rows += [offset + p - start for p in image.positions[a:b]]
-                parts.append(vectors[a:b])
-                image.vectors = None if image.last < end else vectors  # prefilled with this step: let it go
-        if not rows:
+            found += [(offset, start, end, image) for image in images.images
+                      if image.first < end and image.last >= start]
+        if not found:
             return None
+        missing = {id(image): image for *_, image in found if image.vectors is None}
+        if missing:
+            self.encode(list(missing.values()))
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for offset, start, end, image in found:
+            a, b = bisect.bisect_left(image.positions, start), bisect.bisect_left(image.positions, end)
+            rows += [offset + p - start for p in image.positions[a:b]]
+            parts.append(image.vectors[a:b])
+        for *_, end, image in found:
+            if image.last < end:  # prefilled with this step: let its vectors go
+                image.vectors = None
         return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(parts)
 
-    def encode(self, image: PromptImage) -> torch.Tensor:
-        """The image's vectors: its tiles made by the image processor, all encoded in one call; timed, counted."""
+    def encode(self, images: list[PromptImage]) -> None:
+        """Set each image's vectors: its tiles made by the image processor, the tiles of all of them encoded in
+        one call (per tile size, should sizes differ); timed and counted."""
         t0 = time.perf_counter()
-        tiles = self.model.processor.image_processor(images=[[image.image.pixels]], return_tensors="pt")
-        pixels, mask = tiles["pixel_values"][0], tiles.get("pixel_attention_mask")
-        if len(pixels) != image.num_tiles:
-            raise RuntimeError(f"image {image.image.source}: {len(pixels)} tiles now, {image.num_tiles} in its prompt")
-        vectors = self.model.encode_images(pixels, None if mask is None else mask[0])
+        by_size: dict[tuple[int, ...], list[tuple[PromptImage, torch.Tensor, torch.Tensor | None]]] = {}
+        for image in images:
+            tiles = self.model.processor.image_processor(images=[[image.image.pixels]], return_tensors="pt")
+            pixels, mask = tiles["pixel_values"][0], tiles.get("pixel_attention_mask")
+            if len(pixels) != image.num_tiles:
+                raise RuntimeError(f"image {image.image.source}: {len(pixels)} tiles now, {image.num_tiles} in its "
+                                   "prompt")
+            by_size.setdefault(tuple(pixels.shape[1:]), []).append((image, pixels, None if mask is None else mask[0]))
+        for group in by_size.values():
+            masks = [m for _, _, m in group]
+            mask = None if any(m is None for m in masks) else torch.cat(masks)
+            vectors = self.model.encode_images(torch.cat([p for _, p, _ in group]), mask)
+            for (image, _, _), part in zip(group, vectors.split([len(im.positions) for im, _, _ in group])):
+                image.vectors = part
         seconds = time.perf_counter() - t0
         self.seconds += seconds
-        self.num_images += 1
-        self.num_tiles += image.num_tiles
+        self.num_images += len(images)
+        self.num_tiles += sum(image.num_tiles for image in images)
         if self.stats is not None:
             self.stats.vision_encoder_s += seconds
-            self.stats.num_images_encoded += 1
-        return vectors
+            self.stats.num_images_encoded += len(images)
 
     @staticmethod
     def drop(requests: Sequence[Any]) -> None:
