@@ -193,7 +193,9 @@ class ShardRunner:
                                                           limit, where)
         requests = self._requests(shard, table)
         state.prints = image_prints(self.spec)
-        state.images = image_context(self.spec, shard.file_url, state.prints)
+        # None for a shard without an image row: its rows are added with no image bookkeeping at all
+        state.images = image_context(self.spec, shard.file_url, state.prints) \
+            if any(r.num_images for r in requests) else None
         for req in requests if error_text is not None else ():
             req.error = req.error or error_text
         state.to_add = deque(admission_order(self.spec, [r for r in requests if r.error is None])
@@ -401,15 +403,16 @@ class ShardRunner:
         engine now (its images are there, or the engine holds nothing else to step on)."""
         if state.images is None:
             return True
-        for req in islice(state.to_add, PREFETCH_ROWS):
-            self._images.prefetch(_request_id(state, req), req.prompt, req.row_id, state.images)
         head = state.to_add[0]
+        for req in islice(state.to_add, PREFETCH_ROWS):
+            if req.num_images:
+                self._images.prefetch(_request_id(state, req), req.prompt, req.row_id, state.images)
         return not self._by_request or self._images.is_ready(_request_id(state, head), head.prompt)
 
     def _add(self, state: _ShardState, req: RowRequest) -> None:
         request_id = _request_id(state, req)
         try:
-            prompt = req.prompt if state.images is None else \
+            prompt = req.prompt if state.images is None or not req.num_images else \
                 self._images.take(request_id, req.prompt, req.row_id, state.images)
         except Exception as exc:  # noqa: BLE001 - a bad image is its row's error (io/images.py names row and image)
             self._reject(state, request_id, req, str(exc) if isinstance(exc, ValueError) else
