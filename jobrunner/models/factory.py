@@ -130,6 +130,7 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
     found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # pre-quantized, or None
     quantization = resolve_scheme(quantization, found)  # the checkpoint's own; a conflicting spec refused
+    check_vision_quantization(arch, quantization)
     tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.is_parallel else None
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False,
                         tensor_parallel=tp)
@@ -166,7 +167,7 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     info.update(head_info(config, model_dir, model))
     tokenizer = load_tokenizer(model_dir)
     if getattr(model, "is_vision_language", False):  # images in prompts: transformers' processor (models/vision)
-        tokenizer = attach_processor(model, model_dir, quantization)
+        tokenizer = attach_processor(model, model_dir)
     eos_ids = eos_token_ids(model_dir, tokenizer)
     clock.mark("tokenizer")
     info["load_stages_s"] = clock.stages  # LLMEngine.from_source adds its own (adapters, engine)
@@ -224,15 +225,21 @@ def head_info(config, model_dir: Path, model: torch.nn.Module) -> dict[str, Any]
     return info
 
 
-def attach_processor(model: torch.nn.Module, model_dir: Path, quantization: str):
-    """Load the model's image + text processor onto it (``model.processor``); its tokenizer is the engine's.
-    Quantization is refused (the vision tower's linears are not quantized or packed yet)."""
+def check_vision_quantization(arch: str, quantization: str) -> None:
+    """A vision-language model loads unquantized only (its vision tower's linears are neither quantized nor
+    packed yet): refused before any weight is read."""
+    from jobrunner.models.vision.idefics3 import VISION_ARCHITECTURES
+
+    if arch in VISION_ARCHITECTURES and quantization != "none":
+        raise ValueError(f"{arch}: quantization {quantization!r} is not supported for vision-language models yet "
+                         "(use quantization: none)")
+
+
+def attach_processor(model: torch.nn.Module, model_dir: Path):
+    """Load the model's image + text processor onto it (``model.processor``); its tokenizer is the engine's."""
     from transformers import AutoProcessor
 
     arch = model.shape.architecture
-    if quantization != "none":
-        raise ValueError(f"{arch}: quantization {quantization!r} is not supported for vision-language models yet "
-                         "(use quantization: none)")
     try:
         model.processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=False)
     except (OSError, ValueError) as exc:

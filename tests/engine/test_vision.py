@@ -155,6 +155,9 @@ def test_image_requests_refused_cleanly(tiny_smolvlm_dir, tiny_llama_hf_dir):
     assert out.finish_reason == "error" and "prompt_logprobs with images" in out.error
     text = _run(engine, {"z": [{"role": "user", "content": "Hello"}]})["z"]  # text rows still run on a VLM
     assert text.error is None and text.metrics.num_images == 0 and len(text.output_token_ids) == MAX_TOKENS
+    with pytest.raises(ValueError, match="quantization 'int8' is not supported for vision-language models"):
+        LLMEngine.from_source(str(tiny_smolvlm_dir), dtype="float32", quantization="int8",
+                              config=EngineConfig(device="cpu", num_kv_blocks=32))
 
 
 def test_profile_reports_the_vision_encoder(tiny_smolvlm_dir):
