@@ -49,16 +49,19 @@ $(VLLM_VENV)/.installed:
 
 # Two test processes (pytest-xdist), each file's tests in one of them: the driver tests mostly wait on Ray and
 # subprocesses, so two overlap on two cores; each process runs torch on one thread (tests/conftest.py).
+# JOBRUNNER_TESTS_STRICT=1: every component installed above (moto, Chromium as root, vLLM's venv, the models,
+# gguf, triton) that is missing FAILS its tests instead of skipping them, CI or not (tests/components.py).
+TESTS_STRICT := JOBRUNNER_TESTS_STRICT=1
 test: venv browser models vllm
 	$(BIN)/ruff check jobrunner tests
-	$(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
+	$(TESTS_STRICT) $(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
 
 # The long checks kept out of the 15-minute suite (pyproject.toml: the `heavy` marker): real models, vLLM's OpenAI
 # server behind the fault proxy, tensor-parallel groups and their faults (not timed as a whole: each ran on its own
 # during the work). Needs vllm: the endpoint tests start `vllm serve` from .venv-vllm.
 test-heavy: venv models vllm
 	$(BIN)/jobrunner fetch gemma3-270m
-	$(BIN)/python -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m heavy
+	$(TESTS_STRICT) $(BIN)/python -m pytest -q -rs --durations=10 -n 2 --dist loadfile -m heavy
 
 lint: venv
 	$(BIN)/ruff check jobrunner tests

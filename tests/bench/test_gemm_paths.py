@@ -12,12 +12,11 @@ from click.testing import CliRunner
 from jobrunner.cli import main
 from jobrunner.models.onednn_linear import onednn_bf16_supported
 from jobrunner.models.packed_linear import packed_library
-from tests.components import missing_component
+from tests.components import require_library
 
 
 def test_gemm_paths_times_every_path_per_shape_and_row_count():
-    if isinstance(packed_library(), str):
-        missing_component(packed_library())
+    require_library(packed_library())
     result = CliRunner().invoke(main, ["bench", "--gemm-paths", "--batch-sizes", "1,7", "--json"])
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()

@@ -21,7 +21,7 @@ from jobrunner.attention import StepLayout, StepUpload, cpu_paged, make_backend
 from jobrunner.attention.cpu_paged import NATIVE_ENV, SOURCE, _library, native_library
 from jobrunner.attention.torch_backend import TORCH_BACKEND
 from jobrunner.kernels import CAPABILITY_ENV, build_library
-from tests.components import missing_component
+from tests.components import native_build_failed, require_library
 
 CPU = torch.device("cpu")
 HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
@@ -42,9 +42,7 @@ def capability(request, monkeypatch):
         if request.param == "avx2" and not HAS_AVX2:
             pytest.skip("this CPU has no AVX2: the forced avx2 build cannot run here")
         monkeypatch.setenv(CAPABILITY_ENV, request.param)
-    lib = native_library()
-    if isinstance(lib, str):
-        missing_component(lib)
+    require_library(native_library())  # this CPU runs every build asked for here: a failed one fails
     return request.param
 
 
@@ -212,7 +210,7 @@ def test_avx512_build_compiles(monkeypatch):
     try:
         path = build_library("paged_attention", source=SOURCE)
     except OSError as exc:
-        missing_component(f"no C compiler for the avx512 build ({exc})")
+        native_build_failed(f"no C compiler for the avx512 build ({exc})")
     assert path.stat().st_size > 0
 
 

@@ -10,7 +10,7 @@ from tiny import CORPUS, engine_from_hf
 
 from jobrunner.attention.cpu_paged import native_library
 from jobrunner.engine import EngineConfig, SamplingParams
-from tests.components import missing_component
+from tests.components import require_library
 from tests.prompt_sets import gsm8k_prompts
 
 LOGPROB_TOLERANCE = 1e-4
@@ -18,9 +18,7 @@ LOGPROB_TOLERANCE = 1e-4
 
 @pytest.fixture(autouse=True)
 def _native():
-    lib = native_library()
-    if isinstance(lib, str):
-        missing_component(lib)
+    require_library(native_library())  # a failed build fails (tests/components.py)
 
 
 def _compare(torch_out: dict, native_out: dict) -> float:

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from jobrunner.attention.cpu_paged import native_library
 from jobrunner.engine import SamplingParams
 from jobrunner.models.gemma import gemma_shape
-from tests.components import missing_component
+from tests.components import require_library
 
 WINDOW = 8
 LOGPROB_TOLERANCE = 1e-4
@@ -58,8 +58,8 @@ def hf_gemma(request):
 
 @pytest.fixture(params=["torch", "cpu_paged"])
 def backend(request):
-    if request.param == "cpu_paged" and isinstance(native_library(), str):
-        missing_component(native_library())
+    if request.param == "cpu_paged":
+        require_library(native_library())
     return request.param
 
 
@@ -135,8 +135,7 @@ def test_the_window_and_the_soft_caps_change_the_result(arch, tokenizer):
 
 
 def test_gemma2_is_routed_to_torch_and_gemma3_keeps_cpu_paged(tokenizer, caplog):
-    if isinstance(native_library(), str):
-        missing_component(native_library())
+    require_library(native_library())
     with caplog.at_level(logging.WARNING):
         engine = engine_from_hf(make_gemma("gemma2"), tokenizer, attention_backend="cpu_paged")
     assert engine.runner.backend.name == "torch"

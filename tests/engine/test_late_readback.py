@@ -13,6 +13,7 @@ from jobrunner.attention.input_patch import patch_input_ids
 from jobrunner.engine import EngineConfig, SamplingParams
 from jobrunner.engine.readback import can_read_late, late_readback_on
 from jobrunner.engine.request import PENDING_TOKEN, Request
+from tests.components import require_import
 
 SHARED = "The quick brown fox jumps over the lazy dog. " * 2          # prefix-cache hits across rows
 PROMPTS = [SHARED + "Then what?", CORPUS[1], "Hi", SHARED + "And after that", CORPUS[3][:40], CORPUS[4],
@@ -186,7 +187,7 @@ def test_a_placeholder_without_its_step_is_refused(hf_llama, tokenizer):
 def test_grammar_rows_are_read_at_once(hf_llama, tokenizer):
     """Structured output needs each token on the host before the next mask: while a grammar row runs, its steps
     are read at once; plain rows before and after it run late; every row's tokens as the synchronous path's."""
-    pytest.importorskip("xgrammar")
+    require_import("xgrammar", "the [test] extra: structured output's grammar matcher")
     settings = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=1.0, seed=5, choice=["red fox", "blue dog", "green"]),

@@ -1,6 +1,6 @@
 """Decode steps' layers in one native call (models/layer_loop.py): the Python path's bits, which steps and models
-take it, and its timers under the profiler. The loop itself runs on CPUs with AMX only (skipped elsewhere);
-the model checks run everywhere."""
+take it, and its timers under the profiler. The loop itself runs on CPUs with AMX only (skipped where the CPU
+has none; where it has, a kernel that does not build fails); the model checks run everywhere."""
 
 from __future__ import annotations
 
@@ -15,9 +15,20 @@ from jobrunner.engine.profile import StepProfiler
 from jobrunner.models import layer_loop
 from jobrunner.models.loader import build_model, load_weights
 from jobrunner.models.onednn_linear import reorder_bf16_linears
+from tests.components import require_cpu, require_library
 
-REASON = amx_prefill.amx_unavailable_reason(64)
-needs_amx = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+@pytest.fixture
+def amx_kernels() -> None:
+    """Skip where the CPU has no AMX; where it has, the loop's kernels must build (tests/components.py)."""
+    from jobrunner.models import amx_linear, fused_ops
+
+    require_cpu("amx")
+    for lib in (amx_prefill._library(), amx_linear._library(), fused_ops.fused_library(), layer_loop._library()):
+        require_library(lib)
+
+
+needs_amx = pytest.mark.usefixtures("amx_kernels")
 SHAPE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
 

@@ -17,7 +17,7 @@ from jobrunner.engine.llm_engine import LLMEngine
 from jobrunner.engine.sampling import argmax
 from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models.loader import build_model, load_weights
-from tests.components import missing_component
+from tests.components import require_library
 
 HAS_AVX2 = " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
 NAN, INF = float("nan"), float("inf")
@@ -29,9 +29,7 @@ def capability(request, monkeypatch):
         if request.param == "avx2" and not HAS_AVX2:
             pytest.skip("this CPU has no AVX2")
         monkeypatch.setenv(CAPABILITY_ENV, request.param)
-    lib = argmax.argmax_library()
-    if isinstance(lib, str):
-        missing_component(lib)
+    require_library(argmax.argmax_library())
     return request.param
 
 
@@ -160,8 +158,7 @@ def test_plain_greedy_names_every_step_that_reads_float_logits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sampler_fast_path_gives_the_float32_tokens(monkeypatch, dtype):
-    if isinstance(argmax.argmax_library(), str):
-        missing_component(argmax.argmax_library())
+    require_library(argmax.argmax_library())
     calls = _count_native(monkeypatch)
     x = _specials(40, 1031, dtype, 7)
     requests = [_Request(SamplingParams(temperature=0.0, max_tokens=8)) for _ in range(40)]
@@ -206,8 +203,7 @@ def _engine(hf_model, tokenizer, dtype: torch.dtype, **config) -> LLMEngine:
                          ids=["plain", "ngram", "deterministic"])
 def test_engine_greedy_outputs_identical_with_the_fast_path_on_and_off(monkeypatch, hf_llama, tokenizer, dtype,
                                                                        config):
-    if isinstance(argmax.argmax_library(), str):
-        missing_component(argmax.argmax_library())
+    require_library(argmax.argmax_library())
     prompts = CORPUS[:12]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     mixed = [greedy, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, min_tokens=4),

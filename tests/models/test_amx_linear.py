@@ -12,18 +12,30 @@ import torch.nn.functional as F
 from jobrunner.kernels import CAPABILITY_ENV, detect_cpu_capability
 from jobrunner.models import amx_linear as amx
 from jobrunner.models.onednn_linear import OneDnnLinear, onednn_bf16_supported, reorder_bf16_linears
+from tests.components import cpu_lacks, require_library
 
 
 def _amx_reason() -> str | None:
+    """Why this machine cannot run the kernel: its CPU (not a forced capability) has no AMX, or torch has no oneDNN
+    bf16 here. Where it can, a kernel that does not build fails (the ``amx_kernel`` fixture)."""
     capability, _ = detect_cpu_capability()
-    if capability != "amx" or not onednn_bf16_supported():
-        return f"needs a CPU with AMX (capability {capability})"
-    lib = amx._library()
-    return lib if isinstance(lib, str) else None
+    lacking = cpu_lacks("amx")
+    if lacking or capability != "amx" or not onednn_bf16_supported():
+        return lacking or f"needs a CPU with AMX and oneDNN bf16 (capability {capability})"
+    return None
 
 
 AMX_REASON = _amx_reason()  # this machine's, before any test forces a capability
-needs_amx = pytest.mark.skipif(AMX_REASON is not None, reason=str(AMX_REASON))
+
+
+@pytest.fixture
+def amx_kernel() -> None:
+    if AMX_REASON is not None:
+        pytest.skip(AMX_REASON)
+    require_library(amx._library())
+
+
+needs_amx = pytest.mark.usefixtures("amx_kernel")
 
 
 def _bound(x, w, b, exact):

@@ -13,7 +13,7 @@ from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models import fused_ops
 from jobrunner.models.llama import RMSNorm
 from jobrunner.models.rope import apply_rotary
-from tests.components import missing_component
+from tests.components import require_library
 
 HAS_AVX2 = " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
 
@@ -24,9 +24,7 @@ def capability(request, monkeypatch):
         if request.param == "avx2" and not HAS_AVX2:
             pytest.skip("this CPU has no AVX2")
         monkeypatch.setenv(CAPABILITY_ENV, request.param)
-    lib = fused_ops.fused_library()
-    if isinstance(lib, str):
-        missing_component(lib)
+    require_library(fused_ops.fused_library())
     return request.param
 
 
