@@ -6,7 +6,8 @@ is not: a GEMM or a row reduction may take another kernel, blocking or vector/sc
 rows in the step changes, and attention's reduction order follows the step's grouping and chunking; in
 bfloat16 that flips sampled tokens (issue 18: 5 of 12 seeded rows changed with ``max_num_seqs`` 64 -> 2).
 
-What :func:`make_deterministic` changes on an engine:
+What deterministic mode changes, chosen when the engine's :class:`~jobrunner.engine.model_runner.ModelRunner` is
+built (:func:`make_deterministic`):
 
 * **Row-wise layers in fixed row tiles** (:class:`RowTiled`): every linear (``qkv``, ``o``, the LM head;
   quantized ones too), every RMSNorm and the whole MLP (gate/up, SiLU, down) run on exactly ``ROW_TILE`` rows
@@ -96,30 +97,29 @@ def tile_rows(model: nn.Module, tile: int) -> int:
     return wrapped
 
 
-def make_deterministic(engine) -> None:
-    """Switch a freshly built :class:`~jobrunner.engine.llm_engine.LLMEngine` to batch-invariant execution."""
+def make_deterministic(model: nn.Module, backend, requested: str, device: torch.device):
+    """The attention backend a runner in deterministic mode runs (``backend``, set to its fixed order, or the
+    invariant torch twin, which runs eagerly), with ``model``'s row-wise layers tiled (in place).
+
+    ``requested``: the ``attention_backend`` asked for. Raises ``ValueError`` on CUDA without triton and
+    ``RuntimeError`` where this machine's kernels cannot give the invariant twin its fixed order."""
     from jobrunner.attention.invariant_ops import INVARIANT_BACKEND
 
-    runner = engine.runner
-    tile = ROW_TILE.get(engine.device.type, ROW_TILE["cuda"])
-    tile_rows(engine.model, tile)
-    if runner.backend.name == "triton":
-        runner.backend.fixed_tiles = True
-    elif runner.backend.name == "cpu_paged" and runner.requested_backend == "cpu_paged":
+    tile_rows(model, ROW_TILE.get(device.type, ROW_TILE["cuda"]))
+    if backend.name == "triton":
+        backend.fixed_tiles = True
+        return backend
+    if backend.name == "cpu_paged" and requested == "cpu_paged":
         # asked for by name: every row native (its fixed order ignores chunking and batch); `auto` keeps the
         # invariant torch twin below, as before cpu_paged was auto's choice on CPU
-        runner.backend.native_max_query = None
-        runner.backend.fast_min_query = 0  # the fast prompt-chunk kernel's order differs from a decode's
-    else:
-        if engine.device.type == "cuda":
-            raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "
-                             "GEMMs take cuBLAS kernels that change with the number of rows")
-        runner.use_backend(INVARIANT_BACKEND)  # eager: the decode graphs' SDPA call is not invariant
-    runner.deterministic = True
-    runner.sampler.invariant = True
-    engine.model_info["deterministic"] = True
-    if runner.backend.name == "invariant":
-        check_kernels(engine.model.dtype, engine.model.shape.head_dim, engine.device)
+        backend.native_max_query = None
+        backend.fast_min_query = 0  # the fast prompt-chunk kernel's order differs from a decode's
+        return backend
+    if device.type == "cuda":
+        raise ValueError("engine.deterministic on CUDA needs attention_backend=triton: the torch path's "
+                         "GEMMs take cuBLAS kernels that change with the number of rows")
+    check_kernels(model.dtype, model.shape.head_dim, device)
+    return INVARIANT_BACKEND
 
 
 def sampler_groups(requests, with_k: list[int], without_k: list[int]) -> list[tuple[list[int], bool]]:

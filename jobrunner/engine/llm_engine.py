@@ -95,12 +95,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_manager, make_long_rope_switch(model, self.max_model_len))
-        self.runner = ModelRunner(model, num_blocks, bs, self.device, self.config.seed, self._decode_graphs_mode(),
-                                  self.config.max_num_seqs, self.max_model_len,
-                                  attention_backend=self.config.attention_backend,
-                                  max_num_tokens=self.config.max_num_batched_tokens,
-                                  split_decode=self.config.split_decode,
-                                  kv_cache_dtype=self.config.kv_cache_dtype)
+        self.runner = ModelRunner(model, self.config, num_blocks, self.device, self.max_model_len,
+                                  self._decode_graphs_mode())  # deterministic mode chosen there too
         self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         if getattr(model, "is_vision_language", False):  # images in prompts (engine/vision.py)
             self.runner.images = ImageEncoder(model, self._stats)
@@ -115,9 +111,7 @@ class LLMEngine:
         self._grammars = None  # GrammarCompiler, built on the first structured request
         self._token_texts = TokenTexts(tokenizer)
         if self.config.deterministic:
-            from jobrunner.engine.invariant import make_deterministic
-
-            make_deterministic(self)
+            self.model_info["deterministic"] = True
         self.speculator = make_speculator(self._speculative_mode(), self.config.num_speculative_tokens,
                                           self.config.max_num_seqs, self.max_model_len, self.device.type,
                                           self, num_blocks)

@@ -25,6 +25,7 @@ from jobrunner.attention import (
     make_step_runner,
 )
 from jobrunner.attention.kv_quant import cache_dtype, kv_bytes_per_block, row_width
+from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.pooling import collect
 from jobrunner.engine.readback import DeviceTokens, LaunchedStep, StepResult
 from jobrunner.engine.request import PENDING_TOKEN
@@ -42,23 +43,28 @@ class ModelRunner:
     """Owns the model and the KV cache tensor ``[num_layers, 2, num_slots, kv_heads, head_dim]`` (of the model's
     dtype, or with ``kv_cache_dtype`` an fp8 format: rows ``head_dim + 4`` wide, :mod:`jobrunner.attention.kv_quant`).
 
-    ``attention_backend``: ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`;
-    ``auto`` is ``cpu_paged`` for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or
-    ``cpu_paged`` backend that cannot start, or fails on its first use, falls back to ``torch`` with one warning.
-    ``split_decode``: the triton backend's split-K decode mode, off | auto | on
-    (:mod:`jobrunner.attention.split_decode`).
-    ``decode_graphs``: ``"off"``; ``"cuda"`` (fixed-shape steps replay CUDA graphs); ``"static"`` (the same
-    fixed-shape path run eagerly, on any device: for tests). With either of the last two the cache holds one
-    scratch block past ``num_blocks``, and the backend's fixed-shape runner takes the steps it fits (torch:
-    decode-only steps; triton: every step up to ``max_num_tokens``; see :mod:`jobrunner.attention.step_runner`).
+    Built from the engine's config: ``block_size``, ``seed``, ``max_num_seqs``, ``max_num_batched_tokens`` (the
+    fixed-shape path's most tokens), ``kv_cache_dtype``, ``split_decode`` (the triton backend's split-K decode
+    mode: :mod:`jobrunner.attention.split_decode`), ``deterministic`` (the batch-invariant backend, row tiles and
+    sampler, chosen here: :func:`jobrunner.engine.invariant.make_deterministic`) and ``attention_backend``:
+    ``auto`` | ``torch`` | ``cpu_paged`` | ``triton`` (see :mod:`jobrunner.attention`; ``auto`` is ``cpu_paged``
+    for float32 / bf16 on CPU, else ``torch``: :meth:`_resolve`); a ``triton`` or ``cpu_paged`` backend that
+    cannot start, or fails on its first use, falls back to ``torch`` with one warning.
+    ``max_model_len``: the longest sequence (None: the config's cap, or the model's context).
+    ``decode_graphs`` (the engine's choice from the config, the device and the model): ``"off"``; ``"cuda"``
+    (fixed-shape steps replay CUDA graphs); ``"static"`` (the same fixed-shape path run eagerly, on any device:
+    for tests). With either of the last two the cache holds one scratch block past ``num_blocks``, and the
+    backend's fixed-shape runner takes the steps it fits (torch: decode-only steps; triton: every step up to
+    ``max_num_batched_tokens``; see :mod:`jobrunner.attention.step_runner`).
     """
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
-                 seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
-                 attention_backend: str = "auto", max_num_tokens: int = 2048, split_decode: str = "off",
-                 kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, device: torch.device,
+                 max_model_len: int | None = None, decode_graphs: str = "off") -> None:
         if decode_graphs not in ("off", "cuda", "static"):
             raise ValueError(f"decode_graphs must be off|cuda|static, got {decode_graphs!r}")
+        context = model.shape.max_position_embeddings
+        max_model_len = max_model_len or min(config.max_model_len or context, context)
+        attention_backend, block_size = config.attention_backend, config.block_size
         self.sliding_window = _effective_window(model.shape.sliding_window, max_model_len)
         self.layer_windows = _effective_layer_windows(model.shape.layer_windows, max_model_len)
         if self.layer_windows is not None and len(set(self.layer_windows)) == 1:  # every layer alike after all
@@ -80,7 +86,7 @@ class ModelRunner:
         self.block_size = block_size
         s = model.shape
         total_blocks = num_blocks + (decode_graphs != "off")
-        self.kv_cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
+        self.kv_cache_dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
         # zeros, not empty: padded keys are masked, but NaN garbage would still poison 0 * NaN
         width = row_width(s.head_dim, self.kv_cache_dtype)  # fp8: head_dim codes + a float32 scale (kv_quant)
         shape = (s.num_layers, 2, total_blocks * block_size, s.num_kv_heads, width)
@@ -88,18 +94,24 @@ class ModelRunner:
             self.kv_cache = empty_huge(*shape, dtype=self.kv_cache_dtype, kind="kv_cache").zero_()
         else:
             self.kv_cache = torch.zeros(*shape, dtype=self.kv_cache_dtype, device=device)
-        self.sampler = Sampler(device, seed)
+        self.deterministic = config.deterministic  # batch-invariant: its backend, and the invariant twin on fall-back
+        self.sampler = Sampler(device, config.seed, invariant=self.deterministic)
         self.num_attention_fallbacks = 0
         self.requested_backend = attention_backend
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.split_decode = split_decode  # the triton backend's split-K decode mode (attention/split_decode.py)
-        self.deterministic = False  # set by engine.invariant.make_deterministic: fall back to the invariant twin
+        self.max_num_seqs, self.max_model_len = config.max_num_seqs, max_model_len
+        self.split_decode = config.split_decode  # the triton backend's split-K decode mode (attention/split_decode.py)
         limits = None
         if decode_graphs != "off":
-            limits = FixedShapeLimits(block_size, max_num_seqs, max_num_tokens, max_model_len,
+            limits = FixedShapeLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                       scratch_block=num_blocks, capture=decode_graphs == "cuda")
         name = self._route_softcap(self._resolve(attention_backend, decode_graphs), attention_backend)
-        self.steps = make_step_runner(self._make_backend(name), model, self.kv_cache, limits)
+        backend = self._make_backend(name)
+        if self.deterministic:
+            from jobrunner.engine.invariant import make_deterministic
+
+            backend = make_deterministic(model, backend, attention_backend, device)
+            limits = None if backend.name == "invariant" else limits  # eager: the graphs' SDPA is not invariant
+        self.steps = make_step_runner(backend, model, self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
             self.steps.warm_up()   # every bucket captured now, before any (timed) step
 

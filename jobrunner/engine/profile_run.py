@@ -44,9 +44,7 @@ def profile_step(model: torch.nn.Module, config: EngineConfig, device: torch.dev
     cfg = dataclasses.replace(config, enable_prefix_caching=False, max_num_seqs=len(lengths),
                               num_kv_blocks=num_blocks, speculative="off")
     scheduler = Scheduler(cfg, KVCacheManager(num_blocks, bs, False))
-    runner = ModelRunner(model, num_blocks, bs, device, cfg.seed, "off", cfg.max_num_seqs, max_model_len,
-                         attention_backend=cfg.attention_backend, max_num_tokens=cfg.max_num_batched_tokens,
-                         kv_cache_dtype=cfg.kv_cache_dtype)
+    runner = ModelRunner(model, cfg, num_blocks, device, max_model_len)
     vocab = model.shape.vocab_size
     now = time.perf_counter()
     for i, n in enumerate(lengths):

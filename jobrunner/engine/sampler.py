@@ -60,10 +60,10 @@ def host_output(sample: DeviceSample, host: torch.Tensor, requests: list[Request
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, invariant: bool = False) -> None:
         self.device = device
         self.seed = seed
-        self.invariant = False  # deterministic mode: rows grouped by their own settings (see _groups)
+        self.invariant = invariant  # deterministic mode: rows grouped by their own settings (see _pick)
         self.penalty_state = DevicePenaltyState(device)   # penalties' token ids/counts, on the device per sequence
         self.grammar_masks = DeviceGrammarMasks(device)    # structured output's token masks, per sequence
 

@@ -87,8 +87,9 @@ def test_auto_is_cpu_paged_for_float32_and_bf16_on_cpu_and_torch_otherwise(hf_ll
     assert auto.runner.stats()["attention_backend"] == "cpu_paged"
     assert auto.runner.stats()["attention_fallbacks"] == 0
     assert engine_from_hf(hf_llama, tokenizer, static_decode=True).runner.backend.name == "torch"  # fixed shapes
-    assert ModelRunner(auto.model.to(torch.bfloat16), 8, 16, torch.device("cpu")).backend.name == "cpu_paged"
-    assert ModelRunner(auto.model.to(torch.float16), 8, 16, torch.device("cpu")).backend.name == "torch"
+    config = EngineConfig(block_size=16)
+    assert ModelRunner(auto.model.to(torch.bfloat16), config, 8, torch.device("cpu")).backend.name == "cpu_paged"
+    assert ModelRunner(auto.model.to(torch.float16), config, 8, torch.device("cpu")).backend.name == "torch"
     assert engine_from_hf(hf_llama, tokenizer, deterministic=True).runner.backend.name == "invariant"  # as before
     monkeypatch.setenv(NATIVE_ENV, "0")  # no native kernel here: torch, and nothing counted as a failure
     _library.cache_clear()

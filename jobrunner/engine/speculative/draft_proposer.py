@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.kv_cache.manager import KVCacheManager
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.sampling_params import SamplingParams
@@ -88,14 +89,11 @@ class DraftSeq:
 class DraftProposer:
     """Owns the draft's KV blocks and runner; proposes greedy drafts for a batch of requests."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device, *,
-                 seed: int = 0, decode_graphs: str = "off", max_num_seqs: int = 1, max_model_len: int = 1,
-                 attention_backend: str = "auto", max_num_tokens: int = 2048,
-                 enable_prefix_caching: bool = True) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, block_size, device, seed, decode_graphs, max_num_seqs,
-                                  max_model_len, attention_backend=attention_backend, max_num_tokens=max_num_tokens)
-        self.max_num_tokens = max_num_tokens
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, device: torch.device,
+                 max_model_len: int, decode_graphs: str = "off") -> None:
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, config, num_blocks, device, max_model_len, decode_graphs)
+        self.max_num_tokens = config.max_num_batched_tokens
         self.seqs: dict[tuple[str, int], DraftSeq] = {}
         self.step_times: list[tuple[int, float]] = []  # (tokens, seconds) of decode-like steps: the cost model
         self.num_steps = 0

@@ -19,6 +19,8 @@ benchmarks) drafts ``num_speculative_tokens`` for every decoding row.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jobrunner.engine.speculative import Speculator
 from jobrunner.engine.speculative.draft_model import DraftModel
 from jobrunner.engine.speculative.draft_proposer import DraftProposer
@@ -51,11 +53,10 @@ class DraftSpeculator(Speculator):
         """The speculator of ``engine`` (an LLMEngine whose ``draft`` is loaded), its draft KV ``num_blocks``."""
         cfg, draft = engine.config, engine.draft
         max_len = min(engine.max_model_len, draft.model.rotary.max_positions)
-        proposer = DraftProposer(draft.model, num_blocks, cfg.block_size, engine.device, seed=cfg.seed,
-                                 decode_graphs=engine._decode_graphs_mode(), max_num_seqs=cfg.max_num_seqs,
-                                 max_model_len=max_len, attention_backend=cfg.attention_backend,
-                                 max_num_tokens=cfg.max_num_batched_tokens,
-                                 enable_prefix_caching=cfg.enable_prefix_caching)
+        # the draft's cache in its own dtype, the plain split of decode work; its drafts need no batch invariance
+        draft_cfg = replace(cfg, kv_cache_dtype="auto", split_decode="off", deterministic=False)
+        proposer = DraftProposer(draft.model, draft_cfg, num_blocks, engine.device, max_len,
+                                 engine._decode_graphs_mode())
         engine.model_info["draft_kv_bytes"] = num_blocks * draft.kv_bytes_per_block(cfg.block_size)
         ratio = draft.weight_bytes / max(1, engine.model_info.get("weight_bytes") or draft.weight_bytes)
         return cls(draft, proposer, cfg.num_speculative_tokens, cfg.max_num_seqs, engine.max_model_len,
