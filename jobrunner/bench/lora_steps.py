@@ -76,7 +76,9 @@ def lora_step_times(source: str, *, dtype: str = "auto", device: str = "auto", n
         engine.add_request(f"r{i}", prompt, params)
     prefill = engine.scheduler.schedule()  # every row's whole prompt in one step
     prefill_ms = _alternating(engine, prefill, cases, repeats)
-    engine._update_from_output(prefill, engine.runner.execute(prefill), time.perf_counter())
+    result = engine.runner.execute(prefill)
+    prefill.advance()
+    engine.scheduler.update_from_output(prefill, result, time.perf_counter())
     decode_ms = _alternating(engine, engine.scheduler.schedule(), cases, repeats)
     results = {name: {"prefill_ms": prefill_ms[name], "decode_step_ms": decode_ms[name]} for name in cases}
     return {"model": source, "dtype": str(model.dtype).removeprefix("torch."), "device": str(engine.device),

@@ -20,7 +20,6 @@ from jobrunner.engine.adapters import (
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.images import prompt_images
 from jobrunner.engine.kv_cache.manager import KVCacheManager
-from jobrunner.engine.late_steps import LateSteps
 from jobrunner.engine.long_rope import make_long_rope_switch
 from jobrunner.engine.memory_plan import (
     MemoryPlan,
@@ -32,19 +31,18 @@ from jobrunner.engine.memory_plan import (
 from jobrunner.engine.model_runner import ModelRunner
 from jobrunner.engine.parallel.rank import agreed_num_blocks, check_rank_config, check_step, is_parallel, rank_info
 from jobrunner.engine.pooling import PoolingParams
-from jobrunner.engine.pooling import finish as finish_pooling
 from jobrunner.engine.profile_run import profile_step
 from jobrunner.engine.prompt_tokens import text_or_chat_token_ids
-from jobrunner.engine.readback import late_readback_on
+from jobrunner.engine.readback import LaunchedStep, StepResult, can_read_late, late_readback_on
 from jobrunner.engine.request import Request, RequestOutput, RequestStatus
-from jobrunner.engine.sampling.logprobs import TokenTexts, prompt_logprob_entries
+from jobrunner.engine.sampling.logprobs import prompt_logprob_entries
 from jobrunner.engine.sampling.noise import derive_seed
 from jobrunner.engine.sampling_params import SamplingParams
 from jobrunner.engine.scheduler import Scheduler, SchedulerOutput
 from jobrunner.engine.speculative import make_speculator
 from jobrunner.engine.speculative.draft_model import DraftModel, prepare_draft
 from jobrunner.engine.stats import EngineStats
-from jobrunner.engine.stopping import check_stop, final_text
+from jobrunner.engine.stopping import finished_output
 from jobrunner.engine.vision import ImageEncoder, RequestImages, image_prompt, is_chat_prompt
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -94,10 +92,11 @@ class LLMEngine:
         model_len = self.config.max_model_len or model.shape.max_position_embeddings
         self.max_model_len = min(model_len, model.shape.max_position_embeddings, num_blocks * bs)
         self.kv_manager = KVCacheManager(num_blocks, bs, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_manager, make_long_rope_switch(model, self.max_model_len))
+        self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
+        self.scheduler = Scheduler(self.config, self.kv_manager, make_long_rope_switch(model, self.max_model_len),
+                                   tokenizer=tokenizer, max_model_len=self.max_model_len, stats=self._stats)
         self.runner = ModelRunner(model, self.config, num_blocks, self.device, self.max_model_len,
                                   self._decode_graphs_mode())  # deterministic mode chosen there too
-        self._stats = EngineStats(kv_num_blocks=num_blocks, kv_block_size=bs)
         if getattr(model, "is_vision_language", False):  # images in prompts (engine/vision.py)
             self.runner.images = ImageEncoder(model, self._stats)
         if self.tp is not None:
@@ -109,16 +108,15 @@ class LLMEngine:
         self._seeds = random.Random(self.config.seed)
         self.chat_template = chat_template
         self._grammars = None  # GrammarCompiler, built on the first structured request
-        self._token_texts = TokenTexts(tokenizer)
         if self.config.deterministic:
             self.model_info["deterministic"] = True
         self.speculator = make_speculator(self._speculative_mode(), self.config.num_speculative_tokens,
                                           self.config.max_num_seqs, self.max_model_len, self.device.type,
                                           self, num_blocks)
-        # one-step-late readback (engine/late_steps.py): None keeps every step synchronous
-        late = not is_parallel(self.tp) and late_readback_on(self.config.late_readback, self.device,
-                                                               self.speculator is not None)
-        self._late = LateSteps(self, self.config.late_readback_strict) if late else None
+        # the step loop's mode (engine/readback.py): each step read at once, or one step late
+        self.late_readback = not is_parallel(self.tp) and late_readback_on(
+            self.config.late_readback, self.device, self.speculator is not None)
+        self._held: tuple[SchedulerOutput, LaunchedStep] | None = None  # late readback: the step launched, unread
 
     def _speculative_mode(self) -> str:
         """``auto`` stays off on the fixed-shape (graph) decode path: a draft step leaves it for an eager step,
@@ -360,7 +358,7 @@ class LLMEngine:
             return f"prompt has {len(token_ids)} tokens; too long to score for prompt_logprobs"
         logits = sequence_logits(self.model, token_ids, samples[0].adapter_id, self.runner.kv_cache_dtype)
         entries = prompt_logprob_entries(logits, token_ids, k)
-        values = [None if e is None else self._token_texts.entry(e) for e in entries]
+        values = [None if e is None else self.scheduler.token_texts.entry(e) for e in entries]
         for request in samples:
             request.prompt_logprobs = values
         return None
@@ -398,38 +396,81 @@ class LLMEngine:
     def close(self) -> None:
         """Drop the KV cache, runner, scheduler and speculator (and free the device's cached memory); the
         model, tokenizer and draft model stay with whoever holds them."""
-        self.runner = self.kv_manager = self.scheduler = self.speculator = self._late = None
+        self.runner = self.kv_manager = self.scheduler = self.speculator = self._held = None
         free_device_memory()
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the outputs of requests that finished in it."""
-        finished = [self._finish_output(r) for r in self._rejected]
-        self._rejected = []
-        if self._late is not None:  # ids read one step late (engine/late_steps.py)
-            finished += self._late.step()
-            self._record_kv_usage()
-            return finished
-        t0 = time.perf_counter()
+        """Run one scheduling step; return the outputs of the requests that finished in the step it read.
+
+        Synchronous mode reads each step as soon as it is launched. With late readback (``late_readback``,
+        chosen at construction; engine/readback.py lists the order) the step launched here is read by the next
+        call, which launches its own first: the host's work on one step overlaps the device's on the next.
+        """
+        finished = self._rejected_outputs()
         if self.speculator is not None:  # drafts for decoding requests (speculative/); the scheduler reads them
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
+        if self._held is not None and (self.scheduler.may_preempt()
+                                       or (self.config.late_readback_strict and self.scheduler.waiting)):
+            finished += self._read_held()  # a step that may preempt (or admit, strict) sees every token first
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         check_step(sched, self.tp)  # tensor parallel: every rank scheduled the same step, or all raise
         if sched.is_empty:
+            finished += self._read_held()
+            self._record_kv_usage()
             return finished
         t1 = time.perf_counter()
-        result = self.runner.execute(sched)
+        launched = self.runner.launch(sched, self._held[1].device_tokens if self._held is not None else None)
+        sched.advance()
+        finished += self._read_held()
+        result = self._read_or_hold(sched, launched)
         t2 = time.perf_counter()
         self._stats.schedule_s += t1 - t0
-        self._stats.record_step(t2 - t1, result.num_prefill_tokens, result.num_decode_tokens)
-        self._stats.num_fixed_shape_steps += result.fixed_shape
+        self._stats.record_step(t2 - t1, launched.num_prefill_tokens, launched.num_decode_tokens)
+        self._stats.num_fixed_shape_steps += launched.fixed_shape
         if self.speculator is not None:
-            self.speculator.observe_step(result.num_prefill_tokens, result.num_decode_tokens, t2 - t1)
-        finished += self._update_from_output(sched, result, t2)
+            self.speculator.observe_step(launched.num_prefill_tokens, launched.num_decode_tokens, t2 - t1)
+        if result is not None:
+            finished += self._update(sched, result, t2)
         if self.speculator is not None:  # finished / preempted requests give back their draft-model KV
             self.speculator.settle(self.scheduler.running)
         self._record_kv_usage()
+        return finished
+
+    def _read_or_hold(self, sched: SchedulerOutput, launched: LaunchedStep) -> StepResult | None:
+        """The step's result now, or None: held to be read by the next step (late readback, when every row may
+        wait), or nothing left to read (every row ended with the step before)."""
+        if not self.late_readback:
+            return launched.read()
+        if all(s.request.is_finished for s in sched.scheduled):
+            self._stats.num_late_discarded_tokens += len(launched.requests)
+            return None
+        if not all(can_read_late(s.request) for s in sched.scheduled):
+            return launched.read()
+        self.scheduler.hold(sched)
+        self._held = (sched, launched)
+        self._stats.num_late_steps += 1
+        return None
+
+    def _read_held(self) -> list[RequestOutput]:
+        """Read the held step, if any; the outputs of the requests it finished."""
+        if self._held is None:
+            return []
+        sched, launched = self._held
+        self._held = None
+        result = launched.read()
+        return self._update(sched, result, time.perf_counter())
+
+    def _update(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[RequestOutput]:
+        """The scheduler takes the step's output; the runner forgets the finished rows; outputs handed back."""
+        if result.speculative:
+            self._record_drafts(sched, result)
+        finished = self.scheduler.update_from_output(sched, result, now)
+        for out in finished:
+            self.runner.release((out.request_id, out.sample_index))
+            self._hand_back(out)
         return finished
 
     def _record_kv_usage(self) -> None:
@@ -437,118 +478,31 @@ class LLMEngine:
         self._stats.kv_blocks_used = used
         self._stats.kv_peak_blocks_used = max(self._stats.kv_peak_blocks_used, used)
 
-    def _update_from_output(self, sched: SchedulerOutput, result, now: float) -> list[RequestOutput]:
-        """A step read at once: its rows' computed tokens, then its output (:meth:`_apply_output`)."""
+    def _record_drafts(self, sched: SchedulerOutput, result: StepResult) -> None:
         for s in sched.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_new_tokens
-        return self._apply_output(sched, result, now)
+            verified = result.speculative.get(s.request.key)
+            if verified is not None:
+                self.speculator.record(s.request, verified)
+                self._stats.num_draft_tokens += verified.num_drafted
+                self._stats.num_accepted_tokens += verified.num_accepted
+                self._stats.num_speculative_rows += 1
 
-    def _apply_output(self, sched: SchedulerOutput, result, now: float) -> list[RequestOutput]:
-        """Append each row's sampled token(s), check stops, finish what ended (pooling rows: their result).
-
-        A step read late (engine/late_steps.py) may hold rows that ended with the step before: their token is
-        dropped; a row's placeholder (its token was on the device) gives way to the token here."""
-        finished = []
-        for s in sched.scheduled:
-            request = s.request
-            if request.is_finished:  # late readback: it ended with the previous step's token
-                self._stats.num_late_discarded_tokens += request.key in result.sampled
-                continue
-            if request.pooling is not None:
-                if s.completes:
-                    finished.append(self._finish_pooling(request, now))
-                continue
-            token = result.sampled.get(request.key)
-            if token is None:
-                continue
-            read_late = request.num_pending_tokens > 0
-            if read_late:
-                request.output_token_ids.pop()   # the placeholder (PENDING_TOKEN)
-                request.num_pending_tokens, request.ends_with_pending = 0, False
-            verified = result.speculative.get(request.key) if result.speculative else None
-            if verified is not None:  # accepted drafts keep their KV; the rest is trimmed below
-                request.num_computed_tokens += verified.num_accepted
-                self._record_draft(request, verified)
-                tokens, entries = verified.tokens, verified.logprobs
-            else:
-                tokens, entries = [token], [result.logprobs.get(request.key)]
-            for token, entry in zip(tokens, entries):
-                status = self._take_token(request, token, entry, now)
-                if status is not None:
-                    self.scheduler.finish(request, status)
-                    self.runner.release(request.key)
-                    finished.append(self._finish_output(request, now))
-                    break
-            else:
-                if s.draft:
-                    self.kv_manager.trim(request, request.num_tokens)
-                if read_late:  # as the synchronous path registers it when the next step is scheduled
-                    self.kv_manager.register_computed(request)
+    def _rejected_outputs(self) -> list[RequestOutput]:
+        """The outputs of requests refused when added (they never reached the scheduler)."""
+        finished = [finished_output(r, self.tokenizer, None) for r in self._rejected]
+        self._rejected = []
+        for out in finished:
+            self._hand_back(out)
         return finished
 
-    def _finish_pooling(self, request: Request, now: float) -> RequestOutput:
-        """A prefill-only request's tokens are all computed: its result, and its blocks freed."""
-        status = RequestStatus.FINISHED_STOPPED
-        try:
-            request.pooled = finish_pooling(self.model, request)
-        except Exception as exc:  # noqa: BLE001 - that request only
-            status, request.error = RequestStatus.FINISHED_ERROR, f"could not pool the hidden states: {exc}"
-        request.metrics.first_token_time = now  # its result is ready: time to first result
-        self.scheduler.finish(request, status)
-        self.runner.release(request.key)
-        return self._finish_output(request, now)
-
-    def _take_token(self, request: Request, token: int, entry, now: float) -> RequestStatus | None:
-        """Append one sampled token; the request's finished status, or None to keep going."""
-        accepted = self._append_token(request, token, entry, now)
-        if request.siblings:  # the prompt is computed: start the other samples on its KV blocks
-            self._fork_siblings(request)
-        status = check_stop(request, token, self.max_model_len, self.tokenizer) if accepted else None
-        if not accepted:  # never hand back output that breaks its grammar
-            status, request.error = RequestStatus.FINISHED_ERROR, f"token {token} broke the output grammar"
-        return status
-
-    def _record_draft(self, request: Request, verified) -> None:
-        self.speculator.record(request, verified)
-        self._stats.num_draft_tokens += verified.num_drafted
-        self._stats.num_accepted_tokens += verified.num_accepted
-        self._stats.num_speculative_rows += 1
-
-    def _append_token(self, request: Request, token: int, logprob_entry, now: float) -> bool:
-        """Record one new token; False if the request's grammar rejected it."""
-        request.output_token_ids.append(token)
-        self._stats.num_sampled_tokens += 1
-        if logprob_entry is not None:
-            request.logprobs.append(self._token_texts.entry(logprob_entry))
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        request.metrics.token_times.append(now)
-        return request.grammar is None or request.grammar.accept(token)
-
-    def _fork_siblings(self, request: Request) -> None:
-        """Samples 1..n-1 take references on sample 0's full prompt blocks and queue (see docs/engine.md)."""
-        shared = self.kv_manager.fork(request, request.num_prompt_tokens)
-        for sibling in request.siblings:
-            self.kv_manager.adopt(sibling, shared)
-            sibling.metrics.prompt_shared = True
-        self.scheduler.add_forked(request.siblings)
-        self._stats.num_forked_samples += len(request.siblings)
-        self._stats.num_shared_prompt_tokens += len(request.siblings) * len(shared) * self.kv_manager.block_size
-        request.siblings = []
-
-    def _finish_output(self, request: Request, now: float | None = None) -> RequestOutput:
-        if request.status != RequestStatus.FINISHED_ERROR:
-            request.text = final_text(request, self.tokenizer)
-        if request.metrics.finish_time is None:
-            request.metrics.finish_time = now
-        left = self._request_ids[request.request_id] - 1
+    def _hand_back(self, out: RequestOutput) -> None:
+        """One sample of a request is out: one fewer to wait for under its id; the counters take it."""
+        left = self._request_ids[out.request_id] - 1
         if left:
-            self._request_ids[request.request_id] = left
+            self._request_ids[out.request_id] = left
         else:
-            del self._request_ids[request.request_id]
-        out = request.to_output()
+            del self._request_ids[out.request_id]
         self._count(out)
-        return out
 
     def _count(self, out: RequestOutput) -> None:
         st, m = self._stats, out.metrics

@@ -27,10 +27,10 @@ from jobrunner.attention import (
 from jobrunner.attention.kv_quant import cache_dtype, kv_bytes_per_block, row_width
 from jobrunner.engine.config import EngineConfig
 from jobrunner.engine.pooling import collect
+from jobrunner.engine.pooling import finish as finish_pooling
 from jobrunner.engine.readback import DeviceTokens, LaunchedStep, StepResult
 from jobrunner.engine.request import PENDING_TOKEN
 from jobrunner.engine.sampler import Sampler
-from jobrunner.engine.sampling.logprobs import LogprobEntry
 from jobrunner.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jobrunner.engine.speculative.verify import verify_drafts
 from jobrunner.engine.vision import ImageEncoder
@@ -199,43 +199,35 @@ class ModelRunner:
         s = model.shape
         return kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, block_size, dtype)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        if self.images is not None:
-            self.images.drop(sched.preempted)
-        layout, lists = self._layout(sched.scheduled)
-        step = self._forward_with_adapters(sched.scheduled, layout, lists)
-        self._pool(sched.scheduled, step.hidden, layout.query_starts)
-        sampling = [s for s in sched.scheduled if s.samples]
-        verified = None
-        if any(s.draft for s in sampling):  # speculative rows: score every draft position, keep what matches
-            sampled, logprobs, verified = verify_drafts(self.model, self.sampler, step.hidden, step.sample_rows,
-                                                        sampling)
-        else:
-            sampled, logprobs = self._sample(step.hidden, step.sample_rows, sampling)
-        num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
-        return StepResult(sampled, logprobs, sched.num_tokens - num_decode, num_decode, step.fixed_shape, verified)
+        """Run a step and read its result at once (:meth:`launch`, then :meth:`LaunchedStep.read`)."""
+        return self.launch(sched).read()
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: DeviceTokens | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on the device and start its ids' copy to the host; read them
-        with :meth:`LaunchedStep.read` (late readback: engine/readback.py). A decode row whose input is a
-        placeholder (its token still on the device) reads it from ``previous``, the last launched step's ids."""
+        with :meth:`LaunchedStep.read`, at once or one step late (engine/readback.py). A decode row whose input
+        is a placeholder (its token still on the device) reads it from ``previous``, the last launched step's
+        ids. A step with speculative rows scores every draft position and keeps what matches: read at once."""
         if self.images is not None:
             self.images.drop(sched.preempted)
         layout, lists = self._layout(sched.scheduled, previous)
         step = self._forward_with_adapters(sched.scheduled, layout, lists)
         self._pool(sched.scheduled, step.hidden, layout.query_starts)
+        pooled = self._pooled(sched.scheduled)
         sampling = [s for s in sched.scheduled if s.samples]
+        num_decode = sum(1 + len(s.draft) for s in sched.scheduled if _is_decode(s))
+        num_prefill = sched.num_tokens - num_decode
         if any(s.draft for s in sampling):
-            raise ValueError("a launched step verifies no drafts (speculative decoding reads every step at once)")
+            sampled, logprobs, verified = verify_drafts(self.model, self.sampler, step.hidden, step.sample_rows,
+                                                        sampling)
+            result = StepResult(sampled, logprobs, num_prefill, num_decode, step.fixed_shape, verified, pooled)
+            return LaunchedStep(None, [], num_prefill, num_decode, step.fixed_shape, result=result)
         sample = None
         if sampling:
             logits = self.model.compute_logits(step.hidden.index_select(0, step.sample_rows))
             sample = self.sampler.sample_on_device(logits, [s.request for s in sampling])
-        num_decode = sum(1 for s in sched.scheduled if _is_decode(s))
-        return LaunchedStep(sample, [s.request for s in sampling], sched.num_tokens - num_decode, num_decode,
-                            step.fixed_shape)
+        return LaunchedStep(sample, [s.request for s in sampling], num_prefill, num_decode, step.fixed_shape, pooled)
 
     def _forward_with_adapters(self, scheduled: list[ScheduledRequest], layout: StepLayout,
                                lists: StepLists) -> StepForward:
@@ -289,19 +281,17 @@ class ModelRunner:
             if s.request.pooling is not None:
                 collect(self.model, s.request, hidden[offset:offset + s.num_new_tokens], s.start)
 
-    # -- sampling (owned by the sampler side: engine/sampler.py) ------------------------------------------------
-
-    def _sample(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: list[ScheduledRequest]
-                ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], LogprobEntry]]:
-        """New tokens (and logprob entries where asked) keyed by ``Request.key``."""
-        if not sampling:
-            return {}, {}
-        logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
-        requests = [s.request for s in sampling]
-        out = self.sampler.sample(logits, requests)
-        sampled = {r.key: t for r, t in zip(requests, out.token_ids)}
-        logprobs = {r.key: e for r, e in zip(requests, out.logprobs) if e is not None}
-        return sampled, logprobs
+    def _pooled(self, scheduled: list[ScheduledRequest]) -> dict:
+        """The result of each prefill-only row whose last token this step computed (engine/pooling.py), or why
+        it could not be made (that request only)."""
+        out = {}
+        for s in scheduled:
+            if s.request.pooling is not None and s.completes:
+                try:
+                    out[s.request.key] = finish_pooling(self.model, s.request)
+                except Exception as exc:  # noqa: BLE001 - that request only
+                    out[s.request.key] = f"could not pool the hidden states: {exc}"
+        return out
 
     def _layout(self, scheduled: list[ScheduledRequest], previous: DeviceTokens | None = None):
         """The step's StepLayout and its flat lists (input ids, positions, cache slots, sampling rows); a decode

@@ -98,13 +98,14 @@ class StepProfiler:
         e, runner = self.engine, self.engine.runner
         self._wrap(e, "step", self._step(e.step))
         self._wrap(e.scheduler, "schedule", self.clock.timed("host.schedule", e.scheduler.schedule))
-        self._wrap(e, "_update_from_output", self.clock.timed("host.outputs", e._update_from_output))
+        self._wrap(e.scheduler, "update_from_output",
+                   self.clock.timed("host.outputs", e.scheduler.update_from_output))
         self._wrap(runner, "_layout", self.clock.timed("host.inputs", runner._layout))
         self._wrap(runner.steps, "run", self.clock.timed("host.inputs", runner.steps.run))
         fixed = runner.steps.fixed
         if fixed is not None and getattr(fixed, "capture", False) and e.device.type == "cuda":
             self._wrap(fixed, "run_step", self.clock.timed("graph", fixed.run_step))
-        self._wrap(runner.sampler, "sample", self.clock.timed("other", runner.sampler.sample))
+        self._wrap(runner.sampler, "sample_on_device", self.clock.timed("other", runner.sampler.sample_on_device))
         if getattr(runner, "images", None) is not None:  # a vision-language model's encoder (engine/vision.py)
             self._wrap(runner.images, "encode", self.clock.timed("vision", runner.images.encode))
         self._hook(e.model, "other", counts=True)

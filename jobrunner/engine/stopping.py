@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobrunner.engine.request import Request, RequestStatus
+from jobrunner.engine.request import Request, RequestOutput, RequestStatus
 
 
 @dataclass
@@ -84,3 +84,12 @@ def final_text(request: Request, tokenizer) -> str:
     if request.stopped_on_string:
         return request.text
     return tokenizer.decode(request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+
+
+def finished_output(request: Request, tokenizer, now: float | None) -> RequestOutput:
+    """The output of a finished request: its final text (not for an error), its finish time (``now`` unless set)."""
+    if request.status != RequestStatus.FINISHED_ERROR:
+        request.text = final_text(request, tokenizer)
+    if request.metrics.finish_time is None:
+        request.metrics.finish_time = now
+    return request.to_output()

@@ -63,8 +63,9 @@ def test_profiler_detaches_and_keeps_tokens(tiny_llama_hf_dir: Path) -> None:
     modules = list(engine.model.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
     assert not any("attend" in vars(m) for m in modules)
-    for obj, name in ((engine, "step"), (engine, "_update_from_output"), (engine.scheduler, "schedule"),
-                      (engine.runner, "_layout"), (engine.runner.steps, "run"), (engine.runner.sampler, "sample")):
+    for obj, name in ((engine, "step"), (engine.scheduler, "update_from_output"), (engine.scheduler, "schedule"),
+                      (engine.runner, "_layout"), (engine.runner.steps, "run"),
+                      (engine.runner.sampler, "sample_on_device")):
         assert name not in vars(obj), name
 
 

@@ -1,4 +1,4 @@
-"""One-step-late readback (engine/readback.py, engine/late_steps.py), run on the CPU with ``late_readback="always"``:
+"""One-step-late readback (engine/readback.py, a mode of LLMEngine.step), on the CPU with ``late_readback="always"``:
 outputs, texts, logprobs and per-request counts equal the synchronous path's, whatever stops a row, with queueing,
 prefix hits, preemption, rows that must be read at once, and the fixed-shape (graph twin) path."""
 
@@ -86,7 +86,7 @@ def test_late_readback_gives_the_synchronous_outputs(hf_llama, tokenizer, static
     assert stats.num_late_steps > 0
     early = [k for k, o in sync.items() if o.finish_reason == "stop" and len(o.output_token_ids) < o_max(params, k)]
     assert stats.num_late_discarded_tokens == len(early) > 0
-    assert late_engine._late.pending is None          # nothing left held once every request is out
+    assert late_engine._held is None          # nothing left held once every request is out
     assert sync_stats.num_late_steps == 0 and stats.num_cached_tokens == sync_stats.num_cached_tokens > 0
     assert stats.num_output_tokens == sync_stats.num_output_tokens
     assert stats.num_sampled_tokens == sync_stats.num_sampled_tokens          # dropped tokens are not counted
