@@ -134,6 +134,23 @@ def _num_tiles(processor: Any, image: ImageInput) -> int:
     return max(int(num_patches), 1)
 
 
+MAX_TILES_PER_CALL = 64  # whole images per encoder call up to this many tiles (bounds its activations)
+
+
+def _batches(group: list) -> list[list]:
+    """``(image, tiles, mask)`` entries cut into runs of whole images of at most MAX_TILES_PER_CALL tiles (an
+    image with more is a run of its own)."""
+    batches: list[list] = [[]]
+    count = 0
+    for entry in group:
+        if batches[-1] and count + len(entry[1]) > MAX_TILES_PER_CALL:
+            batches.append([])
+            count = 0
+        batches[-1].append(entry)
+        count += len(entry[1])
+    return batches
+
+
 class ImageEncoder:
     """Runs the model's vision encoder for the image tokens of a step (see the module docstring).
 
@@ -177,7 +194,7 @@ class ImageEncoder:
 
     def encode(self, images: list[PromptImage]) -> None:
         """Set each image's vectors: its tiles made by the image processor, the tiles of all of them encoded in
-        one call (per tile size, should sizes differ); timed and counted."""
+        one call (per tile size, should sizes differ; MAX_TILES_PER_CALL at most); timed and counted."""
         t0 = time.perf_counter()
         by_size: dict[tuple[int, ...], list[tuple[PromptImage, torch.Tensor, torch.Tensor | None]]] = {}
         for image in images:
@@ -188,11 +205,12 @@ class ImageEncoder:
                                    "prompt")
             by_size.setdefault(tuple(pixels.shape[1:]), []).append((image, pixels, None if mask is None else mask[0]))
         for group in by_size.values():
-            masks = [m for _, _, m in group]
-            mask = None if any(m is None for m in masks) else torch.cat(masks)
-            vectors = self.model.encode_images(torch.cat([p for _, p, _ in group]), mask)
-            for (image, _, _), part in zip(group, vectors.split([len(im.positions) for im, _, _ in group])):
-                image.vectors = part
+            for batch in _batches(group):
+                masks = [m for _, _, m in batch]
+                mask = None if any(m is None for m in masks) else torch.cat(masks)
+                vectors = self.model.encode_images(torch.cat([p for _, p, _ in batch]), mask)
+                for (image, _, _), part in zip(batch, vectors.split([len(im.positions) for im, _, _ in batch])):
+                    image.vectors = part
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         self.num_images += len(images)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
+from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams, vision
 from jobrunner.engine.profile import StepProfiler
 from tests.vision_helpers import image_input, make_test_image
 
@@ -89,9 +89,11 @@ def _check_parity(outputs: dict, expected: list) -> None:
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked-prefix-hit"])
-def test_greedy_tokens_equal_transformers(tiny_smolvlm_dir, expected, chunked):
-    """Whole prompts without prefix caching; 24-token chunks (images cut across steps) with prefix caching, row 6
-    run once before so that its second run starts on cached image blocks."""
+def test_greedy_tokens_equal_transformers(tiny_smolvlm_dir, expected, chunked, monkeypatch):
+    """Whole prompts without prefix caching (the first step's 9 images encoded in calls of at most 8 tiles);
+    24-token chunks (images cut across steps) with prefix caching, row 6 run once before so that its second run
+    starts on cached image blocks."""
+    monkeypatch.setattr(vision, "MAX_TILES_PER_CALL", 8)
     engine = _engine(tiny_smolvlm_dir, max_num_batched_tokens=24 if chunked else 2048, enable_prefix_caching=chunked)
     rows = _all_rows()
     if chunked:
