@@ -92,11 +92,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--image-px", type=int, default=48, help="side of the square test pictures")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build(args.shape, Path(tmp))
         result = run(model_dir, args.rows, args.repeat, args.max_tokens, args.image_px, args.max_num_batched_tokens)
-    print(json.dumps({"shape": args.shape, **result}, indent=1))
+    print(json.dumps({"shape": args.shape, "threads": args.threads or "default", **result}, indent=1))
 
 
 if __name__ == "__main__":
