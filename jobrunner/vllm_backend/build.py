@@ -3,8 +3,10 @@ Hub id, storage URL), our tokenizer for the prompts, our dtype rule, vLLM in its
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from jobrunner.models.stopwatch import Stopwatch
@@ -63,7 +65,9 @@ def build_vllm_engine(spec: Any, log_dir: str | None = None, placement: dict[str
     info.update({k: v for k, v in parallel.items() if k != "distributed_executor_backend"},
                 vllm_executor=parallel.get("distributed_executor_backend", "uni"))
     args = engine_args(spec, str(model_dir), dtype, device=device.type, parallel=parallel)
-    engine = VllmEngine(python, args, tokenizer, info, chat_template=spec.input.chat_template, env=env,
+    template = spec.input.chat_template or (None if getattr(tokenizer, "chat_template", None) else
+                                            processor_chat_template(model_dir))
+    engine = VllmEngine(python, args, tokenizer, info, chat_template=template, env=env,
                         log_path=log, device=device.type,
                         placement=placement if parallel.get("distributed_executor_backend") == "ray" else None)
     clock.mark("engine")  # vLLM's process: its imports, the weights, its KV cache (and compile, if asked)
@@ -73,6 +77,20 @@ def build_vllm_engine(spec: Any, log_dir: str | None = None, placement: dict[str
     if "VLLM_CPU_OMP_THREADS_BIND" in env:  # each CPU rank's cores, as vLLM binds them
         engine.model_info["vllm_cpu_bind"] = env["VLLM_CPU_OMP_THREADS_BIND"]
     return engine
+
+
+def processor_chat_template(model_dir: str | os.PathLike) -> str | None:
+    """The chat template a model keeps for its processor rather than its tokenizer (vision-language models
+    such as SmolVLM: ``chat_template.jinja``, or ``chat_template.json`` holding ``{"chat_template": ...}``),
+    which the tokenizer alone does not load; None when there is neither."""
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template else None
 
 
 def visible_gpus(device: str) -> int | None:

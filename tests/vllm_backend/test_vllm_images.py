@@ -72,3 +72,18 @@ def test_image_tokens_are_counted_by_the_models_image_token_id():
     assert server._image_token_id(Config()) == 7 and server._image_token_id(Gemma3Like()) == 9
     assert server._image_token_id(object()) is None
     assert count_image_tokens([1, 7, 7, 7, 2, 7], 7) == 4 and count_image_tokens([1, 7], None) == 0
+
+
+def test_a_processors_chat_template_is_found_beside_the_tokenizer(tmp_path):
+    import json as json_module
+
+    from jobrunner.vllm_backend.build import processor_chat_template
+
+    assert processor_chat_template(tmp_path) is None
+    (tmp_path / "chat_template.json").write_text(json_module.dumps({"chat_template": "{{ messages }}"}))
+    assert processor_chat_template(tmp_path) == "{{ messages }}"  # SmolVLM's Hub layout: the tokenizer skips it
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    assert processor_chat_template(tmp_path).startswith("{% for m in messages %}")
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").write_text("[1, 2]")
+    assert processor_chat_template(tmp_path) is None
