@@ -136,21 +136,8 @@ class VllmEngine:
             raise ValueError("engine.backend vllm runs generation jobs only (task: generate)")
         params = params or SamplingParams()
         arrival = time.perf_counter()
-        error, token_ids, images = None, [], prompt_images(prompt)
-        if adapter:
-            error = f"LoRA adapter {adapter!r}: engine.backend vllm runs the base model only"
-        elif images and not self.accepts_images:
-            error = (f"{len(images)} image(s) in the prompt, but the model "
-                     f"({self.model_info.get('architecture', '?')}) takes no images in vLLM")
-        else:
-            try:
-                token_ids = prompt if _is_token_ids(prompt) else text_or_chat_token_ids(
-                    self.tokenizer, template_messages(prompt) if images else prompt, self.chat_template,
-                    chat_template_kwargs)
-            except Exception as exc:  # noqa: BLE001 - a broken chat template or odd input: that request only
-                error = f"could not tokenize the prompt: {exc}"
-        if error is None and not token_ids:
-            error = "empty prompt"
+        images = prompt_images(prompt)
+        token_ids, error = self._prompt_ids(prompt, images, chat_template_kwargs, adapter)
         if error is None:
             sampling, structured = vllm_sampling(params)
             message = {"op": "add", "id": request_id, "prompt_token_ids": list(token_ids), "sampling": sampling,
@@ -165,6 +152,23 @@ class VllmEngine:
             error = f"vLLM refused the request: {reply.get('error')}"
         self._rejected += [_error_output(request_id, list(token_ids), error, arrival, i, params.n)
                            for i in range(params.n)]
+
+    def _prompt_ids(self, prompt: Any, images: list, chat_template_kwargs: dict[str, Any] | None,
+                    adapter: str | None) -> tuple[list[int], str | None]:
+        """(the prompt's token ids, None) as our engine makes them (image parts as the template's placeholders),
+        or ([], why the request cannot go to vLLM)."""
+        if adapter:
+            return [], f"LoRA adapter {adapter!r}: engine.backend vllm runs the base model only"
+        if images and not self.accepts_images:
+            return [], (f"{len(images)} image(s) in the prompt, but the model "
+                        f"({self.model_info.get('architecture', '?')}) takes no images in vLLM")
+        try:
+            token_ids = list(prompt) if _is_token_ids(prompt) else text_or_chat_token_ids(
+                self.tokenizer, template_messages(prompt) if images else prompt, self.chat_template,
+                chat_template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - a broken chat template or odd input: that request only
+            return [], f"could not tokenize the prompt: {exc}"
+        return token_ids, None if token_ids else "empty prompt"
 
     def step(self) -> list[RequestOutput]:
         outputs, self._rejected = self._rejected, []
