@@ -103,7 +103,7 @@ class VllmEngine:
         except (BrokenPipeError, OSError) as exc:  # a write to a dead process: its exit and log say why
             raise VllmError(self._death(exc)) from None
         if not reply.get("ok") and reply.get("kind") != "request":
-            raise VllmError(f"vLLM: {reply.get('error')}")
+            raise VllmError(f"vLLM: {one_line(reply.get('error'))}")
         return reply
 
     def _death(self, pipe_error: OSError | None = None) -> str:
@@ -149,7 +149,7 @@ class VllmEngine:
                 self._pending[request_id] = (arrival, len(images), params)
                 self._stats.num_requests += 1
                 return
-            error = f"vLLM refused the request: {reply.get('error')}"
+            error = f"vLLM refused the request: {one_line(reply.get('error'))}"
         self._rejected += [_error_output(request_id, list(token_ids), error, arrival, i, params.n)
                            for i in range(params.n)]
 
@@ -228,6 +228,16 @@ def log_tail(path: str, num_lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TA
     lines = [line.strip() for line in text.splitlines() if line.strip()][-num_lines:]
     tail = " | ".join(lines)
     return f"; it ended with: {tail[-max_chars:]}" if tail else ""
+
+
+ERROR_CHARS = 800  # of vLLM's message in a row's error or a failed start
+
+
+def one_line(error: Any, max_chars: int = ERROR_CHARS) -> str:
+    """vLLM's error message on one line: pydantic's (an engine argument vLLM refuses, e.g. max_model_len over the
+    model's) puts the reason on its second line, which a one-line summary would cut off."""
+    text = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
 
 
 def _is_token_ids(prompt: Any) -> bool:

@@ -87,3 +87,14 @@ def test_a_processors_chat_template_is_found_beside_the_tokenizer(tmp_path):
     (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "chat_template.json").write_text("[1, 2]")
     assert processor_chat_template(tmp_path) is None
+
+
+def test_vllms_error_messages_come_on_one_line():
+    from jobrunner.vllm_backend.engine import one_line
+
+    pydantic_like = ("ValidationError: 1 validation error for ModelConfig\n  Value error, User-specified "
+                     "max_model_len (4096) is greater than the derived max_model_len (1024)\n")
+    assert one_line(pydantic_like) == ("ValidationError: 1 validation error for ModelConfig | Value error, "
+                                       "User-specified max_model_len (4096) is greater than the derived "
+                                       "max_model_len (1024)")
+    assert one_line("x" * 900, 10) == "xxxxxxxxxx..." and one_line(None) == "None"
