@@ -70,7 +70,7 @@ def _ctype(declaration: str) -> type | None:
             return ctypes.POINTER(STRUCTS[pointee])
         return ctypes.POINTER(_POINTEES[pointee]) if pointee in _POINTEES else _P
     if text not in _SCALARS:
-        raise ValueError(f"{HEADER.name}: no ctypes type for C type {declaration!r}")
+        raise ValueError(f"{HEADER.name}: no ctypes type for C type {declaration.strip()!r}")
     return _SCALARS[text]
 
 

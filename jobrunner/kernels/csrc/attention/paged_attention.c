@@ -26,6 +26,7 @@
 
 #include "jr_kernels.h"
 #include "jr_numerics.h"
+#include "jr_simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -107,20 +108,14 @@ static inline void dot4(const float *restrict q, const float *const k[4], int64_
 #endif
 
 
-/* Vectors of VL lanes (GCC vector extensions), shared by the decode tile's softmax and the fast path below. */
+/* Vectors of VL lanes (vf, vi: jr_simd.h), shared by the decode tile's softmax and the fast path below; a fast
+   item holds NV registers of query lanes. */
 #if defined(__AVX512F__)
-#define VL 16
 #define NV 2
-#elif defined(__AVX2__)
-#define VL 8
-#define NV 1
 #else
-#define VL 4
 #define NV 1
 #endif
 #define ITEM_LANES (VL * NV)
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf ldv(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void stv(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
@@ -128,21 +123,9 @@ static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 
-/* exp(x) lane-wise for x <= 0 (the same reduction and polynomial as exp_neg) */
-static inline vf vexp_neg(vf x) {
-  x = vmax(x, splat(-87.0f));
-  const vf n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-  const vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  vf p = splat(1.3981999507e-3f);
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * (vf)e;
-}
+/* exp(x) lane-wise for x <= 0 (exp_neg's reduction and polynomial, jr_simd.h). Lanes are clamped with vmax,
+   so a NaN lane (a score minus a max of -inf) counts as JR_EXP_MIN, where exp_neg would keep the NaN. */
+static inline vf vexp_neg(vf x) { return vexp_negv_reduced(vmax(x, splat(JR_EXP_MIN))); }
 
 /* One query vector against keys lo .. hi - 1 of a tile (lo < hi). st: [acc[D], max, sum]. Not inlined: the
    decode and the prompt paths must run the very same instructions for a query. */
@@ -269,15 +252,9 @@ static inline int64_t first_key(const Args *a, int64_t pos) {
 static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst, int64_t D) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  for (; d + 16 <= D; d += 16) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(src + d));
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, widen_bf16x16(_mm256_loadu_si256((const __m256i *)(src + d))));
 #elif defined(__AVX2__)
-  for (; d + 8 <= D; d += 8) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, widen_bf16x8(_mm_loadu_si128((const __m128i *)(src + d))));
 #endif
   for (; d < D; d++) dst[d] = from_bf16(src[d]);
 }

@@ -1,17 +1,15 @@
-/* jobrunner.quant.native: the CPU int4 layout read back as float32 / bfloat16 (the dequantize tiles) and as int8
-   (int4's W4A8 path). Built by jobrunner.quant.native.build_library (cached per source, flags and CPU) and called
+/* jobrunner.quant.int4_native: the CPU int4 layout read back as float32 / bfloat16 (the dequantize tiles) and as
+   int8 (int4's W4A8 path). Built by jobrunner.kernels.load (cached per source, headers, flags and CPU) and called
    through ctypes; no torch headers. */
 #include <stdint.h>
 #include "jr_kernels.h"
+#include "jr_numerics.h"
 /* W^T[k, n] = code(n, k) * scale[k / group, n] + offset[k / group, n] for whole blocks of the CPU int4
    layout: packed is [nb][K][half] bytes; split: rows j and j + half of a block share byte j (low, high);
    interleaved: rows 2j and 2j + 1. out, scale and offset have rows of ld >= nb * block_n elements.
-   Two outputs: float32, and bfloat16 (rounded to nearest even, as torch's float -> bfloat16 conversion). */
+   Two outputs: float32, and bfloat16 (rounded to nearest even, as torch's float -> bfloat16 conversion: the
+   values are finite, so to_bf16_finite). */
 static inline float as_f32(float x) { return x; }
-static inline uint16_t as_bf16(float x) {
-  union { float f; uint32_t u; } v = {x};
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 /* half is a compile-time constant in the common cases so that the compiler emits whole-vector code */
 #define SPLIT_BLOCK(NAME, HALF_EXPR, OUT_T, STORE)                                                       \
   static void NAME(const uint8_t* restrict p, const float* restrict s, const float* restrict z,         \
@@ -49,7 +47,7 @@ static inline uint16_t as_bf16(float x) {
     }                                                                                                      \
   }
 UNPACK(jr_int4_unpack_t, float, as_f32)
-UNPACK(jr_int4_unpack_t_bf16, uint16_t, as_bf16)
+UNPACK(jr_int4_unpack_t_bf16, uint16_t, to_bf16_finite)
 
 /* int4 -> int8 per output row (the int4 path's int8 GEMM): W8^T[k, c] = rint(((code - 8) * s + z) * inv[c]),
    clamped to [-127, 127], for whole blocks of block_n <= 64 rows. s, z: the bfloat16 pairs
@@ -68,7 +66,6 @@ static inline void expand16(__m128i codes, const float* a, const float* b, int8_
   _mm_storeu_si128((__m128i*)o, _mm512_cvtepi32_epi8(i));
 }
 #endif
-static inline float from_bf16(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
 static inline int8_t to_i8(float v) {
   v = (v + 12582912.0f) - 12582912.0f;
   v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);

@@ -1,13 +1,9 @@
 /* jobrunner.quant.w8a8_native: W8A8's row quantization and output scaling, one pass each (the same numbers as the
-   torch ops in jobrunner.quant.primitives). Built by jobrunner.quant.native.build_library, called through ctypes. */
+   torch ops in jobrunner.quant.primitives). Built by jobrunner.kernels.load, called through ctypes. */
 #include <stdint.h>
 #include <math.h>
 #include "jr_kernels.h"
-static inline float bf16_f32(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
-static inline uint16_t f32_bf16(float x) {
-  union { float f; uint32_t u; } v = {x};
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
+#include "jr_numerics.h"
 static inline float bits_f32(uint32_t u) { union { uint32_t u; float f; } v = {u}; return v.f; }
 static inline float as_f32(float x) { return x; }
 /* Per row: s = max|x| / 127 (1 for a zero row), then the bytes rint(x / s) + zp. |x| of a finite float orders
@@ -26,12 +22,12 @@ static inline float as_f32(float x) { return x; }
       for (int64_t k = 0; k < K; k++) o[k] = (uint8_t)((int32_t)rintf(TO_F32(r[k]) / s) + (int32_t)zp);     \
     }                                                                                                        \
   }
-QUANT(jr_w8a8_quant_bf16, uint16_t, 0x7fffu, bf16_f32)
+QUANT(jr_w8a8_quant_bf16, uint16_t, 0x7fffu, from_bf16)
 QUANT(jr_w8a8_quant_f32, uint32_t, 0x7fffffffu, bits_f32)
 void jr_w8a8_rowscale_bf16(const float* y, const float* s, uint16_t* out, int64_t M, int64_t N, int64_t threads) {
   _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
   for (int64_t m = 0; m < M; m++)
-    for (int64_t n = 0; n < N; n++) out[m * N + n] = f32_bf16(y[m * N + n] * s[m]);
+    for (int64_t n = 0; n < N; n++) out[m * N + n] = to_bf16_finite(y[m * N + n] * s[m]);
 }
 void jr_w8a8_rowscale_f32(float* y, const float* s, int64_t M, int64_t N, int64_t threads) {
   _Pragma("omp parallel for num_threads(threads) schedule(static) if(M * N >= 262144)")
@@ -47,5 +43,5 @@ void jr_w8a8_rowscale_f32(float* y, const float* s, int64_t M, int64_t N, int64_
     for (int64_t m = 0; m < M; m++)                                                                          \
       for (int64_t n = 0; n < N; n++) out[m * ldo + n] = STORE((float)acc[m * N + n] * sn[n] * sm[m]);       \
   }
-I32_SCALE(jr_i32_scale_bf16, uint16_t, f32_bf16)
+I32_SCALE(jr_i32_scale_bf16, uint16_t, to_bf16_finite)
 I32_SCALE(jr_i32_scale_f32, float, as_f32)

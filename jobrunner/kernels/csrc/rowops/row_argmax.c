@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "jr_kernels.h"
+#include "jr_numerics.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -29,13 +30,8 @@
 #define MIN_PART 4096     /* smallest piece of a row worth a thread of its own */
 #define SERIAL_WORK 32768 /* rows * cols below this: no OpenMP team */
 
-static inline float from_bf16_bits(uint16_t h) {
-  union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-  return v.f;
-}
-
 static inline float load1(const void *p, int64_t i, int bf16) {
-  return bf16 ? from_bf16_bits(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+  return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 #if defined(__AVX512F__)
@@ -43,10 +39,7 @@ static inline float load1(const void *p, int64_t i, int bf16) {
 typedef __m512 vf;
 typedef __mmask16 vnan;
 static inline vf vload(const void *p, int64_t i, int bf16) {
-  if (bf16) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  if (bf16) return widen_bf16x16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
   return _mm512_loadu_ps((const float *)p + i);
 }
 static inline vf vneg_inf(void) { return _mm512_set1_ps(-INFINITY); }
@@ -63,10 +56,7 @@ static inline unsigned vnan_bits(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UN
 typedef __m256 vf;
 typedef __m256 vnan;
 static inline vf vload(const void *p, int64_t i, int bf16) {
-  if (bf16) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  if (bf16) return widen_bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
   return _mm256_loadu_ps((const float *)p + i);
 }
 static inline vf vneg_inf(void) { return _mm256_set1_ps(-INFINITY); }
