@@ -62,12 +62,12 @@ def write_image_job(fs, bucket: str, local_dir: Path) -> str:
 
 
 def image_job_spec(model_dir: str | Path, input_url: str, storage_options: dict, output_url: str,
-                   **engine) -> dict:
+                   sampling: dict | None = None, **engine) -> dict:
     """The job: the tiny SmolVLM, float32, greedy 8 tokens, one worker, shards of 8 rows."""
     return {"name": "caption-test", "model": {"source": str(model_dir), "dtype": "float32"},
             "input": {"url": input_url, "prompt_column": "prompt", "image_column": "image", "id_column": "id",
                       "rows_per_shard": 8, "storage_options": storage_options},
-            "sampling": {"max_tokens": 8, "temperature": 0.0},
+            "sampling": {"max_tokens": 8, "temperature": 0.0, **(sampling or {})},
             "engine": {"max_num_seqs": 8, "max_model_len": 1024, **engine},
             "cluster": {"num_workers": 1, "num_cpus_per_worker": 1, "retry_backoff_s": 0.1},
             "output": {"url": output_url, "mode": "resume"}}
@@ -85,7 +85,7 @@ def row_prompt(index: int) -> list[dict]:
     return image_prompt(QUESTIONS[index % len(QUESTIONS)], images)
 
 
-def image_job(s3_server, tmp_path, model_dir, **engine):
+def image_job(s3_server, tmp_path, model_dir, sampling: dict | None = None, **engine):
     """(spec, fs, bucket) of the image job, its input written."""
     import s3fs
 
@@ -93,7 +93,7 @@ def image_job(s3_server, tmp_path, model_dir, **engine):
     bucket = new_bucket(s3_server)
     fs = s3fs.S3FileSystem(**opts)
     input_url = write_image_job(fs, bucket, tmp_path / "local-images")
-    spec = spec_from_dict(image_job_spec(model_dir, input_url, opts, str(tmp_path / "out"), **engine))
+    spec = spec_from_dict(image_job_spec(model_dir, input_url, opts, str(tmp_path / "out"), sampling, **engine))
     return spec, fs, bucket
 
 
