@@ -121,7 +121,7 @@ def switch(name: str) -> bool | str | int | float | None:
         raise ValueError(f"{name}={value!r}: expected 0 or 1")
     if row.kind == "choice":
         if value and value.lower() not in row.choices:
-            raise ValueError(f"{name}={value!r}: expected one of {'|'.join(row.choices)}")
+            raise ValueError(f"{name}={value!r}: expected one of {', '.join(row.choices)}")
         return value.lower()
     if row.kind in ("int", "float"):
         try:

@@ -125,7 +125,7 @@ def test_typed_values(monkeypatch):
     monkeypatch.setenv("JOBRUNNER_HUGE_PAGES", "Weights")
     assert switch("JOBRUNNER_HUGE_PAGES") == "weights"
     monkeypatch.setenv("JOBRUNNER_HUGE_PAGES", "some")
-    with pytest.raises(ValueError, match="JOBRUNNER_HUGE_PAGES='some': expected one of 0|weights|all"):
+    with pytest.raises(ValueError, match="JOBRUNNER_HUGE_PAGES='some': expected one of 0, weights, all"):
         switch("JOBRUNNER_HUGE_PAGES")
     monkeypatch.delenv("JOBRUNNER_METRICS_INTERVAL_S", raising=False)
     assert switch("JOBRUNNER_METRICS_INTERVAL_S") == 2.0
