@@ -64,12 +64,17 @@ class ImageRef:
 
     @property
     def source(self) -> str:
-        """Where the image comes from, short and credential-free: the URL or path, ``<N bytes>`` for bytes, a
-        data URL's head."""
+        """Where the image comes from, short and credential-free: the URL or path (a long one cut in its middle,
+        so the file's name stays), ``<N bytes>`` for bytes, a data URL's head."""
         if isinstance(self.value, (bytes, bytearray, memoryview)):
             return f"<{memoryview(self.value).nbytes} bytes>"
         text = self.value.split("?", 1)[0] if "://" in self.value else self.value  # a presigned query is a secret
-        return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+        if len(text) <= _SHOWN_CHARS:
+            return text
+        if text.startswith("data:"):
+            return text[:_SHOWN_CHARS] + "..."
+        keep = _SHOWN_CHARS // 2  # a long path or URL keeps its head (bucket) and its tail (the file's name)
+        return text[:keep] + "..." + text[-keep:]
 
     def describe(self, index: int, count: int) -> str:
         """``image 2 of 3 (s3://b/cat.png, image_column 'photo'[1])``."""
