@@ -109,8 +109,7 @@ class ModelRunner:
         if self.deterministic:
             from jobrunner.engine.invariant import make_deterministic
 
-            backend = make_deterministic(model, backend, attention_backend, device)
-            limits = None if backend.name == "invariant" else limits  # eager: the graphs' SDPA is not invariant
+            backend = make_deterministic(model, backend, attention_backend, device)  # the invariant twin: eager
         self.steps = make_step_runner(backend, model, self.kv_cache, limits)
         if decode_graphs == "cuda" and device.type == "cuda":
             self.steps.warm_up()   # every bucket captured now, before any (timed) step

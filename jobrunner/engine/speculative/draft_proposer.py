@@ -45,6 +45,7 @@ class DraftSeq:
     adapter_id = 0  # the draft model runs without LoRA adapters: its cached blocks are the base model's
     pooling = None  # drafts are generated tokens, never a prefill-only (embed / score) request
     num_pending_tokens = 0  # every token is known on the host (late readback never runs with a speculator)
+    images = None  # a draft model sees no images (its blocks are keyed by tokens alone: kv_cache/manager.py)
 
     def __init__(self, request) -> None:
         self.request = request
