@@ -1,5 +1,5 @@
 """The one native build and loader: every C library of the engine is compiled here, for this CPU, and loaded
-with its functions declared.
+with its functions declared (until issue 46: ``quant/native.py``, imported by seven modules outside quant).
 
 The kernels are plain C called through ctypes (no torch headers, so a library builds in about a second), built
 with the system C compiler on first use and cached under ``~/.cache/jobrunner`` per source, headers, compiler,
