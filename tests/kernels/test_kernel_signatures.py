@@ -15,14 +15,14 @@ import pytest
 from jobrunner.kernels import LIBRARIES, SIGNATURES, build_library, load
 from jobrunner.kernels.build import CSRC, INCLUDE
 from jobrunner.kernels.signatures import LoopLayer, LoopModel, LoopRows, LoopStep, parse_header
-from tests.components import missing_component
+from tests.components import missing_component, native_build_failed, require_library
 
 
 def _built(name: str) -> Path:
     try:
         return build_library(name)
     except OSError as exc:
-        missing_component(f"no C compiler for the {name} build ({exc})")
+        native_build_failed(f"the {name} build failed ({exc})")
 
 
 def test_every_library_has_its_block_of_prototypes():
@@ -64,17 +64,13 @@ def test_each_library_exports_exactly_its_declared_entry_points(name):
 
 
 def test_load_declares_from_the_table():
-    lib = load("row_argmax")
-    if isinstance(lib, str):
-        missing_component(lib)
+    lib = require_library(load("row_argmax"))
     assert lib.jr_row_argmax.restype is ctypes.c_int
     assert lib.jr_row_argmax.argtypes == SIGNATURES["row_argmax"]["jr_row_argmax"][1]
 
 
 def test_the_layer_loop_structures_have_the_sizes_of_c():
-    lib = load("layer_loop")
-    if isinstance(lib, str):
-        missing_component(lib)
+    lib = require_library(load("layer_loop"))
     sizes = (ctypes.c_int64 * 4)()
     assert lib.jr_loop_struct_sizes(sizes) == 4
     assert list(sizes) == [ctypes.sizeof(s) for s in (LoopModel, LoopLayer, LoopRows, LoopStep)]
