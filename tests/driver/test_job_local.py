@@ -50,13 +50,18 @@ def test_job_writes_every_row_once_and_resume_skips_committed(local_ray, tmp_pat
     assert report["cost"]["startup_usd"] == pytest.approx(startup * 3.6 / 3600)
     assert "of which start-up (actor start + model load)" in render_text([report])
     # where the start-up went (a custom engine's build is one `load` stage), and what the driver saw
-    for w in workers.values():
+    # (a worker still starting when the job ended has only the driver's estimate: no stages, maybe not ready)
+    started = {k: w for k, w in workers.items() if "startup_stages_s" in w}
+    assert started and all(w.get("estimated") for k, w in workers.items() if k not in started)
+    for w in started.values():
         assert list(w["startup_stages_s"]) == ["process", "wait", "load"]
-        assert abs(sum(w["startup_stages_s"].values()) - w["startup_s"]) < 0.05
+        if not w.get("estimated"):
+            assert abs(sum(w["startup_stages_s"].values()) - w["startup_s"]) < 0.05
     seen = manifest["runs"][-1]["startup"]
-    assert set(seen["workers"]) == set(workers) and seen["plan_s"] > 0
-    assert all(0 < s["placed_s"] <= s["ready_s"] for s in seen["workers"].values())
-    assert report["time"]["first_ready_s"] == min(s["ready_s"] for s in seen["workers"].values())
+    assert set(started) <= set(seen["workers"]) <= set(workers) and seen["plan_s"] > 0
+    ready = [s for s in seen["workers"].values() if "ready_s" in s]
+    assert len(ready) >= len(started) and all(0 < s["placed_s"] <= s["ready_s"] for s in ready)
+    assert report["time"]["first_ready_s"] == min(s["ready_s"] for s in ready)
     assert "last run: first worker ready after" in render_text([report])
     assert manifest["model"]["architecture"] == "FakeForTests"
     assert (out / "_SUCCESS").exists() and not any((out / "_temporary").glob("**/*.parquet"))
