@@ -54,7 +54,7 @@ $(VLLM_VENV)/.installed:
 TESTS_STRICT := JOBRUNNER_TESTS_STRICT=1
 test: venv browser models vllm
 	$(BIN)/ruff check jobrunner tests
-	$(TESTS_STRICT) $(BIN)/python -m pytest -q -x -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
+	$(TESTS_STRICT) $(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile -m "not heavy"
 
 # The long checks kept out of the 15-minute suite (pyproject.toml: the `heavy` marker): real models, vLLM's OpenAI
 # server behind the fault proxy, tensor-parallel groups and their faults (not timed as a whole: each ran on its own
