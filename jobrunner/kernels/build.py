@@ -38,12 +38,14 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")  # the tile kernels' bu
 @dataclass(frozen=True)
 class Library:
     """One shared library: its source under ``csrc/``, what it is (for messages), its extra compiler flags and,
-    for the AMX kernels, the function that asks the OS for the tile state."""
+    for the kernels of an ISA extension, the function that asks whether it runs here (the AMX kernels: whether
+    the OS grants the tile state) and what to say when it does not."""
 
     source: str
     what: str
     flags: tuple[str, ...] = ()
-    amx_ready: str | None = None
+    ready: str | None = None
+    not_ready: str = "the OS refused the AMX tile state"
 
 
 LIBRARIES: dict[str, Library] = {
@@ -51,6 +53,8 @@ LIBRARIES: dict[str, Library] = {
     "amx_attention": Library("attention/amx_attention.c", "AMX prompt attention", AMX_FLAGS, "jr_amx_ready"),
     "packed_gemm": Library("gemm/packed_gemm.c", "packed GEMM"),
     "amx_gemm": Library("gemm/amx_gemm.c", "AMX GEMM", AMX_FLAGS, "jr_amx_gemm_ready"),
+    "bf16_gemm": Library("gemm/bf16_gemm.c", "AVX-512 BF16 GEMM", ("-mavx512f", "-mavx512bf16"),
+                         "jr_bf16_gemm_ready", "this CPU has no AVX-512 BF16"),
     "fused_ops": Library("rowops/fused_ops.c", "fused ops", ("-ffp-contract=off",)),
     "row_argmax": Library("rowops/row_argmax.c", "native argmax"),
     "int4_unpack": Library("quant/int4_unpack.c", "native int4 unpack"),
@@ -74,8 +78,8 @@ def load(name: str) -> ctypes.CDLL | str:
         detail = getattr(exc, "stderr", b"") or b""
         return f"{spec.what} unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
     declare(lib, name)
-    if spec.amx_ready and not getattr(lib, spec.amx_ready)():
-        return f"{spec.what} unavailable (the OS refused the AMX tile state)"
+    if spec.ready and not getattr(lib, spec.ready)():
+        return f"{spec.what} unavailable ({spec.not_ready})"
     return lib
 
 

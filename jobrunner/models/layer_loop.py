@@ -1,5 +1,6 @@
-"""A step's decoder layers in one native call, on CPUs with AMX (``kernels/csrc/layer_loop.c``; its structs and
-the kernels' prototypes in ``kernels/csrc/include/jr_kernels.h``, mirrored by :mod:`jobrunner.kernels.signatures`).
+"""A step's decoder layers in one native call, on CPUs with AMX or AVX-512 BF16 (``kernels/csrc/layer_loop.c``; its
+structs and the kernels' prototypes in ``kernels/csrc/include/jr_kernels.h``, mirrored by
+:mod:`jobrunner.kernels.signatures`).
 
 On a small model a CPU decode step is ~11 native kernels per layer, each reached from Python (``nn.Module``
 calls, argument checks, ``ctypes``); sampled on SmolLM2-135M (64 rows, bf16, 2 cores) about a quarter of the
@@ -10,12 +11,14 @@ arguments the Python path would give them, so a step's hidden states are that pa
 It applies to a step when all of these hold, else the layers run in Python as before:
 
 * the model (once): a plain Llama-family decoder (Llama, Mistral without a window, Qwen2) with dense MLPs,
-  no q/k norms, no LoRA adapters attached, bf16, head_dim 64, every projection on the AMX GEMM
-  (``models/amx_linear.py``), the fused ops and the kernels built;
-* the step: at most ``AMX_GEMM_MAX_ROWS`` tokens on the ``cpu_paged`` backend with its AMX kernels (bf16 KV
-  cache, no sliding window, nothing routed to torch's SDPA), rotary tables ``[rows, 1, head_dim]``. Its rows
-  take the kernels the backend routes them to: decodes the AMX decode kernel, chunks (speculative verify rows,
-  the tail of a chunked prompt) the AMX prompt kernel, short rows the native kernel.
+  no q/k norms, no LoRA adapters attached, bf16, head_dim 64, every projection on the packed bf16 GEMM
+  (``models/amx_linear.py``: the AMX tiles, or AVX-512 BF16 dot products on CPUs without AMX), the fused ops and
+  the kernels built;
+* the step: at most the packed GEMM's row limit (``AMX_GEMM_MAX_ROWS`` with AMX; ``LOOP_MAX_ROWS`` with
+  AVX-512 BF16, whose GEMM takes prompt chunks too) tokens on the ``cpu_paged`` backend (bf16 KV cache, no sliding
+  window, nothing routed to torch's SDPA), rotary tables ``[rows, 1, head_dim]``. Its rows take the kernels the
+  backend routes them to: with AMX, decodes the AMX decode kernel and chunks (speculative verify rows, the tail
+  of a chunked prompt) the AMX prompt kernel; short rows, and every row on a CPU without AMX, the native kernel.
 
 ``JOBRUNNER_LAYER_LOOP=0`` turns it off. Under ``jobrunner bench --profile`` the C loop times its kernels
 itself (attention, GEMMs, other) and the profiler charges them (``engine/profile.py``).
@@ -35,6 +38,7 @@ from jobrunner.kernels import LoopStep as _Step
 from jobrunner.kernels import is_off, load, source_path
 
 LOOP_ENV = "JOBRUNNER_LAYER_LOOP"
+LOOP_MAX_ROWS = 2048  # the most tokens of a step in the loop where the packed GEMM takes any row count
 SOURCE = source_path("layer_loop")
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 _STAGES = ("input norm", "q|k|v projection", "rotary", "KV write", "decode attention", "o projection",
@@ -82,7 +86,7 @@ def layer_loop_reason(model) -> str | None:
             return "a layer that is not the plain decoder layer (wrapped or replaced)"
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if type(proj) is not OneDnnLinear or proj.amx_packed is None:
-                return "a projection not on the AMX GEMM"
+                return "a projection not on the packed bf16 GEMM"
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return "a bias outside q|k|v"
     for lib in (amx_linear._library(), fused_ops.fused_library(), _library()):
@@ -96,34 +100,46 @@ class LayerLoop:
 
     def __init__(self, model) -> None:
         from jobrunner.models import amx_linear, fused_ops
-        from jobrunner.models.amx_linear import AMX_GEMM_MAX_ROWS
-
         s = model.shape
         fused, gemm = fused_ops.fused_library(), amx_linear._library()
         self.fn = _library().jr_layer_loop
-        self.model = _Model(linear=_address(gemm.jr_amx_linear), norm=_address(fused.jr_rms_norm),
+        self.model = _Model(linear=_address(amx_linear.linear_function(gemm)), norm=_address(fused.jr_rms_norm),
                             rotary=_address(fused.jr_rotary), silu=_address(fused.jr_silu_mul),
                             hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                             inter=model.layers[0].mlp.intermediate_size, layers=s.num_layers,
                             eps=s.rms_norm_eps, scale=model.layers[0].self_attn.scale)
-        self.max_rows = AMX_GEMM_MAX_ROWS
+        self.max_rows = amx_linear.packed_max_rows() or LOOP_MAX_ROWS
         self.source = model
         self.kernels_of: int | None = None  # id of the backend whose write / decode kernels are set
         self.layers_of: tuple[int, int] | None = None  # (data_ptr, layer stride) of the KV cache the layers see
         self.layers = (_Layer * s.num_layers)()
-        # the step's bf16 buffers, each up to max_rows rows of its width, 64-byte aligned, in one workspace
+        # the step's bf16 buffers, each as many rows as the largest step so far (up to max_rows) of its width,
+        # 64-byte aligned, in one workspace
         m = self.model
         q_size, kv_size = m.heads * m.head_dim, m.kv_heads * m.head_dim
         self.widths = {"x0": m.hidden, "x1": m.hidden, "h": m.hidden, "qkv": q_size + 2 * kv_size, "q": q_size,
                        "attn": q_size, "o": m.hidden, "gate_up": 2 * m.inter, "act": m.inter, "down": m.hidden}
-        self.workspace = torch.empty(self.max_rows * sum(self.widths.values()) + 32 * len(self.widths),
-                                     dtype=torch.bfloat16)
+        self.workspace = torch.empty(0, dtype=torch.bfloat16)
+        self.workspace_rows = 0
+
+    def _buffers(self, rows: int) -> dict[str, int]:
+        """The step's buffer addresses in the workspace, grown to ``rows`` rows first where it is smaller."""
+        if rows > self.workspace_rows:
+            grown = max(rows, min(self.max_rows, 2 * self.workspace_rows))
+            self.workspace = torch.empty(grown * sum(self.widths.values()) + 32 * len(self.widths),
+                                         dtype=torch.bfloat16)
+            self.workspace_rows = grown
+        at, buffers = -(-self.workspace.data_ptr() // 64) * 64, {}
+        for name, width in self.widths.items():
+            buffers[name] = at
+            at += -(-rows * width * 2 // 64) * 64
+        return buffers
 
     def applies(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor) -> bool:
         """Whether this step fits the loop (module doc), from cheap checks of its tensors and metadata."""
         from jobrunner.attention.cpu_paged import CpuPagedMetadata
 
-        if type(meta) is not CpuPagedMetadata or meta.torch_groups or meta.backend.amx is None:
+        if type(meta) is not CpuPagedMetadata or meta.torch_groups:
             return False
         rows = x.shape[0]
         if meta.num_tokens != rows or not 0 < rows <= self.max_rows or meta.window or \
@@ -141,13 +157,10 @@ class LayerLoop:
         self._bind(meta.backend, kv_cache)
         m, rows = self.model, x.shape[0]
         out = torch.empty_like(x)
-        at, buffers = -(-self.workspace.data_ptr() // 64) * 64, {}
-        for name, width in self.widths.items():
-            buffers[name] = at
-            at += -(-rows * width * 2 // 64) * 64
+        buffers = self._buffers(rows)
         cos, sin = rope
-        amx = meta.backend.amx
-        workspace = amx.workspace_for(meta.amx_padded_keys, m.kv_heads, m.head_dim)  # the prompt kernel's
+        amx = meta.backend.amx  # None without AMX: every row on the native kernel, no workspace
+        workspace = amx.workspace_for(meta.amx_padded_keys, m.kv_heads, m.head_dim) if amx is not None else None
         decodes = _rows(meta.amx_num_decodes, meta.amx_decode_blocks, dict(zip(
             ("start", "seq", "tables", "group_off", "group_rows", "group_len"), meta.amx_decodes)),
             meta.amx_decode_groups)
@@ -159,7 +172,8 @@ class LayerLoop:
         step = _Step(rows=rows, threads=torch.get_num_threads(), x=x.data_ptr(), out=out.data_ptr(),
                      cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
                      block_size=meta.block_size, fast_min_query=meta.backend.fast_min_query or 0,
-                     decodes=decodes, natives=natives, chunks=chunks, workspace=workspace.data_ptr(),
+                     decodes=decodes, natives=natives, chunks=chunks,
+                     workspace=None if workspace is None else workspace.data_ptr(),
                      final_norm=self.source.norm.weight.data_ptr(), **buffers)
         seconds = (ctypes.c_double * 3)() if clock is not None else None
         rc = self.fn(ctypes.byref(m), self.layers, ctypes.byref(step), seconds)
@@ -177,7 +191,8 @@ class LayerLoop:
         if self.kernels_of != id(backend):
             m = self.model
             m.write_kv, m.native = _address(backend.write_fn), _address(backend.fn)
-            m.decode, m.chunk = _address(backend.amx.decode_fn), _address(backend.amx.fn)
+            amx = backend.amx
+            m.decode, m.chunk = (None, None) if amx is None else (_address(amx.decode_fn), _address(amx.fn))
             self.kernels_of = id(backend)
         key = (kv_cache.data_ptr(), kv_cache.stride(0))
         if self.layers_of == key:

@@ -1,6 +1,8 @@
 """Decode steps' layers in one native call (models/layer_loop.py): the Python path's bits, which steps and models
-take it, and its timers under the profiler. The loop itself runs on CPUs with AMX only (skipped where the CPU
-has none; where it has, a kernel that does not build fails); the model checks run everywhere."""
+take it, and its timers under the profiler. The loop runs on CPUs with AMX (the AMX GEMM and attention kernels)
+and on CPUs with AVX-512 BF16 (JOBRUNNER_CPU_CAPABILITY=avx512_bf16, also forced on an AMX CPU: the vdpbf16ps GEMM,
+every row on the native attention kernel); each is skipped where the CPU lacks it, and where it has it a kernel
+that does not build fails. The model checks run everywhere."""
 
 from __future__ import annotations
 
@@ -12,23 +14,29 @@ from tiny import CORPUS, make_hf_model
 from jobrunner.attention import amx_prefill
 from jobrunner.engine import EngineConfig, LLMEngine, SamplingParams
 from jobrunner.engine.profile import StepProfiler
+from jobrunner.kernels import CAPABILITY_ENV
 from jobrunner.models import layer_loop
 from jobrunner.models.loader import build_model, load_weights
 from jobrunner.models.onednn_linear import reorder_bf16_linears
 from tests.components import require_cpu, require_library
 
 
-@pytest.fixture
-def amx_kernels() -> None:
-    """Skip where the CPU has no AMX; where it has, the loop's kernels must build (tests/components.py)."""
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def loop_cpu(request, monkeypatch) -> str:
+    """The capability the loop runs under (forced): skipped where the CPU lacks it; where it has it, the loop's
+    kernels must build (tests/components.py)."""
     from jobrunner.models import amx_linear, fused_ops
 
-    require_cpu("amx")
-    for lib in (amx_prefill._library(), amx_linear._library(), fused_ops.fused_library(), layer_loop._library()):
+    capability = request.param
+    require_cpu(capability)
+    monkeypatch.setenv(CAPABILITY_ENV, capability)
+    libs = [amx_linear._library(), fused_ops.fused_library(), layer_loop._library()]
+    for lib in libs + ([amx_prefill._library()] if capability == "amx" else []):
         require_library(lib)
+    return capability
 
 
-needs_amx = pytest.mark.usefixtures("amx_kernels")
+needs_loop_cpu = pytest.mark.usefixtures("loop_cpu")
 SHAPE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -64,7 +72,7 @@ def counted(monkeypatch):
     return calls
 
 
-CASES = {  # name: (engine config, environment, the kinds of attention rows the loop must have run)
+CASES = {  # name: (engine config, environment, the kinds of attention rows the loop must have run with AMX)
     "decodes": ({}, {}, {"decodes"}),
     # prompts chunked into steps of <= 96 tokens: every step fits; chunks after cached prefixes
     "chunked prefill": ({"max_num_batched_tokens": 96}, {}, {"decodes", "chunks"}),
@@ -75,13 +83,17 @@ CASES = {  # name: (engine config, environment, the kinds of attention rows the 
 }
 
 
-@needs_amx
 @pytest.mark.parametrize("arch,case", [("llama", name) for name in CASES] + [("qwen2", "chunked prefill")])
-def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, arch, case):
+def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, loop_cpu, arch, case):
     """Greedy decodes of 14 prompts (six share a ~140-token header, so some decodes are grouped on their shared
     blocks) with the loop on and off: the same tokens and the same logprobs, bit for bit, for each kind of
-    attention row the loop runs (qwen2: the q|k|v bias); steps over 128 tokens keep Python."""
+    attention row the loop runs (qwen2: the q|k|v bias); steps over 128 tokens keep Python. Without AMX every
+    row is the native kernel's."""
     config, env, kinds = CASES[case]
+    if loop_cpu != "amx":
+        if env:  # the AMX decode kernel turned off: nothing else to see where there is none
+            pytest.skip("an AMX-only setting")
+        kinds = {"natives"}
     hf = make_hf_model(arch, **SHAPE)
     shared = " ".join(CORPUS[:4])
     prompts = [f"{shared} {CORPUS[5 + i]}" for i in range(6)] + [" ".join(CORPUS[i:i + 3]) for i in range(8)]
@@ -99,7 +111,7 @@ def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, a
         steps[setting] = counted["n"]
     assert steps["0"] == 0 and steps["1"] > 0
     assert {kind for kind in ("decodes", "natives", "chunks") if counted[kind]} == kinds
-    if case == "decodes":
+    if case == "decodes" and loop_cpu == "amx":
         assert counted["groups"] > 0  # shared blocks read once per group
     for key, out in outs["0"].items():
         mine = outs["1"][key]
@@ -108,7 +120,7 @@ def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, a
         assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
 
 
-@needs_amx
+@needs_loop_cpu
 def test_the_profiler_charges_the_loops_own_timers(monkeypatch, tokenizer, counted):
     monkeypatch.delenv(layer_loop.LOOP_ENV, raising=False)
     engine = _engine(_model(make_hf_model("llama", **SHAPE)), tokenizer)
@@ -136,7 +148,7 @@ def test_models_the_loop_does_not_take_say_why(monkeypatch):
     assert layer_loop.layer_loop_reason(fp32) == f"{layer_loop.LOOP_ENV}=0"
 
 
-@needs_amx
+@needs_loop_cpu
 def test_a_model_with_adapters_or_a_wrapped_layer_stays_in_python(monkeypatch, tokenizer, counted, tmp_path):
     """LoRA adapters attached (as `lora_adapters:` does, after loading): every step in Python, the adapters
     applied; a layer someone wrapped: refused with the reason."""

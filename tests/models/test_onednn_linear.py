@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from jobrunner.kernels import CAPABILITY_ENV
+from jobrunner.models.amx_linear import AMX_GEMM_ENV
 from jobrunner.models.onednn_linear import (
     ONEDNN_ENV,
     OneDnnLinear,
@@ -113,6 +114,7 @@ def test_an_engine_in_bf16_runs_the_reordered_layers(monkeypatch, tiny_llama_hf_
                                                                               ignore_eos=True))
         return engine, [t for o in outs for t in o.output_token_ids]
 
+    monkeypatch.setenv(AMX_GEMM_ENV, "0")  # oneDNN's layers alone (the packed GEMM: tests/models/test_amx_linear.py)
     engine, tokens = generate("1")
     kinds = {type(m).__name__ for name, m in engine.model.named_modules() if name.endswith("_proj")}
     assert kinds == {"OneDnnLinear"}
