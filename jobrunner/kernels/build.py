@@ -46,11 +46,16 @@ class Library:
     flags: tuple[str, ...] = ()
     ready: str | None = None
     not_ready: str = "the OS refused the AMX tile state"
+    prototypes: str | None = None  # the library whose block of jr_kernels.h declares it (None: its own name)
 
 
 LIBRARIES: dict[str, Library] = {
     "paged_attention": Library("attention/paged_attention.c", "native paged attention"),
     "amx_attention": Library("attention/amx_attention.c", "AMX prompt attention", AMX_FLAGS, "jr_amx_ready"),
+    # the AMX attention kernels' source with the tile operations on AVX-512 BF16 (include/jr_tile_avx512.h)
+    "bf16_attention": Library("attention/amx_attention.c", "AVX-512 BF16 attention",
+                              ("-mavx512f", "-mavx512bf16", "-DJR_TILE_AVX512"), "jr_amx_ready",
+                              "this CPU has no AVX-512 BF16", "amx_attention"),
     "packed_gemm": Library("gemm/packed_gemm.c", "packed GEMM"),
     "amx_gemm": Library("gemm/amx_gemm.c", "AMX GEMM", AMX_FLAGS, "jr_amx_gemm_ready"),
     "bf16_gemm": Library("gemm/bf16_gemm.c", "AVX-512 BF16 GEMM", ("-mavx512f", "-mavx512bf16"),
@@ -77,7 +82,7 @@ def load(name: str) -> ctypes.CDLL | str:
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         return f"{spec.what} unavailable ({exc}{': ' + detail.decode()[-400:] if detail else ''})"
-    declare(lib, name)
+    declare(lib, spec.prototypes or name)
     if spec.ready and not getattr(lib, spec.ready)():
         return f"{spec.what} unavailable ({spec.not_ready})"
     return lib

@@ -48,21 +48,22 @@ _ROWS = (
            "group (fast kernel, outside deterministic mode)", "avx2, avx512, avx512_vnni, avx512_bf16, amx"),
     Switch("JOBRUNNER_ATTENTION_BF16_SDPA", "", "onoff", "bf16 prompt chunks over 64 tokens to torch's SDPA (the "
            "matrix units); unset: on with AMX", "amx (1 forces it anywhere)"),
-    Switch("JOBRUNNER_ATTENTION_AMX", "", "onoff", "long bf16 prompt chunks on the AMX attention kernel; unset: "
-           "on with AMX", "amx"),
-    Switch("JOBRUNNER_ATTENTION_AMX_DECODE", "grouped", "choice", "bf16 decodes on the AMX decode kernel: "
-           "grouped (decodes sharing a prefix read it once per group), all (each row alone), 0 off", "amx",
+    Switch("JOBRUNNER_ATTENTION_AMX", "", "onoff", "bf16 prompt chunks on the tile attention kernel (AMX tiles, "
+           "or vdpbf16ps without AMX); unset: on with AMX or AVX-512 BF16", "avx512_bf16, amx"),
+    Switch("JOBRUNNER_ATTENTION_AMX_DECODE", "grouped", "choice", "bf16 decodes on the tile decode kernel: "
+           "grouped (decodes sharing a prefix read it once per group), all (each row alone), 0 off",
+           "avx512_bf16, amx",
            choices=("grouped", "all", "0")),
     # GEMMs and row ops
-    Switch("JOBRUNNER_AMX_GEMM", "", "onoff", "bf16 linears on the AMX GEMM (packed weights); unset: on with AMX "
-           "up to its size limit, 1 past it", "amx"),
+    Switch("JOBRUNNER_AMX_GEMM", "", "onoff", "bf16 linears on the packed GEMM (AMX tiles; AVX-512 BF16 without "
+           "AMX); unset: on with AMX up to its size limit, 1 past it, and on avx512_bf16", "avx512_bf16, amx"),
     Switch("JOBRUNNER_ONEDNN_LINEAR", "", "onoff", "bf16 linears on oneDNN-reordered weights; unset: on with AMX",
            "avx512_bf16, amx"),
     Switch("JOBRUNNER_PACKED_GEMM", "", "onoff", "float32 linears on the packed-panel GEMM; unset: on with avx2",
            "avx2 (1 forces it on avx512*, amx)"),
     Switch("JOBRUNNER_FUSED_OPS", "1", "onoff", "the fused row ops (RMSNorm + add, rotary, SiLU * up) in C"),
-    Switch("JOBRUNNER_LAYER_LOOP", "1", "onoff", "a decode step's layers in one C call (needs the AMX GEMM and "
-           "AMX attention)", "amx"),
+    Switch("JOBRUNNER_LAYER_LOOP", "1", "onoff", "a step's layers in one C call (needs the packed bf16 GEMM: "
+           "decode steps with AMX, steps up to 2,048 tokens on avx512_bf16)", "avx512_bf16, amx"),
     Switch("JOBRUNNER_NATIVE_ARGMAX", "1", "onoff", "the greedy sampler's row argmax in C"),
     Switch("JOBRUNNER_HUGE_PAGES", "0", "choice", "transparent huge pages for the packed weights (weights) or the "
            "KV cache too (all)", "all (Linux)", choices=("0", "weights", "all")),

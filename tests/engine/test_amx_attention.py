@@ -1,6 +1,8 @@
-"""bf16 prompt chunks on the AMX kernel (kernels/csrc/attention/amx_attention.c) against attention computed
-directly in float64 and against torch's SDPA route, on a CPU with AMX (skipped where the CPU has none; where it
-has, a kernel that does not build fails: tests/components.py)."""
+"""bf16 prompt chunks and decodes on the tile kernels (kernels/csrc/attention/amx_attention.c) against attention
+computed directly in float64 and against torch's SDPA route and the exact kernel, under each capability that runs
+them, forced: AMX (the tiles) and AVX-512 BF16 (the same source with the tile operations on vdpbf16ps,
+include/jr_tile_avx512.h). Each is skipped where the CPU lacks it; where it has it, a kernel that does not build
+fails (tests/components.py)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,21 @@ from jobrunner.kernels import CAPABILITY_ENV
 from tests.components import require_cpu, require_library
 
 
-def _require_amx_kernel() -> None:
-    require_cpu("amx")
+def _require_tile_kernel(capability: str = "amx") -> None:
+    require_cpu(capability)
     require_library(amx_prefill._library())
 
 
-@pytest.fixture
-def amx_kernel() -> None:
-    """Skip where the CPU has no AMX; where it has, the kernel must build."""
-    _require_amx_kernel()
+@pytest.fixture(params=sorted(amx_prefill.LIBRARIES))
+def tile_cpu(request, monkeypatch) -> str:
+    """Each capability that runs the kernels, forced: skipped where the CPU lacks it; where it has it, the kernel
+    must build."""
+    monkeypatch.setenv(CAPABILITY_ENV, request.param)
+    _require_tile_kernel(request.param)
+    return request.param
 
 
-needs_amx = pytest.mark.usefixtures("amx_kernel")
+needs_amx = pytest.mark.usefixtures("tile_cpu")
 
 
 def _run(backend, layout, slots, q, k, v, k_cache, v_cache, scale):
@@ -75,15 +80,16 @@ def test_amx_rows_beside_decodes_and_short_chunks():
 
 @pytest.mark.parametrize("forced,setting,dtype,amx", [
     ("amx", "", torch.bfloat16, True), ("amx", "0", torch.bfloat16, False), ("amx", "", torch.float32, False),
-    ("avx512_bf16", "", torch.bfloat16, False)])
+    ("avx512_bf16", "", torch.bfloat16, True), ("avx512_bf16", "0", torch.bfloat16, False),
+    ("avx512_vnni", "", torch.bfloat16, False)])
 def test_the_amx_route_is_chosen_by_capability(monkeypatch, forced, setting, dtype, amx):
-    """On AMX, bf16 chunks of more than 64 tokens take the AMX kernel (JOBRUNNER_ATTENTION_AMX=0: torch's SDPA
-    as before); never for float32 or without AMX."""
-    if forced == "amx":
-        _require_amx_kernel()
+    """With AMX or AVX-512 BF16, bf16 prompt chunks take the tile kernel (JOBRUNNER_ATTENTION_AMX=0: as before,
+    torch's SDPA with AMX, the native kernel without); never for float32 or on other CPUs."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         pytest.skip("the forced AVX-512 builds run on an AVX-512 CPU only")
     monkeypatch.setenv(CAPABILITY_ENV, forced)
+    if forced in amx_prefill.LIBRARIES:
+        _require_tile_kernel(forced)
     monkeypatch.setenv(amx_prefill.AMX_ENV, setting)
     backend = make_cpu_paged_backend("cpu", 64, dtype)
     assert (backend.amx is not None) == amx

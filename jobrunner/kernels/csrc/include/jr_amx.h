@@ -1,7 +1,12 @@
 /* The AMX set-up every tile kernel shares (amx_attention.c, amx_gemm.c): the OS permission for the tile state
-   and the one tile configuration they use. Include only from sources built with -mamx-tile. */
+   and the one tile configuration they use. Include only from sources built with -mamx-tile, or with
+   -DJR_TILE_AVX512 -mavx512bf16: then the tile operations run on AVX-512 BF16 instead (jr_tile_avx512.h). */
 #ifndef JR_AMX_H
 #define JR_AMX_H
+
+#ifdef JR_TILE_AVX512
+#include "jr_tile_avx512.h"
+#else
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -37,4 +42,5 @@ static void configure_tiles(void) {
   _tile_loadconfig(&cfg);
 }
 
+#endif /* JR_TILE_AVX512 */
 #endif
