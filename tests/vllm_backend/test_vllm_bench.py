@@ -1,5 +1,6 @@
 """`jobrunner bench --engine jobrunner,vllm`: both engines on the same token ids in one command, with the ratio
-(real vLLM, eager to keep the start short); and the option's errors."""
+(real vLLM, eager to keep the start short; `make test-heavy`: the vLLM process it drives is the engine.backend
+vllm path, which tests/vllm_backend/test_vllm_engine.py holds in the default suite); and the option's errors."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _prompts(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.heavy
 def test_both_engines_on_the_same_token_ids(tmp_path):
     python = vllm_python_or_skip()
     args = ["bench", "--prompts", str(_prompts(tmp_path)), "--num-prompts", "4", "--max-tokens", "8",
