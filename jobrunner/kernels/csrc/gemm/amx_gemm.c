@@ -25,6 +25,7 @@
 #include <string.h>
 #include "jr_amx.h"
 #include "jr_kernels.h"
+#include "jr_tile_pack.h"
 
 #define ROW_BLOCK 256
 #ifndef PREFETCH
@@ -35,20 +36,7 @@ int jr_amx_gemm_ready(void) { return amx_permitted(); }
 
 /* W [N, K] bf16 row-major -> the packed layout above; N % 16 == 0 and K % 32 == 0 (else 1) */
 int jr_amx_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K) {
-  if (N % 16 || K % 32 || N <= 0 || K <= 0) return 1;
-  const int64_t kt = K / 32;
-#pragma omp parallel for schedule(static)
-  for (int64_t nb = 0; nb < N / 16; nb++)
-    for (int64_t kb = 0; kb < kt; kb++) {
-      uint16_t *tile = packed + (nb * kt + kb) * 512;
-      for (int64_t r = 0; r < 16; r++)
-        for (int64_t c = 0; c < 16; c++) {
-          const uint16_t *src = w + (nb * 16 + c) * K + kb * 32 + 2 * r;
-          tile[r * 32 + c * 2] = src[0];
-          tile[r * 32 + c * 2 + 1] = src[1];
-        }
-    }
-  return 0;
+  return jr_pack_tiles(w, packed, N, K); /* include/jr_tile_pack.h */
 }
 
 /* rows m0 .. m0 + rows - 1 (rows <= 16) of a float32 C tile (16 x 16 at c) into out's columns n0 .. n0 + 15,
