@@ -60,6 +60,8 @@ LIBRARIES: dict[str, Library] = {
     "amx_gemm": Library("gemm/amx_gemm.c", "AMX GEMM", AMX_FLAGS, "jr_amx_gemm_ready"),
     "bf16_gemm": Library("gemm/bf16_gemm.c", "AVX-512 BF16 GEMM", ("-mavx512f", "-mavx512bf16"),
                          "jr_bf16_gemm_ready", "this CPU has no AVX-512 BF16"),
+    "i8_gemm": Library("gemm/i8_gemm.c", "AVX-512 VNNI W8A8 GEMM", ("-mavx512f", "-mavx512bw", "-mavx512vnni",
+                       "-mavx512bf16"), "jr_i8_gemm_ready", "this CPU has no AVX-512 VNNI and BF16"),
     "fused_ops": Library("rowops/fused_ops.c", "fused ops", ("-ffp-contract=off",)),
     "row_argmax": Library("rowops/row_argmax.c", "native argmax"),
     "int4_unpack": Library("quant/int4_unpack.c", "native int4 unpack"),

@@ -49,6 +49,12 @@ int jr_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K);
 int jr_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                    int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
 
+/* library i8_gemm: gemm/i8_gemm.c */
+int jr_i8_gemm_ready(void);
+int jr_i8_pack(const int8_t *w, const float *scales, uint8_t *packed, int64_t N, int64_t K);
+int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
+
 /* library fused_ops: rowops/fused_ops.c */
 int jr_rms_norm(const void *x, const void *add, void *sum_out, void *out, const void *weight, int64_t rows,
                 int64_t n, float eps, int64_t bf16, int64_t threads);

@@ -1,0 +1,212 @@
+/* W8A8 linear layers on AVX-512 VNNI dot products (vpdpbusd), for CPUs with VNNI and bf16 activations (AMD Zen 4
+   / Zen 5, Cooper Lake; Ice Lake and later Xeons): out[M, N] = bf16(q(x)[M, K] W[N, K]^T * s_x * s_w) (+ bias),
+   in one call: the per-token quantization of x, the exact int32 GEMM and the scaling. jobrunner/quant/w8a8.py
+   calls it via ctypes (kernel "vnni"), and the layer loop (layer_loop.c) through the same signature as the bf16
+   GEMMs; built with -mavx512vnni.
+
+   Why: a vpdpbusd multiplies 64 byte pairs where vdpbf16ps multiplies 32 bf16 pairs, at the same rate; at a
+   decode step's row counts on a small model the GEMM is bound by those instructions, so an int8 product does the
+   step's GEMMs in about half the instructions of the bf16 one, and reads half the weight bytes.
+
+   Numbers (the same as jobrunner.quant.primitives.quantize_rows_int8 then torch._int_mm, which the tests check
+   bit for bit): per row s_x = max|x| / 127 (1 for a zero row), q = rint(x / s_x) clamped to +-127 (float32
+   division, round half to even); acc = sum_k q W exactly in int32 (|acc| < 2^31 for K < 66,000); y =
+   (float(acc) * s_x) * s_w rounded to bf16 once (nearest even); with a bias, y + bias in float rounded again (a
+   bf16 add, as the torch path adds it). vpdpbusd takes unsigned x bytes, so the rows are stored as q + 128 and
+   128 sum_k W[n, k] (kept with the packed weight) is taken off each sum. A row's result does not depend on the
+   other rows, the thread count or M (batch-invariant).
+
+   Packed weight (jr_i8_pack), N * K + 8 N bytes: N / 16 column blocks, each K / 64 chunks of 1 KB, block-major;
+   chunk (nb, kb), row r holds the 16 quads (W[16 nb + c, 64 kb + 4 r .. 4 r + 3]), c = 0 .. 15: the 64-byte B
+   operand of one vpdpbusd (and the AMX-INT8 tile layout); then the N int32 offsets 128 sum_k W[n, k], then the N
+   float32 weight scales.
+
+   Work: the rows are quantized into a per-thread workspace (threads over rows), then threads own contiguous
+   ranges of column blocks, NB = 4 at a time, and walk the rows MR = 6 at a time with 24 int32 accumulators. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "jr_kernels.h"
+
+#define NB 4 /* column blocks of 16 per micro-tile */
+#define MR 6 /* rows per micro-tile */
+
+int jr_i8_gemm_ready(void) {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+}
+
+/* W [N, K] int8 row-major and its scales [N] -> the packed layout above; N % 16 == 0 and K % 64 == 0 (else 1) */
+int jr_i8_pack(const int8_t *w, const float *scales, uint8_t *packed, int64_t N, int64_t K) {
+  if (N % 16 || K % 64 || N <= 0 || K <= 0 || K >= 66000) return 1;
+  const int64_t kt = K / 64;
+  int32_t *offset = (int32_t *)(packed + N * K);
+  float *scale = (float *)(offset + N);
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < N / 16; nb++) {
+    for (int64_t kb = 0; kb < kt; kb++) {
+      uint8_t *chunk = packed + (nb * kt + kb) * 1024;
+      for (int64_t r = 0; r < 16; r++)
+        for (int64_t c = 0; c < 16; c++) memcpy(chunk + r * 64 + c * 4, w + (nb * 16 + c) * K + kb * 64 + 4 * r, 4);
+    }
+    for (int64_t c = 0; c < 16; c++) {
+      const int8_t *row = w + (nb * 16 + c) * K;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; k++) sum += row[k];
+      offset[nb * 16 + c] = 128 * sum;
+      scale[nb * 16 + c] = scales[nb * 16 + c];
+    }
+  }
+  return 0;
+}
+
+/* row x (bf16, K % 32 == 0) -> bytes q + 128 and its scale */
+static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale) {
+  __m512i top = _mm512_setzero_si512();
+  const __m512i mask = _mm512_set1_epi16(0x7fff);
+  for (int64_t k = 0; k < K; k += 32)
+    top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512((const void *)(x + k)), mask));
+  uint16_t lanes[32], t = 0;
+  _mm512_storeu_si512((void *)lanes, top);
+  for (int i = 0; i < 32; i++) t = lanes[i] > t ? lanes[i] : t;
+  union { uint32_t u; float f; } amax = {(uint32_t)t << 16};
+  const float s = amax.f > 0.f ? amax.f / 127.f : 1.f;
+  *scale = s;
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i zp = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(r), zp)));
+  }
+}
+
+/* the micro-tile's int32 sums (row i, block j at sums + (i * NB + j) * 16) to bf16 outputs; a function of its
+   own: with this code after the loop GCC 12 spilled the accumulators inside it */
+static __attribute__((noinline)) void finish(const int32_t *sums, const float *sx, const int32_t *offset,
+                                             const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo,
+                                             int64_t m, int64_t nb, int mr, int nbk) {
+  for (int j = 0; j < nbk; j++) {
+    const int64_t n0 = (nb + j) * 16;
+    const __m512i off = _mm512_loadu_si512((const void *)(offset + n0));
+    const __m512 s = _mm512_loadu_ps(sw + n0);
+    __m512 bj = _mm512_setzero_ps();
+    if (bias)
+      bj = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+    for (int i = 0; i < mr; i++) {
+      const __m512i acc = _mm512_load_si512((const void *)(sums + (i * NB + j) * 16));
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
+      __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[m + i])), s));
+      if (bias) {
+        const __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
+        y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yf, bj));
+      }
+      _mm256_storeu_si256((__m256i *)(out + (m + i) * ldo + n0), y);
+    }
+  }
+}
+
+/* rows m .. m + mr - 1 (bytes of row i at a + i * K, scales sx), column blocks nb .. nb + nbk - 1 */
+static inline __attribute__((always_inline)) void micro(const uint8_t *a, const float *sx, const uint8_t *packed,
+                                                       const int32_t *offset, const float *sw, const uint16_t *bias,
+                                                       uint16_t *out, int64_t ldo, int64_t m, int64_t nb, int64_t K,
+                                                       const int mr, const int nbk) {
+  const int64_t kt = K / 64, quads = K / 4;
+  __m512i acc[MR][NB];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nbk; j++) acc[i][j] = _mm512_setzero_si512();
+  const uint8_t *b = packed + nb * kt * 1024; /* block nb's first chunk; block nb + j at + j * kt * 1024 */
+  const uint8_t *r[MR];
+  for (int i = 0; i < mr; i++) r[i] = a + (m + i) * K;
+  for (int64_t p = 0; p < quads; p++) {
+    __m512i w[NB];
+    for (int j = 0; j < nbk; j++) w[j] = _mm512_loadu_si512((const void *)(b + j * kt * 1024 + p * 64));
+    for (int i = 0; i < mr; i++) {
+      int32_t quad;
+      memcpy(&quad, r[i] + 4 * p, 4);
+      const __m512i v = _mm512_set1_epi32(quad);
+      for (int j = 0; j < nbk; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], v, w[j]);
+    }
+  }
+  int32_t sums[MR * NB * 16] __attribute__((aligned(64)));
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nbk; j++) _mm512_store_si512((void *)(sums + (i * NB + j) * 16), acc[i][j]);
+  finish(sums, sx, offset, sw, bias, out, ldo, m, nb, mr, nbk);
+}
+
+#define ROWS_CASE(R, NBK) \
+  case R: micro(a, sx, packed, offset, sw, bias, out, ldo, m, nb, K, R, NBK); break;
+
+/* every row, column blocks nb .. nb + nbk - 1 (nbk <= NB) */
+#define GROUP(NBK)                                                                                            \
+  static void group_##NBK(const uint8_t *a, const float *sx, const uint8_t *packed, const int32_t *offset,    \
+                          const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M,       \
+                          int64_t nb, int64_t K) {                                                             \
+    for (int64_t m = 0; m < M; m += MR) {                                                                      \
+      switch (M - m < MR ? M - m : MR) {                                                                       \
+        ROWS_CASE(1, NBK) ROWS_CASE(2, NBK) ROWS_CASE(3, NBK) ROWS_CASE(4, NBK) ROWS_CASE(5, NBK)              \
+        default: micro(a, sx, packed, offset, sw, bias, out, ldo, m, nb, K, MR, NBK);                         \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+GROUP(1)
+GROUP(2)
+GROUP(3)
+GROUP(4)
+
+/* the calling thread's workspace for the quantized rows, grown on demand (one per thread: engines in several
+   threads of one process do not share it) */
+static __thread uint8_t *workspace;
+static __thread size_t workspace_bytes;
+
+static uint8_t *workspace_for(size_t bytes) {
+  if (bytes > workspace_bytes) {
+    free(workspace);
+    workspace = NULL;
+    workspace_bytes = 0;
+    if (posix_memalign((void **)&workspace, 64, bytes)) return NULL;
+    workspace_bytes = bytes;
+  }
+  return workspace;
+}
+
+/* out[M, N] (row stride ldo, bf16) = the W8A8 product of x[M, K] (row stride ldx, bf16) and the weight packed by
+   jr_i8_pack (+ bias, bf16 [N] or NULL). The same signature as jr_bf16_linear, so the layer loop calls either.
+   Returns 0, 1 for a shape it does not take (N % 16, K % 64), 2 when the workspace cannot be allocated. */
+int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  if (M == 0) return 0;
+  if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
+  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * sizeof(float) + 64);
+  if (!a) return 2;
+  float *sx = (float *)(a + M * K + (64 - (M * K) % 64) % 64);
+  const int32_t *offset = (const int32_t *)(packed + N * K);
+  const float *sw = (const float *)(offset + N);
+  const int64_t blocks = N / 16;
+  if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    /* contiguous, even shares of the column blocks, walked NB at a time (the last group of a share shorter) */
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    for (int64_t nb = b0; nb < b1; nb += NB) {
+      const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
+      switch (nbk) {
+        case 1: group_1(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        case 2: group_2(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        case 3: group_3(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        default: group_4(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+      }
+    }
+  }
+  return 0;
+}
