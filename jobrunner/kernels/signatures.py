@@ -22,17 +22,16 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class LoopModel(ctypes.Structure):
     """``JrLoopModel``: the layer loop's kernels (function addresses) and shapes."""
 
-    _fields_ = [(name, _P) for name in ("linear", "norm", "rotary", "silu", "write_kv", "decode", "native",
-                                        "chunk")] + [
+    _fields_ = [(name, _P) for name in ("norm", "rotary", "silu", "write_kv", "decode", "native", "chunk")] + [
         (name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers")] + [
         ("eps", _F), ("scale", _F)]
 
 
 class LoopLayer(ctypes.Structure):
-    """``JrLoopLayer``: one layer's packed weights, norms and KV cache views."""
+    """``JrLoopLayer``: one layer's packed weights (each with its linear kernel), norms and KV cache views."""
 
     _fields_ = [(name, _P) for name in ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
-                                        "k_cache", "v_cache")]
+                                        "qkv_fn", "o_fn", "gate_up_fn", "down_fn", "k_cache", "v_cache")]
 
 
 class LoopRows(ctypes.Structure):

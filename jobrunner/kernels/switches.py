@@ -70,6 +70,8 @@ _ROWS = (
     # quantization
     Switch("JOBRUNNER_QUANT_NATIVE", "1", "onoff", "the quant kernels' C (int4 unpack, int4 -> int8, W8A8 "
            "activation loops)"),
+    Switch("JOBRUNNER_W8A8_VNNI", "", "onoff", "W8A8 layers on the AVX-512 VNNI kernel (quantize, int8 product and "
+           "scaling in one call); unset: on with avx512_bf16", "avx512_bf16"),
     Switch("JOBRUNNER_QUANT_KERNEL_TOKENS", "", "text", "move the quantized layers' crossovers (\"int8=8,int4=64\"; "
            "int4_int8=0 turns W4A8 off)"),
     Switch("JOBRUNNER_TRITON_QUANT", "", "text", "the opt-in Triton quant kernels (1 / all, or fp8,int8,int4)",

@@ -12,8 +12,9 @@ It applies to a step when all of these hold, else the layers run in Python as be
 
 * the model (once): a plain Llama-family decoder (Llama, Mistral without a window, Qwen2) with dense MLPs,
   no q/k norms, no LoRA adapters attached, bf16, head_dim 64, every projection on the packed bf16 GEMM
-  (``models/amx_linear.py``: the AMX tiles, or AVX-512 BF16 dot products on CPUs without AMX), the fused ops and
-  the kernels built;
+  (``models/amx_linear.py``: the AMX tiles, or AVX-512 BF16 dot products on CPUs without AMX) or on the W8A8
+  VNNI kernel (``quant/i8_gemm.py``: ``w8a8`` on avx512_bf16; any mix, each layer's projection called through
+  its own kernel), the fused ops and the kernels built;
 * the step: at most the packed GEMM's row limit (``AMX_GEMM_MAX_ROWS`` with AMX; ``LOOP_MAX_ROWS`` with
   AVX-512 BF16, whose GEMM takes prompt chunks too) tokens on the ``cpu_paged`` backend (bf16 KV cache, no sliding
   window, nothing routed to torch's SDPA), rotary tables ``[rows, 1, head_dim]``. Its rows take the kernels the
@@ -62,10 +63,32 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+def _projection_kind(proj) -> str | None:
+    """``"bf16"`` (the packed bf16 GEMM), ``"w8a8"`` (the W8A8 VNNI kernel) or None (neither: no loop)."""
+    from jobrunner.models.onednn_linear import OneDnnLinear
+    from jobrunner.quant.w8a8 import W8A8Linear
+
+    if type(proj) is OneDnnLinear and proj.amx_packed is not None:
+        return "bf16"
+    if type(proj) is W8A8Linear and proj.vnni_packed is not None:
+        return "w8a8"
+    return None
+
+
+def _projection(proj) -> tuple[int, int]:
+    """(the packed weight's address, the address of the linear kernel that reads it)."""
+    from jobrunner.models import amx_linear
+    from jobrunner.quant import i8_gemm
+
+    if _projection_kind(proj) == "w8a8":
+        return proj.vnni_packed.data_ptr(), i8_gemm.linear_address()
+    return proj.amx_packed.data_ptr(), _address(amx_linear.linear_function(amx_linear._library()))
+
+
 def layer_loop_reason(model) -> str | None:
     """Why ``model`` cannot run its decode steps' layers in the C loop (None: it can, given a step that fits)."""
     from jobrunner.models import amx_linear, fused_ops
-    from jobrunner.models.onednn_linear import OneDnnLinear
+    from jobrunner.quant import i8_gemm
 
     if is_off(LOOP_ENV):
         return f"{LOOP_ENV}=0"
@@ -79,17 +102,23 @@ def layer_loop_reason(model) -> str | None:
         return f"{s.architecture} (head_dim {s.head_dim}): not a plain Llama-family decoder with 64-dim heads"
     if model.dtype != torch.bfloat16 or model.norm.weight.device.type != "cpu":
         return "not a bf16 model on CPU"
+    kinds = set()
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if type(layer) is not DecoderLayer or type(mlp) is not MLP or any(type(n) is not RMSNorm for n in norms):
             return "a layer that is not the plain decoder layer (wrapped or replaced)"
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(proj) is not OneDnnLinear or proj.amx_packed is None:
-                return "a projection not on the packed bf16 GEMM"
+            kind = _projection_kind(proj)
+            if kind is None:
+                return "a projection on neither the packed bf16 GEMM nor the W8A8 VNNI kernel"
+            kinds.add(kind)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return "a bias outside q|k|v"
-    for lib in (amx_linear._library(), fused_ops.fused_library(), _library()):
+    libraries = [fused_ops.fused_library(), _library()]
+    libraries += [amx_linear._library()] if "bf16" in kinds else []
+    libraries += [i8_gemm.library()] if "w8a8" in kinds else []
+    for lib in libraries:
         if isinstance(lib, str):
             return lib
     return None
@@ -101,9 +130,9 @@ class LayerLoop:
     def __init__(self, model) -> None:
         from jobrunner.models import amx_linear, fused_ops
         s = model.shape
-        fused, gemm = fused_ops.fused_library(), amx_linear._library()
+        fused = fused_ops.fused_library()
         self.fn = _library().jr_layer_loop
-        self.model = _Model(linear=_address(amx_linear.linear_function(gemm)), norm=_address(fused.jr_rms_norm),
+        self.model = _Model(norm=_address(fused.jr_rms_norm),
                             rotary=_address(fused.jr_rotary), silu=_address(fused.jr_silu_mul),
                             hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                             inter=model.layers[0].mlp.intermediate_size, layers=s.num_layers,
@@ -200,13 +229,14 @@ class LayerLoop:
         for i, layer in enumerate(self.source.layers):
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
+            (qkv, qkv_fn), (o, o_fn), (gate_up, gate_up_fn), (down, down_fn) = (
+                _projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             self.layers[i] = _Layer(
                 in_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                qkv=attn.qkv_proj.amx_packed.data_ptr(), qkv_bias=None if bias is None else bias.data_ptr(),
-                o=attn.o_proj.amx_packed.data_ptr(), gate_up=mlp.gate_up_proj.amx_packed.data_ptr(),
-                down=mlp.down_proj.amx_packed.data_ptr(), k_cache=kv_cache[i, 0].data_ptr(),
-                v_cache=kv_cache[i, 1].data_ptr())
+                qkv=qkv, qkv_bias=None if bias is None else bias.data_ptr(), o=o, gate_up=gate_up, down=down,
+                qkv_fn=qkv_fn, o_fn=o_fn, gate_up_fn=gate_up_fn, down_fn=down_fn,
+                k_cache=kv_cache[i, 0].data_ptr(), v_cache=kv_cache[i, 1].data_ptr())
         self.layers_of = key
 
 

@@ -29,6 +29,7 @@ import torch
 
 # the capability lives below this module, in the kernels package (which compiles for it); named here too
 from jobrunner.kernels import CAPABILITY_ENV, CPU_CAPABILITIES, detect_cpu_capability, setting  # noqa: F401
+from jobrunner.quant.i8_gemm import vnni_choice
 from jobrunner.quant.int4_native import int4_unpack_fn
 
 # "int8=8,int4=64": override the crossovers below (for tuning with bench.quant_dispatch; recorded when set)
@@ -62,6 +63,8 @@ CPU_LARGE_INT8_TOKENS = 16
 # w8a8 (where it has a kernel): the int8 weight-only kernel up to 1 token (SmolLM2 decode at batch 1 on Zen 4:
 # 40.9 tok/s vs 32.3 with oneDNN's int8 GEMM for every size), the W8A8 GEMM above (batch 8: 156.8 vs 124.9).
 W8A8_CROSSOVER = {"w8a8": 1}
+# the VNNI kernel (jobrunner.quant.i8_gemm) is ~2x the bf16 GEMM at 1 row too: no weight-only rows
+W8A8_VNNI_CROSSOVER = {"w8a8": 0}
 # int4 on CPUs with int8 dot-product hardware: up to 16 tokens the packed kernel, above it (no upper limit) int4
 # tiles expanded to int8 and an int8 GEMM with per-token int8 activations (W4A8, jobrunner.quant.int4_int8).
 # SmolLM2-135M on a 2-core Zen 4, µs per call at 16 / 64 / 2048 rows (docs/quantization.md): gate_up packed 452
@@ -121,7 +124,7 @@ class QuantDispatch:
     def uses_triton(self, scheme: str) -> bool:
         """Whether ``scheme``'s layers run the Triton kernel at batch (opt-in, probed at load)."""
         return self.triton_quant is not None and scheme in self.triton_quant["enabled"]
-    w8a8_kernel: str | None = None  # CPU W8A8 GEMM ("onednn"), None: scheme w8a8 runs int8 weight-only
+    w8a8_kernel: str | None = None  # CPU W8A8 GEMM ("vnni", "onednn"), None: scheme w8a8 runs int8 weight-only
 
     def kernel_tokens(self, scheme: str) -> int:
         """Largest token count for which ``scheme`` runs its weight-only kernel."""
@@ -202,7 +205,8 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     w8a8 = w8a8_kernel_for(profile.capability)
-    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(W8A8_CROSSOVER if w8a8 else {}),
+    w8a8_limits = W8A8_VNNI_CROSSOVER if w8a8 == "vnni" else W8A8_CROSSOVER
+    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(w8a8_limits if w8a8 else {}),
               **(INT4_INT8_CROSSOVER if w8a8 else {})}
     tile = CPU_TILE_WEIGHTS_FAST_BF16 if profile.fast_bf16 else CPU_TILE_WEIGHTS
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(limits), tile,
@@ -217,8 +221,12 @@ def _triton(device: torch.device, fp8_native: bool) -> dict[str, Any] | None:
 
 
 def w8a8_kernel_for(capability: str) -> str | None:
-    """The CPU W8A8 GEMM for ``capability``: ``"onednn"`` with int8 dot-product hardware, else None."""
-    return "onednn" if capability in INT8_DOT_CAPABILITIES else None
+    """The CPU W8A8 GEMM for ``capability``: with int8 dot-product hardware ``"vnni"`` where the AVX-512 VNNI
+    kernel is chosen and runs (:func:`jobrunner.quant.i8_gemm.vnni_choice`: ``avx512_bf16``), else
+    ``"onednn"``; None without such hardware."""
+    if capability not in INT8_DOT_CAPABILITIES:
+        return None
+    return "vnni" if vnni_choice(capability)[0] else "onednn"
 
 
 def crossovers(defaults: dict[str, int]) -> dict[str, int]:

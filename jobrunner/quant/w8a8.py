@@ -16,6 +16,12 @@ Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_fo
   The row quantization before it and the row scaling after it (float32 -> the activation dtype) are one C
   pass each (:mod:`jobrunner.quant.w8a8_native`, the same numbers as the torch ops, which run where no C
   compiler is found): with ~10 torch ops they cost more than the GEMM for the small layers at 64 tokens.
+* ``vnni``: on CPUs with AVX-512 VNNI and bf16 activations (capability ``avx512_bf16``: AMD Zen 4 / Zen 5),
+  the row quantization, an exact int32 ``vpdpbusd`` product and the scaling in one native call on a weight
+  packed once (:mod:`jobrunner.quant.i8_gemm`, ``kernels/csrc/gemm/i8_gemm.c``): ~2x the packed bf16 GEMM at
+  every row count on a Zen 4, so it takes every call (no weight-only crossover), with ``int_mm``'s bits. A
+  layer shape it does not take (``out % 16``, ``in % 64``) runs ``onednn``; non-bf16 activations are rounded
+  to bf16 first (then quantized to int8 anyway).
 * ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
   without VNNI); the reference the tests compare the fast kernel with.
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from jobrunner.quant.i8_gemm import vnni_linear, vnni_pack, vnni_packable
 from jobrunner.quant.primitives import (
     ZERO_POINT,
     dequantize_int8,
@@ -41,7 +48,7 @@ from jobrunner.quant.primitives import (
 )
 from jobrunner.quant.w8a8_native import w8a8_native
 
-W8A8_KERNELS = ("onednn", "int_mm")
+W8A8_KERNELS = ("onednn", "vnni", "int_mm")
 
 
 class W8A8Linear(torch.nn.Module):
@@ -55,6 +62,8 @@ class W8A8Linear(torch.nn.Module):
         if weight_int8.device.type != "cpu":
             raise ValueError(f"W8A8Linear runs on CPU; the weight is on {weight_int8.device}")
         self.out_features, self.in_features = weight_int8.shape
+        if kernel == "vnni" and not vnni_packable(self.out_features, self.in_features):
+            kernel = "onednn"
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -63,7 +72,8 @@ class W8A8Linear(torch.nn.Module):
         # at batch 1 (SmolLM2, Zen 4: 40.9 vs 32.3 tok/s); above, the int8 GEMM
         self.weight_only_tokens = weight_only_tokens
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # exact: scales are bf16 values
-        self._packed = torch.ops.onednn.qlinear_prepack(weight_int8, None) if kernel == "onednn" else None
+        self._packed = torch.ops.onednn.qlinear_prepack(weight_int8, None) if kernel == "onednn" else \
+            vnni_pack(weight_int8, self.scales) if kernel == "vnni" else None
         # one C pass each for the row quantization and the output scaling (None: torch ops)
         self._native = w8a8_native() if kernel == "onednn" else None
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
@@ -78,6 +88,8 @@ class W8A8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
         x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "vnni":
+            return self._vnni(x2).reshape(*x.shape[:-1], self.out_features)
         if x2.shape[0] <= self.weight_only_tokens:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int8,
                                                    self.scales_bf16)
@@ -95,6 +107,19 @@ class W8A8Linear(torch.nn.Module):
                                                None, 1.0, 0, torch.float32, "none", [], "")
         return native.rowscale(y, sx, x2.dtype) if native is not None else y.mul_(sx)
 
+    def _vnni(self, x2: torch.Tensor) -> torch.Tensor:
+        xb = x2.to(torch.bfloat16)
+        if xb.stride(-1) != 1:
+            xb = xb.contiguous()
+        inside = self.bias is not None and self.bias.dtype == torch.bfloat16
+        y = vnni_linear(xb, self._packed, self.out_features, self.bias if inside else None).to(x2.dtype)
+        return y + self.bias.to(y.dtype) if self.bias is not None and not inside else y
+
+    @property
+    def vnni_packed(self) -> torch.Tensor | None:
+        """The weight packed for the VNNI kernel (the layer loop calls it from C), None on another kernel."""
+        return self._packed if self.kernel == "vnni" else None
+
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         q, sx = quantize_rows_int8(x2)
         return torch._int_mm(q, self._weight_t).float().mul_(sx).mul_(self.scales)
@@ -109,7 +134,8 @@ class W8A8Linear(torch.nn.Module):
         return self.weight_int8.numel() + self.kernel_bytes() + self.scales.numel() * 4
 
     def kernel_bytes(self) -> int:
-        """Bytes of the kernel's own copy of the weight (oneDNN's blocked layout; ``_int_mm``'s transpose)."""
+        """Bytes of the kernel's own copy of the weight (oneDNN's blocked layout; the VNNI tiles with their column
+        sums and scales; ``_int_mm``'s transpose)."""
         copy = self._packed if self._packed is not None else self._weight_t
         return copy.numel() * copy.element_size()
 

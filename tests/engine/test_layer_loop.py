@@ -170,3 +170,44 @@ def test_a_model_with_adapters_or_a_wrapped_layer_stays_in_python(monkeypatch, t
     wrapped = _model(make_hf_model("llama", **SHAPE))
     wrapped.layers[1].mlp = torch.nn.Sequential(wrapped.layers[1].mlp)
     assert "not the plain decoder layer" in layer_loop.layer_loop_reason(wrapped)
+
+
+@pytest.mark.parametrize("keep_bf16", [(), ("*.o_proj",)])
+def test_w8a8_projections_run_in_the_loop_with_the_python_paths_bits(monkeypatch, tokenizer, counted, keep_bf16):
+    """A w8a8 model on the AVX-512 VNNI kernel (quant/i8_gemm.py): its projections in the loop, each called
+    through its own kernel (every one W8A8; or o_proj kept in bf16 on the packed GEMM beside W8A8 ones), with the
+    same tokens and logprobs as the Python path, chunked prompts and decodes."""
+    from jobrunner.quant import quantize_model
+    from jobrunner.quant.w8a8 import W8A8Linear
+
+    require_cpu("avx512_bf16")
+    monkeypatch.setenv(CAPABILITY_ENV, "avx512_bf16")
+    monkeypatch.delenv("JOBRUNNER_W8A8_VNNI", raising=False)
+    hf = make_hf_model("llama", **SHAPE)
+
+    def w8a8_model():
+        model = build_model(hf.config, torch.bfloat16, torch.device("cpu"))
+        load_weights(model, hf.state_dict().items())
+        quantize_model(model, "w8a8", skip=keep_bf16)
+        reorder_bf16_linears(model)
+        return model
+
+    probe = w8a8_model()
+    assert layer_loop.layer_loop_reason(probe) is None
+    kinds = {layer_loop._projection_kind(p) for layer in probe.layers
+             for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    assert kinds == ({"w8a8", "bf16"} if keep_bf16 else {"w8a8"})
+    assert isinstance(probe.layers[0].mlp.down_proj, W8A8Linear)  # smoothed: W8A8 too
+    prompts = [" ".join(CORPUS[i:i + 4]) for i in range(8)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(layer_loop.LOOP_ENV, setting)
+        counted["n"] = 0
+        outs[setting] = run_checked(_engine(w8a8_model(), tokenizer, max_num_batched_tokens=64), prompts, params)
+        assert (counted["n"] > 0) == (setting == "1")
+    for key, out in outs["0"].items():
+        mine = outs["1"][key]
+        assert mine.output_token_ids == out.output_token_ids
+        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
+        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]

@@ -23,14 +23,16 @@ from jobrunner.quant.primitives import quantize_rows_int8, quantize_rows_u8, w8a
 from jobrunner.quant.smooth import smooth_mlps  # noqa: E402
 from jobrunner.quant.w8a8 import W8A8Linear  # noqa: E402
 from jobrunner.quant.w8a8_native import w8a8_native  # noqa: E402
-from tests.components import require_native  # noqa: E402
+from tests.components import cpu_lacks, require_native  # noqa: E402
 
 VNNI = torch.cpu._is_vnni_supported()
+VNNI_KERNEL = cpu_lacks("avx512_bf16")  # why the AVX-512 VNNI kernel cannot run here (None: it runs)
 KERNELS = ["int_mm", pytest.param("onednn", marks=pytest.mark.skipif(
-    not VNNI, reason="oneDNN's u8 x s8 GEMM is exact only with VNNI / AMX-INT8 (dispatch never picks it elsewhere)"))]
+    not VNNI, reason="oneDNN's u8 x s8 GEMM is exact only with VNNI / AMX-INT8 (dispatch never picks it elsewhere)")),
+    pytest.param("vnni", marks=pytest.mark.skipif(VNNI_KERNEL is not None, reason=f"{VNNI_KERNEL}"))]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if getattr(k, "values", (k,))[0] != "vnni"])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
 def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
     """The layer computes the dequantized weight times the per-token quantized input, exactly up to float32
@@ -63,6 +65,52 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
     assert ((layer(single).double() - weight_only).abs().max() / weight_only.abs().max()).item() < 2e-2
 
 
+@pytest.mark.skipif(VNNI_KERNEL is not None, reason=f"{VNNI_KERNEL}")
+@pytest.mark.parametrize("shape", [(128, 48), (576, 960), (1536, 576)])
+def test_the_vnni_kernel_gives_the_int_mm_paths_bits(shape: tuple[int, int]) -> None:
+    """kernels/csrc/gemm/i8_gemm.c: for bf16 rows, with and without a bias, at 1 to 200 rows, the same bits as the
+    reference path (quantize_rows_int8, torch._int_mm, the two scalings, one rounding to bf16, the bias added in
+    bf16); a row's result does not depend on the other rows or the thread count; strided rows are read as such."""
+    k, n = shape
+    gen = torch.Generator().manual_seed(k)
+    for bias in (False, True):
+        linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+        vnni, reference = (W8A8Linear.from_linear(linear, kernel) for kernel in ("vnni", "int_mm"))
+        assert vnni.kernel == "vnni" and vnni.vnni_packed is not None and reference.vnni_packed is None
+        for rows in (1, 5, 6, 7, 70, 200):
+            x = (torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(torch.bfloat16)
+            x[0, : k // 2] = 0.0
+            if rows > 2:
+                x[2] = 0.0  # a zero row: scale 1
+            y = vnni(x)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, reference(x))
+            assert torch.equal(vnni(x[-1:]), y[-1:])
+        wide = torch.randn(9, 2 * k, generator=gen).to(torch.bfloat16)
+        assert torch.equal(vnni(wide[:, :k]), reference(wide[:, :k].contiguous()))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(vnni(x), y)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(VNNI_KERNEL is not None, reason=f"{VNNI_KERNEL}")
+def test_the_vnni_kernel_takes_float32_rows_and_leaves_other_shapes_to_onednn() -> None:
+    """float32 activations: rounded to bf16, then the kernel (within bf16 roundings of the float64 reference);
+    a layer shape the kernel does not take (in % 64, out % 16) runs oneDNN's GEMM instead."""
+    gen = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(128, 32, bias=True)
+    layer = W8A8Linear.from_linear(linear, "vnni")
+    x = torch.randn(4, 128, generator=gen)
+    y = layer(x)
+    expected = w8a8_reference(x.bfloat16(), layer.weight_int8, layer.scales) + linear.bias.double()
+    assert y.dtype == torch.float32
+    assert ((y.double() - expected).abs().max() / expected.abs().max()).item() < 2 ** -7
+    assert W8A8Linear.from_linear(torch.nn.Linear(96, 32), "vnni").kernel == "onednn"
+    assert W8A8Linear.from_linear(torch.nn.Linear(128, 40), "vnni").kernel == "onednn"
+
+
 def test_quantize_rows_is_symmetric_per_token() -> None:
     x = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [254.0, 127.0, -1.0]])
     q, scale = quantize_rows_int8(x)
@@ -87,25 +135,34 @@ def test_quantize_rows_u8_is_quantize_rows_plus_128(dtype: torch.dtype) -> None:
 def test_w8a8_weight_bytes_count_the_kernel_copy(kernel: str) -> None:
     """Honest bytes: the int8 weight (1-token kernel, report, tied embedding) plus the kernel's own copy."""
     layer = W8A8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), kernel)
-    assert layer.kernel_bytes() == 64 * 32
-    assert layer.weight_bytes() == 2 * 64 * 32 + 32 * 4
+    extra = 8 * 32 if kernel == "vnni" else 0  # the VNNI packing keeps each column's offset and scale
+    assert layer.kernel_bytes() == 64 * 32 + extra
+    assert layer.weight_bytes() == 2 * 64 * 32 + extra + 32 * 4
 
 
 @pytest.mark.parametrize("capability", CPU_CAPABILITIES)
 def test_w8a8_dispatch_for_each_forced_capability(capability: str, tiny_llama) -> None:
-    """oneDNN's int8 GEMM with int8 dot-product hardware (VNNI / AMX); elsewhere int8 weight-only, said why."""
+    """With int8 dot-product hardware the AVX-512 VNNI kernel on avx512_bf16 (where this CPU runs it) and oneDNN's
+    int8 GEMM on avx512_vnni / amx; elsewhere int8 weight-only, said why."""
     expected = "onednn" if capability in ("avx512_vnni", "avx512_bf16", "amx") else None
+    if capability == "avx512_bf16" and VNNI_KERNEL is None:
+        expected = "vnni"
     assert dispatch_for("cpu", capability).w8a8_kernel == expected
     report = quantize_model(tiny_llama, "w8a8", capability=capability)
     assert report.dispatch["w8a8_kernel"] == expected
     layers = [m for m in tiny_llama.modules() if isinstance(m, (W8A8Linear, Int8WeightOnlyLinear))]
     assert len(layers) == 9  # 4 per block x 2 + lm_head
     if expected:  # every layer, down_proj too (its input smoothing folded into gate_up_proj)
-        assert all(isinstance(m, W8A8Linear) and m.kernel == "onednn" and m.weight_only_tokens == 1
-                   for n, m in tiny_llama.named_modules() if n in {x.name for x in report.layers})
+        quantized = [m for n, m in tiny_llama.named_modules() if n in {x.name for x in report.layers}]
+        assert all(isinstance(m, W8A8Linear) for m in quantized)
+        # the VNNI kernel takes every call (no weight-only rows); a shape it cannot take keeps oneDNN
+        assert all((m.kernel, m.weight_only_tokens) == ((expected, 0) if expected == "vnni" and
+                                                        m.in_features % 64 == 0 and m.out_features % 16 == 0
+                                                        else ("onednn", 0 if expected == "vnni" else 1))
+                   for m in quantized)
         assert report.scheme_counts() == {"w8a8": 9} and report.fallbacks == []
         assert any("down_proj input smoothing" in note for note in report.notes)
-        assert describe_dispatch(report.dispatch).endswith("; w8a8 via onednn")
+        assert describe_dispatch(report.dispatch).endswith(f"; w8a8 via {expected}")
     else:
         assert all(isinstance(m, Int8WeightOnlyLinear) for m in layers)
         assert report.scheme_counts() == {"int8": 9}

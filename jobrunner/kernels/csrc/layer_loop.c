@@ -14,6 +14,9 @@
    Per layer (x: the residual stream, bf16 [rows, hidden]):
      h = norm(x) (layer 0), else x = x + down, h = norm(x)       jr_rms_norm (with the add: sum written aside)
      qkv = h Wqkv^T (+ bias); rotary on q, k in place            jr_amx_linear, jr_rotary
+                                                                 (each projection: the packed bf16 GEMM,
+                                                                 jr_amx_linear / jr_bf16_linear, or the
+                                                                 W8A8 one, jr_i8_linear, per the layer)
      k, v -> cache slots; attn = attention(q)                    jr_write_kv, then per kind of row:
                                                                  jr_paged_attention (short chunks),
                                                                  jr_amx_prompt_attention (chunks),
@@ -33,7 +36,7 @@
 #include "jr_kernels.h"
 
 /* the kernels' types, from their prototypes (jr_kernels.h): the structs hold them as void * */
-typedef __typeof__(&jr_amx_linear) linear_fn;
+typedef __typeof__(&jr_bf16_linear) linear_fn; /* jr_amx_linear and jr_i8_linear: the same parameters */
 typedef __typeof__(&jr_rms_norm) norm_fn;
 typedef __typeof__(&jr_rotary) rotary_fn;
 typedef __typeof__(&jr_silu_mul) silu_fn;
@@ -88,7 +91,6 @@ static inline void lap(double *seconds, int part, double *mark) {
 enum { ATTENTION = 0, GEMM = 1, OTHER = 2 };
 
 int jr_layer_loop(const JrLoopModel *m, const JrLoopLayer *layers, const JrLoopStep *s, double *seconds) {
-  const linear_fn linear = (linear_fn)m->linear;
   const norm_fn norm = (norm_fn)m->norm;
   const rotary_fn rotary = (rotary_fn)m->rotary;
   const silu_fn silu = (silu_fn)m->silu;
@@ -109,7 +111,7 @@ int jr_layer_loop(const JrLoopModel *m, const JrLoopLayer *layers, const JrLoopS
       next = x == s->x0 ? s->x1 : s->x0;
     }
     lap(seconds, OTHER, &mark);
-    if (linear(s->h, H, L->qkv, L->qkv_bias, s->qkv, qkvn, T, qkvn, H, th)) return err + 2;
+    if (((linear_fn)L->qkv_fn)(s->h, H, L->qkv, L->qkv_bias, s->qkv, qkvn, T, qkvn, H, th)) return err + 2;
     lap(seconds, GEMM, &mark);
     uint16_t *qkv = (uint16_t *)s->qkv;
     if (rotary(qkv, qkv + qn, s->cos, s->sin, T, m->heads, m->kv_heads, D, qkvn, qkvn, 1, th)) return err + 3;
@@ -118,16 +120,16 @@ int jr_layer_loop(const JrLoopModel *m, const JrLoopLayer *layers, const JrLoopS
     for (int64_t t = 0; t < T; t++) memcpy((uint16_t *)s->q + t * qn, qkv + t * qkvn, (size_t)qn * 2);
     if (attend(m, L, s)) return err + 5;
     lap(seconds, ATTENTION, &mark);
-    if (linear(s->attn, qn, L->o, NULL, s->o, H, T, H, qn, th)) return err + 6;
+    if (((linear_fn)L->o_fn)(s->attn, qn, L->o, NULL, s->o, H, T, H, qn, th)) return err + 6;
     lap(seconds, GEMM, &mark);
     if (norm(x, s->o, next, s->h, L->post_norm, T, H, m->eps, 1, th)) return err + 7;
     x = next;
     lap(seconds, OTHER, &mark);
-    if (linear(s->h, H, L->gate_up, NULL, s->gate_up, 2 * I, T, 2 * I, H, th)) return err + 8;
+    if (((linear_fn)L->gate_up_fn)(s->h, H, L->gate_up, NULL, s->gate_up, 2 * I, T, 2 * I, H, th)) return err + 8;
     lap(seconds, GEMM, &mark);
     if (silu(s->gate_up, s->act, T, I, 1, th)) return err + 9;
     lap(seconds, OTHER, &mark);
-    if (linear(s->act, I, L->down, NULL, s->down, H, T, H, I, th)) return err + 10;
+    if (((linear_fn)L->down_fn)(s->act, I, L->down, NULL, s->down, H, T, H, I, th)) return err + 10;
     lap(seconds, GEMM, &mark);
   }
   void *last = x == s->x0 ? s->x1 : s->x0;

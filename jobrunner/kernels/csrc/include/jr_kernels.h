@@ -91,14 +91,16 @@ void jr_i32_scale_f32(const int32_t *acc, const float *sm, const float *sn, floa
 
 /* The model: kernels (function pointers of the types below) and shapes (fixed once built) */
 typedef struct {
-  void *linear, *norm, *rotary, *silu, *write_kv, *decode, *native, *chunk;
+  void *norm, *rotary, *silu, *write_kv, *decode, *native, *chunk;
   int64_t hidden, heads, kv_heads, head_dim, inter, layers;
   float eps, scale;
 } JrLoopModel;
 
-/* One layer's weights (AMX-packed projections; bf16 norms) and its KV cache views */
+/* One layer's weights (packed projections, each with the linear kernel that reads its packing: the packed bf16
+   GEMM or the W8A8 one, same signature; bf16 norms) and its KV cache views */
 typedef struct {
   const void *in_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
+  void *qkv_fn, *o_fn, *gate_up_fn, *down_fn;
   void *k_cache, *v_cache;
 } JrLoopLayer;
 
