@@ -22,13 +22,14 @@ from typing import Any
 
 from jobrunner.kernels.switches import overridden
 from jobrunner.quant.apply import SCHEMES
+from jobrunner.quant.choice import INT8_WEIGHT_ONLY
 from jobrunner.quant.dispatch import CROSSOVER_ENV
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ALIASES = {"bf16": "bfloat16:none"}
 CONFIG_SYNTAX = ("a comma-separated list starting with none (or bf16, or DTYPE:none), of [DTYPE:]SCHEME with "
-                 "SCHEME none|int8|int4|fp8|w8a8|bf16, optional per-layer overrides (int4/lm_head=int8) and "
-                 "crossovers (int4@int4=8+int4_int8=4096)")
+                 "SCHEME none|int8|int8_weight_only|int4|fp8|w8a8|bf16, optional per-layer overrides "
+                 "(int4/lm_head=int8) and crossovers (int4@int4=8+int4_int8=4096)")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def parse_config(name: str, default_dtype: str = "auto") -> QuantConfig:
     config = QuantConfig(key, dtype or default_dtype, scheme, _pairs(layers, name), _crossovers(crossovers, name))
     if config.dtype not in DTYPES:
         raise ValueError(f"{name!r}: dtype {config.dtype!r} is not one of {'|'.join(DTYPES)}")
-    if config.scheme not in SCHEMES or any(value not in SCHEMES for _, value in config.overrides):
+    if config.scheme not in (*SCHEMES, INT8_WEIGHT_ONLY) or any(value not in SCHEMES for _, value in config.overrides):
         raise ValueError(f"{name!r}: unknown scheme; {CONFIG_SYNTAX}")
     return config
 
@@ -124,5 +125,6 @@ def _engine_with_overrides(source: str, config: QuantConfig, engine_config: Any)
 
     model, tokenizer, eos_ids, info = load_for_engine(source, dtype=config.dtype, device=engine_config.device)
     info["quantization"] = config.name
-    info["quantization_report"] = quantize_model(model, config.scheme, overrides=dict(config.overrides)).summary()
+    scheme = "int8" if config.scheme == INT8_WEIGHT_ONLY else config.scheme  # quantize_model's int8: weight-only
+    info["quantization_report"] = quantize_model(model, scheme, overrides=dict(config.overrides)).summary()
     return LLMEngine(model, tokenizer, engine_config, eos_ids, info)

@@ -56,7 +56,8 @@ def _engine_option(flag: str, name: str, **kwargs):
               help="Model source: alias, local dir, Hub id or storage URL.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
-@click.option("--quantization", type=click.Choice(["none", "int8", "int4", "fp8", "w8a8"]), default="none",
+@click.option("--quantization", type=click.Choice(["none", "int8", "int8_weight_only", "int4", "fp8", "w8a8"]),
+              default="none",
               show_default=True,
               help="Our engine only (the baseline stays unquantized).")
 @_engine_option("--device", "device", help="auto, cpu, cuda, cuda:1, ...")

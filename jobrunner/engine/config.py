@@ -87,7 +87,7 @@ class EngineConfig:
         "model's source (alias, local dir, Hub id, storage URL; same tokenizer as model.source), planned like auto "
         "(docs/engine.md).")
     num_speculative_tokens: int = setting(4, description="Most draft tokens per row per step.", ge=1, le=16)
-    draft_quantization: Literal["none", "int8", "int4", "fp8", "w8a8"] = setting(
+    draft_quantization: Literal["none", "int8", "int8_weight_only", "int4", "fp8", "w8a8"] = setting(
         "none", description="Quantization applied when loading the draft model (engine.speculative = a model "
         "source); as model.quantization.")
     tensor_parallel_size: int = setting(

@@ -118,6 +118,7 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     from jobrunner.models.sources import resolve_model_dir
     from jobrunner.models.stopwatch import Stopwatch
     from jobrunner.models.weights import Checkpoint, load_config, load_tokenizer
+    from jobrunner.quant.choice import resolve_int8
     from jobrunner.quant.prequantized import read_checkpoint_quant, resolve_scheme
 
     clock = Stopwatch()
@@ -129,7 +130,9 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     dev = resolve_device(device)
     torch_dtype, dtype_choice = choose_dtype(dtype, dev)
     found = read_checkpoint_quant(getattr(config, "quantization_config", None))  # pre-quantized, or None
+    requested = quantization
     quantization = resolve_scheme(quantization, found)  # the checkpoint's own; a conflicting spec refused
+    quantization, choice = resolve_int8(quantization, dev, torch_dtype)  # int8: the fastest int8 scheme here
     check_vision_quantization(arch, quantization)
     tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.is_parallel else None
     model = build_model(config, torch_dtype, dev, _max_positions(config, max_model_len), materialize=False,
@@ -144,6 +147,8 @@ def load_for_engine(source: str, *, dtype: str = "auto", device: str = "auto", q
     info = {"source": source, "architecture": arch, "dtype": str(torch_dtype).removeprefix("torch."),
             "device": str(dev), "quantization": quantization, "dtype_choice": dtype_choice,
             "dtype_reason": describe_dtype_choice(dtype_choice), **load_memory_info(memory, model)}
+    if choice is not None:
+        info["quantization_requested"], info["quantization_choice"] = requested, choice
     if tp is not None:
         info["tensor_parallel"] = {"rank": tp.rank, "world": tp.world}
     if found is not None:  # recorded from the checkpoint's config.json, never guessed (a line: the manifest's)

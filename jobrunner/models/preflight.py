@@ -27,7 +27,8 @@ from jobrunner.models.sources import (
     cache_root,
 )
 
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1, "w8a8": 1, "int4": 0.5}
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int8_weight_only": 1, "fp8": 1, "w8a8": 1,
+                    "int4": 0.5}
 
 
 @dataclass(frozen=True)

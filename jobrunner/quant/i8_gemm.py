@@ -14,7 +14,11 @@ layer has no weight-only crossover: every call, 1 row included, runs this kernel
 depend on the batch.
 
 Numbers: the same bits as :func:`jobrunner.quant.primitives.quantize_rows_int8` then ``torch._int_mm`` and the
-two scalings (``(acc * s_x) * s_w``, rounded to bf16 once; a bias added after, as a bf16 add): tested.
+two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to bf16 once; a bias added after, as a bf16 add):
+tested. The order matters more than one would think: the per-token quantization turns 1-ulp differences into
+flipped codes that grow through the layers, so on SmolLM2-135M (70 held-out texts) the three exact orders gave
+perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06% (``(acc * s_x) * s_w``) and +3.26%
+(``acc * (s_x * s_w)``) over bf16. None is more exact; this one matches the oneDNN kernel it replaces.
 """
 
 from __future__ import annotations

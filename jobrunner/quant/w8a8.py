@@ -122,7 +122,7 @@ class W8A8Linear(torch.nn.Module):
 
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         q, sx = quantize_rows_int8(x2)
-        return torch._int_mm(q, self._weight_t).float().mul_(sx).mul_(self.scales)
+        return torch._int_mm(q, self._weight_t).float().mul_(self.scales).mul_(sx)  # oneDNN's order of the two
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""

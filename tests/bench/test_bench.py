@@ -160,7 +160,7 @@ def test_comparison_engines_run_without_speculation_or_prefix_caching(tiny_llama
 @pytest.mark.parametrize("extra, message", [
     (("--compare-quantization", "int8,none"), "starting with none"),
     (("--compare-quantization", "bfloat16:int8,none"), "starting with none"),
-    (("--compare-quantization", "none,int3"), "none|int8|int4|fp8|w8a8|bf16"),
+    (("--compare-quantization", "none,int3"), "none|int8|int8_weight_only|int4|fp8|w8a8|bf16"),
     (("--compare-quantization", "none,float8:int8"), "dtype 'float8'"),
     (("--compare-quantization", "none,int4@int4=x"), "SCHEME=TOKENS"),
     (("--compare-quantization", "none,int8"), "--quality-texts"),

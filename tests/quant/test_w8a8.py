@@ -70,12 +70,13 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
 def test_the_vnni_kernel_gives_the_int_mm_paths_bits(shape: tuple[int, int]) -> None:
     """kernels/csrc/gemm/i8_gemm.c: for bf16 rows, with and without a bias, at 1 to 200 rows, the same bits as the
     reference path (quantize_rows_int8, torch._int_mm, the two scalings, one rounding to bf16, the bias added in
-    bf16); a row's result does not depend on the other rows or the thread count; strided rows are read as such."""
+    bf16); the same bits as oneDNN's W8A8 GEMM (the scalings in its order); a row's result does not depend on the
+    other rows or the thread count; strided rows are read as such."""
     k, n = shape
     gen = torch.Generator().manual_seed(k)
     for bias in (False, True):
         linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-        vnni, reference = (W8A8Linear.from_linear(linear, kernel) for kernel in ("vnni", "int_mm"))
+        vnni, reference, onednn = (W8A8Linear.from_linear(linear, kernel) for kernel in ("vnni", "int_mm", "onednn"))
         assert vnni.kernel == "vnni" and vnni.vnni_packed is not None and reference.vnni_packed is None
         for rows in (1, 5, 6, 7, 70, 200):
             x = (torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(torch.bfloat16)
@@ -83,7 +84,7 @@ def test_the_vnni_kernel_gives_the_int_mm_paths_bits(shape: tuple[int, int]) -> 
             if rows > 2:
                 x[2] = 0.0  # a zero row: scale 1
             y = vnni(x)
-            assert y.dtype == torch.bfloat16 and torch.equal(y, reference(x))
+            assert y.dtype == torch.bfloat16 and torch.equal(y, reference(x)) and torch.equal(y, onednn(x))
             assert torch.equal(vnni(x[-1:]), y[-1:])
         wide = torch.randn(9, 2 * k, generator=gen).to(torch.bfloat16)
         assert torch.equal(vnni(wide[:, :k]), reference(wide[:, :k].contiguous()))

@@ -11,8 +11,8 @@
    Numbers (the same as jobrunner.quant.primitives.quantize_rows_int8 then torch._int_mm, which the tests check
    bit for bit): per row s_x = max|x| / 127 (1 for a zero row), q = rint(x / s_x) clamped to +-127 (float32
    division, round half to even); acc = sum_k q W exactly in int32 (|acc| < 2^31 for K < 66,000); y =
-   (float(acc) * s_x) * s_w rounded to bf16 once (nearest even); with a bias, y + bias in float rounded again (a
-   bf16 add, as the torch path adds it). vpdpbusd takes unsigned x bytes, so the rows are stored as q + 128 and
+   (float(acc) * s_w) * s_x rounded to bf16 once (nearest even): oneDNN's order, so its W8A8 GEMM gives the same
+   bits; with a bias, y + bias in float rounded again (a bf16 add, as the torch path adds it). vpdpbusd takes unsigned x bytes, so the rows are stored as q + 128 and
    128 sum_k W[n, k] (kept with the packed weight) is taken off each sum. A row's result does not depend on the
    other rows, the thread count or M (batch-invariant).
 
@@ -103,7 +103,7 @@ static __attribute__((noinline)) void finish(const int32_t *sums, const float *s
     for (int i = 0; i < mr; i++) {
       const __m512i acc = _mm512_load_si512((const void *)(sums + (i * NB + j) * 16));
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
-      __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[m + i])), s));
+      __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_set1_ps(sx[m + i])));
       if (bias) {
         const __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
         y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yf, bj));
