@@ -62,6 +62,14 @@ LIBRARIES: dict[str, Library] = {
                          "jr_bf16_gemm_ready", "this CPU has no AVX-512 BF16"),
     "i8_gemm": Library("gemm/i8_gemm.c", "AVX-512 VNNI W8A8 GEMM", ("-mavx512f", "-mavx512bw", "-mavx512vnni",
                        "-mavx512bf16"), "jr_i8_gemm_ready", "this CPU has no AVX-512 VNNI and BF16"),
+    # the same source on AMX-INT8 tiles; and with the tile operations emulated on AVX-512 (tests of that source
+    # on CPUs without AMX)
+    "amx_i8_gemm": Library("gemm/i8_gemm.c", "AMX-INT8 W8A8 GEMM", ("-mamx-tile", "-mamx-int8", "-mavx512f",
+                           "-mavx512bw", "-mavx512vnni", "-mavx512bf16", "-DJR_W8A8_TILES"), "jr_i8_gemm_ready",
+                           prototypes="i8_gemm"),
+    "i8_tile_emulated": Library("gemm/i8_gemm.c", "W8A8 tile GEMM emulated on AVX-512", (
+        "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx512bf16", "-DJR_W8A8_TILES", "-DJR_TILE_AVX512"),
+        "jr_i8_gemm_ready", "this CPU has no AVX-512 VNNI and BF16", "i8_gemm"),
     "fused_ops": Library("rowops/fused_ops.c", "fused ops", ("-ffp-contract=off",)),
     "row_argmax": Library("rowops/row_argmax.c", "native argmax"),
     "int4_unpack": Library("quant/int4_unpack.c", "native int4 unpack"),

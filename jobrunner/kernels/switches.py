@@ -72,6 +72,8 @@ _ROWS = (
            "activation loops)"),
     Switch("JOBRUNNER_W8A8_VNNI", "", "onoff", "W8A8 layers on the AVX-512 VNNI kernel (quantize, int8 product and "
            "scaling in one call); unset: on with avx512_bf16", "avx512_bf16"),
+    Switch("JOBRUNNER_W8A8_AMX", "", "onoff", "W8A8 layers on our AMX-INT8 tile kernel (opt-in until measured on "
+           "AMX hardware; oneDNN's int8 GEMM otherwise)", "amx"),
     Switch("JOBRUNNER_QUANT_KERNEL_TOKENS", "", "text", "move the quantized layers' crossovers (\"int8=8,int4=64\"; "
            "int4_int8=0 turns W4A8 off)"),
     Switch("JOBRUNNER_TRITON_QUANT", "", "text", "the opt-in Triton quant kernels (1 / all, or fp8,int8,int4)",

@@ -64,14 +64,14 @@ def _address(fn) -> int:
 
 
 def _projection_kind(proj) -> str | None:
-    """``"bf16"`` (the packed bf16 GEMM), ``"w8a8"`` (the W8A8 VNNI kernel) or None (neither: no loop)."""
+    """``"bf16"`` (the packed bf16 GEMM), ``"vnni"`` / ``"amx"`` (our W8A8 GEMM) or None (neither: no loop)."""
     from jobrunner.models.onednn_linear import OneDnnLinear
     from jobrunner.quant.w8a8 import W8A8Linear
 
     if type(proj) is OneDnnLinear and proj.amx_packed is not None:
         return "bf16"
     if type(proj) is W8A8Linear and proj.vnni_packed is not None:
-        return "w8a8"
+        return proj.kernel  # "vnni" | "amx": our W8A8 GEMM
     return None
 
 
@@ -80,8 +80,8 @@ def _projection(proj) -> tuple[int, int]:
     from jobrunner.models import amx_linear
     from jobrunner.quant import i8_gemm
 
-    if _projection_kind(proj) == "w8a8":
-        return proj.vnni_packed.data_ptr(), i8_gemm.linear_address()
+    if _projection_kind(proj) in ("vnni", "amx"):
+        return proj.vnni_packed.data_ptr(), i8_gemm.linear_address(proj.kernel)
     return proj.amx_packed.data_ptr(), _address(amx_linear.linear_function(amx_linear._library()))
 
 
@@ -117,7 +117,7 @@ def layer_loop_reason(model) -> str | None:
             return "a bias outside q|k|v"
     libraries = [fused_ops.fused_library(), _library()]
     libraries += [amx_linear._library()] if "bf16" in kinds else []
-    libraries += [i8_gemm.library()] if "w8a8" in kinds else []
+    libraries += [i8_gemm.library(k) for k in kinds if k in i8_gemm.LIBRARIES]
     for lib in libraries:
         if isinstance(lib, str):
             return lib

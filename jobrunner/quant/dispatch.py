@@ -29,7 +29,7 @@ import torch
 
 # the capability lives below this module, in the kernels package (which compiles for it); named here too
 from jobrunner.kernels import CAPABILITY_ENV, CPU_CAPABILITIES, detect_cpu_capability, setting  # noqa: F401
-from jobrunner.quant.i8_gemm import vnni_choice
+from jobrunner.quant.i8_gemm import amx_choice, vnni_choice
 from jobrunner.quant.int4_native import int4_unpack_fn
 
 # "int8=8,int4=64": override the crossovers below (for tuning with bench.quant_dispatch; recorded when set)
@@ -205,7 +205,7 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     dtype = torch.bfloat16 if profile.fast_bf16 else torch.float32
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     w8a8 = w8a8_kernel_for(profile.capability)
-    w8a8_limits = W8A8_VNNI_CROSSOVER if w8a8 == "vnni" else W8A8_CROSSOVER
+    w8a8_limits = W8A8_VNNI_CROSSOVER if w8a8 in ("vnni", "amx") else W8A8_CROSSOVER
     limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(w8a8_limits if w8a8 else {}),
               **(INT4_INT8_CROSSOVER if w8a8 else {})}
     tile = CPU_TILE_WEIGHTS_FAST_BF16 if profile.fast_bf16 else CPU_TILE_WEIGHTS
@@ -221,11 +221,13 @@ def _triton(device: torch.device, fp8_native: bool) -> dict[str, Any] | None:
 
 
 def w8a8_kernel_for(capability: str) -> str | None:
-    """The CPU W8A8 GEMM for ``capability``: with int8 dot-product hardware ``"vnni"`` where the AVX-512 VNNI
-    kernel is chosen and runs (:func:`jobrunner.quant.i8_gemm.vnni_choice`: ``avx512_bf16``), else
-    ``"onednn"``; None without such hardware."""
+    """The CPU W8A8 GEMM for ``capability``: with int8 dot-product hardware ``"amx"`` where our AMX-INT8 kernel
+    is asked for and runs (opt-in), ``"vnni"`` where the AVX-512 VNNI kernel is chosen and runs
+    (:mod:`jobrunner.quant.i8_gemm`: ``avx512_bf16``), else ``"onednn"``; None without such hardware."""
     if capability not in INT8_DOT_CAPABILITIES:
         return None
+    if amx_choice(capability)[0]:
+        return "amx"
     return "vnni" if vnni_choice(capability)[0] else "onednn"
 
 

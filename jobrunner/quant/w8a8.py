@@ -22,6 +22,7 @@ Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_fo
   every row count on a Zen 4, so it takes every call (no weight-only crossover), with ``int_mm``'s bits. A
   layer shape it does not take (``out % 16``, ``in % 64``) runs ``onednn``; non-bf16 activations are rounded
   to bf16 first (then quantized to int8 anyway).
+* ``amx``: the same on AMX-INT8 tiles (opt-in, ``JOBRUNNER_W8A8_AMX=1``; see :mod:`jobrunner.quant.i8_gemm`).
 * ``int_mm``: ``torch._int_mm`` (int32 out) on the row codes, scaled afterwards. Exact on every CPU (slow
   without VNNI); the reference the tests compare the fast kernel with.
 
@@ -48,7 +49,8 @@ from jobrunner.quant.primitives import (
 )
 from jobrunner.quant.w8a8_native import w8a8_native
 
-W8A8_KERNELS = ("onednn", "vnni", "int_mm")
+W8A8_KERNELS = ("onednn", "vnni", "amx", "int_mm")
+PACKED_KERNELS = ("vnni", "amx")  # our GEMM (quant/i8_gemm.py): one packing, one entry point, the same bits
 
 
 class W8A8Linear(torch.nn.Module):
@@ -62,7 +64,7 @@ class W8A8Linear(torch.nn.Module):
         if weight_int8.device.type != "cpu":
             raise ValueError(f"W8A8Linear runs on CPU; the weight is on {weight_int8.device}")
         self.out_features, self.in_features = weight_int8.shape
-        if kernel == "vnni" and not vnni_packable(self.out_features, self.in_features):
+        if kernel in PACKED_KERNELS and not vnni_packable(self.out_features, self.in_features):
             kernel = "onednn"
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales.float())
@@ -73,7 +75,7 @@ class W8A8Linear(torch.nn.Module):
         self.weight_only_tokens = weight_only_tokens
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # exact: scales are bf16 values
         self._packed = torch.ops.onednn.qlinear_prepack(weight_int8, None) if kernel == "onednn" else \
-            vnni_pack(weight_int8, self.scales) if kernel == "vnni" else None
+            vnni_pack(weight_int8, self.scales, kernel) if kernel in PACKED_KERNELS else None
         # one C pass each for the row quantization and the output scaling (None: torch ops)
         self._native = w8a8_native() if kernel == "onednn" else None
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
@@ -88,7 +90,7 @@ class W8A8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "vnni":
+        if self.kernel in PACKED_KERNELS:
             return self._vnni(x2).reshape(*x.shape[:-1], self.out_features)
         if x2.shape[0] <= self.weight_only_tokens:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int8,
@@ -112,13 +114,13 @@ class W8A8Linear(torch.nn.Module):
         if xb.stride(-1) != 1:
             xb = xb.contiguous()
         inside = self.bias is not None and self.bias.dtype == torch.bfloat16
-        y = vnni_linear(xb, self._packed, self.out_features, self.bias if inside else None).to(x2.dtype)
+        y = vnni_linear(xb, self._packed, self.out_features, self.bias if inside else None, self.kernel).to(x2.dtype)
         return y + self.bias.to(y.dtype) if self.bias is not None and not inside else y
 
     @property
     def vnni_packed(self) -> torch.Tensor | None:
-        """The weight packed for the VNNI kernel (the layer loop calls it from C), None on another kernel."""
-        return self._packed if self.kernel == "vnni" else None
+        """The weight packed for our VNNI / AMX kernel (the layer loop calls it from C), None on another kernel."""
+        return self._packed if self.kernel in PACKED_KERNELS else None
 
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
         q, sx = quantize_rows_int8(x2)

@@ -196,7 +196,7 @@ def test_w8a8_projections_run_in_the_loop_with_the_python_paths_bits(monkeypatch
     assert layer_loop.layer_loop_reason(probe) is None
     kinds = {layer_loop._projection_kind(p) for layer in probe.layers
              for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}
-    assert kinds == ({"w8a8", "bf16"} if keep_bf16 else {"w8a8"})
+    assert kinds == ({"vnni", "bf16"} if keep_bf16 else {"vnni"})
     assert isinstance(probe.layers[0].mlp.down_proj, W8A8Linear)  # smoothed: W8A8 too
     prompts = [" ".join(CORPUS[i:i + 4]) for i in range(8)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)

@@ -233,3 +233,55 @@ def test_smoothing_keeps_the_float_function_and_down_proj_unsmoothed_stays_weigh
     assert isinstance(tiny_llama.layers[1].down_proj, Int8WeightOnlyLinear)
     assert [f.name for f in report.fallbacks] == ["layers.1.down_proj"]
     assert "outlier channels" in report.fallbacks[0].fallback_reason
+
+
+@pytest.mark.skipif(VNNI_KERNEL is not None, reason=f"{VNNI_KERNEL}")
+@pytest.mark.parametrize("shape", [(64, 48), (576, 960), (128, 16)])
+def test_the_amx_int8_tile_source_gives_the_vnni_kernels_bits(shape: tuple[int, int]) -> None:
+    """i8_gemm.c built for AMX-INT8 tiles (-DJR_W8A8_TILES), its tile operations emulated on vpdpbusd
+    (include/jr_tile_avx512.h; library i8_tile_emulated): the VNNI build's bits for 1-200 rows (partial 16- and
+    32-row tiles, an odd number of column blocks), with and without a bias, strided rows, one and two threads.
+    What the real AMX build adds is the tile instructions themselves (not run here: no AMX)."""
+    from jobrunner.kernels import load
+
+    from tests.components import require_library
+
+    k, n = shape
+    vnni, tiles = require_library(load("i8_gemm")), require_library(load("i8_tile_emulated"))
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) / 100
+    packed = torch.empty(n * k + 8 * n, dtype=torch.uint8)
+    assert vnni.jr_i8_pack(w.data_ptr(), scales.data_ptr(), packed.data_ptr(), n, k) == 0
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 16, 17, 31, 32, 33, 70, 200):
+            wide = (torch.randn(rows, k + 64, generator=gen) * 4).to(torch.bfloat16)
+            x = wide[:, :k]  # rows of stride k + 64
+            for b, t in ((None, 2), (bias, 1)):
+                torch.set_num_threads(t)
+                outs = []
+                for lib in (vnni, tiles):
+                    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+                    assert lib.jr_i8_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                            None if b is None else b.data_ptr(), out.data_ptr(), n, rows, n, k, t) == 0
+                    outs.append(out)
+                assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_amx_int8_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On amx oneDNN's int8 GEMM stays the default; JOBRUNNER_W8A8_AMX=1 asks for our tile kernel, which runs
+    where the OS grants the tile state (an AMX CPU) and is refused, said why, elsewhere."""
+    from jobrunner.quant.i8_gemm import AMX_ENV, amx_choice
+
+    monkeypatch.delenv(AMX_ENV, raising=False)
+    assert dispatch_for("cpu", "amx").w8a8_kernel == "onednn"
+    assert amx_choice("amx") == (False, f"amx: the AMX-INT8 W8A8 kernel is opt-in ({AMX_ENV}=1 on amx)")
+    monkeypatch.setenv(AMX_ENV, "1")
+    use, why = amx_choice("amx")
+    assert dispatch_for("cpu", "amx").w8a8_kernel == ("amx" if use else "onednn")
+    assert use or "AMX" in why
+    assert amx_choice("avx512_bf16")[0] is False  # only on amx

@@ -22,7 +22,14 @@
    float32 weight scales.
 
    Work: the rows are quantized into a per-thread workspace (threads over rows), then threads own contiguous
-   ranges of column blocks, NB = 4 at a time, and walk the rows MR = 6 at a time with 24 int32 accumulators. */
+   ranges of column blocks, NB = 4 at a time, and walk the rows MR = 6 at a time with 24 int32 accumulators.
+
+   Built with -DJR_W8A8_TILES (libraries amx_i8_gemm and i8_tile_emulated, kernels/build.py) the product runs on
+   AMX-INT8 tiles instead (tdpbusd: a 16-row x 64-byte tile of the quantized rows times a 1 KB chunk of the
+   packed weight, which is the B tile layout already): as the AMX bf16 GEMM (amx_gemm.c), a thread walks its
+   column blocks two at a time and the rows 32 at a time, four C tiles, two A and two B tiles. Integer sums are
+   exact, so the tiles give the VNNI build's bits (tested with the tile operations emulated on vpdpbusd,
+   include/jr_tile_avx512.h, on CPUs without AMX). */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -31,13 +38,21 @@
 #include <string.h>
 
 #include "jr_kernels.h"
+#ifdef JR_W8A8_TILES
+#include "jr_amx.h" /* the AMX tile set-up, or the tile operations on AVX-512 (-DJR_TILE_AVX512) */
+#endif
 
 #define NB 4 /* column blocks of 16 per micro-tile */
 #define MR 6 /* rows per micro-tile */
 
 int jr_i8_gemm_ready(void) {
-  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+  const int simd = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512bf16");
+#ifdef JR_W8A8_TILES
+  return simd && amx_permitted() ? 1 : 0;
+#else
+  return simd ? 1 : 0;
+#endif
 }
 
 /* W [N, K] int8 row-major and its scales [N] -> the packed layout above; N % 16 == 0 and K % 64 == 0 (else 1) */
@@ -87,9 +102,9 @@ static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale)
   }
 }
 
-/* the micro-tile's int32 sums (row i, block j at sums + (i * NB + j) * 16) to bf16 outputs; a function of its
+/* a block of int32 sums (row i, column block j at sums + i * stride + j * 16) to bf16 outputs; a function of its
    own: with this code after the loop GCC 12 spilled the accumulators inside it */
-static __attribute__((noinline)) void finish(const int32_t *sums, const float *sx, const int32_t *offset,
+static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride, const float *sx, const int32_t *offset,
                                              const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo,
                                              int64_t m, int64_t nb, int mr, int nbk) {
   for (int j = 0; j < nbk; j++) {
@@ -101,7 +116,7 @@ static __attribute__((noinline)) void finish(const int32_t *sums, const float *s
       bj = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
     for (int i = 0; i < mr; i++) {
-      const __m512i acc = _mm512_load_si512((const void *)(sums + (i * NB + j) * 16));
+      const __m512i acc = _mm512_load_si512((const void *)(sums + i * stride + j * 16));
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
       __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_set1_ps(sx[m + i])));
       if (bias) {
@@ -138,7 +153,7 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *a, const 
   int32_t sums[MR * NB * 16] __attribute__((aligned(64)));
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nbk; j++) _mm512_store_si512((void *)(sums + (i * NB + j) * 16), acc[i][j]);
-  finish(sums, sx, offset, sw, bias, out, ldo, m, nb, mr, nbk);
+  finish(sums, NB * 16, sx, offset, sw, bias, out, ldo, m, nb, mr, nbk);
 }
 
 #define ROWS_CASE(R, NBK) \
@@ -161,6 +176,57 @@ GROUP(2)
 GROUP(3)
 GROUP(4)
 
+#ifdef JR_W8A8_TILES
+/* One thread's share on the tiles: column blocks nb0 .. nb1 - 1, every row (the workspace holds whole 32-row
+   tiles: rows past M are read, never written out) */
+static void tile_blocks(const uint8_t *a, const float *sx, const uint8_t *packed, const int32_t *offset,
+                        const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M, int64_t K,
+                        int64_t nb0, int64_t nb1) {
+  const int64_t kt = K / 64;
+  int32_t c[4][256] __attribute__((aligned(64)));
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const int two_n = nb + 1 < nb1;
+    const uint8_t *b0 = packed + nb * kt * 1024, *b1 = b0 + kt * 1024;
+    for (int64_t m = 0; m < M; m += 32) {
+      const int two_m = m + 16 < M;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < kt; kb++) {
+        _tile_loadd(4, a + m * K + kb * 64, K);
+        _tile_loadd(6, b0 + kb * 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, b1 + kb * 1024, 64);
+          _tile_dpbusd(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a + (m + 16) * K + kb * 64, K);
+          _tile_dpbusd(2, 5, 6);
+          if (two_n) _tile_dpbusd(3, 5, 7);
+        }
+      }
+      const int rows0 = M - m < 16 ? (int)(M - m) : 16, rows1 = two_m ? (M - m - 16 < 16 ? (int)(M - m - 16) : 16) : 0;
+      _tile_stored(0, c[0], 64);
+      finish(c[0], 16, sx, offset, sw, bias, out, ldo, m, nb, rows0, 1);
+      if (two_n) {
+        _tile_stored(1, c[1], 64);
+        finish(c[1], 16, sx, offset, sw, bias, out, ldo, m, nb + 1, rows0, 1);
+      }
+      if (two_m) {
+        _tile_stored(2, c[2], 64);
+        finish(c[2], 16, sx, offset, sw, bias, out, ldo, m + 16, nb, rows1, 1);
+        if (two_n) {
+          _tile_stored(3, c[3], 64);
+          finish(c[3], 16, sx, offset, sw, bias, out, ldo, m + 16, nb + 1, rows1, 1);
+        }
+      }
+    }
+  }
+}
+#endif
+
 /* the calling thread's workspace for the quantized rows, grown on demand (one per thread: engines in several
    threads of one process do not share it) */
 static __thread uint8_t *workspace;
@@ -179,18 +245,37 @@ static uint8_t *workspace_for(size_t bytes) {
 
 /* out[M, N] (row stride ldo, bf16) = the W8A8 product of x[M, K] (row stride ldx, bf16) and the weight packed by
    jr_i8_pack (+ bias, bf16 [N] or NULL). The same signature as jr_bf16_linear, so the layer loop calls either.
-   Returns 0, 1 for a shape it does not take (N % 16, K % 64), 2 when the workspace cannot be allocated. */
+   Returns 0, 1 for a shape it does not take (N % 16, K % 64), 2 when the workspace cannot be allocated, 3 (tile
+   build) when the OS refused the AMX tile state. */
 int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
   if (M == 0) return 0;
   if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
-  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * sizeof(float) + 64);
+  const int64_t padded = (M + 31) / 32 * 32; /* the tile build reads whole 32-row tiles */
+  uint8_t *a = workspace_for((size_t)padded * (size_t)K + (size_t)M * sizeof(float) + 64);
   if (!a) return 2;
-  float *sx = (float *)(a + M * K + (64 - (M * K) % 64) % 64);
+  float *sx = (float *)(a + padded * K); /* K % 64 == 0: aligned */
   const int32_t *offset = (const int32_t *)(packed + N * K);
   const float *sw = (const float *)(offset + N);
   const int64_t blocks = N / 16;
   if (threads < 1) threads = 1;
+#ifdef JR_W8A8_TILES
+  if (!amx_permitted()) return 3;
+  if (threads > blocks / 2) threads = blocks / 2 > 0 ? blocks / 2 : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    /* contiguous, even shares of the column blocks, in pairs */
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t pairs = (blocks + 1) / 2, p0 = pairs * t / n, p1 = pairs * (t + 1) / n;
+    const int64_t nb0 = 2 * p0, nb1 = 2 * p1 < blocks ? 2 * p1 : blocks;
+    if (nb0 < nb1) tile_blocks(a, sx, packed, offset, sw, bias, out, ldo, M, K, nb0, nb1);
+    _tile_release();
+  }
+  return 0;
+#endif
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)

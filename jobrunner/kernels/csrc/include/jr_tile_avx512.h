@@ -7,7 +7,8 @@
    rows in and out at the given stride, _tile_zero clears one, and _tile_dpbf16ps(c, a, b) adds
    C[m][n] += sum over p of A[m][2p] B[p][2n] + A[m][2p + 1] B[p][2n + 1] (float32 C, bf16 pairs in A and B),
    for each row m one vdpbf16ps per pair p with A's pair broadcast to the 16 lanes: what the tile instruction
-   computes, pair after pair in the same order. The configuration calls are no-ops; "permitted" is whether
+   computes, pair after pair in the same order; _tile_dpbusd (int8, gemm/i8_gemm.c's tile build) likewise on
+   vpdpbusd (a build that uses it adds -mavx512vnni). The configuration calls are no-ops; "permitted" is whether
    the CPU has AVX-512 BF16. */
 #ifndef JR_TILE_AVX512_H
 #define JR_TILE_AVX512_H
@@ -20,6 +21,7 @@
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_dpbusd
 #undef _tile_release
 
 /* this thread's eight tiles */
@@ -58,10 +60,28 @@ static inline __attribute__((always_inline)) void jr_tile_dpbf16ps(int c, int a,
   for (int m = 0; m < 16; m++) _mm512_store_ps(C + 16 * m, acc[m]);
 }
 
+/* C[m][n] (int32) += sum over p of the four products A[m][4p + i] (u8) x B[p][4n + i] (s8): tdpbusd, one vpdpbusd
+   per quad p (exact integer sums: the order does not matter) */
+#ifdef __AVX512VNNI__
+static inline __attribute__((always_inline)) void jr_tile_dpbusd(int c, int a, int b) {
+  int32_t *C = (int32_t *)jr_tiles[c];
+  const int32_t *A = (const int32_t *)jr_tiles[a];
+  const uint8_t *B = jr_tiles[b];
+  __m512i acc[16];
+  for (int m = 0; m < 16; m++) acc[m] = _mm512_load_si512((const void *)(C + 16 * m));
+  for (int p = 0; p < 16; p++) {
+    const __m512i bv = _mm512_load_si512((const void *)(B + 64 * p));
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32(A[16 * m + p]), bv);
+  }
+  for (int m = 0; m < 16; m++) _mm512_store_si512((void *)(C + 16 * m), acc[m]);
+}
+#endif
+
 #define _tile_loadd(t, base, stride) jr_tile_loadd((t), (base), (stride))
 #define _tile_stored(t, base, stride) jr_tile_stored((t), (base), (stride))
 #define _tile_zero(t) jr_tile_zero(t)
 #define _tile_dpbf16ps(c, a, b) jr_tile_dpbf16ps((c), (a), (b))
+#define _tile_dpbusd(c, a, b) jr_tile_dpbusd((c), (a), (b))
 #define _tile_release() ((void)0)
 
 #endif
