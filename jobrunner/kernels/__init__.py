@@ -19,7 +19,7 @@ _LAZY = {
     "CAPABILITY_ENV": "capability", "CPU_CAPABILITIES": "capability", "capability_key": "capability",
     "capability_switch": "capability", "detect_cpu_capability": "capability",
     "SIGNATURES": "signatures", "LoopLayer": "signatures", "LoopModel": "signatures", "LoopRows": "signatures",
-    "LoopStep": "signatures",
+    "LoopStep": "signatures", "Int4Linear": "signatures",
 }
 
 __all__ = ["SWITCHES", "is_off", "is_set", "setting", "switch", *_LAZY]

@@ -51,7 +51,15 @@ class LoopStep(ctypes.Structure):
         ("chunks", LoopRows), ("workspace", _P), ("final_norm", _P)]
 
 
-STRUCTS = {"JrLoopModel": LoopModel, "JrLoopLayer": LoopLayer, "JrLoopRows": LoopRows, "JrLoopStep": LoopStep}
+class Int4Linear(ctypes.Structure):
+    """``JrInt4Linear``: an int4 layer for ``jr_i4_linear`` (its blocks, expansion, scratch and trailer)."""
+
+    _fields_ = [(name, _P) for name in ("expand", "packed", "pairs", "inv", "trailer", "wt", "tiles")] + [
+        (name, _I) for name in ("block_n", "split", "group", "pair_stride")]
+
+
+STRUCTS = {"JrInt4Linear": Int4Linear, "JrLoopModel": LoopModel, "JrLoopLayer": LoopLayer, "JrLoopRows": LoopRows,
+           "JrLoopStep": LoopStep}
 _SCALARS = {"void": None, "int": ctypes.c_int, "int64_t": _I, "float": _F, "double": ctypes.c_double}
 _POINTEES = {"double": ctypes.c_double}  # the layer loop's timings (every other pointer: a tensor's data_ptr())
 _LIBRARY = re.compile(r"/\* library (\w+):")

@@ -66,13 +66,23 @@ def _address(fn) -> int:
 def _projection_kind(proj) -> str | None:
     """``"bf16"`` (the packed bf16 GEMM), ``"vnni"`` / ``"amx"`` (our W8A8 GEMM) or None (neither: no loop)."""
     from jobrunner.models.onednn_linear import OneDnnLinear
+    from jobrunner.quant.int4 import Int4WeightOnlyLinear
     from jobrunner.quant.w8a8 import W8A8Linear
 
     if type(proj) is OneDnnLinear and proj.amx_packed is not None:
         return "bf16"
     if type(proj) is W8A8Linear and proj.vnni_packed is not None:
         return proj.kernel  # "vnni" | "amx": our W8A8 GEMM
+    if type(proj) is Int4WeightOnlyLinear and proj.int8 is not None and proj.int8.kernel is not None:
+        return "int4"  # W4A8 on our W8A8 GEMM (quant/int4_int8.py), for steps above its tinygemm rows
     return None
+
+
+def _int4_projections(model) -> list:
+    """The model's projections on the int4 W4A8 kernel (their scratch pointers are refreshed per step)."""
+    return [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if _projection_kind(p) == "int4"]
 
 
 def _projection(proj) -> tuple[int, int]:
@@ -80,8 +90,11 @@ def _projection(proj) -> tuple[int, int]:
     from jobrunner.models import amx_linear
     from jobrunner.quant import i8_gemm
 
-    if _projection_kind(proj) in ("vnni", "amx"):
+    kind = _projection_kind(proj)
+    if kind in ("vnni", "amx"):
         return proj.vnni_packed.data_ptr(), i8_gemm.linear_address(proj.kernel)
+    if kind == "int4":
+        return ctypes.addressof(proj.int8.bind()), _address(proj.int8.linear_fn)
     return proj.amx_packed.data_ptr(), _address(amx_linear.linear_function(amx_linear._library()))
 
 
@@ -118,6 +131,7 @@ def layer_loop_reason(model) -> str | None:
     libraries = [fused_ops.fused_library(), _library()]
     libraries += [amx_linear._library()] if "bf16" in kinds else []
     libraries += [i8_gemm.library(k) for k in kinds if k in i8_gemm.LIBRARIES]
+    libraries += [i8_gemm.library(p.int8.kernel) for p in _int4_projections(model)]
     for lib in libraries:
         if isinstance(lib, str):
             return lib
@@ -138,6 +152,11 @@ class LayerLoop:
                             inter=model.layers[0].mlp.intermediate_size, layers=s.num_layers,
                             eps=s.rms_norm_eps, scale=model.layers[0].self_attn.scale)
         self.max_rows = amx_linear.packed_max_rows() or LOOP_MAX_ROWS
+        # int4 projections: the loop runs their W4A8 kernel, which the Python path takes only above the layer's
+        # tinygemm rows and up to its int8 limit; steps outside that stay in Python (the same bits either way)
+        self.int4 = _int4_projections(model)
+        self.min_rows = 1 + max((p.small_batch_max_tokens for p in self.int4), default=0)
+        self.max_rows = min([self.max_rows] + [p.int8.max_tokens for p in self.int4])
         self.source = model
         self.kernels_of: int | None = None  # id of the backend whose write / decode kernels are set
         self.layers_of: tuple[int, int] | None = None  # (data_ptr, layer stride) of the KV cache the layers see
@@ -171,7 +190,7 @@ class LayerLoop:
         if type(meta) is not CpuPagedMetadata or meta.torch_groups:
             return False
         rows = x.shape[0]
-        if meta.num_tokens != rows or not 0 < rows <= self.max_rows or meta.window or \
+        if meta.num_tokens != rows or not self.min_rows <= rows <= self.max_rows or meta.window or \
                 getattr(meta, "layer_views", None) is not None:
             return False
         if x.dtype != torch.bfloat16 or not x.is_contiguous() or kv_cache.dtype != torch.bfloat16 or \
@@ -184,6 +203,8 @@ class LayerLoop:
     def run(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor, clock=None) -> torch.Tensor:
         """The final (normed) hidden states of the decode step whose embeddings are ``x``."""
         self._bind(meta.backend, kv_cache)
+        for proj in self.int4:  # the shared scratch may have moved (grown for a larger layer): rebind in place
+            proj.int8.bind()
         m, rows = self.model, x.shape[0]
         out = torch.empty_like(x)
         buffers = self._buffers(rows)

@@ -21,15 +21,26 @@ that is every count above 16 (SmolLM2-135M at batch 64: 1.1-1.4x bf16; perplexit
 10,065 held-out tokens, +0.19% weight-only; docs/quantization.md). The expansion is one C call per tile
 (:data:`INT8_TILE_WEIGHTS`), and the row quantization and output scaling are C loops too
 (:mod:`jobrunner.quant.w8a8_native`).
+
+Where W8A8 runs on our own GEMM (:mod:`jobrunner.quant.i8_gemm`: ``vnni`` on avx512_bf16, opt-in ``amx``), a bf16
+call takes one native call instead (``jr_i4_linear``, kernels/csrc/gemm/i8_gemm.c): the whole layer expanded to
+int8 W^T by the same C loop, packed into the GEMM's tiles, the per-column offsets and scales (computed once
+here) appended, then the W8A8 GEMM, which quantizes the rows itself. The numbers are this module's (the same
+codes, scales, exact int32 sums and ``(acc * S_n) * s_m`` order: tested bit for bit); the scratch is the
+layer's int8 W^T and its packed tiles, shared by the model's int4 layers (``2 N K + 8 N`` bytes for the largest),
+and the layer loop (models/layer_loop.py) calls the same function.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import torch
 
+from jobrunner.kernels import Int4Linear
 from jobrunner.quant.dispatch import QuantDispatch
+from jobrunner.quant.i8_gemm import library as i8_library
 from jobrunner.quant.int4_native import int4_to_int8_fn
 from jobrunner.quant.int4_unpack import CpuInt4Layout
 from jobrunner.quant.primitives import expand_int8_reference, int8_row_scales, quantize_rows_int8
@@ -71,6 +82,62 @@ class Int4AsInt8:
         self.expand = int4_to_int8_fn()
         self.native = w8a8_native()  # the row quantization and output scaling in C (None: torch ops)
         layer.scratch.reserve(self.tile_rows * layer.in_features, torch.int8, layer.weight_int4pack.device)
+        # our W8A8 GEMM for the whole call (module doc), or None: torch._int_mm per tile
+        self.kernel = self._packed_kernel()
+        self.struct: Int4Linear | None = None
+        if self.kernel is not None:
+            n, k = layer.out_features, layer.in_features
+            wt = torch.empty(k, n, dtype=torch.int8)
+            self.fill(0, n, wt)
+            offsets = wt.sum(dim=0, dtype=torch.int32).mul_(128)
+            self.trailer = torch.cat([offsets, self.row_scale.view(torch.int32)])  # [2 N]: offsets, scales
+            layer.scratch.reserve(k * n, torch.int8, wt.device)
+            layer.scratch.reserve(k * n + 8 * n, torch.uint8, wt.device)
+            lib = i8_library(self.kernel)
+            self.linear_fn = lib.jr_i4_linear
+
+    def _packed_kernel(self) -> str | None:
+        """``vnni`` / ``amx`` where W8A8 runs on our GEMM and takes this layer whole, else None."""
+        layer, layout = self.layer, self.layer.cpu_layout
+        kernel = layer.dispatch.w8a8_kernel
+        if kernel not in ("vnni", "amx") or isinstance(i8_library(kernel), str):
+            return None
+        n, k = layer.out_features, layer.in_features
+        if layout.num_full_rows != n or n % 16 or k % 64 or k >= 66000 or self.expand is None:
+            return None
+        return kernel
+
+    def bind(self) -> Int4Linear:
+        """The ``JrInt4Linear`` of this layer, its scratch pointers current (the shared buffers may have grown
+        since the last call: a larger layer reserved after this one was built)."""
+        layer = self.layer
+        n, k = layer.out_features, layer.in_features
+        wt = layer.scratch.get(k * n, torch.int8, layer.weight_int4pack.device)
+        tiles = layer.scratch.get(k * n + 8 * n, torch.uint8, layer.weight_int4pack.device)
+        if self.struct is None:
+            from jobrunner.quant.int4_native import _library
+
+            layout = layer.cpu_layout
+            self.struct = Int4Linear(
+                expand=ctypes.cast(_library().jr_int4_to_int8_t, ctypes.c_void_p).value,
+                packed=layer.weight_int4pack.data_ptr(), pairs=layer.scales_and_zeros.data_ptr(),
+                inv=self.inv_row_scale.data_ptr(), trailer=self.trailer.data_ptr(), block_n=layout.block_n,
+                split=int(layout.is_split), group=layer.group_size,
+                pair_stride=layer.scales_and_zeros.stride(0) // 2)
+        self.struct.wt, self.struct.tiles = wt.data_ptr(), tiles.data_ptr()
+        return self.struct
+
+    def packed_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """The whole call through ``jr_i4_linear`` (bf16 rows, unit column stride; the module doc)."""
+        layer = self.layer
+        n, k = layer.out_features, layer.in_features
+        xb = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        rc = self.linear_fn(xb.data_ptr(), xb.stride(0), ctypes.byref(self.bind()), None, out.data_ptr(), n,
+                            x2.shape[0], n, k, torch.get_num_threads())
+        if rc:
+            raise RuntimeError(f"int4 W4A8 kernel refused a call of {x2.shape[0]} x {k} -> {n} (code {rc})")
+        return out
 
     @classmethod
     def build(cls, layer: PackedInt4) -> Int4AsInt8 | None:
@@ -82,6 +149,8 @@ class Int4AsInt8:
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [M, K] @ W.T`` in ``x2``'s dtype (float32 for other dtypes than float32 / bfloat16)."""
+        if self.kernel is not None and x2.dtype == torch.bfloat16:
+            return self.packed_forward(x2)
         layer = self.layer
         k, n = layer.in_features, layer.out_features
         native = self.native if self.native is not None and self.native.takes(x2) else None

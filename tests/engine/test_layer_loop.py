@@ -211,3 +211,40 @@ def test_w8a8_projections_run_in_the_loop_with_the_python_paths_bits(monkeypatch
         assert mine.output_token_ids == out.output_token_ids
         assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
         assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+
+
+def test_int4_projections_run_in_the_loop_above_their_tinygemm_rows(monkeypatch, tokenizer, counted):
+    """An int4 model on a CPU where W8A8 runs on our GEMM: its projections' W4A8 kernel (jr_i4_linear:
+    the int4 blocks expanded, packed and multiplied in one call) in the loop for steps above the layers'
+    tinygemm rows (16), the Python path below; the same tokens and logprobs as with the loop off."""
+    from jobrunner.quant import quantize_model
+
+    require_cpu("avx512_bf16")
+    monkeypatch.setenv(CAPABILITY_ENV, "avx512_bf16")
+    monkeypatch.delenv("JOBRUNNER_W8A8_VNNI", raising=False)
+    hf = make_hf_model("llama", **SHAPE)
+
+    def int4_model():
+        model = build_model(hf.config, torch.bfloat16, torch.device("cpu"))
+        load_weights(model, hf.state_dict().items())
+        quantize_model(model, "int4")
+        reorder_bf16_linears(model)
+        return model
+
+    probe = int4_model()
+    assert layer_loop.layer_loop_reason(probe) is None
+    assert layer_loop.LayerLoop(probe).min_rows == 17
+    prompts = [" ".join(CORPUS[i % 8:i % 8 + 3]) + f" {i}" for i in range(20)]  # 20 rows decode together
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(layer_loop.LOOP_ENV, setting)
+        counted["n"] = 0
+        outs[setting] = run_checked(_engine(int4_model(), tokenizer, max_num_seqs=32, max_num_batched_tokens=64),
+                                    prompts, params)
+        assert (counted["n"] > 0) == (setting == "1")
+    for key, out in outs["0"].items():
+        mine = outs["1"][key]
+        assert mine.output_token_ids == out.output_token_ids
+        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
+        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]

@@ -98,3 +98,29 @@ def test_c_activation_loops_give_the_torch_numbers(dtype: torch.dtype) -> None:
         native, layer.int8.native = layer.int8.native, None
         slow = layer(x)
     assert native is not None and torch.equal(fast, slow)
+
+
+def test_the_one_call_w4a8_kernel_gives_the_tile_paths_bits(monkeypatch) -> None:
+    """Where W8A8 runs on our GEMM (avx512_bf16): jr_i4_linear (expand, pack, W8A8 GEMM in one call) gives the
+    per-tile torch._int_mm path's bits, with and without a bias, for rows above the tinygemm crossover; float32
+    rows keep the tile path."""
+    from tests.components import require_cpu
+
+    require_cpu("avx512_bf16")
+    monkeypatch.setenv("JOBRUNNER_CPU_CAPABILITY", "avx512_bf16")
+    monkeypatch.delenv("JOBRUNNER_W8A8_VNNI", raising=False)
+    gen = torch.Generator().manual_seed(4)
+    for k, n, bias in ((576, 960, True), (1536, 576, False), (128, 64, True)):
+        linear = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+        layer = Int4WeightOnlyLinear.from_linear(linear, 32, dispatch_for("cpu"))
+        path = layer.int8
+        assert path is not None and path.kernel == "vnni"
+        for rows in (17, 48, 130):
+            x = (torch.randn(rows, k, generator=gen) * 3).to(torch.bfloat16)
+            fast = layer(x)
+            path.kernel = None
+            tiles = layer(x)
+            path.kernel = "vnni"
+            assert torch.equal(fast, tiles)
+        x32 = torch.randn(20, k, generator=gen)
+        assert layer(x32).dtype == torch.float32

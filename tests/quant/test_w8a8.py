@@ -243,7 +243,6 @@ def test_the_amx_int8_tile_source_gives_the_vnni_kernels_bits(shape: tuple[int, 
     32-row tiles, an odd number of column blocks), with and without a bias, strided rows, one and two threads.
     What the real AMX build adds is the tile instructions themselves (not run here: no AMX)."""
     from jobrunner.kernels import load
-
     from tests.components import require_library
 
     k, n = shape

@@ -79,6 +79,33 @@ int jr_i8_pack(const int8_t *w, const float *scales, uint8_t *packed, int64_t N,
   return 0;
 }
 
+/* W^T [K, N] int8 (row stride ldw) -> the packed tiles above (no trailer: the caller writes the column offsets
+   and scales after them). Four rows of 16 columns interleave into one 64-byte operand (unpack bytes, then
+   words). The int4 layer's path: its expansion writes W^T (kernels/csrc/quant/int4_unpack.c). */
+int jr_i8_pack_t(const int8_t *wt, int64_t ldw, uint8_t *packed, int64_t N, int64_t K, int64_t threads) {
+  if (N % 16 || K % 64 || N <= 0 || K <= 0 || ldw < N) return 1;
+  const int64_t kt = K / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t nb = 0; nb < N / 16; nb++)
+    for (int64_t kb = 0; kb < kt; kb++) {
+      uint8_t *chunk = packed + (nb * kt + kb) * 1024;
+      for (int64_t r = 0; r < 16; r++) {
+        const int8_t *src = wt + (kb * 64 + 4 * r) * ldw + nb * 16;
+        const __m128i a0 = _mm_loadu_si128((const __m128i *)src), a1 = _mm_loadu_si128((const __m128i *)(src + ldw));
+        const __m128i a2 = _mm_loadu_si128((const __m128i *)(src + 2 * ldw));
+        const __m128i a3 = _mm_loadu_si128((const __m128i *)(src + 3 * ldw));
+        const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+        const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+        __m128i *dst = (__m128i *)(chunk + r * 64);
+        _mm_storeu_si128(dst, _mm_unpacklo_epi16(t0, t2));
+        _mm_storeu_si128(dst + 1, _mm_unpackhi_epi16(t0, t2));
+        _mm_storeu_si128(dst + 2, _mm_unpacklo_epi16(t1, t3));
+        _mm_storeu_si128(dst + 3, _mm_unpackhi_epi16(t1, t3));
+      }
+    }
+  return 0;
+}
+
 /* row x (bf16, K % 32 == 0) -> bytes q + 128 and its scale */
 static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale) {
   __m512i top = _mm512_setzero_si512();
@@ -294,4 +321,21 @@ int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const ui
     }
   }
   return 0;
+}
+
+/* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 blocks expanded to int8 W^T by the int4
+   library's jr_int4_to_int8_t (w->expand), packed (jr_i8_pack_t), the layer's column offsets and scales copied
+   after the tiles, then jr_i8_linear. The same signature as the other linears (w in place of the packed
+   weight), so the layer loop calls it too. Returns jr_i8_linear's codes, or 4 when the expansion or the
+   packing refuses the shape. */
+typedef __typeof__(&jr_int4_to_int8_t) expand_fn;
+int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  if (M == 0) return 0;
+  if (((expand_fn)w->expand)(w->packed, w->pairs, w->inv, w->wt, K, N / w->block_n, w->block_n, w->split,
+                             w->group, N, w->pair_stride, threads))
+    return 4;
+  if (jr_i8_pack_t(w->wt, N, w->tiles, N, K, threads)) return 4;
+  memcpy(w->tiles + N * K, w->trailer, (size_t)N * 8);
+  return jr_i8_linear(x, ldx, w->tiles, bias, out, ldo, M, N, K, threads);
 }

@@ -49,10 +49,23 @@ int jr_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K);
 int jr_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                    int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
 
+/* An int4 layer for jr_i4_linear: its CPU int4 blocks (packed, bf16 scale / zero pairs, 1 / row scale) and the
+   expansion that reads them (jr_int4_to_int8_t), the int8 W^T and packed-tile scratch it writes (shared by a
+   model's int4 layers), the column offsets and scales copied after the tiles (trailer, 8 N bytes) */
+typedef struct {
+  void *expand;
+  const void *packed, *pairs, *inv, *trailer;
+  void *wt, *tiles;
+  int64_t block_n, split, group, pair_stride;
+} JrInt4Linear;
+
 /* library i8_gemm: gemm/i8_gemm.c */
 int jr_i8_gemm_ready(void);
 int jr_i8_pack(const int8_t *w, const float *scales, uint8_t *packed, int64_t N, int64_t K);
 int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
+int jr_i8_pack_t(const int8_t *wt, int64_t ldw, uint8_t *packed, int64_t N, int64_t K, int64_t threads);
+int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
 
 /* library fused_ops: rowops/fused_ops.c */
