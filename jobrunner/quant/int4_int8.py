@@ -27,8 +27,9 @@ call takes one native call instead (``jr_i4_linear``, kernels/csrc/gemm/i8_gemm.
 int8 W^T by the same C loop, packed into the GEMM's tiles, the per-column offsets and scales (computed once
 here) appended, then the W8A8 GEMM, which quantizes the rows itself. The numbers are this module's (the same
 codes, scales, exact int32 sums and ``(acc * S_n) * s_m`` order: tested bit for bit); the scratch is the
-layer's int8 W^T and its packed tiles, shared by the model's int4 layers (``2 N K + 8 N`` bytes for the largest),
-and the layer loop (models/layer_loop.py) calls the same function.
+layer's int8 W^T and its packed tiles, shared by the model's int4 layers (``2 N K + 8 N`` bytes for the largest,
+taken at the first call, not at load: the load's memory peak stays that of the weights), and the layer loop
+(models/layer_loop.py) calls the same function.
 """
 
 from __future__ import annotations
@@ -85,16 +86,22 @@ class Int4AsInt8:
         # our W8A8 GEMM for the whole call (module doc), or None: torch._int_mm per tile
         self.kernel = self._packed_kernel()
         self.struct: Int4Linear | None = None
+        self.trailer: torch.Tensor | None = None  # the column offsets and scales, made at the first call
         if self.kernel is not None:
-            n, k = layer.out_features, layer.in_features
-            wt = torch.empty(k, n, dtype=torch.int8)
-            self.fill(0, n, wt)
-            offsets = wt.sum(dim=0, dtype=torch.int32).mul_(128)
-            self.trailer = torch.cat([offsets, self.row_scale.view(torch.int32)])  # [2 N]: offsets, scales
-            layer.scratch.reserve(k * n, torch.int8, wt.device)
-            layer.scratch.reserve(k * n + 8 * n, torch.uint8, wt.device)
-            lib = i8_library(self.kernel)
-            self.linear_fn = lib.jr_i4_linear
+            self.linear_fn = i8_library(self.kernel).jr_i4_linear
+
+    def _trailer(self) -> torch.Tensor:
+        """[2 N] int32: the column offsets ``128 * sum_k W8[n, k]`` (from the expansion, tile by tile in the tile
+        scratch), then the row scales' bits; made at the first call, so a load's memory peak does not grow."""
+        layer = self.layer
+        n, k = layer.out_features, layer.in_features
+        offsets = torch.empty(n, dtype=torch.int32)
+        scratch = layer.scratch.get(self.tile_rows * k, torch.int8, layer.weight_int4pack.device)
+        for n0 in range(0, n, self.tile_rows):
+            n1 = min(n, n0 + self.tile_rows)
+            wt = self.fill(n0, n1, scratch[: (n1 - n0) * k].view(k, n1 - n0))
+            offsets[n0:n1] = wt.sum(dim=0, dtype=torch.int32)
+        return torch.cat([offsets.mul_(128), self.row_scale.view(torch.int32)])
 
     def _packed_kernel(self) -> str | None:
         """``vnni`` / ``amx`` where W8A8 runs on our GEMM and takes this layer whole, else None."""
@@ -108,24 +115,27 @@ class Int4AsInt8:
         return kernel
 
     def bind(self) -> Int4Linear:
-        """The ``JrInt4Linear`` of this layer, its scratch pointers current (the shared buffers may have grown
-        since the last call: a larger layer reserved after this one was built)."""
+        """The ``JrInt4Linear`` of this layer (one struct, its address stable for the layer loop), every pointer
+        set from the tensors as they are now (the shared scratch may have grown since the last call: a larger
+        layer reserved after this one was built)."""
         layer = self.layer
         n, k = layer.out_features, layer.in_features
+        if self.trailer is None:
+            self.trailer = self._trailer()
         wt = layer.scratch.get(k * n, torch.int8, layer.weight_int4pack.device)
         tiles = layer.scratch.get(k * n + 8 * n, torch.uint8, layer.weight_int4pack.device)
         if self.struct is None:
             from jobrunner.quant.int4_native import _library
 
             layout = layer.cpu_layout
-            self.struct = Int4Linear(
-                expand=ctypes.cast(_library().jr_int4_to_int8_t, ctypes.c_void_p).value,
-                packed=layer.weight_int4pack.data_ptr(), pairs=layer.scales_and_zeros.data_ptr(),
-                inv=self.inv_row_scale.data_ptr(), trailer=self.trailer.data_ptr(), block_n=layout.block_n,
-                split=int(layout.is_split), group=layer.group_size,
-                pair_stride=layer.scales_and_zeros.stride(0) // 2)
-        self.struct.wt, self.struct.tiles = wt.data_ptr(), tiles.data_ptr()
-        return self.struct
+            self.struct = Int4Linear(expand=ctypes.cast(_library().jr_int4_to_int8_t, ctypes.c_void_p).value,
+                                     block_n=layout.block_n, split=int(layout.is_split), group=layer.group_size)
+        s = self.struct
+        s.packed, s.pairs = layer.weight_int4pack.data_ptr(), layer.scales_and_zeros.data_ptr()
+        s.inv, s.trailer, s.wt, s.tiles = (self.inv_row_scale.data_ptr(), self.trailer.data_ptr(), wt.data_ptr(),
+                                           tiles.data_ptr())
+        s.pair_stride = layer.scales_and_zeros.stride(0) // 2
+        return s
 
     def packed_forward(self, x2: torch.Tensor) -> torch.Tensor:
         """The whole call through ``jr_i4_linear`` (bf16 rows, unit column stride; the module doc)."""
