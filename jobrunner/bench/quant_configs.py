@@ -118,13 +118,22 @@ def load_engine(source: str, config: QuantConfig, engine_config: Any) -> Any:
 
 
 def _engine_with_overrides(source: str, config: QuantConfig, engine_config: Any) -> Any:
-    """The base scheme with per-layer overrides (``int4/lm_head=int8``; not a job-spec value)."""
+    """The base scheme with per-layer overrides (``int4/lm_head=int8``; not a job-spec value). The model loads
+    with its bf16 linears left as ``nn.Linear`` (a packed linear is not one quantize_model swaps: the overrides
+    were silently not applied on CPUs that pack bf16 weights), is quantized, then the layers left in bf16 are
+    packed as a load would."""
+    import torch
+
     from jobrunner.engine import LLMEngine
     from jobrunner.models.factory import load_for_engine
+    from jobrunner.models.onednn_linear import reorder_bf16_linears
     from jobrunner.quant.apply import quantize_model
 
-    model, tokenizer, eos_ids, info = load_for_engine(source, dtype=config.dtype, device=engine_config.device)
+    with overridden("JOBRUNNER_AMX_GEMM", "0"), overridden("JOBRUNNER_ONEDNN_LINEAR", "0"):
+        model, tokenizer, eos_ids, info = load_for_engine(source, dtype=config.dtype, device=engine_config.device)
     info["quantization"] = config.name
     scheme = "int8" if config.scheme == INT8_WEIGHT_ONLY else config.scheme  # quantize_model's int8: weight-only
     info["quantization_report"] = quantize_model(model, scheme, overrides=dict(config.overrides)).summary()
+    if model.dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu":
+        reorder_bf16_linears(model)
     return LLMEngine(model, tokenizer, engine_config, eos_ids, info)

@@ -160,3 +160,18 @@ def test_bench_cli_times_one_layer_per_path() -> None:
     assert lines[0].startswith("torch ") and "microseconds, best of 7" in lines[0]
     assert [line.split()[0] for line in lines[1:]] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
     assert all("tokens=  1 float=" in line and "int4_layer=" in line for line in lines[1:])
+
+
+def test_per_layer_overrides_are_applied_where_bf16_weights_are_packed(tiny_llama_hf_dir, monkeypatch) -> None:
+    """``int8/lm_head=none`` on a CPU that packs bf16 linears (forced avx512_bf16): every other linear int8, the
+    head kept bf16 and packed (a packed linear was once skipped by quantize_model: the config ran unquantized)."""
+    from jobrunner.bench.quant_configs import load_engine
+    from jobrunner.engine import EngineConfig
+    from jobrunner.models.onednn_linear import OneDnnLinear
+
+    monkeypatch.setenv("JOBRUNNER_CPU_CAPABILITY", "avx512_bf16")
+    config = parse_config("bfloat16:int8/lm_head=none")
+    engine = load_engine(str(tiny_llama_hf_dir), config, EngineConfig(num_kv_blocks=16, device="cpu"))
+    report = engine.model_info["quantization_report"]
+    assert report["layers"] == {"int8": 8, "none": 1}
+    assert isinstance(engine.model.lm_head, OneDnnLinear)  # the bf16 head packed after quantizing
