@@ -21,6 +21,7 @@ from jobrunner.engine.scoring import sequence_logits
 from jobrunner.models.onednn_linear import OneDnnLinear
 from jobrunner.models.packed_linear import PackedLinear
 from jobrunner.quant.apply import QUANTIZED_LINEARS
+from jobrunner.quant.w8a8 import W8A8Linear
 
 GREEDY_TOKENS = 32
 THROUGHPUT_BATCHES = (1, 8, 64)
@@ -38,6 +39,8 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             linear += module.weight.numel() * module.weight.element_size()
     unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}  # tied/shared: once
     total = sum(t.numel() * t.element_size() for t in unique.values())
+    # plus the W8A8 kernels' own weight copies, which are not buffers (oneDNN's prepacked weight, our tiles)
+    total += sum(m.kernel_bytes() for m in model.modules() if isinstance(m, W8A8Linear))
     return {"linear_weight_bytes": linear, "model_weight_bytes": total}
 
 

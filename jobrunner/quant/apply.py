@@ -181,7 +181,7 @@ def _quantize_one(model: torch.nn.Module, name: str, linear: torch.nn.Linear, sc
     else:
         if is_tied:
             report.notes.append(f"{name} is tied to another parameter: quantized its own copy")
-        _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry, kernels))
+        _set_module(model, name, _quantize_linear(linear, scheme, group_size, entry, kernels, is_tied))
     entry.bytes_after = _layer_weight_bytes(model.get_submodule(name))
     return entry
 
@@ -234,14 +234,15 @@ def _quantize_embeddings(model: torch.nn.Module, tied: dict[str, str], patterns:
 
 
 def _quantize_linear(linear: torch.nn.Linear, scheme: str, group_size: int, entry: LayerQuant,
-                     kernels: tuple[QuantDispatch | None, DequantBuffer]) -> torch.nn.Module:
+                     kernels: tuple[QuantDispatch | None, DequantBuffer], is_tied: bool = False) -> torch.nn.Module:
     if scheme == "w8a8":
         kernel, problem = _w8a8_kernel(linear, kernels[0])
         if problem is None and _is_skipped(entry.name, W8A8_WEIGHT_ONLY) and not getattr(linear, SMOOTHED, False):
             problem = "w8a8 keeps this layer's activations in float (outlier channels, see W8A8_WEIGHT_ONLY)"
         if problem is None:
             entry.scheme = "w8a8"
-            return W8A8Linear.from_linear(linear, kernel, kernels[0].kernel_tokens("w8a8"))
+            # a tied head keeps its plain int8 weight: the embedding reads its rows
+            return W8A8Linear.from_linear(linear, kernel, kernels[0].kernel_tokens("w8a8"), keep_plain=is_tied)
         entry.fallback_reason = f"{problem}; used int8 weight-only"
     if scheme == "fp8":
         problem = fp8_shape_problem(linear.out_features, linear.in_features, linear.weight.device)

@@ -33,8 +33,10 @@ class Int8Embedding(torch.nn.Module):
 
     @classmethod
     def from_int8_linear(cls, linear: Int8WeightOnlyLinear, out_dtype: torch.dtype) -> Int8Embedding:
-        """Share the int8 weight and scales of a tied ``lm_head`` (no extra memory)."""
-        return cls(linear.weight_int8, linear.scales, out_dtype)
+        """Share the int8 weight and scales of a tied ``lm_head`` (no extra memory; a W8A8 head that holds only
+        its packed weight gives its codes back as a new tensor)."""
+        codes = linear.weight_int8 if linear.weight_int8 is not None else linear.codes()
+        return cls(codes, linear.scales, out_dtype)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -57,7 +57,7 @@ class W8A8Linear(torch.nn.Module):
     """Drop-in ``nn.Linear`` with int8 weights and dynamic per-token int8 activations (CPU)."""
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 kernel: str = "onednn", weight_only_tokens: int = 0) -> None:
+                 kernel: str = "onednn", weight_only_tokens: int = 0, keep_plain: bool = True) -> None:
         super().__init__()
         if kernel not in W8A8_KERNELS:
             raise ValueError(f"unknown W8A8 kernel {kernel!r}: expected one of {'|'.join(W8A8_KERNELS)}")
@@ -80,12 +80,18 @@ class W8A8Linear(torch.nn.Module):
         self._native = w8a8_native() if kernel == "onednn" else None
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self._weight_t = weight_int8.t().contiguous() if kernel == "int_mm" else None
+        if self.kernel in PACKED_KERNELS and not keep_plain:
+            # our GEMM reads only its packing: the plain int8 weight is dropped (1 byte per weight, not 2); the
+            # codes come back from the tiles when asked (dequantized_weight). Kept where a tied embedding reads it.
+            self.weight_int8 = None
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, kernel: str = "onednn", weight_only_tokens: int = 0) -> W8A8Linear:
-        """Quantize ``linear`` (any float dtype, on CPU) into a new module."""
+    def from_linear(cls, linear: torch.nn.Linear, kernel: str = "onednn", weight_only_tokens: int = 0,
+                    keep_plain: bool = True) -> W8A8Linear:
+        """Quantize ``linear`` (any float dtype, on CPU) into a new module (``keep_plain=False``: on our GEMM,
+        hold only the packed weight)."""
         q, scales = given_codes(linear, "int8") or quantize_int8_per_channel(linear.weight)
-        return cls(q, scales, linear.bias, kernel, weight_only_tokens)
+        return cls(q, scales, linear.bias, kernel, weight_only_tokens, keep_plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; the engine passes [num_tokens, in_features].
@@ -126,14 +132,23 @@ class W8A8Linear(torch.nn.Module):
         q, sx = quantize_rows_int8(x2)
         return torch._int_mm(q, self._weight_t).float().mul_(self.scales).mul_(sx)  # oneDNN's order of the two
 
+    def codes(self) -> torch.Tensor:
+        """The int8 weight [out, in]: the plain copy, or read back from our GEMM's tiles where it was dropped."""
+        if self.weight_int8 is not None:
+            return self.weight_int8
+        n, k = self.out_features, self.in_features
+        tiles = self._packed[: n * k].view(torch.int8).view(n // 16, k // 64, 16, 16, 4)  # [nb, kb, r, c, i]
+        return tiles.permute(0, 3, 1, 2, 4).reshape(n, k)  # W[16 nb + c, 64 kb + 4 r + i]
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer computes with, as a dense ``dtype`` tensor [out, in]."""
-        return dequantize_int8(self.weight_int8, self.scales, dtype)
+        return dequantize_int8(self.codes(), self.scales, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes this layer holds for its weight: the int8 weight (read by the 1-token kernel, the report and a
         tied embedding), the kernel's own copy (:meth:`kernel_bytes`) and the scales (bias not included)."""
-        return self.weight_int8.numel() + self.kernel_bytes() + self.scales.numel() * 4
+        plain = 0 if self.weight_int8 is None else self.weight_int8.numel()
+        return plain + self.kernel_bytes() + self.scales.numel() * 4
 
     def kernel_bytes(self) -> int:
         """Bytes of the kernel's own copy of the weight (oneDNN's blocked layout; the VNNI tiles with their column

@@ -284,3 +284,30 @@ def test_the_amx_int8_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dispatch_for("cpu", "amx").w8a8_kernel == ("amx" if use else "onednn")
     assert use or "AMX" in why
     assert amx_choice("avx512_bf16")[0] is False  # only on amx
+
+
+@pytest.mark.skipif(VNNI_KERNEL is not None, reason=f"{VNNI_KERNEL}")
+def test_layers_on_our_gemm_hold_only_the_packed_weight_but_a_tied_head(tiny_llama) -> None:
+    """w8a8 on the VNNI kernel: every layer but the tied head drops its plain int8 weight (1 byte per weight,
+    not 2); the codes read back from the tiles are the same, so are the outputs and the dequantized weight; the
+    tied embedding still shares the head's table."""
+    quantize_model(tiny_llama, "w8a8", capability="avx512_bf16")
+    gen = torch.Generator().manual_seed(0)
+    dropped = 0
+    for name, layer in tiny_llama.named_modules():
+        if not isinstance(layer, W8A8Linear):
+            continue
+        assert layer.kernel == "vnni" or layer.in_features % 64 or layer.out_features % 16
+        if layer.kernel != "vnni":
+            continue
+        reference = W8A8Linear(layer.codes().clone(), layer.scales, layer.bias, "vnni")  # plain copy kept
+        if name == "lm_head":
+            assert layer.weight_int8 is not None and tiny_llama.embed_tokens.weight_int8 is layer.weight_int8
+        else:
+            assert layer.weight_int8 is None
+            assert layer.weight_bytes() == reference.weight_bytes() - layer.in_features * layer.out_features
+            dropped += 1
+        assert torch.equal(layer.dequantized_weight(), reference.dequantized_weight())
+        x = torch.randn(9, layer.in_features, generator=gen).to(torch.bfloat16)
+        assert torch.equal(layer(x), reference(x))
+    assert dropped >= 4  # the tiny model's q|k|v, o, gate|up, down of a layer at least
