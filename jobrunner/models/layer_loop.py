@@ -155,6 +155,7 @@ class LayerLoop:
         # int4 projections: the loop runs their W4A8 kernel, which the Python path takes only above the layer's
         # tinygemm rows and up to its int8 limit; steps outside that stay in Python (the same bits either way)
         self.int4 = _int4_projections(model)
+        self.int4_generation: tuple[int, ...] | None = None  # their scratch generations when last bound
         self.min_rows = 1 + max((p.small_batch_max_tokens for p in self.int4), default=0)
         self.max_rows = min([self.max_rows] + [p.int8.max_tokens for p in self.int4])
         self.source = model
@@ -203,8 +204,11 @@ class LayerLoop:
     def run(self, x: torch.Tensor, rope, meta, kv_cache: torch.Tensor, clock=None) -> torch.Tensor:
         """The final (normed) hidden states of the decode step whose embeddings are ``x``."""
         self._bind(meta.backend, kv_cache)
-        for proj in self.int4:  # the shared scratch may have moved (grown for a larger layer): rebind in place
-            proj.int8.bind()
+        generation = tuple(proj.scratch.generation for proj in self.int4)
+        if generation != self.int4_generation:
+            for proj in self.int4:  # a scratch moved (grown for a larger layer): rebind in place
+                proj.int8.bind()
+            self.int4_generation = generation
         m, rows = self.model, x.shape[0]
         out = torch.empty_like(x)
         buffers = self._buffers(rows)

@@ -20,6 +20,7 @@ class DequantBuffer:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.generation = 0  # counts (re)allocations: a holder of raw pointers rebinds when it moves
 
     def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Make sure ``numel`` elements are available (call at load time, outside CUDA graph capture)."""
@@ -35,6 +36,7 @@ class DequantBuffer:
                 return torch.empty(numel, dtype=dtype, device=device)
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buf
+            self.generation += 1
         return buf[:numel]
 
     def nbytes(self) -> int:

@@ -53,6 +53,15 @@ def _engine(model, tokenizer, **config):
     return LLMEngine(model, tokenizer, EngineConfig(**config), eos_token_ids=[tokenizer.eos_token_id])
 
 
+def _assert_same_outputs(mine: dict, theirs: dict) -> None:
+    """The same tokens, logprobs and top logprobs for every request, bit for bit."""
+    for key, out in theirs.items():
+        got = mine[key]
+        assert got.output_token_ids == out.output_token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in out.logprobs]
+        assert [lp.top_logprobs for lp in got.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """Calls of the loop, and the steps it ran by kind of attention row."""
@@ -110,11 +119,7 @@ def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, l
     assert {kind for kind in ("decodes", "natives", "chunks") if counted[kind]} == kinds
     if case == "decodes":
         assert counted["groups"] > 0  # shared blocks read once per group
-    for key, out in outs["0"].items():
-        mine = outs["1"][key]
-        assert mine.output_token_ids == out.output_token_ids
-        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
-        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+    _assert_same_outputs(outs["1"], outs["0"])
 
 
 @needs_loop_cpu
@@ -206,11 +211,7 @@ def test_w8a8_projections_run_in_the_loop_with_the_python_paths_bits(monkeypatch
         counted["n"] = 0
         outs[setting] = run_checked(_engine(w8a8_model(), tokenizer, max_num_batched_tokens=64), prompts, params)
         assert (counted["n"] > 0) == (setting == "1")
-    for key, out in outs["0"].items():
-        mine = outs["1"][key]
-        assert mine.output_token_ids == out.output_token_ids
-        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
-        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+    _assert_same_outputs(outs["1"], outs["0"])
 
 
 def test_int4_projections_run_in_the_loop_above_their_tinygemm_rows(monkeypatch, tokenizer, counted):
@@ -243,8 +244,4 @@ def test_int4_projections_run_in_the_loop_above_their_tinygemm_rows(monkeypatch,
         outs[setting] = run_checked(_engine(int4_model(), tokenizer, max_num_seqs=32, max_num_batched_tokens=64),
                                     prompts, params)
         assert (counted["n"] > 0) == (setting == "1")
-    for key, out in outs["0"].items():
-        mine = outs["1"][key]
-        assert mine.output_token_ids == out.output_token_ids
-        assert [lp.logprob for lp in mine.logprobs] == [lp.logprob for lp in out.logprobs]
-        assert [lp.top_logprobs for lp in mine.logprobs] == [lp.top_logprobs for lp in out.logprobs]
+    _assert_same_outputs(outs["1"], outs["0"])
