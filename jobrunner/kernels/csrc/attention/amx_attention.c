@@ -430,6 +430,9 @@ static void fresh_state(DecodeState *st) {
   }
 }
 
+#ifdef JR_TILE_AVX512
+#include "jr_decode_avx512.h"  /* no tiles: each lane's own arithmetic only */
+#else
 /* Keys k_lo .. k_hi - 1 (k_lo a multiple of 16; every key seen by every lane) of kv head kvh through `table`,
    for lanes 0 .. nl - 1 whose queries are at qrows[i], continuing the state st */
 static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const uint16_t *const *qrows, int64_t nl,
@@ -538,6 +541,7 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
   _mm512_storeu_ps(st->m, m);
   _mm512_storeu_ps(st->l, l);
 }
+#endif
 
 /* lanes 0 .. nl - 1 of st, normalised, to their output rows outs[i] (bf16, 64 dimensions) */
 static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t nl) {
