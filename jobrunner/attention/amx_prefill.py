@@ -12,7 +12,9 @@ carried out on ``vdpbf16ps`` (``include/jr_tile_avx512.h``: a tile is 16 rows of
 tile product 256 dot-product instructions): the layout, the online softmax and the bf16 P are the AMX kernel's.
 Measured on a 2-core AMD EPYC Zen 4 (SmolLM2-135M bf16, 32 long few-shot prompts of ~2,000 tokens x 32 output
 tokens, ``bench --profile``, same session): prompt steps' attention 1,427 -> 976 ms/step and decode attention
-123 -> 101 ms/step against the native kernel (float32 FMAs) that ran every row there before.
+123 -> 101 ms/step against the native kernel (float32 FMAs) that ran every row there before. Decodes there run
+their own code, not emulated tiles (``include/jr_decode_avx512.h``: a tile's 16 lanes held 3 query heads of a
+decode, so most of its arithmetic was padding): ShareGPT decode-step attention 38.8 -> 10.5 ms (docs/engine.md).
 
 Chosen by capability (``amx``, ``avx512_bf16``); ``JOBRUNNER_ATTENTION_AMX=0`` turns it off (long chunks then
 take torch's SDPA with AMX, the native kernel without). A CPU without either, a compiler without the ISA's
