@@ -17,9 +17,15 @@ Measured on a 2-core AMD EPYC Zen 4 (2 threads, SmolLM2-135M's four layer shapes
 layer has no weight-only crossover: every call, 1 row included, runs this kernel, and a row's result does not
 depend on the batch.
 
-Numbers: the same bits as :func:`jobrunner.quant.primitives.quantize_rows_int8` then ``torch._int_mm`` and the
-two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to bf16 once; a bias added after, as a bf16 add):
-tested. The order matters more than one would think: the per-token quantization turns 1-ulp differences into
+Numbers: W8A8 layers quantize each row **asymmetrically** (:func:`jobrunner.quant.primitives.quantize_rows_asym`:
+``x ~ s (u - z)``, u in 0..255, a zero point per row; ``jr_i8_linear_asym``), int4's W4A8 symmetrically
+(:func:`~jobrunner.quant.primitives.quantize_rows_int8`, ``jr_i8_linear``); then the exact int32 product less
+``z * sum_k W`` per column, and the two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to bf16 once; a
+bias added after, as a bf16 add): the bits of the ``int_mm`` reference path (tested). Why asymmetric: a token's
+activations are often lopsided (one large value of one sign), and the symmetric codes then leave half their
+range unused; on SmolLM2-135M the W8A8 perplexity cost went +2.62% -> see docs/quantization.md. oneDNN's op
+takes one zero point per call, so the ``onednn`` kernel (the default on AMX until ours is measured there) stays
+symmetric. The order matters more than one would think: the per-token quantization turns 1-ulp differences into
 flipped codes that grow through the layers, so on SmolLM2-135M (70 held-out texts) the three exact orders gave
 perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06% (``(acc * s_x) * s_w``) and +3.26%
 (``acc * (s_x * s_w)``) over bf16. None is more exact; this one matches the oneDNN kernel it replaces.
@@ -93,18 +99,21 @@ def vnni_pack(weight_int8: torch.Tensor, scales: torch.Tensor, kernel: str = "vn
 
 
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                kernel: str = "vnni") -> torch.Tensor:
-    """``x [rows, in]`` (bf16, unit column stride) times the packed weight (+ bf16 ``bias``), bf16 ``[rows, out]``."""
+                kernel: str = "vnni", asymmetric: bool = True) -> torch.Tensor:
+    """``x [rows, in]`` (bf16, unit column stride) times the packed weight (+ bf16 ``bias``), bf16 ``[rows, out]``;
+    the rows quantized asymmetrically (:func:`~jobrunner.quant.primitives.quantize_rows_asym`, W8A8 layers) or
+    symmetrically (``asymmetric=False``: :func:`~jobrunner.quant.primitives.quantize_rows_int8`)."""
     rows, k = x.shape
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    rc = library(kernel).jr_i8_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows,
-                                      out_features, k, torch.get_num_threads())
+    fn = library(kernel).jr_i8_linear_asym if asymmetric else library(kernel).jr_i8_linear
+    rc = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            out_features, rows, out_features, k, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"W8A8 {kernel} kernel refused a call of {rows} x {k} -> {out_features} (code {rc})")
     return out
 
 
-def linear_address(kernel: str = "vnni") -> int:
-    """The kernel's entry point as an address (the layer loop calls it from C)."""
-    return ctypes.cast(library(kernel).jr_i8_linear, ctypes.c_void_p).value
+def linear_address(kernel: str = "vnni", asymmetric: bool = True) -> int:
+    """The kernel's entry point as an address (the layer loop calls it from C): :func:`vnni_linear`'s."""
+    lib = library(kernel)
+    return ctypes.cast(lib.jr_i8_linear_asym if asymmetric else lib.jr_i8_linear, ctypes.c_void_p).value

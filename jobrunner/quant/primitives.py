@@ -14,6 +14,7 @@ import torch
 
 INT8_MAX = 127
 ZERO_POINT = 128  # u8 codes = int8 codes + 128 (oneDNN's fast int8 path takes u8 activations)
+U8_MAX = 255  # asymmetric activation codes (quantize_rows_asym)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # Quantizers work on this many weights at a time (whole rows; a multiple of 64 rows where a row is short), so
@@ -195,6 +196,29 @@ def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows_int8`'s codes plus 128 as uint8 [M, K] (oneDNN's fast input) and its scales [M, 1]."""
     q, scale = quantize_rows_int8(x)
     return q.view(torch.uint8).add_(ZERO_POINT), scale  # two's complement + 128 (mod 256) == q + 128
+
+
+@torch.no_grad()
+def quantize_rows_asym(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per-row (per-token) uint8 codes [M, K], float32 scales [M, 1] and int32 zero points [M, 1] of
+    ``x`` [M, K]: ``lo = min(x, 0)``, ``hi = max(x, 0)``, ``s = (hi - lo) / 255`` (1 for a zero row),
+    ``z = round(-lo / s)``, ``u = clamp(round(x / s) + z, 0, 255)``, so ``x ~ s (u - z)``. A row whose range is
+    lopsided (one large value of one sign) keeps up to twice the resolution of :func:`quantize_rows_int8`'s codes.
+    The W8A8 kernels on our GEMM quantize so (``kernels/csrc/gemm/i8_gemm.c``, the same float32 operations)."""
+    xf = x.float()
+    lo, hi = xf.amin(dim=1, keepdim=True).clamp(max=0), xf.amax(dim=1, keepdim=True).clamp(min=0)
+    span = hi - lo
+    scale = torch.where(span > 0, span / U8_MAX, torch.ones_like(span))
+    zero = torch.round(-lo / scale).clamp_(0, U8_MAX)
+    codes = (torch.round(xf / scale) + zero).clamp_(0, U8_MAX).to(torch.uint8)
+    return codes, scale, zero.to(torch.int32)
+
+
+def w8a8_reference_asym(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """:func:`w8a8_reference` with :func:`quantize_rows_asym`'s activations (what our W8A8 GEMM computes)."""
+    u, sx, zero = quantize_rows_asym(x.reshape(-1, x.shape[-1]))
+    w = weight_int8.double() * scales.double()[:, None]
+    return ((u.double() - zero.double()) * sx.double()) @ w.t()
 
 
 def w8a8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """W8A8 on CPU: int8 per-channel weights, int8 per-token activations, one integer GEMM.
 
 Weights are quantized as for ``int8`` (:func:`jobrunner.quant.primitives.quantize_int8_per_channel`: symmetric,
-one bfloat16-exact scale per output channel). Each call quantizes every row of the input on its own
-(``s_m = max|x_m| / 127``, ``q = round(x / s_m)``), so a row's result never depends on the other rows of the
-batch, and computes ``y[m, n] = s_m * w_n * sum_k q[m, k] * W[n, k]`` with an exact int32 accumulation.
+one bfloat16-exact scale per output channel). Each call quantizes every row of the input on its own, so a row's
+result never depends on the other rows of the batch, and computes ``y[m, n] = s_m * w_n * sum_k q[m, k] * W[n,
+k]`` with an exact int32 accumulation. On our GEMM (``vnni`` / ``amx``) and ``int_mm`` the rows are quantized
+asymmetrically (:func:`~jobrunner.quant.primitives.quantize_rows_asym`: ``q = u - z``, u in 0..255, a scale and
+a zero point per row: up to twice the resolution of symmetric codes on a lopsided row; perplexity in
+docs/quantization.md); on ``onednn``, whose op takes one zero point per call, symmetrically (``s_m = max|x_m| /
+127``, ``q = round(x / s_m)``).
 
 Kernels (chosen per capability by :func:`jobrunner.quant.dispatch.w8a8_kernel_for`, never by a timing):
 
@@ -44,7 +48,7 @@ from jobrunner.quant.primitives import (
     dequantize_int8,
     given_codes,
     quantize_int8_per_channel,
-    quantize_rows_int8,
+    quantize_rows_asym,
     quantize_rows_u8,
 )
 from jobrunner.quant.w8a8_native import w8a8_native
@@ -129,8 +133,12 @@ class W8A8Linear(torch.nn.Module):
         return self._packed if self.kernel in PACKED_KERNELS else None
 
     def _int_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        q, sx = quantize_rows_int8(x2)
-        return torch._int_mm(q, self._weight_t).float().mul_(self.scales).mul_(sx)  # oneDNN's order of the two
+        # our GEMM's numbers (asymmetric rows): codes u - 128 fit int8, so sum (u - z) W = that product plus
+        # (128 - z) sum_k W, exactly in int32; then oneDNN's order of the two scalings
+        u, sx, zero = quantize_rows_asym(x2)
+        acc = torch._int_mm((u.to(torch.int16) - ZERO_POINT).to(torch.int8), self._weight_t)
+        acc += (ZERO_POINT - zero) * self._weight_t.sum(dim=0, dtype=torch.int32)
+        return acc.float().mul_(self.scales).mul_(sx)
 
     def codes(self) -> torch.Tensor:
         """The int8 weight [out, in]: the plain copy, or read back from our GEMM's tiles where it was dropped."""

@@ -18,8 +18,15 @@ from jobrunner.models.factory import describe_dispatch  # noqa: E402
 from jobrunner.models.loader import build_model, load_weights  # noqa: E402
 from jobrunner.quant import quantize_model  # noqa: E402
 from jobrunner.quant.dispatch import CPU_CAPABILITIES, dispatch_for  # noqa: E402
+from jobrunner.quant.i8_gemm import vnni_linear  # noqa: E402
 from jobrunner.quant.int8 import Int8WeightOnlyLinear  # noqa: E402
-from jobrunner.quant.primitives import quantize_rows_int8, quantize_rows_u8, w8a8_reference  # noqa: E402
+from jobrunner.quant.primitives import (  # noqa: E402
+    quantize_rows_asym,
+    quantize_rows_int8,
+    quantize_rows_u8,
+    w8a8_reference,
+    w8a8_reference_asym,
+)
 from jobrunner.quant.smooth import smooth_mlps  # noqa: E402
 from jobrunner.quant.w8a8 import W8A8Linear  # noqa: E402
 from jobrunner.quant.w8a8_native import w8a8_native  # noqa: E402
@@ -44,7 +51,8 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
     layer = W8A8Linear.from_linear(linear, kernel)
     x = torch.randn(tokens, 96, generator=gen) * torch.rand(tokens, 1, generator=gen) * 4  # rows of any range
     x[0, :] = 0.0  # a zero row: scale 1, output = bias
-    expected = w8a8_reference(x, layer.weight_int8, layer.scales) + linear.bias.double()
+    reference = w8a8_reference if kernel == "onednn" else w8a8_reference_asym  # our GEMM's rows: asymmetric
+    expected = reference(x, layer.weight_int8, layer.scales) + linear.bias.double()
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (tokens, 48)
     assert ((y.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
@@ -55,7 +63,7 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
     # scale is applied in float32): within two bf16 roundings of the reference of the same bf16 input
     xb = x.bfloat16()
     yb = layer(xb)
-    expected_b = w8a8_reference(xb, layer.weight_int8, layer.scales) + linear.bias.double()
+    expected_b = reference(xb, layer.weight_int8, layer.scales) + linear.bias.double()
     assert yb.dtype == torch.bfloat16
     assert ((yb.double() - expected_b).abs().max() / expected_b.abs().max()).item() < 2 ** -7
     # decode at batch 1 may take the int8 weight-only kernel: the same weights, float (bf16) activations
@@ -69,9 +77,10 @@ def test_w8a8_layer_matches_float64_reference(kernel: str, tokens: int) -> None:
 @pytest.mark.parametrize("shape", [(128, 48), (576, 960), (1536, 576)])
 def test_the_vnni_kernel_gives_the_int_mm_paths_bits(shape: tuple[int, int]) -> None:
     """kernels/csrc/gemm/i8_gemm.c: for bf16 rows, with and without a bias, at 1 to 200 rows, the same bits as the
-    reference path (quantize_rows_int8, torch._int_mm, the two scalings, one rounding to bf16, the bias added in
-    bf16); the same bits as oneDNN's W8A8 GEMM (the scalings in its order); a row's result does not depend on the
-    other rows or the thread count; strided rows are read as such."""
+    reference path (quantize_rows_asym, torch._int_mm, the zero points' column sums, the two scalings, one rounding
+    to bf16, the bias added in bf16); its symmetric entry (int4's W4A8: quantize_rows_int8) the same bits as
+    oneDNN's W8A8 GEMM (the scalings in its order); a row's result does not depend on the other rows or the thread
+    count; strided rows are read as such."""
     k, n = shape
     gen = torch.Generator().manual_seed(k)
     for bias in (False, True):
@@ -84,7 +93,9 @@ def test_the_vnni_kernel_gives_the_int_mm_paths_bits(shape: tuple[int, int]) -> 
             if rows > 2:
                 x[2] = 0.0  # a zero row: scale 1
             y = vnni(x)
-            assert y.dtype == torch.bfloat16 and torch.equal(y, reference(x)) and torch.equal(y, onednn(x))
+            assert y.dtype == torch.bfloat16 and torch.equal(y, reference(x))
+            symmetric = vnni_linear(x, vnni.vnni_packed, n, vnni.bias, "vnni", asymmetric=False)
+            assert torch.equal(symmetric, onednn(x)) and not torch.equal(symmetric, y)
             assert torch.equal(vnni(x[-1:]), y[-1:])
         wide = torch.randn(9, 2 * k, generator=gen).to(torch.bfloat16)
         assert torch.equal(vnni(wide[:, :k]), reference(wide[:, :k].contiguous()))
@@ -105,11 +116,32 @@ def test_the_vnni_kernel_takes_float32_rows_and_leaves_other_shapes_to_onednn() 
     layer = W8A8Linear.from_linear(linear, "vnni")
     x = torch.randn(4, 128, generator=gen)
     y = layer(x)
-    expected = w8a8_reference(x.bfloat16(), layer.weight_int8, layer.scales) + linear.bias.double()
+    expected = w8a8_reference_asym(x.bfloat16(), layer.weight_int8, layer.scales) + linear.bias.double()
     assert y.dtype == torch.float32
     assert ((y.double() - expected).abs().max() / expected.abs().max()).item() < 2 ** -7
     assert W8A8Linear.from_linear(torch.nn.Linear(96, 32), "vnni").kernel == "onednn"
     assert W8A8Linear.from_linear(torch.nn.Linear(128, 40), "vnni").kernel == "onednn"
+
+
+def test_quantize_rows_asym_uses_the_whole_code_range_of_a_lopsided_row() -> None:
+    """Asymmetric per-token codes: x ~ s (u - z) with lo = min(x, 0), hi = max(x, 0), s = (hi - lo) / 255; a row of
+    one sign gets all 256 codes (twice the symmetric resolution), a zero row scale 1 and zero point 0, and a row's
+    codes never depend on the other rows."""
+    x = torch.tensor([[0.0, 1.0, 2.55, 0.5], [0.0, 0.0, 0.0, 0.0], [-1.0, 3.0, 0.0, 0.25], [-5.1, -2.0, 0.0, -0.1]])
+    u, scale, zero = quantize_rows_asym(x)
+    assert u.dtype == torch.uint8 and scale.dtype == torch.float32 and zero.dtype == torch.int32
+    assert zero.flatten().tolist() == [0, 0, 64, 255] and scale[1].item() == 1.0 and (u[1] == 0).all()
+    assert u[0].tolist() == [0, 100, 255, 50] and u[3, 0].item() == 0 and u[3, 2].item() == 255
+    back = (u.float() - zero) * scale
+    assert (back - x).abs().max().item() <= scale.max().item() / 2 + 1e-6
+    torch.manual_seed(0)
+    lopsided = torch.rand(64, 512) ** 4 * torch.where(torch.rand(64, 1) < 0.5, 1.0, -1.0)  # each row one sign
+    q, sym_scale = quantize_rows_int8(lopsided)
+    u, asym_scale, zero = quantize_rows_asym(lopsided)
+    sym_err = (q.float() * sym_scale - lopsided).abs().mean()
+    asym_err = ((u.float() - zero) * asym_scale - lopsided).abs().mean()
+    assert asym_err < 0.55 * sym_err
+    assert torch.equal(quantize_rows_asym(lopsided[5:6])[0], u[5:6])
 
 
 def test_quantize_rows_is_symmetric_per_token() -> None:

@@ -129,14 +129,44 @@ static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale)
   }
 }
 
+/* row x (bf16, K % 32 == 0) -> asymmetric codes u in 0 .. 255, its scale and zero point (jr_i8_linear_asym):
+   lo = min(x, 0), hi = max(x, 0), s = (hi - lo) / 255 (1 for a zero row), z = rint(-lo / s), u = rint(x / s) + z
+   clamped to 0 .. 255 (float32 division, round half to even): a row whose values are mostly of one sign, or whose
+   largest value sits on one side, gets up to twice the resolution of the symmetric codes */
+static void quantize_row_asym(const uint16_t *x, int64_t K, uint8_t *q, float *scale, int32_t *zero) {
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
+  const float s = mx - mn > 0.f ? (mx - mn) / 255.f : 1.f;
+  float zf = nearbyintf(-mn / s);
+  zf = zf < 0.f ? 0.f : zf > 255.f ? 255.f : zf;
+  *scale = s;
+  *zero = (int32_t)zf;
+  const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(zf), top = _mm512_set1_ps(255.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    __m512 r = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             vz);
+    r = _mm512_min_ps(_mm512_max_ps(r, _mm512_setzero_ps()), top);
+    _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+}
+
 /* a block of int32 sums (row i, column block j at sums + i * stride + j * 16) to bf16 outputs; a function of its
    own: with this code after the loop GCC 12 spilled the accumulators inside it */
-static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride, const float *sx, const int32_t *offset,
-                                             const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo,
-                                             int64_t m, int64_t nb, int mr, int nbk) {
+static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride, const float *sx, const int32_t *zx,
+                                             const int32_t *offset, const float *sw, const uint16_t *bias,
+                                             uint16_t *out, int64_t ldo, int64_t m, int64_t nb, int mr, int nbk) {
   for (int j = 0; j < nbk; j++) {
     const int64_t n0 = (nb + j) * 16;
-    const __m512i off = _mm512_loadu_si512((const void *)(offset + n0));
+    const __m512i off128 = _mm512_loadu_si512((const void *)(offset + n0));
+    const __m512i colsum = _mm512_srai_epi32(off128, 7);  /* offsets are 128 sum_k W: exact */
     const __m512 s = _mm512_loadu_ps(sw + n0);
     __m512 bj = _mm512_setzero_ps();
     if (bias)
@@ -144,6 +174,8 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
     for (int i = 0; i < mr; i++) {
       const __m512i acc = _mm512_load_si512((const void *)(sums + i * stride + j * 16));
+      /* rows stored as q + 128 (symmetric) or q + z (zx: each row's zero point) */
+      const __m512i off = zx ? _mm512_mullo_epi32(colsum, _mm512_set1_epi32(zx[m + i])) : off128;
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
       __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_set1_ps(sx[m + i])));
       if (bias) {
@@ -156,7 +188,8 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
 }
 
 /* rows m .. m + mr - 1 (bytes of row i at a + i * K, scales sx), column blocks nb .. nb + nbk - 1 */
-static inline __attribute__((always_inline)) void micro(const uint8_t *a, const float *sx, const uint8_t *packed,
+static inline __attribute__((always_inline)) void micro(const uint8_t *a, const float *sx, const int32_t *zx,
+                                                       const uint8_t *packed,
                                                        const int32_t *offset, const float *sw, const uint16_t *bias,
                                                        uint16_t *out, int64_t ldo, int64_t m, int64_t nb, int64_t K,
                                                        const int mr, const int nbk) {
@@ -180,21 +213,22 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *a, const 
   int32_t sums[MR * NB * 16] __attribute__((aligned(64)));
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nbk; j++) _mm512_store_si512((void *)(sums + (i * NB + j) * 16), acc[i][j]);
-  finish(sums, NB * 16, sx, offset, sw, bias, out, ldo, m, nb, mr, nbk);
+  finish(sums, NB * 16, sx, zx, offset, sw, bias, out, ldo, m, nb, mr, nbk);
 }
 
 #define ROWS_CASE(R, NBK) \
-  case R: micro(a, sx, packed, offset, sw, bias, out, ldo, m, nb, K, R, NBK); break;
+  case R: micro(a, sx, zx, packed, offset, sw, bias, out, ldo, m, nb, K, R, NBK); break;
 
 /* every row, column blocks nb .. nb + nbk - 1 (nbk <= NB) */
 #define GROUP(NBK)                                                                                            \
-  static void group_##NBK(const uint8_t *a, const float *sx, const uint8_t *packed, const int32_t *offset,    \
+  static void group_##NBK(const uint8_t *a, const float *sx, const int32_t *zx, const uint8_t *packed,         \
+                          const int32_t *offset,                                                               \
                           const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M,       \
                           int64_t nb, int64_t K) {                                                             \
     for (int64_t m = 0; m < M; m += MR) {                                                                      \
       switch (M - m < MR ? M - m : MR) {                                                                       \
         ROWS_CASE(1, NBK) ROWS_CASE(2, NBK) ROWS_CASE(3, NBK) ROWS_CASE(4, NBK) ROWS_CASE(5, NBK)              \
-        default: micro(a, sx, packed, offset, sw, bias, out, ldo, m, nb, K, MR, NBK);                         \
+        default: micro(a, sx, zx, packed, offset, sw, bias, out, ldo, m, nb, K, MR, NBK);                     \
       }                                                                                                        \
     }                                                                                                          \
   }
@@ -206,7 +240,8 @@ GROUP(4)
 #ifdef JR_W8A8_TILES
 /* One thread's share on the tiles: column blocks nb0 .. nb1 - 1, every row (the workspace holds whole 32-row
    tiles: rows past M are read, never written out) */
-static void tile_blocks(const uint8_t *a, const float *sx, const uint8_t *packed, const int32_t *offset,
+static void tile_blocks(const uint8_t *a, const float *sx, const int32_t *zx, const uint8_t *packed,
+                        const int32_t *offset,
                         const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M, int64_t K,
                         int64_t nb0, int64_t nb1) {
   const int64_t kt = K / 64;
@@ -236,17 +271,17 @@ static void tile_blocks(const uint8_t *a, const float *sx, const uint8_t *packed
       }
       const int rows0 = M - m < 16 ? (int)(M - m) : 16, rows1 = two_m ? (M - m - 16 < 16 ? (int)(M - m - 16) : 16) : 0;
       _tile_stored(0, c[0], 64);
-      finish(c[0], 16, sx, offset, sw, bias, out, ldo, m, nb, rows0, 1);
+      finish(c[0], 16, sx, zx, offset, sw, bias, out, ldo, m, nb, rows0, 1);
       if (two_n) {
         _tile_stored(1, c[1], 64);
-        finish(c[1], 16, sx, offset, sw, bias, out, ldo, m, nb + 1, rows0, 1);
+        finish(c[1], 16, sx, zx, offset, sw, bias, out, ldo, m, nb + 1, rows0, 1);
       }
       if (two_m) {
         _tile_stored(2, c[2], 64);
-        finish(c[2], 16, sx, offset, sw, bias, out, ldo, m + 16, nb, rows1, 1);
+        finish(c[2], 16, sx, zx, offset, sw, bias, out, ldo, m + 16, nb, rows1, 1);
         if (two_n) {
           _tile_stored(3, c[3], 64);
-          finish(c[3], 16, sx, offset, sw, bias, out, ldo, m + 16, nb + 1, rows1, 1);
+          finish(c[3], 16, sx, zx, offset, sw, bias, out, ldo, m + 16, nb + 1, rows1, 1);
         }
       }
     }
@@ -274,14 +309,15 @@ static uint8_t *workspace_for(size_t bytes) {
    jr_i8_pack (+ bias, bf16 [N] or NULL). The same signature as jr_bf16_linear, so the layer loop calls either.
    Returns 0, 1 for a shape it does not take (N % 16, K % 64), 2 when the workspace cannot be allocated, 3 (tile
    build) when the OS refused the AMX tile state. */
-int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+static int i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                     int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads, int asym) {
   if (M == 0) return 0;
   if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
   const int64_t padded = (M + 31) / 32 * 32; /* the tile build reads whole 32-row tiles */
-  uint8_t *a = workspace_for((size_t)padded * (size_t)K + (size_t)M * sizeof(float) + 64);
+  uint8_t *a = workspace_for((size_t)padded * (size_t)K + (size_t)M * (sizeof(float) + sizeof(int32_t)) + 64);
   if (!a) return 2;
   float *sx = (float *)(a + padded * K); /* K % 64 == 0: aligned */
+  int32_t *zero = (int32_t *)(sx + M), *zx = asym ? zero : NULL;
   const int32_t *offset = (const int32_t *)(packed + N * K);
   const float *sw = (const float *)(offset + N);
   const int64_t blocks = N / 16;
@@ -293,12 +329,15 @@ int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const ui
   {
     configure_tiles();
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    for (int64_t m = 0; m < M; m++) {
+      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
+      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    }
     /* contiguous, even shares of the column blocks, in pairs */
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t pairs = (blocks + 1) / 2, p0 = pairs * t / n, p1 = pairs * (t + 1) / n;
     const int64_t nb0 = 2 * p0, nb1 = 2 * p1 < blocks ? 2 * p1 : blocks;
-    if (nb0 < nb1) tile_blocks(a, sx, packed, offset, sw, bias, out, ldo, M, K, nb0, nb1);
+    if (nb0 < nb1) tile_blocks(a, sx, zx, packed, offset, sw, bias, out, ldo, M, K, nb0, nb1);
     _tile_release();
   }
   return 0;
@@ -306,21 +345,38 @@ int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const ui
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    for (int64_t m = 0; m < M; m++) {
+      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
+      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    }
     /* contiguous, even shares of the column blocks, walked NB at a time (the last group of a share shorter) */
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
     for (int64_t nb = b0; nb < b1; nb += NB) {
       const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
       switch (nbk) {
-        case 1: group_1(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        case 2: group_2(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        case 3: group_3(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        default: group_4(a, sx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        case 1: group_1(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        case 2: group_2(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        case 3: group_3(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
+        default: group_4(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
       }
     }
   }
   return 0;
+}
+
+
+/* jr_i8_linear with the rows quantized symmetrically (q + 128; int4's W4A8, quantize_rows_int8) or asymmetrically
+   (q + z per row, quantize_row_asym; W8A8 layers): two entry points of one signature, so the layer loop calls
+   either through its layer's pointer */
+int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 0);
+}
+
+int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                      int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 1);
 }
 
 /* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 blocks expanded to int8 W^T by the int4

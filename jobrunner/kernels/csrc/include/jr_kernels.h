@@ -64,6 +64,8 @@ int jr_i8_gemm_ready(void);
 int jr_i8_pack(const int8_t *w, const float *scales, uint8_t *packed, int64_t N, int64_t K);
 int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
+int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                      int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
 int jr_i8_pack_t(const int8_t *wt, int64_t ldw, uint8_t *packed, int64_t N, int64_t K, int64_t threads);
 int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads);
