@@ -23,10 +23,10 @@ Numbers: W8A8 layers quantize each row **asymmetrically** (:func:`jobrunner.quan
 ``z * sum_k W`` per column, and the two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to bf16 once; a
 bias added after, as a bf16 add): the bits of the ``int_mm`` reference path (tested). Why asymmetric: a token's
 activations are often lopsided (one large value of one sign), and the symmetric codes then leave half their
-range unused; on SmolLM2-135M the W8A8 perplexity cost went +2.62% -> see docs/quantization.md. oneDNN's op
+range unused; on SmolLM2-135M the W8A8 perplexity cost went +2.62% -> +1.43% (docs/quantization.md). oneDNN's op
 takes one zero point per call, so the ``onednn`` kernel (the default on AMX until ours is measured there) stays
 symmetric. The order matters more than one would think: the per-token quantization turns 1-ulp differences into
-flipped codes that grow through the layers, so on SmolLM2-135M (70 held-out texts) the three exact orders gave
+flipped codes that grow through the layers, so on SmolLM2-135M (30 held-out texts, symmetric rows) the three exact orders gave
 perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06% (``(acc * s_x) * s_w``) and +3.26%
 (``acc * (s_x * s_w)``) over bf16. None is more exact; this one matches the oneDNN kernel it replaces.
 """
