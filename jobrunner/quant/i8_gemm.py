@@ -25,10 +25,10 @@ bias added after, as a bf16 add): the bits of the ``int_mm`` reference path (tes
 activations are often lopsided (one large value of one sign), and the symmetric codes then leave half their
 range unused; on SmolLM2-135M the W8A8 perplexity cost went +2.62% -> +1.43% (docs/quantization.md). oneDNN's op
 takes one zero point per call, so the ``onednn`` kernel (the default on AMX until ours is measured there) stays
-symmetric. The order matters more than one would think: the per-token quantization turns 1-ulp differences into
-flipped codes that grow through the layers, so on SmolLM2-135M (30 held-out texts, symmetric rows) the three exact orders gave
-perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06% (``(acc * s_x) * s_w``) and +3.26%
-(``acc * (s_x * s_w)``) over bf16. None is more exact; this one matches the oneDNN kernel it replaces.
+symmetric. The order of the scalings matters more than one would think: the per-token quantization turns 1-ulp
+differences into flipped codes that grow through the layers, so on SmolLM2-135M (30 held-out texts, symmetric
+rows) the three exact orders gave perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06%
+(``(acc * s_x) * s_w``) and +3.26% (``acc * (s_x * s_w)``) over bf16. None is more exact; this is oneDNN's.
 """
 
 from __future__ import annotations
