@@ -92,13 +92,20 @@ AMX_DECODE_ENV = "JOBRUNNER_ATTENTION_AMX_DECODE"
 AMX_DECODE_MODES = SWITCHES[AMX_DECODE_ENV].choices  # ("grouped", "all", "0")
 
 
+# head sizes the decode kernel takes per capability: the tiles' D = 64; without AMX (include/jr_decode_avx512.h)
+# 64 and 128 (Llama-3, Qwen2.5 from 1.5B up)
+DECODE_HEAD_DIMS = {"amx": (64,), "avx512_bf16": (64, 128)}
+
+
 def amx_decode_route(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int) -> str:
     """Whether bf16 decodes take the AMX kernel where prompt chunks do: ``"grouped"`` (the default: decodes that
     share a cached prefix read it once per group), ``"all"`` (each row reads all its keys) or ``""`` (none:
-    ``JOBRUNNER_ATTENTION_AMX_DECODE=0``, or a shape the decode kernel does not take: head_dim 64, at most 16
-    query heads per kv head, blocks of a multiple of 16 tokens)."""
+    ``JOBRUNNER_ATTENTION_AMX_DECODE=0``, or a shape the decode kernel does not take: a head_dim of
+    :data:`DECODE_HEAD_DIMS` for this capability, at most 16 query heads per kv head, blocks of a multiple of 16
+    tokens)."""
     mode = switch(AMX_DECODE_ENV)  # ValueError naming the variable unless one of AMX_DECODE_MODES
-    fits = head_dim == 64 and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and \
+    capability, _ = detect_cpu_capability()
+    fits = head_dim in DECODE_HEAD_DIMS.get(capability, ()) and num_kv_heads > 0 and num_heads % num_kv_heads == 0 and \
         num_heads // num_kv_heads <= 16 and block_size > 0 and block_size % 16 == 0
     return mode if mode != "0" and fits else ""
 

@@ -152,23 +152,27 @@ def test_engine_with_amx_chunks_matches_the_sdpa_route(monkeypatch, tokenizer):
     assert max(first) < 0.1
 
 
-@needs_amx
-@pytest.mark.parametrize("n_rep,block_size", [(3, 16), (1, 32), (4, 16), (16, 16)])
-def test_amx_decodes_match_direct_attention(monkeypatch, n_rep, block_size):
+@pytest.mark.parametrize("n_rep,block_size,head_dim", [(3, 16, 64), (1, 32, 64), (4, 16, 64), (16, 16, 64),
+                                                       (4, 16, 128), (3, 32, 128), (16, 16, 128)])
+def test_amx_decodes_match_direct_attention(monkeypatch, tile_cpu, n_rep, block_size, head_dim):
     """Decodes on the AMX kernel (every context length around the 16- and 32-key steps, and long ones) beside
-    prompt chunks in one step: each against the direct reference, within bf16 noise of the exact kernel."""
+    prompt chunks in one step: each against the direct reference, within bf16 noise of the exact kernel; head_dim
+    128 where the capability's decode takes it (without AMX)."""
+    if head_dim not in amx_prefill.DECODE_HEAD_DIMS[tile_cpu]:
+        pytest.skip(f"the {tile_cpu} decode kernel takes head_dim {amx_prefill.DECODE_HEAD_DIMS[tile_cpu]}")
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "all")
     rows = [(n, 1) for n in (0, 1, 14, 15, 16, 17, 30, 31, 32, 33, 63, 64, 65, 100, 517)] + [(40, 5), (0, 70)]
     num_kv_heads = 2
-    layout, slots, q, k, v, k_cache, v_cache = _step(rows, block_size, num_kv_heads, 64, n_rep, torch.bfloat16,
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, block_size, num_kv_heads, head_dim, n_rep, torch.bfloat16,
                                                      seed=11 + n_rep)
-    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
+    backend = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads,
+                                     block_size)
     assert backend.amx_decode == "all"
     out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
     assert meta.amx_num_decodes == 15 and meta.amx_num_rows == 2 and meta.num_rows == 0
     want = _reference(layout, q, k_written, v_written, n_rep, 0.125)
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
-    exact = make_cpu_paged_backend("cpu", 64, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
+    exact = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16, num_kv_heads * n_rep, num_kv_heads, block_size)
     ref_out, ref_meta, *_ = _run(exact, layout, slots, q, k, v, k_cache, v_cache, 0.125)
     assert ref_meta.amx_num_decodes == 0
     err, exact_err = (out.double() - want).abs(), (ref_out.double() - want).abs()
@@ -177,32 +181,33 @@ def test_amx_decodes_match_direct_attention(monkeypatch, n_rep, block_size):
     assert err.mean().item() < 3 * exact_err.mean().item()
 
 
-@needs_amx
-@pytest.mark.parametrize("n_rep", [3, 4, 16])
-def test_grouped_decodes_read_their_shared_keys_once(monkeypatch, n_rep):
+@pytest.mark.parametrize("n_rep,head_dim", [(3, 64), (4, 64), (16, 64), (3, 128), (16, 128)])
+def test_grouped_decodes_read_their_shared_keys_once(monkeypatch, tile_cpu, n_rep, head_dim):
     """Decodes sharing cached blocks (groups larger than one tile of lanes, and a lone row) on the AMX kernel,
     grouped by default: the same outputs as the exact kernel within bf16 noise, and the groups counted."""
+    if head_dim not in amx_prefill.DECODE_HEAD_DIMS[tile_cpu]:
+        pytest.skip(f"the {tile_cpu} decode kernel takes head_dim {amx_prefill.DECODE_HEAD_DIMS[tile_cpu]}")
     monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
     rows = [(300, 1), (200, 1), (290, 1), (250, 1), (180, 1), (333, 1), (240, 1), (20, 1), (160, 1), (170, 1)]
-    layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 2, 64, n_rep, torch.bfloat16, seed=n_rep)
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 2, head_dim, n_rep, torch.bfloat16, seed=n_rep)
     for i in range(1, 7):  # rows 0-6 share their first 10 blocks (160 keys) with row 0: a group of 7
         layout.block_tables[i][:10] = layout.block_tables[0][:10]
     layout.block_tables[9][:9] = layout.block_tables[8][:9]  # rows 8 and 9: 144 shared keys
-    backend = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    backend = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16, 2 * n_rep, 2, 16)
     assert backend.amx_decode == "grouped"
     # the reference reads the cache through each row's table, so shared blocks count for every member
     out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, 0.125)
     assert meta.amx_num_decodes == len(rows) and meta.amx_decode_groups == 2 and meta.num_rows == 0
     want = _reference(layout, q, k_written, v_written, n_rep, 0.125)
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")
-    exact = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    exact = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16, 2 * n_rep, 2, 16)
     ref_out, ref_meta, *_ = _run(exact, layout, slots, q, k, v, k_cache, v_cache, 0.125)
     assert ref_meta.num_shared == 2
     err, exact_err = (out.double() - want).abs(), (ref_out.double() - want).abs()
     assert err.max().item() < 3 * exact_err.max().item() + 1e-2
     assert err.mean().item() < 3 * exact_err.mean().item()
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "all")
-    ungrouped = make_cpu_paged_backend("cpu", 64, torch.bfloat16, 2 * n_rep, 2, 16)
+    ungrouped = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16, 2 * n_rep, 2, 16)
     all_out, all_meta, *_ = _run(ungrouped, layout, slots, q, k, v, k_cache, v_cache, 0.125)
     assert all_meta.amx_decode_groups == 0
     assert (all_out.double() - want).abs().max().item() < 3 * exact_err.max().item() + 1e-2
@@ -210,8 +215,14 @@ def test_grouped_decodes_read_their_shared_keys_once(monkeypatch, n_rep):
 
 def test_the_decode_route_takes_only_shapes_it_fits(monkeypatch):
     monkeypatch.delenv(amx_prefill.AMX_DECODE_ENV, raising=False)
+    monkeypatch.setenv(CAPABILITY_ENV, "amx")
     assert amx_prefill.amx_decode_route(64, 9, 3, 16) == "grouped"
-    assert amx_prefill.amx_decode_route(128, 32, 8, 16) == ""   # head_dim 128: the exact kernel
+    assert amx_prefill.amx_decode_route(128, 32, 8, 16) == ""   # head_dim 128 on the tiles: the exact kernel
+    monkeypatch.setenv(CAPABILITY_ENV, "avx2")
+    assert amx_prefill.amx_decode_route(64, 9, 3, 16) == ""     # no tile kernel for this capability
+    monkeypatch.setenv(CAPABILITY_ENV, "avx512_bf16")
+    assert amx_prefill.amx_decode_route(128, 32, 8, 16) == "grouped"  # without AMX: its own decode takes 128
+    assert amx_prefill.amx_decode_route(96, 12, 4, 16) == ""
     assert amx_prefill.amx_decode_route(64, 64, 2, 16) == ""    # 32 query heads per kv head
     assert amx_prefill.amx_decode_route(64, 9, 3, 8) == ""      # blocks of 8
     monkeypatch.setenv(amx_prefill.AMX_DECODE_ENV, "0")

@@ -415,10 +415,17 @@ int jr_amx_prompt_attention(const void *q, const void *k_cache, const void *v_ca
 /* After the pairing (unpacklo / unpackhi of two keys' rows, within 128-bit lanes), column n (0 .. 15) of
    output tile t (0 .. 3) is dimension 32 (t / 2) + 8 (n / 4) + 4 (t % 2) + n % 4. */
 
+/* head sizes the decode kernel takes: 64; without AMX (jr_decode_avx512.h) 64 and 128 */
+#ifdef JR_TILE_AVX512
+#define DECODE_MAX_D 128
+#else
+#define DECODE_MAX_D 64
+#endif
+
 /* An online-softmax state of up to 16 decode lanes: the output in the paired layout of tiles tmm4-7
-   ([4][16 lanes][16]), the running maximum (base 2) and sum per lane */
+   ([D / 16][16 lanes][16]; D = 128 has eight such "tiles"), the running maximum (base 2) and sum per lane */
 typedef struct {
-  float o[4 * LANES * 16] __attribute__((aligned(64)));
+  float o[DECODE_MAX_D / 16 * LANES * 16] __attribute__((aligned(64)));
   float m[LANES], l[LANES];
 } DecodeState;
 
@@ -543,8 +550,8 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
 }
 #endif
 
-/* lanes 0 .. nl - 1 of st, normalised, to their output rows outs[i] (bf16, 64 dimensions) */
-static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t nl) {
+/* lanes 0 .. nl - 1 of st, normalised, to their output rows outs[i] (bf16, D dimensions) */
+static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t nl, int64_t D) {
   const float *o = st->o;
   /* the pairing undone: dimensions 0-15 of a half are tile t's columns 0-3, t + 1's 0-3, t's 4-7, t + 1's 4-7 */
   const __m512i unpair_lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
@@ -552,7 +559,7 @@ static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t n
   for (int64_t r = 0; r < nl; r++) {
     uint16_t *dst = outs[r];
     const __m512 inv = _mm512_set1_ps(st->l[r] > 0.0f ? 1.0f / st->l[r] : 0.0f);
-    for (int64_t t = 0; t < 4; t += 2) {  /* tiles t, t + 1 hold dimensions 32 (t / 2) .. + 31, in fours */
+    for (int64_t t = 0; t < D / 16; t += 2) {  /* tiles t, t + 1 hold dimensions 32 (t / 2) .. + 31, in fours */
       const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + t * 256 + r * 16), inv);
       const __m512 y = _mm512_mul_ps(_mm512_load_ps(o + (t + 1) * 256 + r * 16), inv);
       const __m512 first = _mm512_permutex2var_ps(x, unpair_lo, y), second = _mm512_permutex2var_ps(x, unpair_hi, y);
@@ -565,38 +572,38 @@ static void write_decode(const DecodeState *st, uint16_t *const *outs, int64_t n
    keys already in `shared`, lanes laid out as [member][R]: this row is member `member`) or from 0 */
 static void decode_row(const Args *a, int64_t row, int64_t kvh, int64_t key_start, const DecodeState *shared,
                        int64_t member) {
-  const int64_t H = a->H, R = H / a->Hkv;
+  const int64_t H = a->H, R = H / a->Hkv, D = a->D;
   const uint16_t *qrows[LANES];
   uint16_t *outs[LANES];
   for (int64_t r = 0; r < R; r++) {
-    qrows[r] = a->q + (a->qstart[row] * H + kvh * R + r) * 64;
-    outs[r] = a->out + (a->qstart[row] * H + kvh * R + r) * 64;
+    qrows[r] = a->q + (a->qstart[row] * H + kvh * R + r) * D;
+    outs[r] = a->out + (a->qstart[row] * H + kvh * R + r) * D;
   }
   DecodeState st;
   fresh_state(&st);
   if (shared) {  /* this row's lanes of the group's state, as lanes 0 .. R - 1 */
     for (int64_t r = 0; r < R; r++) {
       const int64_t i = member * R + r;
-      for (int64_t t = 0; t < 4; t++) memcpy(st.o + t * 256 + r * 16, shared->o + t * 256 + i * 16, 64);
+      for (int64_t t = 0; t < D / 16; t++) memcpy(st.o + t * 256 + r * 16, shared->o + t * 256 + i * 16, 64);
       st.m[r] = shared->m[i];
       st.l[r] = shared->l[i];
     }
   }
   if (key_start < a->seq[row]) decode_keys(a, a->tables + row * a->max_blocks, kvh, qrows, R, key_start, a->seq[row], &st);
-  write_decode(&st, outs, R);
+  write_decode(&st, outs, R, D);
 }
 
 /* Decode rows (query_len 1), R = H / Hkv query heads each. Groups of rows that share a cached prefix
    (group_off [G + 1] into group_rows, indices into the rows; group_len [G] shared keys, whole blocks) have
    those keys read once for the group: its rows' lanes 16 // R rows to a tile, the state handed to each row,
-   which goes on with its own keys. Returns 0; 1 bad shape (D must be 64, at most 16 query heads per kv head,
-   block_size % 16 == 0); 2 out of memory; 3 AMX refused by the OS. */
+   which goes on with its own keys. Returns 0; 1 bad shape (D must be 64, or 128 in the build without AMX; at
+   most 16 query heads per kv head, block_size % 16 == 0); 2 out of memory; 3 AMX refused by the OS. */
 int jr_amx_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                             const int64_t *query_start, const int64_t *seq_len, const int64_t *tables,
                             int64_t max_blocks, int64_t num_rows, int64_t H, int64_t Hkv, int64_t D,
                             int64_t block_size, float scale, int64_t threads, int64_t num_groups,
                             const int64_t *group_off, const int64_t *group_rows, const int64_t *group_len) {
-  if (D != 64 || H % Hkv || H / Hkv > LANES || block_size % 16) return 1;
+  if ((D != 64 && D != DECODE_MAX_D) || H % Hkv || H / Hkv > LANES || block_size % 16) return 1;
   if (!amx_permitted()) return 3;
   const int64_t R = H / Hkv, per = LANES / R;  /* rows per tile of lanes */
   const Args a = {q, k_cache, v_cache, out, query_start, NULL, seq_len, tables, max_blocks, H, Hkv, D,
@@ -631,7 +638,7 @@ int jr_amx_decode_attention(const void *q, const void *k_cache, const void *v_ca
       const uint16_t *qrows[LANES];
       for (int64_t m = 0; m < members; m++)
         for (int64_t r = 0; r < R; r++)
-          qrows[m * R + r] = (const uint16_t *)q + (query_start[group_rows[group_off[g] + m0 + m]] * H + kvh * R + r) * 64;
+          qrows[m * R + r] = (const uint16_t *)q + (query_start[group_rows[group_off[g] + m0 + m]] * H + kvh * R + r) * D;
       DecodeState *st = states + u;
       fresh_state(st);
       decode_keys(&a, tables + group_rows[group_off[g]] * max_blocks, kvh, qrows, members * R, 0, group_len[g], st);

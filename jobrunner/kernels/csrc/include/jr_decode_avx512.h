@@ -10,7 +10,8 @@
      reduced to one vector of 16 scores by a fixed transposing tree (shuffles and adds, 45 instructions);
    - P V: two keys' value rows paired (unpacklo / unpackhi: the layout write_decode undoes) and one vdpbf16ps per
      16 output dimensions, lane and key pair, with the lane's two probabilities broadcast; the output of up to
-     4 lanes (16 registers) at a time, kept in DecodeState between 32-key steps. D = 64 only (as the caller). */
+     4 lanes (D = 64) or 2 (D = 128) at a time (16 registers), kept in DecodeState between 32-key steps. D = 64 or
+   128 (DECODE_MAX_D of the caller's build): one body, instantiated per D so its loops unroll. */
 #ifndef JR_DECODE_AVX512_H
 #define JR_DECODE_AVX512_H
 
@@ -32,24 +33,29 @@ static inline __m512 sum16_transposed(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
 }
 
-/* raw scores of keys krow[0 .. 15] (D = 64 bf16 each) against one query (q0, q1: its two halves) */
-static inline __m512 scores16(const uint16_t *const *krow, __m512bh q0, __m512bh q1) {
+/* raw scores of keys krow[0 .. 15] (D = 32 nc bf16 each) against one query (q: its nc 32-dimension chunks) */
+static inline __attribute__((always_inline)) __m512 scores16(const uint16_t *const *krow, const __m512bh *q,
+                                                             const int nc) {
   __m512 v[16];
   for (int j = 0; j < 16; j++) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)krow[j]);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(krow[j] + 32));
-    v[(j % 4) * 4 + j / 4] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), k0, q0), k1, q1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(krow[j] + 32 * c)), q[c]);
+    v[(j % 4) * 4 + j / 4] = acc;
   }
   return sum16_transposed(v);
 }
 
-static const uint16_t jr_zero_row[64] __attribute__((aligned(64)));  /* keys past the last: K = V = 0 */
+static const uint16_t jr_zero_row[DECODE_MAX_D] __attribute__((aligned(64)));  /* keys past the last: K = V = 0 */
 
 /* Keys k_lo .. k_hi - 1 (k_lo a multiple of 16; every key seen by every lane) of kv head kvh through `table`,
-   for lanes 0 .. nl - 1 whose queries are at qrows[i], continuing the state st */
-static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const uint16_t *const *qrows, int64_t nl,
-                        int64_t k_lo, int64_t k_hi, DecodeState *st) {
-  const int64_t pos = k_hi - 1, bs = a->bs;
+   for lanes 0 .. nl - 1 whose queries are at qrows[i], continuing the state st; D = 32 nc */
+static inline __attribute__((always_inline)) void decode_keys_d(const Args *a, const int64_t *table, int64_t kvh,
+                                                                const uint16_t *const *qrows, int64_t nl,
+                                                                int64_t k_lo, int64_t k_hi, DecodeState *st,
+                                                                const int nc) {
+  const int64_t pos = k_hi - 1, bs = a->bs, D = 32 * nc;
+  const int nt = 2 * nc, group = 16 / nt;  /* output vectors per lane; lanes whose outputs fit 16 registers */
   const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f);
   const uint16_t *krow[KB], *vrow[KB];
   uint32_t pp[LANES][KB / 2] __attribute__((aligned(64)));  /* lane r's P as bf16 pairs of keys (2i, 2i + 1) */
@@ -58,7 +64,7 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
     for (int64_t j = 0; j < KB; j++) {
       const int64_t key = k0 + j;
       if (j < seen) {
-        const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
+        const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * D;
         krow[j] = a->k + at;
         vrow[j] = a->v + at;
       } else {
@@ -67,19 +73,19 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
     }
     /* this step's rows (the first step) and the next step's on their way to L2 (T0 measured slower) */
     for (int64_t key = k0 == k_lo ? k0 : k0 + KB; key < k0 + PREFETCH && key <= pos; key++) {
-      const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * 64;
-      _mm_prefetch((const char *)(a->k + at), _MM_HINT_T1);
-      _mm_prefetch((const char *)(a->k + at + 32), _MM_HINT_T1);
-      _mm_prefetch((const char *)(a->v + at), _MM_HINT_T1);
-      _mm_prefetch((const char *)(a->v + at + 32), _MM_HINT_T1);
+      const int64_t at = ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * D;
+      for (int c = 0; c < nc; c++) {
+        _mm_prefetch((const char *)(a->k + at + 32 * c), _MM_HINT_T1);
+        _mm_prefetch((const char *)(a->v + at + 32 * c), _MM_HINT_T1);
+      }
     }
     const __mmask16 keep0 = seen >= 16 ? 0xffff : (__mmask16)((1u << seen) - 1);
     const __mmask16 keep1 = seen <= 16 ? 0 : seen >= 32 ? 0xffff : (__mmask16)((1u << (seen - 16)) - 1);
     for (int64_t r = 0; r < nl; r++) {  /* scores, the lane's softmax step, its P as pairs */
-      const __m512bh q0 = (__m512bh)_mm512_loadu_si512((const void *)qrows[r]);
-      const __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qrows[r] + 32));
-      const __m512 s0 = _mm512_mul_ps(scores16(krow, q0, q1), cv);
-      const __m512 s1 = keep1 ? _mm512_mul_ps(scores16(krow + 16, q0, q1), cv) : _mm512_setzero_ps();
+      __m512bh q[DECODE_MAX_D / 32];
+      for (int c = 0; c < nc; c++) q[c] = (__m512bh)_mm512_loadu_si512((const void *)(qrows[r] + 32 * c));
+      const __m512 s0 = _mm512_mul_ps(scores16(krow, q, nc), cv);
+      const __m512 s1 = keep1 ? _mm512_mul_ps(scores16(krow + 16, q, nc), cv) : _mm512_setzero_ps();
       const __m512 ninf = _mm512_set1_ps(-INFINITY);
       const float cand = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, keep0, s0),
                                                             _mm512_mask_mov_ps(ninf, keep1, s1)));
@@ -87,7 +93,7 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
         if (st->m[r] != -INFINITY) {  /* rescale what the lane has: its sum and its output */
           const float alpha = exp2f(st->m[r] - cand);
           st->l[r] *= alpha;
-          for (int64_t t = 0; t < 4; t++) {
+          for (int t = 0; t < nt; t++) {
             float *o = st->o + t * 256 + r * 16;
             _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(alpha)));
           }
@@ -101,27 +107,36 @@ static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const 
       _mm512_store_si512((__m512i *)pp[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
     const int64_t pairs = (seen + 1) / 2;
-    for (int64_t c0 = 0; c0 < nl; c0 += 4) {  /* O += P V, 4 lanes' outputs in registers */
-      const int64_t cn = nl - c0 < 4 ? nl - c0 : 4;
-      __m512 acc[4][4];
+    for (int64_t c0 = 0; c0 < nl; c0 += group) {  /* O += P V, `group` lanes' outputs in registers */
+      const int64_t cn = nl - c0 < group ? nl - c0 : group;
+      __m512 acc[4][4 * DECODE_MAX_D / 64];
       for (int64_t r = 0; r < cn; r++)
-        for (int64_t t = 0; t < 4; t++) acc[r][t] = _mm512_load_ps(st->o + t * 256 + (c0 + r) * 16);
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm512_load_ps(st->o + t * 256 + (c0 + r) * 16);
       for (int64_t p = 0; p < pairs; p++) {
-        const __m512i a0 = _mm512_loadu_si512((const void *)vrow[2 * p]);
-        const __m512i a1 = _mm512_loadu_si512((const void *)(vrow[2 * p] + 32));
-        const __m512i b0 = _mm512_loadu_si512((const void *)vrow[2 * p + 1]);
-        const __m512i b1 = _mm512_loadu_si512((const void *)(vrow[2 * p + 1] + 32));
-        const __m512bh vp[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
-                                (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+        __m512bh vp[DECODE_MAX_D / 16];  /* chunk c of the two rows: its unpacklo, then its unpackhi */
+        for (int c = 0; c < nc; c++) {
+          const __m512i x = _mm512_loadu_si512((const void *)(vrow[2 * p] + 32 * c));
+          const __m512i y = _mm512_loadu_si512((const void *)(vrow[2 * p + 1] + 32 * c));
+          vp[2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+          vp[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        }
         for (int64_t r = 0; r < cn; r++) {
           const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)pp[c0 + r][p]);
-          for (int64_t t = 0; t < 4; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], vp[t], pr);
+          for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], vp[t], pr);
         }
       }
       for (int64_t r = 0; r < cn; r++)
-        for (int64_t t = 0; t < 4; t++) _mm512_store_ps(st->o + t * 256 + (c0 + r) * 16, acc[r][t]);
+        for (int t = 0; t < nt; t++) _mm512_store_ps(st->o + t * 256 + (c0 + r) * 16, acc[r][t]);
     }
   }
+}
+
+static void decode_keys(const Args *a, const int64_t *table, int64_t kvh, const uint16_t *const *qrows, int64_t nl,
+                        int64_t k_lo, int64_t k_hi, DecodeState *st) {
+  if (a->D == 128)
+    decode_keys_d(a, table, kvh, qrows, nl, k_lo, k_hi, st, 4);
+  else
+    decode_keys_d(a, table, kvh, qrows, nl, k_lo, k_hi, st, 2);
 }
 
 #endif
