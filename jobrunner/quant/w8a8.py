@@ -84,6 +84,8 @@ class W8A8Linear(torch.nn.Module):
         self._native = w8a8_native() if kernel == "onednn" else None
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self._weight_t = weight_int8.t().contiguous() if kernel == "int_mm" else None
+        # int_mm's sum_k W per column (the asymmetric rows' zero points are taken off with it), once
+        self._colsum = self._weight_t.sum(dim=0, dtype=torch.int32) if kernel == "int_mm" else None
         if self.kernel in PACKED_KERNELS and not keep_plain:
             # our GEMM reads only its packing: the plain int8 weight is dropped (1 byte per weight, not 2); the
             # codes come back from the tiles when asked (dequantized_weight). Kept where a tied embedding reads it.
@@ -137,7 +139,7 @@ class W8A8Linear(torch.nn.Module):
         # (128 - z) sum_k W, exactly in int32; then oneDNN's order of the two scalings
         u, sx, zero = quantize_rows_asym(x2)
         acc = torch._int_mm((u.to(torch.int16) - ZERO_POINT).to(torch.int8), self._weight_t)
-        acc += (ZERO_POINT - zero) * self._weight_t.sum(dim=0, dtype=torch.int32)
+        acc += (ZERO_POINT - zero) * self._colsum
         return acc.float().mul_(self.scales).mul_(sx)
 
     def codes(self) -> torch.Tensor:

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "jr_kernels.h"
+#include "jr_numerics.h" /* widen_bf16x16 */
 #ifdef JR_W8A8_TILES
 #include "jr_amx.h" /* the AMX tile set-up, or the tile operations on AVX-512 (-DJR_TILE_AVX512) */
 #endif
@@ -121,8 +122,7 @@ static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale)
   const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   const __m512i zp = _mm512_set1_epi32(128);
   for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    const __m512 v = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(x + k)));
     __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
     _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(r), zp)));
@@ -136,8 +136,7 @@ static void quantize_row(const uint16_t *x, int64_t K, uint8_t *q, float *scale)
 static void quantize_row_asym(const uint16_t *x, int64_t K, uint8_t *q, float *scale, int32_t *zero) {
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    const __m512 v = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(x + k)));
     lo = _mm512_min_ps(lo, v);
     hi = _mm512_max_ps(hi, v);
   }
@@ -149,8 +148,7 @@ static void quantize_row_asym(const uint16_t *x, int64_t K, uint8_t *q, float *s
   *zero = (int32_t)zf;
   const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(zf), top = _mm512_set1_ps(255.f);
   for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + k))), 16));
+    const __m512 v = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(x + k)));
     __m512 r = _mm512_add_ps(_mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                              vz);
     r = _mm512_min_ps(_mm512_max_ps(r, _mm512_setzero_ps()), top);
@@ -170,8 +168,7 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
     const __m512 s = _mm512_loadu_ps(sw + n0);
     __m512 bj = _mm512_setzero_ps();
     if (bias)
-      bj = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+      bj = widen_bf16x16(_mm256_loadu_si256((const __m256i *)(bias + n0)));
     for (int i = 0; i < mr; i++) {
       const __m512i acc = _mm512_load_si512((const void *)(sums + i * stride + j * 16));
       /* rows stored as q + 128 (symmetric) or q + z (zx: each row's zero point) */
@@ -179,7 +176,7 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
       __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_set1_ps(sx[m + i])));
       if (bias) {
-        const __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16));
+        const __m512 yf = widen_bf16x16(y);
         y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(yf, bj));
       }
       _mm256_storeu_si256((__m256i *)(out + (m + i) * ldo + n0), y);
