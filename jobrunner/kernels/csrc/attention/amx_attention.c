@@ -66,6 +66,7 @@ static void stage_values(const Args *a, int64_t row, int64_t kvh) {
   }
 }
 
+#ifndef JR_TILE_AVX512  /* the tile blocks (without AMX: jr_prompt_avx512.h's block instead) */
 /* exp(x) for x <= 0 lane-wise (clamped at -87, where it is ~1.6e-38): 2^n * p(r) */
 static inline __m512 exp_le0(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -124,6 +125,8 @@ static inline void add_partials(float *acc, const float *pv, __m512 alpha, int64
                                                      _mm512_load_ps(pv + d * LANES)));
 }
 
+#endif
+
 /* 2^x lane-wise where keep, 0 elsewhere (x <= 8 in kept lanes: the lazy maximum below; -inf, +inf or NaN
    only in dropped lanes); Taylor degree 4 on [-1/2, 1/2], relative error < 5e-5 (P is rounded to bf16, 4e-3) */
 static inline __m512 exp2_kept(__mmask16 keep, __m512 x) {
@@ -146,6 +149,9 @@ static inline void scatter_query(uint32_t *qt, const uint16_t *src, int64_t i, i
     _mm512_i32scatter_epi32(qt + c * 256, idx, _mm512_loadu_si512((const void *)(src + c * 32)), 4);
 }
 
+#define LAZY 8.0f  /* the running maximum moves only when a score passes it by 2^8 (so P <= 256) */
+
+#ifndef JR_TILE_AVX512
 /* D = 64: S^T of keys k0 .. k0 + 31 (those below `end`; the rest zero, masked by the caller) against Q^T (qt)
    into s [32 keys][16 lanes], 16 keys (one cache block's rows) at a time in tmm2 (tmm0 Q^T, tmm1 K) */
 static inline void scores_d64(const Args *a, const int64_t *table, int64_t kvh, int64_t end, int64_t k0,
@@ -169,7 +175,6 @@ static inline void scores_d64(const Args *a, const int64_t *table, int64_t kvh, 
   }
 }
 
-#define LAZY 8.0f  /* the running maximum moves only when a score passes it by 2^8 (so P <= 256) */
 
 /* One block of 16 lanes for D = 64 with the output kept in four tiles (tmm4-7) for the whole key loop:
    scores in base 2 (scale * log2 e folded in), the running maximum moved lazily (LAZY), so the tiles are
@@ -311,6 +316,10 @@ static void attend_block(const Args *a, const int64_t *table, int64_t kvh, int64
   *l_out = l;
 }
 
+#else
+#include "jr_prompt_avx512.h"  /* no tiles: the products read K, Q^T, V^T and P^T in place */
+#endif
+
 /* lane blocks b0 .. b1 - 1 of (row, kvh) */
 static void attend_span(const Args *a, int64_t row, int64_t kvh, int64_t b0, int64_t b1) {
   const int64_t D = a->D, H = a->H, n_rep = H / a->Hkv, ql = a->qlen[row], seq = a->seq[row];
@@ -331,11 +340,21 @@ static void attend_span(const Args *a, int64_t row, int64_t kvh, int64_t b0, int
     const __m512i posv = _mm512_load_si512((const __m512i *)pos);
     const int64_t last = pos[nl - 1], lowest = pos[0];  /* lanes are in position order */
     __m512 l;
+#ifdef JR_TILE_AVX512
+    if (D == 64) {
+      attend_block_native(a, table, kvh, seq, vt, qt, posv, last, lowest, acc, &l, 64);
+    } else if (D == 128) {
+      attend_block_native(a, table, kvh, seq, vt, qt, posv, last, lowest, acc, &l, 128);
+    } else {
+      attend_block_native(a, table, kvh, seq, vt, qt, posv, last, lowest, acc, &l, D);
+    }
+#else
     if (D == 64) {
       attend_block_d64(a, table, kvh, seq, vt, qt, posv, last, lowest, acc, &l);
     } else {
       attend_block(a, table, kvh, seq, vt, qt, posv, last, lowest, acc, &l);
     }
+#endif
     float inv[LANES];
     _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
                                                _mm512_set1_ps(1.0f), l));
