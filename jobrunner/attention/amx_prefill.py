@@ -7,14 +7,15 @@ prefix, a mask it reads per score without skipping a tile). The kernel's layout 
 header: scores and softmax in float32, P in bf16 into the second product, as torch's CPU flash attention
 does for bf16. Outside deterministic mode only (``engine.deterministic`` keeps every row on the exact kernel).
 
-On a CPU with AVX-512 BF16 and no AMX (AMD Zen 4 / Zen 5) the same source is built with its tile operations
-carried out on ``vdpbf16ps`` (``include/jr_tile_avx512.h``: a tile is 16 rows of this thread's memory, one
-tile product 256 dot-product instructions): the layout, the online softmax and the bf16 P are the AMX kernel's.
-Measured on a 2-core AMD EPYC Zen 4 (SmolLM2-135M bf16, 32 long few-shot prompts of ~2,000 tokens x 32 output
-tokens, ``bench --profile``, same session): prompt steps' attention 1,427 -> 976 ms/step and decode attention
-123 -> 101 ms/step against the native kernel (float32 FMAs) that ran every row there before. Decodes there run
-their own code, not emulated tiles (``include/jr_decode_avx512.h``: a tile's 16 lanes held 3 query heads of a
-decode, so most of its arithmetic was padding): ShareGPT decode-step attention 38.8 -> 10.5 ms (docs/engine.md).
+On a CPU with AVX-512 BF16 and no AMX (AMD Zen 4 / Zen 5) the same source is built without tiles: the
+layout, the online softmax and the bf16 P are the AMX kernel's, the products ``vdpbf16ps`` reading their
+operands in place. Prompt blocks: ``include/jr_prompt_avx512.h`` (they first ran on tiles emulated in memory,
+``include/jr_tile_avx512.h``, which copied both operands of every product; for D = 64 the same bits). Measured
+on a 2-core AMD EPYC Zen 4 (SmolLM2-135M bf16, 32 long few-shot prompts of ~2,000 tokens x 32 output tokens,
+``bench --profile``): prompt steps' attention 1,427 ms/step on the native kernel's float32 FMAs, 976 on
+emulated tiles, ~700 now (~58% of the cores' bf16 rate). Decodes: ``include/jr_decode_avx512.h`` (a tile's 16
+lanes held 3 query heads of a decode, so most of its arithmetic was padding): ShareGPT decode-step attention
+38.8 -> 10.5 ms (docs/engine.md).
 
 Chosen by capability (``amx``, ``avx512_bf16``); ``JOBRUNNER_ATTENTION_AMX=0`` turns it off (long chunks then
 take torch's SDPA with AMX, the native kernel without). A CPU without either, a compiler without the ISA's

@@ -52,7 +52,8 @@ class Library:
 LIBRARIES: dict[str, Library] = {
     "paged_attention": Library("attention/paged_attention.c", "native paged attention"),
     "amx_attention": Library("attention/amx_attention.c", "AMX prompt attention", AMX_FLAGS, "jr_amx_ready"),
-    # the AMX attention kernels' source with the tile operations on AVX-512 BF16 (include/jr_tile_avx512.h)
+    # the AMX attention kernels' source built without tiles: its prompt and decode blocks on AVX-512 BF16
+    # (include/jr_prompt_avx512.h, include/jr_decode_avx512.h)
     "bf16_attention": Library("attention/amx_attention.c", "AVX-512 BF16 attention",
                               ("-mavx512f", "-mavx512bf16", "-DJR_TILE_AVX512"), "jr_amx_ready",
                               "this CPU has no AVX-512 BF16", "amx_attention"),

@@ -66,6 +66,34 @@ def test_amx_chunks_match_direct_attention(head_dim, num_kv_heads, n_rep, block_
 
 
 @needs_amx
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_chunks_with_sharp_scores_rescale_their_output(head_dim):
+    """Keys whose scores grow along the row by far more than the lazy maximum's margin (2^8 in base 2), so each
+    block's maximum moves many times and the output accumulated so far is rescaled each time: still the
+    direct attention within SDPA's error."""
+    rows = [(0, 130), (300, 200), (77, 96)]
+    layout, slots, q, k, v, k_cache, v_cache = _step(rows, 16, 2, head_dim, 3, torch.bfloat16, seed=7)
+    k_cache, k = k_cache.float(), k.float()
+    for r, (start, length) in enumerate(rows):  # key p of a row scaled by 0.2 + p / 60 (cached and new)
+        for p in range(start + length):
+            slot = layout.block_tables[r][p // 16] * 16 + p % 16
+            k_cache[slot] *= 0.2 + p / 60
+            if p >= start:
+                k[layout.query_starts[r] + p - start] *= 0.2 + p / 60
+    k_cache, k, q = k_cache.bfloat16(), k.bfloat16(), (q.float() * 4).bfloat16()
+    scale = head_dim ** -0.5
+    backend = make_cpu_paged_backend("cpu", head_dim, torch.bfloat16)
+    out, meta, k_written, v_written = _run(backend, layout, slots, q, k, v, k_cache, v_cache, scale)
+    assert meta.amx_num_rows == len(rows)
+    want = _reference(layout, q, k_written, v_written, 3, scale)
+    sdpa, *_ = _run(TORCH_BACKEND, layout, slots, q, k, v, k_cache, v_cache, scale)
+    err, sdpa_err = (out.double() - want).abs(), (sdpa.double() - want).abs()
+    assert torch.isfinite(out).all()
+    assert err.mean().item() < 2.5 * sdpa_err.mean().item()
+    assert err.max().item() < 4 * sdpa_err.max().item() + 1e-2
+
+
+@needs_amx
 def test_amx_rows_beside_decodes_and_short_chunks():
     """One step of decodes (the exact kernel: no heads given, so no AMX decode route), a short chunk and long
     chunks (the AMX kernel): each row's output from its own path, all against the direct reference."""

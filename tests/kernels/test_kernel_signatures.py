@@ -79,5 +79,5 @@ def test_the_layer_loop_structures_have_the_sizes_of_c():
 
 def test_the_headers_sit_in_include():
     assert sorted(p.name for p in INCLUDE.glob("*.h")) == ["jr_amx.h", "jr_decode_avx512.h", "jr_kernels.h",
-                                                          "jr_numerics.h", "jr_simd.h", "jr_tile_avx512.h",
-                                                          "jr_tile_pack.h"]
+                                                          "jr_numerics.h", "jr_prompt_avx512.h", "jr_simd.h",
+                                                          "jr_tile_avx512.h", "jr_tile_pack.h"]

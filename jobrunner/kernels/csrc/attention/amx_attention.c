@@ -20,6 +20,11 @@
    spread over the threads. The arithmetic is that of torch's CPU flash attention for bf16 (float32 scores and
    softmax, P in bf16 into the second product), not the exact kernel's fixed order: outside deterministic mode
    only, and not batch-invariant (a block's last lane decides where its key loop ends).
+
+   Built with -DJR_TILE_AVX512 (library bf16_attention, CPUs with AVX-512 BF16 and no AMX) the same layouts,
+   softmax and work split run without tiles: a prompt block is include/jr_prompt_avx512.h's (for D = 64 the
+   bits of the tile block here), a decode include/jr_decode_avx512.h's; only the no-op tile set-up of
+   include/jr_tile_avx512.h is left of the tiles.
 */
 #include <immintrin.h>
 #include <math.h>

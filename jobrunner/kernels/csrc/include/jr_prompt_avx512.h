@@ -4,15 +4,19 @@
    V^T tiles, S^T and P^T keys by lanes), same arithmetic as the D = 64 tile block (scores in base 2, the lazy
    maximum, P rounded to bf16, the output accumulated in float32 in key order): for D = 64 the same bits.
 
-   Why: on emulated tiles each product copied its K rows and Q^T into tile memory, zeroed, loaded and stored
-   its C tile, and the scores made one more round trip; here the products read their operands where they lie
-   (K straight from the cache rows, a key's dimension pair broadcast; Q^T, V^T and P^T in place), and the
-   scores of 16 keys stay in registers until they are stored once for the softmax. Every D % 32 == 0 up to
-   MAX_D; the caller instantiates D = 64 and 128 so the loops unroll. */
+   Why: on emulated tiles each product copied both operands into tile memory, zeroed, loaded and stored its C
+   tile, and the scores made one more round trip; here Q^T, V^T and P^T are read in place, a key's dimension
+   pair broadcast from its row (16 K rows gathered into one local block first: 16 addresses from one base, not
+   16 pointers), and the scores of 16 keys and the output of 16 dimensions stay in registers through their
+   products. Measured (2-core Zen 4, one row of 1,254 new tokens after 728 cached, 9 heads / 3 kv heads, D 64,
+   /work/bench/pa.py in the session's note): 16.7 -> 12.4 ms a call, 49% -> ~67% of the cores' vdpbf16ps rate;
+   D 128 35.6 -> ~26 ms. Tried: prefetching the next step's K rows and V^T to L1 (slower, 13.5 ms). Every
+   D % 32 == 0 up to MAX_D; the caller instantiates D = 64 and 128 so the loops unroll. */
 #ifndef JR_PROMPT_AVX512_H
 #define JR_PROMPT_AVX512_H
 
-/* S^T of 16 keys (rows kr, kr + stride, ... : words of 2 bf16) against Q^T (qt) into s [16 keys][16 lanes] */
+/* S^T of 16 keys (rows kr, kr + stride, ... of the cache: words of 2 bf16) against Q^T (qt) into s [16 keys][16
+   lanes]: per dimension pair, 16 vdpbf16ps (the key's pair broadcast, Q^T's row c), in the tile's order */
 static inline __attribute__((always_inline)) void native_scores16(const int32_t *kr, int64_t stride,
                                                                   const uint32_t *qt, float *s, const int64_t D) {
   __m512 acc[16];

@@ -1,7 +1,8 @@
 /* The AMX tile operations the tile kernels use, carried out with AVX-512 BF16 instructions, for CPUs with
    avx512_bf16 and no AMX (AMD Zen 4 / Zen 5, Cooper Lake). jr_amx.h includes it in a build with
-   -DJR_TILE_AVX512 (kernels/build.py: the bf16_attention library is amx_attention.c built so), so one source
-   serves both kinds of CPU.
+   -DJR_TILE_AVX512 (kernels/build.py: library i8_tile_emulated, the W8A8 tile GEMM tested on such a CPU; the
+   bf16_attention build of amx_attention.c, whose prompt and decode blocks have their own tile-free code and use
+   only the no-op set-up here), so one source serves both kinds of CPU.
 
    A tile is 16 rows x 64 bytes of this thread's memory (no tile registers): _tile_loadd / _tile_stored copy
    rows in and out at the given stride, _tile_zero clears one, and _tile_dpbf16ps(c, a, b) adds
