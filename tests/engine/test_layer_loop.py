@@ -37,6 +37,7 @@ def loop_cpu(request, monkeypatch) -> str:
 
 needs_loop_cpu = pytest.mark.usefixtures("loop_cpu")
 SHAPE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+SHAPE_128 = dict(SHAPE, num_attention_heads=4, num_key_value_heads=2, head_dim=128)  # Llama-3 / Qwen2.5's head size
 
 
 def _model(hf, dtype=torch.bfloat16):
@@ -91,16 +92,20 @@ CASES = {  # name: (engine config, environment, the kinds of attention rows the 
 }
 
 
-@pytest.mark.parametrize("arch,case", [("llama", name) for name in CASES] + [("qwen2", "chunked prefill")])
-def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, loop_cpu, arch, case):
+@pytest.mark.parametrize("arch,case,head_dim", [("llama", name, 64) for name in CASES] + [
+    ("qwen2", "chunked prefill", 64), ("llama", "decodes", 128), ("llama", "chunked prefill", 128)])
+def test_the_loop_gives_the_python_paths_bits(monkeypatch, tokenizer, counted, loop_cpu, arch, case, head_dim):
     """Greedy decodes of 14 prompts (six share a ~140-token header, so some decodes are grouped on their shared
     blocks) with the loop on and off: the same tokens and the same logprobs, bit for bit, for each kind of
-    attention row the loop runs (qwen2: the q|k|v bias); steps over the GEMM's row limit keep Python (with AMX,
-    128 rows: prompt steps; with AVX-512 BF16 the prompt chunks run in the loop too)."""
+    attention row the loop runs (qwen2: the q|k|v bias; head_dim 128: decodes where the capability's decode
+    kernel does not take that size, on AMX, run as native rows); steps over the GEMM's row limit keep Python (with
+    AMX, 128 rows: prompt steps; with AVX-512 BF16 the prompt chunks run in the loop too)."""
     config, env, kinds = CASES[case]
     if loop_cpu != "amx":
         kinds = kinds | {"chunks"}
-    hf = make_hf_model(arch, **SHAPE)
+    if head_dim not in amx_prefill.DECODE_HEAD_DIMS[loop_cpu] and "decodes" in kinds:
+        kinds = (kinds - {"decodes"}) | {"natives"}
+    hf = make_hf_model(arch, **(SHAPE if head_dim == 64 else SHAPE_128))
     shared = " ".join(CORPUS[:4])
     prompts = [f"{shared} {CORPUS[5 + i]}" for i in range(6)] + [" ".join(CORPUS[i:i + 3]) for i in range(8)]
     if case == "ngram":  # text that repeats, so the n-gram index proposes drafts
@@ -143,7 +148,8 @@ def test_models_the_loop_does_not_take_say_why(monkeypatch):
                                  num_key_value_heads=2, head_dim=64))
     assert "not a plain Llama-family decoder" in layer_loop.layer_loop_reason(qwen3)
     narrow = _model(make_hf_model("llama"))  # head_dim 16
-    assert "64-dim heads" in layer_loop.layer_loop_reason(narrow)
+    assert "64- or 128-dim heads" in layer_loop.layer_loop_reason(narrow)
+    assert layer_loop.layer_loop_reason(_model(make_hf_model("llama", **SHAPE_128))) is None
     fp32 = _model(make_hf_model("llama", **SHAPE), torch.float32)
     assert layer_loop.layer_loop_reason(fp32) == "not a bf16 model on CPU"
     monkeypatch.setenv(layer_loop.LOOP_ENV, "0")
