@@ -23,9 +23,14 @@ that is every count above 16 (SmolLM2-135M at batch 64: 1.1-1.4x bf16; perplexit
 (:mod:`jobrunner.quant.w8a8_native`).
 
 Where W8A8 runs on our own GEMM (:mod:`jobrunner.quant.i8_gemm`: ``vnni`` on avx512_bf16, opt-in ``amx``), a bf16
-call takes one native call instead (``jr_i4_linear``, kernels/csrc/gemm/i8_gemm.c): the whole layer expanded to
-int8 W^T by the same C loop, packed into the GEMM's tiles, the per-column offsets and scales (computed once
-here) appended, then the W8A8 GEMM, which quantizes the rows itself. The numbers are this module's (the same
+call takes one native call instead (``jr_i4_linear``, kernels/csrc/gemm/i8_gemm.c), which quantizes the rows
+itself and takes the per-column offsets and scales computed once here. On the VNNI build (and the split int4
+layout of AVX-512 CPUs) each thread expands its own column blocks, four at a time, straight into the GEMM's
+operand layout in a buffer of its own and multiplies them at once: no N x K intermediate. Elsewhere (the AMX
+tile build, other layouts) the whole layer is expanded to int8 W^T by the same C loop, packed into the GEMM's
+tiles, then multiplied. On a 2-core Zen 4 at 48 rows the first takes SmolLM2-135M's four layer shapes in
+724-768 µs against 881 (``/work/bench/i4.py`` in the session's note); 48 ShareGPT prompts x 64 tokens, EOS
+ignored, held ISA: int4 0.98x bf16 before, 1.0-1.2x after (a noisy machine; docs/quantization.md). The numbers are this module's (the same
 codes, scales, exact int32 sums and ``(acc * S_n) * s_m`` order: tested bit for bit); the scratch is the
 layer's int8 W^T and its packed tiles, shared by the model's int4 layers (``2 N K + 8 N`` bytes for the largest,
 taken at the first call, not at load: the load's memory peak stays that of the weights), and the layer loop

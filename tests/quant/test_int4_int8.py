@@ -124,3 +124,41 @@ def test_the_one_call_w4a8_kernel_gives_the_tile_paths_bits(monkeypatch) -> None
             assert torch.equal(fast, tiles)
         x32 = torch.randn(20, k, generator=gen)
         assert layer(x32).dtype == torch.float32
+
+
+def test_both_ways_of_the_one_call_kernel_give_the_same_bits(monkeypatch) -> None:
+    """jr_i4_linear expands each thread's column blocks straight into the GEMM's layout (the VNNI build, split
+    int4 layout); the tile build (i8_tile_emulated here: AMX's source with the tiles on vpdpbusd) expands the
+    whole layer to W^T, packs it, then multiplies. The same bits, 1-130 rows, one and two threads, with and
+    without a bias, column blocks per thread not a multiple of the kernel's group of four."""
+    import ctypes
+
+    from jobrunner.kernels import load
+    from tests.components import require_cpu, require_library
+
+    require_cpu("avx512_bf16")
+    monkeypatch.setenv("JOBRUNNER_CPU_CAPABILITY", "avx512_bf16")
+    monkeypatch.delenv("JOBRUNNER_W8A8_VNNI", raising=False)
+    fused, whole = require_library(load("i8_gemm")), require_library(load("i8_tile_emulated"))
+    gen = torch.Generator().manual_seed(9)
+    threads = torch.get_num_threads()
+    try:
+        for k, n, bias in ((576, 960, True), (1536, 576, False), (128, 64, True), (192, 1344, False)):
+            layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16), 32,
+                                                     dispatch_for("cpu"))
+            assert layer.int8 is not None and layer.int8.kernel == "vnni" and layer.cpu_layout.is_split
+            w = ctypes.byref(layer.int8.bind())
+            b = torch.randn(n, generator=gen).to(torch.bfloat16)
+            for rows in (1, 7, 17, 48, 130):
+                x = (torch.randn(rows, k, generator=gen) * 3).to(torch.bfloat16)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    outs = []
+                    for lib in (fused, whole):
+                        out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+                        assert lib.jr_i4_linear(x.data_ptr(), k, w, b.data_ptr() if bias else None, out.data_ptr(),
+                                                n, rows, n, k, t) == 0
+                        outs.append(out)
+                    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)

@@ -184,9 +184,10 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
   }
 }
 
-/* rows m .. m + mr - 1 (bytes of row i at a + i * K, scales sx), column blocks nb .. nb + nbk - 1 */
+/* rows m .. m + mr - 1 (bytes of row i at a + i * K, scales sx), column blocks nb .. nb + nbk - 1, whose packed
+   chunks start at b (block nb + j at b + j * kt * 1024) */
 static inline __attribute__((always_inline)) void micro(const uint8_t *a, const float *sx, const int32_t *zx,
-                                                       const uint8_t *packed,
+                                                       const uint8_t *b,
                                                        const int32_t *offset, const float *sw, const uint16_t *bias,
                                                        uint16_t *out, int64_t ldo, int64_t m, int64_t nb, int64_t K,
                                                        const int mr, const int nbk) {
@@ -194,7 +195,6 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *a, const 
   __m512i acc[MR][NB];
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nbk; j++) acc[i][j] = _mm512_setzero_si512();
-  const uint8_t *b = packed + nb * kt * 1024; /* block nb's first chunk; block nb + j at + j * kt * 1024 */
   const uint8_t *r[MR];
   for (int i = 0; i < mr; i++) r[i] = a + (m + i) * K;
   for (int64_t p = 0; p < quads; p++) {
@@ -214,18 +214,18 @@ static inline __attribute__((always_inline)) void micro(const uint8_t *a, const 
 }
 
 #define ROWS_CASE(R, NBK) \
-  case R: micro(a, sx, zx, packed, offset, sw, bias, out, ldo, m, nb, K, R, NBK); break;
+  case R: micro(a, sx, zx, b, offset, sw, bias, out, ldo, m, nb, K, R, NBK); break;
 
-/* every row, column blocks nb .. nb + nbk - 1 (nbk <= NB) */
+/* every row, column blocks nb .. nb + nbk - 1 (nbk <= NB; their packed chunks from b) */
 #define GROUP(NBK)                                                                                            \
-  static void group_##NBK(const uint8_t *a, const float *sx, const int32_t *zx, const uint8_t *packed,         \
+  static void group_##NBK(const uint8_t *a, const float *sx, const int32_t *zx, const uint8_t *b,              \
                           const int32_t *offset,                                                               \
                           const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M,       \
                           int64_t nb, int64_t K) {                                                             \
     for (int64_t m = 0; m < M; m += MR) {                                                                      \
       switch (M - m < MR ? M - m : MR) {                                                                       \
         ROWS_CASE(1, NBK) ROWS_CASE(2, NBK) ROWS_CASE(3, NBK) ROWS_CASE(4, NBK) ROWS_CASE(5, NBK)              \
-        default: micro(a, sx, zx, packed, offset, sw, bias, out, ldo, m, nb, K, MR, NBK);                     \
+        default: micro(a, sx, zx, b, offset, sw, bias, out, ldo, m, nb, K, MR, NBK);                          \
       }                                                                                                        \
     }                                                                                                          \
   }
@@ -233,6 +233,17 @@ GROUP(1)
 GROUP(2)
 GROUP(3)
 GROUP(4)
+
+static void run_group(const uint8_t *a, const float *sx, const int32_t *zx, const uint8_t *b, const int32_t *offset,
+                      const float *sw, const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M, int64_t nb,
+                      int64_t nbk, int64_t K) {
+  switch (nbk) {
+    case 1: group_1(a, sx, zx, b, offset, sw, bias, out, ldo, M, nb, K); break;
+    case 2: group_2(a, sx, zx, b, offset, sw, bias, out, ldo, M, nb, K); break;
+    case 3: group_3(a, sx, zx, b, offset, sw, bias, out, ldo, M, nb, K); break;
+    default: group_4(a, sx, zx, b, offset, sw, bias, out, ldo, M, nb, K); break;
+  }
+}
 
 #ifdef JR_W8A8_TILES
 /* One thread's share on the tiles: column blocks nb0 .. nb1 - 1, every row (the workspace holds whole 32-row
@@ -351,12 +362,7 @@ static int i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, cons
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
     for (int64_t nb = b0; nb < b1; nb += NB) {
       const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
-      switch (nbk) {
-        case 1: group_1(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        case 2: group_2(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        case 3: group_3(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-        default: group_4(a, sx, zx, packed, offset, sw, bias, out, ldo, M, nb, K); break;
-      }
+      run_group(a, sx, zx, packed + nb * (K / 64) * 1024, offset, sw, bias, out, ldo, M, nb, nbk, K);
     }
   }
   return 0;
@@ -376,15 +382,123 @@ int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
   return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 1);
 }
 
-/* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 blocks expanded to int8 W^T by the int4
-   library's jr_int4_to_int8_t (w->expand), packed (jr_i8_pack_t), the layer's column offsets and scales copied
-   after the tiles, then jr_i8_linear. The same signature as the other linears (w in place of the packed
-   weight), so the layer loop calls it too. Returns jr_i8_linear's codes, or 4 when the expansion or the
-   packing refuses the shape. */
+/* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 codes expanded to int8 per output row
+   (w8 = rint(((code - 8) s_g + z_g) / S_n), clamped to +-127), the column offsets and scales of the layer (the
+   trailer, computed once in Python), then the W8A8 product of jr_i8_linear (symmetric rows). The same signature
+   as the other linears (w in place of the packed weight), so the layer loop calls it too. Returns jr_i8_linear's
+   codes, or 4 when the expansion or the packing refuses the shape.
+
+   Two ways to the same bits: with the int4 layout of AVX-512 builds (blocks of a multiple of 32 columns, low and
+   high nibbles holding the block's two halves) each thread expands its own column blocks, NB at a time, straight
+   into the packed operand layout in a buffer of its own (NB * K * 16 bytes: L2), right before the product reads
+   them (expand_block); otherwise, and in the tile build, the whole layer is expanded to int8 W^T by the int4
+   library's jr_int4_to_int8_t (w->expand) into the shared scratch, packed (jr_i8_pack_t), then multiplied. The
+   first writes no N x K intermediate: at a 48-row decode step on SmolLM2-135M the second spent more time moving
+   the expanded weight through memory (W^T out and back, the tiles out and back) than multiplying it. */
+
+#ifndef JR_W8A8_TILES /* the first way: VNNI build only */
+/* 16 int4 codes of columns c0 .. c0 + 15 at input k (the split CPU layout: block_n columns a block, [K][block_n
+   / 2] bytes, low nibbles the block's first half of the columns, high nibbles its second half) */
+static inline __m128i int4_codes16(const JrInt4Linear *w, int64_t K, int64_t k, int64_t c0) {
+  const int64_t half = w->block_n / 2, j = c0 % w->block_n;
+  const uint8_t *row = (const uint8_t *)w->packed + (c0 / w->block_n * K + k) * half;
+  const __m128i low = _mm_set1_epi8(15);
+  if (j < half) return _mm_and_si128(_mm_loadu_si128((const __m128i *)(row + j)), low);
+  return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(row + j - half)), 4), low);
+}
+
+/* 16 codes -> int8 rint(code a + b) clamped to +-127: int4_unpack.c's expand16, the same instructions */
+static inline __m128i expand_codes16(__m128i codes, __m512 a, __m512 b) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  __m512i i = _mm512_cvtps_epi32(_mm512_fmadd_ps(f, a, b));
+  i = _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  return _mm512_cvtepi32_epi8(i);
+}
+
+/* columns c0 .. c0 + 15 of the int4 layer expanded to int8 into one column block of jr_i8_pack's layout (dst:
+   K / 64 chunks of 1 KB); per group, the factors a = s * inv, b = (z - 8 s) * inv of jr_int4_to_int8_t */
+static void expand_block(const JrInt4Linear *w, int64_t K, int64_t c0, uint8_t *dst) {
+  const float *inv = (const float *)w->inv;
+  const uint16_t *pairs = (const uint16_t *)w->pairs;
+  for (int64_t g = 0; g < K / w->group; g++) {
+    float fa[16], fb[16];
+    for (int64_t j = 0; j < 16; j++) {
+      const uint16_t *sz = pairs + 2 * (g * w->pair_stride + c0 + j);
+      union { uint32_t u; float f; } s = {(uint32_t)sz[0] << 16}, z = {(uint32_t)sz[1] << 16};
+      fa[j] = s.f * inv[c0 + j];
+      fb[j] = (z.f - 8.0f * s.f) * inv[c0 + j];
+    }
+    const __m512 a = _mm512_loadu_ps(fa), b = _mm512_loadu_ps(fb);
+    for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 4) {
+      const __m128i e0 = expand_codes16(int4_codes16(w, K, k, c0), a, b);
+      const __m128i e1 = expand_codes16(int4_codes16(w, K, k + 1, c0), a, b);
+      const __m128i e2 = expand_codes16(int4_codes16(w, K, k + 2, c0), a, b);
+      const __m128i e3 = expand_codes16(int4_codes16(w, K, k + 3, c0), a, b);
+      const __m128i t0 = _mm_unpacklo_epi8(e0, e1), t1 = _mm_unpackhi_epi8(e0, e1);
+      const __m128i t2 = _mm_unpacklo_epi8(e2, e3), t3 = _mm_unpackhi_epi8(e2, e3);
+      __m128i *row = (__m128i *)(dst + (k / 64) * 1024 + (k % 64) / 4 * 64);  /* jr_i8_pack_t's interleave */
+      _mm_storeu_si128(row, _mm_unpacklo_epi16(t0, t2));
+      _mm_storeu_si128(row + 1, _mm_unpackhi_epi16(t0, t2));
+      _mm_storeu_si128(row + 2, _mm_unpacklo_epi16(t1, t3));
+      _mm_storeu_si128(row + 3, _mm_unpackhi_epi16(t1, t3));
+    }
+  }
+}
+
+/* each thread's buffer of expanded column blocks, grown on demand */
+static __thread uint8_t *expanded;
+static __thread size_t expanded_bytes;
+
+static uint8_t *expanded_for(size_t bytes) {
+  if (bytes > expanded_bytes) {
+    free(expanded);
+    expanded = NULL;
+    expanded_bytes = 0;
+    if (posix_memalign((void **)&expanded, 64, bytes)) return NULL;
+    expanded_bytes = bytes;
+  }
+  return expanded;
+}
+
+/* the first way (see above); returns as jr_i4_linear */
+static int i4_linear_fused(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias,
+                           uint16_t *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * sizeof(float) + 64);
+  if (!a) return 2;
+  float *sx = (float *)(a + M * K); /* K % 64 == 0: aligned */
+  const int32_t *offset = (const int32_t *)w->trailer;
+  const float *sw = (const float *)(offset + N);
+  const int64_t blocks = N / 16, kt = K / 64;
+  int failed = 0;
+  if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    uint8_t *buf = expanded_for((size_t)NB * (size_t)kt * 1024);
+    if (!buf) failed = 1;
+    for (int64_t nb = b0; nb < b1 && buf; nb += NB) {
+      const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
+      for (int64_t j = 0; j < nbk; j++) expand_block(w, K, (nb + j) * 16, buf + j * kt * 1024);
+      run_group(a, sx, NULL, buf, offset, sw, bias, out, ldo, M, nb, nbk, K);
+    }
+  }
+  return failed ? 2 : 0;
+}
+
+#endif
+
 typedef __typeof__(&jr_int4_to_int8_t) expand_fn;
 int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
   if (M == 0) return 0;
+  if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
+#ifndef JR_W8A8_TILES
+  if (w->split && w->block_n % 32 == 0 && w->block_n <= 64 && w->group % 4 == 0 && K % w->group == 0)
+    return i4_linear_fused(x, ldx, w, bias, out, ldo, M, N, K, threads);
+#endif
   if (((expand_fn)w->expand)(w->packed, w->pairs, w->inv, w->wt, K, N / w->block_n, w->block_n, w->split,
                              w->group, N, w->pair_stride, threads))
     return 4;
