@@ -30,11 +30,13 @@ operand layout in a buffer of its own and multiplies them at once: no N x K inte
 tile build, other layouts) the whole layer is expanded to int8 W^T by the same C loop, packed into the GEMM's
 tiles, then multiplied. On a 2-core Zen 4 at 48 rows the first takes SmolLM2-135M's four layer shapes in
 724-768 µs against 881 (``/work/bench/i4.py`` in the session's note); 48 ShareGPT prompts x 64 tokens, EOS
-ignored, held ISA: int4 0.98x bf16 before, 1.0-1.2x after (a noisy machine; docs/quantization.md). The numbers are this module's (the same
-codes, scales, exact int32 sums and ``(acc * S_n) * s_m`` order: tested bit for bit); the scratch is the
-layer's int8 W^T and its packed tiles, shared by the model's int4 layers (``2 N K + 8 N`` bytes for the largest,
-taken at the first call, not at load: the load's memory peak stays that of the weights), and the layer loop
-(models/layer_loop.py) calls the same function.
+ignored, held ISA: int4 0.98x bf16 before, 1.25x after (three rounds; docs/quantization.md).
+
+The numbers are this module's (the same codes, scales, exact int32 sums and ``(acc * S_n) * s_m`` order: tested
+bit for bit, both ways); the second way's scratch is the layer's int8 W^T and its packed tiles, shared by the
+model's int4 layers (``2 N K + 8 N`` bytes for the largest, taken at the first call, not at load: the load's
+memory peak stays that of the weights; the first way takes none), and the layer loop (models/layer_loop.py)
+calls the same function.
 """
 
 from __future__ import annotations
@@ -108,6 +110,14 @@ class Int4AsInt8:
             offsets[n0:n1] = wt.sum(dim=0, dtype=torch.int32)
         return torch.cat([offsets.mul_(128), self.row_scale.view(torch.int32)])
 
+    @property
+    def expands_per_block(self) -> bool:
+        """Whether ``jr_i4_linear`` expands column blocks per thread (the VNNI build, the split layout with blocks
+        of a multiple of 32 columns; its condition in i8_gemm.c) rather than the whole layer into the scratch."""
+        layer, layout = self.layer, self.layer.cpu_layout
+        return self.kernel == "vnni" and layout.is_split and layout.block_n % 32 == 0 and layout.block_n <= 64 \
+            and layer.group_size % 4 == 0 and layer.in_features % layer.group_size == 0
+
     def _packed_kernel(self) -> str | None:
         """``vnni`` / ``amx`` where W8A8 runs on our GEMM and takes this layer whole, else None."""
         layer, layout = self.layer, self.layer.cpu_layout
@@ -127,8 +137,10 @@ class Int4AsInt8:
         n, k = layer.out_features, layer.in_features
         if self.trailer is None:
             self.trailer = self._trailer()
-        wt = layer.scratch.get(k * n, torch.int8, layer.weight_int4pack.device)
-        tiles = layer.scratch.get(k * n + 8 * n, torch.uint8, layer.weight_int4pack.device)
+        wt = tiles = None  # the per-thread expansion (module doc) needs no scratch
+        if not self.expands_per_block:
+            wt = layer.scratch.get(k * n, torch.int8, layer.weight_int4pack.device)
+            tiles = layer.scratch.get(k * n + 8 * n, torch.uint8, layer.weight_int4pack.device)
         if self.struct is None:
             from jobrunner.quant.int4_native import _library
 
@@ -137,8 +149,8 @@ class Int4AsInt8:
                                      block_n=layout.block_n, split=int(layout.is_split), group=layer.group_size)
         s = self.struct
         s.packed, s.pairs = layer.weight_int4pack.data_ptr(), layer.scales_and_zeros.data_ptr()
-        s.inv, s.trailer, s.wt, s.tiles = (self.inv_row_scale.data_ptr(), self.trailer.data_ptr(), wt.data_ptr(),
-                                           tiles.data_ptr())
+        s.inv, s.trailer = self.inv_row_scale.data_ptr(), self.trailer.data_ptr()
+        s.wt, s.tiles = (None, None) if wt is None else (wt.data_ptr(), tiles.data_ptr())
         s.pair_stride = layer.scales_and_zeros.stride(0) // 2
         return s
 

@@ -147,7 +147,12 @@ def test_both_ways_of_the_one_call_kernel_give_the_same_bits(monkeypatch) -> Non
             layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16), 32,
                                                      dispatch_for("cpu"))
             assert layer.int8 is not None and layer.int8.kernel == "vnni" and layer.cpu_layout.is_split
-            w = ctypes.byref(layer.int8.bind())
+            assert layer.int8.expands_per_block
+            struct = layer.int8.bind()
+            assert not struct.wt and not struct.tiles  # no scratch taken for the per-block expansion
+            wt, tiles = torch.empty(k * n, dtype=torch.int8), torch.empty(k * n + 8 * n, dtype=torch.uint8)
+            struct.wt, struct.tiles = wt.data_ptr(), tiles.data_ptr()  # the whole-layer way's scratch
+            w = ctypes.byref(struct)
             b = torch.randn(n, generator=gen).to(torch.bfloat16)
             for rows in (1, 7, 17, 48, 130):
                 x = (torch.randn(rows, k, generator=gen) * 3).to(torch.bfloat16)

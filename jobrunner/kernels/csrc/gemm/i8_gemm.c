@@ -499,6 +499,7 @@ int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const ui
   if (w->split && w->block_n % 32 == 0 && w->block_n <= 64 && w->group % 4 == 0 && K % w->group == 0)
     return i4_linear_fused(x, ldx, w, bias, out, ldo, M, N, K, threads);
 #endif
+  if (!w->wt || !w->tiles) return 4;
   if (((expand_fn)w->expand)(w->packed, w->pairs, w->inv, w->wt, K, N / w->block_n, w->block_n, w->split,
                              w->group, N, w->pair_stride, threads))
     return 4;
