@@ -73,6 +73,11 @@ W8A8_VNNI_CROSSOVER = {"w8a8": 0}
 # off (int4 then stays weight-only: bf16 tiles above the packed kernel's crossover).
 NO_LIMIT = 1 << 30
 INT4_INT8_CROSSOVER = {"int4": 16, "int4_int8": NO_LIMIT}
+# where W8A8 runs on our GEMM (vnni; amx opt-in), the W4A8 call expands each thread's column blocks into its own
+# buffer (jr_i4_linear, no N x K round trip): it passes the packed kernel from 8 rows. SmolLM2-135M's four layer
+# shapes summed, µs per call, packed / one call (2-core Zen 4, /work/bench/i4x.py in the 2026-12-06 late note):
+# 1 row 244 / 399, 4 rows 330 / 404, 8 rows 549 / 451, 16 rows 966 / 485.
+INT4_INT8_OWN_GEMM_CROSSOVER = {"int4": 4, "int4_int8": NO_LIMIT}
 # CUDA: tinygemm (int4) and the int8 GEMV kernel are built for a few rows (m16 tiles); cuBLAS on a
 # dequantized bf16 copy wins once the weight is re-read for several row tiles. fp8 runs _scaled_mm for all.
 CUDA_CROSSOVERS = {"int8": 16, "int4": 32}
@@ -206,8 +211,8 @@ def dispatch_for(device: torch.device | str, capability: str | None = None) -> Q
     unpack = "c" if int4_unpack_fn(dtype) is not None else "torch"
     w8a8 = w8a8_kernel_for(profile.capability)
     w8a8_limits = W8A8_VNNI_CROSSOVER if w8a8 in ("vnni", "amx") else W8A8_CROSSOVER
-    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(w8a8_limits if w8a8 else {}),
-              **(INT4_INT8_CROSSOVER if w8a8 else {})}
+    int4_limits = INT4_INT8_OWN_GEMM_CROSSOVER if w8a8 in ("vnni", "amx") else INT4_INT8_CROSSOVER
+    limits = {**CPU_CROSSOVERS[profile.fast_bf16], **(w8a8_limits if w8a8 else {}), **(int4_limits if w8a8 else {})}
     tile = CPU_TILE_WEIGHTS_FAST_BF16 if profile.fast_bf16 else CPU_TILE_WEIGHTS
     return QuantDispatch("cpu", profile.capability, dtype, crossovers(limits), tile,
                          int4_unpack=unpack, w8a8_kernel=w8a8, triton_quant=_triton(torch.device("cpu"), False))

@@ -40,8 +40,10 @@ def test_int8_path_is_chosen_per_capability(monkeypatch: pytest.MonkeyPatch) -> 
     assert "W4A8" not in describe_dispatch(avx2.to_dict())
     for cap in ("avx512_vnni", "avx512_bf16", "amx"):  # on: the packed kernel up to 16 tokens, W4A8 above
         dispatch = dispatch_for("cpu", cap)
-        assert dispatch.kernel_tokens("int4") == 16 and dispatch.kernel_tokens("int4_int8") == NO_LIMIT
-        assert "int4 above 16 tokens: int8 GEMM, int8 activations (W4A8);" in describe_dispatch(dispatch.to_dict())
+        rows = 4 if dispatch.w8a8_kernel in ("vnni", "amx") else 16  # the one-call kernel on our GEMM: from 5
+        assert dispatch.kernel_tokens("int4") == rows and dispatch.kernel_tokens("int4_int8") == NO_LIMIT
+        assert f"int4 above {rows} tokens: int8 GEMM, int8 activations (W4A8);" in \
+            describe_dispatch(dispatch.to_dict())
     monkeypatch.setenv(CROSSOVER_ENV, "int4_int8=0")  # off: int4 stays weight-only (float tiles at batch)
     off = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch_for("cpu", "avx512_bf16"))
     assert off.int8 is None and off.path(65) == "dequant"
@@ -52,8 +54,10 @@ def test_int8_path_is_chosen_per_capability(monkeypatch: pytest.MonkeyPatch) -> 
 @needs_native
 @pytest.mark.parametrize("cap", ["avx512_vnni", "avx512_bf16", "amx"])
 def test_int8_path_takes_the_batches_above_the_packed_kernel(cap: str) -> None:
-    layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch_for("cpu", cap))
-    assert [layer.path(t) for t in (1, 16, 17, 5000)] == ["packed", "packed", "int8", "int8"]
+    dispatch = dispatch_for("cpu", cap)
+    layer = Int4WeightOnlyLinear.from_linear(torch.nn.Linear(64, 96), 32, dispatch)
+    rows = dispatch.kernel_tokens("int4")
+    assert [layer.path(t) for t in (1, rows, rows + 1, 5000)] == ["packed", "packed", "int8", "int8"]
 
 
 @needs_native
