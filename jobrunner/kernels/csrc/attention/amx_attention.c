@@ -180,7 +180,6 @@ static inline void scores_d64(const Args *a, const int64_t *table, int64_t kvh, 
   }
 }
 
-
 /* One block of 16 lanes for D = 64 with the output kept in four tiles (tmm4-7) for the whole key loop:
    scores in base 2 (scale * log2 e folded in), the running maximum moved lazily (LAZY), so the tiles are
    rescaled (stored, multiplied, reloaded) only when it moves for a lane that has seen keys: a few times per
