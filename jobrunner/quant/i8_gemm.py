@@ -18,17 +18,17 @@ layer has no weight-only crossover: every call, 1 row included, runs this kernel
 depend on the batch.
 
 Numbers: W8A8 layers quantize each row **asymmetrically** (:func:`jobrunner.quant.primitives.quantize_rows_asym`:
-``x ~ s (u - z)``, u in 0..255, a zero point per row; ``jr_i8_linear_asym``), int4's W4A8 symmetrically
-(:func:`~jobrunner.quant.primitives.quantize_rows_int8`, ``jr_i8_linear``); then the exact int32 product less
-``z * sum_k W`` per column, and the two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to bf16 once; a
-bias added after, as a bf16 add): the bits of the ``int_mm`` reference path (tested). Why asymmetric: a token's
-activations are often lopsided (one large value of one sign), and the symmetric codes then leave half their
+``x ~ s (u - z)``, u in 0..255, a zero point per row; ``jr_i8_linear_asym``; int4's W4A8 in ``jr_i4_linear`` too;
+``jr_i8_linear`` keeps symmetric rows, :func:`~jobrunner.quant.primitives.quantize_rows_int8`); then the exact int32
+product less ``z * sum_k W`` per column, and the two scalings (``(acc * s_w) * s_x``, oneDNN's order, rounded to
+bf16 once; a bias added after, as a bf16 add): the bits of the ``int_mm`` reference path (tested). Why asymmetric: a
+token's activations are often lopsided (one large value of one sign), and the symmetric codes then leave half their
 range unused; on SmolLM2-135M the W8A8 perplexity cost went +2.62% -> +1.43% (docs/quantization.md). oneDNN's op
 takes one zero point per call, so the ``onednn`` kernel (the default on AMX until ours is measured there) stays
 symmetric. The order of the scalings matters more than one would think: the per-token quantization turns 1-ulp
-differences into flipped codes that grow through the layers, so on SmolLM2-135M (30 held-out texts, symmetric
-rows) the three exact orders gave perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06%
-(``(acc * s_x) * s_w``) and +3.26% (``acc * (s_x * s_w)``) over bf16. None is more exact; this is oneDNN's.
+differences into flipped codes that grow through the layers, so on SmolLM2-135M (30 held-out texts, symmetric rows)
+the three exact orders gave perplexity +2.66% (this one, oneDNN's bits: also +2.62% via oneDNN), +3.06% (``(acc *
+s_x) * s_w``) and +3.26% (``acc * (s_x * s_w)``) over bf16. None is more exact; this is oneDNN's.
 """
 
 from __future__ import annotations

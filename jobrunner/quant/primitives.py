@@ -179,7 +179,7 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return w.view(rows, k)
 
 
-# --- int8 activations (W8A8, int4's W4A8 path): per token, symmetric
+# --- int8 activations (W8A8, int4's W4A8 path): per token, symmetric (oneDNN's op) or asymmetric (our GEMM)
 
 @torch.no_grad()
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -222,8 +222,8 @@ def test_w8a8_projections_run_in_the_loop_with_the_python_paths_bits(monkeypatch
 
 def test_int4_projections_run_in_the_loop_above_their_tinygemm_rows(monkeypatch, tokenizer, counted):
     """An int4 model on a CPU where W8A8 runs on our GEMM: its projections' W4A8 kernel (jr_i4_linear:
-    the int4 blocks expanded, packed and multiplied in one call) in the loop for steps above the layers'
-    tinygemm rows (16), the Python path below; the same tokens and logprobs as with the loop off."""
+    the int4 blocks expanded and multiplied in one call) in the loop for steps above the layers' tinygemm rows
+    (4 there), the Python path below; the same tokens and logprobs as with the loop off."""
     from jobrunner.quant import quantize_model
 
     require_cpu("avx512_bf16")
@@ -240,7 +240,7 @@ def test_int4_projections_run_in_the_loop_above_their_tinygemm_rows(monkeypatch,
 
     probe = int4_model()
     assert layer_loop.layer_loop_reason(probe) is None
-    assert layer_loop.LayerLoop(probe).min_rows == 17
+    assert layer_loop.LayerLoop(probe).min_rows == 1 + probe.layers[0].mlp.down_proj.small_batch_max_tokens == 5
     prompts = [" ".join(CORPUS[i % 8:i % 8 + 3]) + f" {i}" for i in range(20)]  # 20 rows decode together
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = {}

@@ -369,8 +369,8 @@ static int i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, cons
 }
 
 
-/* jr_i8_linear with the rows quantized symmetrically (q + 128; int4's W4A8, quantize_rows_int8) or asymmetrically
-   (q + z per row, quantize_row_asym; W8A8 layers): two entry points of one signature, so the layer loop calls
+/* jr_i8_linear with the rows quantized symmetrically (q + 128, quantize_rows_int8) or asymmetrically (q + z per
+   row, quantize_row_asym; W8A8 layers and int4's W4A8 in jr_i4_linear): two entry points of one signature, so the layer loop calls
    either through its layer's pointer */
 int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
                  int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
@@ -384,7 +384,7 @@ int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, con
 
 /* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 codes expanded to int8 per output row
    (w8 = rint(((code - 8) s_g + z_g) / S_n), clamped to +-127), the column offsets and scales of the layer (the
-   trailer, computed once in Python), then the W8A8 product of jr_i8_linear (symmetric rows). The same signature
+   trailer, computed once in Python), then the W8A8 product of jr_i8_linear_asym (asymmetric rows). The same signature
    as the other linears (w in place of the packed weight), so the layer loop calls it too. Returns jr_i8_linear's
    codes, or 4 when the expansion or the packing refuses the shape.
 
@@ -463,9 +463,10 @@ static uint8_t *expanded_for(size_t bytes) {
 /* the first way (see above); returns as jr_i4_linear */
 static int i4_linear_fused(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias,
                            uint16_t *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
-  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * sizeof(float) + 64);
+  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * (sizeof(float) + sizeof(int32_t)) + 64);
   if (!a) return 2;
   float *sx = (float *)(a + M * K); /* K % 64 == 0: aligned */
+  int32_t *zx = (int32_t *)(sx + M);
   const int32_t *offset = (const int32_t *)w->trailer;
   const float *sw = (const float *)(offset + N);
   const int64_t blocks = N / 16, kt = K / 64;
@@ -474,7 +475,7 @@ static int i4_linear_fused(const uint16_t *x, int64_t ldx, const JrInt4Linear *w
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    for (int64_t m = 0; m < M; m++) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zx + m);
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
     uint8_t *buf = expanded_for((size_t)NB * (size_t)kt * 1024);
@@ -482,7 +483,7 @@ static int i4_linear_fused(const uint16_t *x, int64_t ldx, const JrInt4Linear *w
     for (int64_t nb = b0; nb < b1 && buf; nb += NB) {
       const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
       for (int64_t j = 0; j < nbk; j++) expand_block(w, K, (nb + j) * 16, buf + j * kt * 1024);
-      run_group(a, sx, NULL, buf, offset, sw, bias, out, ldo, M, nb, nbk, K);
+      run_group(a, sx, zx, buf, offset, sw, bias, out, ldo, M, nb, nbk, K);
     }
   }
   return failed ? 2 : 0;
@@ -505,5 +506,5 @@ int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const ui
     return 4;
   if (jr_i8_pack_t(w->wt, N, w->tiles, N, K, threads)) return 4;
   memcpy(w->tiles + N * K, w->trailer, (size_t)N * 8);
-  return jr_i8_linear(x, ldx, w->tiles, bias, out, ldo, M, N, K, threads);
+  return jr_i8_linear_asym(x, ldx, w->tiles, bias, out, ldo, M, N, K, threads);
 }
