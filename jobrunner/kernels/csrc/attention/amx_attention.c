@@ -156,6 +156,51 @@ static inline void scatter_query(uint32_t *qt, const uint16_t *src, int64_t i, i
 
 #define LAZY 8.0f  /* the running maximum moves only when a score passes it by 2^8 (so P <= 256) */
 
+/* The online softmax of one 32-key step of a 16-lane block (the tile block for D = 64 and the blocks without
+   tiles): s holds the raw scores [32 keys][16 lanes]; keys past a lane's position are masked once the step
+   reaches past the block's lowest position. Scores in base 2 (cv = scale * log2 e), the lazy running maximum *m
+   and sum *l updated, P^T rounded to bf16 with its key pairs interleaved into pt ([16 key pairs][16 lanes][2],
+   the B operand layout). Returns the factor by which each lane's output so far must be multiplied before this
+   step's P V (1 where its maximum did not move); *rescale says whether any lane's must. */
+static inline __m512 lazy_softmax_step(const float *s, __m512i posv, int64_t k0, int64_t lowest, __m512 cv,
+                                       __m512 *m, __m512 *l, uint16_t *pt, int *rescale) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int masked = k0 + KB - 1 > lowest;
+  __mmask16 valid[KB];
+  __m512 mx = ninf, alpha = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < KB; j++) {
+    valid[j] = masked ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + j)), _MM_CMPINT_NLT)
+                      : (__mmask16)0xffff;
+    mx = _mm512_mask_max_ps(mx, valid[j], mx, _mm512_load_ps(s + j * LANES));
+  }
+  const __m512 cand = _mm512_mul_ps(mx, cv);
+  const __mmask16 grow = _mm512_cmp_ps_mask(cand, _mm512_add_ps(*m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
+  *rescale = 0;
+  if (grow) {
+    const __mmask16 had = _mm512_cmp_ps_mask(*m, ninf, _CMP_NEQ_OQ);
+    const __m512 moved = _mm512_mask_mov_ps(*m, grow, cand);
+    if (grow & had) {  /* lanes that had keys: their sum now, their output by the caller */
+      alpha = _mm512_mask_mov_ps(alpha, grow & had, exp2_kept(grow & had, _mm512_sub_ps(*m, moved)));
+      *l = _mm512_mul_ps(*l, alpha);
+      *rescale = 1;
+    }
+    *m = moved;
+  }
+  const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), *m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < KB; j += 2) {
+    const __m512 p0 = exp2_kept(valid[j], _mm512_fmadd_ps(_mm512_load_ps(s + j * LANES), cv, negm));
+    const __m512 p1 = exp2_kept(valid[j + 1], _mm512_fmadd_ps(_mm512_load_ps(s + (j + 1) * LANES), cv, negm));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 lanes | p1 lanes] */
+    _mm512_store_si512((__m512i *)(pt + j * LANES), _mm512_permutexvar_epi16(interleave, both));
+  }
+  *l = _mm512_add_ps(*l, sum);
+  return alpha;
+}
+
 #ifndef JR_TILE_AVX512
 /* D = 64: S^T of keys k0 .. k0 + 31 (those below `end`; the rest zero, masked by the caller) against Q^T (qt)
    into s [32 keys][16 lanes], 16 keys (one cache block's rows) at a time in tmm2 (tmm0 Q^T, tmm1 K) */
@@ -187,58 +232,30 @@ static inline void scores_d64(const Args *a, const int64_t *table, int64_t kvh, 
 static void attend_block_d64(const Args *a, const int64_t *table, int64_t kvh, int64_t seq, const uint16_t *vt,
                              const uint32_t *qt, __m512i posv, int64_t last, int64_t lowest, float *acc,
                              __m512 *l_out) {
-  const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f);
   float s[KB * LANES] __attribute__((aligned(64)));
   uint16_t pt[KB * LANES] __attribute__((aligned(64)));
-  __m512 m = ninf, l = _mm512_setzero_ps();
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t k0 = 0; k0 <= last; k0 += KB) {
     scores_d64(a, table, kvh, seq, k0, qt, s);
-    const int masked = k0 + KB - 1 > lowest;
-    __mmask16 valid[KB];
-    __m512 mx = ninf;
-    for (int64_t j = 0; j < KB; j++) {
-      valid[j] = masked ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + j)), _MM_CMPINT_NLT)
-                        : (__mmask16)0xffff;
-      mx = _mm512_mask_max_ps(mx, valid[j], mx, _mm512_load_ps(s + j * LANES));
+    int rescale = 0;
+    const __m512 alpha = lazy_softmax_step(s, posv, k0, lowest, cv, &m, &l, pt, &rescale);
+    if (rescale) {  /* the output tiles of the lanes whose maximum moved */
+      _tile_stored(4, acc, 64);
+      _tile_stored(5, acc + 256, 64);
+      _tile_stored(6, acc + 512, 64);
+      _tile_stored(7, acc + 768, 64);
+      for (int64_t d = 0; d < 64; d++)
+        _mm512_store_ps(acc + d * LANES, _mm512_mul_ps(_mm512_load_ps(acc + d * LANES), alpha));
+      _tile_loadd(4, acc, 64);
+      _tile_loadd(5, acc + 256, 64);
+      _tile_loadd(6, acc + 512, 64);
+      _tile_loadd(7, acc + 768, 64);
     }
-    const __m512 cand = _mm512_mul_ps(mx, cv);
-    const __mmask16 grow = _mm512_cmp_ps_mask(cand, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
-    if (grow) {
-      const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
-      const __m512 moved = _mm512_mask_mov_ps(m, grow, cand);
-      if (grow & had) {  /* rescale what those lanes have: l and the output tiles */
-        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grow & had,
-                                                exp2_kept(grow & had, _mm512_sub_ps(m, moved)));
-        l = _mm512_mul_ps(l, alpha);
-        _tile_stored(4, acc, 64);
-        _tile_stored(5, acc + 256, 64);
-        _tile_stored(6, acc + 512, 64);
-        _tile_stored(7, acc + 768, 64);
-        for (int64_t d = 0; d < 64; d++)
-          _mm512_store_ps(acc + d * LANES, _mm512_mul_ps(_mm512_load_ps(acc + d * LANES), alpha));
-        _tile_loadd(4, acc, 64);
-        _tile_loadd(5, acc + 256, 64);
-        _tile_loadd(6, acc + 512, 64);
-        _tile_loadd(7, acc + 768, 64);
-      }
-      m = moved;
-    }
-    const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < KB; j += 2) {
-      const __m512 p0 = exp2_kept(valid[j], _mm512_fmadd_ps(_mm512_load_ps(s + j * LANES), cv, negm));
-      const __m512 p1 = exp2_kept(valid[j + 1], _mm512_fmadd_ps(_mm512_load_ps(s + (j + 1) * LANES), cv, negm));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);     /* [p0 lanes | p1 lanes] */
-      _mm512_store_si512((__m512i *)(pt + j * LANES), _mm512_permutexvar_epi16(interleave, both));
-    }
-    l = _mm512_add_ps(l, sum);
     const uint16_t *vb = vt + (k0 / KB) * KB * 64;  /* O^T += V^T P^T, 16 dimensions per tile */
     _tile_loadd(2, pt, 64);
     _tile_loadd(3, vb, KB * 2);

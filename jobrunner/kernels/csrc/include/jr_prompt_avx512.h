@@ -1,6 +1,6 @@
 /* One 16-lane block of prompt-chunk attention for CPUs with AVX-512 BF16 and no AMX: the bf16_attention build
-   of attention/amx_attention.c (-DJR_TILE_AVX512) includes this after its Args, LANES, KB, LAZY and exp2_kept,
-   and runs it in place of the tile blocks. Same layouts (Q^T [D / 32][16 dimension pairs][16 lanes], the staged
+   of attention/amx_attention.c (-DJR_TILE_AVX512) includes this after its Args, LANES, KB and lazy_softmax_step
+   (the softmax step it shares with the D = 64 tile block), and runs it in place of the tile blocks. Same layouts (Q^T [D / 32][16 dimension pairs][16 lanes], the staged
    V^T tiles, S^T and P^T keys by lanes), same arithmetic as the D = 64 tile block (scores in base 2, the lazy
    maximum, P rounded to bf16, the output accumulated in float32 in key order): for D = 64 the same bits.
 
@@ -56,13 +56,11 @@ static inline __attribute__((always_inline)) void native_values(const uint16_t *
 static inline __attribute__((always_inline)) void attend_block_native(
     const Args *a, const int64_t *table, int64_t kvh, int64_t seq, const uint16_t *vt, const uint32_t *qt,
     __m512i posv, int64_t last, int64_t lowest, float *acc, __m512 *l_out, const int64_t D) {
-  const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 cv = _mm512_set1_ps(a->scale * 1.44269504089f);
   const int64_t bs = a->bs, stride = a->Hkv * D / 2;
   float s[KB * LANES] __attribute__((aligned(64)));
   uint16_t pt[KB * LANES] __attribute__((aligned(64)));
-  __m512 m = ninf, l = _mm512_setzero_ps();
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
   memset(acc, 0, sizeof(float) * D * LANES);
   for (int64_t k0 = 0; k0 <= last; k0 += KB) {
     for (int64_t half = 0; half < 2; half++) {
@@ -74,38 +72,11 @@ static inline __attribute__((always_inline)) void attend_block_native(
       const int32_t *kr = (const int32_t *)(a->k + ((table[key / bs] * bs + key % bs) * a->Hkv + kvh) * D);
       native_scores16(kr, stride, qt, s + half * 16 * LANES, D);
     }
-    const int masked = k0 + KB - 1 > lowest;
-    __mmask16 valid[KB];
-    __m512 mx = ninf;
-    for (int64_t j = 0; j < KB; j++) {
-      valid[j] = masked ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + j)), _MM_CMPINT_NLT)
-                        : (__mmask16)0xffff;
-      mx = _mm512_mask_max_ps(mx, valid[j], mx, _mm512_load_ps(s + j * LANES));
-    }
-    const __m512 cand = _mm512_mul_ps(mx, cv);
-    const __mmask16 grow = _mm512_cmp_ps_mask(cand, _mm512_add_ps(m, _mm512_set1_ps(LAZY)), _CMP_GT_OQ);
-    if (grow) {
-      const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
-      const __m512 moved = _mm512_mask_mov_ps(m, grow, cand);
-      if (grow & had) {  /* rescale what those lanes have: l and the output */
-        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grow & had,
-                                                exp2_kept(grow & had, _mm512_sub_ps(m, moved)));
-        l = _mm512_mul_ps(l, alpha);
-        for (int64_t d = 0; d < D; d++)
-          _mm512_store_ps(acc + d * LANES, _mm512_mul_ps(_mm512_load_ps(acc + d * LANES), alpha));
-      }
-      m = moved;
-    }
-    const __m512 negm = _mm512_sub_ps(_mm512_setzero_ps(), m);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < KB; j += 2) {
-      const __m512 p0 = exp2_kept(valid[j], _mm512_fmadd_ps(_mm512_load_ps(s + j * LANES), cv, negm));
-      const __m512 p1 = exp2_kept(valid[j + 1], _mm512_fmadd_ps(_mm512_load_ps(s + (j + 1) * LANES), cv, negm));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* [p0 lanes | p1 lanes] */
-      _mm512_store_si512((__m512i *)(pt + j * LANES), _mm512_permutexvar_epi16(interleave, both));
-    }
-    l = _mm512_add_ps(l, sum);
+    int rescale = 0;
+    const __m512 alpha = lazy_softmax_step(s, posv, k0, lowest, cv, &m, &l, pt, &rescale);
+    if (rescale)  /* the output of the lanes whose maximum moved */
+      for (int64_t d = 0; d < D; d++)
+        _mm512_store_ps(acc + d * LANES, _mm512_mul_ps(_mm512_load_ps(acc + d * LANES), alpha));
     native_values(vt + (k0 / KB) * KB * D, pt, acc, D);
   }
   *l_out = l;
