@@ -184,6 +184,7 @@ static __attribute__((noinline)) void finish(const int32_t *sums, int64_t stride
   }
 }
 
+#ifndef JR_W8A8_TILES /* the VNNI product: MR rows x NB column blocks in registers */
 /* rows m .. m + mr - 1 (bytes of row i at a + i * K, scales sx), column blocks nb .. nb + nbk - 1, whose packed
    chunks start at b (block nb + j at b + j * kt * 1024) */
 static inline __attribute__((always_inline)) void micro(const uint8_t *a, const float *sx, const int32_t *zx,
@@ -244,6 +245,7 @@ static void run_group(const uint8_t *a, const float *sx, const int32_t *zx, cons
     default: group_4(a, sx, zx, b, offset, sw, bias, out, ldo, M, nb, K); break;
   }
 }
+#endif
 
 #ifdef JR_W8A8_TILES
 /* One thread's share on the tiles: column blocks nb0 .. nb1 - 1, every row (the workspace holds whole 32-row
@@ -313,90 +315,7 @@ static uint8_t *workspace_for(size_t bytes) {
   return workspace;
 }
 
-/* out[M, N] (row stride ldo, bf16) = the W8A8 product of x[M, K] (row stride ldx, bf16) and the weight packed by
-   jr_i8_pack (+ bias, bf16 [N] or NULL). The same signature as jr_bf16_linear, so the layer loop calls either.
-   Returns 0, 1 for a shape it does not take (N % 16, K % 64), 2 when the workspace cannot be allocated, 3 (tile
-   build) when the OS refused the AMX tile state. */
-static int i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                     int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads, int asym) {
-  if (M == 0) return 0;
-  if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
-  const int64_t padded = (M + 31) / 32 * 32; /* the tile build reads whole 32-row tiles */
-  uint8_t *a = workspace_for((size_t)padded * (size_t)K + (size_t)M * (sizeof(float) + sizeof(int32_t)) + 64);
-  if (!a) return 2;
-  float *sx = (float *)(a + padded * K); /* K % 64 == 0: aligned */
-  int32_t *zero = (int32_t *)(sx + M), *zx = asym ? zero : NULL;
-  const int32_t *offset = (const int32_t *)(packed + N * K);
-  const float *sw = (const float *)(offset + N);
-  const int64_t blocks = N / 16;
-  if (threads < 1) threads = 1;
-#ifdef JR_W8A8_TILES
-  if (!amx_permitted()) return 3;
-  if (threads > blocks / 2) threads = blocks / 2 > 0 ? blocks / 2 : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    configure_tiles();
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
-      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
-    }
-    /* contiguous, even shares of the column blocks, in pairs */
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t pairs = (blocks + 1) / 2, p0 = pairs * t / n, p1 = pairs * (t + 1) / n;
-    const int64_t nb0 = 2 * p0, nb1 = 2 * p1 < blocks ? 2 * p1 : blocks;
-    if (nb0 < nb1) tile_blocks(a, sx, zx, packed, offset, sw, bias, out, ldo, M, K, nb0, nb1);
-    _tile_release();
-  }
-  return 0;
-#endif
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
-      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
-    }
-    /* contiguous, even shares of the column blocks, walked NB at a time (the last group of a share shorter) */
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
-    for (int64_t nb = b0; nb < b1; nb += NB) {
-      const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
-      run_group(a, sx, zx, packed + nb * (K / 64) * 1024, offset, sw, bias, out, ldo, M, nb, nbk, K);
-    }
-  }
-  return 0;
-}
-
-
-/* jr_i8_linear with the rows quantized symmetrically (q + 128, quantize_rows_int8) or asymmetrically (q + z per
-   row, quantize_row_asym; W8A8 layers and int4's W4A8 in jr_i4_linear): two entry points of one signature, so the layer loop calls
-   either through its layer's pointer */
-int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
-  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 0);
-}
-
-int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
-                      int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
-  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 1);
-}
-
-/* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 codes expanded to int8 per output row
-   (w8 = rint(((code - 8) s_g + z_g) / S_n), clamped to +-127), the column offsets and scales of the layer (the
-   trailer, computed once in Python), then the W8A8 product of jr_i8_linear_asym (asymmetric rows). The same signature
-   as the other linears (w in place of the packed weight), so the layer loop calls it too. Returns jr_i8_linear's
-   codes, or 4 when the expansion or the packing refuses the shape.
-
-   Two ways to the same bits: with the int4 layout of AVX-512 builds (blocks of a multiple of 32 columns, low and
-   high nibbles holding the block's two halves) each thread expands its own column blocks, NB at a time, straight
-   into the packed operand layout in a buffer of its own (NB * K * 16 bytes: L2), right before the product reads
-   them (expand_block); otherwise, and in the tile build, the whole layer is expanded to int8 W^T by the int4
-   library's jr_int4_to_int8_t (w->expand) into the shared scratch, packed (jr_i8_pack_t), then multiplied. The
-   first writes no N x K intermediate: at a 48-row decode step on SmolLM2-135M the second spent more time moving
-   the expanded weight through memory (W^T out and back, the tiles out and back) than multiplying it. */
-
-#ifndef JR_W8A8_TILES /* the first way: VNNI build only */
+#ifndef JR_W8A8_TILES /* int4 layers expanded per column block (jr_i4_linear's first way): the VNNI build */
 /* 16 int4 codes of columns c0 .. c0 + 15 at input k (the split CPU layout: block_n columns a block, [K][block_n
    / 2] bytes, low nibbles the block's first half of the columns, high nibbles its second half) */
 static inline __m128i int4_codes16(const JrInt4Linear *w, int64_t K, int64_t k, int64_t c0) {
@@ -459,37 +378,100 @@ static uint8_t *expanded_for(size_t bytes) {
   }
   return expanded;
 }
+#endif
 
-/* the first way (see above); returns as jr_i4_linear */
-static int i4_linear_fused(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias,
-                           uint16_t *out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
-  uint8_t *a = workspace_for((size_t)M * (size_t)K + (size_t)M * (sizeof(float) + sizeof(int32_t)) + 64);
+/* out[M, N] (row stride ldo, bf16) = the W8A8 product of x[M, K] (row stride ldx, bf16) and the weight packed by
+   jr_i8_pack (+ bias, bf16 [N] or NULL); rows quantized symmetrically or (asym) with a zero point each. With w4
+   (VNNI build only) the weight is that int4 layer instead, each thread's column blocks expanded into its buffer
+   right before their product, the offsets and scales from its trailer. Returns 0, 1 for a shape it does not take
+   (N % 16, K % 64), 2 when a workspace cannot be allocated, 3 (tile build) when the OS refused the AMX tile
+   state. */
+static int i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                     int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads, int asym, const JrInt4Linear *w4) {
+  if (M == 0) return 0;
+  if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
+  const int64_t padded = (M + 31) / 32 * 32; /* the tile build reads whole 32-row tiles */
+  uint8_t *a = workspace_for((size_t)padded * (size_t)K + (size_t)M * (sizeof(float) + sizeof(int32_t)) + 64);
   if (!a) return 2;
-  float *sx = (float *)(a + M * K); /* K % 64 == 0: aligned */
-  int32_t *zx = (int32_t *)(sx + M);
-  const int32_t *offset = (const int32_t *)w->trailer;
+  float *sx = (float *)(a + padded * K); /* K % 64 == 0: aligned */
+  int32_t *zero = (int32_t *)(sx + M), *zx = asym ? zero : NULL;
+  const int32_t *offset = (const int32_t *)(w4 ? (const uint8_t *)w4->trailer : packed + N * K);
   const float *sw = (const float *)(offset + N);
-  const int64_t blocks = N / 16, kt = K / 64;
-  int failed = 0;
+  const int64_t blocks = N / 16;
   if (threads < 1) threads = 1;
+#ifdef JR_W8A8_TILES
+  if (!amx_permitted()) return 3;
+  if (threads > blocks / 2) threads = blocks / 2 > 0 ? blocks / 2 : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
+      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    }
+    /* contiguous, even shares of the column blocks, in pairs */
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t pairs = (blocks + 1) / 2, p0 = pairs * t / n, p1 = pairs * (t + 1) / n;
+    const int64_t nb0 = 2 * p0, nb1 = 2 * p1 < blocks ? 2 * p1 : blocks;
+    if (nb0 < nb1) tile_blocks(a, sx, zx, packed, offset, sw, bias, out, ldo, M, K, nb0, nb1);
+    _tile_release();
+  }
+  (void)w4; /* the tile build takes packed weights only */
+  return 0;
+#else
+  const int64_t kt = K / 64;
+  int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zx + m);
+    for (int64_t m = 0; m < M; m++) {
+      if (asym) quantize_row_asym(x + m * ldx, K, a + m * K, sx + m, zero + m);
+      else quantize_row(x + m * ldx, K, a + m * K, sx + m);
+    }
+    /* contiguous, even shares of the column blocks, walked NB at a time (the last group of a share shorter); an
+       int4 layer's blocks expanded into this thread's buffer first */
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
-    uint8_t *buf = expanded_for((size_t)NB * (size_t)kt * 1024);
-    if (!buf) failed = 1;
-    for (int64_t nb = b0; nb < b1 && buf; nb += NB) {
+    uint8_t *buf = w4 ? expanded_for((size_t)NB * (size_t)kt * 1024) : NULL;
+    if (w4 && !buf) failed = 1;
+    for (int64_t nb = b0; nb < b1 && !(w4 && !buf); nb += NB) {
       const int64_t nbk = b1 - nb < NB ? b1 - nb : NB;
-      for (int64_t j = 0; j < nbk; j++) expand_block(w, K, (nb + j) * 16, buf + j * kt * 1024);
-      run_group(a, sx, zx, buf, offset, sw, bias, out, ldo, M, nb, nbk, K);
+      if (w4)
+        for (int64_t j = 0; j < nbk; j++) expand_block(w4, K, (nb + j) * 16, buf + j * kt * 1024);
+      run_group(a, sx, zx, w4 ? buf : packed + nb * kt * 1024, offset, sw, bias, out, ldo, M, nb, nbk, K);
     }
   }
   return failed ? 2 : 0;
+#endif
 }
 
-#endif
+/* jr_i8_linear with the rows quantized symmetrically (q + 128, quantize_rows_int8) or asymmetrically (q + z per
+   row, quantize_row_asym; W8A8 layers and int4's W4A8 in jr_i4_linear): two entry points of one signature, so
+   the layer loop calls either through its layer's pointer */
+int jr_i8_linear(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 0, NULL);
+}
+
+int jr_i8_linear_asym(const uint16_t *x, int64_t ldx, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                      int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t threads) {
+  return i8_linear(x, ldx, packed, bias, out, ldo, M, N, K, threads, 1, NULL);
+}
+
+/* An int4 layer's W4A8 call (jobrunner/quant/int4_int8.py): its int4 codes expanded to int8 per output row
+   (w8 = rint(((code - 8) s_g + z_g) / S_n), clamped to +-127), the column offsets and scales of the layer (the
+   trailer, computed once in Python), then the W8A8 product with asymmetric rows. The same signature as the
+   other linears (w in place of the packed weight), so the layer loop calls it too. Returns jr_i8_linear's codes,
+   or 4 when the expansion or the packing refuses the shape.
+
+   Two ways to the same bits: with the int4 layout of AVX-512 builds (blocks of a multiple of 32 columns, low and
+   high nibbles holding the block's two halves) each thread expands its own column blocks, NB at a time, straight
+   into the packed operand layout in a buffer of its own (NB * K * 16 bytes: L2), right before the product reads
+   them (expand_block, inside i8_linear's loop over column blocks); otherwise, and in the tile build, the whole layer is expanded to int8 W^T by the int4
+   library's jr_int4_to_int8_t (w->expand) into the shared scratch, packed (jr_i8_pack_t), then multiplied. The
+   first writes no N x K intermediate: at a 48-row decode step on SmolLM2-135M the second spent more time moving
+   the expanded weight through memory (W^T out and back, the tiles out and back) than multiplying it. */
 
 typedef __typeof__(&jr_int4_to_int8_t) expand_fn;
 int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const uint16_t *bias, uint16_t *out,
@@ -498,7 +480,7 @@ int jr_i4_linear(const uint16_t *x, int64_t ldx, const JrInt4Linear *w, const ui
   if (N % 16 || K % 64 || M < 0 || N <= 0 || K >= 66000) return 1;
 #ifndef JR_W8A8_TILES
   if (w->split && w->block_n % 32 == 0 && w->block_n <= 64 && w->group % 4 == 0 && K % w->group == 0)
-    return i4_linear_fused(x, ldx, w, bias, out, ldo, M, N, K, threads);
+    return i8_linear(x, ldx, NULL, bias, out, ldo, M, N, K, threads, 1, w);
 #endif
   if (!w->wt || !w->tiles) return 4;
   if (((expand_fn)w->expand)(w->packed, w->pairs, w->inv, w->wt, K, N / w->block_n, w->block_n, w->split,
