@@ -54,7 +54,13 @@ from jobrunner.quant.dispatch import QuantDispatch
 from jobrunner.quant.i8_gemm import library as i8_library
 from jobrunner.quant.int4_native import int4_to_int8_fn
 from jobrunner.quant.int4_unpack import CpuInt4Layout
-from jobrunner.quant.primitives import ZERO_POINT, expand_int8_reference, int8_row_scales, quantize_rows_asym
+from jobrunner.quant.primitives import (
+    expand_int8_reference,
+    int8_row_scales,
+    int_mm_asym,
+    quantize_rows_asym,
+    signed_codes,
+)
 from jobrunner.quant.tiled import DequantBuffer, tile_rows_for
 from jobrunner.quant.w8a8_native import w8a8_native
 
@@ -97,6 +103,7 @@ class Int4AsInt8:
         self.kernel = self._packed_kernel()
         self.struct: Int4Linear | None = None
         self.trailer: torch.Tensor | None = None  # the column offsets and scales, made at the first call
+        self._colsum: torch.Tensor | None = None  # sum_k W8 per column (the per-tile path's asymmetric rows)
         if self.kernel is not None:
             self.linear_fn = i8_library(self.kernel).jr_i4_linear
 
@@ -138,8 +145,7 @@ class Int4AsInt8:
         layer reserved after this one was built)."""
         layer = self.layer
         n, k = layer.out_features, layer.in_features
-        if self.trailer is None:
-            self.trailer = self._trailer()
+        trailer = self.trailer_tensor()
         wt = tiles = None  # the per-thread expansion (module doc) needs no scratch
         if not self.expands_per_block:
             wt = layer.scratch.get(k * n, torch.int8, layer.weight_int4pack.device)
@@ -152,7 +158,7 @@ class Int4AsInt8:
                                      block_n=layout.block_n, split=int(layout.is_split), group=layer.group_size)
         s = self.struct
         s.packed, s.pairs = layer.weight_int4pack.data_ptr(), layer.scales_and_zeros.data_ptr()
-        s.inv, s.trailer = self.inv_row_scale.data_ptr(), self.trailer.data_ptr()
+        s.inv, s.trailer = self.inv_row_scale.data_ptr(), trailer.data_ptr()
         s.wt, s.tiles = (None, None) if wt is None else (wt.data_ptr(), tiles.data_ptr())
         s.pair_stride = layer.scales_and_zeros.stride(0) // 2
         return s
@@ -184,30 +190,32 @@ class Int4AsInt8:
         layer = self.layer
         k, n = layer.in_features, layer.out_features
         native = self.native if self.native is not None and self.native.takes(x2) else None
-        # asymmetric rows (our GEMM's numbers): codes u - 128 fit int8, and sum (u - z) W = that product plus
-        # (128 - z) sum_k W, exactly in int32
-        u, x_scale, zero = quantize_rows_asym(x2)
-        xq = (u.to(torch.int16) - ZERO_POINT).to(torch.int8)
-        shift = ZERO_POINT - zero
-        colsum = self.column_sums()
+        u, x_scale, zero = quantize_rows_asym(x2)  # asymmetric rows: our GEMM's numbers
+        xq, colsum = signed_codes(u), self.column_sums()
         y = torch.empty(x2.shape[0], n, dtype=x2.dtype if x2.dtype in (torch.float32, torch.bfloat16)
                         else torch.float32)
         scratch = layer.scratch.get(self.tile_rows * k, torch.int8, x2.device)
         for n0 in range(0, n, self.tile_rows):
             n1 = min(n, n0 + self.tile_rows)
-            acc = torch._int_mm(xq, self.fill(n0, n1, scratch[: (n1 - n0) * k].view(k, n1 - n0)))
-            acc += shift * colsum[n0:n1]
+            wt = self.fill(n0, n1, scratch[: (n1 - n0) * k].view(k, n1 - n0))
+            acc = int_mm_asym(xq, zero, wt, colsum[n0:n1])
             if native is not None:
                 native.scale_int32(acc, x_scale, self.row_scale[n0:n1], y[:, n0:n1])
             else:
                 y[:, n0:n1] = acc.mul(self.row_scale[n0:n1]).mul_(x_scale)
         return y
 
-    def column_sums(self) -> torch.Tensor:
-        """[N] int32: ``sum_k W8[n, k]`` (the trailer's offsets are 128 times these; made once)."""
+    def trailer_tensor(self) -> torch.Tensor:
+        """The trailer (:meth:`_trailer`), made at the first call that needs it."""
         if self.trailer is None:
             self.trailer = self._trailer()
-        return self.trailer[: self.layer.out_features] >> 7
+        return self.trailer
+
+    def column_sums(self) -> torch.Tensor:
+        """[N] int32: ``sum_k W8[n, k]`` (the trailer's offsets are 128 times these; made once)."""
+        if self._colsum is None:
+            self._colsum = self.trailer_tensor()[: self.layer.out_features] >> 7
+        return self._colsum
 
     def fill(self, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
         """Write the int8 codes of rows ``[n0, n1)`` transposed into ``out`` [K, n1 - n0]; return it."""

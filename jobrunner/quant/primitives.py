@@ -214,6 +214,22 @@ def quantize_rows_asym(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes, scale, zero.to(torch.int32)
 
 
+def int_mm_asym(signed: torch.Tensor, zero: torch.Tensor, weight_t: torch.Tensor, colsum: torch.Tensor
+                ) -> torch.Tensor:
+    """``sum_k (u - z) W`` exactly in int32 [M, N] for :func:`quantize_rows_asym`'s codes ``u``, given as
+    ``signed = u - 128`` (int8, what ``torch._int_mm`` takes) with their zero points ``zero`` [M, 1], and int8
+    ``weight_t`` [K, N] with its column sums ``colsum`` [N]: ``int_mm(u - 128, W) + (128 - z) sum_k W``. The
+    numbers of our W8A8 GEMM's asymmetric rows before scaling (the reference paths of W8A8 and int4's W4A8)."""
+    acc = torch._int_mm(signed, weight_t)
+    acc += (ZERO_POINT - zero) * colsum
+    return acc
+
+
+def signed_codes(u: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_rows_asym`'s codes as ``u - 128`` in int8 (exact), :func:`int_mm_asym`'s input."""
+    return (u.to(torch.int16) - ZERO_POINT).to(torch.int8)
+
+
 def w8a8_reference_asym(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """:func:`w8a8_reference` with :func:`quantize_rows_asym`'s activations (what our W8A8 GEMM computes)."""
     u, sx, zero = quantize_rows_asym(x.reshape(-1, x.shape[-1]))

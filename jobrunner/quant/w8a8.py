@@ -47,9 +47,11 @@ from jobrunner.quant.primitives import (
     ZERO_POINT,
     dequantize_int8,
     given_codes,
+    int_mm_asym,
     quantize_int8_per_channel,
     quantize_rows_asym,
     quantize_rows_u8,
+    signed_codes,
 )
 from jobrunner.quant.w8a8_native import w8a8_native
 
@@ -138,8 +140,7 @@ class W8A8Linear(torch.nn.Module):
         # our GEMM's numbers (asymmetric rows): codes u - 128 fit int8, so sum (u - z) W = that product plus
         # (128 - z) sum_k W, exactly in int32; then oneDNN's order of the two scalings
         u, sx, zero = quantize_rows_asym(x2)
-        acc = torch._int_mm((u.to(torch.int16) - ZERO_POINT).to(torch.int8), self._weight_t)
-        acc += (ZERO_POINT - zero) * self._colsum
+        acc = int_mm_asym(signed_codes(u), zero, self._weight_t, self._colsum)
         return acc.float().mul_(self.scales).mul_(sx)
 
     def codes(self) -> torch.Tensor:
